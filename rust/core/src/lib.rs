@@ -1,0 +1,23 @@
+//! pagedkv-core: KV-cache block bookkeeping for paged-attention serving engines, in plain Rust.
+//!
+//! * [`hash`]: the chained block hash (xxh3-128 keyed, or SHA-256).
+//! * [`token_seq`]: one sequence's token ids and full-block hashes.
+//! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, O(1) LRU eviction.
+//! * [`manager`]: vLLM's BlockSpaceManager (v1) semantics on two pools.
+//!
+//! No PyO3 here; the Python bindings live in the `pagedkv-py` crate.
+
+pub mod error;
+pub mod hash;
+pub mod pool;
+pub mod token_seq;
+
+#[cfg(test)]
+mod pool_tests;
+#[cfg(test)]
+mod rng;
+
+pub use error::{Error, Result};
+pub use hash::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher};
+pub use pool::{BlockId, BlockPool, PoolStats};
+pub use token_seq::TokenSeq;

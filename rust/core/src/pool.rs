@@ -1,0 +1,417 @@
+//! A fixed pool of KV-cache blocks on one device, with ref counts and a prefix cache.
+//!
+//! Every block is in exactly one of three states:
+//!
+//! ```text
+//!                allocate (pop)                       ref count -> 0, no hash
+//!   FREE  ─────────────────────────▶  REFERENCED  ─────────────────────────────▶ FREE
+//!  (stack)                          (ref_count > 0)
+//!     ▲                              │          ▲
+//!     │                              │ ref → 0, │ hit (revive)
+//!     │                              ▼ hashed   │
+//!     └─────── evict (LRU head) ─── EVICTABLE ──┘
+//!                                 (ref 0, still cached)
+//! ```
+//!
+//! * FREE blocks hold nothing worth keeping; they sit on a LIFO stack. The stack starts so that
+//!   blocks come out in the order vLLM's allocators hand them out (N-1 first without caching,
+//!   0 first with caching).
+//! * EVICTABLE blocks have ref count 0 but keep their hash, so a later request with the same
+//!   prefix can revive them. They sit on an intrusive doubly linked list ordered by eviction
+//!   priority: least recently accessed first, and among equal access times the block holding
+//!   more hashed tokens (the tail of a sequence) first. A block is inserted by walking back from
+//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first).
+//! * The prefix map goes from block hash to block; a lookup hits only if the stored token ids
+//!   are equal too, so a hash collision can never hand out another prompt's KV data.
+//!
+//! No operation allocates on the heap after construction: the map is created with room for
+//! every block and the stack and list live in preallocated vectors.
+
+use crate::error::{Error, Result};
+use crate::hash::BlockHash;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+
+pub type BlockId = u32;
+const NIL: u32 = u32::MAX;
+/// `last_accessed` of a block that was never accessed (vLLM's DEFAULT_LAST_ACCESSED_TIME).
+pub const NEVER_ACCESSED: f64 = -1.0;
+
+/// Block hashes are already uniformly distributed (and keyed), so the map does not hash again.
+#[derive(Default)]
+pub struct FoldHasher(u64);
+impl Hasher for FoldHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            self.0 = self.0.rotate_left(17) ^ u64::from_le_bytes(b);
+        }
+    }
+    fn write_u128(&mut self, x: u128) {
+        self.0 = (x as u64) ^ ((x >> 64) as u64);
+    }
+}
+type PrefixMap = HashMap<BlockHash, BlockId, BuildHasherDefault<FoldHasher>>;
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolStats {
+    pub lookups: u64,
+    pub hits: u64,
+    pub evictions: u64,
+}
+
+pub struct BlockPool {
+    device: &'static str,
+    num_blocks: u32,
+    block_size: usize,
+    ref_count: Vec<u32>,
+    /// `Some(h)` iff the block is registered in the prefix map under `h`.
+    hash: Vec<Option<BlockHash>>,
+    num_hashed_tokens: Vec<u32>,
+    last_accessed: Vec<f64>,
+    computed: Vec<bool>,
+    /// Token ids of cached blocks, `block_size` per block (only used when caching).
+    tokens: Vec<u32>,
+    free_stack: Vec<BlockId>,
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    head: u32,
+    tail: u32,
+    num_evictable: u32,
+    map: PrefixMap,
+    stats: PoolStats,
+}
+
+impl BlockPool {
+    pub fn new(device: &'static str, num_blocks: u32, block_size: usize, caching: bool) -> Result<Self> {
+        if block_size == 0 {
+            return Err(Error::invalid("block_size must be positive"));
+        }
+        if num_blocks == NIL {
+            return Err(Error::invalid("too many blocks"));
+        }
+        let n = num_blocks as usize;
+        // Popped from the end: caching hands out 0, 1, 2, ...; no caching N-1, N-2, ... (vLLM).
+        let free_stack: Vec<BlockId> = if caching {
+            (0..num_blocks).rev().collect()
+        } else {
+            (0..num_blocks).collect()
+        };
+        let cached_tokens = if caching { n * block_size } else { 0 };
+        Ok(BlockPool {
+            device,
+            num_blocks,
+            block_size,
+            ref_count: vec![0; n],
+            hash: vec![None; n],
+            num_hashed_tokens: vec![0; n],
+            last_accessed: vec![NEVER_ACCESSED; n],
+            computed: vec![false; n],
+            tokens: vec![0; cached_tokens],
+            free_stack,
+            prev: vec![NIL; n],
+            next: vec![NIL; n],
+            head: NIL,
+            tail: NIL,
+            num_evictable: 0,
+            map: PrefixMap::with_capacity_and_hasher(if caching { n } else { 0 }, Default::default()),
+            stats: PoolStats::default(),
+        })
+    }
+
+    // ---- counters ------------------------------------------------------------------------
+
+    pub fn device(&self) -> &'static str {
+        self.device
+    }
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+    /// Free blocks: never-used or uncached ones plus evictable cached ones.
+    pub fn num_free(&self) -> usize {
+        self.free_stack.len() + self.num_evictable as usize
+    }
+    pub fn num_evictable(&self) -> usize {
+        self.num_evictable as usize
+    }
+    pub fn num_cached(&self) -> usize {
+        self.map.len()
+    }
+    pub fn num_referenced(&self) -> usize {
+        self.num_blocks as usize - self.num_free()
+    }
+    pub fn stats(&self) -> PoolStats {
+        self.stats
+    }
+
+    // ---- per-block views -----------------------------------------------------------------
+
+    pub fn check(&self, id: i64) -> Result<BlockId> {
+        if id < 0 || id >= self.num_blocks as i64 {
+            return Err(Error::BlockOutOfRange { block: id, num_blocks: self.num_blocks });
+        }
+        Ok(id as BlockId)
+    }
+    pub fn ref_count(&self, b: BlockId) -> u32 {
+        self.ref_count[b as usize]
+    }
+    pub fn block_hash(&self, b: BlockId) -> Option<BlockHash> {
+        self.hash[b as usize]
+    }
+    pub fn num_hashed_tokens(&self, b: BlockId) -> u32 {
+        self.num_hashed_tokens[b as usize]
+    }
+    pub fn last_accessed(&self, b: BlockId) -> f64 {
+        self.last_accessed[b as usize]
+    }
+    pub fn set_last_accessed(&mut self, b: BlockId, t: f64) {
+        self.last_accessed[b as usize] = t;
+    }
+    pub fn is_computed(&self, b: BlockId) -> bool {
+        self.computed[b as usize]
+    }
+    pub fn set_computed(&mut self, b: BlockId, c: bool) {
+        self.computed[b as usize] = c;
+    }
+    pub fn is_evictable(&self, b: BlockId) -> bool {
+        self.ref_count[b as usize] == 0 && self.hash[b as usize].is_some()
+    }
+    /// Stored token ids of a cached block.
+    pub fn cached_tokens(&self, b: BlockId) -> Option<&[u32]> {
+        self.hash[b as usize]?;
+        let s = b as usize * self.block_size;
+        Some(&self.tokens[s..s + self.block_size])
+    }
+    /// Evictable blocks in eviction order (first = next to go). O(n); for tests and introspection.
+    pub fn eviction_order(&self) -> Vec<BlockId> {
+        let mut out = Vec::with_capacity(self.num_evictable as usize);
+        let mut cur = self.head;
+        while cur != NIL {
+            out.push(cur);
+            cur = self.next[cur as usize];
+        }
+        out
+    }
+
+    // ---- allocation and references -------------------------------------------------------
+
+    /// Hand out a block with ref count 1: a free one if any, else evict the LRU cached block.
+    pub fn allocate(&mut self) -> Result<BlockId> {
+        let b = if let Some(b) = self.free_stack.pop() {
+            b
+        } else if self.head != NIL {
+            let b = self.head;
+            self.unlink(b);
+            let h = self.hash[b as usize].take().expect("evictable block has a hash");
+            self.map.remove(&h);
+            self.num_hashed_tokens[b as usize] = 0;
+            self.computed[b as usize] = false;
+            self.stats.evictions += 1;
+            b
+        } else {
+            return Err(Error::OutOfBlocks { device: self.device, needed: 1, free: 0 });
+        };
+        self.ref_count[b as usize] = 1;
+        Ok(b)
+    }
+
+    /// Add `n` references to a block that is referenced or evictable (an evictable block is
+    /// revived: it leaves the eviction list). Sharing a FREE block is an error.
+    pub fn acquire(&mut self, b: BlockId, n: u32) -> Result<()> {
+        let i = b as usize;
+        if i >= self.ref_count.len() {
+            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+        }
+        if self.ref_count[i] == 0 {
+            if self.hash[i].is_none() {
+                return Err(Error::invalid(format!("block {b} is free; it cannot be shared")));
+            }
+            self.unlink(b);
+        }
+        self.ref_count[i] += n;
+        Ok(())
+    }
+
+    /// Drop one reference. At 0 a cached block becomes evictable, an uncached one free.
+    pub fn release(&mut self, b: BlockId) -> Result<()> {
+        let i = b as usize;
+        if i >= self.ref_count.len() {
+            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+        }
+        if self.ref_count[i] == 0 {
+            return Err(Error::DoubleFree(b));
+        }
+        self.ref_count[i] -= 1;
+        if self.ref_count[i] == 0 {
+            if self.hash[i].is_some() {
+                self.insert_evictable(b);
+            } else {
+                self.computed[i] = false;
+                self.free_stack.push(b);
+            }
+        }
+        Ok(())
+    }
+
+    // ---- prefix cache --------------------------------------------------------------------
+
+    /// Find a cached block holding exactly `tokens` under `hash`. Does not change ref counts.
+    pub fn lookup(&mut self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+        self.stats.lookups += 1;
+        let b = *self.map.get(&hash)?;
+        let s = b as usize * self.block_size;
+        if tokens.len() != self.block_size || self.tokens[s..s + self.block_size] != *tokens {
+            return None; // a hash collision: never share different tokens
+        }
+        self.stats.hits += 1;
+        Some(b)
+    }
+
+    /// Lookup without counting it in the hit statistics (used for dry runs).
+    pub fn peek(&self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+        let b = *self.map.get(&hash)?;
+        let s = b as usize * self.block_size;
+        (tokens.len() == self.block_size && self.tokens[s..s + self.block_size] == *tokens).then_some(b)
+    }
+
+    /// Register a referenced, uncached, full block under `hash`. Returns false (and changes
+    /// nothing) if another block already holds that hash.
+    pub fn register(&mut self, b: BlockId, hash: BlockHash, tokens: &[u32], num_hashed_tokens: u32) -> Result<bool> {
+        let i = b as usize;
+        if i >= self.ref_count.len() {
+            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+        }
+        if tokens.len() != self.block_size {
+            return Err(Error::invalid(format!(
+                "a cached block holds exactly block_size={} tokens, got {}",
+                self.block_size,
+                tokens.len()
+            )));
+        }
+        if self.tokens.is_empty() {
+            return Err(Error::invalid("prefix caching is disabled on this pool"));
+        }
+        if self.ref_count[i] == 0 {
+            return Err(Error::invalid(format!("block {b} is not allocated")));
+        }
+        if self.hash[i].is_some() {
+            return Err(Error::invalid(format!("block {b} is already cached")));
+        }
+        if self.map.contains_key(&hash) {
+            return Ok(false);
+        }
+        self.map.insert(hash, b);
+        self.hash[i] = Some(hash);
+        self.num_hashed_tokens[i] = num_hashed_tokens;
+        self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(tokens);
+        Ok(true)
+    }
+
+    // ---- eviction list -------------------------------------------------------------------
+
+    /// `a` goes before `b` in eviction order.
+    fn evicts_before(&self, a: BlockId, b: BlockId) -> bool {
+        let (ta, tb) = (self.last_accessed[a as usize], self.last_accessed[b as usize]);
+        ta < tb || (ta == tb && self.num_hashed_tokens[a as usize] > self.num_hashed_tokens[b as usize])
+    }
+
+    fn insert_evictable(&mut self, b: BlockId) {
+        // Walk back from the tail past every block that must be evicted after `b`;
+        // equal keys keep insertion order (FIFO).
+        let mut after = self.tail;
+        while after != NIL && self.evicts_before(b, after) {
+            after = self.prev[after as usize];
+        }
+        let before = if after == NIL { self.head } else { self.next[after as usize] };
+        self.prev[b as usize] = after;
+        self.next[b as usize] = before;
+        if after == NIL {
+            self.head = b;
+        } else {
+            self.next[after as usize] = b;
+        }
+        if before == NIL {
+            self.tail = b;
+        } else {
+            self.prev[before as usize] = b;
+        }
+        self.num_evictable += 1;
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.prev[b as usize] = NIL;
+        self.next[b as usize] = NIL;
+        self.num_evictable -= 1;
+    }
+
+    /// Check every structural invariant (tests; O(n)).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let n = self.num_blocks as usize;
+        let mut state = vec![0u8; n]; // 1 free, 2 evictable, 3 referenced
+        for &b in &self.free_stack {
+            if state[b as usize] != 0 {
+                return Err(format!("block {b} is on the free stack twice"));
+            }
+            if self.ref_count[b as usize] != 0 || self.hash[b as usize].is_some() {
+                return Err(format!("free block {b} has refs or a hash"));
+            }
+            state[b as usize] = 1;
+        }
+        let order = self.eviction_order();
+        if order.len() != self.num_evictable as usize {
+            return Err("evictable count mismatch".into());
+        }
+        for w in order.windows(2) {
+            if self.evicts_before(w[1], w[0]) {
+                return Err(format!("eviction list out of order at {} / {}", w[0], w[1]));
+            }
+        }
+        for &b in &order {
+            if state[b as usize] != 0 {
+                return Err(format!("block {b} is both free and evictable"));
+            }
+            if !self.is_evictable(b) {
+                return Err(format!("block {b} on the eviction list is not evictable"));
+            }
+            state[b as usize] = 2;
+        }
+        for b in 0..n {
+            if state[b] == 0 {
+                if self.ref_count[b] == 0 {
+                    return Err(format!("block {b} is lost: ref 0, not free, not evictable"));
+                }
+                state[b] = 3;
+            }
+            if let Some(h) = self.hash[b] {
+                if self.map.get(&h) != Some(&(b as u32)) {
+                    return Err(format!("block {b} hash not in the prefix map"));
+                }
+            }
+        }
+        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+            return Err("prefix map size mismatch".into());
+        }
+        if self.num_free() + state.iter().filter(|&&s| s == 3).count() != n {
+            return Err("free + referenced != total".into());
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,204 @@
+//! Reading token ids from Python, and writing into caller-owned numpy buffers.
+//!
+//! The wheel targets the stable ABI back to Python 3.9, where the buffer protocol is not part
+//! of the limited API. Arrays are therefore reached through numpy's `__array_interface__`
+//! (the data pointer, dtype, shape and strides of the array). The caller's array stays alive
+//! for the whole call because we hold a reference to it, and we only touch it while attached to
+//! the interpreter, so the pointer stays valid. torch CPU tensors are passed as `t.numpy()`,
+//! which shares the tensor's memory.
+
+use crate::errors::invalid;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyTuple};
+use std::borrow::Cow;
+
+/// The largest token id we store (token ids are kept as u32).
+const MAX_TOKEN: i64 = u32::MAX as i64;
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Dtype {
+    I32,
+    I64,
+    U32,
+}
+
+impl Dtype {
+    fn parse(typestr: &str) -> Option<Self> {
+        // '<' little endian, '|' not applicable, '=' native (we only build for little endian)
+        let t = typestr.trim_start_matches(['<', '=', '|']);
+        match t {
+            "i4" => Some(Dtype::I32),
+            "i8" => Some(Dtype::I64),
+            "u4" => Some(Dtype::U32),
+            _ => None,
+        }
+    }
+    fn size(self) -> usize {
+        match self {
+            Dtype::I32 | Dtype::U32 => 4,
+            Dtype::I64 => 8,
+        }
+    }
+}
+
+/// A C-contiguous array seen through `__array_interface__`.
+pub struct ArrayView {
+    pub ptr: usize,
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub readonly: bool,
+}
+
+impl ArrayView {
+    pub fn len(&self) -> usize {
+        self.shape.iter().product()
+    }
+}
+
+/// Look at `obj` as an array, if it exposes `__array_interface__`.
+pub fn array_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<ArrayView>> {
+    let Ok(iface) = obj.getattr(pyo3::intern!(obj.py(), "__array_interface__")) else {
+        return Ok(None);
+    };
+    let iface = iface.cast_into::<PyDict>().map_err(|_| invalid(format!("{what}: bad __array_interface__")))?;
+    let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
+        iface.get_item(k)?.ok_or_else(|| invalid(format!("{what}: __array_interface__ lacks '{k}'")))
+    };
+    let typestr: String = get("typestr")?.extract()?;
+    let dtype = Dtype::parse(&typestr)
+        .ok_or_else(|| invalid(format!("{what}: dtype {typestr} is not supported (use int32, uint32 or int64)")))?;
+    let shape: Vec<usize> = get("shape")?.extract()?;
+    let data = get("data")?.cast_into::<PyTuple>().map_err(|_| invalid(format!("{what}: array data is not a (pointer, readonly) pair")))?;
+    let ptr: usize = data.get_item(0)?.extract()?;
+    let readonly: bool = data.get_item(1)?.extract()?;
+    if let Some(strides) = iface.get_item("strides")? {
+        if !strides.is_none() {
+            let strides: Vec<isize> = strides.extract()?;
+            let mut expect = dtype.size() as isize;
+            for (s, &n) in strides.iter().zip(&shape).rev() {
+                if n > 1 && *s != expect {
+                    return Err(invalid(format!("{what}: array must be C-contiguous")));
+                }
+                expect *= n as isize;
+            }
+        }
+    }
+    if ptr == 0 && shape.iter().product::<usize>() > 0 {
+        return Err(invalid(format!("{what}: array has no data")));
+    }
+    Ok(Some(ArrayView { ptr, dtype, shape, readonly }))
+}
+
+fn check_token(v: i64) -> PyResult<u32> {
+    if (0..=MAX_TOKEN).contains(&v) {
+        Ok(v as u32)
+    } else {
+        Err(invalid(format!("token id {v} is out of range [0, 2**32)")))
+    }
+}
+
+/// Token ids from a list/tuple/sequence of ints or a 1-D int array (copied once into Rust).
+pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>> {
+    if let Some(view) = array_view(obj, "token_ids")? {
+        if view.shape.len() != 1 {
+            return Err(invalid("token_ids must be one-dimensional"));
+        }
+        let n = view.len();
+        let mut out = Vec::with_capacity(n);
+        // SAFETY: `obj` keeps the array alive; pointer and length come from the array itself.
+        unsafe {
+            match view.dtype {
+                Dtype::U32 => out.extend_from_slice(std::slice::from_raw_parts(view.ptr as *const u32, n)),
+                Dtype::I32 => {
+                    for &v in std::slice::from_raw_parts(view.ptr as *const i32, n) {
+                        out.push(check_token(v as i64)?);
+                    }
+                }
+                Dtype::I64 => {
+                    for &v in std::slice::from_raw_parts(view.ptr as *const i64, n) {
+                        out.push(check_token(v)?);
+                    }
+                }
+            }
+        }
+        return Ok(Cow::Owned(out));
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(token_from_item(&item)?);
+        }
+        return Ok(Cow::Owned(out));
+    }
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
+        return Err(crate::errors::wrong_type("token_ids must be a sequence of ints, not a string"));
+    }
+    let seq = obj
+        .try_iter()
+        .map_err(|_| crate::errors::wrong_type(format!("token_ids must be a sequence of ints, got {}", type_name(obj))))?;
+    let mut out = Vec::new();
+    for item in seq {
+        out.push(token_from_item(&item?)?);
+    }
+    Ok(Cow::Owned(out))
+}
+
+pub fn token_from_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
+    if item.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(invalid("token ids must be ints, not bool"));
+    }
+    if !item.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(crate::errors::wrong_type(format!("token ids must be ints, got {}", type_name(item))));
+    }
+    match item.extract::<i64>() {
+        Ok(v) => check_token(v),
+        Err(_) => Err(invalid(format!("token id {item} is out of range [0, 2**32)"))),
+    }
+}
+
+/// An integer argument (`what` names it in messages): bool and non-ints are type errors,
+/// ints outside i64 are invalid arguments (never an OverflowError).
+pub fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
+        if let Ok(idx) = obj.call_method0(pyo3::intern!(obj.py(), "__index__")) {
+            if !obj.is_instance_of::<pyo3::types::PyBool>() {
+                return int_arg(&idx, what);
+            }
+        }
+        return Err(crate::errors::wrong_type(format!("{what} must be an int, got {}", type_name(obj))));
+    }
+    obj.extract::<i64>().map_err(|_| invalid(format!("{what} is out of range: {obj}")))
+}
+
+/// A block hash argument (an int in [0, 2**128)).
+pub fn hash_arg(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
+    if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
+        return Err(crate::errors::wrong_type(format!("block_hash must be an int, got {}", type_name(obj))));
+    }
+    obj.extract::<u128>().map_err(|_| invalid(format!("block_hash must be in [0, 2**128), got {obj}")))
+}
+
+pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// A writable int32 array with the given number of dimensions, as a raw slice.
+pub struct I32Out {
+    pub ptr: *mut i32,
+    pub shape: Vec<usize>,
+}
+
+pub fn writable_i32(obj: &Bound<'_, PyAny>, what: &str, ndim: usize) -> PyResult<I32Out> {
+    let view = array_view(obj, what)?
+        .ok_or_else(|| invalid(format!("{what} must be a numpy int32 array (torch: pass tensor.numpy())")))?;
+    if view.dtype != Dtype::I32 {
+        return Err(invalid(format!("{what} must have dtype int32")));
+    }
+    if view.readonly {
+        return Err(invalid(format!("{what} is read-only")));
+    }
+    if view.shape.len() != ndim {
+        return Err(invalid(format!("{what} must be {ndim}-dimensional, got shape {:?}", view.shape)));
+    }
+    Ok(I32Out { ptr: view.ptr as *mut i32, shape: view.shape })
+}
