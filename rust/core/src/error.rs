@@ -6,7 +6,11 @@ use std::fmt;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Error {
     /// Not enough free blocks on a device for the requested operation.
-    OutOfBlocks { device: &'static str, needed: usize, free: usize },
+    OutOfBlocks {
+        device: &'static str,
+        needed: usize,
+        free: usize,
+    },
     /// A sequence id the manager has no block table for.
     UnknownSequence(u64),
     /// A block id outside `0..num_blocks`.
@@ -28,10 +32,11 @@ impl Error {
 impl fmt::Display for Error {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            Error::OutOfBlocks { device, needed, free } => write!(
-                f,
-                "out of {device} blocks: {needed} needed, {free} free"
-            ),
+            Error::OutOfBlocks {
+                device,
+                needed,
+                free,
+            } => write!(f, "out of {device} blocks: {needed} needed, {free} free"),
             Error::UnknownSequence(id) => write!(f, "unknown sequence id {id}"),
             Error::BlockOutOfRange { block, num_blocks } => write!(
                 f,

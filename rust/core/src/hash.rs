@@ -18,7 +18,7 @@ use xxhash_rust::xxh3::xxh3_128_with_seed;
 pub type BlockHash = u128;
 
 /// Parent of block 0.
-const ROOT: BlockHash = 0x7061_6765_646b_765f_726f_6f74_5f68_6173; // "pagedkv_root_has"
+pub const ROOT: BlockHash = 0x7061_6765_646b_765f_726f_6f74_5f68_6173; // "pagedkv_root_has"
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum HashAlgo {
@@ -66,9 +66,26 @@ pub struct HashExtra {
     pub salt: Option<Box<[u8]>>,
 }
 
+impl HashExtra {
+    /// A 128-bit digest of the extras, stored with each cached block so that a hit is also
+    /// confirmed to come from the same LoRA and salt (independent of the block hash function).
+    pub fn key(&self) -> u128 {
+        let mut buf = Vec::with_capacity(16 + self.salt.as_ref().map_or(0, |s| s.len()));
+        buf.extend_from_slice(&self.lora_id.to_le_bytes());
+        if let Some(s) = &self.salt {
+            buf.push(1);
+            buf.extend_from_slice(s);
+        }
+        xxh3_128_with_seed(&buf, 0x6578_7472_615f_6b65)
+    }
+}
+
 impl Hasher {
     pub fn new(algo: HashAlgo, seed: Option<u64>) -> Self {
-        Hasher { algo, seed: seed.unwrap_or_else(process_seed) }
+        Hasher {
+            algo,
+            seed: seed.unwrap_or_else(process_seed),
+        }
     }
 
     /// Hash one full block. `parent` is `None` for block 0. `scratch` is reused between calls
@@ -168,7 +185,9 @@ impl ChainHasher {
     }
 
     fn finish_block(&mut self, block: &[u32], out: &mut Vec<BlockHash>) {
-        let h = self.hasher.hash_block(self.parent, block, &self.extra, &mut self.scratch);
+        let h = self
+            .hasher
+            .hash_block(self.parent, block, &self.extra, &mut self.scratch);
         self.parent = Some(h);
         self.num_blocks += 1;
         out.push(h);
@@ -225,23 +244,65 @@ mod tests {
     fn extras_and_seeds_separate_hashes() {
         let a: Vec<u32> = (0..32).collect();
         let base = chain(h(), 16, &a, HashExtra::default());
-        let lora = chain(h(), 16, &a, HashExtra { lora_id: 3, salt: None });
-        let salt = chain(h(), 16, &a, HashExtra { lora_id: 0, salt: Some(b"t1".to_vec().into()) });
-        let seed = chain(Hasher::new(HashAlgo::Xxh3, Some(43)), 16, &a, HashExtra::default());
-        let sha = chain(Hasher::new(HashAlgo::Sha256, Some(42)), 16, &a, HashExtra::default());
+        let lora = chain(
+            h(),
+            16,
+            &a,
+            HashExtra {
+                lora_id: 3,
+                salt: None,
+            },
+        );
+        let salt = chain(
+            h(),
+            16,
+            &a,
+            HashExtra {
+                lora_id: 0,
+                salt: Some(b"t1".to_vec().into()),
+            },
+        );
+        let seed = chain(
+            Hasher::new(HashAlgo::Xxh3, Some(43)),
+            16,
+            &a,
+            HashExtra::default(),
+        );
+        let sha = chain(
+            Hasher::new(HashAlgo::Sha256, Some(42)),
+            16,
+            &a,
+            HashExtra::default(),
+        );
         for other in [&lora, &salt, &seed, &sha] {
             assert_ne!(base[0], other[0]);
             assert_ne!(base[1], other[1]);
         }
         // sha256 is deterministic for a given seed
-        assert_eq!(sha, chain(Hasher::new(HashAlgo::Sha256, Some(42)), 16, &a, HashExtra::default()));
+        assert_eq!(
+            sha,
+            chain(
+                Hasher::new(HashAlgo::Sha256, Some(42)),
+                16,
+                &a,
+                HashExtra::default()
+            )
+        );
     }
 
     #[test]
     fn salt_and_tokens_cannot_alias() {
         // salt "ab" + tokens vs. no salt: the length prefix keeps them apart
         let a: Vec<u32> = (0..16).collect();
-        let x = chain(h(), 16, &a, HashExtra { lora_id: 0, salt: Some(Box::from(&b""[..])) });
+        let x = chain(
+            h(),
+            16,
+            &a,
+            HashExtra {
+                lora_id: 0,
+                salt: Some(Box::from(&b""[..])),
+            },
+        );
         let y = chain(h(), 16, &a, HashExtra::default());
         assert_ne!(x, y);
     }

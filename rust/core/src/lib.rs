@@ -9,9 +9,12 @@
 
 pub mod error;
 pub mod hash;
+pub mod manager;
 pub mod pool;
 pub mod token_seq;
 
+#[cfg(test)]
+mod manager_tests;
 #[cfg(test)]
 mod pool_tests;
 #[cfg(test)]
@@ -19,5 +22,6 @@ mod rng;
 
 pub use error::{Error, Result};
 pub use hash::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher};
-pub use pool::{BlockId, BlockPool, PoolStats};
+pub use manager::{AllocStatus, Copies, Device, Manager, ManagerConfig, SeqId};
+pub use pool::{BlockId, BlockKey, BlockPool, PoolStats};
 pub use token_seq::TokenSeq;

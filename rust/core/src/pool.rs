@@ -57,6 +57,16 @@ impl Hasher for FoldHasher {
 }
 type PrefixMap = HashMap<BlockHash, BlockId, BuildHasherDefault<FoldHasher>>;
 
+/// What a cached block is stored under and confirmed against on a hit: its hash, its parent's
+/// hash, the sequence's extras (LoRA id, salt) and its token ids.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockKey<'a> {
+    pub hash: BlockHash,
+    pub parent: BlockHash,
+    pub extra: u128,
+    pub tokens: &'a [u32],
+}
+
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PoolStats {
     pub lookups: u64,
@@ -76,6 +86,9 @@ pub struct BlockPool {
     computed: Vec<bool>,
     /// Token ids of cached blocks, `block_size` per block (only used when caching).
     tokens: Vec<u32>,
+    /// Parent hash and extras key of cached blocks (only used when caching).
+    parent: Vec<BlockHash>,
+    extra: Vec<u128>,
     free_stack: Vec<BlockId>,
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -87,7 +100,12 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    pub fn new(device: &'static str, num_blocks: u32, block_size: usize, caching: bool) -> Result<Self> {
+    pub fn new(
+        device: &'static str,
+        num_blocks: u32,
+        block_size: usize,
+        caching: bool,
+    ) -> Result<Self> {
         if block_size == 0 {
             return Err(Error::invalid("block_size must be positive"));
         }
@@ -112,13 +130,18 @@ impl BlockPool {
             last_accessed: vec![NEVER_ACCESSED; n],
             computed: vec![false; n],
             tokens: vec![0; cached_tokens],
+            parent: vec![0; if caching { n } else { 0 }],
+            extra: vec![0; if caching { n } else { 0 }],
             free_stack,
             prev: vec![NIL; n],
             next: vec![NIL; n],
             head: NIL,
             tail: NIL,
             num_evictable: 0,
-            map: PrefixMap::with_capacity_and_hasher(if caching { n } else { 0 }, Default::default()),
+            map: PrefixMap::with_capacity_and_hasher(
+                if caching { n } else { 0 },
+                Default::default(),
+            ),
             stats: PoolStats::default(),
         })
     }
@@ -155,7 +178,10 @@ impl BlockPool {
 
     pub fn check(&self, id: i64) -> Result<BlockId> {
         if id < 0 || id >= self.num_blocks as i64 {
-            return Err(Error::BlockOutOfRange { block: id, num_blocks: self.num_blocks });
+            return Err(Error::BlockOutOfRange {
+                block: id,
+                num_blocks: self.num_blocks,
+            });
         }
         Ok(id as BlockId)
     }
@@ -209,14 +235,20 @@ impl BlockPool {
         } else if self.head != NIL {
             let b = self.head;
             self.unlink(b);
-            let h = self.hash[b as usize].take().expect("evictable block has a hash");
+            let h = self.hash[b as usize]
+                .take()
+                .expect("evictable block has a hash");
             self.map.remove(&h);
             self.num_hashed_tokens[b as usize] = 0;
             self.computed[b as usize] = false;
             self.stats.evictions += 1;
             b
         } else {
-            return Err(Error::OutOfBlocks { device: self.device, needed: 1, free: 0 });
+            return Err(Error::OutOfBlocks {
+                device: self.device,
+                needed: 1,
+                free: 0,
+            });
         };
         self.ref_count[b as usize] = 1;
         Ok(b)
@@ -227,11 +259,16 @@ impl BlockPool {
     pub fn acquire(&mut self, b: BlockId, n: u32) -> Result<()> {
         let i = b as usize;
         if i >= self.ref_count.len() {
-            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
         }
         if self.ref_count[i] == 0 {
             if self.hash[i].is_none() {
-                return Err(Error::invalid(format!("block {b} is free; it cannot be shared")));
+                return Err(Error::invalid(format!(
+                    "block {b} is free; it cannot be shared"
+                )));
             }
             self.unlink(b);
         }
@@ -243,7 +280,10 @@ impl BlockPool {
     pub fn release(&mut self, b: BlockId) -> Result<()> {
         let i = b as usize;
         if i >= self.ref_count.len() {
-            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
         }
         if self.ref_count[i] == 0 {
             return Err(Error::DoubleFree(b));
@@ -262,40 +302,71 @@ impl BlockPool {
 
     // ---- prefix cache --------------------------------------------------------------------
 
-    /// Find a cached block holding exactly `tokens` under `hash`. Does not change ref counts.
-    pub fn lookup(&mut self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
+    pub fn caching(&self) -> bool {
+        !self.parent.is_empty()
+    }
+
+    fn matches(&self, b: BlockId, key: &BlockKey<'_>) -> bool {
+        let i = b as usize;
+        let s = i * self.block_size;
+        key.tokens.len() == self.block_size
+            && self.parent[i] == key.parent
+            && self.extra[i] == key.extra
+            && self.tokens[s..s + self.block_size] == *key.tokens
+    }
+
+    /// Find the cached block stored under `key` (hash, parent, extras and tokens all equal).
+    /// Does not change ref counts; counts in the hit statistics.
+    pub fn lookup(&mut self, key: &BlockKey<'_>) -> Option<BlockId> {
         self.stats.lookups += 1;
-        let b = *self.map.get(&hash)?;
-        let s = b as usize * self.block_size;
-        if tokens.len() != self.block_size || self.tokens[s..s + self.block_size] != *tokens {
-            return None; // a hash collision: never share different tokens
-        }
+        let b = self.peek(key)?;
         self.stats.hits += 1;
         Some(b)
     }
 
-    /// Lookup without counting it in the hit statistics (used for dry runs).
-    pub fn peek(&self, hash: BlockHash, tokens: &[u32]) -> Option<BlockId> {
-        let b = *self.map.get(&hash)?;
-        let s = b as usize * self.block_size;
-        (tokens.len() == self.block_size && self.tokens[s..s + self.block_size] == *tokens).then_some(b)
+    /// `lookup` without touching the statistics (dry runs, pre-checks).
+    pub fn peek(&self, key: &BlockKey<'_>) -> Option<BlockId> {
+        let b = *self.map.get(&key.hash)?;
+        // a hash collision never hands out different data
+        self.matches(b, key).then_some(b)
     }
 
-    /// Register a referenced, uncached, full block under `hash`. Returns false (and changes
+    /// The key a cached block is stored under.
+    pub fn key_of(&self, b: BlockId) -> Option<BlockKey<'_>> {
+        let i = b as usize;
+        let hash = self.hash[i]?;
+        let s = i * self.block_size;
+        Some(BlockKey {
+            hash,
+            parent: self.parent[i],
+            extra: self.extra[i],
+            tokens: &self.tokens[s..s + self.block_size],
+        })
+    }
+
+    /// Register a referenced, uncached, full block under `key`. Returns false (and changes
     /// nothing) if another block already holds that hash.
-    pub fn register(&mut self, b: BlockId, hash: BlockHash, tokens: &[u32], num_hashed_tokens: u32) -> Result<bool> {
+    pub fn register(
+        &mut self,
+        b: BlockId,
+        key: &BlockKey<'_>,
+        num_hashed_tokens: u32,
+    ) -> Result<bool> {
         let i = b as usize;
         if i >= self.ref_count.len() {
-            return Err(Error::BlockOutOfRange { block: b as i64, num_blocks: self.num_blocks });
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
         }
-        if tokens.len() != self.block_size {
+        if key.tokens.len() != self.block_size {
             return Err(Error::invalid(format!(
                 "a cached block holds exactly block_size={} tokens, got {}",
                 self.block_size,
-                tokens.len()
+                key.tokens.len()
             )));
         }
-        if self.tokens.is_empty() {
+        if !self.caching() {
             return Err(Error::invalid("prefix caching is disabled on this pool"));
         }
         if self.ref_count[i] == 0 {
@@ -304,13 +375,15 @@ impl BlockPool {
         if self.hash[i].is_some() {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
-        if self.map.contains_key(&hash) {
+        if self.map.contains_key(&key.hash) {
             return Ok(false);
         }
-        self.map.insert(hash, b);
-        self.hash[i] = Some(hash);
+        self.map.insert(key.hash, b);
+        self.hash[i] = Some(key.hash);
+        self.parent[i] = key.parent;
+        self.extra[i] = key.extra;
         self.num_hashed_tokens[i] = num_hashed_tokens;
-        self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(tokens);
+        self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(key.tokens);
         Ok(true)
     }
 
@@ -318,8 +391,12 @@ impl BlockPool {
 
     /// `a` goes before `b` in eviction order.
     fn evicts_before(&self, a: BlockId, b: BlockId) -> bool {
-        let (ta, tb) = (self.last_accessed[a as usize], self.last_accessed[b as usize]);
-        ta < tb || (ta == tb && self.num_hashed_tokens[a as usize] > self.num_hashed_tokens[b as usize])
+        let (ta, tb) = (
+            self.last_accessed[a as usize],
+            self.last_accessed[b as usize],
+        );
+        ta < tb
+            || (ta == tb && self.num_hashed_tokens[a as usize] > self.num_hashed_tokens[b as usize])
     }
 
     fn insert_evictable(&mut self, b: BlockId) {
@@ -329,7 +406,11 @@ impl BlockPool {
         while after != NIL && self.evicts_before(b, after) {
             after = self.prev[after as usize];
         }
-        let before = if after == NIL { self.head } else { self.next[after as usize] };
+        let before = if after == NIL {
+            self.head
+        } else {
+            self.next[after as usize]
+        };
         self.prev[b as usize] = after;
         self.next[b as usize] = before;
         if after == NIL {
@@ -393,12 +474,12 @@ impl BlockPool {
             }
             state[b as usize] = 2;
         }
-        for b in 0..n {
-            if state[b] == 0 {
+        for (b, st) in state.iter_mut().enumerate() {
+            if *st == 0 {
                 if self.ref_count[b] == 0 {
                     return Err(format!("block {b} is lost: ref 0, not free, not evictable"));
                 }
-                state[b] = 3;
+                *st = 3;
             }
             if let Some(h) = self.hash[b] {
                 if self.map.get(&h) != Some(&(b as u32)) {

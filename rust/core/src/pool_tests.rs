@@ -1,12 +1,23 @@
 //! Unit tests and a seeded randomized invariant driver for `BlockPool`.
 
 use crate::error::Error;
-use crate::pool::BlockPool;
+use crate::pool::{BlockKey, BlockPool};
 use crate::rng::Rng;
 use std::collections::HashMap;
 
+fn key(hash: u128, tokens: &[u32]) -> BlockKey<'_> {
+    BlockKey {
+        hash,
+        parent: 0,
+        extra: 0,
+        tokens,
+    }
+}
+
 fn toks(seed: u32, bs: usize) -> Vec<u32> {
-    (0..bs as u32).map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i)).collect()
+    (0..bs as u32)
+        .map(|i| seed.wrapping_mul(1_000_003).wrapping_add(i))
+        .collect()
 }
 
 #[test]
@@ -46,11 +57,11 @@ fn cached_block_is_evictable_then_revived() {
     let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
     let b = p.allocate().unwrap();
     let t = toks(1, 4);
-    assert!(p.register(b, 99, &t, 4).unwrap());
+    assert!(p.register(b, &key(99, &t), 4).unwrap());
     p.release(b).unwrap();
     assert_eq!(p.num_free(), 2);
     assert_eq!(p.num_evictable(), 1);
-    assert_eq!(p.lookup(99, &t), Some(b));
+    assert_eq!(p.lookup(&key(99, &t)), Some(b));
     p.acquire(b, 1).unwrap();
     assert_eq!(p.num_evictable(), 0);
     assert_eq!(p.ref_count(b), 1);
@@ -62,13 +73,13 @@ fn cached_block_is_evictable_then_revived() {
 fn collision_never_hits_with_other_tokens() {
     let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
     let b = p.allocate().unwrap();
-    p.register(b, 5, &toks(1, 4), 4).unwrap();
-    assert_eq!(p.lookup(5, &toks(2, 4)), None);
+    p.register(b, &key(5, &toks(1, 4)), 4).unwrap();
+    assert_eq!(p.lookup(&key(5, &toks(2, 4))), None);
     let c = p.allocate().unwrap();
     // the hash is taken: the second block stays uncached rather than replacing the first
-    assert!(!p.register(c, 5, &toks(2, 4), 4).unwrap());
+    assert!(!p.register(c, &key(5, &toks(2, 4)), 4).unwrap());
     assert_eq!(p.block_hash(c), None);
-    assert_eq!(p.lookup(5, &toks(1, 4)), Some(b));
+    assert_eq!(p.lookup(&key(5, &toks(1, 4))), Some(b));
 }
 
 #[test]
@@ -76,7 +87,12 @@ fn eviction_is_lru_then_longest_prefix_first() {
     let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
     let ids: Vec<u32> = (0..4).map(|_| p.allocate().unwrap()).collect();
     for (i, &b) in ids.iter().enumerate() {
-        p.register(b, 100 + i as u128, &toks(i as u32, 2), 2 * (i as u32 % 2 + 1)).unwrap();
+        p.register(
+            b,
+            &key(100 + i as u128, &toks(i as u32, 2)),
+            2 * (i as u32 % 2 + 1),
+        )
+        .unwrap();
     }
     // blocks 0,1 accessed at t=1 (nht 2 and 4); blocks 2,3 at t=0 (nht 2 and 4)
     p.set_last_accessed(ids[0], 1.0);
@@ -88,7 +104,11 @@ fn eviction_is_lru_then_longest_prefix_first() {
     }
     assert_eq!(p.eviction_order(), vec![ids[3], ids[2], ids[1], ids[0]]);
     assert_eq!(p.allocate().unwrap(), ids[3]);
-    assert_eq!(p.lookup(103, &toks(3, 2)), None, "evicted block lost its hash");
+    assert_eq!(
+        p.lookup(&key(103, &toks(3, 2))),
+        None,
+        "evicted block lost its hash"
+    );
     p.check_invariants().unwrap();
 }
 
@@ -97,7 +117,7 @@ fn uncached_free_blocks_are_used_before_evicting() {
     let mut p = BlockPool::new("gpu", 2, 2, true).unwrap();
     let a = p.allocate().unwrap();
     let b = p.allocate().unwrap();
-    p.register(a, 1, &toks(1, 2), 2).unwrap();
+    p.register(a, &key(1, &toks(1, 2)), 2).unwrap();
     p.release(a).unwrap();
     p.release(b).unwrap();
     assert_eq!(p.allocate().unwrap(), b);
@@ -127,7 +147,9 @@ fn randomized_invariants_100k() {
                         // few distinct hashes so that lookups hit and collide often
                         let h = rng.below(40) as u128;
                         let t = toks(rng.below(3) as u32 + h as u32 * 7, BS);
-                        if p.register(b, h, &t, (rng.below(4) as u32 + 1) * BS as u32).unwrap() {
+                        if p.register(b, &key(h, &t), (rng.below(4) as u32 + 1) * BS as u32)
+                            .unwrap()
+                        {
                             contents.insert(h, t);
                         }
                     }
@@ -136,7 +158,11 @@ fn randomized_invariants_100k() {
                 Err(e) => panic!("{e}"),
             },
             2 | 3 => {
-                let pick = if held.is_empty() { None } else { held.keys().nth(rng.below(held.len())).copied() };
+                let pick = if held.is_empty() {
+                    None
+                } else {
+                    held.keys().nth(rng.below(held.len())).copied()
+                };
                 if let Some(b) = pick {
                     p.release(b).unwrap();
                     let r = held.get_mut(&b).unwrap();
@@ -154,8 +180,12 @@ fn randomized_invariants_100k() {
             4 => {
                 let h = rng.below(40) as u128;
                 let t = toks(rng.below(3) as u32 + h as u32 * 7, BS);
-                if let Some(b) = p.lookup(h, &t) {
-                    assert_eq!(p.cached_tokens(b).unwrap(), &t[..], "hit with different tokens");
+                if let Some(b) = p.lookup(&key(h, &t)) {
+                    assert_eq!(
+                        p.cached_tokens(b).unwrap(),
+                        &t[..],
+                        "hit with different tokens"
+                    );
                     assert_eq!(contents.get(&h), Some(&t));
                     p.acquire(b, 1).unwrap();
                     *held.entry(b).or_insert(0) += 1;
@@ -168,7 +198,8 @@ fn randomized_invariants_100k() {
                 }
             }
         }
-        p.check_invariants().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        p.check_invariants()
+            .unwrap_or_else(|e| panic!("step {step}: {e}"));
         for (&b, &r) in &held {
             assert_eq!(p.ref_count(b), r, "step {step}: ref count of block {b}");
         }
@@ -180,7 +211,7 @@ fn randomized_invariants_100k() {
             }
         }
         if step % 997 == 0 {
-            contents.retain(|h, t| p.peek(*h, t).is_some());
+            contents.retain(|h, t| p.peek(&key(*h, t)).is_some());
         }
     }
     for (b, r) in held.drain() {

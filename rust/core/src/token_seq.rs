@@ -16,6 +16,7 @@ pub struct TokenSeq {
     /// `hashes[i]` is the hash of full block `i`; `hashes.len() == tokens.len() / block_size`.
     hashes: Vec<BlockHash>,
     extra: HashExtra,
+    extra_key: u128,
     hasher: Hasher,
     /// How many block hashes this sequence computed in its life (a test hook: each block once,
     /// plus a full rehash whenever a manager with another hasher adopts the sequence).
@@ -24,7 +25,12 @@ pub struct TokenSeq {
 }
 
 impl TokenSeq {
-    pub fn new(block_size: usize, tokens: &[u32], extra: HashExtra, hasher: Hasher) -> Result<Self> {
+    pub fn new(
+        block_size: usize,
+        tokens: &[u32],
+        extra: HashExtra,
+        hasher: Hasher,
+    ) -> Result<Self> {
         if block_size == 0 {
             return Err(Error::invalid("block_size must be positive"));
         }
@@ -32,6 +38,7 @@ impl TokenSeq {
             block_size,
             tokens: Vec::with_capacity(tokens.len() + block_size),
             hashes: Vec::new(),
+            extra_key: extra.key(),
             extra,
             hasher,
             hash_calls: 0,
@@ -55,6 +62,24 @@ impl TokenSeq {
     }
     pub fn extra(&self) -> &HashExtra {
         &self.extra
+    }
+    pub fn extra_key(&self) -> u128 {
+        self.extra_key
+    }
+    /// The key a cached copy of full block `i` is stored and confirmed under.
+    pub fn block_key(&self, i: usize) -> Option<crate::pool::BlockKey<'_>> {
+        let hash = self.block_hash(i)?;
+        let parent = if i == 0 {
+            crate::hash::ROOT
+        } else {
+            self.hashes[i - 1]
+        };
+        Some(crate::pool::BlockKey {
+            hash,
+            parent,
+            extra: self.extra_key,
+            tokens: self.block_tokens(i),
+        })
     }
     pub fn hasher(&self) -> Hasher {
         self.hasher
@@ -112,7 +137,9 @@ impl TokenSeq {
             let i = self.hashes.len();
             let parent = self.hashes.last().copied();
             let toks = &self.tokens[i * self.block_size..(i + 1) * self.block_size];
-            let h = self.hasher.hash_block(parent, toks, &self.extra, &mut self.scratch);
+            let h = self
+                .hasher
+                .hash_block(parent, toks, &self.extra, &mut self.scratch);
             self.hashes.push(h);
             self.hash_calls += 1;
         }

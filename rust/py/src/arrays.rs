@@ -60,15 +60,26 @@ pub fn array_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<ArrayVi
     let Ok(iface) = obj.getattr(pyo3::intern!(obj.py(), "__array_interface__")) else {
         return Ok(None);
     };
-    let iface = iface.cast_into::<PyDict>().map_err(|_| invalid(format!("{what}: bad __array_interface__")))?;
+    let iface = iface
+        .cast_into::<PyDict>()
+        .map_err(|_| invalid(format!("{what}: bad __array_interface__")))?;
     let get = |k: &str| -> PyResult<Bound<'_, PyAny>> {
-        iface.get_item(k)?.ok_or_else(|| invalid(format!("{what}: __array_interface__ lacks '{k}'")))
+        iface
+            .get_item(k)?
+            .ok_or_else(|| invalid(format!("{what}: __array_interface__ lacks '{k}'")))
     };
     let typestr: String = get("typestr")?.extract()?;
-    let dtype = Dtype::parse(&typestr)
-        .ok_or_else(|| invalid(format!("{what}: dtype {typestr} is not supported (use int32, uint32 or int64)")))?;
+    let dtype = Dtype::parse(&typestr).ok_or_else(|| {
+        invalid(format!(
+            "{what}: dtype {typestr} is not supported (use int32, uint32 or int64)"
+        ))
+    })?;
     let shape: Vec<usize> = get("shape")?.extract()?;
-    let data = get("data")?.cast_into::<PyTuple>().map_err(|_| invalid(format!("{what}: array data is not a (pointer, readonly) pair")))?;
+    let data = get("data")?.cast_into::<PyTuple>().map_err(|_| {
+        invalid(format!(
+            "{what}: array data is not a (pointer, readonly) pair"
+        ))
+    })?;
     let ptr: usize = data.get_item(0)?.extract()?;
     let readonly: bool = data.get_item(1)?.extract()?;
     if let Some(strides) = iface.get_item("strides")? {
@@ -86,7 +97,12 @@ pub fn array_view(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Option<ArrayVi
     if ptr == 0 && shape.iter().product::<usize>() > 0 {
         return Err(invalid(format!("{what}: array has no data")));
     }
-    Ok(Some(ArrayView { ptr, dtype, shape, readonly }))
+    Ok(Some(ArrayView {
+        ptr,
+        dtype,
+        shape,
+        readonly,
+    }))
 }
 
 fn check_token(v: i64) -> PyResult<u32> {
@@ -108,7 +124,9 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
         // SAFETY: `obj` keeps the array alive; pointer and length come from the array itself.
         unsafe {
             match view.dtype {
-                Dtype::U32 => out.extend_from_slice(std::slice::from_raw_parts(view.ptr as *const u32, n)),
+                Dtype::U32 => {
+                    out.extend_from_slice(std::slice::from_raw_parts(view.ptr as *const u32, n))
+                }
                 Dtype::I32 => {
                     for &v in std::slice::from_raw_parts(view.ptr as *const i32, n) {
                         out.push(check_token(v as i64)?);
@@ -130,12 +148,18 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
         }
         return Ok(Cow::Owned(out));
     }
-    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(crate::errors::wrong_type("token_ids must be a sequence of ints, not a string"));
+    if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(crate::errors::wrong_type(
+            "token_ids must be a sequence of ints, not a string",
+        ));
     }
-    let seq = obj
-        .try_iter()
-        .map_err(|_| crate::errors::wrong_type(format!("token_ids must be a sequence of ints, got {}", type_name(obj))))?;
+    let seq = obj.try_iter().map_err(|_| {
+        crate::errors::wrong_type(format!(
+            "token_ids must be a sequence of ints, got {}",
+            type_name(obj)
+        ))
+    })?;
     let mut out = Vec::new();
     for item in seq {
         out.push(token_from_item(&item?)?);
@@ -148,11 +172,16 @@ pub fn token_from_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
         return Err(invalid("token ids must be ints, not bool"));
     }
     if !item.is_instance_of::<pyo3::types::PyInt>() {
-        return Err(crate::errors::wrong_type(format!("token ids must be ints, got {}", type_name(item))));
+        return Err(crate::errors::wrong_type(format!(
+            "token ids must be ints, got {}",
+            type_name(item)
+        )));
     }
     match item.extract::<i64>() {
         Ok(v) => check_token(v),
-        Err(_) => Err(invalid(format!("token id {item} is out of range [0, 2**32)"))),
+        Err(_) => Err(invalid(format!(
+            "token id {item} is out of range [0, 2**32)"
+        ))),
     }
 }
 
@@ -165,21 +194,32 @@ pub fn int_arg(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<i64> {
                 return int_arg(&idx, what);
             }
         }
-        return Err(crate::errors::wrong_type(format!("{what} must be an int, got {}", type_name(obj))));
+        return Err(crate::errors::wrong_type(format!(
+            "{what} must be an int, got {}",
+            type_name(obj)
+        )));
     }
-    obj.extract::<i64>().map_err(|_| invalid(format!("{what} is out of range: {obj}")))
+    obj.extract::<i64>()
+        .map_err(|_| invalid(format!("{what} is out of range: {obj}")))
 }
 
 /// A block hash argument (an int in [0, 2**128)).
 pub fn hash_arg(obj: &Bound<'_, PyAny>) -> PyResult<u128> {
     if obj.is_instance_of::<pyo3::types::PyBool>() || !obj.is_instance_of::<pyo3::types::PyInt>() {
-        return Err(crate::errors::wrong_type(format!("block_hash must be an int, got {}", type_name(obj))));
+        return Err(crate::errors::wrong_type(format!(
+            "block_hash must be an int, got {}",
+            type_name(obj)
+        )));
     }
-    obj.extract::<u128>().map_err(|_| invalid(format!("block_hash must be in [0, 2**128), got {obj}")))
+    obj.extract::<u128>()
+        .map_err(|_| invalid(format!("block_hash must be in [0, 2**128), got {obj}")))
 }
 
 pub fn type_name(obj: &Bound<'_, PyAny>) -> String {
-    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into())
 }
 
 /// A writable int32 array with the given number of dimensions, as a raw slice.
@@ -189,8 +229,11 @@ pub struct I32Out {
 }
 
 pub fn writable_i32(obj: &Bound<'_, PyAny>, what: &str, ndim: usize) -> PyResult<I32Out> {
-    let view = array_view(obj, what)?
-        .ok_or_else(|| invalid(format!("{what} must be a numpy int32 array (torch: pass tensor.numpy())")))?;
+    let view = array_view(obj, what)?.ok_or_else(|| {
+        invalid(format!(
+            "{what} must be a numpy int32 array (torch: pass tensor.numpy())"
+        ))
+    })?;
     if view.dtype != Dtype::I32 {
         return Err(invalid(format!("{what} must have dtype int32")));
     }
@@ -198,7 +241,13 @@ pub fn writable_i32(obj: &Bound<'_, PyAny>, what: &str, ndim: usize) -> PyResult
         return Err(invalid(format!("{what} is read-only")));
     }
     if view.shape.len() != ndim {
-        return Err(invalid(format!("{what} must be {ndim}-dimensional, got shape {:?}", view.shape)));
+        return Err(invalid(format!(
+            "{what} must be {ndim}-dimensional, got shape {:?}",
+            view.shape
+        )));
     }
-    Ok(I32Out { ptr: view.ptr as *mut i32, shape: view.shape })
+    Ok(I32Out {
+        ptr: view.ptr as *mut i32,
+        shape: view.shape,
+    })
 }

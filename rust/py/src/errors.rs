@@ -5,7 +5,11 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-fn class(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str) -> PyResult<Py<PyType>> {
+fn class(
+    py: Python<'_>,
+    cell: &'static PyOnceLock<Py<PyType>>,
+    name: &str,
+) -> PyResult<Py<PyType>> {
     cell.get_or_try_init(py, || {
         let m = py.import("pagedkv.errors")?;
         Ok::<_, PyErr>(m.getattr(name)?.cast_into::<PyType>()?.unbind())

@@ -20,18 +20,27 @@ pub fn resolve_hasher(algo: Option<&str>, seed: Option<u64>) -> PyResult<Hasher>
     let base = default_hasher();
     let algo = match algo {
         None => base.algo,
-        Some(name) => HashAlgo::parse(name)
-            .ok_or_else(|| invalid(format!("unknown hash_algo {name:?} (use 'xxh3' or 'sha256')")))?,
+        Some(name) => HashAlgo::parse(name).ok_or_else(|| {
+            invalid(format!(
+                "unknown hash_algo {name:?} (use 'xxh3' or 'sha256')"
+            ))
+        })?,
     };
-    Ok(Hasher { algo, seed: seed.unwrap_or(base.seed) })
+    Ok(Hasher {
+        algo,
+        seed: seed.unwrap_or(base.seed),
+    })
 }
 
 /// Set the hash function that new sequences use (and managers built without `hash_algo`).
 #[pyfunction]
 #[pyo3(signature = (hash_algo = "xxh3", hash_seed = None))]
 pub fn set_default_hasher(hash_algo: &str, hash_seed: Option<u64>) -> PyResult<()> {
-    let algo = HashAlgo::parse(hash_algo)
-        .ok_or_else(|| invalid(format!("unknown hash_algo {hash_algo:?} (use 'xxh3' or 'sha256')")))?;
+    let algo = HashAlgo::parse(hash_algo).ok_or_else(|| {
+        invalid(format!(
+            "unknown hash_algo {hash_algo:?} (use 'xxh3' or 'sha256')"
+        ))
+    })?;
     let h = Hasher::new(algo, hash_seed);
     *DEFAULT_HASHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
     Ok(())
@@ -60,7 +69,9 @@ fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Box<[u8]>>> {
 
 fn check_block_size(block_size: i64) -> PyResult<usize> {
     if block_size <= 0 || block_size > 1 << 20 {
-        return Err(invalid(format!("block_size must be in 1..=2**20, got {block_size}")));
+        return Err(invalid(format!(
+            "block_size must be in 1..=2**20, got {block_size}"
+        )));
     }
     Ok(block_size as usize)
 }
@@ -85,7 +96,10 @@ impl PyTokenSeq {
     ) -> PyResult<Self> {
         let bs = check_block_size(block_size)?;
         let tokens = extract_tokens(token_ids)?;
-        let extra = HashExtra { lora_id, salt: salt_bytes(cache_salt)? };
+        let extra = HashExtra {
+            lora_id,
+            salt: salt_bytes(cache_salt)?,
+        };
         let hasher = resolve_hasher(hash_algo, hash_seed)?;
         let inner = TokenSeq::new(bs, &tokens, extra, hasher).map_err(crate::errors::to_py)?;
         Ok(PyTokenSeq { inner })
@@ -125,14 +139,23 @@ impl PyTokenSeq {
 
     /// Token ids in `[start, end)` (clamped like a slice with non-negative bounds).
     #[pyo3(signature = (start, end = None))]
-    fn token_slice<'py>(&self, py: Python<'py>, start: usize, end: Option<usize>) -> PyResult<Bound<'py, PyList>> {
+    fn token_slice<'py>(
+        &self,
+        py: Python<'py>,
+        start: usize,
+        end: Option<usize>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let t = self.inner.tokens();
         let end = end.unwrap_or(t.len()).min(t.len());
         PyList::new(py, &t[start.min(end)..end])
     }
 
     fn last_token(&self) -> PyResult<u32> {
-        self.inner.tokens().last().copied().ok_or_else(|| invalid("the sequence has no tokens"))
+        self.inner
+            .tokens()
+            .last()
+            .copied()
+            .ok_or_else(|| invalid("the sequence has no tokens"))
     }
 
     #[getter]
@@ -148,7 +171,10 @@ impl PyTokenSeq {
     /// Token ids of logical block `i` (the last block may be partial).
     fn block_tokens<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyList>> {
         if i >= self.inner.num_blocks() {
-            return Err(invalid(format!("block {i} does not exist (sequence has {} blocks)", self.inner.num_blocks())));
+            return Err(invalid(format!(
+                "block {i} does not exist (sequence has {} blocks)",
+                self.inner.num_blocks()
+            )));
         }
         PyList::new(py, self.inner.block_tokens(i))
     }
@@ -156,7 +182,9 @@ impl PyTokenSeq {
     /// The chained hash of full block `i`. Raises ValueError if block `i` is not full.
     fn hash_of_block(&self, i: i64) -> PyResult<BlockHash> {
         if i < 0 {
-            return Err(invalid(format!("block index must be non-negative, got {i}")));
+            return Err(invalid(format!(
+                "block index must be non-negative, got {i}"
+            )));
         }
         self.inner.block_hash(i as usize).ok_or_else(|| {
             invalid(format!(
@@ -187,7 +215,9 @@ impl PyTokenSeq {
 
     /// An independent copy (appending to one leaves the other unchanged). O(L) memcpy.
     fn copy(&self) -> Self {
-        PyTokenSeq { inner: self.inner.clone() }
+        PyTokenSeq {
+            inner: self.inner.clone(),
+        }
     }
 
     fn __copy__(&self) -> Self {
@@ -228,13 +258,23 @@ impl PyBlockHasher {
         hash_seed: Option<u64>,
     ) -> PyResult<Self> {
         let bs = check_block_size(block_size)?;
-        let extra = HashExtra { lora_id, salt: salt_bytes(cache_salt)? };
+        let extra = HashExtra {
+            lora_id,
+            salt: salt_bytes(cache_salt)?,
+        };
         let hasher = resolve_hasher(hash_algo, hash_seed)?;
-        Ok(PyBlockHasher { inner: ChainHasher::new(hasher, bs, extra), out: Vec::new() })
+        Ok(PyBlockHasher {
+            inner: ChainHasher::new(hasher, bs, extra),
+            out: Vec::new(),
+        })
     }
 
     /// Feed token ids; returns the hashes of blocks completed by them (often empty).
-    fn feed<'py>(&mut self, py: Python<'py>, token_ids: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    fn feed<'py>(
+        &mut self,
+        py: Python<'py>,
+        token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
         let t = extract_tokens(token_ids)?;
         self.out.clear();
         self.inner.feed(&t, &mut self.out);
@@ -266,7 +306,10 @@ pub fn hash_blocks<'py>(
 ) -> PyResult<Bound<'py, PyList>> {
     let bs = check_block_size(block_size)?;
     let t = extract_tokens(token_ids)?;
-    let extra = HashExtra { lora_id, salt: salt_bytes(cache_salt)? };
+    let extra = HashExtra {
+        lora_id,
+        salt: salt_bytes(cache_salt)?,
+    };
     let mut c = ChainHasher::new(resolve_hasher(hash_algo, hash_seed)?, bs, extra);
     let mut out = Vec::with_capacity(t.len() / bs);
     c.feed(&t, &mut out);

@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod errors;
 mod hashing;
+mod manager;
 mod pool;
 
 #[pymodule]
@@ -14,6 +15,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::PyTokenSeq>()?;
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<pool::PyBlockPool>()?;
+    m.add_class::<manager::PyManager>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;

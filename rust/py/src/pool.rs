@@ -4,7 +4,7 @@
 
 use crate::arrays::{extract_tokens, hash_arg, int_arg};
 use crate::errors::{invalid, IntoPyResult};
-use pagedkv_core::{BlockHash, BlockId, BlockPool};
+use pagedkv_core::{BlockHash, BlockId, BlockKey, BlockPool};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
@@ -25,17 +25,33 @@ impl PyBlockPool {
     #[pyo3(signature = (num_blocks, block_size, *, enable_caching = true, device = "gpu"))]
     fn new(num_blocks: i64, block_size: i64, enable_caching: bool, device: &str) -> PyResult<Self> {
         if !(0..u32::MAX as i64).contains(&num_blocks) {
-            return Err(invalid(format!("num_blocks must be in 0..2**32-1, got {num_blocks}")));
+            return Err(invalid(format!(
+                "num_blocks must be in 0..2**32-1, got {num_blocks}"
+            )));
         }
         if block_size <= 0 || block_size > 1 << 20 {
-            return Err(invalid(format!("block_size must be in 1..=2**20, got {block_size}")));
+            return Err(invalid(format!(
+                "block_size must be in 1..=2**20, got {block_size}"
+            )));
         }
         let device: &'static str = match device {
             "gpu" | "GPU" | "cuda" => "gpu",
             "cpu" | "CPU" => "cpu",
-            other => return Err(invalid(format!("device must be 'gpu' or 'cpu', got {other:?}"))),
+            other => {
+                return Err(invalid(format!(
+                    "device must be 'gpu' or 'cpu', got {other:?}"
+                )))
+            }
         };
-        Ok(PyBlockPool { inner: BlockPool::new(device, num_blocks as u32, block_size as usize, enable_caching).py()? })
+        Ok(PyBlockPool {
+            inner: BlockPool::new(
+                device,
+                num_blocks as u32,
+                block_size as usize,
+                enable_caching,
+            )
+            .py()?,
+        })
     }
 
     #[getter]
@@ -127,7 +143,9 @@ impl PyBlockPool {
         ids.sort_unstable();
         for run in ids.chunk_by(|a, b| a == b) {
             if (self.inner.ref_count(run[0]) as usize) < run.len() {
-                return Err(crate::errors::to_py(pagedkv_core::Error::DoubleFree(run[0])));
+                return Err(crate::errors::to_py(pagedkv_core::Error::DoubleFree(
+                    run[0],
+                )));
             }
         }
         for &b in &blocks {
@@ -136,9 +154,17 @@ impl PyBlockPool {
         Ok(())
     }
 
-    /// The cached block holding exactly `token_ids` under `block_hash`, or None. Does not
-    /// change ref counts (call `incref` to take it).
-    fn lookup(&mut self, block_hash: &Bound<'_, PyAny>, token_ids: &Bound<'_, PyAny>) -> PyResult<Option<BlockId>> {
+    /// The cached block holding exactly `token_ids` under `block_hash` (and the same
+    /// `parent_hash` / `extra_key`, which default to 0), or None. Does not change ref counts
+    /// (call `incref` to take it).
+    #[pyo3(signature = (block_hash, token_ids, *, parent_hash = 0, extra_key = 0))]
+    fn lookup(
+        &mut self,
+        block_hash: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        parent_hash: u128,
+        extra_key: u128,
+    ) -> PyResult<Option<BlockId>> {
         let t = extract_tokens(token_ids)?;
         if t.len() != self.inner.block_size() {
             return Err(invalid(format!(
@@ -147,23 +173,37 @@ impl PyBlockPool {
                 t.len()
             )));
         }
-        Ok(self.inner.lookup(hash_arg(block_hash)?, &t))
+        let key = BlockKey {
+            hash: hash_arg(block_hash)?,
+            parent: parent_hash,
+            extra: extra_key,
+            tokens: &t,
+        };
+        Ok(self.inner.lookup(&key))
     }
 
     /// Register a referenced, full, uncached block under its hash. Returns False when another
     /// block already holds that hash (the block then stays uncached).
-    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None))]
+    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_hash = 0, extra_key = 0))]
     fn register(
         &mut self,
         block: &Bound<'_, PyAny>,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         num_hashed_tokens: Option<u32>,
+        parent_hash: u128,
+        extra_key: u128,
     ) -> PyResult<bool> {
         let b = self.id(block)?;
         let t = extract_tokens(token_ids)?;
         let nht = num_hashed_tokens.unwrap_or(self.inner.block_size() as u32);
-        self.inner.register(b, hash_arg(block_hash)?, &t, nht).py()
+        let key = BlockKey {
+            hash: hash_arg(block_hash)?,
+            parent: parent_hash,
+            extra: extra_key,
+            tokens: &t,
+        };
+        self.inner.register(b, &key, nht).py()
     }
 
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
@@ -182,7 +222,9 @@ impl PyBlockPool {
             return Err(invalid("access_time must be finite"));
         }
         if self.inner.is_evictable(b) {
-            return Err(invalid(format!("block {b} is evictable; revive it before touching it")));
+            return Err(invalid(format!(
+                "block {b} is evictable; revive it before touching it"
+            )));
         }
         self.inner.set_last_accessed(b, access_time);
         Ok(())
@@ -196,7 +238,9 @@ impl PyBlockPool {
     }
     /// Raise AssertionError if any structural invariant is broken (O(n), for tests).
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner.check_invariants().map_err(pyo3::exceptions::PyAssertionError::new_err)
+        self.inner
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
     fn __repr__(&self) -> String {
         format!(

@@ -1,0 +1,778 @@
+//! vLLM's block space manager (v1 semantics) over a GPU and a CPU [`BlockPool`].
+//!
+//! The contract, including every ordering rule that decides block numbers, is written down in
+//! `docs/block_manager.md`; the pure-Python reference implements the same document and the two
+//! are compared step by step in the tests. In short:
+//!
+//! * each sequence id with a table holds one reference on each *distinct* block of its table;
+//! * sliding-window tables are periodic (`table[i] == table[i % W]`), so their distinct blocks
+//!   are `table[..W]`;
+//! * a call that returns an error has changed nothing (every call checks before it mutates).
+//!
+//! Sequences are passed in as `(seq_id, &TokenSeq)`; resolving groups and statuses is the
+//! caller's job (the Python bindings do it).
+
+use crate::error::{Error, Result};
+use crate::hash::Hasher;
+use crate::pool::{BlockId, BlockKey, BlockPool};
+use crate::token_seq::TokenSeq;
+use std::collections::{HashMap, HashSet};
+
+pub type SeqId = u64;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Device {
+    Gpu,
+    Cpu,
+}
+
+impl Device {
+    pub fn name(self) -> &'static str {
+        match self {
+            Device::Gpu => "gpu",
+            Device::Cpu => "cpu",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AllocStatus {
+    Ok,
+    Later,
+    Never,
+}
+
+#[derive(Clone, Debug)]
+struct SeqEntry {
+    table: Vec<BlockId>,
+    device: Device,
+    /// Tokens whose slots are already reserved.
+    reserved: usize,
+    /// Creation order (for `reset`).
+    order: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct ManagerConfig {
+    pub block_size: usize,
+    pub num_gpu_blocks: u32,
+    pub num_cpu_blocks: u32,
+    pub watermark: f64,
+    pub sliding_window: Option<usize>,
+    pub enable_caching: bool,
+    pub strict: bool,
+    pub hasher: Hasher,
+}
+
+/// Copy-on-write pairs `(src, dst)` in the order they were made.
+pub type Copies = Vec<(BlockId, BlockId)>;
+
+pub struct Manager {
+    cfg: ManagerConfig,
+    /// Window in blocks.
+    window: Option<usize>,
+    watermark_blocks: usize,
+    gpu: BlockPool,
+    cpu: BlockPool,
+    tables: HashMap<SeqId, SeqEntry>,
+    next_order: u64,
+    prefix_lookups: u64,
+    prefix_hits: u64,
+}
+
+/// The distinct blocks of a table (a periodic window table repeats its first `W` entries).
+fn distinct(table: &[BlockId], window: Option<usize>) -> &[BlockId] {
+    match window {
+        Some(w) if table.len() > w => &table[..w],
+        _ => table,
+    }
+}
+
+/// Point logical block `i` at `b` (every periodic copy of it in a window table).
+fn set_entry(table: &mut [BlockId], i: usize, b: BlockId, window: Option<usize>) {
+    match window {
+        Some(w) => {
+            let mut j = i % w;
+            while j < table.len() {
+                table[j] = b;
+                j += w;
+            }
+        }
+        None => table[i] = b,
+    }
+}
+
+impl Manager {
+    pub fn new(cfg: ManagerConfig) -> Result<Self> {
+        let bs = cfg.block_size;
+        if bs == 0 {
+            return Err(Error::invalid("block_size must be positive"));
+        }
+        if !(cfg.watermark >= 0.0 && cfg.watermark.is_finite()) {
+            return Err(Error::invalid(format!(
+                "watermark must be >= 0, got {}",
+                cfg.watermark
+            )));
+        }
+        let window = match cfg.sliding_window {
+            None => None,
+            Some(sw) => {
+                if sw == 0 || sw % bs != 0 {
+                    return Err(Error::invalid(format!(
+                        "sliding_window ({sw}) must be a positive multiple of block_size ({bs})"
+                    )));
+                }
+                if cfg.enable_caching {
+                    return Err(Error::invalid(
+                        "prefix caching cannot be combined with a sliding window",
+                    ));
+                }
+                Some(sw / bs)
+            }
+        };
+        Ok(Manager {
+            window,
+            watermark_blocks: (cfg.watermark * cfg.num_gpu_blocks as f64) as usize,
+            gpu: BlockPool::new("gpu", cfg.num_gpu_blocks, bs, cfg.enable_caching)?,
+            cpu: BlockPool::new("cpu", cfg.num_cpu_blocks, bs, cfg.enable_caching)?,
+            tables: HashMap::new(),
+            next_order: 0,
+            prefix_lookups: 0,
+            prefix_hits: 0,
+            cfg,
+        })
+    }
+
+    // ---- introspection -------------------------------------------------------------------
+
+    pub fn config(&self) -> &ManagerConfig {
+        &self.cfg
+    }
+    pub fn window_blocks(&self) -> Option<usize> {
+        self.window
+    }
+    pub fn watermark_blocks(&self) -> usize {
+        self.watermark_blocks
+    }
+    pub fn pool(&self, d: Device) -> &BlockPool {
+        match d {
+            Device::Gpu => &self.gpu,
+            Device::Cpu => &self.cpu,
+        }
+    }
+    pub fn num_free_gpu_blocks(&self) -> usize {
+        self.gpu.num_free()
+    }
+    pub fn num_free_cpu_blocks(&self) -> usize {
+        self.cpu.num_free()
+    }
+    pub fn prefix_cache_stats(&self) -> (u64, u64) {
+        (self.prefix_lookups, self.prefix_hits)
+    }
+    pub fn has_table(&self, id: SeqId) -> bool {
+        self.tables.contains_key(&id)
+    }
+    pub fn num_tables(&self) -> usize {
+        self.tables.len()
+    }
+    pub fn block_table(&self, id: SeqId) -> Result<&[BlockId]> {
+        Ok(&self.entry(id)?.table)
+    }
+    pub fn device_of(&self, id: SeqId) -> Result<Device> {
+        Ok(self.entry(id)?.device)
+    }
+    pub fn reserved_tokens(&self, id: SeqId) -> Result<usize> {
+        Ok(self.entry(id)?.reserved)
+    }
+
+    fn entry(&self, id: SeqId) -> Result<&SeqEntry> {
+        self.tables.get(&id).ok_or(Error::UnknownSequence(id))
+    }
+
+    fn check_seq(&self, seq: &TokenSeq) -> Result<()> {
+        if seq.block_size() != self.cfg.block_size {
+            return Err(Error::invalid(format!(
+                "sequence block_size {} does not match the manager's {}",
+                seq.block_size(),
+                self.cfg.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn out_of(&self, device: Device, needed: usize) -> Error {
+        Error::OutOfBlocks {
+            device: device.name(),
+            needed,
+            free: self.pool(device).num_free(),
+        }
+    }
+
+    // ---- allocation ----------------------------------------------------------------------
+
+    /// Blocks the prompt of `seq` occupies (capped by the window).
+    fn prompt_blocks(&self, seq: &TokenSeq) -> usize {
+        let n = seq.num_blocks();
+        self.window.map_or(n, |w| n.min(w))
+    }
+
+    pub fn can_allocate(&self, first_waiting: &TokenSeq) -> Result<AllocStatus> {
+        self.check_seq(first_waiting)?;
+        let n = self.prompt_blocks(first_waiting);
+        let total = self.cfg.num_gpu_blocks as usize;
+        Ok(if total < n + self.watermark_blocks {
+            AllocStatus::Never
+        } else if self.gpu.num_free() >= n + self.watermark_blocks {
+            AllocStatus::Ok
+        } else {
+            AllocStatus::Later
+        })
+    }
+
+    /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
+    pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
+        let Some(&(_, seq)) = waiting.first() else {
+            return Err(Error::invalid("the sequence group has no WAITING sequence"));
+        };
+        for &(id, s) in waiting {
+            self.check_seq(s)?;
+            if self.tables.contains_key(&id) {
+                return Err(Error::invalid(format!(
+                    "sequence {id} already has a block table"
+                )));
+            }
+        }
+        let k = waiting.len() as u32;
+        let n = seq.num_blocks();
+        let caching = self.cfg.enable_caching;
+        let need = if caching {
+            (0..n)
+                .filter(|&i| {
+                    let shared_hit = seq
+                        .block_key(i)
+                        .and_then(|key| self.gpu.peek(&key))
+                        .is_some_and(|b| self.gpu.ref_count(b) > 0);
+                    !shared_hit
+                })
+                .count()
+        } else {
+            self.prompt_blocks(seq)
+        };
+        if need > self.gpu.num_free() {
+            return Err(self.out_of(Device::Gpu, need));
+        }
+        let bs = self.cfg.block_size;
+        let mut table: Vec<BlockId> = Vec::with_capacity(n);
+        for i in 0..n {
+            let b = match (self.window, caching.then(|| seq.block_key(i)).flatten()) {
+                (Some(w), _) if i >= w => table[i % w],
+                (_, Some(key)) => {
+                    self.prefix_lookups += 1;
+                    if let Some(b) = self.gpu.lookup(&key) {
+                        self.prefix_hits += 1;
+                        self.gpu.acquire(b, k)?;
+                        b
+                    } else {
+                        let b = self.fresh_gpu_block(k)?;
+                        self.gpu.register(b, &key, ((i + 1) * bs) as u32)?;
+                        b
+                    }
+                }
+                _ => self.fresh_gpu_block(k)?,
+            };
+            table.push(b);
+        }
+        let reserved = seq.len();
+        for &(id, _) in waiting {
+            let order = self.next_order;
+            self.next_order += 1;
+            self.tables.insert(
+                id,
+                SeqEntry {
+                    table: table.clone(),
+                    device: Device::Gpu,
+                    reserved,
+                    order,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    fn fresh_gpu_block(&mut self, refs: u32) -> Result<BlockId> {
+        let b = self.gpu.allocate()?;
+        if refs > 1 {
+            self.gpu.acquire(b, refs - 1)?;
+        }
+        Ok(b)
+    }
+
+    // ---- appending -----------------------------------------------------------------------
+
+    /// Upper bound on the free GPU blocks `append_slots` takes for this sequence.
+    pub fn append_need(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> Result<usize> {
+        let e = self.entry(id)?;
+        Ok(self.need_of(e, seq.len() + lookahead))
+    }
+
+    fn need_of(&self, e: &SeqEntry, target: usize) -> usize {
+        let bs = self.cfg.block_size;
+        let first = e.reserved / bs;
+        let last = target.div_ceil(bs);
+        let mut need = 0;
+        for i in first..last {
+            if i < e.table.len() {
+                need += usize::from(self.gpu.ref_count(e.table[i]) > 1);
+            } else {
+                match self.window {
+                    Some(w) if i >= w => {
+                        let reuse =
+                            i - w >= e.table.len() || self.gpu.ref_count(e.table[i - w]) == 1;
+                        need += usize::from(!reuse);
+                    }
+                    _ => need += 1,
+                }
+            }
+        }
+        need
+    }
+
+    /// vLLM's rule (one free block per running sequence) or the exact upper bound, whichever is
+    /// larger.
+    pub fn can_append_slots(
+        &self,
+        running: &[(SeqId, &TokenSeq)],
+        lookahead: usize,
+    ) -> Result<bool> {
+        let mut need = 0;
+        for &(id, seq) in running {
+            self.check_seq(seq)?;
+            need += self.append_need(id, seq, lookahead)?;
+        }
+        Ok(self.gpu.num_free() >= need.max(running.len()))
+    }
+
+    fn check_appendable(&self, id: SeqId, seq: &TokenSeq) -> Result<&SeqEntry> {
+        self.check_seq(seq)?;
+        let e = self.entry(id)?;
+        if e.device != Device::Gpu {
+            return Err(Error::invalid(format!(
+                "sequence {id} is swapped out to the CPU; swap it in first"
+            )));
+        }
+        if seq.len() < e.reserved {
+            return Err(Error::invalid(format!(
+                "sequence {id} has {} tokens but {} slots were already reserved (was it reset without being freed?)",
+                seq.len(),
+                e.reserved
+            )));
+        }
+        Ok(e)
+    }
+
+    /// Reserve slots for every token appended since the last call (plus `lookahead`).
+    /// Copy-on-write pairs are pushed onto `copies`.
+    pub fn append_slots(
+        &mut self,
+        id: SeqId,
+        seq: &TokenSeq,
+        lookahead: usize,
+        copies: &mut Copies,
+    ) -> Result<()> {
+        let e = self.check_appendable(id, seq)?;
+        let need = self.need_of(e, seq.len() + lookahead);
+        if need > self.gpu.num_free() {
+            return Err(self.out_of(Device::Gpu, need));
+        }
+        self.append_unchecked(id, seq, lookahead, copies)
+    }
+
+    /// `append_slots` for many sequences: all checked first, then all done.
+    pub fn append_slots_batch(
+        &mut self,
+        seqs: &[(SeqId, &TokenSeq)],
+        copies: &mut Copies,
+    ) -> Result<()> {
+        let mut need = 0;
+        for &(id, seq) in seqs {
+            let e = self.check_appendable(id, seq)?;
+            need += self.need_of(e, seq.len());
+        }
+        if need > self.gpu.num_free() {
+            return Err(self.out_of(Device::Gpu, need));
+        }
+        for &(id, seq) in seqs {
+            self.append_unchecked(id, seq, 0, copies)?;
+        }
+        Ok(())
+    }
+
+    fn append_unchecked(
+        &mut self,
+        id: SeqId,
+        seq: &TokenSeq,
+        lookahead: usize,
+        copies: &mut Copies,
+    ) -> Result<()> {
+        let bs = self.cfg.block_size;
+        let caching = self.cfg.enable_caching;
+        let window = self.window;
+        let gpu = &mut self.gpu;
+        let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
+        let len = seq.len();
+        let first = e.reserved / bs;
+        let last = (len + lookahead).div_ceil(bs);
+        for i in first..last {
+            let key = if caching && (i + 1) * bs <= len {
+                seq.block_key(i)
+            } else {
+                None
+            };
+            let nht = ((i + 1) * bs) as u32;
+            if i < e.table.len() {
+                let mut b = e.table[i];
+                if gpu.ref_count(b) > 1 {
+                    // copy on write (or switch to an identical cached block, no copy needed)
+                    if let Some(c) = key.as_ref().and_then(|k| gpu.lookup(k)).filter(|&c| c != b) {
+                        gpu.acquire(c, 1)?;
+                        gpu.release(b)?;
+                        set_entry(&mut e.table, i, c, window);
+                        continue;
+                    }
+                    let n = gpu.allocate()?;
+                    copies.push((b, n));
+                    gpu.release(b)?;
+                    set_entry(&mut e.table, i, n, window);
+                    b = n;
+                }
+                if let Some(k) = key.as_ref() {
+                    if gpu.block_hash(b).is_none() {
+                        promote(gpu, &mut e.table, i, b, k, nht, window)?;
+                    }
+                }
+            } else if let Some(w) = window.filter(|&w| i >= w) {
+                let old = e.table[i - w];
+                if gpu.ref_count(old) == 1 {
+                    e.table.push(old);
+                } else {
+                    let n = gpu.allocate()?;
+                    copies.push((old, n));
+                    gpu.release(old)?;
+                    e.table.push(n);
+                    set_entry(&mut e.table, i, n, window);
+                }
+            } else {
+                if let Some(c) = key.as_ref().and_then(|k| gpu.lookup(k)) {
+                    gpu.acquire(c, 1)?;
+                    e.table.push(c);
+                    continue;
+                }
+                let n = gpu.allocate()?;
+                e.table.push(n);
+                if let Some(k) = key.as_ref() {
+                    gpu.register(n, k, nht)?;
+                }
+            }
+        }
+        e.reserved = len;
+        Ok(())
+    }
+
+    // ---- fork and free -------------------------------------------------------------------
+
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        let Some(pe) = self.tables.get(&parent) else {
+            return if self.cfg.strict {
+                Err(Error::UnknownSequence(parent))
+            } else {
+                Ok(())
+            };
+        };
+        if self.tables.contains_key(&child) {
+            return Err(Error::invalid(format!(
+                "child sequence {child} already has a block table"
+            )));
+        }
+        let mut ce = pe.clone();
+        ce.order = self.next_order;
+        self.next_order += 1;
+        let pool = match ce.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for &b in distinct(&ce.table, self.window) {
+            pool.acquire(b, 1)?;
+        }
+        self.tables.insert(child, ce);
+        Ok(())
+    }
+
+    pub fn free(&mut self, id: SeqId) -> Result<()> {
+        let Some(e) = self.tables.remove(&id) else {
+            return if self.cfg.strict {
+                Err(Error::UnknownSequence(id))
+            } else {
+                Ok(())
+            };
+        };
+        self.release_table(&e)
+    }
+
+    fn release_table(&mut self, e: &SeqEntry) -> Result<()> {
+        let pool = match e.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for &b in distinct(&e.table, self.window).iter().rev() {
+            pool.release(b)?;
+        }
+        Ok(())
+    }
+
+    pub fn reset(&mut self) -> Result<()> {
+        let mut entries: Vec<SeqEntry> = self.tables.drain().map(|(_, e)| e).collect();
+        entries.sort_by_key(|e| e.order);
+        for e in &entries {
+            self.release_table(e)?;
+        }
+        Ok(())
+    }
+
+    // ---- swapping ------------------------------------------------------------------------
+
+    /// Distinct blocks over the tables of `ids` (all must exist).
+    fn distinct_blocks(&self, ids: &[SeqId]) -> Result<usize> {
+        let mut seen: HashSet<(Device, BlockId)> = HashSet::new();
+        for &id in ids {
+            let e = self.entry(id)?;
+            for &b in distinct(&e.table, self.window) {
+                seen.insert((e.device, b));
+            }
+        }
+        Ok(seen.len())
+    }
+
+    /// `unfinished`: every unfinished sequence of the group.
+    pub fn can_swap_out(&self, unfinished: &[SeqId]) -> Result<bool> {
+        Ok(self.distinct_blocks(unfinished)? <= self.cpu.num_free())
+    }
+
+    /// `unfinished`: every unfinished sequence of the group; `num_swapped`: how many are SWAPPED.
+    pub fn can_swap_in(
+        &self,
+        unfinished: &[SeqId],
+        num_swapped: usize,
+        lookahead: usize,
+    ) -> Result<AllocStatus> {
+        let blocks = self.distinct_blocks(unfinished)?;
+        let per_seq = lookahead.div_ceil(self.cfg.block_size).max(1);
+        let required = blocks + num_swapped * per_seq;
+        Ok(if (self.cfg.num_gpu_blocks as usize) < required {
+            AllocStatus::Never
+        } else if self.gpu.num_free() >= required + self.watermark_blocks {
+            AllocStatus::Ok
+        } else {
+            AllocStatus::Later
+        })
+    }
+
+    /// Move the tables of `ids` (in order) from `from` to the other device. Returns the mapping
+    /// old block -> new block in the order blocks were moved; a shared block moves once.
+    pub fn swap(&mut self, ids: &[SeqId], from: Device) -> Result<Vec<(BlockId, BlockId)>> {
+        let to = match from {
+            Device::Gpu => Device::Cpu,
+            Device::Cpu => Device::Gpu,
+        };
+        for &id in ids {
+            let e = self.entry(id)?;
+            if e.device != from {
+                return Err(Error::invalid(format!(
+                    "sequence {id} is on the {}, not the {}",
+                    e.device.name(),
+                    from.name()
+                )));
+            }
+        }
+        let need = self.distinct_blocks(ids)?;
+        if need > self.pool(to).num_free() {
+            return Err(self.out_of(to, need));
+        }
+        let window = self.window;
+        let (src, dst) = match from {
+            Device::Gpu => (&mut self.gpu, &mut self.cpu),
+            Device::Cpu => (&mut self.cpu, &mut self.gpu),
+        };
+        let mut mapping: Vec<(BlockId, BlockId)> = Vec::new();
+        let mut index: HashMap<BlockId, BlockId> = HashMap::new();
+        for &id in ids {
+            let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
+            for &b in distinct(&e.table, window) {
+                if let Some(&d) = index.get(&b) {
+                    dst.acquire(d, 1)?;
+                } else {
+                    let d = match src.key_of(b) {
+                        Some(key) => {
+                            let nht = src.num_hashed_tokens(b);
+                            if let Some(c) = dst.lookup(&key) {
+                                dst.acquire(c, 1)?;
+                                c
+                            } else {
+                                let d = dst.allocate()?;
+                                dst.register(d, &key, nht)?;
+                                d
+                            }
+                        }
+                        None => dst.allocate()?,
+                    };
+                    index.insert(b, d);
+                    mapping.push((b, d));
+                }
+                src.release(b)?;
+            }
+            for b in e.table.iter_mut() {
+                *b = index[b];
+            }
+            e.device = to;
+        }
+        Ok(mapping)
+    }
+
+    // ---- prefix-caching helpers ----------------------------------------------------------
+
+    pub fn access_all_blocks_in_seq(&mut self, id: SeqId, access_time: f64) -> Result<()> {
+        if !self.cfg.enable_caching {
+            return Ok(());
+        }
+        if !access_time.is_finite() {
+            return Err(Error::invalid("access_time must be a finite number"));
+        }
+        let e = self.tables.get(&id).ok_or(Error::UnknownSequence(id))?;
+        let pool = match e.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for &b in distinct(&e.table, self.window) {
+            pool.set_last_accessed(b, access_time);
+        }
+        Ok(())
+    }
+
+    /// vLLM's rule: mark blocks `0..len/bs - 1` computed, walking back until one already is.
+    pub fn compute_full_blocks_in_seq(&mut self, id: SeqId, len: usize) {
+        let Some(e) = self.tables.get(&id) else {
+            return;
+        };
+        let full = len / self.cfg.block_size;
+        if full == 0 {
+            return;
+        }
+        let pool = match e.device {
+            Device::Gpu => &mut self.gpu,
+            Device::Cpu => &mut self.cpu,
+        };
+        for i in (0..(full - 1).min(e.table.len())).rev() {
+            let b = e.table[i];
+            if pool.is_computed(b) {
+                break;
+            }
+            pool.set_computed(b, true);
+        }
+    }
+
+    /// The leading computed blocks of the table, excluding its last entry.
+    pub fn get_all_computed_blocks(&self, id: SeqId) -> Vec<BlockId> {
+        let Some(e) = self.tables.get(&id) else {
+            return Vec::new();
+        };
+        let pool = self.pool(e.device);
+        let body = &e.table[..e.table.len().saturating_sub(1)];
+        body.iter()
+            .copied()
+            .take_while(|&b| pool.is_computed(b))
+            .collect()
+    }
+
+    /// Longest common prefix of the non-empty computed-block lists of `ids`.
+    pub fn get_common_computed_block_ids(&self, ids: &[SeqId]) -> Vec<BlockId> {
+        if !self.cfg.enable_caching {
+            return Vec::new();
+        }
+        let mut common: Option<Vec<BlockId>> = None;
+        for &id in ids {
+            let blocks = self.get_all_computed_blocks(id);
+            if blocks.is_empty() {
+                continue;
+            }
+            common = Some(match common {
+                None => blocks,
+                Some(mut c) => {
+                    let n = c.iter().zip(&blocks).take_while(|(a, b)| a == b).count();
+                    c.truncate(n);
+                    c
+                }
+            });
+        }
+        common.unwrap_or_default()
+    }
+
+    /// Check pool invariants and that ref counts equal the references the tables hold.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.gpu.check_invariants()?;
+        self.cpu.check_invariants()?;
+        for (dev, pool) in [(Device::Gpu, &self.gpu), (Device::Cpu, &self.cpu)] {
+            let mut refs = vec![0u32; pool.num_blocks() as usize];
+            for e in self.tables.values().filter(|e| e.device == dev) {
+                let d = distinct(&e.table, self.window);
+                let mut sorted = d.to_vec();
+                sorted.sort_unstable();
+                if sorted.windows(2).any(|w| w[0] == w[1]) {
+                    return Err("a table holds the same block twice".into());
+                }
+                if let Some(w) = self.window {
+                    if e.table
+                        .iter()
+                        .enumerate()
+                        .any(|(i, &b)| b != e.table[i % w])
+                    {
+                        return Err("window table is not periodic".into());
+                    }
+                }
+                for &b in d {
+                    refs[b as usize] += 1;
+                }
+            }
+            for (b, &r) in refs.iter().enumerate() {
+                if pool.ref_count(b as BlockId) != r {
+                    return Err(format!(
+                        "{} block {b}: ref count {} but tables hold {r}",
+                        dev.name(),
+                        pool.ref_count(b as BlockId)
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn promote(
+    gpu: &mut BlockPool,
+    table: &mut [BlockId],
+    i: usize,
+    b: BlockId,
+    key: &BlockKey<'_>,
+    nht: u32,
+    window: Option<usize>,
+) -> Result<()> {
+    match gpu.lookup(key) {
+        Some(c) if c != b => {
+            gpu.acquire(c, 1)?;
+            gpu.release(b)?;
+            set_entry(table, i, c, window);
+        }
+        _ => {
+            gpu.register(b, key, nht)?;
+        }
+    }
+    Ok(())
+}

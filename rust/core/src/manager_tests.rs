@@ -1,0 +1,296 @@
+//! Unit tests and a seeded randomized driver for `Manager`.
+
+use crate::hash::{HashAlgo, HashExtra, Hasher};
+use crate::manager::{AllocStatus, Device, Manager, ManagerConfig};
+use crate::rng::Rng;
+use crate::token_seq::TokenSeq;
+use crate::Error;
+use std::collections::BTreeMap;
+
+const H: Hasher = Hasher {
+    algo: HashAlgo::Xxh3,
+    seed: 1,
+};
+
+fn cfg(bs: usize, gpu: u32, cpu: u32, caching: bool, window: Option<usize>) -> ManagerConfig {
+    ManagerConfig {
+        block_size: bs,
+        num_gpu_blocks: gpu,
+        num_cpu_blocks: cpu,
+        watermark: 0.0,
+        sliding_window: window,
+        enable_caching: caching,
+        strict: false,
+        hasher: H,
+    }
+}
+
+fn seq(tokens: &[u32], bs: usize) -> TokenSeq {
+    TokenSeq::new(bs, tokens, HashExtra::default(), H).unwrap()
+}
+
+#[test]
+fn allocate_shares_one_table_between_waiting_seqs() {
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let s = seq(&[1, 2, 3, 4, 5], 4);
+    m.allocate(&[(1, &s), (2, &s)]).unwrap();
+    assert_eq!(m.block_table(1).unwrap(), &[7, 6]);
+    assert_eq!(m.block_table(2).unwrap(), &[7, 6]);
+    assert_eq!(m.pool(Device::Gpu).ref_count(7), 2);
+    assert!(matches!(
+        m.allocate(&[(1, &s)]),
+        Err(Error::InvalidArgument(_))
+    ));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn append_crosses_blocks_and_copies_on_write_after_fork() {
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let mut a = seq(&[1, 2, 3], 4);
+    m.allocate(&[(1, &a)]).unwrap();
+    m.fork(1, 2).unwrap();
+    let mut b = a.clone();
+    a.push(9);
+    let mut copies = vec![];
+    m.append_slots(1, &a, 0, &mut copies).unwrap();
+    assert_eq!(
+        copies,
+        vec![(7, 6)],
+        "shared partial block is copied before it is written"
+    );
+    copies.clear();
+    b.push(8);
+    m.append_slots(2, &b, 0, &mut copies).unwrap();
+    assert!(
+        copies.is_empty(),
+        "the other sibling now owns the original block"
+    );
+    // six tokens at once: two new blocks in one call
+    for t in 0..6 {
+        a.push(t);
+    }
+    m.append_slots(1, &a, 0, &mut copies).unwrap();
+    assert_eq!(m.block_table(1).unwrap().len(), 3);
+    m.check_invariants().unwrap();
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 8);
+}
+
+#[test]
+fn out_of_blocks_changes_nothing() {
+    let mut m = Manager::new(cfg(4, 2, 1, false, None)).unwrap();
+    let s = seq(&[0; 9], 4);
+    assert_eq!(m.can_allocate(&s).unwrap(), AllocStatus::Never);
+    assert!(matches!(
+        m.allocate(&[(1, &s)]),
+        Err(Error::OutOfBlocks { .. })
+    ));
+    assert_eq!(m.num_free_gpu_blocks(), 2);
+    assert!(!m.has_table(1));
+}
+
+#[test]
+fn prefix_is_shared_and_revived_from_cache() {
+    let mut m = Manager::new(cfg(4, 16, 4, true, None)).unwrap();
+    let prefix: Vec<u32> = (0..12).collect();
+    let mut a_toks = prefix.clone();
+    a_toks.extend([100, 101]);
+    let mut b_toks = prefix.clone();
+    b_toks.extend([200, 201, 202, 203, 204]);
+    let a = seq(&a_toks, 4);
+    let b = seq(&b_toks, 4);
+    m.allocate(&[(1, &a)]).unwrap();
+    m.allocate(&[(2, &b)]).unwrap();
+    let (ta, tb) = (
+        m.block_table(1).unwrap().to_vec(),
+        m.block_table(2).unwrap().to_vec(),
+    );
+    assert_eq!(ta[..3], tb[..3], "full prefix blocks are shared");
+    assert_ne!(ta[3], tb[3], "partial / differing blocks are not");
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 16);
+    let c = seq(&prefix, 4);
+    m.allocate(&[(3, &c)]).unwrap();
+    assert_eq!(
+        m.block_table(3).unwrap(),
+        &ta[..3],
+        "freed prefix blocks are revived"
+    );
+    assert_eq!(m.prefix_cache_stats(), (3 + 4 + 3, 3 + 3));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn window_table_is_periodic_and_cow_keeps_it_so() {
+    let mut m = Manager::new(cfg(2, 8, 8, false, Some(4))).unwrap();
+    let mut a = seq(&[1, 2, 3, 4, 5], 2); // 3 blocks, window 2 blocks
+    m.allocate(&[(1, &a)]).unwrap();
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!(t[2], t[0]);
+    assert_eq!(m.num_free_gpu_blocks(), 6);
+    m.fork(1, 2).unwrap();
+    a.push(6); // writes into block 2 == block 0, shared -> CoW
+    let mut copies = vec![];
+    m.append_slots(1, &a, 0, &mut copies).unwrap();
+    assert_eq!(copies.len(), 1);
+    let t1 = m.block_table(1).unwrap().to_vec();
+    assert_eq!(t1[0], t1[2]);
+    assert_ne!(t1[0], t[0]);
+    m.check_invariants().unwrap();
+    // swap both out and in: each distinct block moves once
+    let mapping = m.swap(&[1, 2], Device::Gpu).unwrap();
+    assert_eq!(mapping.len(), 3);
+    m.check_invariants().unwrap();
+    m.swap(&[1, 2], Device::Cpu).unwrap();
+    m.check_invariants().unwrap();
+    m.reset().unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 8);
+    assert_eq!(m.num_free_cpu_blocks(), 8);
+}
+
+#[test]
+fn swap_errors_change_nothing() {
+    let mut m = Manager::new(cfg(4, 8, 1, false, None)).unwrap();
+    let s = seq(&[0; 8], 4);
+    m.allocate(&[(1, &s)]).unwrap();
+    assert!(matches!(
+        m.swap(&[1], Device::Cpu),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        m.swap(&[1], Device::Gpu),
+        Err(Error::OutOfBlocks { .. })
+    ));
+    assert_eq!(m.device_of(1).unwrap(), Device::Gpu);
+    assert!(matches!(
+        m.swap(&[9], Device::Gpu),
+        Err(Error::UnknownSequence(9))
+    ));
+    m.check_invariants().unwrap();
+}
+
+#[test]
+fn computed_blocks_follow_vllm_rule() {
+    let mut m = Manager::new(cfg(4, 8, 1, true, None)).unwrap();
+    let s = seq(&(0..17).collect::<Vec<u32>>(), 4); // 4 full blocks + 1 token
+    m.allocate(&[(1, &s)]).unwrap();
+    m.compute_full_blocks_in_seq(1, s.len());
+    let t = m.block_table(1).unwrap().to_vec();
+    // blocks 0..=2 marked (the last full block, 3, is not: vLLM's rule), table[:-1] excludes 4
+    assert_eq!(m.get_all_computed_blocks(1), t[..3].to_vec());
+    assert_eq!(m.get_common_computed_block_ids(&[1, 99]), t[..3].to_vec());
+}
+
+/// Seeded random operations; invariants after every one; everything free at the end.
+fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
+    let bs = 4;
+    let mut m = Manager::new(cfg(bs, 48, 24, caching, window)).unwrap();
+    let mut rng = Rng::new(seed);
+    let mut seqs: BTreeMap<u64, TokenSeq> = BTreeMap::new();
+    let mut next_id = 0u64;
+    let prefixes: Vec<Vec<u32>> = (0..3)
+        .map(|p| (0..10).map(|i| p * 100 + i).collect())
+        .collect();
+    for step in 0..steps {
+        let ids: Vec<u64> = seqs.keys().copied().collect();
+        let pick = |rng: &mut Rng| ids.get(rng.below(ids.len().max(1))).copied();
+        match rng.below(9) {
+            0 | 1 => {
+                let mut toks = prefixes[rng.below(3)][..rng.below(10) + 1].to_vec();
+                for _ in 0..rng.below(8) {
+                    toks.push(rng.below(5) as u32);
+                }
+                let s = seq(&toks, bs);
+                let id = next_id;
+                next_id += 1;
+                let before = m.num_free_gpu_blocks();
+                match m.allocate(&[(id, &s)]) {
+                    Ok(()) => {
+                        seqs.insert(id, s);
+                    }
+                    Err(Error::OutOfBlocks { .. }) => assert_eq!(m.num_free_gpu_blocks(), before),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            2..=4 => {
+                if let Some(id) = pick(&mut rng) {
+                    let s = seqs.get_mut(&id).unwrap();
+                    for _ in 0..rng.below(3) + 1 {
+                        s.push(rng.below(3) as u32);
+                    }
+                    let mut copies = vec![];
+                    let before = (m.num_free_gpu_blocks(), m.block_table(id).unwrap().to_vec());
+                    match m.append_slots(id, s, rng.below(2), &mut copies) {
+                        Ok(()) | Err(Error::InvalidArgument(_)) => {}
+                        Err(Error::OutOfBlocks { .. }) => {
+                            assert_eq!(
+                                (m.num_free_gpu_blocks(), m.block_table(id).unwrap().to_vec()),
+                                before
+                            )
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }
+            5 => {
+                if let Some(id) = pick(&mut rng) {
+                    let child = next_id;
+                    next_id += 1;
+                    m.fork(id, child).unwrap();
+                    let c = seqs[&id].clone();
+                    seqs.insert(child, c);
+                }
+            }
+            6 => {
+                if let Some(id) = pick(&mut rng) {
+                    m.free(id).unwrap();
+                    seqs.remove(&id);
+                    m.free(id).unwrap(); // a second free is a no-op (vLLM)
+                }
+            }
+            7 => {
+                if let Some(id) = pick(&mut rng) {
+                    let from = m.device_of(id).unwrap();
+                    match m.swap(&[id], from) {
+                        Ok(_) | Err(Error::OutOfBlocks { .. }) => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            }
+            _ => {
+                if rng.chance(5) {
+                    m.reset().unwrap();
+                    seqs.clear();
+                } else if let Some(id) = pick(&mut rng) {
+                    m.access_all_blocks_in_seq(id, step as f64).unwrap();
+                    m.compute_full_blocks_in_seq(id, seqs[&id].len());
+                }
+            }
+        }
+        m.check_invariants()
+            .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
+    }
+    for id in seqs.keys() {
+        m.free(*id).unwrap();
+    }
+    assert_eq!(m.num_free_gpu_blocks(), 48);
+    assert_eq!(m.num_free_cpu_blocks(), 24);
+}
+
+#[test]
+fn randomized_manager_without_caching() {
+    random_run(1, 20_000, false, None);
+}
+
+#[test]
+fn randomized_manager_with_caching() {
+    random_run(2, 20_000, true, None);
+}
+
+#[test]
+fn randomized_manager_with_window() {
+    random_run(3, 20_000, false, Some(8));
+}

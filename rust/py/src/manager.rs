@@ -1,0 +1,694 @@
+//! `BlockManager`: the native half of `pagedkv.BlockSpaceManager`. It reads sequences and groups
+//! straight off the Python objects (`seq.seq_id`, `seq.status`, `seq.data._store`,
+//! `group.seqs_dict`) and hands the work to the core manager.
+
+use crate::arrays::{int_arg, type_name, writable_i32, I32Out};
+use crate::errors::{invalid, wrong_type, IntoPyResult};
+use crate::hashing::{resolve_hasher, PyTokenSeq};
+use pagedkv_core::{AllocStatus, BlockId, Copies, Device, Manager, ManagerConfig, SeqId, TokenSeq};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyString};
+
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Status {
+    Waiting,
+    Running,
+    Swapped,
+    Finished,
+}
+
+/// The members WAITING, RUNNING, SWAPPED of `pagedkv.sequence.SequenceStatus`, for identity checks.
+fn status_members(py: Python<'_>) -> Option<&'static [Py<PyAny>; 3]> {
+    static CELL: PyOnceLock<Option<[Py<PyAny>; 3]>> = PyOnceLock::new();
+    CELL.get_or_init(py, || {
+        let cls = py
+            .import("pagedkv.sequence")
+            .ok()?
+            .getattr("SequenceStatus")
+            .ok()?;
+        let get = |n: &str| cls.getattr(n).ok().map(|m| m.unbind());
+        Some([get("WAITING")?, get("RUNNING")?, get("SWAPPED")?])
+    })
+    .as_ref()
+}
+
+fn status_of(seq: &Bound<'_, PyAny>) -> PyResult<Status> {
+    let py = seq.py();
+    let st = seq.getattr(intern!(py, "status"))?;
+    if let Some([w, r, s]) = status_members(py) {
+        if st.is(w) {
+            return Ok(Status::Waiting);
+        }
+        if st.is(r) {
+            return Ok(Status::Running);
+        }
+        if st.is(s) {
+            return Ok(Status::Swapped);
+        }
+    }
+    // Any enum with vLLM's member names works too.
+    let name = st
+        .getattr(intern!(py, "name"))
+        .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?;
+    let name = name
+        .cast::<PyString>()
+        .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?
+        .to_cow()?
+        .into_owned();
+    Ok(match name.as_str() {
+        "WAITING" => Status::Waiting,
+        "RUNNING" => Status::Running,
+        "SWAPPED" => Status::Swapped,
+        n if n.starts_with("FINISHED") => Status::Finished,
+        other => return Err(invalid(format!("unknown sequence status {other}"))),
+    })
+}
+
+fn seq_id_of(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
+    let id = seq.getattr(intern!(seq.py(), "seq_id")).map_err(|_| {
+        wrong_type(format!(
+            "expected a pagedkv Sequence, got {}",
+            type_name(seq)
+        ))
+    })?;
+    let id = int_arg(&id, "seq_id")?;
+    u64::try_from(id).map_err(|_| invalid(format!("seq_id must be non-negative, got {id}")))
+}
+
+fn store_of<'py>(seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
+    let py = seq.py();
+    seq.getattr(intern!(py, "data"))
+        .and_then(|d| d.getattr(intern!(py, "_store")))
+        .ok()
+        .and_then(|s| s.cast_into::<PyTokenSeq>().ok())
+        .ok_or_else(|| {
+            wrong_type(format!(
+                "expected a pagedkv Sequence (with a native seq.data._store), got {}",
+                type_name(seq)
+            ))
+        })
+}
+
+fn group_seqs<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let py = group.py();
+    let seqs = match group.getattr(intern!(py, "seqs_dict")) {
+        Ok(d) => d.call_method0(intern!(py, "values"))?,
+        Err(_) => group.call_method0(intern!(py, "get_seqs")).map_err(|_| {
+            wrong_type(format!(
+                "expected a SequenceGroup, got {}",
+                type_name(group)
+            ))
+        })?,
+    };
+    seqs.try_iter()?.collect()
+}
+
+fn alloc_status(py: Python<'_>, s: AllocStatus) -> PyResult<Py<PyAny>> {
+    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let cls = CELL.get_or_try_init(py, || {
+        Ok::<_, PyErr>(
+            py.import("pagedkv.block_manager")?
+                .getattr("AllocStatus")?
+                .unbind(),
+        )
+    })?;
+    let name = match s {
+        AllocStatus::Ok => "OK",
+        AllocStatus::Later => "LATER",
+        AllocStatus::Never => "NEVER",
+    };
+    Ok(cls.bind(py).getattr(name)?.unbind())
+}
+
+fn device_arg(device: &str) -> PyResult<Device> {
+    match device {
+        "gpu" | "GPU" | "cuda" => Ok(Device::Gpu),
+        "cpu" | "CPU" => Ok(Device::Cpu),
+        other => Err(invalid(format!(
+            "device must be 'gpu' or 'cpu', got {other:?}"
+        ))),
+    }
+}
+
+fn copies_dict<'py>(py: Python<'py>, copies: &Copies) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for &(src, dst) in copies {
+        match d.get_item(src)? {
+            Some(list) => list.cast_into::<PyList>()?.append(dst)?,
+            None => d.set_item(src, PyList::new(py, [dst])?)?,
+        }
+    }
+    Ok(d)
+}
+
+fn mapping_dict<'py>(
+    py: Python<'py>,
+    mapping: &[(BlockId, BlockId)],
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    for &(a, b) in mapping {
+        d.set_item(a, b)?;
+    }
+    Ok(d)
+}
+
+#[pyclass(module = "pagedkv._native", name = "BlockManager", subclass)]
+pub struct PyManager {
+    inner: Manager,
+    copies: Copies,
+}
+
+/// Sequences resolved to (id, store) with their hasher aligned to the manager's.
+struct Resolved<'py> {
+    items: Vec<(SeqId, PyRef<'py, PyTokenSeq>)>,
+}
+
+impl<'py> Resolved<'py> {
+    fn refs(&self) -> Vec<(SeqId, &TokenSeq)> {
+        self.items.iter().map(|(id, s)| (*id, &s.inner)).collect()
+    }
+}
+
+impl PyManager {
+    fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
+        let hasher = self.inner.config().hasher;
+        let mut items = Vec::with_capacity(seqs.len());
+        for seq in seqs {
+            let id = seq_id_of(seq)?;
+            let store = store_of(seq)?;
+            if store.borrow().inner.hasher() != hasher {
+                store.borrow_mut().inner.adopt_hasher(hasher);
+            }
+            items.push((id, store.borrow()));
+        }
+        Ok(Resolved { items })
+    }
+
+    fn resolve_one<'py>(
+        &self,
+        seq: &Bound<'py, PyAny>,
+    ) -> PyResult<(SeqId, PyRef<'py, PyTokenSeq>)> {
+        let mut r = self.resolve(std::slice::from_ref(seq))?;
+        Ok(r.items.pop().expect("one item"))
+    }
+
+    fn with_status<'py>(
+        group: &Bound<'py, PyAny>,
+        pred: impl Fn(Status) -> bool,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let mut out = Vec::new();
+        for s in group_seqs(group)? {
+            if pred(status_of(&s)?) {
+                out.push(s);
+            }
+        }
+        Ok(out)
+    }
+
+    fn ids(seqs: &[Bound<'_, PyAny>]) -> PyResult<Vec<SeqId>> {
+        seqs.iter().map(seq_id_of).collect()
+    }
+
+    fn write_rows(
+        &self,
+        ids: &[(SeqId, &TokenSeq)],
+        tables: &I32Out,
+        pad_value: i32,
+        context_lens: Option<&I32Out>,
+        slot_mapping: Option<&I32Out>,
+    ) -> PyResult<()> {
+        let (rows, cols) = (tables.shape[0], tables.shape[1]);
+        let bs = self.inner.config().block_size;
+        // SAFETY: shapes were checked against `ids` by the caller; the arrays are alive (held by
+        // the caller's references) and we are attached to the interpreter.
+        let table_buf = unsafe { std::slice::from_raw_parts_mut(tables.ptr, rows * cols) };
+        for (r, &(id, seq)) in ids.iter().enumerate() {
+            let t = self.inner.block_table(id).py()?;
+            let row = &mut table_buf[r * cols..(r + 1) * cols];
+            for (dst, &b) in row.iter_mut().zip(t) {
+                *dst = b as i32;
+            }
+            row[t.len()..].fill(pad_value);
+            let len = seq.len();
+            if let Some(cl) = context_lens {
+                unsafe { *cl.ptr.add(r) = len as i32 };
+            }
+            if let Some(sm) = slot_mapping {
+                let slot = if len == 0 {
+                    -1
+                } else {
+                    let p = len - 1;
+                    (t[p / bs] as usize * bs + p % bs) as i32
+                };
+                unsafe { *sm.ptr.add(r) = slot };
+            }
+        }
+        Ok(())
+    }
+
+    fn check_buffers(
+        &self,
+        refs: &[(SeqId, &TokenSeq)],
+        tables: &I32Out,
+        vecs: &[(&str, Option<&I32Out>)],
+        extra_blocks: bool,
+    ) -> PyResult<()> {
+        let n = refs.len();
+        let (rows, cols) = (tables.shape[0], tables.shape[1]);
+        if rows < n {
+            return Err(invalid(format!(
+                "block_tables has {rows} rows for {n} sequences"
+            )));
+        }
+        for (name, v) in vecs {
+            if let Some(v) = v {
+                if v.shape[0] < n {
+                    return Err(invalid(format!(
+                        "{name} has {} entries for {n} sequences",
+                        v.shape[0]
+                    )));
+                }
+            }
+        }
+        let bs = self.inner.config().block_size;
+        for &(id, seq) in refs {
+            let cur = self.inner.block_table(id).py()?.len();
+            let after = if extra_blocks {
+                cur.max(seq.len().div_ceil(bs))
+            } else {
+                cur
+            };
+            if after > cols {
+                return Err(invalid(format!(
+                    "block_tables has {cols} columns but sequence {id} needs {after}"
+                )));
+            }
+            if after as u64 > i32::MAX as u64 || seq.len() > i32::MAX as usize {
+                return Err(invalid("sequence too long for int32 buffers"));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[pymethods]
+impl PyManager {
+    #[new]
+    #[pyo3(signature = (block_size, num_gpu_blocks, num_cpu_blocks, watermark = 0.01, sliding_window = None,
+                        enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        block_size: &Bound<'_, PyAny>,
+        num_gpu_blocks: &Bound<'_, PyAny>,
+        num_cpu_blocks: &Bound<'_, PyAny>,
+        watermark: f64,
+        sliding_window: Option<&Bound<'_, PyAny>>,
+        enable_caching: bool,
+        hash_algo: Option<&str>,
+        hash_seed: Option<u64>,
+        strict: bool,
+    ) -> PyResult<Self> {
+        let bs = int_arg(block_size, "block_size")?;
+        if !(1..=1 << 20).contains(&bs) {
+            return Err(invalid(format!(
+                "block_size must be in 1..=2**20, got {bs}"
+            )));
+        }
+        let nblocks = |o: &Bound<'_, PyAny>, what: &str| -> PyResult<u32> {
+            let v = int_arg(o, what)?;
+            if !(0..u32::MAX as i64).contains(&v) {
+                return Err(invalid(format!("{what} must be in 0..2**32-1, got {v}")));
+            }
+            Ok(v as u32)
+        };
+        let sliding_window = match sliding_window {
+            Some(o) if !o.is_none() => {
+                let v = int_arg(o, "sliding_window")?;
+                if v <= 0 {
+                    return Err(invalid(format!("sliding_window must be positive, got {v}")));
+                }
+                Some(v as usize)
+            }
+            _ => None,
+        };
+        let cfg = ManagerConfig {
+            block_size: bs as usize,
+            num_gpu_blocks: nblocks(num_gpu_blocks, "num_gpu_blocks")?,
+            num_cpu_blocks: nblocks(num_cpu_blocks, "num_cpu_blocks")?,
+            watermark,
+            sliding_window,
+            enable_caching,
+            strict,
+            hasher: resolve_hasher(hash_algo, hash_seed)?,
+        };
+        Ok(PyManager {
+            inner: Manager::new(cfg).py()?,
+            copies: Vec::new(),
+        })
+    }
+
+    // ---- configuration -----------------------------------------------------------------
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.config().block_size
+    }
+    #[getter]
+    fn num_total_gpu_blocks(&self) -> u32 {
+        self.inner.config().num_gpu_blocks
+    }
+    #[getter]
+    fn num_total_cpu_blocks(&self) -> u32 {
+        self.inner.config().num_cpu_blocks
+    }
+    #[getter]
+    fn watermark(&self) -> f64 {
+        self.inner.config().watermark
+    }
+    #[getter]
+    fn watermark_blocks(&self) -> usize {
+        self.inner.watermark_blocks()
+    }
+    #[getter]
+    fn enable_caching(&self) -> bool {
+        self.inner.config().enable_caching
+    }
+    #[getter]
+    fn block_sliding_window(&self) -> Option<usize> {
+        self.inner.window_blocks()
+    }
+    #[getter]
+    fn strict(&self) -> bool {
+        self.inner.config().strict
+    }
+    #[getter]
+    fn hasher(&self) -> (&'static str, u64) {
+        let h = self.inner.config().hasher;
+        (h.algo.name(), h.seed)
+    }
+
+    // ---- allocation --------------------------------------------------------------------
+    fn can_allocate(&self, py: Python<'_>, seq_group: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
+        let first = waiting
+            .first()
+            .ok_or_else(|| invalid("the sequence group has no WAITING sequence"))?;
+        let (_, store) = self.resolve_one(first)?;
+        alloc_status(py, self.inner.can_allocate(&store.inner).py()?)
+    }
+
+    fn allocate(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
+        let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
+        let r = self.resolve(&waiting)?;
+        self.inner.allocate(&r.refs()).py()
+    }
+
+    #[pyo3(signature = (seq_group, num_lookahead_slots = 0))]
+    fn can_append_slots(
+        &self,
+        seq_group: &Bound<'_, PyAny>,
+        num_lookahead_slots: usize,
+    ) -> PyResult<bool> {
+        let running = Self::with_status(seq_group, |s| s == Status::Running)?;
+        let r = self.resolve(&running)?;
+        self.inner
+            .can_append_slots(&r.refs(), num_lookahead_slots)
+            .py()
+    }
+
+    /// Reserve slots for the tokens appended since the last call; returns copy-on-write pairs
+    /// `{src_block: [dst_block, ...]}` (empty when nothing is copied).
+    #[pyo3(signature = (seq, num_lookahead_slots = 0))]
+    fn append_slots<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq: &Bound<'py, PyAny>,
+        num_lookahead_slots: usize,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let (id, store) = self.resolve_one(seq)?;
+        self.copies.clear();
+        self.inner
+            .append_slots(id, &store.inner, num_lookahead_slots, &mut self.copies)
+            .py()?;
+        copies_dict(py, &self.copies)
+    }
+
+    /// One decode step for many sequences in one call: reserve each one's newest slot, then
+    /// write row `i` of `block_tables` (int32 `[rows >= n, cols]`, the rest of the row set to
+    /// `pad_value`), `context_lens[i]` (= seq length) and `slot_mapping[i]` (slot of the newest
+    /// token, `block * block_size + offset`). Buffers are numpy int32 arrays (torch: `t.numpy()`),
+    /// written in place. Everything is checked before anything changes; out of blocks raises
+    /// `OutOfBlocksError` with no sequence touched. Returns the copy-on-write pairs.
+    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = 0))]
+    fn append_slots_batch<'py>(
+        &mut self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+        block_tables: &Bound<'py, PyAny>,
+        context_lens: &Bound<'py, PyAny>,
+        slot_mapping: &Bound<'py, PyAny>,
+        pad_value: i32,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let seqs: Vec<Bound<'py, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
+        let tables = writable_i32(block_tables, "block_tables", 2)?;
+        let cl = writable_i32(context_lens, "context_lens", 1)?;
+        let sm = writable_i32(slot_mapping, "slot_mapping", 1)?;
+        let r = self.resolve(&seqs)?;
+        let refs = r.refs();
+        self.check_buffers(
+            &refs,
+            &tables,
+            &[("context_lens", Some(&cl)), ("slot_mapping", Some(&sm))],
+            true,
+        )?;
+        self.copies.clear();
+        self.inner
+            .append_slots_batch(&refs, &mut self.copies)
+            .py()?;
+        self.write_rows(&refs, &tables, pad_value, Some(&cl), Some(&sm))?;
+        copies_dict(py, &self.copies)
+    }
+
+    /// Write the current block tables of `seqs` (rows padded with `pad_value`) and, if given,
+    /// their lengths into caller-owned int32 buffers, without changing anything.
+    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = 0))]
+    fn fill_block_tables<'py>(
+        &self,
+        seqs: &Bound<'py, PyAny>,
+        block_tables: &Bound<'py, PyAny>,
+        context_lens: Option<&Bound<'py, PyAny>>,
+        pad_value: i32,
+    ) -> PyResult<()> {
+        let seqs: Vec<Bound<'py, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
+        let tables = writable_i32(block_tables, "block_tables", 2)?;
+        let cl = context_lens
+            .map(|c| writable_i32(c, "context_lens", 1))
+            .transpose()?;
+        let r = self.resolve(&seqs)?;
+        let refs = r.refs();
+        self.check_buffers(&refs, &tables, &[("context_lens", cl.as_ref())], false)?;
+        self.write_rows(&refs, &tables, pad_value, cl.as_ref(), None)
+    }
+
+    fn fork(
+        &mut self,
+        parent_seq: &Bound<'_, PyAny>,
+        child_seq: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let parent = seq_id_of(parent_seq)?;
+        let child = seq_id_of(child_seq)?;
+        if parent == child {
+            return Err(invalid(format!(
+                "cannot fork sequence {parent} into itself"
+            )));
+        }
+        self.inner.fork(parent, child).py()
+    }
+
+    fn free(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let id = seq_id_of(seq)?;
+        self.inner.free(id).py()
+    }
+
+    fn reset(&mut self) -> PyResult<()> {
+        self.inner.reset().py()
+    }
+
+    // ---- swapping ----------------------------------------------------------------------
+    #[pyo3(signature = (seq_group, num_lookahead_slots = 0))]
+    fn can_swap_in(
+        &self,
+        py: Python<'_>,
+        seq_group: &Bound<'_, PyAny>,
+        num_lookahead_slots: usize,
+    ) -> PyResult<Py<PyAny>> {
+        let mut unfinished = Vec::new();
+        let mut swapped = 0;
+        for s in group_seqs(seq_group)? {
+            let st = status_of(&s)?;
+            if st != Status::Finished {
+                unfinished.push(seq_id_of(&s)?);
+            }
+            swapped += usize::from(st == Status::Swapped);
+        }
+        alloc_status(
+            py,
+            self.inner
+                .can_swap_in(&unfinished, swapped, num_lookahead_slots)
+                .py()?,
+        )
+    }
+
+    /// Move the group's SWAPPED sequences to the GPU; returns `{cpu_block: gpu_block}`.
+    fn swap_in<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq_group: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let seqs = Self::with_status(seq_group, |s| s == Status::Swapped)?;
+        let ids = Self::ids(&seqs)?;
+        let m = self.inner.swap(&ids, Device::Cpu).py()?;
+        mapping_dict(py, &m)
+    }
+
+    fn can_swap_out(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let seqs = Self::with_status(seq_group, |s| s != Status::Finished)?;
+        self.inner.can_swap_out(&Self::ids(&seqs)?).py()
+    }
+
+    /// Move the group's RUNNING sequences to the CPU; returns `{gpu_block: cpu_block}`.
+    fn swap_out<'py>(
+        &mut self,
+        py: Python<'py>,
+        seq_group: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let seqs = Self::with_status(seq_group, |s| s == Status::Running)?;
+        let ids = Self::ids(&seqs)?;
+        let m = self.inner.swap(&ids, Device::Gpu).py()?;
+        mapping_dict(py, &m)
+    }
+
+    // ---- queries -----------------------------------------------------------------------
+    fn get_block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = seq_id_of(seq)?;
+        PyList::new(py, self.inner.block_table(id).py()?)
+    }
+
+    fn get_num_free_gpu_blocks(&self) -> usize {
+        self.inner.num_free_gpu_blocks()
+    }
+
+    fn get_num_free_cpu_blocks(&self) -> usize {
+        self.inner.num_free_cpu_blocks()
+    }
+
+    fn access_all_blocks_in_seq(
+        &mut self,
+        seq: &Bound<'_, PyAny>,
+        access_time: f64,
+    ) -> PyResult<()> {
+        let id = seq_id_of(seq)?;
+        self.inner.access_all_blocks_in_seq(id, access_time).py()
+    }
+
+    fn compute_full_blocks_in_seq(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (id, store) = self.resolve_one(seq)?;
+        self.inner.compute_full_blocks_in_seq(id, store.inner.len());
+        Ok(())
+    }
+
+    fn get_all_computed_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        seq: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let id = seq_id_of(seq)?;
+        PyList::new(py, self.inner.get_all_computed_blocks(id))
+    }
+
+    fn get_common_computed_block_ids<'py>(
+        &self,
+        py: Python<'py>,
+        seqs: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut ids = Vec::new();
+        for s in seqs.try_iter()? {
+            ids.push(seq_id_of(&s?)?);
+        }
+        PyList::new(py, self.inner.get_common_computed_block_ids(&ids))
+    }
+
+    fn mark_blocks_as_computed(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !self.inner.config().enable_caching {
+            return Ok(());
+        }
+        let seqs = group_seqs(seq_group)?;
+        let r = self.resolve(&seqs)?;
+        for (id, s) in r.refs() {
+            self.inner.compute_full_blocks_in_seq(id, s.len());
+        }
+        Ok(())
+    }
+
+    // ---- introspection -----------------------------------------------------------------
+    fn has_table(&self, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.inner.has_table(seq_id_of(seq)?))
+    }
+
+    /// Device ("gpu"/"cpu") the sequence's table lives on.
+    fn table_device(&self, seq: &Bound<'_, PyAny>) -> PyResult<&'static str> {
+        Ok(self.inner.device_of(seq_id_of(seq)?).py()?.name())
+    }
+
+    fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let pool = self.inner.pool(device_arg(device)?);
+        let b = pool.check(int_arg(block, "block")?).py()?;
+        Ok(pool.ref_count(b))
+    }
+
+    /// `{ref_count, block_hash, num_hashed_tokens, last_accessed, computed}` of one block.
+    fn block_info<'py>(
+        &self,
+        py: Python<'py>,
+        device: &str,
+        block: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let pool = self.inner.pool(device_arg(device)?);
+        let b = pool.check(int_arg(block, "block")?).py()?;
+        let d = PyDict::new(py);
+        d.set_item("ref_count", pool.ref_count(b))?;
+        d.set_item("block_hash", pool.block_hash(b))?;
+        d.set_item("num_hashed_tokens", pool.num_hashed_tokens(b))?;
+        d.set_item("last_accessed", pool.last_accessed(b))?;
+        d.set_item("computed", pool.is_computed(b))?;
+        Ok(d)
+    }
+
+    /// `(lookups, hits)` of full prompt blocks in `allocate` (the prefix-cache hit rate).
+    fn prefix_cache_stats(&self) -> (u64, u64) {
+        self.inner.prefix_cache_stats()
+    }
+
+    #[pyo3(signature = (device = "gpu"))]
+    fn num_cached_blocks(&self, device: &str) -> PyResult<usize> {
+        Ok(self.inner.pool(device_arg(device)?).num_cached())
+    }
+
+    #[pyo3(signature = (device = "gpu"))]
+    fn num_evictable_blocks(&self, device: &str) -> PyResult<usize> {
+        Ok(self.inner.pool(device_arg(device)?).num_evictable())
+    }
+
+    /// Raise AssertionError if a pool invariant is broken or a ref count disagrees with the
+    /// tables (O(blocks); for tests).
+    fn check_invariants(&self) -> PyResult<()> {
+        self.inner
+            .check_invariants()
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
+    }
+}
