@@ -1,7 +1,13 @@
 """pagedkv: KV-cache block management for paged-attention LLM serving, in Rust.
 
 The public API mirrors vLLM's ``vllm/sequence.py`` and its block manager, so an engine can
-switch with an import change. The native module ``pagedkv._native`` is private.
+switch with an import change::
+
+    from pagedkv import BlockSpaceManager, Sequence, SequenceGroup, SamplingParams
+
+The native module ``pagedkv._native`` is private. The torch side (KV-cache ops, paged attention)
+lives in :mod:`pagedkv.attention` and needs the ``pagedkv[torch]`` extra; the pure-Python
+reference implementation lives in :mod:`pagedkv.reference`.
 """
 
 from __future__ import annotations
@@ -15,19 +21,55 @@ from pagedkv._native import (
     hash_blocks,
     set_default_hasher,
 )
+from pagedkv.block import Device, LogicalTokenBlock, PhysicalTokenBlock
+from pagedkv.block_manager import AllocStatus, BlockSpaceManager
 from pagedkv.errors import (
+    ArgumentTypeError,
     DoubleFreeError,
     InvalidArgumentError,
     OutOfBlocksError,
     PagedKVError,
     UnknownSequenceError,
 )
+from pagedkv.sequence import (
+    ExecuteModelRequest,
+    RequestMetrics,
+    Sequence,
+    SequenceData,
+    SequenceGroup,
+    SequenceGroupMetadata,
+    SequenceGroupState,
+    SequenceStage,
+    SequenceStatus,
+)
+from pagedkv.types import Logprob, LoRARequest, MultiModalData, SamplingParams
 
 __all__ = [
     "__version__",
+    # sequences (vllm/sequence.py)
+    "SequenceStatus",
+    "SequenceStage",
+    "SequenceData",
+    "Sequence",
+    "SequenceGroup",
+    "SequenceGroupState",
+    "RequestMetrics",
+    "SequenceGroupMetadata",
+    "ExecuteModelRequest",
+    "SamplingParams",
+    "Logprob",
+    "LoRARequest",
+    "MultiModalData",
+    # blocks and the manager
+    "Device",
+    "LogicalTokenBlock",
+    "PhysicalTokenBlock",
+    "AllocStatus",
+    "BlockSpaceManager",
     # errors
     "PagedKVError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
     "UnknownSequenceError",
     "DoubleFreeError",
     "OutOfBlocksError",

@@ -523,7 +523,13 @@ impl Manager {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
         };
-        for &b in distinct(&e.table, self.window).iter().rev() {
+        // The tail first: walking back from the last entry, every distinct block once (the last
+        // W entries of a periodic window table are its W distinct blocks).
+        let tail = match self.window {
+            Some(w) if e.table.len() > w => &e.table[e.table.len() - w..],
+            _ => &e.table[..],
+        };
+        for &b in tail.iter().rev() {
             pool.release(b)?;
         }
         Ok(())

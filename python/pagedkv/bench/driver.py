@@ -1,0 +1,584 @@
+"""The W1 driver: a small vLLM-0.4.2-style scheduler loop around one block-manager backend.
+
+Each step mirrors what vLLM's scheduler and engine ask of the block manager:
+
+1. **decode** — every running group, oldest admission first: ``can_append_slots(group)``; while
+   it is False, preempt the most recently admitted running group (possibly the group itself):
+   recompute for single-sequence groups (``free`` + WAITING + ``reset_state_for_recompute`` +
+   front of the waiting queue), swap for forked groups (``can_swap_out``/``swap_out`` + SWAPPED).
+   Then ``append_slots(seq)`` for each running sequence (CoW dicts go to ``blocks_to_copy``).
+2. **swap in** — only if nobody was preempted this step: swapped groups in order while
+   ``can_swap_in`` is OK and the sequence limit allows (``swap_in`` + RUNNING + append slots).
+3. **admit** — only if nobody was preempted and nothing is left swapped: waiting groups in order
+   while ``can_allocate`` is OK and both the prefill-token budget and the sequence limit allow
+   (``allocate`` + RUNNING). ``AllocStatus.NEVER`` (or a prompt over the budget) ignores the
+   request. Prompts are admitted whole (no chunked prefill); decodes and prefills share a step.
+4. **prepare** — for every scheduled sequence ``get_block_table(seq)`` and
+   ``access_all_blocks_in_seq(seq, now)`` (``now`` = the step number, so eviction order is
+   deterministic); ``get_common_computed_block_ids(seqs)`` for each prefill group.
+5. **after the model step** — ``mark_blocks_as_computed(group)`` for every scheduled group.
+6. **outputs** — every scheduled sequence appends its predetermined token; an n=2 group forks
+   right after its prefill (``seq.fork`` before either appends, as vLLM's output processor, then
+   ``manager.fork(parent, child)``); a sequence that reached its output length is
+   FINISHED_LENGTH_CAPPED and ``free``d.
+
+The ``native-batch`` backend replaces per-sequence ``append_slots``/``get_block_table`` with
+``append_slots_batch`` into numpy buffers allocated once per run (and ``fill_block_tables`` for
+the rows of prefill sequences, whose slots ``allocate`` already reserved). It produces exactly the same
+schedule: when ``free >= running sequences`` no group can fail ``can_append_slots`` (a decode step
+takes at most one block per sequence), so the checks can run before one batched append; otherwise
+it goes group by group like the per-sequence path.
+
+Timing: only block-manager work is timed, with one ``perf_counter`` pair per phase (per call only
+in the rare phases: preemption, swap-in, admission); sequence objects, queues and token
+generation stay outside the timed regions.
+
+If a forked group cannot be swapped out (CPU swap space full), vLLM 0.4.2 aborts the engine; the
+driver instead aborts that request (frees it, FINISHED_ABORTED) and counts it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+import numpy as np
+
+from pagedkv.bench.backends import Backend
+from pagedkv.bench.workload import Request, Workload
+
+__all__ = ["RunResult", "run_w1", "StallError"]
+
+
+class StallError(RuntimeError):
+    """The simulated scheduler made no progress (a backend bug)."""
+
+
+@dataclass
+class RunResult:
+    backend: str
+    enable_caching: bool
+    steps: int
+    step_times_us: np.ndarray
+    phase_us: Dict[str, float]
+    finished: int
+    ignored: int
+    aborted: int
+    preempt_recompute: int
+    preempt_swap: int
+    swap_ins: int
+    cow_copies: int
+    forks: int
+    prefix_lookups: Optional[int]
+    prefix_hits: Optional[int]
+    final_free_gpu: int
+    final_free_cpu: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    mean_batch_seqs: float
+    schedule_digest: str
+    wall_s: float
+    extra: Dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def all_blocks_free(self) -> bool:
+        return self.final_free_gpu == self.num_gpu_blocks and (
+            self.final_free_cpu == self.num_cpu_blocks
+        )
+
+    @property
+    def hit_rate(self) -> Optional[float]:
+        if self.prefix_lookups is None or self.prefix_hits is None:
+            return None
+        return self.prefix_hits / self.prefix_lookups if self.prefix_lookups else 0.0
+
+    def step_stats(self) -> Dict[str, float]:
+        t = self.step_times_us
+        if len(t) == 0:
+            return {"mean": 0.0, "p50": 0.0, "p99": 0.0, "max": 0.0, "total_ms": 0.0}
+        return {
+            "mean": float(t.mean()),
+            "p50": float(np.percentile(t, 50)),
+            "p99": float(np.percentile(t, 99)),
+            "max": float(t.max()),
+            "total_ms": float(t.sum() / 1e3),
+        }
+
+    def schedule_key(self) -> Dict[str, Any]:
+        """What must be identical across backends for the same workload and caching setting."""
+        key = {
+            "steps": self.steps,
+            "finished": self.finished,
+            "ignored": self.ignored,
+            "aborted": self.aborted,
+            "preempt_recompute": self.preempt_recompute,
+            "preempt_swap": self.preempt_swap,
+            "swap_ins": self.swap_ins,
+            "cow_copies": self.cow_copies,
+            "forks": self.forks,
+            "final_free_gpu": self.final_free_gpu,
+            "final_free_cpu": self.final_free_cpu,
+            "schedule_digest": self.schedule_digest,
+        }
+        if self.prefix_hits is not None:
+            key["prefix_lookups"] = self.prefix_lookups
+            key["prefix_hits"] = self.prefix_hits
+        return key
+
+    def to_dict(self) -> Dict[str, Any]:
+        d = {
+            "backend": self.backend,
+            "enable_caching": self.enable_caching,
+            "step_us": self.step_stats(),
+            "phase_total_ms": {k: v / 1e3 for k, v in self.phase_us.items()},
+            "prefix_hit_rate": self.hit_rate,
+            "mean_batch_seqs": self.mean_batch_seqs,
+            "all_blocks_free": self.all_blocks_free,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "num_cpu_blocks": self.num_cpu_blocks,
+            "wall_s": self.wall_s,
+        }
+        d.update(self.schedule_key())
+        d.update(self.extra)
+        return d
+
+
+class _Live:
+    """Driver-side state of one request (plain Python: identical cost for every backend)."""
+
+    __slots__ = ("req", "group", "seqs", "num_out", "done", "prompt_len")
+
+    def __init__(self, req: Request) -> None:
+        self.req = req
+        self.group: Any = None
+        self.seqs: List[Any] = []  # unfinished sequences, parent first
+        self.num_out = 0  # output tokens so far (the same for every sequence of the group)
+        self.done = False
+        self.prompt_len = len(req.prompt_token_ids)
+
+
+def _alloc_name(status: Any) -> str:
+    """AllocStatus member name; tolerant of either backend's enum."""
+    return getattr(status, "name", str(status)).rsplit(".", 1)[-1]
+
+
+def run_w1(
+    workload: Workload,
+    backend: Backend,
+    enable_caching: bool,
+    progress: Optional[Callable[[int], None]] = None,
+) -> RunResult:
+    """Replay ``workload`` against a fresh manager of ``backend``; see the module docstring.
+
+    ``progress(k)`` is called with the number of requests that completed since the last call.
+    """
+    cfg = workload.config
+    wall0 = time.perf_counter()
+    mgr = backend.make_manager(
+        cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.watermark, enable_caching
+    )
+    status = backend.status
+    WAITING, RUNNING, SWAPPED = status.WAITING, status.RUNNING, status.SWAPPED
+    FIN_LEN = status.FINISHED_LENGTH_CAPPED
+    FIN_IGNORED = status.FINISHED_IGNORED
+    FIN_ABORTED = getattr(status, "FINISHED_ABORTED", FIN_IGNORED)
+    Seq, Group = backend.sequence_cls, backend.group_cls
+    lp0 = backend.logprob_cls(0.0)
+    sp_single = backend.sampling_params_cls(n=1)
+    sp_pair = backend.sampling_params_cls(n=2, best_of=2)
+    block_size = cfg.block_size
+    max_num_seqs = cfg.max_num_seqs
+    token_budget = cfg.prefill_token_budget
+    batch = backend.batch
+
+    # Manager entry points, bound once.
+    can_append_slots = mgr.can_append_slots
+    append_slots = mgr.append_slots
+    get_block_table = mgr.get_block_table
+    access_all = mgr.access_all_blocks_in_seq
+    common_computed = mgr.get_common_computed_block_ids
+    mark_computed = mgr.mark_blocks_as_computed
+    free_seq = mgr.free
+    fork_seq = mgr.fork
+    num_free_gpu = mgr.get_num_free_gpu_blocks
+    if batch:
+        append_batch = mgr.append_slots_batch
+        fill_tables = getattr(mgr, "fill_block_tables", None)
+        block_tables = np.zeros((max_num_seqs, cfg.max_blocks_per_seq + 1), dtype=np.int32)
+        context_lens = np.zeros(max_num_seqs, dtype=np.int32)
+        slot_mapping = np.zeros(max_num_seqs, dtype=np.int32)
+    pc = time.perf_counter
+
+    waiting: Deque[_Live] = deque(_Live(r) for r in workload.requests)
+    running: List[_Live] = []  # admission order: the last one is the preemption victim
+    swapped: Deque[_Live] = deque()
+    next_child_id = len(workload.requests)
+
+    counters = {
+        "finished": 0,
+        "ignored": 0,
+        "aborted": 0,
+        "recompute": 0,
+        "swap": 0,
+        "swap_in": 0,
+        "cow": 0,
+        "forks": 0,
+    }
+    phase = {"decode": 0.0, "swap_admit": 0.0, "prepare": 0.0, "post": 0.0}
+    step_times: List[float] = []
+    trace: List[tuple] = []
+    batch_seqs_total = 0
+
+    def make_group(live: _Live) -> None:
+        req = live.req
+        seq = Seq(req.index, "", req.prompt_token_ids, block_size)
+        sp = sp_pair if req.n == 2 else sp_single
+        live.group = Group(req.request_id, [seq], sp, req.arrival_time)
+        live.seqs = [seq]
+
+    def count_cow(cow: Dict[int, List[int]]) -> None:
+        counters["cow"] += sum(len(d) for d in cow.values())
+
+    # preemption: returns seconds spent outside manager calls (to subtract from the phase)
+    recompute_preempted: List[_Live] = []
+
+    def preempt(victim: _Live) -> float:
+        group = victim.group
+        if len(victim.seqs) > 1:
+            if mgr.can_swap_out(group):
+                mgr.swap_out(group)
+                x0 = pc()
+                for s in victim.seqs:
+                    s.status = SWAPPED
+                swapped.append(victim)
+                counters["swap"] += 1
+                return pc() - x0
+            for s in victim.seqs:
+                free_seq(s)
+            x0 = pc()
+            for s in victim.seqs:
+                s.status = FIN_ABORTED
+            victim.done = True
+            counters["aborted"] += 1
+            return pc() - x0
+        seq = victim.seqs[0]
+        free_seq(seq)
+        x0 = pc()
+        seq.status = WAITING
+        seq.reset_state_for_recompute()
+        recompute_preempted.append(victim)
+        counters["recompute"] += 1
+        return pc() - x0
+
+    done_before = 0
+    step = 0
+    while waiting or running or swapped:
+        now = float(step)
+        t_decode = t_admit = 0.0
+        num_cow_before = counters["cow"]
+        recompute_preempted.clear()
+        num_preempted_before = counters["recompute"] + counters["swap"] + counters["aborted"]
+        decode: List[_Live] = []
+        row = 0  # next free row of the batch buffers
+
+        # ---- 1. decode reservations for every running group
+        if batch:
+            running_seqs = [s for r in running for s in r.seqs]
+            t0 = pc()
+            if num_free_gpu() >= len(running_seqs):
+                for r in running:
+                    if not can_append_slots(r.group):
+                        raise AssertionError(
+                            "can_append_slots is False although free >= running sequences"
+                        )
+                if running_seqs:
+                    cow = append_batch(running_seqs, block_tables, context_lens, slot_mapping)
+                    if cow:
+                        count_cow(cow)
+                row = len(running_seqs)
+                decode = running[:]
+                t_decode = pc() - t0
+            else:
+                excluded = 0.0
+                i = 0
+                while i < len(running):
+                    r = running[i]
+                    while not can_append_slots(r.group):
+                        victim = running.pop()
+                        excluded += preempt(victim)
+                        if victim is r:
+                            break
+                    else:
+                        seqs = r.seqs
+                        cow = append_batch(
+                            seqs, block_tables[row:], context_lens[row:], slot_mapping[row:]
+                        )
+                        if cow:
+                            count_cow(cow)
+                        row += len(seqs)
+                        i += 1
+                decode = running[:]
+                t_decode = pc() - t0 - excluded
+        else:
+            excluded = 0.0
+            t0 = pc()
+            i = 0
+            while i < len(running):
+                r = running[i]
+                while not can_append_slots(r.group):
+                    victim = running.pop()
+                    excluded += preempt(victim)
+                    if victim is r:
+                        break
+                else:
+                    for s in r.seqs:
+                        cow = append_slots(s)
+                        if cow:
+                            count_cow(cow)
+                    i += 1
+            t_decode = pc() - t0 - excluded
+            decode = running[:]
+        if recompute_preempted:
+            # vLLM: waiting.extendleft(preempted) -> the oldest preempted group ends up first
+            waiting.extendleft(recompute_preempted)
+        preempted_now = (
+            counters["recompute"] + counters["swap"] + counters["aborted"] > num_preempted_before
+        )
+
+        num_seqs = sum(len(r.seqs) for r in running)
+        swapped_in = 0
+        # ---- 2. swap in (before admitting anything new)
+        if not preempted_now:
+            while swapped:
+                r = swapped[0]
+                if num_seqs + len(r.seqs) > max_num_seqs:
+                    break
+                t0 = pc()
+                st = _alloc_name(mgr.can_swap_in(r.group))
+                t_admit += pc() - t0
+                if st == "LATER":
+                    break
+                swapped.popleft()
+                if st == "NEVER":
+                    t0 = pc()
+                    for s in r.seqs:
+                        free_seq(s)
+                    t_admit += pc() - t0
+                    for s in r.seqs:
+                        s.status = FIN_ABORTED
+                    r.done = True
+                    counters["aborted"] += 1
+                    continue
+                t0 = pc()
+                mgr.swap_in(r.group)
+                t_admit += pc() - t0
+                for s in r.seqs:
+                    s.status = RUNNING
+                t0 = pc()
+                if batch:
+                    seqs = r.seqs
+                    cow = append_batch(
+                        seqs, block_tables[row:], context_lens[row:], slot_mapping[row:]
+                    )
+                    row += len(seqs)
+                    t_admit += pc() - t0
+                    if cow:
+                        count_cow(cow)
+                else:
+                    cows = [append_slots(s) for s in r.seqs]
+                    t_admit += pc() - t0
+                    for cow in cows:
+                        if cow:
+                            count_cow(cow)
+                running.append(r)
+                decode.append(r)
+                num_seqs += len(r.seqs)
+                swapped_in += 1
+                counters["swap_in"] += 1
+
+        # ---- 3. admit waiting requests (whole prompts)
+        prefill: List[_Live] = []
+        prefill_tokens = 0
+        if not preempted_now and not swapped:
+            while waiting:
+                r = waiting[0]
+                if r.group is None:
+                    make_group(r)
+                num_tokens = r.prompt_len + r.num_out
+                if num_tokens > token_budget:
+                    waiting.popleft()
+                    _ignore(r, FIN_IGNORED)
+                    counters["ignored"] += 1
+                    continue
+                t0 = pc()
+                st = _alloc_name(mgr.can_allocate(r.group))
+                t_admit += pc() - t0
+                if st == "LATER":
+                    break
+                if st == "NEVER":
+                    waiting.popleft()
+                    _ignore(r, FIN_IGNORED)
+                    counters["ignored"] += 1
+                    continue
+                if prefill_tokens + num_tokens > token_budget:
+                    break
+                if num_seqs + r.req.n > max_num_seqs:
+                    break
+                waiting.popleft()
+                t0 = pc()
+                mgr.allocate(r.group)
+                t_admit += pc() - t0
+                for s in r.seqs:
+                    s.status = RUNNING
+                running.append(r)
+                prefill.append(r)
+                prefill_tokens += num_tokens
+                num_seqs += r.req.n
+
+        scheduled = decode + prefill
+        if not scheduled and not preempted_now and (waiting or swapped):
+            raise StallError(
+                f"{backend.name}: step {step} scheduled nothing "
+                f"(waiting={len(waiting)}, swapped={len(swapped)})"
+            )
+
+        # ---- 4. prepare the model inputs, 5. mark computed after the model step
+        if batch:
+            prefill_seqs = [s for r in prefill for s in r.seqs]
+            all_seqs = [s for r in scheduled for s in r.seqs]
+            t0 = pc()
+            if prefill_seqs:
+                # prompts were fully reserved by allocate: only their tables are needed
+                if fill_tables is not None:
+                    fill_tables(prefill_seqs, block_tables[row:], context_lens=context_lens[row:])
+                else:
+                    append_batch(
+                        prefill_seqs, block_tables[row:], context_lens[row:], slot_mapping[row:]
+                    )
+            for s in all_seqs:
+                access_all(s, now)
+            for r in prefill:
+                common_computed(r.seqs)
+            t_prepare = pc() - t0
+        else:
+            t0 = pc()
+            for r in scheduled:
+                for s in r.seqs:
+                    get_block_table(s)
+                    access_all(s, now)
+            for r in prefill:
+                common_computed(r.seqs)
+            t_prepare = pc() - t0
+        t0 = pc()
+        for r in scheduled:
+            mark_computed(r.group)
+        t_post = pc() - t0
+
+        # ---- 6. outputs: append tokens, fork n=2 groups after prefill, finish
+        forks = []
+        to_free = []
+        any_done = False
+        for r in scheduled:
+            seqs = r.seqs
+            p = r.num_out
+            rows = r.req.output_token_ids
+            if r.req.n == 2 and len(seqs) == 1 and p == 0:
+                parent = seqs[0]
+                child = parent.fork(next_child_id)
+                next_child_id += 1
+                child.status = RUNNING
+                tok = rows[1][p]
+                child.append_token_id(tok, {tok: lp0})
+                tok = rows[0][p]
+                parent.append_token_id(tok, {tok: lp0})
+                r.group.add(child)
+                seqs.append(child)
+                forks.append((parent, child))
+            else:
+                for j, s in enumerate(seqs):
+                    tok = rows[j][p]
+                    s.append_token_id(tok, {tok: lp0})
+            p += 1
+            r.num_out = p
+            if p >= r.req.output_len:
+                for s in seqs:
+                    s.status = FIN_LEN
+                    to_free.append(s)
+                r.done = True
+                any_done = True
+                counters["finished"] += 1
+        t0 = pc()
+        for parent, child in forks:
+            fork_seq(parent, child)
+        for s in to_free:
+            free_seq(s)
+        t_post += pc() - t0
+        counters["forks"] += len(forks)
+        if any_done:
+            running = [r for r in running if not r.done]
+
+        step_total = t_decode + t_admit + t_prepare + t_post
+        step_times.append(step_total)
+        phase["decode"] += t_decode
+        phase["swap_admit"] += t_admit
+        phase["prepare"] += t_prepare
+        phase["post"] += t_post
+        n_sched = sum(len(r.seqs) for r in scheduled)
+        batch_seqs_total += n_sched
+        trace.append(
+            (
+                n_sched,
+                len(prefill),
+                prefill_tokens,
+                swapped_in,
+                counters["recompute"],
+                counters["swap"],
+                counters["cow"] - num_cow_before,
+                num_free_gpu(),
+            )
+        )
+        step += 1
+        if progress is not None:
+            done_now = counters["finished"] + counters["ignored"] + counters["aborted"]
+            if done_now != done_before:
+                progress(done_now - done_before)
+                done_before = done_now
+
+    stats = getattr(mgr, "prefix_cache_stats", None)
+    lookups = hits = None
+    if callable(stats):
+        lookups, hits = (int(x) for x in stats())
+    digest = hashlib.sha256(repr(trace).encode()).hexdigest()[:16]
+    return RunResult(
+        backend=backend.name,
+        enable_caching=enable_caching,
+        steps=step,
+        step_times_us=np.asarray(step_times) * 1e6,
+        phase_us={k: v * 1e6 for k, v in phase.items()},
+        finished=counters["finished"],
+        ignored=counters["ignored"],
+        aborted=counters["aborted"],
+        preempt_recompute=counters["recompute"],
+        preempt_swap=counters["swap"],
+        swap_ins=counters["swap_in"],
+        cow_copies=counters["cow"],
+        forks=counters["forks"],
+        prefix_lookups=lookups,
+        prefix_hits=hits,
+        final_free_gpu=num_free_gpu(),
+        final_free_cpu=mgr.get_num_free_cpu_blocks(),
+        num_gpu_blocks=cfg.num_gpu_blocks,
+        num_cpu_blocks=cfg.num_cpu_blocks,
+        mean_batch_seqs=batch_seqs_total / step if step else 0.0,
+        schedule_digest=digest,
+        wall_s=time.perf_counter() - wall0,
+    )
+
+
+def _ignore(live: _Live, status: Any) -> None:
+    for s in live.seqs:
+        s.status = status
+    live.done = True

@@ -1,0 +1,232 @@
+"""Text tables, the cross-backend schedule check and the JSON document of ``pagedkv bench``."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+from pagedkv.bench.driver import RunResult
+
+__all__ = ["cross_check", "format_cross_check", "format_micro", "format_w1", "speedups"]
+
+
+def _table(headers: Sequence[str], rows: List[Sequence[str]], right: Sequence[bool]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [c.rjust(w) if r else c.ljust(w) for c, w, r in zip(cells, widths, right)]
+        return "  ".join(out).rstrip()
+
+    sep = "  ".join("-" * w for w in widths)
+    return "\n".join([line(headers), sep] + [line(r) for r in rows])
+
+
+def _f(x: Optional[float], fmt: str = "{:.1f}") -> str:
+    return "-" if x is None else fmt.format(x)
+
+
+def _ratio(x: Optional[float]) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.1f}x" if x >= 10 else f"{x:.2f}x"
+
+
+# -------------------------------------------------------------------------------------- micro
+
+
+def format_micro(micro: Dict[str, Any]) -> str:
+    h = micro["hashing"]
+    lines = [
+        f"Chained block hashing, one {h['prompt_tokens']}-token prompt, "
+        f"block size {h['block_size']}:"
+    ]
+    rows = []
+    labels = [
+        ("native_list", "pagedkv.hash_blocks(list)"),
+        ("native_array", "pagedkv.hash_blocks(np.int32 array)"),
+        ("reference_list", "reference.hashing.hash_blocks(list)"),
+    ]
+    for key, label in labels:
+        if key in h:
+            r = h[key]
+            rows.append(
+                [
+                    label,
+                    _f(r["us_per_prompt"]),
+                    _f(r["mtok_per_s"], "{:.2f}"),
+                    _ratio(r.get("speedup_vs_reference")),
+                ]
+            )
+    lines.append(
+        _table(["", "us/prompt", "Mtok/s", "vs reference"], rows, [False, True, True, True])
+    )
+    if "note" in h:
+        lines.append(f"  note: {h['note']}")
+
+    p = micro["pool"]
+    lines.append("")
+    lines.append(
+        f"Block pool, {p['pool_blocks']:,} blocks, caching on "
+        f"(ns per operation, Python loop of calls; cache cycle on {p['cache_cycle_blocks']:,} "
+        "blocks):"
+    )
+    nat = p.get("native", {})
+    ref = p.get("reference", {})
+    sp = p.get("speedup_vs_reference", {})
+    op_labels = [
+        ("allocate", "allocate()                  per call"),
+        ("free", "free(b)                     per call"),
+        ("allocate_many", "allocate_many(n)            batched, per block"),
+        ("free_many", "free_many(blocks)           batched, per block"),
+        ("register", "register(b, hash, tokens)   per call"),
+        ("lookup_hit", "lookup(hash, tokens) hit    per call"),
+        ("incref_revive", "incref(b) revive evictable  per call"),
+        ("free_to_evictable", "free(b) -> evictable        per call"),
+        ("cycle", "register+lookup+incref+free cycle"),
+    ]
+    rows = []
+    for key, label in op_labels:
+        if key not in nat and key not in ref:
+            continue
+        rows.append([label, _f(nat.get(key)), _f(ref.get(key)), _ratio(sp.get(key))])
+    lines.append(
+        _table(["", "native", "reference", "speedup"], rows, [False, True, True, True])
+    )
+    for key in ("note", "errors"):
+        if key in p:
+            lines.append(f"  {key}: {p[key]}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------- W1
+
+
+def speedups(results: List[RunResult]) -> Dict[int, Optional[float]]:
+    """For each result (by index): reference mean step time / its mean step time."""
+    ref = {r.enable_caching: r.step_stats()["mean"] for r in results if r.backend == "reference"}
+    out: Dict[int, Optional[float]] = {}
+    for i, r in enumerate(results):
+        base = ref.get(r.enable_caching)
+        mean = r.step_stats()["mean"]
+        out[i] = base / mean if base and mean > 0 else None
+    return out
+
+
+def format_w1(results: List[RunResult]) -> str:
+    sp = speedups(results)
+    rows = []
+    for i, r in enumerate(results):
+        st = r.step_stats()
+        hit = r.hit_rate
+        rows.append(
+            [
+                r.backend,
+                "on" if r.enable_caching else "off",
+                str(r.steps),
+                _f(st["mean"]),
+                _f(st["p50"]),
+                _f(st["p99"]),
+                _ratio(sp[i]),
+                "-" if hit is None or not r.enable_caching else f"{100 * hit:.1f}%",
+                f"{r.preempt_recompute}/{r.preempt_swap}",
+                str(r.cow_copies),
+                "yes" if r.all_blocks_free else "NO",
+                f"{r.wall_s:.1f}",
+            ]
+        )
+    headers = [
+        "backend",
+        "cache",
+        "steps",
+        "us/step mean",
+        "p50",
+        "p99",
+        "speedup",
+        "hit rate",
+        "preempt rec/swap",
+        "CoW",
+        "all free",
+        "wall s",
+    ]
+    if any(r.ignored or r.aborted for r in results):
+        headers.append("ignored/aborted")
+        for row, r in zip(rows, results):
+            row.append(f"{r.ignored}/{r.aborted}")
+    right = [False, False] + [True] * (len(headers) - 2)
+    text = _table(headers, rows, right)
+    phase_rows = []
+    for r in results:
+        total = sum(r.phase_us.values()) or 1.0
+        phase_rows.append(
+            [r.backend, "on" if r.enable_caching else "off"]
+            + [f"{100 * r.phase_us[k] / total:.0f}%" for k in ("decode", "swap_admit", "prepare", "post")]
+            + [f"{r.mean_batch_seqs:.1f}"]
+        )
+    text += "\n\nWhere the manager time goes (share of total) and mean sequences per step:\n"
+    text += _table(
+        ["backend", "cache", "append", "swap+admit", "tables+access", "mark+fork+free", "seqs/step"],
+        phase_rows,
+        [False, False, True, True, True, True, True],
+    )
+    return text
+
+
+def cross_check(results: List[RunResult]) -> Dict[str, Any]:
+    """Compare every backend's schedule with the first one of the same caching setting."""
+    out: Dict[str, Any] = {"ok": True, "groups": {}}
+    by_caching: Dict[bool, List[RunResult]] = {}
+    for r in results:
+        by_caching.setdefault(r.enable_caching, []).append(r)
+    for caching, group in by_caching.items():
+        base = group[0]
+        base_key = base.schedule_key()
+        mismatches = []
+        for other in group[1:]:
+            key = other.schedule_key()
+            for k in sorted(set(base_key) & set(key)):
+                if base_key[k] != key[k]:
+                    mismatches.append(
+                        {"backend": other.backend, "field": k, "expected": base_key[k],
+                         "got": key[k], "against": base.backend}
+                    )
+        not_free = [r.backend for r in group if not r.all_blocks_free]
+        ok = not mismatches and not not_free
+        out["ok"] = out["ok"] and ok
+        out["groups"]["caching_on" if caching else "caching_off"] = {
+            "backends": [r.backend for r in group],
+            "ok": ok,
+            "mismatches": mismatches,
+            "not_all_free": not_free,
+            "steps": base.steps,
+            "preemptions": [base.preempt_recompute, base.preempt_swap],
+            "final_free": [base.final_free_gpu, base.final_free_cpu],
+        }
+    return out
+
+
+def format_cross_check(check: Dict[str, Any]) -> str:
+    parts = []
+    for name, g in check["groups"].items():
+        if g["ok"]:
+            status = "identical" if len(g["backends"]) > 1 else "only one backend"
+        else:
+            status = "MISMATCH"
+        parts.append(
+            f"{name.replace('_', ' ')}: {status} across {'/'.join(g['backends'])} "
+            f"(steps {g['steps']}, preemptions {g['preemptions'][0]}+{g['preemptions'][1]}, "
+            f"final free {g['final_free'][0]}/{g['final_free'][1]})"
+        )
+    line = ("Schedule cross-check OK: " if check["ok"] else "Schedule cross-check FAILED: ") + (
+        "; ".join(parts) if parts else "no runs"
+    )
+    if not check["ok"]:
+        for g in check["groups"].values():
+            for m in g["mismatches"][:10]:
+                line += (
+                    f"\n  {m['backend']} vs {m['against']}: {m['field']} = {m['got']!r}, "
+                    f"expected {m['expected']!r}"
+                )
+            if g["not_all_free"]:
+                line += f"\n  blocks left allocated after the run: {g['not_all_free']}"
+    return line

@@ -1,0 +1,213 @@
+"""Differential test: the native BlockSpaceManager and the pure-Python reference receive the same
+random operations (hypothesis state machine) and must agree after every step on block tables,
+free counts on both devices, ref counts of every block, copy-on-write and swap mappings,
+AllocStatus answers, computed blocks and raised errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+import pagedkv
+from pagedkv import reference
+from pagedkv.errors import PagedKVError
+from pagedkv.sequence import Logprob, SamplingParams, Sequence, SequenceGroup, SequenceStatus
+
+BS = 4
+GPU, CPU = 20, 10
+PREFIXES = [[p * 50 + i for i in range(12)] for p in range(3)]
+
+
+def call_both(native, ref, method, *args):
+    """Call ``method`` on both managers; they must return equal results or raise the same
+    error class."""
+    results = []
+    for m in (native, ref):
+        try:
+            results.append(("ok", getattr(m, method)(*args)))
+        except PagedKVError as e:
+            results.append(("err", type(e)))
+    assert results[0] == results[1], f"{method}: native {results[0]} != reference {results[1]}"
+    return results[0]
+
+
+class ManagerComparison(RuleBasedStateMachine):
+    caching = False
+    window = None
+
+    @initialize()
+    def setup(self):
+        kwargs = dict(watermark=0.05, sliding_window=self.window, enable_caching=self.caching)
+        self.native = pagedkv.BlockSpaceManager(BS, GPU, CPU, **kwargs)
+        self.ref = reference.BlockSpaceManager(BS, GPU, CPU, **kwargs)
+        self.groups: dict = {}
+        self.ids = itertools.count()
+        self.now = 0.0
+
+    # ---- helpers ---------------------------------------------------------------------
+    def seqs(self, status=None):
+        return [
+            s for g in self.groups.values() for s in g.get_seqs() if status is None or s.status == status
+        ]
+
+    def both(self, method, *args):
+        return call_both(self.native, self.ref, method, *args)
+
+    # ---- rules -----------------------------------------------------------------------
+    @rule(
+        prefix=st.integers(0, 2),
+        cut=st.integers(0, 12),
+        suffix=st.lists(st.integers(0, 3), max_size=9),
+        width=st.sampled_from([1, 1, 1, 2]),
+    )
+    def add_request(self, prefix, cut, suffix, width):
+        tokens = PREFIXES[prefix][:cut] + suffix
+        if not tokens:
+            tokens = [7]
+        seqs = [Sequence(next(self.ids), "", tokens, BS) for _ in range(width)]
+        group = SequenceGroup(f"r{seqs[0].seq_id}", seqs, SamplingParams(n=width), 0.0)
+        self.groups[group.request_id] = group
+        self.allocate_waiting(group)
+
+    def allocate_waiting(self, group):
+        self.both("can_allocate", group)
+        kind, _ = self.both("allocate", group)
+        if kind == "ok":
+            for s in group.get_seqs(status=SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+
+    @precondition(lambda self: self.seqs(SequenceStatus.WAITING))
+    @rule(data=st.data())
+    def retry_waiting(self, data):
+        seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.WAITING)))
+        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        self.allocate_waiting(group)
+
+    @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
+    @rule(data=st.data(), n=st.integers(1, 6), lookahead=st.sampled_from([0, 0, 0, 2]))
+    def append(self, data, n, lookahead):
+        seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
+        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        for _ in range(n):
+            t = data.draw(st.integers(0, 3))
+            seq.append_token_id(t, {t: Logprob(0.0)})
+        self.both("can_append_slots", group, lookahead)
+        self.both("append_slots", seq, lookahead)
+
+    @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
+    @rule(data=st.data())
+    def fork(self, data):
+        parent = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
+        group = next(g for g in self.groups.values() if parent in g.get_seqs())
+        child = parent.fork(next(self.ids))
+        group.add(child)
+        self.both("fork", parent, child)
+
+    @precondition(lambda self: self.seqs())
+    @rule(data=st.data(), recompute=st.booleans())
+    def finish_or_preempt(self, data, recompute):
+        seq = data.draw(st.sampled_from(self.seqs()))
+        self.both("free", seq)
+        if recompute and seq.status == SequenceStatus.RUNNING:
+            seq.status = SequenceStatus.WAITING
+            seq.reset_state_for_recompute()
+        else:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        self.both("free", seq)  # a second free is a no-op for both
+
+    @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
+    @rule(data=st.data())
+    def swap_out(self, data):
+        seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
+        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        if any(
+            s.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED) for s in group.get_seqs()
+        ):
+            return
+        self.both("can_swap_out", group)
+        kind, _ = self.both("swap_out", group)
+        if kind == "ok":
+            for s in group.get_seqs(status=SequenceStatus.RUNNING):
+                s.status = SequenceStatus.SWAPPED
+
+    @precondition(lambda self: self.seqs(SequenceStatus.SWAPPED))
+    @rule(data=st.data())
+    def swap_in(self, data):
+        seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.SWAPPED)))
+        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        self.both("can_swap_in", group)
+        kind, _ = self.both("swap_in", group)
+        if kind == "ok":
+            for s in group.get_seqs(status=SequenceStatus.SWAPPED):
+                s.status = SequenceStatus.RUNNING
+
+    @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
+    @rule(data=st.data(), dt=st.sampled_from([0.0, 1.0]))
+    def access_and_mark(self, data, dt):
+        self.now += dt
+        seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
+        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        self.both("access_all_blocks_in_seq", seq, self.now)
+        self.both("mark_blocks_as_computed", group)
+        self.both("get_common_computed_block_ids", group.get_seqs())
+
+    @rule()
+    def wrong_calls(self):
+        ghost = Sequence(10_000, "", [1, 2, 3], BS)
+        self.both("get_block_table", ghost)
+        self.both("append_slots", ghost)
+        self.both("free", ghost)
+
+    @precondition(lambda self: len(self.groups) > 3)
+    @rule()
+    def reset(self):
+        self.both("reset")
+        self.groups.clear()
+
+    # ---- invariants ------------------------------------------------------------------
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "native"):
+            return
+        n, r = self.native, self.ref
+        assert n.get_num_free_gpu_blocks() == r.get_num_free_gpu_blocks()
+        assert n.get_num_free_cpu_blocks() == r.get_num_free_cpu_blocks()
+        assert n.prefix_cache_stats() == r.prefix_cache_stats()
+        for dev, size in (("gpu", GPU), ("cpu", CPU)):
+            assert [n.ref_count(dev, b) for b in range(size)] == [
+                r.ref_count(dev, b) for b in range(size)
+            ], dev
+        for s in self.seqs():
+            assert n.has_table(s) == r.has_table(s)
+            if n.has_table(s):
+                assert n.get_block_table(s) == r.get_block_table(s)
+                assert n.get_all_computed_blocks(s) == r.get_all_computed_blocks(s)
+        n.check_invariants()
+
+
+def _machine(caching, window):
+    return type(
+        f"Machine_caching{caching}_window{window}",
+        (ManagerComparison,),
+        {"caching": caching, "window": window},
+    )
+
+
+CONFIGS = [(False, None), (True, None), (False, 8)]
+SETTINGS = settings(
+    max_examples=120,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+)
+
+
+@pytest.mark.parametrize("caching,window", CONFIGS)
+def test_native_matches_reference(caching, window):
+    machine = _machine(caching, window)
+    machine.TestCase.settings = SETTINGS
+    machine.TestCase().runTest()
