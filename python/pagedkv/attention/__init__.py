@@ -1,8 +1,9 @@
 """Torch side of pagedkv (optional extra ``pagedkv[torch]``).
 
 Paged KV-cache tensors and block ops (:mod:`.kv_cache`), attention over a paged
-cache (:mod:`.paged_attention`) and a tiny reference transformer that runs on it
-(:mod:`.model`).  This is the only part of pagedkv that imports torch.
+cache (:mod:`.paged_attention`), a tiny reference transformer that runs on it
+(:mod:`.model`) and persistent decode-step metadata buffers (:mod:`.step_buffers`).
+This is the only part of pagedkv that imports torch.
 
 Cache layout, per layer: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``
 (index 0 = K, 1 = V); slot of token ``t`` = ``block_table[t // block_size] *
@@ -23,11 +24,14 @@ from .paged_attention import (
     flash_attn_unavailable_reason,
     paged_attention,
 )
+from .step_buffers import DeviceView, StepBuffers
 
 __all__ = [
     "FLASH_ATTN_BLOCK_MULTIPLE",
+    "DeviceView",
     "PagedBatch",
     "SeqChunk",
+    "StepBuffers",
     "TinyConfig",
     "TinyDecoder",
     "allocate_kv_cache",

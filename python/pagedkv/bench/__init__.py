@@ -79,7 +79,6 @@ def _progress_bar(total: int, desc: str, disable: Optional[bool]) -> Any:
         file=sys.stderr,
         disable=disable,
         leave=False,
-        dynamic_ncols=True,
     )
 
 
@@ -199,8 +198,10 @@ def apply_overrides(cfg: Any, overrides: List[str]) -> Any:
             raise ValueError(f"bad --set {item!r}; keys: {', '.join(fields)}")
         default = getattr(cfg, key)
         try:
-            changes[key] = type(default)(value) if not isinstance(default, bool) else (
-                value.lower() in ("1", "true", "yes", "on")
+            changes[key] = (
+                type(default)(value)
+                if not isinstance(default, bool)
+                else (value.lower() in ("1", "true", "yes", "on"))
             )
         except ValueError:
             raise ValueError(f"bad value for {key}: {value!r}") from None

@@ -133,7 +133,9 @@ def _reference() -> Tuple[Optional[Backend], str]:
     if missing:
         return None, f"reference: skipped, pagedkv.reference lacks {', '.join(missing)}"
     desc = "pagedkv.reference.BlockSpaceManager + pagedkv.reference.Sequence (pure Python)"
-    return Backend("reference", _manager_factory(manager), seq, group, status, sp, lp, False, desc), ""
+    return Backend(
+        "reference", _manager_factory(manager), seq, group, status, sp, lp, False, desc
+    ), ""
 
 
 _RESOLVERS: Dict[str, Callable[[], Tuple[Optional[Backend], str]]] = {

@@ -24,10 +24,12 @@ Each step mirrors what vLLM's scheduler and engine ask of the block manager:
 
 The ``native-batch`` backend replaces per-sequence ``append_slots``/``get_block_table`` with
 ``append_slots_batch`` into numpy buffers allocated once per run (and ``fill_block_tables`` for
-the rows of prefill sequences, whose slots ``allocate`` already reserved). It produces exactly the same
-schedule: when ``free >= running sequences`` no group can fail ``can_append_slots`` (a decode step
-takes at most one block per sequence), so the checks can run before one batched append; otherwise
-it goes group by group like the per-sequence path.
+the rows of prefill sequences, whose slots ``allocate`` already reserved). It produces exactly
+the same schedule: when ``free >= running sequences`` no group can fail ``can_append_slots`` (a
+decode step takes at most one block per sequence), so it makes one batched append (which checks
+everything itself before changing anything) without per-group checks; otherwise it goes group by
+group (one batched call per group) like the per-sequence path. ``access_all_blocks_in_seqs`` and
+``compute_full_blocks_in_seqs`` replace the per-sequence access and per-group mark calls.
 
 Timing: only block-manager work is timed, with one ``perf_counter`` pair per phase (per call only
 in the rare phases: preemption, swap-in, admission); sequence objects, queues and token
@@ -39,6 +41,7 @@ driver instead aborts that request (frees it, FINISHED_ABORTED) and counts it.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import time
 from collections import deque
@@ -174,7 +177,25 @@ def run_w1(
     """Replay ``workload`` against a fresh manager of ``backend``; see the module docstring.
 
     ``progress(k)`` is called with the number of requests that completed since the last call.
+    The cyclic garbage collector is paused during the run (as ``timeit`` does), so that its
+    pauses do not land at random in the timed regions.
     """
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return _run(workload, backend, enable_caching, progress)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _run(
+    workload: Workload,
+    backend: Backend,
+    enable_caching: bool,
+    progress: Optional[Callable[[int], None]],
+) -> RunResult:
     cfg = workload.config
     wall0 = time.perf_counter()
     mgr = backend.make_manager(
@@ -206,6 +227,8 @@ def run_w1(
     num_free_gpu = mgr.get_num_free_gpu_blocks
     if batch:
         append_batch = mgr.append_slots_batch
+        access_all_batch = mgr.access_all_blocks_in_seqs
+        mark_computed_batch = mgr.compute_full_blocks_in_seqs
         fill_tables = getattr(mgr, "fill_block_tables", None)
         block_tables = np.zeros((max_num_seqs, cfg.max_blocks_per_seq + 1), dtype=np.int32)
         context_lens = np.zeros(max_num_seqs, dtype=np.int32)
@@ -289,11 +312,8 @@ def run_w1(
             running_seqs = [s for r in running for s in r.seqs]
             t0 = pc()
             if num_free_gpu() >= len(running_seqs):
-                for r in running:
-                    if not can_append_slots(r.group):
-                        raise AssertionError(
-                            "can_append_slots is False although free >= running sequences"
-                        )
+                # every group would pass can_append_slots (one free block per running
+                # sequence); append_slots_batch checks again and raises before changing anything
                 if running_seqs:
                     cow = append_batch(running_seqs, block_tables, context_lens, slot_mapping)
                     if cow:
@@ -458,8 +478,7 @@ def run_w1(
                     append_batch(
                         prefill_seqs, block_tables[row:], context_lens[row:], slot_mapping[row:]
                     )
-            for s in all_seqs:
-                access_all(s, now)
+            access_all_batch(all_seqs, now)
             for r in prefill:
                 common_computed(r.seqs)
             t_prepare = pc() - t0
@@ -472,9 +491,14 @@ def run_w1(
             for r in prefill:
                 common_computed(r.seqs)
             t_prepare = pc() - t0
-        t0 = pc()
-        for r in scheduled:
-            mark_computed(r.group)
+        if batch:
+            marked = [s for r in scheduled for s in r.group.get_seqs()]
+            t0 = pc()
+            mark_computed_batch(marked)
+        else:
+            t0 = pc()
+            for r in scheduled:
+                mark_computed(r.group)
         t_post = pc() - t0
 
         # ---- 6. outputs: append tokens, fork n=2 groups after prefill, finish

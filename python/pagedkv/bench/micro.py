@@ -8,13 +8,15 @@
   (``allocate_many`` / ``free_many``), and the prefix-cache cycle register -> free (evictable)
   -> lookup (hit) -> incref (revive) -> free on a set of blocks.
 
-Every measurement is the best of a few repetitions; setup (pool construction, token lists) is not
-timed. The reference pool is ``pagedkv.reference.pool.BlockPool``; if it is not importable its
-rows are left empty with a note.
+Every measurement is the best of a few repetitions with the garbage collector paused; setup
+(pool construction, token lists) is not timed. The reference pool is
+``pagedkv.reference.pool.BlockPool``; if it is not importable its rows are left empty with a
+note.
 """
 
 from __future__ import annotations
 
+import gc
 import importlib
 import time
 from dataclasses import dataclass
@@ -134,12 +136,17 @@ def _alloc_free(pool_cls: Any, cfg: MicroConfig, repeats: int) -> Dict[str, floa
     return {k: v * 1e9 for k, v in best.items()}
 
 
-def _cache_cycle(pool_cls: Any, cfg: MicroConfig, repeats: int, hashes: List[int],
-                 token_lists: List[List[int]]) -> Dict[str, float]:
+def _cache_cycle(
+    pool_cls: Any, cfg: MicroConfig, repeats: int, hashes: List[int], token_lists: List[List[int]]
+) -> Dict[str, float]:
     """ns per op of register / lookup (hit) / incref (revive) / free (to evictable)."""
     k = len(hashes)
-    best = {"register": float("inf"), "lookup_hit": float("inf"), "incref_revive": float("inf"),
-            "free_to_evictable": float("inf")}
+    best = {
+        "register": float("inf"),
+        "lookup_hit": float("inf"),
+        "incref_revive": float("inf"),
+        "free_to_evictable": float("inf"),
+    }
     pc = time.perf_counter
     pairs = list(zip(hashes, token_lists))
     for _ in range(repeats):
@@ -163,7 +170,9 @@ def _cache_cycle(pool_cls: Any, cfg: MicroConfig, repeats: int, hashes: List[int
             free(b)
         t5 = pc()
         if hits != blocks:
-            raise AssertionError(f"{pool_cls.__module__}: lookups did not hit the registered blocks")
+            raise AssertionError(
+                f"{pool_cls.__module__}: lookups did not hit the registered blocks"
+            )
         best["register"] = min(best["register"], (t1 - t0) / k)
         best["lookup_hit"] = min(best["lookup_hit"], (t3 - t2) / k)
         best["incref_revive"] = min(best["incref_revive"], (t4 - t3) / k)
@@ -207,8 +216,9 @@ def _pool(cfg: MicroConfig, rng: np.random.Generator) -> Dict[str, Any]:
         for key, v in nat.items():
             # batched native ops compare against the reference's batched op if it has one,
             # otherwise against its per-call loop
-            ref_key = key if key in ref else {"allocate_many": "allocate",
-                                              "free_many": "free"}.get(key)
+            ref_key = (
+                key if key in ref else {"allocate_many": "allocate", "free_many": "free"}.get(key)
+            )
             if ref_key in ref and v > 0:
                 speedup[key] = ref[ref_key] / v
         results["speedup_vs_reference"] = speedup
@@ -216,5 +226,13 @@ def _pool(cfg: MicroConfig, rng: np.random.Generator) -> Dict[str, Any]:
 
 
 def run_micro(cfg: MicroConfig = MICRO_FULL, seed: int = 0) -> Dict[str, Any]:
+    """Run every micro benchmark (garbage collector paused, as ``timeit`` does)."""
     rng = np.random.default_rng(seed)
-    return {"config": cfg.to_dict(), "hashing": _hashing(cfg, rng), "pool": _pool(cfg, rng)}
+    gc_was_enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        return {"config": cfg.to_dict(), "hashing": _hashing(cfg, rng), "pool": _pool(cfg, rng)}
+    finally:
+        if gc_was_enabled:
+            gc.enable()

@@ -90,9 +90,7 @@ def format_micro(micro: Dict[str, Any]) -> str:
         if key not in nat and key not in ref:
             continue
         rows.append([label, _f(nat.get(key)), _f(ref.get(key)), _ratio(sp.get(key))])
-    lines.append(
-        _table(["", "native", "reference", "speedup"], rows, [False, True, True, True])
-    )
+    lines.append(_table(["", "native", "reference", "speedup"], rows, [False, True, True, True]))
     for key in ("note", "errors"):
         if key in p:
             lines.append(f"  {key}: {p[key]}")
@@ -160,12 +158,23 @@ def format_w1(results: List[RunResult]) -> str:
         total = sum(r.phase_us.values()) or 1.0
         phase_rows.append(
             [r.backend, "on" if r.enable_caching else "off"]
-            + [f"{100 * r.phase_us[k] / total:.0f}%" for k in ("decode", "swap_admit", "prepare", "post")]
+            + [
+                f"{100 * r.phase_us[k] / total:.0f}%"
+                for k in ("decode", "swap_admit", "prepare", "post")
+            ]
             + [f"{r.mean_batch_seqs:.1f}"]
         )
     text += "\n\nWhere the manager time goes (share of total) and mean sequences per step:\n"
     text += _table(
-        ["backend", "cache", "append", "swap+admit", "tables+access", "mark+fork+free", "seqs/step"],
+        [
+            "backend",
+            "cache",
+            "append",
+            "swap+admit",
+            "tables+access",
+            "mark+fork+free",
+            "seqs/step",
+        ],
         phase_rows,
         [False, False, True, True, True, True, True],
     )
@@ -187,8 +196,13 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
             for k in sorted(set(base_key) & set(key)):
                 if base_key[k] != key[k]:
                     mismatches.append(
-                        {"backend": other.backend, "field": k, "expected": base_key[k],
-                         "got": key[k], "against": base.backend}
+                        {
+                            "backend": other.backend,
+                            "field": k,
+                            "expected": base_key[k],
+                            "got": key[k],
+                            "against": base.backend,
+                        }
                     )
         not_free = [r.backend for r in group if not r.all_blocks_free]
         ok = not mismatches and not not_free

@@ -66,7 +66,10 @@ class W1Config:
             raise ValueError("need 0 < prompt_len_min <= prompt_len_max")
         if not 0 < self.prefix_len_min <= self.prefix_len_max:
             raise ValueError("need 0 < prefix_len_min <= prefix_len_max")
-        if self.prefix_share > 0 and self.prefix_len_min + self.min_own_tokens > self.prompt_len_min:
+        if (
+            self.prefix_share > 0
+            and self.prefix_len_min + self.min_own_tokens > self.prompt_len_min
+        ):
             raise ValueError("the shortest prefix must fit in the shortest prompt")
         if not 0 < self.output_len_min <= self.output_len_max:
             raise ValueError("need 0 < output_len_min <= output_len_max")

@@ -295,10 +295,13 @@ class BlockSpaceManager:
         return need
 
     def can_append_slots(self, seq_group, num_lookahead_slots: int = 0) -> bool:
+        if num_lookahead_slots < 0:
+            raise InvalidArgumentError("num_lookahead_slots must be non-negative")
         running = self._with_status(seq_group, "RUNNING")
         need = 0
-        for seq in running:
-            t = self._appendable(seq, num_lookahead_slots)
+        for seq in running:  # a question, not an action: only the table must exist
+            self._check_seq(seq)
+            t = self._table(seq)
             need += self._append_need(t, seq.get_len() + num_lookahead_slots)
         return self.gpu.num_free >= max(len(running), need)
 

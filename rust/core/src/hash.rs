@@ -24,6 +24,9 @@ pub const ROOT: BlockHash = 0x7061_6765_646b_765f_726f_6f74_5f68_6173; // "paged
 pub enum HashAlgo {
     Xxh3,
     Sha256,
+    /// xxh3 truncated to 3 bits: for tests only, to make hash collisions common and show that
+    /// the cache never shares a block whose stored key differs.
+    WeakForTesting,
 }
 
 impl HashAlgo {
@@ -31,6 +34,7 @@ impl HashAlgo {
         match name.to_ascii_lowercase().as_str() {
             "xxh3" | "xxh3_128" | "xxh3-128" => Some(HashAlgo::Xxh3),
             "sha256" | "sha-256" => Some(HashAlgo::Sha256),
+            "weak-for-testing" => Some(HashAlgo::WeakForTesting),
             _ => None,
         }
     }
@@ -38,6 +42,7 @@ impl HashAlgo {
         match self {
             HashAlgo::Xxh3 => "xxh3",
             HashAlgo::Sha256 => "sha256",
+            HashAlgo::WeakForTesting => "weak-for-testing",
         }
     }
 }
@@ -113,6 +118,7 @@ impl Hasher {
         }
         match self.algo {
             HashAlgo::Xxh3 => xxh3_128_with_seed(scratch, self.seed),
+            HashAlgo::WeakForTesting => xxh3_128_with_seed(scratch, self.seed) & 0b111,
             HashAlgo::Sha256 => {
                 let mut d = Sha256::new();
                 d.update(self.seed.to_le_bytes());

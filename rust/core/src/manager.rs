@@ -246,15 +246,30 @@ impl Manager {
         let n = seq.num_blocks();
         let caching = self.cfg.enable_caching;
         let need = if caching {
-            (0..n)
-                .filter(|&i| {
-                    let shared_hit = seq
-                        .block_key(i)
-                        .and_then(|key| self.gpu.peek(&key))
-                        .is_some_and(|b| self.gpu.ref_count(b) > 0);
-                    !shared_hit
-                })
-                .count()
+            // Walk the chain as `allocate` will: block i can only hit if block i-1 did (a hit is
+            // confirmed by parent identity). Only hits on referenced blocks cost no free block;
+            // evictions cannot disturb those, since a referenced block's parents are referenced.
+            let mut need = 0;
+            let mut parent = None;
+            let mut chained = true;
+            for i in 0..n {
+                let hit = if chained {
+                    seq.block_key(i, parent).and_then(|k| self.gpu.peek(&k))
+                } else {
+                    None
+                };
+                match hit {
+                    Some(b) => {
+                        need += usize::from(self.gpu.ref_count(b) == 0);
+                        parent = Some(b);
+                    }
+                    None => {
+                        need += 1;
+                        chained = false;
+                    }
+                }
+            }
+            need
         } else {
             self.prompt_blocks(seq)
         };
@@ -264,7 +279,8 @@ impl Manager {
         let bs = self.cfg.block_size;
         let mut table: Vec<BlockId> = Vec::with_capacity(n);
         for i in 0..n {
-            let b = match (self.window, caching.then(|| seq.block_key(i)).flatten()) {
+            let parent = if i > 0 { table.last().copied() } else { None };
+            let b = match (self.window, caching.then(|| seq.block_key(i, parent)).flatten()) {
                 (Some(w), _) if i >= w => table[i % w],
                 (_, Some(key)) => {
                     self.prefix_lookups += 1;
@@ -423,8 +439,9 @@ impl Manager {
         let first = e.reserved / bs;
         let last = (len + lookahead).div_ceil(bs);
         for i in first..last {
+            let parent = if i > 0 { e.table.get(i - 1).copied() } else { None };
             let key = if caching && (i + 1) * bs <= len {
-                seq.block_key(i)
+                seq.block_key(i, parent)
             } else {
                 None
             };
@@ -612,12 +629,15 @@ impl Manager {
         let mut index: HashMap<BlockId, BlockId> = HashMap::new();
         for &id in ids {
             let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
-            for &b in distinct(&e.table, window) {
+            for (i, &b) in distinct(&e.table, window).iter().enumerate() {
                 if let Some(&d) = index.get(&b) {
                     dst.acquire(d, 1)?;
                 } else {
                     let d = match src.key_of(b) {
-                        Some(key) => {
+                        Some(mut key) => {
+                            // on the destination the parent is where this table's previous
+                            // block went (moved just before, in table order)
+                            key.parent = if i > 0 { index.get(&e.table[i - 1]).copied() } else { None };
                             let nht = src.num_hashed_tokens(b);
                             if let Some(c) = dst.lookup(&key) {
                                 dst.acquire(c, 1)?;

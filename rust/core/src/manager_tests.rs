@@ -294,3 +294,26 @@ fn randomized_manager_with_caching() {
 fn randomized_manager_with_window() {
     random_run(3, 20_000, false, Some(8));
 }
+
+/// With a 3-bit hash nearly every lookup collides; a block may still only be shared by
+/// sequences whose whole prefix up to it is equal.
+#[test]
+fn collisions_never_share_blocks_with_different_prefixes() {
+    let weak = Hasher { algo: HashAlgo::WeakForTesting, seed: 1 };
+    let mut c = cfg(4, 256, 4, true, None);
+    c.hasher = weak;
+    let mut m = Manager::new(c).unwrap();
+    let mut rng = Rng::new(9);
+    let mut owner: std::collections::HashMap<u32, Vec<u32>> = Default::default();
+    for id in 0..40u64 {
+        let toks: Vec<u32> = (0..12).map(|_| rng.below(2) as u32).collect();
+        let s = TokenSeq::new(4, &toks, HashExtra::default(), weak).unwrap();
+        m.allocate(&[(id, &s)]).unwrap();
+        for (i, &b) in m.block_table(id).unwrap().iter().enumerate() {
+            let prefix = toks[..(i + 1) * 4].to_vec();
+            assert_eq!(owner.entry(b).or_insert_with(|| prefix.clone()), &prefix);
+        }
+    }
+    let (lookups, hits) = m.prefix_cache_stats();
+    assert!(hits > 0 && hits < lookups, "some real sharing, some rejected collisions");
+}

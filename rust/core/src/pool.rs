@@ -57,12 +57,17 @@ impl Hasher for FoldHasher {
 }
 type PrefixMap = HashMap<BlockHash, BlockId, BuildHasherDefault<FoldHasher>>;
 
-/// What a cached block is stored under and confirmed against on a hit: its hash, its parent's
-/// hash, the sequence's extras (LoRA id, salt) and its token ids.
+/// What a cached block is stored under and confirmed against on a hit: its hash, its parent
+/// *block* (the physical block holding the previous block of the sequence; `None` for block 0),
+/// the sequence's extras (LoRA id, salt) and its token ids.
+///
+/// Confirming the parent by identity (block id plus the generation it had when the child was
+/// registered) rather than by hash makes a hit safe even under hash collisions: by induction
+/// from block 0, a hit at block `i` means the whole prefix is the same data.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockKey<'a> {
     pub hash: BlockHash,
-    pub parent: BlockHash,
+    pub parent: Option<BlockId>,
     pub extra: u128,
     pub tokens: &'a [u32],
 }
@@ -86,9 +91,14 @@ pub struct BlockPool {
     computed: Vec<bool>,
     /// Token ids of cached blocks, `block_size` per block (only used when caching).
     tokens: Vec<u32>,
-    /// Parent hash and extras key of cached blocks (only used when caching).
-    parent: Vec<BlockHash>,
+    /// Parent block (NIL for block 0), the parent's generation at registration, and extras key
+    /// of cached blocks (only used when caching).
+    parent: Vec<BlockId>,
+    parent_gen: Vec<u32>,
     extra: Vec<u128>,
+    /// Bumped every time a block is handed out fresh: a cached child remembers its parent's
+    /// generation, so a parent that was evicted and reused no longer vouches for it.
+    generation: Vec<u32>,
     free_stack: Vec<BlockId>,
     prev: Vec<u32>,
     next: Vec<u32>,
@@ -130,7 +140,9 @@ impl BlockPool {
             last_accessed: vec![NEVER_ACCESSED; n],
             computed: vec![false; n],
             tokens: vec![0; cached_tokens],
-            parent: vec![0; if caching { n } else { 0 }],
+            parent: vec![NIL; if caching { n } else { 0 }],
+            parent_gen: vec![0; if caching { n } else { 0 }],
+            generation: vec![0; n],
             extra: vec![0; if caching { n } else { 0 }],
             free_stack,
             prev: vec![NIL; n],
@@ -251,6 +263,7 @@ impl BlockPool {
             });
         };
         self.ref_count[b as usize] = 1;
+        self.generation[b as usize] = self.generation[b as usize].wrapping_add(1);
         Ok(b)
     }
 
@@ -310,7 +323,8 @@ impl BlockPool {
         let i = b as usize;
         let s = i * self.block_size;
         key.tokens.len() == self.block_size
-            && self.parent[i] == key.parent
+            && self.parent[i] == key.parent.unwrap_or(NIL)
+            && key.parent.is_none_or(|p| self.generation.get(p as usize) == Some(&self.parent_gen[i]))
             && self.extra[i] == key.extra
             && self.tokens[s..s + self.block_size] == *key.tokens
     }
@@ -338,7 +352,7 @@ impl BlockPool {
         let s = i * self.block_size;
         Some(BlockKey {
             hash,
-            parent: self.parent[i],
+            parent: (self.parent[i] != NIL).then_some(self.parent[i]),
             extra: self.extra[i],
             tokens: &self.tokens[s..s + self.block_size],
         })
@@ -380,7 +394,13 @@ impl BlockPool {
         }
         self.map.insert(key.hash, b);
         self.hash[i] = Some(key.hash);
-        self.parent[i] = key.parent;
+        if let Some(p) = key.parent {
+            if p as usize >= self.ref_count.len() || p == b {
+                return Err(Error::invalid(format!("bad parent block {p} for block {b}")));
+            }
+        }
+        self.parent[i] = key.parent.unwrap_or(NIL);
+        self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
         self.num_hashed_tokens[i] = num_hashed_tokens;
         self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(key.tokens);

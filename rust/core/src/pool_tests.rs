@@ -8,7 +8,7 @@ use std::collections::HashMap;
 fn key(hash: u128, tokens: &[u32]) -> BlockKey<'_> {
     BlockKey {
         hash,
-        parent: 0,
+        parent: None,
         extra: 0,
         tokens,
     }

@@ -66,20 +66,11 @@ impl TokenSeq {
     pub fn extra_key(&self) -> u128 {
         self.extra_key
     }
-    /// The key a cached copy of full block `i` is stored and confirmed under.
-    pub fn block_key(&self, i: usize) -> Option<crate::pool::BlockKey<'_>> {
+    /// The key a cached copy of full block `i` is stored and confirmed under; `parent` is the
+    /// physical block holding block `i - 1` (`None` for block 0).
+    pub fn block_key(&self, i: usize, parent: Option<crate::pool::BlockId>) -> Option<crate::pool::BlockKey<'_>> {
         let hash = self.block_hash(i)?;
-        let parent = if i == 0 {
-            crate::hash::ROOT
-        } else {
-            self.hashes[i - 1]
-        };
-        Some(crate::pool::BlockKey {
-            hash,
-            parent,
-            extra: self.extra_key,
-            tokens: self.block_tokens(i),
-        })
+        Some(crate::pool::BlockKey { hash, parent, extra: self.extra_key, tokens: self.block_tokens(i) })
     }
     pub fn hasher(&self) -> Hasher {
         self.hasher

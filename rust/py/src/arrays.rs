@@ -115,6 +115,22 @@ fn check_token(v: i64) -> PyResult<u32> {
 
 /// Token ids from a list/tuple/sequence of ints or a 1-D int array (copied once into Rust).
 pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>> {
+    // Lists first: probing a list for `__array_interface__` would raise and catch an
+    // AttributeError, which costs more than converting a whole block of tokens.
+    if let Ok(list) = obj.cast::<PyList>() {
+        let mut out = Vec::with_capacity(list.len());
+        for item in list.iter() {
+            out.push(token_from_item(&item)?);
+        }
+        return Ok(Cow::Owned(out));
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        let mut out = Vec::with_capacity(tuple.len());
+        for item in tuple.iter() {
+            out.push(token_from_item(&item)?);
+        }
+        return Ok(Cow::Owned(out));
+    }
     if let Some(view) = array_view(obj, "token_ids")? {
         if view.shape.len() != 1 {
             return Err(invalid("token_ids must be one-dimensional"));
@@ -138,13 +154,6 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
                     }
                 }
             }
-        }
-        return Ok(Cow::Owned(out));
-    }
-    if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(token_from_item(&item)?);
         }
         return Ok(Cow::Owned(out));
     }

@@ -158,6 +158,10 @@ fn mapping_dict<'py>(
 pub struct PyManager {
     inner: Manager,
     copies: Copies,
+    /// Python ints for every block number of each pool, made once: building a block table
+    /// list then costs a reference increment per entry instead of an int allocation.
+    gpu_ints: Vec<Py<PyAny>>,
+    cpu_ints: Vec<Py<PyAny>>,
 }
 
 /// Sequences resolved to (id, store) with their hasher aligned to the manager's.
@@ -300,6 +304,7 @@ impl PyManager {
                         enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
+        py: Python<'_>,
         block_size: &Bound<'_, PyAny>,
         num_gpu_blocks: &Bound<'_, PyAny>,
         num_cpu_blocks: &Bound<'_, PyAny>,
@@ -343,7 +348,12 @@ impl PyManager {
             strict,
             hasher: resolve_hasher(hash_algo, hash_seed)?,
         };
+        let ints = |n: u32| -> PyResult<Vec<Py<PyAny>>> {
+            (0..n).map(|b| Ok(b.into_pyobject(py)?.into_any().unbind())).collect()
+        };
         Ok(PyManager {
+            gpu_ints: ints(cfg.num_gpu_blocks)?,
+            cpu_ints: ints(cfg.num_cpu_blocks)?,
             inner: Manager::new(cfg).py()?,
             copies: Vec::new(),
         })
@@ -576,7 +586,12 @@ impl PyManager {
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let id = seq_id_of(seq)?;
-        PyList::new(py, self.inner.block_table(id).py()?)
+        let ints = match self.inner.device_of(id).py()? {
+            Device::Gpu => &self.gpu_ints,
+            Device::Cpu => &self.cpu_ints,
+        };
+        let table = self.inner.block_table(id).py()?;
+        PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))
     }
 
     fn get_num_free_gpu_blocks(&self) -> usize {
@@ -628,6 +643,41 @@ impl PyManager {
             return Ok(());
         }
         let seqs = group_seqs(seq_group)?;
+        let r = self.resolve(&seqs)?;
+        for (id, s) in r.refs() {
+            self.inner.compute_full_blocks_in_seq(id, s.len());
+        }
+        Ok(())
+    }
+
+    /// `access_all_blocks_in_seq` for many sequences in one call (batch step API).
+    fn access_all_blocks_in_seqs(&mut self, seqs: &Bound<'_, PyAny>, access_time: f64) -> PyResult<()> {
+        let mut ids = Vec::new();
+        for s in seqs.try_iter()? {
+            ids.push(seq_id_of(&s?)?);
+        }
+        if !self.inner.config().enable_caching {
+            return Ok(());
+        }
+        if !access_time.is_finite() {
+            return Err(invalid("access_time must be a finite number"));
+        }
+        for &id in &ids {
+            self.inner.block_table(id).py()?; // all checked before any change
+        }
+        for id in ids {
+            self.inner.access_all_blocks_in_seq(id, access_time).py()?;
+        }
+        Ok(())
+    }
+
+    /// `compute_full_blocks_in_seq` for many sequences in one call (what
+    /// `mark_blocks_as_computed` does for each sequence of a group).
+    fn compute_full_blocks_in_seqs(&mut self, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !self.inner.config().enable_caching {
+            return Ok(());
+        }
+        let seqs: Vec<Bound<'_, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
         let r = self.resolve(&seqs)?;
         for (id, s) in r.refs() {
             self.inner.compute_full_blocks_in_seq(id, s.len());

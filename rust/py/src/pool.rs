@@ -154,15 +154,15 @@ impl PyBlockPool {
         Ok(())
     }
 
-    /// The cached block holding exactly `token_ids` under `block_hash` (and the same
-    /// `parent_hash` / `extra_key`, which default to 0), or None. Does not change ref counts
+    /// The cached block holding exactly `token_ids` under `block_hash` (registered with the same
+    /// `parent_block`, still holding the same data, and the same `extra_key`), or None. Does not change ref counts
     /// (call `incref` to take it).
-    #[pyo3(signature = (block_hash, token_ids, *, parent_hash = 0, extra_key = 0))]
+    #[pyo3(signature = (block_hash, token_ids, *, parent_block = None, extra_key = 0))]
     fn lookup(
         &mut self,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        parent_hash: u128,
+        parent_block: Option<BlockId>,
         extra_key: u128,
     ) -> PyResult<Option<BlockId>> {
         let t = extract_tokens(token_ids)?;
@@ -175,7 +175,7 @@ impl PyBlockPool {
         }
         let key = BlockKey {
             hash: hash_arg(block_hash)?,
-            parent: parent_hash,
+            parent: parent_block,
             extra: extra_key,
             tokens: &t,
         };
@@ -184,14 +184,14 @@ impl PyBlockPool {
 
     /// Register a referenced, full, uncached block under its hash. Returns False when another
     /// block already holds that hash (the block then stays uncached).
-    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_hash = 0, extra_key = 0))]
+    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_block = None, extra_key = 0))]
     fn register(
         &mut self,
         block: &Bound<'_, PyAny>,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         num_hashed_tokens: Option<u32>,
-        parent_hash: u128,
+        parent_block: Option<BlockId>,
         extra_key: u128,
     ) -> PyResult<bool> {
         let b = self.id(block)?;
@@ -199,7 +199,7 @@ impl PyBlockPool {
         let nht = num_hashed_tokens.unwrap_or(self.inner.block_size() as u32);
         let key = BlockKey {
             hash: hash_arg(block_hash)?,
-            parent: parent_hash,
+            parent: parent_block,
             extra: extra_key,
             tokens: &t,
         };
