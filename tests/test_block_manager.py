@@ -112,19 +112,30 @@ def test_lru_order_under_pressure(Manager):
     assert m.get_block_table(y) == new_t  # the recently used prefix survived
 
 
-def test_forced_hash_collisions_never_share_different_blocks(Manager):
-    # a 3-bit hash: almost every lookup collides; only equal keys may share
-    m = Manager(BS, 64, 4, enable_caching=True, hash_algo="weak-for-testing", hash_seed=1)
+@pytest.fixture
+def weak_hash():
+    """Every new sequence hashes with a 3-bit test hash: almost every lookup collides."""
+    saved = pagedkv.get_default_hasher()
+    pagedkv.set_default_hasher("weak-for-testing", 1)
+    yield
+    pagedkv.set_default_hasher(*saved)
+
+
+def test_forced_hash_collisions_never_share_different_blocks(Manager, weak_hash):
+    m = Manager(BS, 64, 4, enable_caching=True)
     seqs = []
     for i in range(12):
         toks = [i % 3, i % 2, 7, 7] + [i, i + 1, i + 2, i + 3] + [5, 5, 5, 5]
-        _, (s,) = admit(m, toks, )
+        _, (s,) = admit(m, toks)
+        assert s.data._store.hasher == ("weak-for-testing", 1)
         seqs.append((s, toks))
     owner = {}
     for s, toks in seqs:
         for i, blk in enumerate(m.get_block_table(s)):
             prefix = tuple(toks[: (i + 1) * BS])
             assert owner.setdefault(blk, prefix) == prefix, "a block holds two different prefixes"
+    lookups, hits = m.prefix_cache_stats()
+    assert 0 < hits < lookups  # real sharing happened, colliding lookups were rejected
 
 
 def test_fork_then_copy_on_write(Manager):
@@ -252,7 +263,7 @@ def test_batch_step_writes_caller_buffers():
     for r, s in enumerate(seqs):
         t = m.get_block_table(s)
         assert tables[r, : len(t)].tolist() == t
-        assert (tables[r, len(t):] == -1).all()
+        assert (tables[r, len(t) :] == -1).all()
         assert lens[r] == s.get_len()
         p = s.get_len() - 1
         assert slots[r] == t[p // BS] * BS + p % BS
@@ -296,4 +307,7 @@ def test_sequences_adopt_the_managers_hasher():
     m = pagedkv.BlockSpaceManager(BS, 16, 4, enable_caching=True, hash_algo="sha256", hash_seed=3)
     _, (s,) = admit(m, PREFIX[:8])
     assert s.data._store.hasher == ("sha256", 3)
-    assert s.hash_of_block(0) == pagedkv.hash_blocks(PREFIX[:8], BS, hash_algo="sha256", hash_seed=3)[0]
+    assert (
+        s.hash_of_block(0)
+        == pagedkv.hash_blocks(PREFIX[:8], BS, hash_algo="sha256", hash_seed=3)[0]
+    )

@@ -33,8 +33,13 @@ def test_chaining_changes_every_later_hash():
 
 @pytest.mark.parametrize(
     "kwargs",
-    [dict(lora_id=1), dict(cache_salt="tenant-a"), dict(cache_salt=b"x"), dict(hash_seed=2),
-     dict(hash_algo="sha256")],
+    [
+        dict(lora_id=1),
+        dict(cache_salt="tenant-a"),
+        dict(cache_salt=b"x"),
+        dict(hash_seed=2),
+        dict(hash_algo="sha256"),
+    ],
 )
 def test_extras_seed_and_algorithm_change_hashes(kwargs):
     base = pagedkv.hash_blocks(TOKENS, 16, hash_seed=1)

@@ -123,7 +123,9 @@ BAD_CALLS = [
 ]
 
 
-@pytest.mark.parametrize("method,args,exc", BAD_CALLS, ids=[f"{m}{a}"[:40] for m, a, _ in BAD_CALLS])
+@pytest.mark.parametrize(
+    "method,args,exc", BAD_CALLS, ids=[f"{m}{a}"[:40] for m, a, _ in BAD_CALLS]
+)
 def test_bad_input_raises_typed_error_and_changes_nothing(method, args, exc):
     pool = pagedkv.BlockPool(4, BS)
     b = pool.allocate()

@@ -46,10 +46,12 @@ def test_class_members_match():
         stub_members = {
             n.name
             for n in node.body
-            if isinstance(n, ast.FunctionDef) and (not n.name.startswith("_") or n.name in {
-                "__len__", "__copy__", "__deepcopy__"})
+            if isinstance(n, ast.FunctionDef)
+            and (not n.name.startswith("_") or n.name in {"__len__", "__copy__", "__deepcopy__"})
         }
         native_members = {
-            n for n in dir(cls) if not n.startswith("_") or n in {"__len__", "__copy__", "__deepcopy__"}
+            n
+            for n in dir(cls)
+            if not n.startswith("_") or n in {"__len__", "__copy__", "__deepcopy__"}
         }
         assert stub_members == native_members, node.name

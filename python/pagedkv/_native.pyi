@@ -11,7 +11,9 @@ import numpy.typing as npt
 
 __version__: str
 
-TokenIds = Union[Sequence[int], npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint32]]
+TokenIds = Union[
+    Sequence[int], npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint32]
+]
 Salt = Union[str, bytes, None]
 
 def set_default_hasher(hash_algo: str = "xxh3", hash_seed: Optional[int] = None) -> None:

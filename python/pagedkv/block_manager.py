@@ -9,7 +9,8 @@ extends: each call reads the sequence's id, status and native token store
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Sequence as Seq
+from typing import Dict, List
+from typing import Sequence as Seq
 
 from pagedkv._native import BlockManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock

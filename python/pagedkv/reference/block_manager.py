@@ -43,9 +43,6 @@ except ImportError:  # the native module predates BlockManager: same enum, defin
 
 __all__ = ["AllocStatus", "BlockSpaceManager"]
 
-# Parent hash of block 0 (any value no real hash can equal).
-_ROOT = None
-
 _DEVICES = {"gpu": "gpu", "GPU": "gpu", "cuda": "gpu", "cpu": "cpu", "CPU": "cpu"}
 
 
@@ -141,10 +138,20 @@ class BlockSpaceManager:
             for j in range(i % w, len(blocks), w):
                 blocks[j] = b
 
-    def _key(self, seq, i: int) -> Tuple[int, List[int], tuple]:
-        """``(hash, tokens, meta)`` of full block ``i``; meta = (parent hash, lora id, salt)."""
-        parent = seq.hash_of_block(i - 1) if i else _ROOT
-        meta = (parent, seq.lora_int_id, getattr(seq, "cache_salt", None))
+    @staticmethod
+    def _meta(pool: BlockPool, parent: Optional[int], lora_id: int, salt) -> tuple:
+        """A cached block's parent is confirmed by identity: the physical block holding the
+        previous block of the sequence, and the generation it had (a hit then implies, by
+        induction from block 0, that the whole prefix is the same data, collisions or not)."""
+        gen = pool.generation(parent) if parent is not None else 0
+        return (parent, gen, lora_id, salt)
+
+    def _key(
+        self, seq, i: int, parent: Optional[int], pool: BlockPool
+    ) -> Tuple[int, List[int], tuple]:
+        """``(hash, tokens, meta)`` of full block ``i`` whose block ``i - 1`` is held by
+        ``parent`` (``None`` for block 0)."""
+        meta = self._meta(pool, parent, seq.lora_int_id, getattr(seq, "cache_salt", None))
         return seq.hash_of_block(i), seq.block_token_ids(i), meta
 
     def _check_seq(self, seq) -> None:
@@ -225,15 +232,20 @@ class BlockSpaceManager:
         w = self.block_sliding_window
         gpu = self.gpu
 
-        keys: list = []
+        full = length // bs if self.enable_caching else 0
         if self.enable_caching:
-            keys = [self._key(seq, i) for i in range(length // bs)]  # the full blocks
-            shared = 0
-            for h, toks, meta in keys:
-                c = gpu.peek(h, toks, meta)
-                if c is not None and gpu._ref[c] > 0:
-                    shared += 1
-            need = n - shared
+            # Walk the chain as the loop below will: block i can only hit if block i-1 did.
+            # Only hits on referenced blocks cost no free block (their parents are referenced
+            # too, so no eviction in the loop can turn them into misses).
+            need = n
+            parent = None
+            for i in range(full):
+                c = gpu.peek(*self._key(seq, i, parent, gpu))
+                if c is None:
+                    break
+                if gpu._ref[c] > 0:
+                    need -= 1
+                parent = c
         else:
             need = n if w is None else min(n, w)
         if need > gpu.num_free:
@@ -243,8 +255,8 @@ class BlockSpaceManager:
         for i in range(n):
             if w is not None and i >= w:
                 b = blocks[i % w]
-            elif i < len(keys):
-                h, toks, meta = keys[i]
+            elif i < full:
+                h, toks, meta = self._key(seq, i, blocks[-1] if i else None, gpu)
                 b = gpu.lookup(h, toks, meta)  # counted: the prefix-cache hit rate
                 if b is not None:
                     gpu.incref(b, k)
@@ -323,7 +335,11 @@ class BlockSpaceManager:
         ref = gpu._ref
         copies: Dict[int, List[int]] = {}
         for i in range(t.reserved // bs, _ceil_div(target, bs)):
-            key = self._key(seq, i) if caching and length >= (i + 1) * bs else None
+            key = (
+                self._key(seq, i, blocks[i - 1] if i else None, gpu)
+                if caching and length >= (i + 1) * bs
+                else None
+            )
             if i < len(blocks):
                 b = blocks[i]
                 if ref[b] > 1:  # copy on write, or switch to an identical cached block
@@ -454,14 +470,17 @@ class BlockSpaceManager:
             raise OutOfBlocksError(f"out of {dst_name} blocks: {need} needed, {dst.num_free} free")
         mapping: Dict[int, int] = {}
         for t in tables:
-            for b in self._distinct(t.blocks):
+            for i, b in enumerate(self._distinct(t.blocks)):
                 d = mapping.get(b)
                 if d is not None:
                     dst.incref(d)
                 else:
                     entry = src.cache_entry(b)
                     if entry is not None:
-                        h, toks, meta, num_hashed = entry
+                        h, toks, src_meta, num_hashed = entry
+                        # on the destination the parent is where the previous block went
+                        parent = mapping.get(t.blocks[i - 1]) if i else None
+                        meta = self._meta(dst, parent, src_meta[2], src_meta[3])
                         d = dst.peek(h, toks, meta)
                         if d is not None:
                             dst.incref(d)

@@ -17,8 +17,9 @@ Every block is in exactly one of three states::
   a heap with lazy deletion: a revived block leaves a stale entry behind, recognised by its
   arrival number, and the heap is rebuilt when stale entries outnumber live ones.
 * The prefix map goes from block hash to block. A cached block also stores its token ids and an
-  opaque ``meta`` value (the manager passes ``(parent hash, lora id, cache salt)``); a lookup hits
-  only if all of them are equal, so a hash collision never hands out another prompt's KV data.
+  opaque ``meta`` value (the manager passes ``(parent block, its generation, lora id, cache
+  salt)``); a lookup hits only if all of them are equal, so a hash collision never hands out
+  another prompt's KV data.
 
 Costs: every operation is O(1) except eviction (O(log n) amortised) and ``eviction_order``
 (O(n log n), introspection only). A call that raises changes nothing.
@@ -67,6 +68,9 @@ class BlockPool:
         self._hash: List[Optional[int]] = [None] * n  # set iff the block is in the prefix map
         self._tokens: List[Optional[List[int]]] = [None] * n
         self._meta: List[Hashable] = [None] * n
+        # bumped each time a block is handed out fresh; the manager stores a parent's
+        # generation in its children's meta, so a reused parent no longer vouches for them
+        self._gen: List[int] = [0] * n
         self._num_hashed: List[int] = [0] * n
         self._last_accessed: List[float] = [NEVER_ACCESSED] * n
         self._computed: List[bool] = [False] * n
@@ -161,7 +165,12 @@ class BlockPool:
         else:
             raise OutOfBlocksError(f"out of {self.device} blocks: 1 needed, 0 free")
         self._ref[b] = 1
+        self._gen[b] += 1
         return b
+
+    def generation(self, block: int) -> int:
+        """How many times ``block`` was handed out fresh (a parent-identity check)."""
+        return self._gen[block]
 
     def allocate_many(self, n: int) -> List[int]:
         """``n`` fresh blocks in one call; all or nothing."""

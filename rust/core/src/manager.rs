@@ -280,7 +280,10 @@ impl Manager {
         let mut table: Vec<BlockId> = Vec::with_capacity(n);
         for i in 0..n {
             let parent = if i > 0 { table.last().copied() } else { None };
-            let b = match (self.window, caching.then(|| seq.block_key(i, parent)).flatten()) {
+            let b = match (
+                self.window,
+                caching.then(|| seq.block_key(i, parent)).flatten(),
+            ) {
                 (Some(w), _) if i >= w => table[i % w],
                 (_, Some(key)) => {
                     self.prefix_lookups += 1;
@@ -439,7 +442,11 @@ impl Manager {
         let first = e.reserved / bs;
         let last = (len + lookahead).div_ceil(bs);
         for i in first..last {
-            let parent = if i > 0 { e.table.get(i - 1).copied() } else { None };
+            let parent = if i > 0 {
+                e.table.get(i - 1).copied()
+            } else {
+                None
+            };
             let key = if caching && (i + 1) * bs <= len {
                 seq.block_key(i, parent)
             } else {
@@ -637,7 +644,11 @@ impl Manager {
                         Some(mut key) => {
                             // on the destination the parent is where this table's previous
                             // block went (moved just before, in table order)
-                            key.parent = if i > 0 { index.get(&e.table[i - 1]).copied() } else { None };
+                            key.parent = if i > 0 {
+                                index.get(&e.table[i - 1]).copied()
+                            } else {
+                                None
+                            };
                             let nht = src.num_hashed_tokens(b);
                             if let Some(c) = dst.lookup(&key) {
                                 dst.acquire(c, 1)?;

@@ -299,7 +299,10 @@ fn randomized_manager_with_window() {
 /// sequences whose whole prefix up to it is equal.
 #[test]
 fn collisions_never_share_blocks_with_different_prefixes() {
-    let weak = Hasher { algo: HashAlgo::WeakForTesting, seed: 1 };
+    let weak = Hasher {
+        algo: HashAlgo::WeakForTesting,
+        seed: 1,
+    };
     let mut c = cfg(4, 256, 4, true, None);
     c.hasher = weak;
     let mut m = Manager::new(c).unwrap();
@@ -315,5 +318,8 @@ fn collisions_never_share_blocks_with_different_prefixes() {
         }
     }
     let (lookups, hits) = m.prefix_cache_stats();
-    assert!(hits > 0 && hits < lookups, "some real sharing, some rejected collisions");
+    assert!(
+        hits > 0 && hits < lookups,
+        "some real sharing, some rejected collisions"
+    );
 }

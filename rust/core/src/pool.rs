@@ -324,7 +324,9 @@ impl BlockPool {
         let s = i * self.block_size;
         key.tokens.len() == self.block_size
             && self.parent[i] == key.parent.unwrap_or(NIL)
-            && key.parent.is_none_or(|p| self.generation.get(p as usize) == Some(&self.parent_gen[i]))
+            && key
+                .parent
+                .is_none_or(|p| self.generation.get(p as usize) == Some(&self.parent_gen[i]))
             && self.extra[i] == key.extra
             && self.tokens[s..s + self.block_size] == *key.tokens
     }
@@ -396,7 +398,9 @@ impl BlockPool {
         self.hash[i] = Some(key.hash);
         if let Some(p) = key.parent {
             if p as usize >= self.ref_count.len() || p == b {
-                return Err(Error::invalid(format!("bad parent block {p} for block {b}")));
+                return Err(Error::invalid(format!(
+                    "bad parent block {p} for block {b}"
+                )));
             }
         }
         self.parent[i] = key.parent.unwrap_or(NIL);

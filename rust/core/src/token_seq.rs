@@ -68,9 +68,18 @@ impl TokenSeq {
     }
     /// The key a cached copy of full block `i` is stored and confirmed under; `parent` is the
     /// physical block holding block `i - 1` (`None` for block 0).
-    pub fn block_key(&self, i: usize, parent: Option<crate::pool::BlockId>) -> Option<crate::pool::BlockKey<'_>> {
+    pub fn block_key(
+        &self,
+        i: usize,
+        parent: Option<crate::pool::BlockId>,
+    ) -> Option<crate::pool::BlockKey<'_>> {
         let hash = self.block_hash(i)?;
-        Some(crate::pool::BlockKey { hash, parent, extra: self.extra_key, tokens: self.block_tokens(i) })
+        Some(crate::pool::BlockKey {
+            hash,
+            parent,
+            extra: self.extra_key,
+            tokens: self.block_tokens(i),
+        })
     }
     pub fn hasher(&self) -> Hasher {
         self.hasher

@@ -349,7 +349,9 @@ impl PyManager {
             hasher: resolve_hasher(hash_algo, hash_seed)?,
         };
         let ints = |n: u32| -> PyResult<Vec<Py<PyAny>>> {
-            (0..n).map(|b| Ok(b.into_pyobject(py)?.into_any().unbind())).collect()
+            (0..n)
+                .map(|b| Ok(b.into_pyobject(py)?.into_any().unbind()))
+                .collect()
         };
         Ok(PyManager {
             gpu_ints: ints(cfg.num_gpu_blocks)?,
@@ -651,7 +653,11 @@ impl PyManager {
     }
 
     /// `access_all_blocks_in_seq` for many sequences in one call (batch step API).
-    fn access_all_blocks_in_seqs(&mut self, seqs: &Bound<'_, PyAny>, access_time: f64) -> PyResult<()> {
+    fn access_all_blocks_in_seqs(
+        &mut self,
+        seqs: &Bound<'_, PyAny>,
+        access_time: f64,
+    ) -> PyResult<()> {
         let mut ids = Vec::new();
         for s in seqs.try_iter()? {
             ids.push(seq_id_of(&s?)?);
