@@ -66,17 +66,22 @@ def test_cache_hit_revives_an_evictable_block():
     assert (pool.lookups, pool.hits) == (1, 1)
 
 
-def test_lookup_confirms_tokens_parent_and_extra():
-    pool = pagedkv.BlockPool(3, BS)
+def test_lookup_confirms_tokens_parent_block_and_extra():
+    pool = pagedkv.BlockPool(4, BS)
+    parent = pool.allocate()
     b = pool.allocate()
-    pool.register(b, 7, toks(1), parent_hash=5, extra_key=9)
-    assert pool.lookup(7, toks(1), parent_hash=5, extra_key=9) == b
-    assert pool.lookup(7, toks(2), parent_hash=5, extra_key=9) is None  # forced collision
-    assert pool.lookup(7, toks(1), parent_hash=6, extra_key=9) is None
-    assert pool.lookup(7, toks(1), parent_hash=5, extra_key=8) is None
+    pool.register(b, 7, toks(1), parent_block=parent, extra_key=9)
+    assert pool.lookup(7, toks(1), parent_block=parent, extra_key=9) == b
+    assert pool.lookup(7, toks(2), parent_block=parent, extra_key=9) is None  # forced collision
+    assert pool.lookup(7, toks(1), parent_block=None, extra_key=9) is None
+    assert pool.lookup(7, toks(1), parent_block=parent, extra_key=8) is None
     c = pool.allocate()
     assert not pool.register(c, 7, toks(2))  # hash taken: stays uncached
     assert pool.block_hash(c) is None
+    # the parent is freed and handed out again: it no longer vouches for its old child
+    pool.free(parent)
+    assert pool.allocate() == parent
+    assert pool.lookup(7, toks(1), parent_block=parent, extra_key=9) is None
 
 
 def test_lru_eviction_order_with_tail_first_ties():
