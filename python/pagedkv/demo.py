@@ -27,9 +27,13 @@ The sampler is deterministic (greedy; a forked child takes the 2nd-best token on
 The check: every logits row the engine computes (the prefill rows and each decode
 row, including the rows that produced every generated token) is compared with
 ``model.dense_forward(tokens of that sequence)`` at the same position (causal, so the
-row at position ``p`` only depends on tokens ``0..p``): ``|paged - dense| <= atol +
-rtol * |dense|`` (fp32: 1e-5; bf16/fp16: a few units of the last place).  At the end
-every GPU and CPU block must be free again and every event above must have happened.
+row at position ``p`` only depends on tokens ``0..p``): every element must satisfy
+``|paged - dense| <= atol + rtol * max|dense row|`` (:data:`TOLERANCES`: fp32 1e-5 and
+1e-5; bf16 2e-2 and 2e-2, i.e. a few units in the last place of the largest logit).
+At the end every GPU and CPU block must be free again and every event above must have
+happened (the default workload needs at least :data:`MIN_REQUESTS` requests for that).
+The GPU pool is sized by model-free dry runs of the same schedule
+(:func:`choose_num_gpu_blocks`).
 
 CLI: ``pagedkv demo [--device D] [--dtype T] [--requests N] [--seed S] [--quiet]``
 (also ``python -m pagedkv.demo``).
@@ -406,10 +410,14 @@ class DemoEngine:
                 kept.append(group)
         self.running = kept
         if not preempted:
+            num_seqs = len(plan.decode)
             while self.swapped:
                 group = self.swapped[0]
                 if mgr.can_swap_in(group) != AllocStatus.OK:
                     break
+                if num_seqs + group.num_seqs(SequenceStatus.SWAPPED) > self.config.max_num_seqs:
+                    break
+                num_seqs += group.num_seqs(SequenceStatus.SWAPPED)
                 self.swapped.pop(0)
                 mapping = mgr.swap_in(group)
                 plan.blocks_to_swap_in.update(mapping)
@@ -681,6 +689,9 @@ EVENTS = (
     "recompute_preemptions",
 )
 
+#: the default workload needs this many requests to show every event
+MIN_REQUESTS = 5
+
 #: fractions of the unconstrained peak GPU usage tried as pool sizes, in order
 _POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
 
@@ -691,9 +702,10 @@ def choose_num_gpu_blocks(config: DemoConfig) -> int:
     The schedule depends only on lengths and arrival times, not on token values (the
     requests have no stop tokens), so model-free dry runs of the engine predict it.
     A first dry run with room for everything measures the peak usage; pools of
-    decreasing fractions of it (never below what the largest request needs alone)
-    are then tried and the first that shows every event of :data:`EVENTS` is returned
-    (if none does, the first candidate: the run will report the missing events).
+    several fractions of it (:data:`_POOL_FRACTIONS`, never below what the largest
+    request needs alone) are then tried and the first that shows every event of
+    :data:`EVENTS` is returned (if none does, the first candidate: the run will then
+    report the missing events).
     """
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
@@ -752,7 +764,7 @@ def run_demo(
     config: Optional[DemoConfig] = None,
     *,
     device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     verbose: bool = True,
     hook: Optional[Hook] = None,
     atol: Optional[float] = None,
@@ -766,6 +778,8 @@ def run_demo(
     ``report.ok`` and ``report.failures``.
     """
     cfg = config or DemoConfig()
+    if isinstance(dtype, str):
+        dtype = _DTYPES[dtype]
     default_atol, default_rtol = TOLERANCES.get(dtype, (2e-2, 2e-2))
     atol = default_atol if atol is None else atol
     rtol = default_rtol if rtol is None else rtol
@@ -773,12 +787,20 @@ def run_demo(
     num_gpu_blocks = choose_num_gpu_blocks(cfg)
     model = TinyDecoder(cfg.model, dtype=dtype, device=device)
     engine = DemoEngine(cfg, model, hook=hook, num_gpu_blocks=num_gpu_blocks)
-    with torch.inference_mode():
-        try:
-            engine.run()
-        except RuntimeError as exc:
-            engine.report.failures.append(f"engine error: {exc}")
-        engine.check(atol, rtol)
+    # The model's matrices are tiny: on the CPU, intra-op threads only add overhead
+    # (and stall badly on a busy machine), so run single-threaded, then restore.
+    threads = torch.get_num_threads()
+    if model.device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        with torch.inference_mode():
+            try:
+                engine.run()
+            except RuntimeError as exc:
+                engine.report.failures.append(f"engine error: {exc}")
+            engine.check(atol, rtol)
+    finally:
+        torch.set_num_threads(threads)
     engine.report.seconds = time.perf_counter() - t0
     if verbose:
         print(engine.report.format())
@@ -797,7 +819,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default="float32", choices=sorted(_DTYPES), help="model/cache dtype"
     )
     parser.add_argument(
-        "--requests", type=int, default=DemoConfig.num_requests, help="number of requests"
+        "--requests",
+        type=int,
+        default=DemoConfig.num_requests,
+        help=f"number of requests (>= {MIN_REQUESTS}, default {DemoConfig.num_requests})",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
     parser.add_argument("--quiet", action="store_true", help="print only failures")
@@ -805,8 +830,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the demo from parsed arguments; 0 if every check passed."""
-    if args.requests < 1:
-        print("pagedkv demo: --requests must be >= 1", file=sys.stderr)
+    if args.requests < MIN_REQUESTS:
+        print(
+            f"pagedkv demo: --requests must be >= {MIN_REQUESTS} "
+            "(fewer cannot show a swap and a recompute preemption)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as exc:
+        print(f"pagedkv demo: bad --device: {exc}", file=sys.stderr)
+        return 2
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("pagedkv demo: CUDA is not available", file=sys.stderr)
         return 2
     cfg = DemoConfig(num_requests=args.requests, seed=args.seed, model=TinyConfig(seed=args.seed))
     report = run_demo(cfg, device=args.device, dtype=_DTYPES[args.dtype], verbose=not args.quiet)

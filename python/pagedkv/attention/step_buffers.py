@@ -118,10 +118,9 @@ class StepBuffers:
         size = _NUM_VECTORS * max_seqs + max_seqs * max_blocks_per_seq
         self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self.pinned)
         self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self._host_np = self._host.numpy()  # zero-copy view of the (pinned) host memory
         vec = self._host[: _NUM_VECTORS * max_seqs].view(_NUM_VECTORS, max_seqs)
         tables = self._host[_NUM_VECTORS * max_seqs :].view(max_seqs, max_blocks_per_seq)
-        # host tensors (views of self._host) and their numpy views
+        # host tensors (views of self._host) and their zero-copy numpy views
         self.context_lens = vec[_CTX]
         self.slot_mapping = vec[_SLOT]
         self.positions = vec[_POS]
@@ -158,14 +157,17 @@ class StepBuffers:
             self._event.synchronize()
             self._copy_pending = False
 
-    def append(self, manager: Any, seqs: Seq[Any]) -> Dict[int, List[int]]:
+    def append(
+        self, manager: Any, seqs: Seq[Any], input_ids: Optional[Seq[int]] = None
+    ) -> Dict[int, List[int]]:
         """Reserve the newest slot of each of ``seqs`` and fill their rows.
 
         Calls ``manager.append_slots_batch`` on the next ``len(seqs)`` rows of the
-        host buffers, then writes positions (``context_len - 1``) and input ids
-        (``seq.get_last_token_id()``).  Returns the copy-on-write pairs
-        ``{src_block: [dst_block, ...]}``.  On error nothing changes (neither the
-        manager nor the rows filled so far).
+        host buffers, then writes positions (``context_len - 1``) and input ids:
+        ``input_ids`` if given (the tokens just sampled, one per sequence: saves a
+        Python call per sequence), else ``seq.get_last_token_id()``.  Returns the
+        copy-on-write pairs ``{src_block: [dst_block, ...]}``.  On error nothing
+        changes (neither the manager nor the rows filled so far).
         """
         seqs = list(seqs)
         start, n = self.num_seqs, len(seqs)
@@ -174,6 +176,12 @@ class StepBuffers:
             raise InvalidArgumentError(
                 f"step has {end} sequences but StepBuffers holds at most {self.max_seqs}"
             )
+        if input_ids is not None:
+            input_ids = np.asarray(input_ids, dtype=np.int32)  # checked before anything changes
+            if input_ids.shape != (n,):
+                raise InvalidArgumentError(
+                    f"input_ids must have shape ({n},), got {input_ids.shape}"
+                )
         if n == 0:
             return {}
         self._wait_copy()  # the host rows may still be the source of an in-flight copy
@@ -185,7 +193,9 @@ class StepBuffers:
             pad_value=self.pad_value,
         )
         np.subtract(self.context_lens_np[start:end], 1, out=self.positions_np[start:end])
-        self.input_ids_np[start:end] = [seq.get_last_token_id() for seq in seqs]
+        if input_ids is None:
+            input_ids = [seq.get_last_token_id() for seq in seqs]
+        self.input_ids_np[start:end] = input_ids
         self.num_seqs = end
         return cow
 
@@ -209,13 +219,15 @@ class StepBuffers:
             input_ids=v[_IDS, :n],
         )
 
-    def decode_step(self, manager: Any, seqs: Seq[Any]) -> Tuple[Dict[int, List[int]], DeviceView]:
+    def decode_step(
+        self, manager: Any, seqs: Seq[Any], input_ids: Optional[Seq[int]] = None
+    ) -> Tuple[Dict[int, List[int]], DeviceView]:
         """One decode step for ``seqs``: :meth:`begin_step`, :meth:`append`, :meth:`to_device`.
 
         Returns ``(copy_on_write_pairs, device_view)``.
         """
         self.begin_step()
-        cow = self.append(manager, seqs)
+        cow = self.append(manager, seqs, input_ids)
         return cow, self.to_device()
 
     def host_view(self) -> DeviceView:

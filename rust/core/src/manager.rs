@@ -17,6 +17,26 @@ use crate::hash::Hasher;
 use crate::pool::{BlockId, BlockKey, BlockPool};
 use crate::token_seq::TokenSeq;
 use std::collections::{HashMap, HashSet};
+use std::hash::BuildHasherDefault;
+
+/// Sequence ids are small engine-assigned counters: a multiplicative hash spreads them well
+/// and costs one multiply (SipHash costs ~20 ns per lookup, several per sequence per step).
+#[derive(Default)]
+struct SeqIdHasher(u64);
+impl std::hash::Hasher for SeqIdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (x ^ (x >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    }
+}
+type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
 
 pub type SeqId = u64;
 
@@ -50,6 +70,9 @@ struct SeqEntry {
     reserved: usize,
     /// Creation order (for `reset`).
     order: u64,
+    /// Changes whenever the table does (unique across the manager's life), so that callers
+    /// can cache a view of it.
+    version: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -74,8 +97,9 @@ pub struct Manager {
     watermark_blocks: usize,
     gpu: BlockPool,
     cpu: BlockPool,
-    tables: HashMap<SeqId, SeqEntry>,
+    tables: SeqMap<SeqEntry>,
     next_order: u64,
+    next_version: u64,
     prefix_lookups: u64,
     prefix_hits: u64,
 }
@@ -135,8 +159,9 @@ impl Manager {
             watermark_blocks: (cfg.watermark * cfg.num_gpu_blocks as f64) as usize,
             gpu: BlockPool::new("gpu", cfg.num_gpu_blocks, bs, cfg.enable_caching)?,
             cpu: BlockPool::new("cpu", cfg.num_cpu_blocks, bs, cfg.enable_caching)?,
-            tables: HashMap::new(),
+            tables: SeqMap::default(),
             next_order: 0,
+            next_version: 0,
             prefix_lookups: 0,
             prefix_hits: 0,
             cfg,
@@ -177,6 +202,10 @@ impl Manager {
     }
     pub fn block_table(&self, id: SeqId) -> Result<&[BlockId]> {
         Ok(&self.entry(id)?.table)
+    }
+    /// A number that changes whenever the sequence's table (or its device) does.
+    pub fn table_version(&self, id: SeqId) -> Result<u64> {
+        Ok(self.entry(id)?.version)
     }
     pub fn device_of(&self, id: SeqId) -> Result<Device> {
         Ok(self.entry(id)?.device)
@@ -305,6 +334,7 @@ impl Manager {
         for &(id, _) in waiting {
             let order = self.next_order;
             self.next_order += 1;
+            self.next_version += 1;
             self.tables.insert(
                 id,
                 SeqEntry {
@@ -312,6 +342,7 @@ impl Manager {
                     device: Device::Gpu,
                     reserved,
                     order,
+                    version: self.next_version,
                 },
             );
         }
@@ -439,6 +470,8 @@ impl Manager {
         let gpu = &mut self.gpu;
         let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
         let len = seq.len();
+        let len_before = e.table.len();
+        let mut replaced = false;
         let first = e.reserved / bs;
         let last = (len + lookahead).div_ceil(bs);
         for i in first..last {
@@ -461,17 +494,19 @@ impl Manager {
                         gpu.acquire(c, 1)?;
                         gpu.release(b)?;
                         set_entry(&mut e.table, i, c, window);
+                        replaced = true;
                         continue;
                     }
                     let n = gpu.allocate()?;
                     copies.push((b, n));
                     gpu.release(b)?;
                     set_entry(&mut e.table, i, n, window);
+                    replaced = true;
                     b = n;
                 }
                 if let Some(k) = key.as_ref() {
                     if gpu.block_hash(b).is_none() {
-                        promote(gpu, &mut e.table, i, b, k, nht, window)?;
+                        replaced |= promote(gpu, &mut e.table, i, b, k, nht, window)?;
                     }
                 }
             } else if let Some(w) = window.filter(|&w| i >= w) {
@@ -499,6 +534,10 @@ impl Manager {
             }
         }
         e.reserved = len;
+        if replaced || e.table.len() != len_before {
+            self.next_version += 1;
+            e.version = self.next_version;
+        }
         Ok(())
     }
 
@@ -520,6 +559,8 @@ impl Manager {
         let mut ce = pe.clone();
         ce.order = self.next_order;
         self.next_order += 1;
+        self.next_version += 1;
+        ce.version = self.next_version;
         let pool = match ce.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
@@ -670,6 +711,8 @@ impl Manager {
                 *b = index[b];
             }
             e.device = to;
+            self.next_version += 1;
+            e.version = self.next_version;
         }
         Ok(mapping)
     }
@@ -690,6 +733,23 @@ impl Manager {
         };
         for &b in distinct(&e.table, self.window) {
             pool.set_last_accessed(b, access_time);
+        }
+        Ok(())
+    }
+
+    /// `access_all_blocks_in_seq` for many sequences: all checked, then all applied.
+    pub fn access_all_blocks_in_seqs(&mut self, ids: &[SeqId], access_time: f64) -> Result<()> {
+        if !self.cfg.enable_caching {
+            return Ok(());
+        }
+        if !access_time.is_finite() {
+            return Err(Error::invalid("access_time must be a finite number"));
+        }
+        for &id in ids {
+            self.entry(id)?;
+        }
+        for &id in ids {
+            self.access_all_blocks_in_seq(id, access_time)?;
         }
         Ok(())
     }
@@ -800,16 +860,17 @@ fn promote(
     key: &BlockKey<'_>,
     nht: u32,
     window: Option<usize>,
-) -> Result<()> {
+) -> Result<bool> {
     match gpu.lookup(key) {
         Some(c) if c != b => {
             gpu.acquire(c, 1)?;
             gpu.release(b)?;
             set_entry(table, i, c, window);
+            Ok(true)
         }
         _ => {
             gpu.register(b, key, nht)?;
+            Ok(false)
         }
     }
-    Ok(())
 }

@@ -7,6 +7,7 @@ use crate::errors::{invalid, wrong_type, IntoPyResult};
 use crate::hashing::{resolve_hasher, PyTokenSeq};
 use pagedkv_core::{AllocStatus, BlockId, Copies, Device, Manager, ManagerConfig, SeqId, TokenSeq};
 use pyo3::intern;
+use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString};
@@ -73,8 +74,26 @@ fn seq_id_of(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
             type_name(seq)
         ))
     })?;
+    if id.is_exact_instance_of::<pyo3::types::PyInt>() {
+        if let Ok(v) = id.extract::<u64>() {
+            return Ok(v); // the common case, without the general checks
+        }
+    }
     let id = int_arg(&id, "seq_id")?;
     u64::try_from(id).map_err(|_| invalid(format!("seq_id must be non-negative, got {id}")))
+}
+
+/// The items of a list or tuple (fast paths) or any iterable.
+fn items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    if let Ok(list) = obj.cast::<PyList>() {
+        return Ok(list.iter().collect());
+    }
+    if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
+        return Ok(tuple.iter().collect());
+    }
+    obj.try_iter()
+        .map_err(|_| wrong_type(format!("expected a list of sequences, got {}", type_name(obj))))?
+        .collect()
 }
 
 fn store_of<'py>(seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
@@ -94,6 +113,10 @@ fn store_of<'py>(seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
 fn group_seqs<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
     let py = group.py();
     let seqs = match group.getattr(intern!(py, "seqs_dict")) {
+        // a plain dict: walk it directly (insertion order, like `get_seqs()`)
+        Ok(d) if d.is_exact_instance_of::<PyDict>() => {
+            return Ok(d.cast_into::<PyDict>()?.iter().map(|(_, v)| v).collect());
+        }
         Ok(d) => d.call_method0(intern!(py, "values"))?,
         Err(_) => group.call_method0(intern!(py, "get_seqs")).map_err(|_| {
             wrong_type(format!(
@@ -162,6 +185,10 @@ pub struct PyManager {
     /// list then costs a reference increment per entry instead of an int allocation.
     gpu_ints: Vec<Py<PyAny>>,
     cpu_ints: Vec<Py<PyAny>>,
+    /// The last block-table list built for each sequence, with the table version it shows.
+    /// `get_block_table` hands out copies of it until the table changes (a table changes once
+    /// per `block_size` decode steps, so most calls are a list copy).
+    table_lists: HashMap<SeqId, (u64, Py<PyList>)>,
 }
 
 /// Sequences resolved to (id, store) with their hasher aligned to the manager's.
@@ -358,6 +385,7 @@ impl PyManager {
             cpu_ints: ints(cfg.num_cpu_blocks)?,
             inner: Manager::new(cfg).py()?,
             copies: Vec::new(),
+            table_lists: HashMap::new(),
         })
     }
 
@@ -462,7 +490,7 @@ impl PyManager {
         slot_mapping: &Bound<'py, PyAny>,
         pad_value: i32,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let seqs: Vec<Bound<'py, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
+        let seqs = items(seqs)?;
         let tables = writable_i32(block_tables, "block_tables", 2)?;
         let cl = writable_i32(context_lens, "context_lens", 1)?;
         let sm = writable_i32(slot_mapping, "slot_mapping", 1)?;
@@ -492,7 +520,7 @@ impl PyManager {
         context_lens: Option<&Bound<'py, PyAny>>,
         pad_value: i32,
     ) -> PyResult<()> {
-        let seqs: Vec<Bound<'py, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
+        let seqs = items(seqs)?;
         let tables = writable_i32(block_tables, "block_tables", 2)?;
         let cl = context_lens
             .map(|c| writable_i32(c, "context_lens", 1))
@@ -520,11 +548,15 @@ impl PyManager {
 
     fn free(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = seq_id_of(seq)?;
-        self.inner.free(id).py()
+        self.inner.free(id).py()?;
+        self.table_lists.remove(&id);
+        Ok(())
     }
 
     fn reset(&mut self) -> PyResult<()> {
-        self.inner.reset().py()
+        self.inner.reset().py()?;
+        self.table_lists.clear();
+        Ok(())
     }
 
     // ---- swapping ----------------------------------------------------------------------
@@ -583,17 +615,27 @@ impl PyManager {
 
     // ---- queries -----------------------------------------------------------------------
     fn get_block_table<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let id = seq_id_of(seq)?;
+        let version = self.inner.table_version(id).py()?;
+        if let Some((v, list)) = self.table_lists.get(&id) {
+            if *v == version {
+                let list = list.bind(py);
+                return Ok(list.get_slice(0, list.len()));
+            }
+        }
         let ints = match self.inner.device_of(id).py()? {
             Device::Gpu => &self.gpu_ints,
             Device::Cpu => &self.cpu_ints,
         };
         let table = self.inner.block_table(id).py()?;
-        PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))
+        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
+        let copy = list.get_slice(0, list.len());
+        self.table_lists.insert(id, (version, list.unbind()));
+        Ok(copy)
     }
 
     fn get_num_free_gpu_blocks(&self) -> usize {
@@ -634,8 +676,8 @@ impl PyManager {
         seqs: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let mut ids = Vec::new();
-        for s in seqs.try_iter()? {
-            ids.push(seq_id_of(&s?)?);
+        for s in items(seqs)? {
+            ids.push(seq_id_of(&s)?);
         }
         PyList::new(py, self.inner.get_common_computed_block_ids(&ids))
     }
@@ -659,22 +701,10 @@ impl PyManager {
         access_time: f64,
     ) -> PyResult<()> {
         let mut ids = Vec::new();
-        for s in seqs.try_iter()? {
-            ids.push(seq_id_of(&s?)?);
+        for s in items(seqs)? {
+            ids.push(seq_id_of(&s)?);
         }
-        if !self.inner.config().enable_caching {
-            return Ok(());
-        }
-        if !access_time.is_finite() {
-            return Err(invalid("access_time must be a finite number"));
-        }
-        for &id in &ids {
-            self.inner.block_table(id).py()?; // all checked before any change
-        }
-        for id in ids {
-            self.inner.access_all_blocks_in_seq(id, access_time).py()?;
-        }
-        Ok(())
+        self.inner.access_all_blocks_in_seqs(&ids, access_time).py()
     }
 
     /// `compute_full_blocks_in_seq` for many sequences in one call (what
@@ -683,7 +713,7 @@ impl PyManager {
         if !self.inner.config().enable_caching {
             return Ok(());
         }
-        let seqs: Vec<Bound<'_, PyAny>> = seqs.try_iter()?.collect::<PyResult<_>>()?;
+        let seqs = items(seqs)?;
         let r = self.resolve(&seqs)?;
         for (id, s) in r.refs() {
             self.inner.compute_full_blocks_in_seq(id, s.len());
