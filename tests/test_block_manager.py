@@ -288,6 +288,12 @@ def test_batch_step_checks_before_changing_anything():
     ro.setflags(write=False)
     with pytest.raises(InvalidArgumentError):
         m.append_slots_batch([a], ro, lens, slots)
+    with pytest.raises(InvalidArgumentError):  # not C-contiguous
+        m.append_slots_batch([a], np.zeros((2, 8), np.int32)[:, ::2], lens, slots)
+    with pytest.raises(InvalidArgumentError):  # byte-swapped
+        m.append_slots_batch([a], tables.astype(">i4"), lens, slots)
+    with pytest.raises(InvalidArgumentError):  # not an array
+        m.append_slots_batch([a], [[0] * 4], lens, slots)
     assert snapshot(m, [a, b], 3, 2) == before
 
 

@@ -184,6 +184,12 @@ class ManagerComparison(RuleBasedStateMachine):
             assert [n.ref_count(dev, b) for b in range(size)] == [
                 r.ref_count(dev, b) for b in range(size)
             ], dev
+        for dev, size in (("gpu", GPU), ("cpu", CPU)):
+            for b in range(size):
+                ni, ri = n.block_info(dev, b), r.block_info(dev, b)
+                for field in ("ref_count", "last_accessed", "computed", "num_hashed_tokens"):
+                    assert ni[field] == ri[field], (dev, b, field, ni, ri)
+                assert (ni["block_hash"] is None) == (ri["block_hash"] is None), (dev, b)
         for s in self.seqs():
             assert n.has_table(s) == r.has_table(s)
             if n.has_table(s):

@@ -14,7 +14,7 @@
 
 use crate::error::{Error, Result};
 use crate::hash::Hasher;
-use crate::pool::{BlockId, BlockKey, BlockPool};
+use crate::pool::{BlockId, BlockPool};
 use crate::token_seq::TokenSeq;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
@@ -73,6 +73,32 @@ struct SeqEntry {
     /// Changes whenever the table does (unique across the manager's life), so that callers
     /// can cache a view of it.
     version: u64,
+    /// The latest `access_all_blocks_in_seq` of this sequence, not yet written to its blocks.
+    access: Option<PendingAccess>,
+}
+
+/// `access_all_blocks_in_seq` is O(1): it records the time on the sequence, and the blocks
+/// get it only when it matters (a block's access time is read when its last holder releases
+/// it and it becomes evictable). `upto` is how many leading table entries the call covered;
+/// `stamp` orders calls, so that the latest call wins as if every block had been written at
+/// once. Before a holder releases or replaces any block it writes its pending time out.
+#[derive(Clone, Copy, Debug)]
+struct PendingAccess {
+    time: f64,
+    stamp: u64,
+    upto: usize,
+}
+
+/// Write a table's pending access time to its blocks (those the access call covered).
+fn flush_access(pool: &mut BlockPool, stamps: &mut [u64], e: &mut SeqEntry) {
+    if let Some(p) = e.access.take() {
+        for &b in &e.table[..p.upto.min(e.table.len())] {
+            if p.stamp > stamps[b as usize] {
+                pool.set_last_accessed(b, p.time);
+                stamps[b as usize] = p.stamp;
+            }
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +126,10 @@ pub struct Manager {
     tables: SeqMap<SeqEntry>,
     next_order: u64,
     next_version: u64,
+    /// Orders access calls; `*_stamps[b]` is the stamp of the call that set block b's time.
+    access_clock: u64,
+    gpu_stamps: Vec<u64>,
+    cpu_stamps: Vec<u64>,
     prefix_lookups: u64,
     prefix_hits: u64,
 }
@@ -162,6 +192,9 @@ impl Manager {
             tables: SeqMap::default(),
             next_order: 0,
             next_version: 0,
+            access_clock: 0,
+            gpu_stamps: vec![0; cfg.num_gpu_blocks as usize],
+            cpu_stamps: vec![0; cfg.num_cpu_blocks as usize],
             prefix_lookups: 0,
             prefix_hits: 0,
             cfg,
@@ -343,6 +376,7 @@ impl Manager {
                     reserved,
                     order,
                     version: self.next_version,
+                    access: None,
                 },
             );
         }
@@ -468,6 +502,7 @@ impl Manager {
         let caching = self.cfg.enable_caching;
         let window = self.window;
         let gpu = &mut self.gpu;
+        let stamps = &mut self.gpu_stamps;
         let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
         let len = seq.len();
         let len_before = e.table.len();
@@ -491,6 +526,7 @@ impl Manager {
                 if gpu.ref_count(b) > 1 {
                     // copy on write (or switch to an identical cached block, no copy needed)
                     if let Some(c) = key.as_ref().and_then(|k| gpu.lookup(k)).filter(|&c| c != b) {
+                        flush_access(gpu, stamps, e);
                         gpu.acquire(c, 1)?;
                         gpu.release(b)?;
                         set_entry(&mut e.table, i, c, window);
@@ -499,6 +535,7 @@ impl Manager {
                     }
                     let n = gpu.allocate()?;
                     copies.push((b, n));
+                    flush_access(gpu, stamps, e);
                     gpu.release(b)?;
                     set_entry(&mut e.table, i, n, window);
                     replaced = true;
@@ -506,7 +543,19 @@ impl Manager {
                 }
                 if let Some(k) = key.as_ref() {
                     if gpu.block_hash(b).is_none() {
-                        replaced |= promote(gpu, &mut e.table, i, b, k, nht, window)?;
+                        match gpu.lookup(k).filter(|&c| c != b) {
+                            // vLLM's _maybe_promote_last_block: an identical cached block exists
+                            Some(c) => {
+                                flush_access(gpu, stamps, e);
+                                gpu.acquire(c, 1)?;
+                                gpu.release(b)?;
+                                set_entry(&mut e.table, i, c, window);
+                                replaced = true;
+                            }
+                            None => {
+                                gpu.register(b, k, nht)?;
+                            }
+                        }
                     }
                 }
             } else if let Some(w) = window.filter(|&w| i >= w) {
@@ -516,6 +565,7 @@ impl Manager {
                 } else {
                     let n = gpu.allocate()?;
                     copies.push((old, n));
+                    flush_access(gpu, stamps, e);
                     gpu.release(old)?;
                     e.table.push(n);
                     set_entry(&mut e.table, i, n, window);
@@ -561,6 +611,7 @@ impl Manager {
         self.next_order += 1;
         self.next_version += 1;
         ce.version = self.next_version;
+        ce.access = None; // the parent's pending access covers the shared blocks
         let pool = match ce.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
@@ -573,21 +624,22 @@ impl Manager {
     }
 
     pub fn free(&mut self, id: SeqId) -> Result<()> {
-        let Some(e) = self.tables.remove(&id) else {
+        let Some(mut e) = self.tables.remove(&id) else {
             return if self.cfg.strict {
                 Err(Error::UnknownSequence(id))
             } else {
                 Ok(())
             };
         };
-        self.release_table(&e)
+        self.release_table(&mut e)
     }
 
-    fn release_table(&mut self, e: &SeqEntry) -> Result<()> {
-        let pool = match e.device {
-            Device::Gpu => &mut self.gpu,
-            Device::Cpu => &mut self.cpu,
+    fn release_table(&mut self, e: &mut SeqEntry) -> Result<()> {
+        let (pool, stamps) = match e.device {
+            Device::Gpu => (&mut self.gpu, &mut self.gpu_stamps),
+            Device::Cpu => (&mut self.cpu, &mut self.cpu_stamps),
         };
+        flush_access(pool, stamps, e);
         // The tail first: walking back from the last entry, every distinct block once (the last
         // W entries of a periodic window table are its W distinct blocks).
         let tail = match self.window {
@@ -603,7 +655,7 @@ impl Manager {
     pub fn reset(&mut self) -> Result<()> {
         let mut entries: Vec<SeqEntry> = self.tables.drain().map(|(_, e)| e).collect();
         entries.sort_by_key(|e| e.order);
-        for e in &entries {
+        for e in &mut entries {
             self.release_table(e)?;
         }
         Ok(())
@@ -669,14 +721,16 @@ impl Manager {
             return Err(self.out_of(to, need));
         }
         let window = self.window;
-        let (src, dst) = match from {
-            Device::Gpu => (&mut self.gpu, &mut self.cpu),
-            Device::Cpu => (&mut self.cpu, &mut self.gpu),
+        let (src, dst, src_stamps) = match from {
+            Device::Gpu => (&mut self.gpu, &mut self.cpu, &mut self.gpu_stamps),
+            Device::Cpu => (&mut self.cpu, &mut self.gpu, &mut self.cpu_stamps),
         };
         let mut mapping: Vec<(BlockId, BlockId)> = Vec::new();
         let mut index: HashMap<BlockId, BlockId> = HashMap::new();
         for &id in ids {
             let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
+            // the access time belongs to the blocks being left behind
+            flush_access(src, src_stamps, e);
             for (i, &b) in distinct(&e.table, window).iter().enumerate() {
                 if let Some(&d) = index.get(&b) {
                     dst.acquire(d, 1)?;
@@ -719,6 +773,8 @@ impl Manager {
 
     // ---- prefix-caching helpers ----------------------------------------------------------
 
+    /// Set the access time of every block of the sequence (vLLM's semantics). O(1): the time
+    /// is kept on the sequence until one of its blocks is released or replaced.
     pub fn access_all_blocks_in_seq(&mut self, id: SeqId, access_time: f64) -> Result<()> {
         if !self.cfg.enable_caching {
             return Ok(());
@@ -726,15 +782,32 @@ impl Manager {
         if !access_time.is_finite() {
             return Err(Error::invalid("access_time must be a finite number"));
         }
-        let e = self.tables.get(&id).ok_or(Error::UnknownSequence(id))?;
-        let pool = match e.device {
-            Device::Gpu => &mut self.gpu,
-            Device::Cpu => &mut self.cpu,
-        };
-        for &b in distinct(&e.table, self.window) {
-            pool.set_last_accessed(b, access_time);
-        }
+        let e = self.tables.get_mut(&id).ok_or(Error::UnknownSequence(id))?;
+        self.access_clock += 1;
+        e.access = Some(PendingAccess {
+            time: access_time,
+            stamp: self.access_clock,
+            upto: e.table.len(),
+        });
         Ok(())
+    }
+
+    /// The access time vLLM's eager bookkeeping would show for a block now (introspection:
+    /// O(tables)).
+    pub fn last_accessed(&self, device: Device, b: BlockId) -> f64 {
+        let (pool, stamps) = match device {
+            Device::Gpu => (&self.gpu, &self.gpu_stamps),
+            Device::Cpu => (&self.cpu, &self.cpu_stamps),
+        };
+        let (mut time, mut stamp) = (pool.last_accessed(b), stamps[b as usize]);
+        for e in self.tables.values().filter(|e| e.device == device) {
+            if let Some(p) = e.access {
+                if p.stamp > stamp && e.table[..p.upto.min(e.table.len())].contains(&b) {
+                    (time, stamp) = (p.time, p.stamp);
+                }
+            }
+        }
+        time
     }
 
     /// `access_all_blocks_in_seq` for many sequences: all checked, then all applied.
@@ -849,28 +922,5 @@ impl Manager {
             }
         }
         Ok(())
-    }
-}
-
-fn promote(
-    gpu: &mut BlockPool,
-    table: &mut [BlockId],
-    i: usize,
-    b: BlockId,
-    key: &BlockKey<'_>,
-    nht: u32,
-    window: Option<usize>,
-) -> Result<bool> {
-    match gpu.lookup(key) {
-        Some(c) if c != b => {
-            gpu.acquire(c, 1)?;
-            gpu.release(b)?;
-            set_entry(table, i, c, window);
-            Ok(true)
-        }
-        _ => {
-            gpu.register(b, key, nht)?;
-            Ok(false)
-        }
     }
 }

@@ -198,7 +198,13 @@ fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
         let ids: Vec<u64> = seqs.keys().copied().collect();
         let seen: Vec<(u64, u64, Vec<u32>)> = ids
             .iter()
-            .map(|&id| (id, m.table_version(id).unwrap(), m.block_table(id).unwrap().to_vec()))
+            .map(|&id| {
+                (
+                    id,
+                    m.table_version(id).unwrap(),
+                    m.block_table(id).unwrap().to_vec(),
+                )
+            })
             .collect();
         let pick = |rng: &mut Rng| ids.get(rng.below(ids.len().max(1))).copied();
         match rng.below(9) {
@@ -278,7 +284,11 @@ fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
             .unwrap_or_else(|e| panic!("seed {seed} step {step}: {e}"));
         for (id, version, table) in &seen {
             if m.has_table(*id) && m.table_version(*id).unwrap() == *version {
-                assert_eq!(m.block_table(*id).unwrap(), &table[..], "table changed, version did not");
+                assert_eq!(
+                    m.block_table(*id).unwrap(),
+                    &table[..],
+                    "table changed, version did not"
+                );
             }
         }
     }

@@ -7,10 +7,10 @@ use crate::errors::{invalid, wrong_type, IntoPyResult};
 use crate::hashing::{resolve_hasher, PyTokenSeq};
 use pagedkv_core::{AllocStatus, BlockId, Copies, Device, Manager, ManagerConfig, SeqId, TokenSeq};
 use pyo3::intern;
-use std::collections::HashMap;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyString};
+use std::collections::HashMap;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum Status {
@@ -92,7 +92,12 @@ fn items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         return Ok(tuple.iter().collect());
     }
     obj.try_iter()
-        .map_err(|_| wrong_type(format!("expected a list of sequences, got {}", type_name(obj))))?
+        .map_err(|_| {
+            wrong_type(format!(
+                "expected a list of sequences, got {}",
+                type_name(obj)
+            ))
+        })?
         .collect()
 }
 
@@ -744,13 +749,14 @@ impl PyManager {
         device: &str,
         block: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let pool = self.inner.pool(device_arg(device)?);
+        let dev = device_arg(device)?;
+        let pool = self.inner.pool(dev);
         let b = pool.check(int_arg(block, "block")?).py()?;
         let d = PyDict::new(py);
         d.set_item("ref_count", pool.ref_count(b))?;
         d.set_item("block_hash", pool.block_hash(b))?;
         d.set_item("num_hashed_tokens", pool.num_hashed_tokens(b))?;
-        d.set_item("last_accessed", pool.last_accessed(b))?;
+        d.set_item("last_accessed", self.inner.last_accessed(dev, b))?;
         d.set_item("computed", pool.is_computed(b))?;
         Ok(d)
     }
