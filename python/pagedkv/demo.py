@@ -534,16 +534,9 @@ class DemoEngine:
             start += len(tokens)
             self.report.prefix_cached_tokens += num_cached
             self.report.prefill_tokens_computed += len(tokens)
-        batch = build_paged_batch(chunks, bs)
         # Two prompts admitted together may share a cached prefix block that neither has
-        # computed yet: both compute identical K/V for it; store it once.
-        slots = batch.slot_mapping.tolist()
-        seen: set = set()
-        for i, slot in enumerate(slots):
-            if slot in seen:
-                slots[i] = -1
-            seen.add(slot)
-        batch = dataclasses.replace(batch, slot_mapping=torch.tensor(slots, dtype=torch.long))
+        # computed yet: both write identical K/V into the same slots (write_kv allows it).
+        batch = build_paged_batch(chunks, bs)
         batch = dataclasses.replace(
             batch,
             **{f.name: getattr(batch, f.name).to(self.device) for f in dataclasses.fields(batch)},

@@ -103,8 +103,12 @@ def write_kv(
         key, value: ``[num_tokens, num_kv_heads, head_dim]``; cast to the cache dtype.
         slot_mapping: integer ``[num_tokens]``; ``slot = block * block_size + offset``.
             Negative entries (``-1`` = padding) are skipped.
-        validate: check slot values (in range, no duplicates).  On CUDA this
-            costs a host sync; pass ``False`` in a hot loop once inputs are trusted.
+        validate: check that slots are in range.  On CUDA this costs a host sync;
+            pass ``False`` in a hot loop once inputs are trusted.
+
+    A slot may appear more than once: with prefix caching, two sequences admitted in the same
+    step can share a cached block that neither has computed yet, and both write the same
+    (identical) K/V into it, as in vLLM. Which of the equal copies lands is unspecified.
     """
     _check_kv_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
@@ -145,8 +149,6 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
     top = int(slots.max())
     if top >= num_slots:
         raise InvalidArgumentError(f"slot {top} out of range for a cache with {num_slots} slots")
-    if torch.unique(slots).numel() != slots.numel():
-        raise InvalidArgumentError("slot_mapping contains duplicate (non-negative) slots")
 
 
 # --------------------------------------------------------------------------- #
