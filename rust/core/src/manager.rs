@@ -463,30 +463,27 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
-        let e = self.check_appendable(id, seq)?;
-        let need = self.need_of(e, seq.len() + lookahead);
-        if need > self.gpu.num_free() {
-            return Err(self.out_of(Device::Gpu, need));
-        }
-        self.append_unchecked(id, seq, lookahead, copies)
+        self.append_slots_batch(&[(id, seq)], lookahead, copies)
     }
 
-    /// `append_slots` for many sequences: all checked first, then all done.
+    /// `append_slots` for many sequences: all checked first (the free-block need is summed),
+    /// then all done, so an error leaves every sequence untouched.
     pub fn append_slots_batch(
         &mut self,
         seqs: &[(SeqId, &TokenSeq)],
+        lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
         let mut need = 0;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;
-            need += self.need_of(e, seq.len());
+            need += self.need_of(e, seq.len() + lookahead);
         }
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
         }
         for &(id, seq) in seqs {
-            self.append_unchecked(id, seq, 0, copies)?;
+            self.append_unchecked(id, seq, lookahead, copies)?;
         }
         Ok(())
     }

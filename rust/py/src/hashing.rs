@@ -67,6 +67,22 @@ fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Box<[u8]>>> {
     Err(invalid("cache_salt must be str or bytes"))
 }
 
+/// The arguments every hashing entry point shares, checked: block size, extras, hasher.
+fn chain_params(
+    block_size: i64,
+    lora_id: i64,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+    hash_algo: Option<&str>,
+    hash_seed: Option<u64>,
+) -> PyResult<(usize, HashExtra, Hasher)> {
+    let bs = check_block_size(block_size)?;
+    let extra = HashExtra {
+        lora_id,
+        salt: salt_bytes(cache_salt)?,
+    };
+    Ok((bs, extra, resolve_hasher(hash_algo, hash_seed)?))
+}
+
 fn check_block_size(block_size: i64) -> PyResult<usize> {
     if block_size <= 0 || block_size > 1 << 20 {
         return Err(invalid(format!(
@@ -94,13 +110,9 @@ impl PyTokenSeq {
         hash_algo: Option<&str>,
         hash_seed: Option<u64>,
     ) -> PyResult<Self> {
-        let bs = check_block_size(block_size)?;
+        let (bs, extra, hasher) =
+            chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
         let tokens = extract_tokens(token_ids)?;
-        let extra = HashExtra {
-            lora_id,
-            salt: salt_bytes(cache_salt)?,
-        };
-        let hasher = resolve_hasher(hash_algo, hash_seed)?;
         let inner = TokenSeq::new(bs, &tokens, extra, hasher).map_err(crate::errors::to_py)?;
         Ok(PyTokenSeq { inner })
     }
@@ -257,12 +269,8 @@ impl PyBlockHasher {
         hash_algo: Option<&str>,
         hash_seed: Option<u64>,
     ) -> PyResult<Self> {
-        let bs = check_block_size(block_size)?;
-        let extra = HashExtra {
-            lora_id,
-            salt: salt_bytes(cache_salt)?,
-        };
-        let hasher = resolve_hasher(hash_algo, hash_seed)?;
+        let (bs, extra, hasher) =
+            chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
         Ok(PyBlockHasher {
             inner: ChainHasher::new(hasher, bs, extra),
             out: Vec::new(),
@@ -304,13 +312,9 @@ pub fn hash_blocks<'py>(
     hash_algo: Option<&str>,
     hash_seed: Option<u64>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let bs = check_block_size(block_size)?;
+    let (bs, extra, hasher) = chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
     let t = extract_tokens(token_ids)?;
-    let extra = HashExtra {
-        lora_id,
-        salt: salt_bytes(cache_salt)?,
-    };
-    let mut c = ChainHasher::new(resolve_hasher(hash_algo, hash_seed)?, bs, extra);
+    let mut c = ChainHasher::new(hasher, bs, extra);
     let mut out = Vec::with_capacity(t.len() / bs);
     c.feed(&t, &mut out);
     PyList::new(py, &out)

@@ -194,11 +194,25 @@ pub struct PyManager {
     /// `get_block_table` hands out copies of it until the table changes (a table changes once
     /// per `block_size` decode steps, so most calls are a list copy).
     table_lists: HashMap<SeqId, (u64, Py<PyList>)>,
+    /// Sequences that hold a table, by object identity: their id and native token store, read
+    /// once at `allocate`/`fork` instead of through three attribute lookups on every call. We
+    /// hold a reference to each object, so its address cannot be reused while it is here; the
+    /// entry goes at `free`/`reset`. (A sequence's `seq_id` and `data` must not be replaced
+    /// while it holds a table; vLLM never does.)
+    known: HashMap<usize, Known>,
+    known_by_id: HashMap<SeqId, usize>,
+}
+
+struct Known {
+    _obj: Py<PyAny>,
+    id: SeqId,
+    store: Py<PyTokenSeq>,
 }
 
 /// Sequences resolved to (id, store) with their hasher aligned to the manager's.
 struct Resolved<'py> {
     items: Vec<(SeqId, PyRef<'py, PyTokenSeq>)>,
+    stores: Vec<Bound<'py, PyTokenSeq>>,
 }
 
 impl<'py> Resolved<'py> {
@@ -208,18 +222,52 @@ impl<'py> Resolved<'py> {
 }
 
 impl PyManager {
+    fn id_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
+        match self.known.get(&(seq.as_ptr() as usize)) {
+            Some(k) => Ok(k.id),
+            None => seq_id_of(seq),
+        }
+    }
+
+    fn remember(&mut self, seq: &Bound<'_, PyAny>, id: SeqId, store: &Bound<'_, PyTokenSeq>) {
+        self.forget(id);
+        let ptr = seq.as_ptr() as usize;
+        if let Some(old) = self.known.remove(&ptr) {
+            self.known_by_id.remove(&old.id);
+        }
+        self.known.insert(
+            ptr,
+            Known {
+                _obj: seq.clone().unbind(),
+                id,
+                store: store.clone().unbind(),
+            },
+        );
+        self.known_by_id.insert(id, ptr);
+    }
+
+    fn forget(&mut self, id: SeqId) {
+        if let Some(ptr) = self.known_by_id.remove(&id) {
+            self.known.remove(&ptr);
+        }
+    }
+
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
         let hasher = self.inner.config().hasher;
         let mut items = Vec::with_capacity(seqs.len());
+        let mut stores = Vec::with_capacity(seqs.len());
         for seq in seqs {
-            let id = seq_id_of(seq)?;
-            let store = store_of(seq)?;
+            let (id, store) = match self.known.get(&(seq.as_ptr() as usize)) {
+                Some(k) => (k.id, k.store.bind(seq.py()).clone()),
+                None => (seq_id_of(seq)?, store_of(seq)?),
+            };
             if store.borrow().inner.hasher() != hasher {
                 store.borrow_mut().inner.adopt_hasher(hasher);
             }
             items.push((id, store.borrow()));
+            stores.push(store);
         }
-        Ok(Resolved { items })
+        Ok(Resolved { items, stores })
     }
 
     fn resolve_one<'py>(
@@ -243,8 +291,8 @@ impl PyManager {
         Ok(out)
     }
 
-    fn ids(seqs: &[Bound<'_, PyAny>]) -> PyResult<Vec<SeqId>> {
-        seqs.iter().map(seq_id_of).collect()
+    fn ids(&self, seqs: &[Bound<'_, PyAny>]) -> PyResult<Vec<SeqId>> {
+        seqs.iter().map(|s| self.id_of(s)).collect()
     }
 
     fn write_rows(
@@ -391,6 +439,8 @@ impl PyManager {
             inner: Manager::new(cfg).py()?,
             copies: Vec::new(),
             table_lists: HashMap::new(),
+            known: HashMap::new(),
+            known_by_id: HashMap::new(),
         })
     }
 
@@ -446,7 +496,14 @@ impl PyManager {
     fn allocate(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
         let r = self.resolve(&waiting)?;
-        self.inner.allocate(&r.refs()).py()
+        self.inner.allocate(&r.refs()).py()?;
+        let ids: Vec<SeqId> = r.items.iter().map(|(id, _)| *id).collect();
+        let stores = r.stores.clone();
+        drop(r);
+        for ((seq, id), store) in waiting.iter().zip(ids).zip(stores) {
+            self.remember(seq, id, &store);
+        }
+        Ok(())
     }
 
     #[pyo3(signature = (seq_group, num_lookahead_slots = 0))]
@@ -509,7 +566,7 @@ impl PyManager {
         )?;
         self.copies.clear();
         self.inner
-            .append_slots_batch(&refs, &mut self.copies)
+            .append_slots_batch(&refs, 0, &mut self.copies)
             .py()?;
         self.write_rows(&refs, &tables, pad_value, Some(&cl), Some(&sm))?;
         copies_dict(py, &self.copies)
@@ -541,26 +598,34 @@ impl PyManager {
         parent_seq: &Bound<'_, PyAny>,
         child_seq: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let parent = seq_id_of(parent_seq)?;
+        let parent = self.id_of(parent_seq)?;
         let child = seq_id_of(child_seq)?;
         if parent == child {
             return Err(invalid(format!(
                 "cannot fork sequence {parent} into itself"
             )));
         }
-        self.inner.fork(parent, child).py()
+        let child_store = store_of(child_seq)?;
+        self.inner.fork(parent, child).py()?;
+        if self.inner.has_table(child) {
+            self.remember(child_seq, child, &child_store);
+        }
+        Ok(())
     }
 
     fn free(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = seq_id_of(seq)?;
+        let id = self.id_of(seq)?;
         self.inner.free(id).py()?;
         self.table_lists.remove(&id);
+        self.forget(id);
         Ok(())
     }
 
     fn reset(&mut self) -> PyResult<()> {
         self.inner.reset().py()?;
         self.table_lists.clear();
+        self.known.clear();
+        self.known_by_id.clear();
         Ok(())
     }
 
@@ -577,7 +642,7 @@ impl PyManager {
         for s in group_seqs(seq_group)? {
             let st = status_of(&s)?;
             if st != Status::Finished {
-                unfinished.push(seq_id_of(&s)?);
+                unfinished.push(self.id_of(&s)?);
             }
             swapped += usize::from(st == Status::Swapped);
         }
@@ -596,14 +661,14 @@ impl PyManager {
         seq_group: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let seqs = Self::with_status(seq_group, |s| s == Status::Swapped)?;
-        let ids = Self::ids(&seqs)?;
+        let ids = self.ids(&seqs)?;
         let m = self.inner.swap(&ids, Device::Cpu).py()?;
         mapping_dict(py, &m)
     }
 
     fn can_swap_out(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seqs = Self::with_status(seq_group, |s| s != Status::Finished)?;
-        self.inner.can_swap_out(&Self::ids(&seqs)?).py()
+        self.inner.can_swap_out(&self.ids(&seqs)?).py()
     }
 
     /// Move the group's RUNNING sequences to the CPU; returns `{gpu_block: cpu_block}`.
@@ -613,7 +678,7 @@ impl PyManager {
         seq_group: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let seqs = Self::with_status(seq_group, |s| s == Status::Running)?;
-        let ids = Self::ids(&seqs)?;
+        let ids = self.ids(&seqs)?;
         let m = self.inner.swap(&ids, Device::Gpu).py()?;
         mapping_dict(py, &m)
     }
@@ -624,7 +689,7 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = seq_id_of(seq)?;
+        let id = self.id_of(seq)?;
         let version = self.inner.table_version(id).py()?;
         if let Some((v, list)) = self.table_lists.get(&id) {
             if *v == version {
@@ -656,7 +721,7 @@ impl PyManager {
         seq: &Bound<'_, PyAny>,
         access_time: f64,
     ) -> PyResult<()> {
-        let id = seq_id_of(seq)?;
+        let id = self.id_of(seq)?;
         self.inner.access_all_blocks_in_seq(id, access_time).py()
     }
 
@@ -671,7 +736,7 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = seq_id_of(seq)?;
+        let id = self.id_of(seq)?;
         PyList::new(py, self.inner.get_all_computed_blocks(id))
     }
 
@@ -682,7 +747,7 @@ impl PyManager {
     ) -> PyResult<Bound<'py, PyList>> {
         let mut ids = Vec::new();
         for s in items(seqs)? {
-            ids.push(seq_id_of(&s)?);
+            ids.push(self.id_of(&s)?);
         }
         PyList::new(py, self.inner.get_common_computed_block_ids(&ids))
     }
@@ -707,7 +772,7 @@ impl PyManager {
     ) -> PyResult<()> {
         let mut ids = Vec::new();
         for s in items(seqs)? {
-            ids.push(seq_id_of(&s)?);
+            ids.push(self.id_of(&s)?);
         }
         self.inner.access_all_blocks_in_seqs(&ids, access_time).py()
     }
@@ -728,12 +793,12 @@ impl PyManager {
 
     // ---- introspection -----------------------------------------------------------------
     fn has_table(&self, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.has_table(seq_id_of(seq)?))
+        Ok(self.inner.has_table(self.id_of(seq)?))
     }
 
     /// Device ("gpu"/"cpu") the sequence's table lives on.
     fn table_device(&self, seq: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        Ok(self.inner.device_of(seq_id_of(seq)?).py()?.name())
+        Ok(self.inner.device_of(self.id_of(seq)?).py()?.name())
     }
 
     fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
