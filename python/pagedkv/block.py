@@ -11,6 +11,8 @@ from __future__ import annotations
 import enum
 from typing import List, Optional
 
+from pagedkv._enum import CompatEnum
+
 __all__ = [
     "BlockTable",
     "DEFAULT_LAST_ACCESSED_TIME",
@@ -26,7 +28,7 @@ _BLANK_TOKEN_ID = -1
 DEFAULT_LAST_ACCESSED_TIME = -1
 
 
-class Device(enum.Enum):
+class Device(CompatEnum):
     """Where a physical block lives."""
 
     GPU = enum.auto()

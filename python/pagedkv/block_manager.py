@@ -12,6 +12,7 @@ import enum
 from typing import Dict, List
 from typing import Sequence as Seq
 
+from pagedkv._enum import CompatEnum
 from pagedkv._native import BlockManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock
 
@@ -20,7 +21,7 @@ __all__ = ["AllocStatus", "BlockSpaceManager", "BlockTable"]
 BlockTable = List[int]
 
 
-class AllocStatus(enum.Enum):
+class AllocStatus(CompatEnum):
     """Answer of ``can_allocate`` / ``can_swap_in``.
 
     OK: it fits now. LATER: not now, but it will once blocks are freed (the watermark counts).

@@ -24,6 +24,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Union
 
+from pagedkv._enum import CompatEnum
 from pagedkv._native import TokenSeq
 from pagedkv.block import LogicalTokenBlock
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
@@ -54,7 +55,7 @@ SampleLogprobs = List[Dict[int, Logprob]]
 DEFAULT_BLOCK_SIZE = 16
 
 
-class SequenceStatus(enum.Enum):
+class SequenceStatus(CompatEnum):
     """Status of a sequence."""
 
     WAITING = enum.auto()
@@ -94,7 +95,7 @@ _FINISH_REASONS = {
 }
 
 
-class SequenceStage(enum.Enum):
+class SequenceStage(CompatEnum):
     PREFILL = enum.auto()
     DECODE = enum.auto()
 

@@ -165,10 +165,12 @@ def run(args: argparse.Namespace) -> int:
             print(file=out)
             print(report.format_cross_check(check), file=out, flush=True)
             sp = report.speedups(results)
+            sp_vllm = report.speedups(results, "vllm")
             runs = []
             for i, r in enumerate(results):
                 d = r.to_dict()
                 d["speedup_vs_reference"] = sp[i]
+                d["speedup_vs_vllm"] = sp_vllm[i]
                 runs.append(d)
             w1["runs"] = runs
             w1["cross_check"] = check

@@ -11,10 +11,16 @@ import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-__all__ = ["Backend", "BACKEND_NAMES", "resolve_backends"]
+__all__ = ["Backend", "BACKEND_NAMES", "CROSS_CHECKED", "resolve_backends"]
 
-#: Backends in report order; ``reference`` first because ratios are relative to it.
-BACKEND_NAMES = ("reference", "native", "native-batch")
+#: Backends in report order; ``reference`` first because ratios are relative to it. ``vllm``
+#: (vLLM's own BlockSpaceManagerV1 and Sequence) runs only where vLLM is installed.
+BACKEND_NAMES = ("reference", "native", "native-batch", "vllm")
+
+#: Backends whose schedules must be identical (they implement docs/block_manager.md). vLLM
+#: differs on purpose with prefix caching (it shares partial blocks, among other things), so it
+#: is timed but not cross-checked; ``benches/vllm_compare.py`` compares it where it agrees.
+CROSS_CHECKED = ("reference", "native", "native-batch")
 
 
 @dataclass
@@ -138,10 +144,32 @@ def _reference() -> Tuple[Optional[Backend], str]:
     ), ""
 
 
+def _vllm() -> Tuple[Optional[Backend], str]:
+    try:
+        from vllm.core.block_manager_v1 import BlockSpaceManagerV1
+        from vllm.sampling_params import SamplingParams
+        from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+    except Exception as exc:  # not installed, or a vLLM without the v1 block manager
+        return None, f"vllm: skipped, vLLM's BlockSpaceManagerV1 is not importable ({exc!r})"
+    desc = "vLLM's BlockSpaceManagerV1 + vllm.sequence.Sequence (not cross-checked)"
+    return Backend(
+        "vllm",
+        _manager_factory(BlockSpaceManagerV1),
+        Sequence,
+        SequenceGroup,
+        SequenceStatus,
+        SamplingParams,
+        Logprob,
+        False,
+        desc,
+    ), ""
+
+
 _RESOLVERS: Dict[str, Callable[[], Tuple[Optional[Backend], str]]] = {
     "reference": _reference,
     "native": lambda: _native(False),
     "native-batch": lambda: _native(True),
+    "vllm": _vllm,
 }
 
 

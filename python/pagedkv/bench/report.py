@@ -100,9 +100,10 @@ def format_micro(micro: Dict[str, Any]) -> str:
 # ----------------------------------------------------------------------------------------- W1
 
 
-def speedups(results: List[RunResult]) -> Dict[int, Optional[float]]:
-    """For each result (by index): reference mean step time / its mean step time."""
-    ref = {r.enable_caching: r.step_stats()["mean"] for r in results if r.backend == "reference"}
+def speedups(results: List[RunResult], against: str = "reference") -> Dict[int, Optional[float]]:
+    """For each result (by index): ``against``'s mean step time / its mean step time (same
+    caching setting)."""
+    ref = {r.enable_caching: r.step_stats()["mean"] for r in results if r.backend == against}
     out: Dict[int, Optional[float]] = {}
     for i, r in enumerate(results):
         base = ref.get(r.enable_caching)
@@ -147,6 +148,11 @@ def format_w1(results: List[RunResult]) -> str:
         "all free",
         "wall s",
     ]
+    if any(r.backend == "vllm" for r in results):
+        vs_vllm = speedups(results, "vllm")
+        headers.append("vs vLLM")
+        for i, row in enumerate(rows):
+            row.append(_ratio(vs_vllm[i]))
     if any(r.ignored or r.aborted for r in results):
         headers.append("ignored/aborted")
         for row, r in zip(rows, results):
@@ -185,8 +191,11 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
     """Compare every backend's schedule with the first one of the same caching setting."""
     out: Dict[str, Any] = {"ok": True, "groups": {}}
     by_caching: Dict[bool, List[RunResult]] = {}
+    from pagedkv.bench.backends import CROSS_CHECKED
+
     for r in results:
-        by_caching.setdefault(r.enable_caching, []).append(r)
+        if r.backend in CROSS_CHECKED:
+            by_caching.setdefault(r.enable_caching, []).append(r)
     for caching, group in by_caching.items():
         base = group[0]
         base_key = base.schedule_key()

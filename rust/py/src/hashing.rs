@@ -53,6 +53,11 @@ pub fn get_default_hasher() -> (&'static str, u64) {
     (h.algo.name(), h.seed)
 }
 
+/// A salt (str or bytes) as bytes.
+pub fn salt_bytes_of(s: &Bound<'_, PyAny>) -> PyResult<Box<[u8]>> {
+    salt_bytes(Some(s))?.ok_or_else(|| invalid("cache_salt must be str or bytes"))
+}
+
 fn salt_bytes(salt: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Box<[u8]>>> {
     let Some(s) = salt else { return Ok(None) };
     if s.is_none() {

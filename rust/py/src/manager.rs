@@ -101,18 +101,79 @@ fn items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
         .collect()
 }
 
-fn store_of<'py>(seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
+/// The native token store of a pagedkv `Sequence` (`seq.data._store`), or `None` for any other
+/// sequence type.
+fn native_store_of<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyTokenSeq>> {
     let py = seq.py();
     seq.getattr(intern!(py, "data"))
         .and_then(|d| d.getattr(intern!(py, "_store")))
         .ok()
         .and_then(|s| s.cast_into::<PyTokenSeq>().ok())
-        .ok_or_else(|| {
-            wrong_type(format!(
-                "expected a pagedkv Sequence (with a native seq.data._store), got {}",
-                type_name(seq)
-            ))
-        })
+}
+
+/// A store for a sequence of another type (vLLM's own `Sequence`, say): built from
+/// `seq.get_token_ids()`, with the sequence's LoRA id and optional `cache_salt`.
+fn foreign_store<'py>(
+    seq: &Bound<'py, PyAny>,
+    block_size: usize,
+    hasher: pagedkv_core::Hasher,
+) -> PyResult<Bound<'py, PyTokenSeq>> {
+    let py = seq.py();
+    let tokens = seq.call_method0(intern!(py, "get_token_ids")).map_err(|_| {
+        wrong_type(format!(
+            "expected a Sequence (pagedkv's, or one with seq_id, status and get_token_ids()), got {}",
+            type_name(seq)
+        ))
+    })?;
+    let tokens = crate::arrays::extract_tokens(&tokens)?;
+    let lora_id = match seq.getattr(intern!(py, "lora_int_id")) {
+        Ok(v) if !v.is_none() => int_arg(&v, "lora_int_id")?,
+        _ => 0,
+    };
+    let salt = match seq.getattr(intern!(py, "cache_salt")) {
+        Ok(v) if !v.is_none() => Some(crate::hashing::salt_bytes_of(&v)?),
+        _ => None,
+    };
+    let extra = pagedkv_core::HashExtra { lora_id, salt };
+    let inner = TokenSeq::new(block_size, &tokens, extra, hasher).py()?;
+    Bound::new(py, PyTokenSeq { inner })
+}
+
+/// Bring a foreign sequence's store up to date with the tokens it has now: append what was
+/// appended since (the usual case: one token per step), or rebuild if anything else changed.
+fn sync_foreign(
+    seq: &Bound<'_, PyAny>,
+    store: &Bound<'_, PyTokenSeq>,
+    block_size: usize,
+    hasher: pagedkv_core::Hasher,
+) -> PyResult<()> {
+    let py = seq.py();
+    let len: usize = seq.call_method0(intern!(py, "get_len"))?.extract()?;
+    let have = store.borrow().inner.len();
+    if len == have {
+        return Ok(());
+    }
+    if len > have {
+        let prompt_len: usize = seq.call_method0(intern!(py, "get_prompt_len"))?.extract()?;
+        if have >= prompt_len {
+            let out = seq.call_method0(intern!(py, "get_output_token_ids"))?;
+            let new = out.get_item(pyo3::types::PySlice::new(
+                py,
+                (have - prompt_len) as isize,
+                isize::MAX,
+                1,
+            ))?;
+            let tokens = crate::arrays::extract_tokens(&new)?;
+            store.borrow_mut().inner.extend(&tokens);
+            if store.borrow().inner.len() == len {
+                return Ok(());
+            }
+        }
+    }
+    let fresh = foreign_store(seq, block_size, hasher)?;
+    let rebuilt = fresh.borrow().inner.clone();
+    store.borrow_mut().inner = rebuilt;
+    Ok(())
 }
 
 fn group_seqs<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
@@ -207,6 +268,8 @@ struct Known {
     _obj: Py<PyAny>,
     id: SeqId,
     store: Py<PyTokenSeq>,
+    /// Not a pagedkv Sequence: the store is ours and is synced with the sequence on each use.
+    foreign: bool,
 }
 
 /// Sequences resolved to (id, store) with their hasher aligned to the manager's.
@@ -235,12 +298,14 @@ impl PyManager {
         if let Some(old) = self.known.remove(&ptr) {
             self.known_by_id.remove(&old.id);
         }
+        let foreign = native_store_of(seq).is_none_or(|s| !s.is(store));
         self.known.insert(
             ptr,
             Known {
                 _obj: seq.clone().unbind(),
                 id,
                 store: store.clone().unbind(),
+                foreign,
             },
         );
         self.known_by_id.insert(id, ptr);
@@ -252,14 +317,33 @@ impl PyManager {
         }
     }
 
+    /// The token store of a sequence that is not (yet) remembered: its own native store, or
+    /// one built for it.
+    fn store_for<'py>(&self, seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
+        match native_store_of(seq) {
+            Some(s) => Ok(s),
+            None => foreign_store(
+                seq,
+                self.inner.config().block_size,
+                self.inner.config().hasher,
+            ),
+        }
+    }
+
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
         let hasher = self.inner.config().hasher;
         let mut items = Vec::with_capacity(seqs.len());
         let mut stores = Vec::with_capacity(seqs.len());
         for seq in seqs {
             let (id, store) = match self.known.get(&(seq.as_ptr() as usize)) {
-                Some(k) => (k.id, k.store.bind(seq.py()).clone()),
-                None => (seq_id_of(seq)?, store_of(seq)?),
+                Some(k) => {
+                    let store = k.store.bind(seq.py()).clone();
+                    if k.foreign {
+                        sync_foreign(seq, &store, self.inner.config().block_size, hasher)?;
+                    }
+                    (k.id, store)
+                }
+                None => (seq_id_of(seq)?, self.store_for(seq)?),
             };
             if store.borrow().inner.hasher() != hasher {
                 store.borrow_mut().inner.adopt_hasher(hasher);
@@ -605,7 +689,7 @@ impl PyManager {
                 "cannot fork sequence {parent} into itself"
             )));
         }
-        let child_store = store_of(child_seq)?;
+        let child_store = self.store_for(child_seq)?;
         self.inner.fork(parent, child).py()?;
         if self.inner.has_table(child) {
             self.remember(child_seq, child, &child_store);
