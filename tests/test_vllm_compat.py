@@ -142,3 +142,4 @@ def test_agrees_with_vllm_block_manager_v1():
     finally:
         sys.path.pop(0)
     assert vllm_compare.run(steps=3000, seed=7) == 0
+    assert vllm_compare.run(steps=3000, seed=7, caching=True) == 0
