@@ -143,3 +143,22 @@ def test_agrees_with_vllm_block_manager_v1():
         sys.path.pop(0)
     assert vllm_compare.run(steps=3000, seed=7) == 0
     assert vllm_compare.run(steps=3000, seed=7, caching=True) == 0
+
+
+def _vllm_scheduler_importable() -> bool:
+    try:
+        import vllm.core.scheduler  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _vllm_scheduler_importable(), reason="vLLM 0.4's scheduler is not importable")
+@pytest.mark.parametrize("caching", [False, True])
+def test_vllm_scheduler_makes_the_same_decisions_with_pagedkv(caching):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
+    try:
+        import vllm_scheduler_compare
+    finally:
+        sys.path.pop(0)
+    assert vllm_scheduler_compare.run(requests=60, seed=3, caching=caching) == 0
