@@ -51,7 +51,9 @@ class Engine:
         cls = interfaces.BlockSpaceManager
         original = cls.get_block_space_manager_class
         if use_pagedkv:
-            cls.get_block_space_manager_class = staticmethod(lambda version: pagedkv.BlockSpaceManager)
+            cls.get_block_space_manager_class = staticmethod(
+                lambda version: pagedkv.BlockSpaceManager
+            )
         try:
             self.scheduler = Scheduler(sched_cfg, cache_cfg, None)
         finally:
@@ -73,9 +75,7 @@ class Engine:
         mgr = self.scheduler.block_manager
         record = {
             "requests": [(m.request_id, m.is_prompt) for m in metas],
-            "tables": canonical(
-                [t for m in metas for _, t in sorted(m.block_tables.items())]
-            ),
+            "tables": canonical([t for m in metas for _, t in sorted(m.block_tables.items())]),
             "computed": [len(m.computed_block_nums or []) for m in metas],
             "swap": (len(out.blocks_to_swap_in), len(out.blocks_to_swap_out)),
             "copies": sum(len(v) for v in out.blocks_to_copy.values()),

@@ -153,7 +153,9 @@ def _vllm_scheduler_importable() -> bool:
     return True
 
 
-@pytest.mark.skipif(not _vllm_scheduler_importable(), reason="vLLM 0.4's scheduler is not importable")
+@pytest.mark.skipif(
+    not _vllm_scheduler_importable(), reason="vLLM 0.4's scheduler is not importable"
+)
 @pytest.mark.parametrize("caching", [False, True])
 def test_vllm_scheduler_makes_the_same_decisions_with_pagedkv(caching):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
