@@ -458,8 +458,12 @@ class BlockSpaceManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def swap_in(self, seq_group) -> Dict[int, int]:
-        """Move the SWAPPED sequences' tables to the GPU; returns ``{cpu_block: gpu_block}``."""
+    def swap_in(self, seq_group, num_lookahead_slots: int = 0) -> Dict[int, int]:
+        """Move the SWAPPED sequences' tables to the GPU; returns ``{cpu_block: gpu_block}``.
+        ``num_lookahead_slots`` is accepted for vLLM's signature; the next ``append_slots``
+        reserves them."""
+        if num_lookahead_slots < 0:
+            raise InvalidArgumentError("num_lookahead_slots must be non-negative")
         return self._swap(self._with_status(seq_group, "SWAPPED"), "cpu", "gpu")
 
     def _swap(self, seqs: list, src_name: str, dst_name: str) -> Dict[int, int]:

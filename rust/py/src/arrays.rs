@@ -334,3 +334,70 @@ pub fn writable_i32(obj: &Bound<'_, PyAny>, what: &str, ndim: usize) -> PyResult
         shape: view.shape,
     })
 }
+
+/// A non-negative integer argument: wrong types raise `ArgumentTypeError`, negative or
+/// too-large values `InvalidArgumentError` (never a bare OverflowError).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Count(pub u64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Count {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let v = int_arg(&obj, "argument")?;
+        u64::try_from(v)
+            .map(Count)
+            .map_err(|_| invalid(format!("expected a non-negative int, got {v}")))
+    }
+}
+
+impl Count {
+    pub fn usize(self) -> usize {
+        self.0 as usize
+    }
+    /// The value as a `u32`, or an InvalidArgumentError naming `what`.
+    pub fn u32(self, what: &str) -> PyResult<u32> {
+        u32::try_from(self.0).map_err(|_| invalid(format!("{what} is too large: {}", self.0)))
+    }
+}
+
+/// A real-number argument (int or float): other types raise `ArgumentTypeError`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Real(pub f64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Real {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(crate::errors::wrong_type("expected a number, got bool"));
+        }
+        obj.extract::<f64>().map(Real).map_err(|_| {
+            crate::errors::wrong_type(format!("expected a number, got {}", type_name(&obj)))
+        })
+    }
+}
+
+/// An `i32` argument (pad values): other types or out-of-range values raise our errors.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Int32(pub i32);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int32 {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        let v = int_arg(&obj, "argument")?;
+        i32::try_from(v)
+            .map(Int32)
+            .map_err(|_| invalid(format!("expected an int32 value, got {v}")))
+    }
+}
+
+/// An `i64` argument: other types raise `ArgumentTypeError`, ints beyond i64
+/// `InvalidArgumentError`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Int64(pub i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int64 {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        int_arg(&obj, "argument").map(Int64)
+    }
+}

@@ -1,7 +1,7 @@
 //! `TokenSeq` (a sequence's native token store) and `BlockHasher` (the incremental chained
 //! hasher), plus the process-wide default hash function.
 
-use crate::arrays::{extract_tokens, token_from_item};
+use crate::arrays::{extract_tokens, token_from_item, Count, Int64};
 use crate::errors::invalid;
 use pagedkv_core::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher, TokenSeq};
 use pyo3::prelude::*;
@@ -35,13 +35,13 @@ pub fn resolve_hasher(algo: Option<&str>, seed: Option<u64>) -> PyResult<Hasher>
 /// Set the hash function that new sequences use (and managers built without `hash_algo`).
 #[pyfunction]
 #[pyo3(signature = (hash_algo = "xxh3", hash_seed = None))]
-pub fn set_default_hasher(hash_algo: &str, hash_seed: Option<u64>) -> PyResult<()> {
+pub fn set_default_hasher(hash_algo: &str, hash_seed: Option<Count>) -> PyResult<()> {
     let algo = HashAlgo::parse(hash_algo).ok_or_else(|| {
         invalid(format!(
             "unknown hash_algo {hash_algo:?} (use 'xxh3' or 'sha256')"
         ))
     })?;
-    let h = Hasher::new(algo, hash_seed);
+    let h = Hasher::new(algo, hash_seed.map(|c| c.0));
     *DEFAULT_HASHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
     Ok(())
 }
@@ -106,17 +106,22 @@ pub struct PyTokenSeq {
 #[pymethods]
 impl PyTokenSeq {
     #[new]
-    #[pyo3(signature = (block_size, token_ids, *, lora_id = 0, cache_salt = None, hash_algo = None, hash_seed = None))]
+    #[pyo3(signature = (block_size, token_ids, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
     fn new(
-        block_size: i64,
+        block_size: Int64,
         token_ids: &Bound<'_, PyAny>,
-        lora_id: i64,
+        lora_id: Int64,
         cache_salt: Option<&Bound<'_, PyAny>>,
         hash_algo: Option<&str>,
-        hash_seed: Option<u64>,
+        hash_seed: Option<Count>,
     ) -> PyResult<Self> {
-        let (bs, extra, hasher) =
-            chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
+        let (bs, extra, hasher) = chain_params(
+            block_size.0,
+            lora_id.0,
+            cache_salt,
+            hash_algo,
+            hash_seed.map(|c| c.0),
+        )?;
         let tokens = extract_tokens(token_ids)?;
         let inner = TokenSeq::new(bs, &tokens, extra, hasher).map_err(crate::errors::to_py)?;
         Ok(PyTokenSeq { inner })
@@ -159,11 +164,14 @@ impl PyTokenSeq {
     fn token_slice<'py>(
         &self,
         py: Python<'py>,
-        start: usize,
-        end: Option<usize>,
+        start: Count,
+        end: Option<Count>,
     ) -> PyResult<Bound<'py, PyList>> {
         let t = self.inner.tokens();
-        let end = end.unwrap_or(t.len()).min(t.len());
+        let (start, end) = (
+            start.usize(),
+            end.map_or(t.len(), Count::usize).min(t.len()),
+        );
         PyList::new(py, &t[start.min(end)..end])
     }
 
@@ -186,7 +194,8 @@ impl PyTokenSeq {
     }
 
     /// Token ids of logical block `i` (the last block may be partial).
-    fn block_tokens<'py>(&self, py: Python<'py>, i: usize) -> PyResult<Bound<'py, PyList>> {
+    fn block_tokens<'py>(&self, py: Python<'py>, i: Count) -> PyResult<Bound<'py, PyList>> {
+        let i = i.usize();
         if i >= self.inner.num_blocks() {
             return Err(invalid(format!(
                 "block {i} does not exist (sequence has {} blocks)",
@@ -197,7 +206,8 @@ impl PyTokenSeq {
     }
 
     /// The chained hash of full block `i`. Raises ValueError if block `i` is not full.
-    fn hash_of_block(&self, i: i64) -> PyResult<BlockHash> {
+    fn hash_of_block(&self, i: Int64) -> PyResult<BlockHash> {
+        let i = i.0;
         if i < 0 {
             return Err(invalid(format!(
                 "block index must be non-negative, got {i}"
@@ -266,16 +276,21 @@ pub struct PyBlockHasher {
 #[pymethods]
 impl PyBlockHasher {
     #[new]
-    #[pyo3(signature = (block_size, *, lora_id = 0, cache_salt = None, hash_algo = None, hash_seed = None))]
+    #[pyo3(signature = (block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
     fn new(
-        block_size: i64,
-        lora_id: i64,
+        block_size: Int64,
+        lora_id: Int64,
         cache_salt: Option<&Bound<'_, PyAny>>,
         hash_algo: Option<&str>,
-        hash_seed: Option<u64>,
+        hash_seed: Option<Count>,
     ) -> PyResult<Self> {
-        let (bs, extra, hasher) =
-            chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
+        let (bs, extra, hasher) = chain_params(
+            block_size.0,
+            lora_id.0,
+            cache_salt,
+            hash_algo,
+            hash_seed.map(|c| c.0),
+        )?;
         Ok(PyBlockHasher {
             inner: ChainHasher::new(hasher, bs, extra),
             out: Vec::new(),
@@ -307,17 +322,23 @@ impl PyBlockHasher {
 
 /// Chained hashes of every full block of `token_ids` in one call.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, *, lora_id = 0, cache_salt = None, hash_algo = None, hash_seed = None))]
+#[pyo3(signature = (token_ids, block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,
-    block_size: i64,
-    lora_id: i64,
+    block_size: Int64,
+    lora_id: Int64,
     cache_salt: Option<&Bound<'py, PyAny>>,
     hash_algo: Option<&str>,
-    hash_seed: Option<u64>,
+    hash_seed: Option<Count>,
 ) -> PyResult<Bound<'py, PyList>> {
-    let (bs, extra, hasher) = chain_params(block_size, lora_id, cache_salt, hash_algo, hash_seed)?;
+    let (bs, extra, hasher) = chain_params(
+        block_size.0,
+        lora_id.0,
+        cache_salt,
+        hash_algo,
+        hash_seed.map(|c| c.0),
+    )?;
     let t = extract_tokens(token_ids)?;
     let mut c = ChainHasher::new(hasher, bs, extra);
     let mut out = Vec::with_capacity(t.len() / bs);

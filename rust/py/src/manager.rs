@@ -2,7 +2,7 @@
 //! straight off the Python objects (`seq.seq_id`, `seq.status`, `seq.data._store`,
 //! `group.seqs_dict`) and hands the work to the core manager.
 
-use crate::arrays::{int_arg, type_name, writable_i32, I32Out};
+use crate::arrays::{int_arg, type_name, writable_i32, Count, I32Out, Int32, Real};
 use crate::errors::{invalid, wrong_type, IntoPyResult};
 use crate::hashing::{resolve_hasher, PyTokenSeq};
 use pagedkv_core::{AllocStatus, BlockId, Copies, Device, Manager, ManagerConfig, SeqId, TokenSeq};
@@ -464,7 +464,7 @@ impl PyManager {
 #[pymethods]
 impl PyManager {
     #[new]
-    #[pyo3(signature = (block_size, num_gpu_blocks, num_cpu_blocks, watermark = 0.01, sliding_window = None,
+    #[pyo3(signature = (block_size, num_gpu_blocks, num_cpu_blocks, watermark = Real(0.01), sliding_window = None,
                         enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -472,11 +472,11 @@ impl PyManager {
         block_size: &Bound<'_, PyAny>,
         num_gpu_blocks: &Bound<'_, PyAny>,
         num_cpu_blocks: &Bound<'_, PyAny>,
-        watermark: f64,
+        watermark: Real,
         sliding_window: Option<&Bound<'_, PyAny>>,
         enable_caching: bool,
         hash_algo: Option<&str>,
-        hash_seed: Option<u64>,
+        hash_seed: Option<Count>,
         strict: bool,
     ) -> PyResult<Self> {
         let bs = int_arg(block_size, "block_size")?;
@@ -506,11 +506,11 @@ impl PyManager {
             block_size: bs as usize,
             num_gpu_blocks: nblocks(num_gpu_blocks, "num_gpu_blocks")?,
             num_cpu_blocks: nblocks(num_cpu_blocks, "num_cpu_blocks")?,
-            watermark,
+            watermark: watermark.0,
             sliding_window,
             enable_caching,
             strict,
-            hasher: resolve_hasher(hash_algo, hash_seed)?,
+            hasher: resolve_hasher(hash_algo, hash_seed.map(|c| c.0))?,
         };
         let ints = |n: u32| -> PyResult<Vec<Py<PyAny>>> {
             (0..n)
@@ -590,32 +590,37 @@ impl PyManager {
         Ok(())
     }
 
-    #[pyo3(signature = (seq_group, num_lookahead_slots = 0))]
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
     fn can_append_slots(
         &self,
         seq_group: &Bound<'_, PyAny>,
-        num_lookahead_slots: usize,
+        num_lookahead_slots: Count,
     ) -> PyResult<bool> {
         let running = Self::with_status(seq_group, |s| s == Status::Running)?;
         let r = self.resolve(&running)?;
         self.inner
-            .can_append_slots(&r.refs(), num_lookahead_slots)
+            .can_append_slots(&r.refs(), num_lookahead_slots.usize())
             .py()
     }
 
     /// Reserve slots for the tokens appended since the last call; returns copy-on-write pairs
     /// `{src_block: [dst_block, ...]}` (empty when nothing is copied).
-    #[pyo3(signature = (seq, num_lookahead_slots = 0))]
+    #[pyo3(signature = (seq, num_lookahead_slots = Count(0)))]
     fn append_slots<'py>(
         &mut self,
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
-        num_lookahead_slots: usize,
+        num_lookahead_slots: Count,
     ) -> PyResult<Bound<'py, PyDict>> {
         let (id, store) = self.resolve_one(seq)?;
         self.copies.clear();
         self.inner
-            .append_slots(id, &store.inner, num_lookahead_slots, &mut self.copies)
+            .append_slots(
+                id,
+                &store.inner,
+                num_lookahead_slots.usize(),
+                &mut self.copies,
+            )
             .py()?;
         copies_dict(py, &self.copies)
     }
@@ -626,7 +631,7 @@ impl PyManager {
     /// token, `block * block_size + offset`). Buffers are numpy int32 arrays (torch: `t.numpy()`),
     /// written in place. Everything is checked before anything changes; out of blocks raises
     /// `OutOfBlocksError` with no sequence touched. Returns the copy-on-write pairs.
-    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = 0))]
+    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)))]
     fn append_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
@@ -634,7 +639,7 @@ impl PyManager {
         block_tables: &Bound<'py, PyAny>,
         context_lens: &Bound<'py, PyAny>,
         slot_mapping: &Bound<'py, PyAny>,
-        pad_value: i32,
+        pad_value: Int32,
     ) -> PyResult<Bound<'py, PyDict>> {
         let seqs = items(seqs)?;
         let tables = writable_i32(block_tables, "block_tables", 2)?;
@@ -652,19 +657,19 @@ impl PyManager {
         self.inner
             .append_slots_batch(&refs, 0, &mut self.copies)
             .py()?;
-        self.write_rows(&refs, &tables, pad_value, Some(&cl), Some(&sm))?;
+        self.write_rows(&refs, &tables, pad_value.0, Some(&cl), Some(&sm))?;
         copies_dict(py, &self.copies)
     }
 
     /// Write the current block tables of `seqs` (rows padded with `pad_value`) and, if given,
     /// their lengths into caller-owned int32 buffers, without changing anything.
-    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = 0))]
+    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = Int32(0)))]
     fn fill_block_tables<'py>(
         &self,
         seqs: &Bound<'py, PyAny>,
         block_tables: &Bound<'py, PyAny>,
         context_lens: Option<&Bound<'py, PyAny>>,
-        pad_value: i32,
+        pad_value: Int32,
     ) -> PyResult<()> {
         let seqs = items(seqs)?;
         let tables = writable_i32(block_tables, "block_tables", 2)?;
@@ -674,7 +679,7 @@ impl PyManager {
         let r = self.resolve(&seqs)?;
         let refs = r.refs();
         self.check_buffers(&refs, &tables, &[("context_lens", cl.as_ref())], false)?;
-        self.write_rows(&refs, &tables, pad_value, cl.as_ref(), None)
+        self.write_rows(&refs, &tables, pad_value.0, cl.as_ref(), None)
     }
 
     fn fork(
@@ -714,12 +719,12 @@ impl PyManager {
     }
 
     // ---- swapping ----------------------------------------------------------------------
-    #[pyo3(signature = (seq_group, num_lookahead_slots = 0))]
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
     fn can_swap_in(
         &self,
         py: Python<'_>,
         seq_group: &Bound<'_, PyAny>,
-        num_lookahead_slots: usize,
+        num_lookahead_slots: Count,
     ) -> PyResult<Py<PyAny>> {
         let mut unfinished = Vec::new();
         let mut swapped = 0;
@@ -733,17 +738,22 @@ impl PyManager {
         alloc_status(
             py,
             self.inner
-                .can_swap_in(&unfinished, swapped, num_lookahead_slots)
+                .can_swap_in(&unfinished, swapped, num_lookahead_slots.usize())
                 .py()?,
         )
     }
 
     /// Move the group's SWAPPED sequences to the GPU; returns `{cpu_block: gpu_block}`.
+    /// `num_lookahead_slots` is accepted for vLLM's signature; slots are reserved by the next
+    /// `append_slots`, as in vLLM.
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
     fn swap_in<'py>(
         &mut self,
         py: Python<'py>,
         seq_group: &Bound<'py, PyAny>,
+        num_lookahead_slots: Count,
     ) -> PyResult<Bound<'py, PyDict>> {
+        let _ = num_lookahead_slots;
         let seqs = Self::with_status(seq_group, |s| s == Status::Swapped)?;
         let ids = self.ids(&seqs)?;
         let m = self.inner.swap(&ids, Device::Cpu).py()?;
@@ -803,10 +813,10 @@ impl PyManager {
     fn access_all_blocks_in_seq(
         &mut self,
         seq: &Bound<'_, PyAny>,
-        access_time: f64,
+        access_time: Real,
     ) -> PyResult<()> {
         let id = self.id_of(seq)?;
-        self.inner.access_all_blocks_in_seq(id, access_time).py()
+        self.inner.access_all_blocks_in_seq(id, access_time.0).py()
     }
 
     fn compute_full_blocks_in_seq(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -852,13 +862,15 @@ impl PyManager {
     fn access_all_blocks_in_seqs(
         &mut self,
         seqs: &Bound<'_, PyAny>,
-        access_time: f64,
+        access_time: Real,
     ) -> PyResult<()> {
         let mut ids = Vec::new();
         for s in items(seqs)? {
             ids.push(self.id_of(&s)?);
         }
-        self.inner.access_all_blocks_in_seqs(&ids, access_time).py()
+        self.inner
+            .access_all_blocks_in_seqs(&ids, access_time.0)
+            .py()
     }
 
     /// `compute_full_blocks_in_seq` for many sequences in one call (what

@@ -2,7 +2,7 @@
 //! Every method validates its arguments before touching the pool, so a raising call changes
 //! nothing.
 
-use crate::arrays::{extract_tokens, hash_arg, int_arg};
+use crate::arrays::{extract_tokens, hash_arg, int_arg, Count, Int64, Real};
 use crate::errors::{invalid, IntoPyResult};
 use pagedkv_core::{BlockHash, BlockId, BlockKey, BlockPool};
 use pyo3::prelude::*;
@@ -17,13 +17,26 @@ impl PyBlockPool {
     fn id(&self, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
         self.inner.check(int_arg(block, "block")?).py()
     }
+
+    fn parent_arg(&self, parent: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockId>> {
+        match parent {
+            Some(p) if !p.is_none() => Ok(Some(self.id(p)?)),
+            _ => Ok(None),
+        }
+    }
 }
 
 #[pymethods]
 impl PyBlockPool {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, *, enable_caching = true, device = "gpu"))]
-    fn new(num_blocks: i64, block_size: i64, enable_caching: bool, device: &str) -> PyResult<Self> {
+    fn new(
+        num_blocks: Int64,
+        block_size: Int64,
+        enable_caching: bool,
+        device: &str,
+    ) -> PyResult<Self> {
+        let (num_blocks, block_size) = (num_blocks.0, block_size.0);
         if !(0..u32::MAX as i64).contains(&num_blocks) {
             return Err(invalid(format!(
                 "num_blocks must be in 0..2**32-1, got {num_blocks}"
@@ -102,7 +115,8 @@ impl PyBlockPool {
     }
 
     /// `n` fresh blocks in one call; all or nothing.
-    fn allocate_many<'py>(&mut self, py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyList>> {
+    fn allocate_many<'py>(&mut self, py: Python<'py>, n: Count) -> PyResult<Bound<'py, PyList>> {
+        let n = n.usize();
         if n > self.inner.num_free() {
             return Err(crate::errors::to_py(pagedkv_core::Error::OutOfBlocks {
                 device: self.inner.device(),
@@ -118,9 +132,10 @@ impl PyBlockPool {
     }
 
     /// Add `n` references to a referenced or evictable (cached) block; revives an evictable one.
-    #[pyo3(signature = (block, n = 1))]
-    fn incref(&mut self, block: &Bound<'_, PyAny>, n: u32) -> PyResult<()> {
+    #[pyo3(signature = (block, n = Count(1)))]
+    fn incref(&mut self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
         let b = self.id(block)?;
+        let n = n.u32("n")?;
         if n == 0 {
             return Err(invalid("n must be positive"));
         }
@@ -157,14 +172,16 @@ impl PyBlockPool {
     /// The cached block holding exactly `token_ids` under `block_hash` (registered with the same
     /// `parent_block`, still holding the same data, and the same `extra_key`), or None. Does not change ref counts
     /// (call `incref` to take it).
-    #[pyo3(signature = (block_hash, token_ids, *, parent_block = None, extra_key = 0))]
+    #[pyo3(signature = (block_hash, token_ids, *, parent_block = None, extra_key = None))]
     fn lookup(
         &mut self,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        parent_block: Option<BlockId>,
-        extra_key: u128,
+        parent_block: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Option<BlockId>> {
+        let parent_block = self.parent_arg(parent_block)?;
+        let extra_key = extra_key.map(hash_arg).transpose()?.unwrap_or(0);
         let t = extract_tokens(token_ids)?;
         if t.len() != self.inner.block_size() {
             return Err(invalid(format!(
@@ -184,19 +201,24 @@ impl PyBlockPool {
 
     /// Register a referenced, full, uncached block under its hash. Returns False when another
     /// block already holds that hash (the block then stays uncached).
-    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_block = None, extra_key = 0))]
+    #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_block = None, extra_key = None))]
     fn register(
         &mut self,
         block: &Bound<'_, PyAny>,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        num_hashed_tokens: Option<u32>,
-        parent_block: Option<BlockId>,
-        extra_key: u128,
+        num_hashed_tokens: Option<Count>,
+        parent_block: Option<&Bound<'_, PyAny>>,
+        extra_key: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
         let b = self.id(block)?;
+        let parent_block = self.parent_arg(parent_block)?;
+        let extra_key = extra_key.map(hash_arg).transpose()?.unwrap_or(0);
         let t = extract_tokens(token_ids)?;
-        let nht = num_hashed_tokens.unwrap_or(self.inner.block_size() as u32);
+        let nht = match num_hashed_tokens {
+            Some(n) => n.u32("num_hashed_tokens")?,
+            None => self.inner.block_size() as u32,
+        };
         let key = BlockKey {
             hash: hash_arg(block_hash)?,
             parent: parent_block,
@@ -216,8 +238,9 @@ impl PyBlockPool {
         Ok(self.inner.is_evictable(self.id(block)?))
     }
     /// Set a block's last access time (eviction takes the least recent first).
-    fn touch(&mut self, block: &Bound<'_, PyAny>, access_time: f64) -> PyResult<()> {
+    fn touch(&mut self, block: &Bound<'_, PyAny>, access_time: Real) -> PyResult<()> {
         let b = self.id(block)?;
+        let access_time = access_time.0;
         if !access_time.is_finite() {
             return Err(invalid("access_time must be finite"));
         }
