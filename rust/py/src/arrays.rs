@@ -192,9 +192,17 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
     // Lists first: probing a list for `__array_interface__` would raise and catch an
     // AttributeError, which costs more than converting a whole block of tokens.
     if let Ok(list) = obj.cast::<PyList>() {
-        let mut out = Vec::with_capacity(list.len());
-        for item in list.iter() {
-            out.push(token_from_item(&item)?);
+        let n = list.len();
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            // SAFETY: we hold the list. PyList_GetItem returns a borrowed reference or NULL
+            // (with IndexError) if the list shrank meanwhile (only an item's __index__ could
+            // run Python code, on the slow path, which takes its own reference first).
+            let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as isize) };
+            if item.is_null() {
+                return Err(PyErr::fetch(obj.py()));
+            }
+            out.push(token_from_ptr(obj.py(), item)?);
         }
         return Ok(Cow::Owned(out));
     }
@@ -250,15 +258,39 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
     Ok(Cow::Owned(out))
 }
 
+/// `token_from_item` for a borrowed pointer, with a fast path for exact ints (no reference
+/// counting, no Python-level checks): the common case of a list of token ids.
+fn token_from_ptr(py: Python<'_>, item: *mut pyo3::ffi::PyObject) -> PyResult<u32> {
+    // SAFETY: `item` is a valid borrowed reference owned by a list we hold.
+    unsafe {
+        if pyo3::ffi::PyLong_CheckExact(item) != 0 {
+            let v = pyo3::ffi::PyLong_AsLongLong(item);
+            if v == -1 && PyErr::occurred(py) {
+                let _ = PyErr::take(py);
+                let shown = Bound::from_borrowed_ptr(py, item);
+                return Err(invalid(format!(
+                    "token id {shown} is out of range [0, 2**32)"
+                )));
+            }
+            return check_token(v);
+        }
+        token_from_item(&Bound::from_borrowed_ptr(py, item))
+    }
+}
+
 pub fn token_from_item(item: &Bound<'_, PyAny>) -> PyResult<u32> {
     if item.is_instance_of::<pyo3::types::PyBool>() {
         return Err(invalid("token ids must be ints, not bool"));
     }
     if !item.is_instance_of::<pyo3::types::PyInt>() {
-        return Err(crate::errors::wrong_type(format!(
-            "token ids must be ints, got {}",
-            type_name(item)
-        )));
+        // integer-like objects (numpy integers) convert through __index__
+        return match item.call_method0(pyo3::intern!(item.py(), "__index__")) {
+            Ok(idx) if idx.is_instance_of::<pyo3::types::PyInt>() => token_from_item(&idx),
+            _ => Err(crate::errors::wrong_type(format!(
+                "token ids must be ints, got {}",
+                type_name(item)
+            ))),
+        };
     }
     match item.extract::<i64>() {
         Ok(v) => check_token(v),
