@@ -132,3 +132,12 @@ def test_bad_algorithm_and_salt():
         pagedkv.hash_blocks(TOKENS, 16, hash_algo="md5")
     with pytest.raises(InvalidArgumentError):
         pagedkv.hash_blocks(TOKENS, 16, cache_salt=3)
+
+
+def test_numpy_integer_scalars_in_a_list_are_tokens():
+    ints = [np.int64(5), np.int32(6), 7, np.uint16(8)]
+    assert pagedkv.TokenSeq(4, ints).tokens() == [5, 6, 7, 8]
+    with pytest.raises(ArgumentTypeError):
+        pagedkv.TokenSeq(4, [np.float32(1.0)])
+    with pytest.raises(InvalidArgumentError):
+        pagedkv.TokenSeq(4, [np.int64(-1)])
