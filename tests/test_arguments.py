@@ -84,3 +84,13 @@ def test_typed_errors_and_no_change(name, call, exc):
         pagedkv.get_default_hasher(),
     )
     assert before == after
+
+
+def test_hash_seeds_use_the_whole_u64_range():
+    top = 2**64 - 1
+    assert pagedkv.hash_blocks([1, 2, 3, 4], 4, hash_seed=top) != pagedkv.hash_blocks(
+        [1, 2, 3, 4], 4, hash_seed=0
+    )
+    assert pagedkv.BlockSpaceManager(4, 8, 2, hash_seed=top).hasher == ("xxh3", top)
+    with pytest.raises(InvalidArgumentError):
+        pagedkv.TokenSeq(4, [1], hash_seed=2**64)

@@ -380,7 +380,86 @@ def _check_seq_id(seq_id: Any) -> int:
 _LOGICAL_CACHE = ("_logical_blocks", "_logical_len", "_logical_data")
 
 
-class Sequence:
+class SequenceAccessors:
+    """The accessors both sequence classes share (this one and the plain-Python reference in
+    :mod:`pagedkv.reference.sequence`): everything that only reads ``self.data``,
+    ``self.status``, ``self.block_size``, ``self.lora_request`` and ``self.output_text``."""
+
+    data: Any
+    status: SequenceStatus
+    block_size: int
+    lora_request: Optional[LoRARequest]
+    output_text: str
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
+
+    def num_hashed_tokens_of_block(self, logical_idx: int) -> int:
+        return logical_idx * self.block_size + self.block_size
+
+    def get_len(self) -> int:
+        return self.data.get_len()
+
+    def get_prompt_len(self) -> int:
+        return self.data.get_prompt_len()
+
+    def get_output_len(self) -> int:
+        return self.data.get_output_len()
+
+    def get_token_ids(self) -> List[int]:
+        return self.data.get_token_ids()
+
+    def get_last_token_id(self) -> int:
+        return self.data.get_last_token_id()
+
+    def get_output_token_ids(self) -> List[int]:
+        return self.data.get_output_token_ids()
+
+    def get_cumulative_logprob(self) -> float:
+        return self.data.cumulative_logprob
+
+    def get_output_text_to_return(self, buffer_length: int) -> str:
+        """Output text minus the last ``buffer_length`` characters while still generating
+        (they may change as detokenization proceeds)."""
+        truncate = buffer_length and not self.is_finished()
+        return self.output_text[:-buffer_length] if truncate else self.output_text
+
+    def get_beam_search_score(
+        self,
+        length_penalty: float = 1.0,
+        seq_len: Optional[int] = None,
+        eos_token_id: Optional[int] = None,
+    ) -> float:
+        """Cumulative logprob / seq_len ** length_penalty (HuggingFace's beam score).
+
+        Without ``seq_len`` the sequence length is used, minus one if the sequence ends with
+        ``eos_token_id`` (HuggingFace does not count the EOS token).
+        """
+        if seq_len is None:
+            seq_len = self.get_len()
+            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
+                seq_len -= 1
+        return self.get_cumulative_logprob() / (seq_len**length_penalty)
+
+    def is_finished(self) -> bool:
+        return self.status in _FINISHED_STATUSES
+
+    def get_num_new_tokens(self) -> int:
+        """Tokens to compute in the next step: 1 when decoding, else the uncomputed rest
+        (chunked prefill computes it over several steps)."""
+        if self.data.stage == SequenceStage.DECODE:
+            return 1
+        return self.data.get_num_uncomputed_tokens()
+
+    def is_prefill(self) -> bool:
+        return self.data.stage == SequenceStage.PREFILL
+
+    def reset_state_for_recompute(self) -> None:
+        self.data.reset_state_for_recompute()
+
+
+class Sequence(SequenceAccessors):
     """One sequence (prompt + generated tokens) of a request.
 
     Args:
@@ -432,10 +511,6 @@ class Sequence:
         self._logical_blocks: Optional[List[LogicalTokenBlock]] = None
         self._logical_len = 0
         self._logical_data: Optional[SequenceData] = None
-
-    @property
-    def lora_int_id(self) -> int:
-        return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def n_blocks(self) -> int:
@@ -505,9 +580,6 @@ class Sequence:
                 "have a hash"
             ) from None
 
-    def num_hashed_tokens_of_block(self, logical_idx: int) -> int:
-        return logical_idx * self.block_size + self.block_size
-
     # -- appending ---------------------------------------------------------------------------
 
     def append_token_id(self, token_id: int, logprobs: Dict[int, Logprob]) -> None:
@@ -530,66 +602,6 @@ class Sequence:
         self.output_logprobs.append(logprobs)
 
     # -- accessors ---------------------------------------------------------------------------
-
-    def get_len(self) -> int:
-        return self.data.get_len()
-
-    def get_prompt_len(self) -> int:
-        return self.data.get_prompt_len()
-
-    def get_output_len(self) -> int:
-        return self.data.get_output_len()
-
-    def get_token_ids(self) -> List[int]:
-        return self.data.get_token_ids()
-
-    def get_last_token_id(self) -> int:
-        return self.data.get_last_token_id()
-
-    def get_output_token_ids(self) -> List[int]:
-        return self.data.get_output_token_ids()
-
-    def get_cumulative_logprob(self) -> float:
-        return self.data.cumulative_logprob
-
-    def get_output_text_to_return(self, buffer_length: int) -> str:
-        """Output text minus the last ``buffer_length`` characters while still generating
-        (they may change as detokenization proceeds)."""
-        truncate = buffer_length and not self.is_finished()
-        return self.output_text[:-buffer_length] if truncate else self.output_text
-
-    def get_beam_search_score(
-        self,
-        length_penalty: float = 1.0,
-        seq_len: Optional[int] = None,
-        eos_token_id: Optional[int] = None,
-    ) -> float:
-        """Cumulative logprob / seq_len ** length_penalty (HuggingFace's beam score).
-
-        Without ``seq_len`` the sequence length is used, minus one if the sequence ends with
-        ``eos_token_id`` (HuggingFace does not count the EOS token).
-        """
-        if seq_len is None:
-            seq_len = self.get_len()
-            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
-                seq_len -= 1
-        return self.get_cumulative_logprob() / (seq_len**length_penalty)
-
-    def is_finished(self) -> bool:
-        return self.status in _FINISHED_STATUSES
-
-    def get_num_new_tokens(self) -> int:
-        """Tokens to compute in the next step: 1 when decoding, else the uncomputed rest
-        (chunked prefill computes it over several steps)."""
-        if self.data.stage == SequenceStage.DECODE:
-            return 1
-        return self.data.get_num_uncomputed_tokens()
-
-    def is_prefill(self) -> bool:
-        return self.data.stage == SequenceStage.PREFILL
-
-    def reset_state_for_recompute(self) -> None:
-        self.data.reset_state_for_recompute()
 
     # -- copies ------------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from pagedkv.sequence import (
     ExecuteModelRequest,
     RequestMetrics,
     SampleLogprobs,
+    SequenceAccessors,
     SequenceGroup,
     SequenceGroupMetadata,
     SequenceGroupState,
@@ -112,7 +113,7 @@ class SequenceData:
         )
 
 
-class Sequence:
+class Sequence(SequenceAccessors):
     """A sequence with eager logical blocks and per-block sha256 hashes (see module doc)."""
 
     def __init__(
@@ -147,10 +148,6 @@ class Sequence:
         self.prefix_offset = 0
         self.read_offset = 0
         self.tokens: Optional[List[str]] = None
-
-    @property
-    def lora_int_id(self) -> int:
-        return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def n_blocks(self) -> int:
@@ -189,9 +186,6 @@ class Sequence:
             )
         return self._block_hashes[logical_idx]
 
-    def num_hashed_tokens_of_block(self, logical_idx: int) -> int:
-        return logical_idx * self.block_size + self.block_size
-
     def append_token_id(self, token_id: int, logprobs: Dict[int, Logprob]) -> None:
         if token_id not in logprobs:
             raise ValueError(
@@ -201,61 +195,10 @@ class Sequence:
         self.output_logprobs.append(logprobs)
         self.data.append_token_id(token_id, logprobs[token_id].logprob)
 
-    def get_len(self) -> int:
-        return self.data.get_len()
-
-    def get_prompt_len(self) -> int:
-        return self.data.get_prompt_len()
-
-    def get_output_len(self) -> int:
-        return self.data.get_output_len()
-
-    def get_token_ids(self) -> List[int]:
-        return self.data.get_token_ids()
-
-    def get_last_token_id(self) -> int:
-        return self.data.get_last_token_id()
-
-    def get_output_token_ids(self) -> List[int]:
-        return self.data.output_token_ids
-
-    def get_cumulative_logprob(self) -> float:
-        return self.data.cumulative_logprob
-
-    def get_output_text_to_return(self, buffer_length: int) -> str:
-        truncate = buffer_length and not self.is_finished()
-        return self.output_text[:-buffer_length] if truncate else self.output_text
-
-    def get_beam_search_score(
-        self,
-        length_penalty: float = 1.0,
-        seq_len: Optional[int] = None,
-        eos_token_id: Optional[int] = None,
-    ) -> float:
-        if seq_len is None:
-            seq_len = self.get_len()
-            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
-                seq_len -= 1
-        return self.get_cumulative_logprob() / (seq_len**length_penalty)
-
-    def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
-
     def fork(self, new_seq_id: int) -> Sequence:
         new_seq = copy.deepcopy(self)
         new_seq.seq_id = new_seq_id
         return new_seq
-
-    def get_num_new_tokens(self) -> int:
-        if self.data.stage == SequenceStage.DECODE:
-            return 1
-        return self.data.get_num_uncomputed_tokens()
-
-    def is_prefill(self) -> bool:
-        return self.data.stage == SequenceStage.PREFILL
-
-    def reset_state_for_recompute(self) -> None:
-        self.data.reset_state_for_recompute()
 
     def __repr__(self) -> str:
         return (

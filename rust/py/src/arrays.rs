@@ -375,6 +375,15 @@ pub struct Count(pub u64);
 impl<'a, 'py> FromPyObject<'a, 'py> for Count {
     type Error = PyErr;
     fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<pyo3::types::PyInt>()
+            && !obj.is_instance_of::<pyo3::types::PyBool>()
+        {
+            // the whole u64 range (hash seeds use all of it)
+            return obj
+                .extract::<u64>()
+                .map(Count)
+                .map_err(|_| invalid(format!("expected an int in [0, 2**64), got {}", &*obj)));
+        }
         let v = int_arg(&obj, "argument")?;
         u64::try_from(v)
             .map(Count)
