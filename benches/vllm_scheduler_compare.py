@@ -17,8 +17,19 @@ Run: ``python benches/vllm_scheduler_compare.py [--requests N] [--seed S] [--cac
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for vllm_compare
+
+
+def pair_count(mapping):
+    """Number of (src, dst) pairs: vLLM 0.4 keeps dicts ({src: dst} / {src: [dst]}), 0.5
+    lists of pairs."""
+    if isinstance(mapping, dict):
+        return sum(len(v) if isinstance(v, list) else 1 for v in mapping.values())
+    return len(mapping)
 
 
 def canonical(tables):
@@ -64,9 +75,14 @@ class Engine:
         from vllm.sampling_params import SamplingParams
         from vllm.sequence import Sequence, SequenceGroup
 
-        seq = Sequence(seq_id, "", list(tokens), block_size)
+        from vllm_compare import vllm_sequence
+
+        seq = vllm_sequence(Sequence, seq_id, tokens, block_size)
         params = SamplingParams(n=n, best_of=n, max_tokens=10_000)
-        self.scheduler.add_seq_group(SequenceGroup(request_id, [seq], params, 0.0))
+        group = SequenceGroup(
+            request_id=request_id, seqs=[seq], sampling_params=params, arrival_time=0.0
+        )
+        self.scheduler.add_seq_group(group)
 
     def step(self, output_len):
         from vllm.sequence import Logprob, SequenceStatus
@@ -77,8 +93,8 @@ class Engine:
             "requests": [(m.request_id, m.is_prompt) for m in metas],
             "tables": canonical([t for m in metas for _, t in sorted(m.block_tables.items())]),
             "computed": [len(m.computed_block_nums or []) for m in metas],
-            "swap": (len(out.blocks_to_swap_in), len(out.blocks_to_swap_out)),
-            "copies": sum(len(v) for v in out.blocks_to_copy.values()),
+            "swap": (pair_count(out.blocks_to_swap_in), pair_count(out.blocks_to_swap_out)),
+            "copies": pair_count(out.blocks_to_copy),
             "ignored": [g.request_id for g in out.ignored_seq_groups],
             "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
         }

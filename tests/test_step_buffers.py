@@ -130,7 +130,7 @@ def test_append_in_parts_and_copy_on_write():
     assert bufs.append(manager, [a]) == {}
     cow = bufs.append(manager, [seq, child])
     assert bufs.num_seqs == 3
-    assert list(cow) == [shared_last] and len(cow[shared_last]) == 1
+    assert list(cow.keys()) == [shared_last] and len(cow[shared_last]) == 1
     assert manager.get_block_table(seq)[-1] == cow[shared_last][0]
     assert manager.get_block_table(child)[-1] == shared_last
     view = bufs.to_device()

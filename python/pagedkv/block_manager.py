@@ -16,9 +16,48 @@ from pagedkv._enum import CompatEnum
 from pagedkv._native import BlockManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock
 
-__all__ = ["AllocStatus", "BlockSpaceManager", "BlockTable"]
+__all__ = ["AllocStatus", "BlockMapping", "BlockSpaceManager", "BlockTable"]
 
 BlockTable = List[int]
+
+
+class BlockMapping(dict):
+    """What ``append_slots`` (``{src: [dst, ...]}``), ``swap_in`` and ``swap_out``
+    (``{src: dst}``) return: a read-only dict, as vLLM 0.4 and the seed use it (``.items()``,
+    ``[]``, ``update`` into the scheduler's dicts), whose *iteration* yields ``(src, dst)``
+    pairs, as vLLM 0.5 uses the list it returns (``blocks_to_copy.extend(cows)``). So both
+    schedulers work unchanged. ``list(mapping.keys())`` gives the keys; ``dict(mapping)`` or
+    ``mapping.copy()`` a plain, mutable dict.
+    """
+
+    __slots__ = ()
+
+    def __iter__(self):
+        for src, dst in dict.items(self):
+            if isinstance(dst, list):
+                for d in dst:
+                    yield (src, d)
+            else:
+                yield (src, dst)
+
+    def pairs(self) -> List[tuple]:
+        """The ``(src, dst)`` pairs as a list (vLLM 0.5's format)."""
+        return list(iter(self))
+
+    def copy(self) -> dict:  # type: ignore[override]
+        return dict(dict.items(self))
+
+    def _read_only(self, *args, **kwargs):
+        raise TypeError("a BlockMapping returned by the manager is read-only; copy() it first")
+
+    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
+    update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
+
+    def __reduce__(self):
+        return (dict, (dict(dict.items(self)),))
+
+    def __repr__(self) -> str:
+        return f"BlockMapping({dict.__repr__(self)})"
 
 
 class AllocStatus(CompatEnum):

@@ -25,21 +25,9 @@ import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from pagedkv.block import Device, PhysicalTokenBlock
+from pagedkv.block_manager import AllocStatus, BlockMapping
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, UnknownSequenceError
 from pagedkv.reference.pool import BlockPool
-
-try:
-    from pagedkv.block_manager import AllocStatus
-except ImportError:  # the native module predates BlockManager: same enum, defined here
-    import enum
-
-    class AllocStatus(enum.Enum):  # type: ignore[no-redef]
-        """Answer of ``can_allocate`` / ``can_swap_in``."""
-
-        OK = enum.auto()
-        LATER = enum.auto()
-        NEVER = enum.auto()
-
 
 __all__ = ["AllocStatus", "BlockSpaceManager"]
 
@@ -378,7 +366,7 @@ class BlockSpaceManager:
                         h, toks, meta = key
                         gpu.register(nb, h, toks, (i + 1) * bs, meta)
         t.reserved = length
-        return copies
+        return BlockMapping(copies)
 
     def _promote(self, blocks: List[int], i: int, b: int, key) -> None:
         """A just-filled private block: share an identical cached block, or cache this one."""
@@ -497,7 +485,7 @@ class BlockSpaceManager:
                 src.free(b)
             t.blocks = [mapping[b] for b in t.blocks]
             t.device = dst_name
-        return mapping
+        return BlockMapping(mapping)
 
     # ---- prefix-caching helpers --------------------------------------------------------------
 

@@ -221,7 +221,36 @@ fn device_arg(device: &str) -> PyResult<Device> {
     }
 }
 
-fn copies_dict<'py>(py: Python<'py>, copies: &Copies) -> PyResult<Bound<'py, PyDict>> {
+/// `pagedkv.block_manager.BlockMapping` (a read-only dict that iterates as `(src, dst)` pairs,
+/// so vLLM 0.4 and 0.5 schedulers both take it), and its shared empty instance: most calls
+/// copy nothing, and then cost no allocation.
+fn block_mapping_class(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
+    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    Ok(CELL
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(
+                py.import("pagedkv.block_manager")?
+                    .getattr("BlockMapping")?
+                    .unbind(),
+            )
+        })?
+        .bind(py))
+}
+
+fn empty_mapping(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    Ok(CELL
+        .get_or_try_init(py, || {
+            Ok::<_, PyErr>(block_mapping_class(py)?.call0()?.unbind())
+        })?
+        .bind(py)
+        .clone())
+}
+
+fn copies_dict<'py>(py: Python<'py>, copies: &Copies) -> PyResult<Bound<'py, PyAny>> {
+    if copies.is_empty() {
+        return empty_mapping(py);
+    }
     let d = PyDict::new(py);
     for &(src, dst) in copies {
         match d.get_item(src)? {
@@ -229,18 +258,21 @@ fn copies_dict<'py>(py: Python<'py>, copies: &Copies) -> PyResult<Bound<'py, PyD
             None => d.set_item(src, PyList::new(py, [dst])?)?,
         }
     }
-    Ok(d)
+    block_mapping_class(py)?.call1((d,))
 }
 
 fn mapping_dict<'py>(
     py: Python<'py>,
     mapping: &[(BlockId, BlockId)],
-) -> PyResult<Bound<'py, PyDict>> {
+) -> PyResult<Bound<'py, PyAny>> {
+    if mapping.is_empty() {
+        return empty_mapping(py);
+    }
     let d = PyDict::new(py);
     for &(a, b) in mapping {
         d.set_item(a, b)?;
     }
-    Ok(d)
+    block_mapping_class(py)?.call1((d,))
 }
 
 #[pyclass(module = "pagedkv._native", name = "BlockManager", subclass)]
@@ -611,7 +643,7 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
         num_lookahead_slots: Count,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let (id, store) = self.resolve_one(seq)?;
         self.copies.clear();
         self.inner
@@ -640,7 +672,7 @@ impl PyManager {
         context_lens: &Bound<'py, PyAny>,
         slot_mapping: &Bound<'py, PyAny>,
         pad_value: Int32,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let seqs = items(seqs)?;
         let tables = writable_i32(block_tables, "block_tables", 2)?;
         let cl = writable_i32(context_lens, "context_lens", 1)?;
@@ -752,7 +784,7 @@ impl PyManager {
         py: Python<'py>,
         seq_group: &Bound<'py, PyAny>,
         num_lookahead_slots: Count,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let _ = num_lookahead_slots;
         let seqs = Self::with_status(seq_group, |s| s == Status::Swapped)?;
         let ids = self.ids(&seqs)?;
@@ -770,7 +802,7 @@ impl PyManager {
         &mut self,
         py: Python<'py>,
         seq_group: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyDict>> {
+    ) -> PyResult<Bound<'py, PyAny>> {
         let seqs = Self::with_status(seq_group, |s| s == Status::Running)?;
         let ids = self.ids(&seqs)?;
         let m = self.inner.swap(&ids, Device::Gpu).py()?;
