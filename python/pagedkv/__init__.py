@@ -22,7 +22,7 @@ from pagedkv._native import (
     set_default_hasher,
 )
 from pagedkv.block import Device, LogicalTokenBlock, PhysicalTokenBlock
-from pagedkv.block_manager import AllocStatus, BlockSpaceManager
+from pagedkv.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from pagedkv.errors import (
     ArgumentTypeError,
     DoubleFreeError,
@@ -65,6 +65,7 @@ __all__ = [
     "LogicalTokenBlock",
     "PhysicalTokenBlock",
     "AllocStatus",
+    "BlockMapping",
     "BlockSpaceManager",
     # errors
     "PagedKVError",

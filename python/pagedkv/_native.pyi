@@ -193,7 +193,9 @@ class BlockManager:
         """An ``AllocStatus``."""
     def allocate(self, seq_group: Any) -> None: ...
     def can_append_slots(self, seq_group: Any, num_lookahead_slots: int = 0) -> bool: ...
-    def append_slots(self, seq: Any, num_lookahead_slots: int = 0) -> Dict[int, List[int]]: ...
+    def append_slots(self, seq: Any, num_lookahead_slots: int = 0) -> Dict[int, List[int]]:
+        """Copy-on-write pairs as a ``pagedkv.BlockMapping``: a read-only ``{src: [dst, ...]}``
+        dict that iterates as ``(src, dst)`` pairs (vLLM 0.4 and 0.5 schedulers both take it)."""
     def append_slots_batch(
         self,
         seqs: Iterable[Any],
