@@ -77,71 +77,62 @@ def _manager_factory(cls: Any) -> Callable[..., Any]:
     return make
 
 
-def _native(batch: bool) -> Tuple[Optional[Backend], str]:
-    name = "native-batch" if batch else "native"
-    pkg = _import("pagedkv")
-    seq_mod = _import("pagedkv.sequence")
-    bm_mod = _import("pagedkv.block_manager")
-    types_mod = _import("pagedkv.types")
-    manager = _first_attr("BlockSpaceManager", pkg, bm_mod)
-    seq = _first_attr("Sequence", pkg, seq_mod)
-    group = _first_attr("SequenceGroup", pkg, seq_mod)
-    status = _first_attr("SequenceStatus", pkg, seq_mod)
-    sp = _first_attr("SamplingParams", pkg, seq_mod, types_mod)
-    lp = _first_attr("Logprob", pkg, seq_mod, types_mod)
-    missing = [
-        n
-        for n, v in [
-            ("BlockSpaceManager", manager),
-            ("Sequence", seq),
-            ("SequenceGroup", group),
-            ("SequenceStatus", status),
-            ("SamplingParams", sp),
-            ("Logprob", lp),
-        ]
-        if v is None
-    ]
+_VALUE_TYPES = ("SequenceGroup", "SequenceStatus", "SamplingParams", "Logprob")
+
+
+def _backend(
+    name: str, desc: str, manager: Any, seq: Any, modules: Tuple[Any, ...], batch: bool = False
+) -> Tuple[Optional[Backend], str]:
+    """A Backend from a manager class, a sequence class and the modules to take the group and
+    value types from; a skip note naming what is missing if anything is."""
+    found = {n: _first_attr(n, *modules) for n in _VALUE_TYPES}
+    named = [("BlockSpaceManager", manager), ("Sequence", seq), *found.items()]
+    missing = [n for n, v in named if v is None]
     if missing:
-        return None, f"{name}: skipped, pagedkv lacks {', '.join(missing)} (not landed yet)"
+        return None, f"{name}: skipped, missing {', '.join(missing)}"
     if batch and not hasattr(manager, "append_slots_batch"):
-        return None, f"{name}: skipped, BlockSpaceManager has no append_slots_batch yet"
+        return None, f"{name}: skipped, BlockSpaceManager has no append_slots_batch"
+    return Backend(
+        name,
+        _manager_factory(manager),
+        seq,
+        found["SequenceGroup"],
+        found["SequenceStatus"],
+        found["SamplingParams"],
+        found["Logprob"],
+        batch,
+        desc,
+    ), ""
+
+
+def _native(batch: bool) -> Tuple[Optional[Backend], str]:
+    pkg = _import("pagedkv")
+    mods = (pkg, _import("pagedkv.sequence"), _import("pagedkv.types"))
     desc = "pagedkv.BlockSpaceManager + pagedkv.Sequence"
     if batch:
         desc += " (append_slots_batch into numpy buffers)"
-    return Backend(name, _manager_factory(manager), seq, group, status, sp, lp, batch, desc), ""
+    return _backend(
+        "native-batch" if batch else "native",
+        desc,
+        _first_attr("BlockSpaceManager", pkg, _import("pagedkv.block_manager")),
+        _first_attr("Sequence", *mods),
+        mods,
+        batch,
+    )
 
 
 def _reference() -> Tuple[Optional[Backend], str]:
     ref = _import("pagedkv.reference")
     ref_seq = _import("pagedkv.reference.sequence")
-    ref_bm = _import("pagedkv.reference.block_manager")
-    seq_mod = _import("pagedkv.sequence")
-    types_mod = _import("pagedkv.types")
-    manager = _first_attr("BlockSpaceManager", ref, ref_bm)
-    seq = _first_attr("Sequence", ref, ref_seq)
-    # The reference may reuse the package's group / status / value types.
-    group = _first_attr("SequenceGroup", ref, ref_seq, seq_mod)
-    status = _first_attr("SequenceStatus", ref, ref_seq, seq_mod)
-    sp = _first_attr("SamplingParams", ref, ref_seq, types_mod, seq_mod)
-    lp = _first_attr("Logprob", ref, ref_seq, types_mod, seq_mod)
-    missing = [
-        n
-        for n, v in [
-            ("BlockSpaceManager", manager),
-            ("Sequence", seq),
-            ("SequenceGroup", group),
-            ("SequenceStatus", status),
-            ("SamplingParams", sp),
-            ("Logprob", lp),
-        ]
-        if v is None
-    ]
-    if missing:
-        return None, f"reference: skipped, pagedkv.reference lacks {', '.join(missing)}"
-    desc = "pagedkv.reference.BlockSpaceManager + pagedkv.reference.Sequence (pure Python)"
-    return Backend(
-        "reference", _manager_factory(manager), seq, group, status, sp, lp, False, desc
-    ), ""
+    # The reference reuses the package's group, status and value types.
+    mods = (ref, ref_seq, _import("pagedkv.sequence"), _import("pagedkv.types"))
+    return _backend(
+        "reference",
+        "pagedkv.reference.BlockSpaceManager + pagedkv.reference.Sequence (pure Python)",
+        _first_attr("BlockSpaceManager", ref, _import("pagedkv.reference.block_manager")),
+        _first_attr("Sequence", ref, ref_seq),
+        mods,
+    )
 
 
 def _vllm() -> Tuple[Optional[Backend], str]:
