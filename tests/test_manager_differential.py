@@ -57,6 +57,9 @@ class ManagerComparison(RuleBasedStateMachine):
             if status is None or s.status == status
         ]
 
+    def group_of(self, seq):
+        return next(g for g in self.groups.values() if seq in g.get_seqs())
+
     def both(self, method, *args):
         return call_both(self.native, self.ref, method, *args)
 
@@ -87,14 +90,14 @@ class ManagerComparison(RuleBasedStateMachine):
     @rule(data=st.data())
     def retry_waiting(self, data):
         seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.WAITING)))
-        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        group = self.group_of(seq)
         self.allocate_waiting(group)
 
     @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
     @rule(data=st.data(), n=st.integers(1, 6), lookahead=st.sampled_from([0, 0, 0, 2]))
     def append(self, data, n, lookahead):
         seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
-        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        group = self.group_of(seq)
         for _ in range(n):
             t = data.draw(st.integers(0, 3))
             seq.append_token_id(t, {t: Logprob(0.0)})
@@ -105,7 +108,7 @@ class ManagerComparison(RuleBasedStateMachine):
     @rule(data=st.data())
     def fork(self, data):
         parent = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
-        group = next(g for g in self.groups.values() if parent in g.get_seqs())
+        group = self.group_of(parent)
         child = parent.fork(next(self.ids))
         group.add(child)
         self.both("fork", parent, child)
@@ -126,7 +129,7 @@ class ManagerComparison(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_out(self, data):
         seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
-        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        group = self.group_of(seq)
         if any(
             s.status in (SequenceStatus.WAITING, SequenceStatus.SWAPPED) for s in group.get_seqs()
         ):
@@ -141,7 +144,7 @@ class ManagerComparison(RuleBasedStateMachine):
     @rule(data=st.data())
     def swap_in(self, data):
         seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.SWAPPED)))
-        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        group = self.group_of(seq)
         self.both("can_swap_in", group)
         kind, _ = self.both("swap_in", group)
         if kind == "ok":
@@ -153,7 +156,7 @@ class ManagerComparison(RuleBasedStateMachine):
     def access_and_mark(self, data, dt):
         self.now += dt
         seq = data.draw(st.sampled_from(self.seqs(SequenceStatus.RUNNING)))
-        group = next(g for g in self.groups.values() if seq in g.get_seqs())
+        group = self.group_of(seq)
         self.both("access_all_blocks_in_seq", seq, self.now)
         self.both("mark_blocks_as_computed", group)
         self.both("get_common_computed_block_ids", group.get_seqs())
