@@ -40,7 +40,7 @@ def canonical(tables):
 class Engine:
     """A model-free engine loop around vLLM's Scheduler (what LLMEngine does with outputs)."""
 
-    def __init__(self, use_pagedkv, caching, block_size, gpu, cpu):
+    def __init__(self, use_pagedkv, caching, block_size, gpu, cpu, pagedkv_sequences=False):
         from vllm.config import CacheConfig, SchedulerConfig
         from vllm.core import interfaces
         from vllm.core.scheduler import Scheduler
@@ -70,14 +70,21 @@ class Engine:
         finally:
             cls.get_block_space_manager_class = original
         self.next_child_id = 1_000_000
+        # vLLM's scheduler driving pagedkv's own Sequence family too (the drop-in claim)
+        self.pagedkv_sequences = pagedkv_sequences
 
     def add(self, request_id, seq_id, tokens, n, block_size):
-        from vllm.sampling_params import SamplingParams
-        from vllm.sequence import Sequence, SequenceGroup
+        if self.pagedkv_sequences:
+            from pagedkv import SamplingParams, Sequence, SequenceGroup
 
-        from vllm_compare import vllm_sequence
+            seq = Sequence(seq_id, "", list(tokens), block_size)
+        else:
+            from vllm.sampling_params import SamplingParams
+            from vllm.sequence import Sequence, SequenceGroup
 
-        seq = vllm_sequence(Sequence, seq_id, tokens, block_size)
+            from vllm_compare import vllm_sequence
+
+            seq = vllm_sequence(Sequence, seq_id, tokens, block_size)
         params = SamplingParams(n=n, best_of=n, max_tokens=10_000)
         group = SequenceGroup(
             request_id=request_id, seqs=[seq], sampling_params=params, arrival_time=0.0
@@ -85,7 +92,12 @@ class Engine:
         self.scheduler.add_seq_group(group)
 
     def step(self, output_len):
-        from vllm.sequence import Logprob, SequenceStatus
+        from vllm.sequence import SequenceStatus
+
+        if self.pagedkv_sequences:
+            from pagedkv import Logprob
+        else:
+            from vllm.sequence import Logprob
 
         metas, out = self.scheduler.schedule()
         mgr = self.scheduler.block_manager
@@ -123,7 +135,7 @@ class Engine:
         return self.scheduler.has_unfinished_seqs()
 
 
-def run(requests: int, seed: int, caching: bool = False) -> int:
+def run(requests: int, seed: int, caching: bool = False, pagedkv_sequences: bool = False) -> int:
     try:
         import vllm.core.scheduler  # noqa: F401
     except Exception as exc:
@@ -134,7 +146,10 @@ def run(requests: int, seed: int, caching: bool = False) -> int:
     bs = 4
     gpu, cpu = (4096, 256) if caching else (64, 48)
     prefixes = [[rng.randrange(1000) for _ in range(4 * rng.randrange(1, 8))] for _ in range(4)]
-    engines = [Engine(False, caching, bs, gpu, cpu), Engine(True, caching, bs, gpu, cpu)]
+    engines = [
+        Engine(False, caching, bs, gpu, cpu),
+        Engine(True, caching, bs, gpu, cpu, pagedkv_sequences),
+    ]
     output_len = {}
     pending = []
     for i in range(requests):
@@ -170,7 +185,8 @@ def run(requests: int, seed: int, caching: bool = False) -> int:
             return 1
     print(
         f"vLLM's Scheduler made identical decisions with pagedkv and with its own manager over "
-        f"{step} steps ({requests} requests, seed {seed}, caching {'on' if caching else 'off'}; "
+        f"{step} steps ({requests} requests, seed {seed}, caching {'on' if caching else 'off'}, "
+        f"{'pagedkv' if pagedkv_sequences else 'vLLM'} Sequence objects on the pagedkv side; "
         f"steps with swaps {stats['preempt_or_swap_steps']}, CoW copies {stats['copies']}, "
         f"computed blocks reported {stats['computed']})"
     )
@@ -182,8 +198,13 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--caching", action="store_true")
+    ap.add_argument(
+        "--pagedkv-sequences",
+        action="store_true",
+        help="give the pagedkv-backed scheduler pagedkv's own Sequence/SequenceGroup objects",
+    )
     args = ap.parse_args(argv)
-    return run(args.requests, args.seed, args.caching)
+    return run(args.requests, args.seed, args.caching, args.pagedkv_sequences)
 
 
 if __name__ == "__main__":

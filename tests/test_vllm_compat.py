@@ -116,6 +116,11 @@ def test_native_manager_accepts_foreign_sequences():
     theirs.check_invariants()
 
 
+def test_groups_carry_the_fields_vllm_05_reads():
+    g = SequenceGroup("r", [Sequence(1, "", [1, 2], BS)], SamplingParams(), 0.0)
+    assert g.pooling_params is None and g.embeddings is None
+
+
 def test_foreign_sequence_without_token_access_is_a_type_error():
     m = pagedkv.BlockSpaceManager(BS, 8, 2)
 
@@ -157,10 +162,11 @@ def _vllm_scheduler_importable() -> bool:
     not _vllm_scheduler_importable(), reason="vLLM 0.4's scheduler is not importable"
 )
 @pytest.mark.parametrize("caching", [False, True])
-def test_vllm_scheduler_makes_the_same_decisions_with_pagedkv(caching):
+@pytest.mark.parametrize("pagedkv_sequences", [False, True])
+def test_vllm_scheduler_makes_the_same_decisions_with_pagedkv(caching, pagedkv_sequences):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
     try:
         import vllm_scheduler_compare
     finally:
         sys.path.pop(0)
-    assert vllm_scheduler_compare.run(requests=60, seed=3, caching=caching) == 0
+    assert vllm_scheduler_compare.run(60, 3, caching, pagedkv_sequences) == 0

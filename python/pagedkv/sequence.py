@@ -679,9 +679,15 @@ class SequenceGroup:
         arrival_time: float,
         lora_request: Optional[LoRARequest] = None,
         multi_modal_data: Optional[MultiModalData] = None,
+        *,
+        embeddings: Optional[Any] = None,
+        pooling_params: Optional[Any] = None,
     ) -> None:
         self.request_id = request_id
         self.seqs_dict: Dict[int, Sequence] = {}
+        # vLLM 0.5 reads these (embedding models); None for generation requests.
+        self.embeddings = embeddings
+        self.pooling_params = pooling_params
         for seq in seqs:
             self.add(seq)
         self.sampling_params = sampling_params
