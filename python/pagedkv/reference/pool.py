@@ -11,29 +11,31 @@ Every block is in exactly one of three states::
 * FREE blocks sit on a LIFO stack (a list; ``pop()`` takes the end). It starts so that blocks come
   out ``N-1, N-2, ...`` without caching and ``0, 1, 2, ...`` with caching, as vLLM's allocators.
 * EVICTABLE blocks keep their hash so a later request with the same prefix can revive them.
-  Eviction takes the smallest ``(last_accessed, -num_hashed_tokens, arrival)`` first, where
-  ``arrival`` counts the moments blocks became evictable (FIFO among equal keys). The key is
-  fixed when the block becomes evictable (``touch`` refuses an evictable block). The set lives in
-  a heap with lazy deletion: a revived block leaves a stale entry behind, recognised by its
-  arrival number, and the heap is rebuilt when stale entries outnumber live ones.
+  Eviction takes the least recently accessed first, then the one holding more hashed tokens,
+  then the one that became evictable first (FIFO among equal keys). The key is fixed when the
+  block becomes evictable (``touch`` refuses an evictable block). The set is a doubly linked
+  list over block numbers kept in eviction order: a block is inserted by walking back from the
+  tail (O(1) in the usual case: blocks are released in access order, tail first), revived or
+  evicted by unlinking it in O(1).
 * The prefix map goes from block hash to block. A cached block also stores its token ids and an
   opaque ``meta`` value (the manager passes ``(parent block, its generation, lora id, cache
   salt)``); a lookup hits only if all of them are equal, so a hash collision never hands out
   another prompt's KV data.
 
-Costs: every operation is O(1) except eviction (O(log n) amortised) and ``eviction_order``
-(O(n log n), introspection only). A call that raises changes nothing.
+Costs: every operation is O(1) (insertion into the eviction list in the usual case, see
+above) except ``eviction_order`` (O(n), introspection only). A call that raises changes nothing.
 """
 
 from __future__ import annotations
 
-import heapq
 import math
 from typing import Any, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 from pagedkv.errors import DoubleFreeError, InvalidArgumentError, OutOfBlocksError
 
 __all__ = ["BlockPool", "NEVER_ACCESSED"]
+
+_NIL = -1  # end of the eviction list
 
 # ``last_accessed`` of a block that was never accessed (vLLM's DEFAULT_LAST_ACCESSED_TIME).
 NEVER_ACCESSED = -1.0
@@ -79,11 +81,12 @@ class BlockPool:
             list(range(n - 1, -1, -1)) if self.enable_caching else list(range(n))
         )
         self._map: dict = {}
-        # Evictable set: heap of (last_accessed, -num_hashed_tokens, arrival, block); a block's
-        # live entry is the one whose arrival equals _arrival[block] (0 = not evictable).
-        self._heap: List[Tuple[float, int, int, int]] = []
-        self._arrival: List[int] = [0] * n
-        self._next_arrival = 1
+        # Evictable blocks: a doubly linked list in eviction order (_NIL ends it).
+        self._prev: List[int] = [_NIL] * n
+        self._next: List[int] = [_NIL] * n
+        self._head = _NIL
+        self._tail = _NIL
+        self._evictable: List[bool] = [False] * n
         self.num_evictable = 0
         self.lookups = 0
         self.hits = 0
@@ -126,7 +129,7 @@ class BlockPool:
         return self._last_accessed[self._check(block)]
 
     def is_evictable(self, block: int) -> bool:
-        return self._arrival[self._check(block)] != 0
+        return self._evictable[self._check(block)]
 
     def is_computed(self, block: int) -> bool:
         return self._computed[self._check(block)]
@@ -142,10 +145,13 @@ class BlockPool:
         return h, self._tokens[block], self._meta[block], self._num_hashed[block]
 
     def eviction_order(self) -> List[int]:
-        """Evictable blocks, next victim first (O(n log n), for introspection)."""
-        live = [e for e in self._heap if self._arrival[e[3]] == e[2]]
-        live.sort()
-        return [e[3] for e in live]
+        """Evictable blocks, next victim first (O(n), for introspection)."""
+        out = []
+        b = self._head
+        while b != _NIL:
+            out.append(b)
+            b = self._next[b]
+        return out
 
     # ---- allocation and references -----------------------------------------------------------
 
@@ -188,9 +194,7 @@ class BlockPool:
         if self._ref[block] == 0:
             if self._hash[block] is None:
                 raise InvalidArgumentError(f"block {block} is free; it cannot be shared")
-            self._arrival[block] = 0  # its heap entry goes stale
-            self.num_evictable -= 1
-            self._maybe_compact()
+            self._unlink(block)
         self._ref[block] += n
 
     def free(self, block: int) -> None:
@@ -225,7 +229,7 @@ class BlockPool:
         self._check(block)
         if not math.isfinite(access_time):
             raise InvalidArgumentError("access_time must be finite")
-        if self._arrival[block]:
+        if self._evictable[block]:
             raise InvalidArgumentError(f"block {block} is evictable; revive it before touching it")
         self._last_accessed[block] = access_time
 
@@ -292,30 +296,48 @@ class BlockPool:
         )
         return True
 
-    # ---- evictable heap ----------------------------------------------------------------------
+    # ---- eviction list ----------------------------------------------------------------------
+
+    def _evicts_before(self, a: int, b: int) -> bool:
+        ta, tb = self._last_accessed[a], self._last_accessed[b]
+        return ta < tb or (ta == tb and self._num_hashed[a] > self._num_hashed[b])
 
     def _push_evictable(self, block: int) -> None:
-        arrival = self._next_arrival
-        self._next_arrival += 1
-        self._arrival[block] = arrival
+        # Walk back from the tail past every block that must be evicted after this one.
+        after = self._tail
+        while after != _NIL and self._evicts_before(block, after):
+            after = self._prev[after]
+        before = self._head if after == _NIL else self._next[after]
+        self._prev[block], self._next[block] = after, before
+        if after == _NIL:
+            self._head = block
+        else:
+            self._next[after] = block
+        if before == _NIL:
+            self._tail = block
+        else:
+            self._prev[before] = block
+        self._evictable[block] = True
         self.num_evictable += 1
-        key = (self._last_accessed[block], -self._num_hashed[block], arrival, block)
-        heapq.heappush(self._heap, key)
+
+    def _unlink(self, block: int) -> None:
+        p, nx = self._prev[block], self._next[block]
+        if p == _NIL:
+            self._head = nx
+        else:
+            self._next[p] = nx
+        if nx == _NIL:
+            self._tail = p
+        else:
+            self._prev[nx] = p
+        self._prev[block] = self._next[block] = _NIL
+        self._evictable[block] = False
+        self.num_evictable -= 1
 
     def _pop_evictable(self) -> int:
-        heap, arrival = self._heap, self._arrival
-        while True:
-            _, _, a, b = heapq.heappop(heap)
-            if arrival[b] == a:
-                arrival[b] = 0
-                self.num_evictable -= 1
-                return b
-
-    def _maybe_compact(self) -> None:
-        # Keep the heap within a constant factor of the live entries (amortised O(1)).
-        if len(self._heap) > 2 * self.num_evictable + 64:
-            self._heap = [e for e in self._heap if self._arrival[e[3]] == e[2]]
-            heapq.heapify(self._heap)
+        b = self._head
+        self._unlink(b)
+        return b
 
     # ---- checks ------------------------------------------------------------------------------
 
