@@ -88,7 +88,8 @@ fn chain_params(
     Ok((bs, extra, resolve_hasher(hash_algo, hash_seed)?))
 }
 
-fn check_block_size(block_size: i64) -> PyResult<usize> {
+/// The one block-size bound of the bindings (pool, token store, hasher, manager).
+pub fn check_block_size(block_size: i64) -> PyResult<usize> {
     if block_size <= 0 || block_size > 1 << 20 {
         return Err(invalid(format!(
             "block_size must be in 1..=2**20, got {block_size}"

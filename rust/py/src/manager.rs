@@ -511,12 +511,7 @@ impl PyManager {
         hash_seed: Option<Count>,
         strict: bool,
     ) -> PyResult<Self> {
-        let bs = int_arg(block_size, "block_size")?;
-        if !(1..=1 << 20).contains(&bs) {
-            return Err(invalid(format!(
-                "block_size must be in 1..=2**20, got {bs}"
-            )));
-        }
+        let bs = crate::hashing::check_block_size(int_arg(block_size, "block_size")?)?;
         let nblocks = |o: &Bound<'_, PyAny>, what: &str| -> PyResult<u32> {
             let v = int_arg(o, what)?;
             if !(0..u32::MAX as i64).contains(&v) {
@@ -535,7 +530,7 @@ impl PyManager {
             _ => None,
         };
         let cfg = ManagerConfig {
-            block_size: bs as usize,
+            block_size: bs,
             num_gpu_blocks: nblocks(num_gpu_blocks, "num_gpu_blocks")?,
             num_cpu_blocks: nblocks(num_cpu_blocks, "num_cpu_blocks")?,
             watermark: watermark.0,

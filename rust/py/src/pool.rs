@@ -42,11 +42,7 @@ impl PyBlockPool {
                 "num_blocks must be in 0..2**32-1, got {num_blocks}"
             )));
         }
-        if block_size <= 0 || block_size > 1 << 20 {
-            return Err(invalid(format!(
-                "block_size must be in 1..=2**20, got {block_size}"
-            )));
-        }
+        let block_size = crate::hashing::check_block_size(block_size)?;
         let device: &'static str = match device {
             "gpu" | "GPU" | "cuda" => "gpu",
             "cpu" | "CPU" => "cpu",
@@ -57,13 +53,7 @@ impl PyBlockPool {
             }
         };
         Ok(PyBlockPool {
-            inner: BlockPool::new(
-                device,
-                num_blocks as u32,
-                block_size as usize,
-                enable_caching,
-            )
-            .py()?,
+            inner: BlockPool::new(device, num_blocks as u32, block_size, enable_caching).py()?,
         })
     }
 
