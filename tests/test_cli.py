@@ -336,3 +336,18 @@ def test_plot_and_scaling_sweep(tmp_path, capsys):
         assert set(p["us_per_step"]) == {"native", "native-batch"}
         assert all(v > 0 for v in p["us_per_step"].values())
     assert "Scaling (W1 mix" in text
+
+
+def test_base_install_pulls_in_no_torch_and_no_bench_extras():
+    """``pip install .`` (the README's first command) installs numpy only; torch, matplotlib
+    and tqdm are the ``torch``, ``plot`` and ``progress`` extras."""
+    import re
+
+    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    deps = re.search(r"^dependencies = \[(.*?)\]", text, re.S | re.M).group(1)
+    names = {
+        re.split(r"[<>=!~\[ ]", d.strip().strip("\"'"))[0] for d in deps.split(",") if d.strip()
+    }
+    assert names == {"numpy"}
+    for extra, package in (("torch", "torch"), ("plot", "matplotlib"), ("progress", "tqdm")):
+        assert re.search(rf'^{extra} = \[[^\]]*"{package}', text, re.M), extra

@@ -312,10 +312,13 @@ def _report_vllm(plan: _Plan, out: Any) -> Dict[str, Any]:
         if prov is None:
             continue
         section[b.name] = prov
-        print(f"== {b.name}: vLLM's own files (from its sdist) ==", file=out)
-        print("  " + ", ".join(prov["vllm"]), file=out)
+        print(f"== {b.name}: the files it runs (checked against the release's sdist) ==", file=out)
+        print(f"  vLLM's own (identical but for import lines): {', '.join(prov['vllm'])}", file=out)
+        extracted = ", ".join(prov["extracted"]) or "none"
+        print(f"  vLLM's definitions under pagedkv's module header: {extracted}", file=out)
+        standins = ", ".join(prov["stand-in"]) or "none"
         print(
-            f"   stand-ins for its heavy imports: {', '.join(prov['stand-in']) or 'none'}", file=out
+            f"  pagedkv's stand-ins (any file of the release's there unused): {standins}", file=out
         )
     print(file=out, flush=True)
     return section

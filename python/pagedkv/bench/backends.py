@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 __all__ = [
@@ -263,21 +263,33 @@ def _sequence_factory(seq_cls: Any) -> Callable[[int, List[int], int], Any]:
 
 
 def vllm_provenance(loaded: Any, root: Any) -> Dict[str, List[str]]:
-    """Every module loaded under ``loaded.package``: ``{"vllm": [paths of vLLM's own files,
-    relative to the release], "stand-in": [module (file) for everything else]}``."""
-    root_path = os.path.realpath(str(root))
-    prefix = loaded.package
-    out: Dict[str, List[str]] = {"vllm": [], "stand-in": []}
-    for name in sorted(sys.modules):
-        if name != prefix and not name.startswith(prefix + "."):
-            continue
-        mod = sys.modules[name]
-        path = getattr(mod, "__file__", None)
-        shown = "vllm" + name[len(prefix) :]
-        real = os.path.realpath(path) if path else ""
-        if real.startswith(root_path + os.sep):
-            out["vllm"].append(os.path.relpath(real, root_path))
-        else:
-            origin = os.path.relpath(real) if real else "built in memory"
-            out["stand-in"].append(f"{shown} ({origin})")
+    """Which files of a loaded release are vLLM's, checked against its sdist at ``root``.
+
+    Every ``.py`` file of the laid-out package ``loaded.package`` is compared, ignoring import
+    lines (pagedkv.vllm_release renames them) and blank lines, with the release's file of the
+    same path: ``"vllm"`` lists the equal ones; ``"extracted"`` those that differ but whose
+    lines are at least three quarters the release's (vLLM's definitions under a module header
+    of ours); ``"stand-in"`` the rest (pagedkv's own, whether or not the release has a file there).
+    Paths are relative to the package (``vllm/...``).
+    """
+    pkg_dir = Path(sys.modules[loaded.package].__file__).parent
+    release = Path(root) / "vllm"
+    out: Dict[str, List[str]] = {"vllm": [], "extracted": [], "stand-in": []}
+    for path in sorted(pkg_dir.rglob("*.py")):
+        rel = path.relative_to(pkg_dir).as_posix()
+        theirs = release / rel
+        ours = _code_lines(path)
+        kind = "stand-in"
+        if theirs.is_file():
+            reference = _code_lines(theirs)
+            if ours == reference:
+                kind = "vllm"
+            elif ours and sum(ln in set(reference) for ln in ours) >= 0.75 * len(ours):
+                kind = "extracted"
+        out[kind].append(f"vllm/{rel}")
     return out
+
+
+def _code_lines(path: Path) -> List[str]:
+    lines = (ln.strip() for ln in path.read_text(encoding="utf-8").splitlines())
+    return [ln for ln in lines if ln and not ln.startswith(("import ", "from "))]

@@ -253,6 +253,13 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
     for r in results:
         if r.backend in CROSS_CHECKED:
             by_caching.setdefault(r.enable_caching, []).append(r)
+    for r in results:  # the others (vLLM) are compared too, but only reported
+        if r.backend not in CROSS_CHECKED and r.enable_caching in by_caching:
+            key, base_key = r.schedule_key(), by_caching[r.enable_caching][0].schedule_key()
+            same = all(key[k] == base_key[k] for k in set(key) & set(base_key))
+            out.setdefault("informational", {}).setdefault(
+                "caching_on" if r.enable_caching else "caching_off", {}
+            )[r.backend] = "same schedule" if same else "different schedule"
     for caching, group in by_caching.items():
         base = group[0]
         base_key = base.schedule_key()
@@ -300,6 +307,10 @@ def format_cross_check(check: Dict[str, Any]) -> str:
     line = ("Schedule cross-check OK: " if check["ok"] else "Schedule cross-check FAILED: ") + (
         "; ".join(parts) if parts else "no runs"
     )
+    for name, verdicts in check.get("informational", {}).items():
+        said = ", ".join(f"{b}: {v}" for b, v in verdicts.items())
+        line += f"\n  not cross-checked, {name.replace('_', ' ')} (same workload, compared to "
+        line += f"the first backend; vLLM may differ by design with caching): {said}"
     if not check["ok"]:
         for g in check["groups"].values():
             for m in g["mismatches"][:10]:

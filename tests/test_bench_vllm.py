@@ -1,0 +1,70 @@
+"""``pagedkv bench --compare vllm==VERSION``: vLLM's own block manager and sequences, fetched
+by pagedkv.vllm_release (the package index, as the README's test command needs anyway; a failed
+fetch fails, it never skips), timed on the same workload and checked for provenance."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from pagedkv import cli, vllm_release
+from pagedkv.bench.backends import vllm_backend, vllm_provenance
+
+QUICK = ["bench", "--quick", "--no-micro", "--no-progress", "--backends", "native"]
+
+
+@pytest.mark.parametrize("version", vllm_release.SUPPORTED)
+def test_compare_runs_vllms_own_manager_on_the_same_workload(version, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    args = [*QUICK, "--workloads", "w2", "--caching", "off", "--compare", f"vllm=={version}"]
+    assert cli.main([*args, "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert f"vllm-{version}: the files it runs" in text
+    assert f"vs vLLM {version}" in text
+    doc = json.loads(out.read_text())
+    prov = doc["vllm"][f"vllm-{version}"]
+    for f in ("vllm/core/block_manager_v1.py", "vllm/sequence.py", "vllm/block.py"):
+        assert f in prov["vllm"]
+    assert "vllm/_standins.py" in prov["stand-in"] and "vllm/config.py" in prov["extracted"]
+    runs = {r["backend"]: r for r in doc["w2"]["runs"]}
+    ours, theirs = runs["native"], runs[f"vllm-{version}"]
+    assert theirs["step_us"]["mean"] > 0 and f"vllm-{version}" in ours["speedup_vs"]
+    # W2 without caching: vLLM's manager and pagedkv's make the very same schedule, step by
+    # step (free blocks, preemptions, copy-on-write, chunks)
+    assert theirs["preempt_recompute"] > 0 and theirs["preempt_swap"] > 0
+    for key in ("schedule_digest", "steps", "preempt_recompute", "preempt_swap", "cow_copies"):
+        assert theirs[key] == ours[key], key
+    assert doc["w2"]["cross_check"]["informational"]["caching_off"] == {
+        f"vllm-{version}": "same schedule"
+    }
+    assert doc["scheduler"]["versions"] == [version]
+
+
+def test_backend_is_vllms_class():
+    b = vllm_backend("0.4.2")
+    mgr = b.make_manager(16, 8, 8, 0.01, False)
+    assert type(mgr).__name__ == "BlockSpaceManagerV1"
+    assert type(mgr).__module__.startswith("_vllm_0_4_2")
+    seq = b.make_sequence(1, [1, 2, 3], 16)
+    assert type(seq).__module__.startswith("_vllm_0_4_2") and seq.get_len() == 3
+
+
+def test_provenance_is_checked_not_declared(tmp_path):
+    """A file that no longer matches the release is no longer called vLLM's."""
+    loaded = vllm_release.load("0.4.2", "vllm")
+    copy = tmp_path / "release"
+    shutil.copytree(vllm_release.fetch("0.4.2") / "vllm", copy / "vllm")
+    target = copy / "vllm" / "core" / "block_manager_v1.py"
+    target.write_text(target.read_text().replace("return", "return  # edited", 1))
+    prov = vllm_provenance(loaded, copy)
+    assert "vllm/core/block_manager_v1.py" not in prov["vllm"]
+    assert "vllm/core/block_manager_v1.py" in prov["extracted"]
+    assert "vllm/core/scheduler.py" in prov["vllm"]
+
+
+def test_unsupported_version_is_an_error(capsys):
+    assert cli.main([*QUICK, "--compare", "vllm==0.3.0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "pagedkv bench: vllm==0.3.0 is not supported; choose from 0.4.2, 0.5.0"
