@@ -19,6 +19,7 @@ QUICK = ["bench", "--quick", "--no-micro", "--no-progress", "--backends", "nativ
 def test_compare_runs_vllms_own_manager_on_the_same_workload(version, tmp_path, capsys):
     out = tmp_path / "r.json"
     args = [*QUICK, "--workloads", "w2", "--caching", "off", "--compare", f"vllm=={version}"]
+    args.append("--no-scheduler")  # timed by test_scheduler_section_calls_the_whole_step_timing
     assert cli.main([*args, "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert f"vllm-{version}: the files it runs" in text
@@ -39,7 +40,7 @@ def test_compare_runs_vllms_own_manager_on_the_same_workload(version, tmp_path, 
     assert doc["w2"]["cross_check"]["informational"]["caching_off"] == {
         f"vllm-{version}": "same schedule"
     }
-    assert doc["scheduler"]["versions"] == [version]
+    assert doc["scheduler"]["status"] == "not run (--no-scheduler)"
 
 
 def test_backend_is_vllms_class():
@@ -68,3 +69,40 @@ def test_unsupported_version_is_an_error(capsys):
     assert cli.main([*QUICK, "--compare", "vllm==0.3.0"]) == 2
     err = capsys.readouterr().err.strip()
     assert err == "pagedkv bench: vllm==0.3.0 is not supported; choose from 0.4.2, 0.5.0"
+
+
+def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, capsys):
+    """The hook for pagedkv.bench.vllm_scheduler (issue 8): called once per compared release
+    and caching setting with the run's options, its result reported and saved."""
+    import sys
+    import types
+
+    calls = []
+
+    def compare_scheduler_step(version, caching=True, quick=False, seed=0):
+        calls.append((version, caching, quick, seed))
+        return {
+            "version": version,
+            "caching": caching,
+            "workload": "W1_QUICK",
+            "steps": 10,
+            "backends": {
+                "vllm": {"mean_step_us": 200.0, "median_step_us": 190.0, "total_s": 0.002},
+                "pagedkv-dropin": {"mean_step_us": 50.0, "median_step_us": 45.0, "total_s": 5e-4},
+            },
+            "speedup": {"vllm": 1.0, "pagedkv-dropin": 4.0},
+        }
+
+    fake = types.ModuleType("pagedkv.bench.vllm_scheduler")
+    fake.compare_scheduler_step = compare_scheduler_step
+    monkeypatch.setitem(sys.modules, "pagedkv.bench.vllm_scheduler", fake)
+    out = tmp_path / "r.json"
+    args = [*QUICK, "--workloads", "", "--caching", "on", "--seed", "3", "--json", str(out)]
+    assert cli.main([*args, "--compare", "vllm==0.4.2"]) == 0
+    assert calls == [("0.4.2", True, True, 3)]
+    assert "pagedkv-dropin   mean      50.0 us/step" in capsys.readouterr().out
+    section = json.loads(out.read_text())["scheduler"]
+    assert section["status"] == "ok" and section["runs"][0]["speedup"]["pagedkv-dropin"] == 4.0
+    calls.clear()
+    assert cli.main([*args, "--compare", "vllm==0.4.2", "--no-scheduler"]) == 0
+    assert calls == [] and json.loads(out.read_text())["scheduler"]["status"].startswith("not run")

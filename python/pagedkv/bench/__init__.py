@@ -108,6 +108,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-micro", action="store_true", help="skip the micro benchmarks")
     parser.add_argument(
+        "--no-scheduler",
+        action="store_true",
+        help="with --compare, skip timing vLLM's whole Scheduler step (own classes vs pagedkv)",
+    )
+    parser.add_argument(
         "--no-w1", action="store_true", help="skip W1 (= without w1 in --workloads)"
     )
     parser.add_argument(
@@ -362,17 +367,37 @@ def _run_workload(
 
 
 def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
-    """HOOK (issue 8): vLLM's real Scheduler, whole step, its own classes vs pagedkv dropped in.
+    """vLLM's real Scheduler, whole step (``schedule()`` + output processing), with its own
+    classes and with pagedkv's dropped in, per compared release and caching setting.
 
-    ``pagedkv.bench.vllm_scheduler`` (written for issue 8) provides the timing; until it is
-    wired here the section only says so. Runs only with ``--compare``.
+    The timing is :func:`pagedkv.bench.vllm_scheduler.compare_scheduler_step` (issue 8); this
+    section only calls it and reports. It runs with ``--compare`` unless ``--no-scheduler``.
     """
     if not plan.vllm_versions:
         return {"status": "not run (needs --compare vllm==VERSION)"}
-    return {
-        "status": "not wired yet (pagedkv.bench.vllm_scheduler)",
-        "versions": plan.vllm_versions,
-    }
+    if args.no_scheduler:
+        return {"status": "not run (--no-scheduler)"}
+    from pagedkv.bench import report
+
+    try:
+        from pagedkv.bench import vllm_scheduler
+    except ImportError:
+        return {"status": "not available (no pagedkv.bench.vllm_scheduler in this install)"}
+    print(file=out)
+    print(
+        "== vLLM's Scheduler, whole step (schedule() + output processing): vLLM's own classes "
+        "vs pagedkv's dropped in, same run ==",
+        file=out,
+    )
+    runs = []
+    for version in plan.vllm_versions:
+        for caching in plan.caching:
+            r = vllm_scheduler.compare_scheduler_step(
+                version, caching=caching, quick=args.quick, seed=args.seed
+            )
+            runs.append(r)
+            print(report.format_scheduler_step(r), file=out, flush=True)
+    return {"status": "ok", "runs": runs}
 
 
 def _plot_title(doc: Dict[str, Any]) -> str:
