@@ -12,7 +12,7 @@ The JSON output (``--json``) holds every number drawn here.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 __all__ = ["require_matplotlib", "write_plot"]
 
@@ -42,11 +42,13 @@ def write_plot(
 
     workloads = [w for w, runs in results.items() if runs]
     ncols = max(2, len(workloads))
-    fig = plt.figure(figsize=(7 * ncols, 15), dpi=100, layout="constrained")
+    groups, bars = _speedup_bars(results)
+    width = max(7 * ncols, 1.4 * len(groups) + 2)
+    fig = plt.figure(figsize=(width, 15), dpi=100, layout="constrained")
     grid = fig.add_gridspec(3, ncols)
     for i, name in enumerate(workloads):
         _distribution(fig.add_subplot(grid[0, i]), name, results[name])
-    _speedups(fig.add_subplot(grid[1, :]), results)
+    _speedups(fig.add_subplot(grid[1, :]), groups, bars)
     if scaling is not None:
         _scaling(fig.add_subplot(grid[2, 0]), scaling, "batch")
         _scaling(fig.add_subplot(grid[2, 1]), scaling, "pool")
@@ -63,7 +65,7 @@ def _label(r: Any) -> str:
 def _distribution(ax: Any, name: str, runs: List[Any]) -> None:
     data = [r.step_times_us[r.step_times_us > 0] for r in runs]
     ax.boxplot(data, whis=(1, 99), showfliers=False)
-    ax.set_xticks(range(1, len(runs) + 1), [_label(r) for r in runs])
+    ax.set_xticks(range(1, len(runs) + 1), [_label(r) for r in runs], rotation=30, ha="right")
     ax.set_yscale("log")
     ax.set_ylabel("manager time per step (us, log)")
     steps = runs[0].steps
@@ -73,14 +75,14 @@ def _distribution(ax: Any, name: str, runs: List[Any]) -> None:
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
-def _speedups(ax: Any, results: Dict[str, List[Any]]) -> None:
+def _speedup_bars(results: Dict[str, List[Any]]) -> Tuple[List[str], Dict[str, List[float]]]:
+    """Bar groups (workload, caching, baseline) and each backend's speedup in every group
+    (0 where it has none: the baseline itself, or a backend absent from that run)."""
     from pagedkv.bench.report import speedups, vllm_names
 
     groups: List[str] = []
     bars: Dict[str, List[float]] = {}
     for name, runs in results.items():
-        if not runs:
-            continue
         baselines = ["reference"] + vllm_names(runs)
         for caching in sorted({r.enable_caching for r in runs}):
             subset = [r for r in runs if r.enable_caching == caching]
@@ -90,12 +92,15 @@ def _speedups(ax: Any, results: Dict[str, List[Any]]) -> None:
                 sp = speedups(subset, base)
                 groups.append(f"{name.upper()} cache {'on' if caching else 'off'}\nvs {base}")
                 for i, r in enumerate(subset):
-                    bars.setdefault(r.backend, [])
-                    # pad the backends absent from earlier groups
-                    bars[r.backend] += [0.0] * (len(groups) - 1 - len(bars[r.backend]))
-                    bars[r.backend].append(sp[i] or 0.0)
-    for values in bars.values():
-        values += [0.0] * (len(groups) - len(values))
+                    row = bars.setdefault(r.backend, [])
+                    row += [0.0] * (len(groups) - 1 - len(row))
+                    row.append(0.0 if r.backend == base else (sp[i] or 0.0))
+    for row in bars.values():
+        row += [0.0] * (len(groups) - len(row))
+    return groups, bars
+
+
+def _speedups(ax: Any, groups: List[str], bars: Dict[str, List[float]]) -> None:
     if not groups:
         ax.axis("off")
         ax.set_title("Speedups: no baseline (reference or a compared vLLM) in this run")
@@ -104,7 +109,7 @@ def _speedups(ax: Any, results: Dict[str, List[Any]]) -> None:
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_yscale("log")
     ax.set_ylabel("speedup (baseline mean / mean, log)")
-    ax.set_title("Speedup over the baseline named under each group (same run)")
+    ax.set_title("Speedup over the baseline named under each group (mean per-step time, same run)")
 
 
 def _grouped_bars(ax: Any, groups: Sequence[str], bars: Dict[str, List[float]]) -> None:
@@ -125,7 +130,7 @@ def _grouped_bars(ax: Any, groups: Sequence[str], bars: Dict[str, List[float]]) 
                     fontsize=7,
                 )
     ax.set_xticks(range(len(groups)), groups, fontsize=8)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars
     ax.grid(axis="y", which="both", alpha=0.3)
 
 
