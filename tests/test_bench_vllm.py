@@ -106,3 +106,27 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
     calls.clear()
     assert cli.main([*args, "--compare", "vllm==0.4.2", "--no-scheduler"]) == 0
     assert calls == [] and json.loads(out.read_text())["scheduler"]["status"].startswith("not run")
+
+
+def test_a_release_that_cannot_be_fetched_is_a_one_line_error(tmp_path):
+    """An empty cache and an index that refuses connections: exit status 2, one line."""
+    import os
+    import subprocess
+    import sys
+
+    env = {
+        **os.environ,
+        "PAGEDKV_VLLM_CACHE": str(tmp_path / "cache"),
+        "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv.cli", *QUICK, "--compare", "vllm==0.4.2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert err.startswith("pagedkv bench: vllm==0.4.2: cannot fetch the release: ")
+    assert "\n" not in err and proc.stdout == ""

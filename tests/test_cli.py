@@ -119,6 +119,9 @@ def test_console_entry_point_subprocess():
         (["--compare", "torch==2.0"], "expected vllm==VERSION"),
         (["--compare", "vllm==9.9.9"], "vllm==9.9.9"),
         (["--workloads", "w3"], "unknown workload"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--json", "/nonexistent-dir/r.json"], "no such directory"),
+        (["--plot", "/nonexistent-dir/p.png"], "no such directory"),
     ],
 )
 def test_bad_arguments_get_one_line_and_status_2(extra, message, capsys):

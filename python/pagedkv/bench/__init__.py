@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
 import sys
 import time
@@ -148,6 +149,12 @@ def _plan(args: argparse.Namespace) -> _Plan:
     """Everything checked before anything runs: backends, configs, the plot dependency."""
     from pagedkv.bench.backends import BackendError, parse_compare, resolve_backends, vllm_backend
 
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: no such directory {folder}")
     explicit = args.backends is not None
     names = _split(args.backends) if explicit else list(_DEFAULT_BACKENDS)
     try:
