@@ -120,6 +120,8 @@ def test_console_entry_point_subprocess():
         (["--compare", "vllm==9.9.9"], "vllm==9.9.9"),
         (["--workloads", "w3"], "unknown workload"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--set", "w3.watermark=0"], "--set for unknown workload(s) ['w3']"),
+        (["--set", "w1.nope=0", "--compare", "vllm==0.4.2"], "bad --set 'w1.nope=0'"),
         (["--json", "/nonexistent-dir/r.json"], "no such directory"),
         (["--plot", "/nonexistent-dir/p.png"], "no such directory"),
     ],
@@ -346,7 +348,8 @@ def test_base_install_pulls_in_no_torch_and_no_bench_extras():
     and tqdm are the ``torch``, ``plot`` and ``progress`` extras."""
     import re
 
-    text = open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8").read()
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
     deps = re.search(r"^dependencies = \[(.*?)\]", text, re.S | re.M).group(1)
     names = {
         re.split(r"[<>=!~\[ ]", d.strip().strip("\"'"))[0] for d in deps.split(",") if d.strip()

@@ -164,16 +164,7 @@ def _plan(args: argparse.Namespace) -> _Plan:
         raise UsageError(str(exc)) from None
     if explicit and notes:
         raise UsageError("; ".join(notes))
-    for version in dict.fromkeys(versions):
-        try:
-            backends.append(vllm_backend(version))
-        except BackendError as exc:
-            raise UsageError(str(exc)) from None
-    if not backends:
-        raise UsageError("no backend to run")
     workloads = _workloads(args)
-    for _, cfg in workloads:
-        _check_backends_accept(backends, cfg)
     if args.plot:
         from pagedkv.bench import plot
 
@@ -181,6 +172,15 @@ def _plan(args: argparse.Namespace) -> _Plan:
             plot.require_matplotlib()
         except ImportError as exc:
             raise UsageError(str(exc)) from None
+    for version in dict.fromkeys(versions):  # last: this may download a release
+        try:
+            backends.append(vllm_backend(version))
+        except BackendError as exc:
+            raise UsageError(str(exc)) from None
+    if not backends:
+        raise UsageError("no backend to run")
+    for _, cfg in workloads:
+        _check_backends_accept(backends, cfg)
     caching = {"both": [False, True], "on": [True], "off": [False]}[args.caching]
     return _Plan(backends, notes, workloads, caching, list(dict.fromkeys(versions)))
 
@@ -196,6 +196,10 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
     unknown = [w for w in wanted if w.lower() not in WORKLOADS]
     if unknown:
         raise UsageError(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    scopes = {_scope(o) for o in args.overrides} - {""}
+    if scopes - set(WORKLOADS):
+        bad = sorted(scopes - set(WORKLOADS))
+        raise UsageError(f"--set for unknown workload(s) {bad}; choose from {list(WORKLOADS)}")
     skip = {"w1"} if args.no_w1 else set()
     skip |= {"w2"} if args.no_w2 else set()
     chosen = [w for w in WORKLOADS if w in {x.lower() for x in wanted} and w not in skip]
@@ -210,10 +214,15 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
     return out
 
 
-def _targets_other(override: str, name: str) -> bool:
+def _scope(override: str) -> str:
+    """``w1`` of ``w1.KEY=VALUE``; empty for an override of every workload."""
     key = override.partition("=")[0].strip().lower()
-    scope, dot, _ = key.partition(".")
-    return bool(dot) and scope != name
+    scope, dot, _ = key.rpartition(".")
+    return scope if dot else ""
+
+
+def _targets_other(override: str, name: str) -> bool:
+    return _scope(override) not in ("", name)
 
 
 def _check_backends_accept(backends: List[Any], cfg: Any) -> None:
