@@ -4,13 +4,16 @@ fetch fails, it never skips), timed on the same workload and checked for provena
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import types
 
 import pytest
 
 from pagedkv import cli, vllm_release
-from pagedkv.bench.backends import vllm_backend, vllm_provenance
+from pagedkv.bench.backends import Backend, vllm_backend, vllm_provenance
+from pagedkv.bench.workload import WorkloadConfig, generate
 
 QUICK = ["bench", "--quick", "--no-micro", "--no-progress", "--backends", "native"]
 
@@ -130,3 +133,171 @@ def test_a_release_that_cannot_be_fetched_is_a_one_line_error(tmp_path):
     err = proc.stderr.strip()
     assert err.startswith("pagedkv bench: vllm==0.4.2: cannot fetch the release: ")
     assert "\n" not in err and proc.stdout == ""
+
+
+# ------------------------------------------- the driver's chunked prefill against vLLM's own
+
+
+class _Timeline:
+    """Wraps a manager's allocate / fork / free / swap_out / swap_in to record, per step,
+    ``(step, event, request_id)``; events are keyed by request (child sequence ids may be
+    handed out in a different order)."""
+
+    def __init__(self):
+        self.step = 0
+        self.events = []
+        self.request_of = {}
+
+    def wrap(self, mgr, setter):
+        def allocate(group):
+            for seq in group.get_seqs():
+                self.request_of[seq.seq_id] = group.request_id
+            self._log("alloc", group.request_id)
+            return mgr.allocate(group)
+
+        def fork(parent, child):
+            self.request_of[child.seq_id] = self.request_of[parent.seq_id]
+            self._log("fork", self.request_of[parent.seq_id])
+            return mgr.fork(parent, child)
+
+        def free(seq):
+            self._log("free", self.request_of[seq.seq_id])
+            return mgr.free(seq)
+
+        def swap_out(group):
+            self._log("swap_out", group.request_id)
+            return mgr.swap_out(group)
+
+        def swap_in(group, *args, **kwargs):
+            self._log("swap_in", group.request_id)
+            return mgr.swap_in(group, *args, **kwargs)
+
+        for name, fn in (("allocate", allocate), ("fork", fork), ("free", free)):
+            setter(name, fn)
+        setter("swap_out", swap_out)
+        setter("swap_in", swap_in)
+
+    def _log(self, event, request_id):
+        self.events.append((self.step, event, request_id))
+
+    def by_step(self):
+        return sorted(self.events)
+
+
+def _vllm_timeline(version, cfg, workload):
+    """The timeline of vLLM ``version``'s own Scheduler (chunked prefill) serving ``workload``
+    through a model-free engine loop that samples the workload's predetermined tokens and forks
+    n=2 requests after their prefill, as vLLM's output processor does."""
+    v = vllm_release.load(version, "vllm")
+    sched_cfg = v.config.SchedulerConfig(
+        cfg.prefill_token_budget,
+        cfg.max_num_seqs,
+        cfg.prompt_len_max + cfg.output_len_max,
+        enable_chunked_prefill=True,
+    )
+    cache_cfg = v.config.CacheConfig(cfg.block_size, 0.9, 0, "auto")
+    cache_cfg.num_gpu_blocks, cache_cfg.num_cpu_blocks = cfg.num_gpu_blocks, cfg.num_cpu_blocks
+    sched = v.scheduler.Scheduler(sched_cfg, cache_cfg, None)
+    timeline = _Timeline()
+    mgr = sched.block_manager
+    real = {n: getattr(mgr, n) for n in ("allocate", "fork", "free", "swap_out", "swap_in")}
+    timeline.wrap(types.SimpleNamespace(**real), lambda n, fn: setattr(mgr, n, fn))
+    backend = vllm_backend(version)
+    status, logprob = v.sequence.SequenceStatus, v.sequence.Logprob
+    params = {n: v.sampling_params.SamplingParams(n=n, best_of=n) for n in (1, 2)}
+    for r in workload.requests:  # arrival times in request order: FCFS is request order
+        seq = backend.make_sequence(r.index, r.prompt_token_ids, cfg.block_size)
+        sched.add_seq_group(backend.make_group(r.request_id, [seq], params[r.n], float(r.index)))
+    requests = {r.request_id: r for r in workload.requests}
+    next_id = len(workload.requests)
+    while sched.has_unfinished_seqs():
+        _, out = sched.schedule()
+        for scheduled in out.scheduled_seq_groups:
+            group = scheduled.seq_group
+            group.update_num_computed_tokens(scheduled.token_chunk_size)
+            if group.is_prefill():
+                continue  # a chunk of the prompt: nothing sampled
+            req = requests[group.request_id]
+            seqs = group.get_seqs(status=status.RUNNING)
+            if req.n == 2 and len(group.get_seqs()) == 1:
+                child = seqs[0].fork(next_id)
+                next_id += 1
+                group.add(child)
+                sched.fork_seq(seqs[0], child)
+                seqs = [seqs[0], child]
+            for row, seq in zip(req.output_token_ids, seqs):
+                token = row[seq.get_output_len()]
+                seq.append_token_id(token, {token: logprob(0.0)})
+                if seq.get_output_len() >= req.output_len:
+                    seq.status = status.FINISHED_LENGTH_CAPPED
+                    sched.free_seq(seq)
+        sched.free_finished_seq_groups()
+        timeline.step += 1
+        assert timeline.step < 20_000
+    return timeline.by_step()
+
+
+def _driver_timeline(cfg, workload):
+    """The same timeline from the bench driver (per-sequence native backend)."""
+    from pagedkv.bench.backends import resolve_backends
+    from pagedkv.bench.driver import run
+
+    (native,), _ = resolve_backends(["native"])
+    timeline = _Timeline()
+
+    def make_manager(*args):
+        mgr = native.make_manager(*args)
+        methods = {n: getattr(mgr, n) for n in dir(mgr) if not n.startswith("_")}
+        timeline.wrap(mgr, methods.__setitem__)
+
+        def get_num_free_gpu_blocks():  # the per-sequence driver asks once, ending each step
+            timeline.step += 1
+            return mgr.get_num_free_gpu_blocks()
+
+        methods["get_num_free_gpu_blocks"] = get_num_free_gpu_blocks
+        return types.SimpleNamespace(**methods)
+
+    result = run(workload, Backend(**{**native.__dict__, "make_manager": make_manager}), False)
+    return timeline.by_step(), result
+
+
+CHUNKED = WorkloadConfig(
+    name="C",
+    num_requests=12,
+    prompt_len_min=20,
+    prompt_len_max=150,
+    num_prefixes=0,
+    prefix_share=0.0,
+    output_len_min=1,
+    output_len_max=40,
+    n2_share=0.0,
+    num_gpu_blocks=1024,
+    num_cpu_blocks=64,
+    watermark=0.0,
+    max_num_seqs=5,
+    prefill_token_budget=40,
+    chunked_prefill=True,
+)
+
+
+@pytest.mark.parametrize("version", vllm_release.SUPPORTED)
+@pytest.mark.parametrize(
+    "case, changes",
+    [
+        ("roomy", {}),  # decodes, running chunks and new prompts compete for the budget
+        ("recompute", {"num_gpu_blocks": 24}),  # ... and single-sequence groups are recomputed
+        ("swap", {"num_gpu_blocks": 20, "n2_share": 0.5}),  # ... and forked groups swapped
+    ],
+)
+def test_chunked_prefill_timeline_matches_vllms_scheduler(version, case, changes):
+    """Step by step, the bench driver admits, forks, preempts (recompute or swap), swaps in and
+    frees the same requests as vLLM's own chunked-prefill Scheduler with vLLM's own manager."""
+    cfg = dataclasses.replace(CHUNKED, **changes)
+    workload = generate(cfg, seed=1)
+    ours, result = _driver_timeline(cfg, workload)
+    assert result.partial_prefills > 5 and result.finished == cfg.num_requests
+    if case == "recompute":
+        assert result.preempt_recompute > 5
+    if case == "swap":
+        assert result.preempt_swap > 0
+    assert ours == _vllm_timeline(version, cfg, workload)

@@ -290,3 +290,19 @@ def test_batch_buffers_match_block_tables():
     assert r.all_blocks_free and checked["rows"] > 1000
     if "native" in BY_NAME:
         assert cross_check([run_w1(w, BY_NAME["native"], True), r])["ok"]
+
+
+def test_chunk_sizes_follow_vllms_get_num_new_tokens():
+    """Chunking cuts a single-sequence group's tokens to the budget (a decode too: with no
+    budget left it waits), never a forked group's."""
+    from pagedkv.bench.driver import _Live
+
+    live = _Live(generate(ONE).requests[0])
+    live.seqs = [object()]
+    assert live.take(32) == 32 and live.take(500) == 100 and live.take(0) == 0
+    live.computed = 96
+    assert live.take(32) == 4
+    live.in_prefill = False
+    assert live.take(32) == 1 and live.take(0) == 0
+    live.seqs = [object(), object()]
+    assert live.take(0) == 2 and live.take(1) == 2

@@ -5,8 +5,9 @@ It runs any :class:`~pagedkv.bench.workload.Workload` (W1, W2). Issue 10 replace
 
 Each step mirrors what vLLM's scheduler and engine ask of the block manager:
 
-1. **decode** — every running group, oldest admission first: ``can_append_slots(group)``; while
-   it is False, preempt the most recently admitted running group (possibly the group itself):
+1. **decode** — every running group in arrival (request) order, as vLLM's FCFS policy sorts them:
+   ``can_append_slots(group)``; while it is False, preempt the latest-arriving running group
+   (possibly the group itself):
    recompute for single-sequence groups (``free`` + WAITING + ``reset_state_for_recompute`` +
    front of the waiting queue), swap for forked groups (``can_swap_out``/``swap_out`` + SWAPPED).
    Then ``append_slots(seq)`` for each running sequence (CoW dicts go to ``blocks_to_copy``).
@@ -28,11 +29,17 @@ Each step mirrors what vLLM's scheduler and engine ask of the block manager:
 **Chunked prefill** (``config.chunked_prefill``, vLLM 0.4.2's ``_schedule_chunked_prefill``):
 ``prefill_token_budget`` is the step's token budget. Running groups are visited in order and take
 their tokens from it: one per sequence for a decode, the rest of the prompt for a group still in
-prefill, cut to what is left of the budget (a group that gets no token is not scheduled this
-step). Preemption is as above. Swapped groups come back only if nobody was preempted and the
-budget allows; waiting groups are admitted (``allocate`` reserves the whole prompt) with a first
-chunk, even after a preemption or with groups still swapped out. A group produces its first
-output token (and forks) in the step that computes the last chunk of its prompt.
+prefill, cut to what is left of the budget unless the group has forked (a group that gets no
+token is not scheduled this step, nor is any after it). Preemption is as above. Swapped groups
+come back only if nobody was preempted and the budget allows; waiting groups are admitted
+(``allocate`` reserves the whole prompt) with a first chunk, even after a preemption or with
+groups still swapped out. A group produces its first output token (and forks) in the step that
+computes the last chunk of its prompt. ``tests/test_bench_vllm.py`` checks this timeline
+(admissions, forks, recomputes, swaps, frees per step) against vLLM's own chunked-prefill
+Scheduler (0.4.2 and 0.5.0). One deliberate difference: vLLM swaps out a group that will fork
+(n=2) even before its prompt is complete, and its chunked scheduler swaps groups back in without
+chunking, so such a group whose prompt rest exceeds the step budget never comes back (the run
+stalls); the driver recomputes any group that has not forked yet.
 
 The ``native-batch`` backend replaces per-sequence ``append_slots``/``get_block_table`` with
 ``append_slots_batch`` into numpy buffers allocated once per run (and ``fill_block_tables`` for
@@ -192,10 +199,13 @@ class _Live:
 
     def take(self, budget_left: int) -> int:
         """Tokens this group computes next (vLLM's ``_get_num_new_tokens`` with chunking): the
-        rest of its prefill cut to ``budget_left``, or one per sequence when decoding."""
-        if not self.in_prefill:
+        rest of its prefill, or one per sequence when decoding; a single-sequence group's
+        share is cut to ``budget_left`` (a decode too: with nothing left it waits), a forked
+        group's is not."""
+        want = self.prompt_len + self.num_out - self.computed if self.in_prefill else 1
+        if len(self.seqs) > 1:
             return len(self.seqs)
-        return max(0, min(self.prompt_len + self.num_out - self.computed, budget_left))
+        return max(0, min(want, budget_left))
 
 
 def _alloc_name(status: Any) -> str:
@@ -272,7 +282,9 @@ def _run(
     pc = time.perf_counter
 
     waiting: Deque[_Live] = deque(_Live(r) for r in workload.requests)
-    running: List[_Live] = []  # admission order: the last one is the preemption victim
+    # FCFS by arrival (request order), as vLLM's policy sorts them: the last running group is
+    # the preemption victim, the first swapped one comes back first
+    running: List[_Live] = []
     swapped: Deque[_Live] = deque()
     next_child_id = len(workload.requests)
 
@@ -314,7 +326,7 @@ def _run(
                 x0 = pc()
                 for s in victim.seqs:
                     s.status = SWAPPED
-                swapped.append(victim)
+                _insert_in_arrival_order(swapped, victim)
                 counters["swap"] += 1
                 return pc() - x0
             for s in victim.seqs:
@@ -466,7 +478,7 @@ def _run(
                     for cow in cows:
                         if cow:
                             count_cow(cow)
-                running.append(r)
+                _insert_in_arrival_order(running, r)
                 decode.append(r)
                 num_seqs += len(r.seqs)
                 r.chunk = len(r.seqs)
@@ -512,7 +524,7 @@ def _run(
                 t_admit += pc() - t0
                 for s in r.seqs:
                     s.status = RUNNING
-                running.append(r)
+                _insert_in_arrival_order(running, r)
                 prefill.append(r)
                 prefill_tokens += num_tokens
                 num_seqs += r.req.n
@@ -672,6 +684,17 @@ def _run(
         wall_s=time.perf_counter() - wall0,
         partial_prefills=counters["partial"],
     )
+
+
+def _insert_in_arrival_order(queue: Any, live: _Live) -> None:
+    """Put ``live`` into ``queue`` (kept in request order) after every earlier request: vLLM's
+    FCFS policy sorts its running and swapped queues by arrival time each step, and a real
+    engine stamps requests in the order they come in (a group readmitted after a recompute
+    preemption goes back to its place, not to the end)."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].req.index > live.req.index:
+        i -= 1
+    queue.insert(i, live)
 
 
 def _plan_chunks(running: List[_Live], budget_left: int) -> Tuple[int, int]:
