@@ -88,10 +88,9 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
             "version": version,
             "caching": caching,
             "workload": "W1_QUICK",
-            "steps": 10,
             "backends": {
-                "vllm": {"mean_step_us": 200.0, "median_step_us": 190.0, "total_s": 0.002},
-                "pagedkv-dropin": {"mean_step_us": 50.0, "median_step_us": 45.0, "total_s": 5e-4},
+                name: {"steps": 10, "mean_step_us": us, "median_step_us": us, "total_s": us / 1e5}
+                for name, us in (("vllm", 200.0), ("pagedkv-dropin", 50.0))
             },
             "speedup": {"vllm": 1.0, "pagedkv-dropin": 4.0},
         }
@@ -103,9 +102,18 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
     args = [*QUICK, "--workloads", "", "--caching", "on", "--seed", "3", "--json", str(out)]
     assert cli.main([*args, "--compare", "vllm==0.4.2"]) == 0
     assert calls == [("0.4.2", True, True, 3)]
-    assert "pagedkv-dropin   mean      50.0 us/step" in capsys.readouterr().out
+    assert "pagedkv-dropin       10 steps, mean      50.0 us/step" in capsys.readouterr().out
     section = json.loads(out.read_text())["scheduler"]
     assert section["status"] == "ok" and section["runs"][0]["speedup"]["pagedkv-dropin"] == 4.0
+    calls.clear()
+    disagreeing = compare_scheduler_step
+
+    def compare_scheduler_step_disagreeing(*a, **kw):  # backends that differ: exit status 1
+        return {**disagreeing(*a, **kw), "error": "the backends took different numbers of steps"}
+
+    fake.compare_scheduler_step = compare_scheduler_step_disagreeing
+    assert cli.main([*args, "--compare", "vllm==0.4.2"]) == 1
+    assert "DECISIONS DIFFERED" in capsys.readouterr().out
     calls.clear()
     assert cli.main([*args, "--compare", "vllm==0.4.2", "--no-scheduler"]) == 0
     assert calls == [] and json.loads(out.read_text())["scheduler"]["status"].startswith("not run")

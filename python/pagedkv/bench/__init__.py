@@ -322,6 +322,7 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
             f.write("\n")
         print(f"\nresults written to {args.json}", file=out)
     ok = all(doc[name]["cross_check"]["ok"] for name, _ in plan.workloads)
+    ok = ok and not any("error" in r for r in doc["scheduler"].get("runs", []))
     return 0 if ok else 1
 
 

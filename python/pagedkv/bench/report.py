@@ -328,13 +328,14 @@ def format_scheduler_step(r: Dict[str, Any]) -> str:
     """One line per backend of a vllm_scheduler.compare_scheduler_step result."""
     head = (
         f"vLLM {r['version']} Scheduler on {r['workload']}, caching "
-        f"{'on' if r['caching'] else 'off'}, {r['steps']} steps:"
+        f"{'on' if r['caching'] else 'off'} (speedup = first backend's total step time / "
+        "this one's):"
     )
     lines = [head]
     for name, stats in r["backends"].items():
         lines.append(
-            f"  {name:<16} mean {stats['mean_step_us']:>9.1f} us/step, median "
-            f"{stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
+            f"  {name:<16} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
+            f"median {stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
         )
     if r.get("error"):
         lines.append(f"  DECISIONS DIFFERED: {r['error']}")
