@@ -313,6 +313,65 @@ impl BlockPool {
         Ok(())
     }
 
+    /// `n` fresh blocks, all or nothing: fails with `OutOfBlocks` (changing nothing) unless
+    /// `n` blocks are free.
+    pub fn allocate_many(&mut self, n: usize) -> Result<Vec<BlockId>> {
+        if n > self.num_free() {
+            return Err(Error::OutOfBlocks {
+                device: self.device,
+                needed: n,
+                free: self.num_free(),
+            });
+        }
+        (0..n).map(|_| self.allocate()).collect()
+    }
+
+    /// Drop one reference from each listed block (a block listed k times loses k), all or
+    /// nothing: every block is range-checked and every ref count is checked to cover its
+    /// releases before any changes.
+    pub fn release_many(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let b = run[0];
+            if b >= self.num_blocks {
+                return Err(Error::BlockOutOfRange {
+                    block: b as i64,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            if (self.ref_count[b as usize] as usize) < run.len() {
+                return Err(Error::DoubleFree(b));
+            }
+        }
+        for &b in blocks {
+            self.release(b)?;
+        }
+        Ok(())
+    }
+
+    /// Set a block's last access time from outside the manager. Evictable blocks are refused:
+    /// their place in the eviction list depends on the time (revive the block first), and a
+    /// non-finite time would break the list's order.
+    pub fn touch(&mut self, b: BlockId, t: f64) -> Result<()> {
+        if b >= self.num_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
+        }
+        if !t.is_finite() {
+            return Err(Error::invalid("access_time must be finite"));
+        }
+        if self.is_evictable(b) {
+            return Err(Error::invalid(format!(
+                "block {b} is evictable; revive it before touching it"
+            )));
+        }
+        self.last_accessed[b as usize] = t;
+        Ok(())
+    }
+
     // ---- prefix cache --------------------------------------------------------------------
 
     pub fn caching(&self) -> bool {
@@ -391,11 +450,6 @@ impl BlockPool {
         if self.hash[i].is_some() {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
-        if self.map.contains_key(&key.hash) {
-            return Ok(false);
-        }
-        self.map.insert(key.hash, b);
-        self.hash[i] = Some(key.hash);
         if let Some(p) = key.parent {
             if p as usize >= self.ref_count.len() || p == b {
                 return Err(Error::invalid(format!(
@@ -403,6 +457,11 @@ impl BlockPool {
                 )));
             }
         }
+        if self.map.contains_key(&key.hash) {
+            return Ok(false);
+        }
+        self.map.insert(key.hash, b);
+        self.hash[i] = Some(key.hash);
         self.parent[i] = key.parent.unwrap_or(NIL);
         self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
@@ -511,11 +570,45 @@ impl BlockPool {
                 }
             }
         }
-        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
-            return Err("prefix map size mismatch".into());
-        }
+        self.check_prefix_map()?;
         if self.num_free() + state.iter().filter(|&&s| s == 3).count() != n {
             return Err("free + referenced != total".into());
+        }
+        Ok(())
+    }
+
+    /// The prefix map and the per-block cache fields agree both ways: every map entry points
+    /// at a block registered under that hash, every registered block is in the map, only a
+    /// caching pool has entries, and a cached block's parent is another block of the pool.
+    fn check_prefix_map(&self) -> std::result::Result<(), String> {
+        if !self.caching() && !self.map.is_empty() {
+            return Err("a pool without caching has prefix map entries".into());
+        }
+        for (&h, &b) in &self.map {
+            if b >= self.num_blocks {
+                return Err(format!(
+                    "prefix map entry for hash {h:#x} points past the pool"
+                ));
+            }
+            if self.hash[b as usize] != Some(h) {
+                return Err(format!(
+                    "prefix map entry {h:#x} -> block {b}, registered as {:?}",
+                    self.hash[b as usize]
+                ));
+            }
+        }
+        for b in 0..self.num_blocks as usize {
+            let Some(h) = self.hash[b] else { continue };
+            if self.map.get(&h) != Some(&(b as u32)) {
+                return Err(format!("block {b} hash not in the prefix map"));
+            }
+            let p = self.parent[b];
+            if p != NIL && (p >= self.num_blocks || p as usize == b) {
+                return Err(format!("cached block {b} has a bad parent {p}"));
+            }
+        }
+        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+            return Err("prefix map size mismatch".into());
         }
         Ok(())
     }

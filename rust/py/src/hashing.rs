@@ -1,8 +1,9 @@
 //! `TokenSeq` (a sequence's native token store) and `BlockHasher` (the incremental chained
 //! hasher), plus the process-wide default hash function.
 
-use crate::arrays::{extract_tokens, token_from_item, Count, Int64};
+use crate::args::{Count, Int64};
 use crate::errors::invalid;
+use crate::tokens::{extract_tokens, token_from_item};
 use pagedkv_core::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher, TokenSeq};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
@@ -88,14 +89,19 @@ fn chain_params(
     Ok((bs, extra, resolve_hasher(hash_algo, hash_seed)?))
 }
 
-/// The one block-size bound of the bindings (pool, token store, hasher, manager).
+/// The one block-size bound (the core's), as a Python error.
 pub fn check_block_size(block_size: i64) -> PyResult<usize> {
-    if block_size <= 0 || block_size > 1 << 20 {
-        return Err(invalid(format!(
-            "block_size must be in 1..=2**20, got {block_size}"
-        )));
-    }
-    Ok(block_size as usize)
+    pagedkv_core::check_block_size(block_size).map_err(crate::errors::to_py)
+}
+
+/// Make the 3-bit test hash the process default (tests only: it makes hash collisions common,
+/// to show that the prefix cache never shares a block whose stored key differs). Private: no
+/// public argument accepts this hash.
+#[pyfunction]
+#[pyo3(signature = (hash_seed = None))]
+pub fn _set_weak_test_hasher(hash_seed: Option<Count>) {
+    let h = Hasher::new(HashAlgo::WeakForTesting, hash_seed.map(|c| c.0));
+    *DEFAULT_HASHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
 }
 
 /// Token ids of one sequence and the chained hashes of its full blocks.

@@ -2,8 +2,9 @@
 //! Every method validates its arguments before touching the pool, so a raising call changes
 //! nothing.
 
-use crate::arrays::{extract_tokens, hash_arg, int_arg, Count, Int64, Real};
+use crate::args::{hash_arg, int_arg, Count, Int64, Real};
 use crate::errors::{invalid, IntoPyResult};
+use crate::tokens::extract_tokens;
 use pagedkv_core::{BlockHash, BlockId, BlockKey, BlockPool};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
