@@ -295,3 +295,94 @@ def test_native_matches_reference(caching, window, hash_algo):
         machine.TestCase().runTest()
     finally:
         pagedkv.set_default_hasher(*saved)
+
+
+# ---- the pool on its own ----------------------------------------------------------------------
+
+POOL_BLOCKS = 8
+HASHES = st.integers(0, 5)  # few hashes: registrations collide with cached blocks often
+TOKENS = st.lists(st.integers(0, 2), min_size=BS, max_size=BS)
+
+
+class PoolComparison(RuleBasedStateMachine):
+    """The native ``BlockPool`` and the reference pool, call by call: same results, same errors,
+    same counters, ref counts, hashes, access times and eviction order. (The native pool keys a
+    cached block on ``extra_key``; the reference on ``meta``: the same role here.)"""
+
+    caching = True
+
+    @initialize()
+    def setup(self):
+        self.native = pagedkv.BlockPool(POOL_BLOCKS, BS, enable_caching=self.caching)
+        self.ref = reference.BlockPool(POOL_BLOCKS, BS, enable_caching=self.caching)
+
+    def both(self, native_call, ref_call):
+        results = []
+        for call in (native_call, ref_call):
+            try:
+                results.append(("ok", call()))
+            except PagedKVError as e:
+                results.append(("err", type(e)))
+        assert results[0] == results[1], f"native {results[0]} != reference {results[1]}"
+        return results[0]
+
+    @rule()
+    def allocate(self):
+        self.both(self.native.allocate, self.ref.allocate)
+
+    @rule(n=st.integers(0, POOL_BLOCKS + 1))
+    def allocate_many(self, n):
+        self.both(lambda: self.native.allocate_many(n), lambda: self.ref.allocate_many(n))
+
+    @rule(b=st.integers(-1, POOL_BLOCKS), n=st.integers(1, 3))
+    def incref(self, b, n):
+        self.both(lambda: self.native.incref(b, n), lambda: self.ref.incref(b, n))
+
+    @rule(b=st.integers(-1, POOL_BLOCKS))
+    def free(self, b):
+        self.both(lambda: self.native.free(b), lambda: self.ref.free(b))
+
+    @rule(blocks=st.lists(st.integers(0, POOL_BLOCKS), max_size=5))
+    def free_many(self, blocks):
+        self.both(lambda: self.native.free_many(blocks), lambda: self.ref.free_many(blocks))
+
+    @rule(b=st.integers(0, POOL_BLOCKS - 1), t=st.sampled_from([0.0, 1.0, 2.0, float("nan")]))
+    def touch(self, b, t):
+        self.both(lambda: self.native.touch(b, t), lambda: self.ref.touch(b, t))
+
+    @rule(h=HASHES, tokens=TOKENS, extra=st.integers(0, 1))
+    def lookup(self, h, tokens, extra):
+        self.both(
+            lambda: self.native.lookup(h, tokens, extra_key=extra),
+            lambda: self.ref.lookup(h, tokens, extra),
+        )
+
+    @rule(b=st.integers(0, POOL_BLOCKS - 1), h=HASHES, tokens=TOKENS, extra=st.integers(0, 1))
+    def register(self, b, h, tokens, extra):
+        self.both(
+            lambda: self.native.register(b, h, tokens, extra_key=extra),
+            lambda: self.ref.register(b, h, tokens, meta=extra),
+        )
+
+    @invariant()
+    def same_state(self):
+        if not hasattr(self, "native"):
+            return
+        n, r = self.native, self.ref
+        for name in ("num_free", "num_referenced", "num_cached", "num_evictable"):
+            assert getattr(n, name) == getattr(r, name), name
+        assert (n.lookups, n.hits, n.evictions) == (r.lookups, r.hits, r.evictions)
+        assert n.eviction_order() == r.eviction_order()
+        for b in range(POOL_BLOCKS):
+            assert n.ref_count(b) == r.ref_count(b), b
+            assert n.block_hash(b) == r.block_hash(b), b
+            assert n.last_accessed(b) == r.last_accessed(b), b
+        n.check_invariants()
+        r.check_invariants()
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_native_pool_matches_reference(caching):
+    machine = type(f"Pool_caching{caching}", (PoolComparison,), {"caching": caching})
+    machine.TestCase.settings = settings(max_examples=150, stateful_step_count=50, deadline=None)
+    machine.TestCase().runTest()
