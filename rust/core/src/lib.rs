@@ -20,6 +20,8 @@ mod manager_tests;
 #[cfg(test)]
 mod pool_tests;
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod rng;
 
 pub use error::{Error, Result};
