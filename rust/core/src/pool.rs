@@ -20,7 +20,8 @@
 //!   prefix can revive them. They sit on an intrusive doubly linked list ordered by eviction
 //!   priority: least recently accessed first, and among equal access times the block holding
 //!   more hashed tokens (the tail of a sequence) first. A block is inserted by walking back from
-//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first).
+//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first) and
+//!   O(k) at worst, k being the evictable blocks that must be evicted after it.
 //! * The prefix map goes from block hash to block; a lookup hits only if the stored token ids
 //!   are equal too, so a hash collision can never hand out another prompt's KV data.
 //!
