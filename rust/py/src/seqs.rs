@@ -162,12 +162,7 @@ pub fn sync_foreign(
         let prompt_len: usize = seq.call_method0(intern!(py, "get_prompt_len"))?.extract()?;
         if have >= prompt_len {
             let out = seq.call_method0(intern!(py, "get_output_token_ids"))?;
-            let new = out.get_item(pyo3::types::PySlice::new(
-                py,
-                (have - prompt_len) as isize,
-                isize::MAX,
-                1,
-            ))?;
+            let new = tail_of(&out, have - prompt_len)?;
             let tokens = crate::tokens::extract_tokens(&new)?;
             store
                 .try_borrow_mut()
@@ -214,4 +209,17 @@ pub fn group_seqs<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyA
         })?,
     };
     seqs.try_iter()?.collect()
+}
+
+/// `items[start:]` of a list (or any sequence). Not through `PySlice::new`: in PyO3 0.30 it
+/// leaks its three index objects (two allocated ints per call here: a steady leak over a long run).
+fn tail_of<'py>(items: &Bound<'py, PyAny>, start: usize) -> PyResult<Bound<'py, PyAny>> {
+    if let Ok(list) = items.cast::<PyList>() {
+        return Ok(list.get_slice(start, list.len()).into_any());
+    }
+    let py = items.py();
+    let slice = py
+        .get_type::<pyo3::types::PySlice>()
+        .call1((start, py.None()))?;
+    items.get_item(slice)
 }
