@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import sys
 import threading
+import tracemalloc
 import weakref
 
 import numpy as np
@@ -415,6 +416,39 @@ def test_weak_test_hash_is_not_a_public_option():
         pagedkv.set_default_hasher("weak-for-testing", 1)
     with pytest.raises(InvalidArgumentError):
         pagedkv.hash_blocks([1, 2, 3, 4], BS, hash_algo="weak-for-testing")
+
+
+# ---- 10. nothing grows per call --------------------------------------------------------------
+
+
+def _append(manager, seq):
+    manager.append_slots(seq)
+
+
+def test_foreign_append_slots_keeps_no_python_objects():
+    """Each decode step of a foreign sequence reads its new output tokens; that read once leaked
+    two int objects per call (a steady RSS climb over a long run)."""
+    m = BlockSpaceManager(BS, 4096, 0, enable_caching=True)
+    seq = running(m, ForeignSeq(1, list(range(300, 310))))
+    for t in range(50):  # warm up caches and interned objects
+        seq.tokens.append(1000 + t)
+        _append(m, seq)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.take_snapshot()
+        for t in range(2000):
+            seq.tokens.append(2000 + t)  # ints above the small-int cache: new objects
+            _append(m, seq)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    line = _append.__code__.co_firstlineno + 1
+    kept = sum(
+        stat.count_diff
+        for stat in after.compare_to(before, "lineno")
+        if stat.traceback[0].filename == __file__ and stat.traceback[0].lineno == line
+    )
+    assert kept < 50, f"{kept} objects allocated by append_slots are still alive"
 
 
 # ---- 11. numpy scalar tokens are stored as ints -------------------------------------------
