@@ -9,8 +9,8 @@
 use crate::args::{device_arg, int_arg, Count, Int32, Real};
 use crate::buffers::{step_outputs, OutputArg};
 use crate::errors::{busy, invalid, IntoPyResult};
-use crate::hashing::resolve_hasher;
-use crate::registry::{Registry, Resolved};
+use crate::hashing::{resolve_hasher, PyTokenSeq};
+use crate::registry::{borrow_adopted, Registry, Resolved};
 use crate::results::{alloc_status, copies_dict, mapping_dict};
 use crate::seqs::{group_seqs, items, seq_id_of, status_of, Status};
 use pagedkv_core::{Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
@@ -31,7 +31,6 @@ pub struct PyManager {
 
 struct State {
     inner: Manager,
-    copies: Copies,
     /// Python ints for every block number of each pool, made once: building a block table
     /// list then costs a reference increment per entry instead of an int allocation.
     gpu_ints: Vec<Py<PyAny>>,
@@ -49,11 +48,12 @@ impl State {
         self.registry.resolve(seqs, cfg.block_size, cfg.hasher)
     }
 
-    /// `resolve`, then adopt the manager's hasher (for calls with no checks of their own).
-    fn resolve_adopted<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
-        let r = self.resolve(seqs)?;
-        r.adopt(self.inner.config().hasher)?;
-        Ok(r)
+    fn resolve_one<'py>(
+        &self,
+        seq: &Bound<'py, PyAny>,
+    ) -> PyResult<(SeqId, Bound<'py, PyTokenSeq>)> {
+        let cfg = self.inner.config();
+        self.registry.resolve_one(seq, cfg.block_size, cfg.hasher)
     }
 
     fn forget(&mut self, id: SeqId) {
@@ -139,8 +139,7 @@ impl PyManager {
                 st.inner.check_append_batch(&pairs, 0).py()?;
             }
         }
-        r.adopt(hasher)?;
-        let b = r.borrow()?;
+        let b = r.borrow_adopted(hasher)?;
         let pairs = b.pairs();
         let mut copies = Copies::new();
         if append {
@@ -201,7 +200,6 @@ impl PyManager {
                 gpu_ints: block_ints(py, cfg.num_gpu_blocks)?,
                 cpu_ints: block_ints(py, cfg.num_cpu_blocks)?,
                 inner,
-                copies: Vec::new(),
                 table_lists: HashMap::new(),
                 registry: Registry::default(),
             }),
@@ -276,9 +274,9 @@ impl PyManager {
             .ok_or_else(|| invalid("the sequence group has no WAITING sequence"))?;
         let status = {
             let st = self.lock()?;
-            let r = st.resolve_adopted(std::slice::from_ref(first))?;
-            let b = r.borrow()?;
-            st.inner.can_allocate(b.pairs()[0].1).py()?
+            let (_, store) = st.resolve_one(first)?;
+            let store = borrow_adopted(&store, self.cfg.hasher)?;
+            st.inner.can_allocate(&store.inner).py()?
         };
         alloc_status(py, status)
     }
@@ -286,8 +284,10 @@ impl PyManager {
     fn allocate(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         let waiting = with_status(seq_group, |s| s == Status::Waiting)?;
         let mut st = self.lock()?;
-        let r = st.resolve_adopted(&waiting)?;
-        st.inner.allocate(&r.borrow()?.pairs()).py()?;
+        let r = st.resolve(&waiting)?;
+        st.inner
+            .allocate(&r.borrow_adopted(self.cfg.hasher)?.pairs())
+            .py()?;
         for ((seq, &id), store) in waiting.iter().zip(&r.ids).zip(&r.stores) {
             st.registry.remember(seq, id, store);
         }
@@ -302,8 +302,8 @@ impl PyManager {
     ) -> PyResult<bool> {
         let running = with_status(seq_group, |s| s == Status::Running)?;
         let st = self.lock()?;
-        let r = st.resolve_adopted(&running)?;
-        let b = r.borrow()?;
+        let r = st.resolve(&running)?;
+        let b = r.borrow_adopted(self.cfg.hasher)?;
         st.inner
             .can_append_slots(&b.pairs(), num_lookahead_slots.usize())
             .py()
@@ -318,18 +318,17 @@ impl PyManager {
         seq: &Bound<'py, PyAny>,
         num_lookahead_slots: Count,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let mut guard = self.lock()?;
-        let st = &mut *guard;
-        let r = st.resolve_adopted(std::slice::from_ref(seq))?;
-        let b = r.borrow()?;
-        let (id, store) = b.pairs()[0];
-        st.copies.clear();
-        st.inner
-            .append_slots(id, store, num_lookahead_slots.usize(), &mut st.copies)
-            .py()?;
-        drop(b);
-        let copies = std::mem::take(&mut st.copies);
-        drop(guard);
+        let copies = {
+            let mut guard = self.lock()?;
+            let st = &mut *guard;
+            let (id, store) = st.resolve_one(seq)?;
+            let store = borrow_adopted(&store, self.cfg.hasher)?;
+            let mut copies = Copies::new();
+            st.inner
+                .append_slots(id, &store.inner, num_lookahead_slots.usize(), &mut copies)
+                .py()?;
+            copies
+        };
         copies_dict(py, &copies)
     }
 

@@ -52,30 +52,46 @@ impl Borrowed<'_, '_> {
     }
 }
 
-impl<'py> Resolved<'py> {
-    /// Rehash every store whose hasher differs from the manager's (once per store). Called
-    /// after the call's own checks, so a refused call leaves stores as they were.
-    pub fn adopt(&self, hasher: Hasher) -> PyResult<()> {
-        for s in &self.stores {
-            let needs = s
-                .try_borrow()
-                .map_err(|_| busy("a token store"))?
-                .inner
-                .hasher()
-                != hasher;
-            if needs {
-                let mut s = s.try_borrow_mut().map_err(|_| busy("a token store"))?;
-                s.inner.adopt_hasher(hasher);
-            }
-        }
-        Ok(())
+/// Borrow a store, first rehashing it with `hasher` if it hashes with another function (once
+/// per store: a sequence the manager has seen keeps the manager's hasher).
+pub fn borrow_adopted<'py>(
+    store: &Bound<'py, PyTokenSeq>,
+    hasher: Hasher,
+) -> PyResult<PyRef<'py, PyTokenSeq>> {
+    let r = store.try_borrow().map_err(|_| busy("a token store"))?;
+    if r.inner.hasher() == hasher {
+        return Ok(r);
     }
+    drop(r);
+    store
+        .try_borrow_mut()
+        .map_err(|_| busy("a token store"))?
+        .inner
+        .adopt_hasher(hasher);
+    store.try_borrow().map_err(|_| busy("a token store"))
+}
 
+impl<'py> Resolved<'py> {
+    /// Borrow every store as it is (for checks that do not read hashes).
     pub fn borrow(&self) -> PyResult<Borrowed<'_, 'py>> {
         let refs = self
             .stores
             .iter()
             .map(|s| s.try_borrow().map_err(|_| busy("a token store")))
+            .collect::<PyResult<_>>()?;
+        Ok(Borrowed {
+            ids: &self.ids,
+            refs,
+        })
+    }
+
+    /// Borrow every store with the manager's hasher adopted. Called after the call's own
+    /// checks, so a refused call leaves stores as they were.
+    pub fn borrow_adopted(&self, hasher: Hasher) -> PyResult<Borrowed<'_, 'py>> {
+        let refs = self
+            .stores
+            .iter()
+            .map(|s| borrow_adopted(s, hasher))
             .collect::<PyResult<_>>()?;
         Ok(Borrowed {
             ids: &self.ids,
@@ -152,6 +168,25 @@ impl Registry {
         }
     }
 
+    /// `resolve` for one sequence, without the vectors.
+    pub fn resolve_one<'py>(
+        &self,
+        seq: &Bound<'py, PyAny>,
+        block_size: usize,
+        hasher: Hasher,
+    ) -> PyResult<(SeqId, Bound<'py, PyTokenSeq>)> {
+        match self.known.get(&(seq.as_ptr() as usize)) {
+            Some(k) => {
+                let store = k.store.bind(seq.py()).clone();
+                if k.foreign {
+                    sync_foreign(seq, &store, block_size, hasher)?;
+                }
+                Ok((k.id, store))
+            }
+            None => Ok((seq_id_of(seq)?, Self::store_for(seq, block_size, hasher)?)),
+        }
+    }
+
     /// Resolve sequences to ids and stores (foreign stores synced with their sequence).
     pub fn resolve<'py>(
         &self,
@@ -162,16 +197,7 @@ impl Registry {
         let mut ids = Vec::with_capacity(seqs.len());
         let mut stores = Vec::with_capacity(seqs.len());
         for seq in seqs {
-            let (id, store) = match self.known.get(&(seq.as_ptr() as usize)) {
-                Some(k) => {
-                    let store = k.store.bind(seq.py()).clone();
-                    if k.foreign {
-                        sync_foreign(seq, &store, block_size, hasher)?;
-                    }
-                    (k.id, store)
-                }
-                None => (seq_id_of(seq)?, Self::store_for(seq, block_size, hasher)?),
-            };
+            let (id, store) = self.resolve_one(seq, block_size, hasher)?;
             ids.push(id);
             stores.push(store);
         }
