@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import sysconfig
 import threading
 import tracemalloc
 import weakref
@@ -238,7 +239,8 @@ def test_largest_pool_writes_positive_slots():
 
 
 @pytest.mark.skipif(
-    not hasattr(sys, "_is_gil_enabled"), reason="needs a free-threaded (3.13t+) interpreter"
+    not sysconfig.get_config_var("Py_GIL_DISABLED"),
+    reason="needs a free-threaded (3.13t+) interpreter",
 )
 def test_module_keeps_the_gil_on_free_threaded_python():
     assert sys._is_gil_enabled(), "pagedkv._native declares gil_used: importing it enables the GIL"
@@ -304,6 +306,31 @@ def test_pool_reads_arguments_before_taking_the_pool():
     pool.free(Index())
     assert pool.num_free == 4
     pool.check_invariants()
+
+
+def test_token_store_reads_arguments_before_borrowing():
+    store = pagedkv.TokenSeq(BS, [1, 2])
+
+    def tokens():
+        yield len(store)  # the store is used while extend converts its argument
+        yield 5
+
+    store.extend(tokens())
+    assert store.tokens() == [1, 2, 2, 5]
+
+    class Index:
+        def __index__(self):
+            return len(store)
+
+    store.append(Index())
+    assert store.tokens() == [1, 2, 2, 5, 4]
+    hasher = pagedkv.BlockHasher(2)
+
+    def fed():
+        yield hasher.num_pending_tokens
+        yield 7
+
+    assert len(hasher.feed(fed())) == 1
 
 
 def test_threads_hammering_one_manager_get_in_use_or_succeed():

@@ -614,3 +614,44 @@ impl BlockPool {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod invariant_tests {
+    //! `check_invariants` notices a prefix map that disagrees with the blocks (states no public
+    //! call can reach; made here by hand).
+    use super::*;
+
+    fn cached_pool() -> (BlockPool, BlockId) {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let b = p.allocate().unwrap();
+        let key = BlockKey {
+            hash: 7,
+            parent: None,
+            extra: 0,
+            tokens: &[1, 2],
+        };
+        assert!(p.register(b, &key, 2).unwrap());
+        p.check_invariants().unwrap();
+        (p, b)
+    }
+
+    #[test]
+    fn a_cached_block_naming_itself_as_parent_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.parent[b as usize] = b;
+        assert!(p.check_invariants().unwrap_err().contains("bad parent"));
+        p.parent[b as usize] = 99;
+        assert!(p.check_invariants().is_err());
+    }
+
+    #[test]
+    fn a_map_entry_under_another_hash_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.map.insert(8, b); // a second entry for the same block
+        assert!(p.check_invariants().is_err());
+        p.map.remove(&8);
+        p.map.insert(9, 3); // an entry for a block with no hash
+        p.hash[3] = None;
+        assert!(p.check_invariants().is_err());
+    }
+}

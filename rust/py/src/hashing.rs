@@ -104,6 +104,14 @@ pub fn _set_weak_test_hasher(hash_seed: Option<Count>) {
     *DEFAULT_HASHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
 }
 
+/// Borrow a native object for a mutating call, or `InUseError` if another call has it.
+fn borrow_mut<'py, T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
+    slf: &Bound<'py, T>,
+) -> PyResult<PyRefMut<'py, T>> {
+    slf.try_borrow_mut()
+        .map_err(|_| crate::errors::busy("this object"))
+}
+
 /// Token ids of one sequence and the chained hashes of its full blocks.
 #[pyclass(module = "pagedkv._native", name = "TokenSeq")]
 pub struct PyTokenSeq {
@@ -148,16 +156,18 @@ impl PyTokenSeq {
         self.inner.extra().lora_id
     }
 
-    /// Append one token id; hashes the block it completes, if any. O(1) amortised.
-    fn append(&mut self, token_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.push(token_from_item(token_id)?);
+    /// Append one token id; hashes the block it completes, if any. O(1) amortised. (The
+    /// argument is read before the store is borrowed: its `__index__` may use the store.)
+    fn append(slf: &Bound<'_, Self>, token_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let t = token_from_item(token_id)?;
+        borrow_mut(slf)?.inner.push(t);
         Ok(())
     }
 
     /// Append many token ids (list, tuple or int array).
-    fn extend(&mut self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn extend(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let t = extract_tokens(token_ids)?;
-        self.inner.extend(&t);
+        borrow_mut(slf)?.inner.extend(&t);
         Ok(())
     }
 
@@ -306,14 +316,15 @@ impl PyBlockHasher {
 
     /// Feed token ids; returns the hashes of blocks completed by them (often empty).
     fn feed<'py>(
-        &mut self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         token_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let t = extract_tokens(token_ids)?;
-        self.out.clear();
-        self.inner.feed(&t, &mut self.out);
-        PyList::new(py, &self.out)
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        this.out.clear();
+        this.inner.feed(&t, &mut this.out);
+        PyList::new(slf.py(), &this.out)
     }
 
     #[getter]
