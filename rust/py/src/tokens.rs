@@ -31,9 +31,12 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
         let n = list.len();
         let mut out = Vec::with_capacity(n);
         for i in 0..n {
-            // SAFETY: we hold the list. PyList_GetItem returns a borrowed reference or NULL
-            // (with IndexError) if the list shrank meanwhile (only an item's __index__ could
-            // run Python code, on the slow path, which takes its own reference first).
+            // SAFETY: we hold a reference to the list, and the module requires the GIL
+            // (`gil_used`), so no other thread runs while we read. PyList_GetItem returns a
+            // borrowed reference or NULL (with IndexError) if the list shrank meanwhile: only an
+            // item's __index__ can run Python code, on the slow path, which takes its own
+            // reference to the item first (`Bound::from_borrowed_ptr`), so no borrowed item is
+            // used after Python code ran. Index i is re-read for every item.
             let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as isize) };
             if item.is_null() {
                 return Err(PyErr::fetch(obj.py()));
@@ -74,7 +77,9 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
 /// `token_from_item` for a borrowed pointer, with a fast path for exact ints (no reference
 /// counting, no Python-level checks): the common case of a list of token ids.
 fn token_from_ptr(py: Python<'_>, item: *mut pyo3::ffi::PyObject) -> PyResult<u32> {
-    // SAFETY: `item` is a valid borrowed reference owned by a list we hold.
+    // SAFETY: `item` is a valid borrowed reference owned by a list we hold (see the caller);
+    // the exact-int path runs no Python code, and the slow path takes a strong reference
+    // before anything else runs.
     unsafe {
         if pyo3::ffi::PyLong_CheckExact(item) != 0 {
             let v = pyo3::ffi::PyLong_AsLongLong(item);
