@@ -269,7 +269,8 @@ impl BlockPool {
     }
 
     /// Add `n` references to a block that is referenced or evictable (an evictable block is
-    /// revived: it leaves the eviction list). Sharing a FREE block is an error.
+    /// revived: it leaves the eviction list). Sharing a FREE block, or adding no reference (which
+    /// would revive a block without holding it), is an error.
     pub fn acquire(&mut self, b: BlockId, n: u32) -> Result<()> {
         let i = b as usize;
         if i >= self.ref_count.len() {
@@ -277,6 +278,9 @@ impl BlockPool {
                 block: b as i64,
                 num_blocks: self.num_blocks,
             });
+        }
+        if n == 0 {
+            return Err(Error::invalid("n must be positive"));
         }
         if self.ref_count[i] == 0 {
             if self.hash[i].is_none() {

@@ -295,3 +295,15 @@ fn register_with_a_bad_parent_changes_nothing() {
         p.check_invariants().unwrap();
     }
 }
+
+#[test]
+fn acquiring_no_reference_is_refused() {
+    let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
+    let b = p.allocate().unwrap();
+    p.register(b, &key(1, &toks(1, 4)), 4).unwrap();
+    p.release(b).unwrap();
+    // n = 0 on an evictable block would take it off the eviction list without holding it
+    assert!(matches!(p.acquire(b, 0), Err(Error::InvalidArgument(_))));
+    assert!(p.is_evictable(b));
+    p.check_invariants().unwrap();
+}

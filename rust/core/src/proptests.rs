@@ -44,7 +44,7 @@ fn pool_op() -> impl Strategy<Value = PoolOp> {
     prop_oneof![
         Just(PoolOp::Allocate),
         (0..N as usize + 2).prop_map(PoolOp::AllocateMany),
-        (block.clone(), 1..3u32).prop_map(|(b, n)| PoolOp::Acquire(b, n)),
+        (block.clone(), 0..3u32).prop_map(|(b, n)| PoolOp::Acquire(b, n)),
         block.clone().prop_map(PoolOp::Release),
         proptest::collection::vec(block.clone(), 0..4).prop_map(PoolOp::ReleaseMany),
         (
@@ -163,6 +163,7 @@ impl Model {
             }
             PoolOp::Acquire(b, n) => {
                 if !in_range(*b)
+                    || *n == 0
                     || (self.refs[*b as usize] == 0 && self.hash_of[*b as usize].is_none())
                 {
                     return Err(());

@@ -162,9 +162,6 @@ impl PyBlockPool {
     fn incref(&self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
         let b = self.id(block)?;
         let n = n.u32("n")?;
-        if n == 0 {
-            return Err(invalid("n must be positive"));
-        }
         self.lock()?.acquire(b, n).py()
     }
 
