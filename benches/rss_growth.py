@@ -1,7 +1,7 @@
 """Resident memory over millions of random manager operations with prefix caching on.
 
     python benches/rss_growth.py [--ops 3000000] [--every 250000] [--gpu-blocks 2048]
-        [--backend native|foreign|vllm]
+        [--backend native|foreign|vllm|vllm-seqs]
 
 Prints RSS (MiB) every ``--every`` operations and the growth after warm-up (from the first
 report after 1M operations, or the first report, to the last). The operation mix is the one of
@@ -43,11 +43,21 @@ def backend(name: str):
             SequenceStatus,
             SamplingParams,
         )
-    if name == "vllm":
-        from vllm.core.block_manager_v1 import BlockSpaceManagerV1 as Manager
-        from vllm.core.interfaces import AllocStatus
-        from vllm.sampling_params import SamplingParams
-        from vllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStatus
+    if name in ("vllm", "vllm-seqs"):
+        # vLLM 0.4.2's own files (pagedkv.vllm_release fetches them): its BlockSpaceManagerV1
+        # ("vllm"), or pagedkv's manager driven by vLLM's Sequence objects ("vllm-seqs")
+        from pagedkv import vllm_release
+
+        v = vllm_release.load("0.4.2", "vllm")
+        seq = v.sequence
+        if name == "vllm":
+            Manager = v.block_manager_v1.BlockSpaceManagerV1
+            AllocStatus = v.interfaces.AllocStatus
+        else:
+            from pagedkv import AllocStatus
+            from pagedkv import BlockSpaceManager as Manager
+        names = (Manager, AllocStatus, seq.Logprob, seq.Sequence, seq.SequenceGroup)
+        return (*names, seq.SequenceStatus, v.sampling_params.SamplingParams)
     else:
         from pagedkv import AllocStatus
         from pagedkv import BlockSpaceManager as Manager
@@ -140,14 +150,19 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ops", type=int, default=3_000_000)
     p.add_argument("--every", type=int, default=250_000)
-    p.add_argument("--backend", choices=["native", "foreign", "vllm"], default="native")
+    p.add_argument(
+        "--backend", choices=["native", "foreign", "vllm", "vllm-seqs"], default="native"
+    )
     p.add_argument("--gpu-blocks", type=int, default=2048)
     a = p.parse_args()
     samples = run(a.ops, a.every, a.backend, a.gpu_blocks)
     base = next((s for s in samples if s[0] >= 1_000_000), samples[0])
     last = samples[-1]
     growth = 100 * (last[1] - base[1]) / base[1]
-    print(f"growth after warm-up ({base[0]} -> {last[0]} ops): {growth:+.1f}%")
+    print(
+        f"growth after warm-up ({base[0]} -> {last[0]} ops): {growth:+.1f}% "
+        f"({last[1] - base[1]:+.2f} MiB)"
+    )
     sys.exit(0)
 
 
