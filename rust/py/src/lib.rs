@@ -4,6 +4,7 @@
 use pyo3::prelude::*;
 
 mod arrays;
+mod compat_enum;
 mod errors;
 mod hashing;
 mod manager;
@@ -13,6 +14,7 @@ mod pool;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<hashing::PyTokenSeq>()?;
+    m.add_class::<compat_enum::CompatEnumBase>()?;
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<manager::PyManager>()?;
