@@ -199,10 +199,6 @@ def test_errors_change_nothing(Manager):
         m.append_slots(ghost)
     with pytest.raises(InvalidArgumentError):
         m.allocate(group)  # no WAITING sequence left
-    a.status = SequenceStatus.WAITING
-    with pytest.raises(InvalidArgumentError):
-        m.allocate(group)  # already has a table
-    a.status = SequenceStatus.RUNNING
     with pytest.raises(OutOfBlocksError):
         m.allocate(big_group)
     with pytest.raises(OutOfBlocksError):

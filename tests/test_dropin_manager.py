@@ -201,3 +201,21 @@ def test_pairs_and_dict_managers_make_the_same_moves(Manager):
     d = cow_and_swaps(Manager(BS, 8, 4, watermark=0.0))
     p = cow_and_swaps(Manager(BS, 8, 4, watermark=0.0, mapping_format="pairs"))
     assert [x.pairs() for x in d] == list(p)
+
+
+def test_allocate_onto_a_sequence_with_a_table_replaces_it(Manager):
+    """vLLM 0.4.2's own scheduler tests admit two groups whose sequences share id 1 (the second
+    while the first is swapped out): vLLM overwrites the table; we do too, and release the old
+    one after building the new (so the blocks chosen are vLLM's), leaking nothing."""
+    m = Manager(BS, 8, 8, watermark=0.0)
+    seqs = [Sequence(1, "", [1, 2, 3, 4, 5], BS) for _ in range(2)]
+    groups = [SequenceGroup("1", [s], SamplingParams(), 0.0) for s in seqs]
+    m.allocate(groups[0])
+    seqs[0].status = SequenceStatus.RUNNING
+    first = m.get_block_table(seqs[0])
+    m.swap_out(groups[0])
+    assert m.get_num_free_cpu_blocks() == 6
+    m.allocate(groups[1])
+    assert m.table_device(seqs[1]) == "gpu" and sorted(m.get_block_table(seqs[1])) == sorted(first)
+    assert m.get_num_free_cpu_blocks() == 8 and m.get_num_free_gpu_blocks() == 6
+    m.check_invariants()

@@ -17,7 +17,13 @@ from pagedkv._native import BlockManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["AllocStatus", "BlockMapping", "BlockSpaceManager", "BlockTable"]
+__all__ = [
+    "AllocStatus",
+    "BlockMapping",
+    "BlockSpaceManager",
+    "BlockSpaceManagerPairs",
+    "BlockTable",
+]
 
 BlockTable = List[int]
 
@@ -178,3 +184,8 @@ def _pairs_class(cls: type) -> type:
         }
         made = _PAIRS_CLASSES[cls] = type(cls.__name__, (cls,), namespace)
     return made
+
+
+#: ``BlockSpaceManager`` with ``mapping_format="pairs"`` fixed: a drop-in for vLLM 0.5's
+#: ``BlockSpaceManagerV1``, whose scheduler ``extend``s lists with the results.
+BlockSpaceManagerPairs = _pairs_class(BlockSpaceManager)

@@ -206,15 +206,13 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group) -> None:
-        """Give every WAITING sequence of the group one shared prompt table (ref count k)."""
+        """Give every WAITING sequence of the group one shared prompt table (ref count k); a
+        sequence that already holds a table gets the new one (the old one is released)."""
         waiting = self._with_status(seq_group, "WAITING")
         if not waiting:
             raise InvalidArgumentError(
                 f"sequence group {seq_group.request_id!r} has no WAITING sequence"
             )
-        for s in waiting:
-            if s.seq_id in self._tables:
-                raise InvalidArgumentError(f"sequence {s.seq_id} already has a block table")
         seq = waiting[0]
         k = len(waiting)
         bs = seq.block_size
@@ -259,6 +257,11 @@ class BlockSpaceManager:
                 b = self._fresh_gpu_block(k)
             blocks.append(b)
         for s in waiting:
+            # vLLM overwrites an existing table (leaking it); we release it, after the new
+            # table is built so that the blocks chosen are vLLM's.
+            old = self._tables.pop(s.seq_id, None)
+            if old is not None:
+                self._release(old)
             self._tables[s.seq_id] = _Table(list(blocks), "gpu", length)
 
     # ---- appending ---------------------------------------------------------------------------

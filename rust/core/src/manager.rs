@@ -307,17 +307,11 @@ impl Manager {
     }
 
     /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
+    /// A sequence that already holds a table gets the new one (the old one is released).
     pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
         let Some(&(_, seq)) = waiting.first() else {
             return Err(Error::invalid("the sequence group has no WAITING sequence"));
         };
-        for &(id, _) in waiting {
-            if self.tables.contains_key(&id) {
-                return Err(Error::invalid(format!(
-                    "sequence {id} already has a block table"
-                )));
-            }
-        }
         let k = waiting.len() as u32;
         let n = seq.num_blocks();
         let caching = self.caches(seq);
@@ -379,6 +373,12 @@ impl Manager {
         }
         let reserved = seq.len();
         for &(id, _) in waiting {
+            // vLLM overwrites the table of a sequence id that already has one (leaking its
+            // references); we release it, after the new table is built so that the blocks
+            // chosen are vLLM's.
+            if let Some(mut old) = self.tables.remove(&id) {
+                self.release_table(&mut old)?;
+            }
             let order = self.next_order;
             self.next_order += 1;
             self.next_version += 1;
