@@ -14,7 +14,7 @@ mod pool;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<hashing::PyTokenSeq>()?;
-    m.add_class::<compat_enum::CompatEnumBase>()?;
+    m.add("CompatEnumBase", compat_enum::make_type(m.py())?)?;
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<manager::PyManager>()?;
