@@ -949,9 +949,19 @@ class SequenceGroupMetadata:
         state: Optional[SequenceGroupState] = None,
         multi_modal_data: Optional[MultiModalData] = None,
         const_block_idx: Optional[Dict[int, int]] = None,
+        *,
+        pooling_params: Optional[Any] = None,
+        encoder_seq_data: Optional[SequenceData] = None,
+        cross_block_table: Optional[List[int]] = None,
     ) -> None:
         self.request_id = request_id
         self.is_prompt = is_prompt
+        # vLLM 0.5's fields (embedding models, encoder/decoder models); keyword-only here
+        # because 0.5 inserted pooling_params positionally before token_chunk_size.
+        self.pooling_params = pooling_params
+        self.encoder_seq_data = encoder_seq_data
+        self.cross_block_table = cross_block_table
+        self.num_speculative_tokens = None
         self.seq_data = seq_data
         self.sampling_params = sampling_params
         self.block_tables = block_tables
