@@ -19,8 +19,9 @@ BS = 4
 _ids = itertools.count(1000)
 
 
-@pytest.fixture(params=[pagedkv.BlockSpaceManager, reference.BlockSpaceManager],
-                ids=["native", "reference"])
+@pytest.fixture(
+    params=[pagedkv.BlockSpaceManager, reference.BlockSpaceManager], ids=["native", "reference"]
+)
 def Manager(request):
     return request.param
 

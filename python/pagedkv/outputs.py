@@ -67,8 +67,7 @@ class SequenceGroupOutput:
 
     def __repr__(self) -> str:
         return (
-            f"{type(self).__name__}(samples={self.samples}, "
-            f"prompt_logprobs={self.prompt_logprobs})"
+            f"{type(self).__name__}(samples={self.samples}, prompt_logprobs={self.prompt_logprobs})"
         )
 
     def __eq__(self, other: object) -> bool:
@@ -88,7 +87,7 @@ class CompletionSequenceGroupOutput(SequenceGroupOutput):
 class EmbeddingSequenceGroupOutput(SequenceGroupOutput):
     """vLLM 0.5: the output of an embedding request (a vector, no samples)."""
 
-    def __init__(self, embeddings: List[float]):  # noqa: super().__init__ not wanted
+    def __init__(self, embeddings: List[float]):  # no samples: the base __init__ is not called
         self.embeddings = embeddings
 
     def __repr__(self) -> str:

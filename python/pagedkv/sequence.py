@@ -439,6 +439,10 @@ def _copy_sample_logprobs(logprobs: List[Dict[int, Any]]) -> List[Dict[int, Any]
 _LOGICAL_CACHE = ("_logical_blocks", "_logical_len", "_logical_data")
 
 
+_PREFILL = SequenceStage.PREFILL
+_DECODE = SequenceStage.DECODE
+
+
 class SequenceAccessors:
     """The accessors both sequence classes share (this one and the plain-Python reference in
     :mod:`pagedkv.reference.sequence`): everything that only reads ``self.data``,
@@ -515,12 +519,15 @@ class SequenceAccessors:
     def get_num_new_tokens(self) -> int:
         """Tokens to compute in the next step: 1 when decoding, else the uncomputed rest
         (chunked prefill computes it over several steps)."""
-        if self.data.stage == SequenceStage.DECODE:
+        data = self.data
+        if data._stage == _DECODE:
             return 1
-        return self.data.get_num_uncomputed_tokens()
+        return data.get_num_uncomputed_tokens()
 
     def is_prefill(self) -> bool:
-        return self.data.stage == SequenceStage.PREFILL
+        # ``_stage``, not the ``stage`` property: vLLM's scheduler asks several times per
+        # group per step (both SequenceData classes keep the stage there).
+        return self.data._stage == _PREFILL
 
     def reset_state_for_recompute(self) -> None:
         self.data.reset_state_for_recompute()
@@ -585,6 +592,18 @@ class Sequence(SequenceAccessors):
 
     # vLLM 0.5 reads the multi-modal input from the sequence (0.4.2 from the group only).
     multi_modal_data: Optional[MultiModalData] = None
+
+    # The length accessors read the SequenceData's slots directly: vLLM's scheduler and
+    # engine call them for every sequence every step (``self.data`` is always ours).
+    def get_len(self) -> int:
+        data = self.data
+        return len(data._prompt) + len(data._output)
+
+    def get_output_len(self) -> int:
+        return len(self.data._output)
+
+    def get_prompt_len(self) -> int:
+        return len(self.data._prompt)
 
     @property
     def n_blocks(self) -> int:
@@ -827,21 +846,35 @@ class SequenceGroup:
 
     # -- sequences ---------------------------------------------------------------------------
 
+    # The methods vLLM's scheduler calls for every group every step have a fast path for the
+    # common one-sequence group and no nested calls (each must cost no more than vLLM's own).
+
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this request will run in parallel for the rest of its life
         (the scheduler reserves room for them)."""
-        if self.sampling_params.use_beam_search:
+        params = self.sampling_params
+        if params.use_beam_search:
             # Beam search always keeps best_of candidates alive.
-            return self.sampling_params.best_of
-        if self.sampling_params.best_of > self.num_seqs():
+            return params.best_of
+        if params.best_of > len(self.seqs_dict):
             # Still in the prompt stage with one sequence: it forks into best_of.
-            return self.sampling_params.best_of
+            return params.best_of
         return self.num_unfinished_seqs()
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        seqs = self.seqs_dict
         if status is None:
-            return list(self.seqs_dict.values())
-        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+            return list(seqs.values())
+        if len(seqs) == 1:
+            (seq,) = seqs.values()
+            return [seq] if seq.status == status else []
+        # a plain loop: in CPython 3.11 a list comprehension pays a function call, more than
+        # the appends of a few-sequence group cost
+        out = []
+        for seq in seqs.values():
+            if seq.status == status:
+                out.append(seq)
+        return out
 
     def get_unfinished_seqs(self) -> List[Sequence]:
         return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
@@ -852,7 +885,7 @@ class SequenceGroup:
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """Advance the prefill progress of every unfinished sequence."""
         for seq in self.seqs_dict.values():
-            if not seq.is_finished():
+            if seq.status not in _FINISHED_STATUSES:
                 seq.data.update_num_computed_tokens(num_new_computed_tokens)
 
     def get_num_uncomputed_tokens(self) -> int:
@@ -865,13 +898,21 @@ class SequenceGroup:
     def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
         if status is None:
             return len(self.seqs_dict)
-        return sum(1 for seq in self.seqs_dict.values() if seq.status == status)
+        n = 0
+        for seq in self.seqs_dict.values():
+            if seq.status == status:
+                n += 1
+        return n
 
     def num_unfinished_seqs(self) -> int:
-        return sum(1 for seq in self.seqs_dict.values() if not seq.is_finished())
+        n = 0
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_STATUSES:
+                n += 1
+        return n
 
     def num_finished_seqs(self) -> int:
-        return sum(1 for seq in self.seqs_dict.values() if seq.is_finished())
+        return len(self.seqs_dict) - self.num_unfinished_seqs()
 
     def find(self, seq_id: int) -> Sequence:
         try:
@@ -884,8 +925,7 @@ class SequenceGroup:
             seq_id = seq.seq_id
         except AttributeError:
             raise ArgumentTypeError(
-                f"sequence group {self.request_id!r}: expected a Sequence, got "
-                f"{type(seq).__name__}"
+                f"sequence group {self.request_id!r}: expected a Sequence, got {type(seq).__name__}"
             ) from None
         if seq_id in self.seqs_dict:
             raise ValueError(f"Sequence {seq_id} already exists.")
@@ -906,8 +946,10 @@ class SequenceGroup:
         return self.encoder_seq
 
     def is_prefill(self) -> bool:
-        # Every sequence of a group is in the same stage.
-        return self._first_seq().is_prefill()
+        # Every sequence of a group is in the same stage: ask the first one (inlined).
+        for seq in self.seqs_dict.values():
+            return seq.data._stage == _PREFILL
+        raise ValueError(f"sequence group {self.request_id!r} has no sequences")
 
     def __repr__(self) -> str:
         return (

@@ -250,9 +250,12 @@ def run_engines(
     per_step: int = 0,
     record: bool = False,
     max_steps: int = 200_000,
+    between_steps: Optional[Callable[[], Any]] = None,
+    every: int = 50,
 ) -> Tuple[int, Optional[str]]:
     """Drive every engine through the same arrivals, step by step. With ``record``, stops at
-    the first step whose decisions differ and returns ``(steps, description)``."""
+    the first step whose decisions differ and returns ``(steps, description)``.
+    ``between_steps`` runs every ``every`` steps, outside the timed part."""
     arrivals = _arrivals(requests, per_step)
     step, k = 0, 0
     while k < len(arrivals) or any(e.busy() for e in engines):
@@ -268,6 +271,8 @@ def run_engines(
                 lines += [f"  {e.backend.name}: {r[key]}" for key in diff]
             return step, "\n".join(lines)
         step += 1
+        if between_steps is not None and step % every == 0:
+            between_steps()
         if step > max_steps:
             return step, "did not finish"
     return step, None
@@ -369,10 +374,14 @@ def compare_scheduler_step(
     workload = generate_w1(cfg, seed)
     config = EngineConfig.from_w1(cfg, caching)
     engines = [Engine(make_backend(version, b), config) for b in backends]
+    # The engines share one process: a cyclic-GC pass triggered by one engine's allocations
+    # would scan the other's objects and land in whichever step is running. Collect between
+    # steps instead, outside the timed part.
     gc_was_enabled = gc.isenabled()
     gc.collect()
+    gc.disable()
     try:
-        steps, problem = run_engines(engines, workload.requests)
+        steps, problem = run_engines(engines, workload.requests, between_steps=gc.collect)
     finally:
         if gc_was_enabled:
             gc.enable()
