@@ -358,7 +358,11 @@ fn per_sequence_calls_count_blocks_in_the_sequences_own_units() {
     s.push(60);
     assert!(m.can_append_slots(&[(1, &s)], 0).unwrap());
     m.append_slots(1, &s, 0, &mut copies).unwrap();
-    assert_eq!(m.block_table(1).unwrap().len(), 2, "token 61 opens the second 60-token block");
+    assert_eq!(
+        m.block_table(1).unwrap().len(),
+        2,
+        "token 61 opens the second 60-token block"
+    );
     assert_eq!(m.num_free_gpu_blocks(), 6);
     m.check_invariants().unwrap();
     m.free(1).unwrap();
@@ -436,12 +440,19 @@ fn fork_onto_a_child_with_a_table_replaces_it_without_leaking() {
     assert_eq!(m.num_free_gpu_blocks(), 3);
     m.fork(1, 2).unwrap();
     assert_eq!(m.block_table(2).unwrap(), m.block_table(1).unwrap());
-    assert_eq!(m.num_free_gpu_blocks(), 6, "the child's three old blocks came back");
+    assert_eq!(
+        m.num_free_gpu_blocks(),
+        6,
+        "the child's three old blocks came back"
+    );
     m.check_invariants().unwrap();
     // forking again onto a child that already shares the parent's table changes nothing
     m.fork(1, 2).unwrap();
     assert_eq!(m.num_free_gpu_blocks(), 6);
-    assert_eq!(m.pool(Device::Gpu).ref_count(m.block_table(1).unwrap()[0]), 2);
+    assert_eq!(
+        m.pool(Device::Gpu).ref_count(m.block_table(1).unwrap()[0]),
+        2
+    );
     m.check_invariants().unwrap();
     m.free(1).unwrap();
     m.free(2).unwrap();

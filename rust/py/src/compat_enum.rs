@@ -38,7 +38,9 @@ fn enum_class(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
 /// A new reference to `True`, `False` or `NotImplemented`.
 fn answer(py: Python<'_>, eq: Option<bool>, want_eq: bool) -> *mut ffi::PyObject {
     let obj = match eq {
-        Some(e) => pyo3::types::PyBool::new(py, e == want_eq).to_owned().into_any(),
+        Some(e) => pyo3::types::PyBool::new(py, e == want_eq)
+            .to_owned()
+            .into_any(),
         None => py.NotImplemented().into_bound(py),
     };
     obj.into_ptr()
