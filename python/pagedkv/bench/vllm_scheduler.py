@@ -358,44 +358,85 @@ def _summary(seconds: List[float]) -> Dict[str, float]:
     }
 
 
+def _step_worker(conn: Any, version: str, name: str, quick: bool, caching: bool, seed: int) -> None:
+    """A process holding one engine: steps it on request, replies whether it is still busy;
+    finally sends its step times. Cyclic GC runs between steps, outside the timed part."""
+    import logging
+
+    logging.disable(logging.WARNING)  # vLLM's preemption warnings
+    cfg = W1_QUICK if quick else W1_FULL
+    engine = Engine(make_backend(version, name), EngineConfig.from_w1(cfg, caching))
+    for req in generate_w1(cfg, seed).requests:  # W1: every request arrives at step 0
+        engine.add(req)
+    gc.collect()
+    gc.disable()
+    conn.send("ready")
+    while conn.recv() == "step":
+        engine.step()
+        if len(engine.step_seconds) % 50 == 0:
+            gc.collect()
+        conn.send(engine.busy())
+    conn.send(engine.step_seconds)
+
+
 def compare_scheduler_step(
     version: str = "0.4.2",
     caching: bool = True,
     quick: bool = False,
     seed: int = 0,
     backends: Sequence[str] = ("vllm", "pagedkv-dropin"),
+    max_steps: int = 200_000,
 ) -> Dict[str, Any]:
     """Time the whole engine step (``schedule()`` + output processing) of vLLM ``version``'s
-    real Scheduler on W1 (``quick``: W1_QUICK) with each backend, in the same run. The engines
-    step in lockstep (each step of every engine runs back to back), so machine noise hits them
-    alike. Returns per-backend step statistics and ``speedup`` (the first backend's total
-    step time over each other's)."""
-    cfg = W1_QUICK if quick else W1_FULL
-    workload = generate_w1(cfg, seed)
-    config = EngineConfig.from_w1(cfg, caching)
-    engines = [Engine(make_backend(version, b), config) for b in backends]
-    # The engines share one process: a cyclic-GC pass triggered by one engine's allocations
-    # would scan the other's objects and land in whichever step is running. Collect between
-    # steps instead, outside the timed part.
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    real Scheduler on W1 (``quick``: W1_QUICK) with each backend, in the same run.
+
+    Each backend's engine lives in a process of its own (in production one engine runs: a
+    second one's objects in the same heap would slow the first), and the engines step in
+    lockstep, one step each in turn (the order alternating), so the machine's noise hits them
+    alike. Returns per-backend step statistics and ``speedup`` (the first backend's total step
+    time over each backend's); ``error`` is set if the backends took different numbers of
+    steps (they make the same decisions, so they must not)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    workers = []
+    for name in backends:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_step_worker, args=(child, version, name, quick, caching, seed), daemon=True
+        )
+        proc.start()
+        workers.append((name, parent, proc))
     try:
-        steps, problem = run_engines(engines, workload.requests, between_steps=gc.collect)
+        for _, conn, _ in workers:
+            conn.recv()  # ready
+        busy = {name: True for name, _, _ in workers}
+        step = 0
+        while any(busy.values()) and step < max_steps:
+            order = workers if step % 2 == 0 else workers[::-1]
+            for name, conn, _ in order:
+                if busy[name]:
+                    conn.send("step")
+                    busy[name] = conn.recv()
+            step += 1
+        times = {}
+        for name, conn, _ in workers:
+            conn.send("stop")
+            times[name] = conn.recv()
     finally:
-        if gc_was_enabled:
-            gc.enable()
+        for _, _, proc in workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    stats = {name: _summary(times[name]) for name in backends}
     result: Dict[str, Any] = {
         "version": version,
         "caching": caching,
         "workload": "W1_QUICK" if quick else "W1",
-        "steps": steps,
-        "backends": {e.backend.name: _summary(e.step_seconds) for e in engines},
+        "backends": stats,
     }
-    if problem:
-        result["error"] = problem
-    base = result["backends"][backends[0]]["total_s"]
-    result["speedup"] = {
-        name: base / stats["total_s"] for name, stats in result["backends"].items()
-    }
+    if len({s["steps"] for s in stats.values()}) != 1:
+        result["error"] = "the backends took different numbers of steps"
+    base = stats[backends[0]]["total_s"]
+    result["speedup"] = {name: base / st["total_s"] for name, st in stats.items()}
     return result
