@@ -62,6 +62,7 @@ unsafe extern "C" fn richcompare(
     b: *mut ffi::PyObject,
     op: c_int,
 ) -> *mut ffi::PyObject {
+    // SAFETY: CPython calls tp_richcompare only from an attached thread (GIL held).
     let py = unsafe { Python::assume_attached() };
     if op != ffi::Py_EQ && op != ffi::Py_NE {
         return answer(py, None, true);
@@ -70,10 +71,12 @@ unsafe extern "C" fn richcompare(
     if a == b {
         return answer(py, Some(true), want_eq);
     }
+    // SAFETY: `a` and `b` are valid objects for the call; reading `ob_type` is a plain load.
     if unsafe { ffi::Py_TYPE(a) == ffi::Py_TYPE(b) } {
         return answer(py, Some(false), want_eq); // two members of one enum
     }
     let result = std::panic::catch_unwind(|| {
+        // SAFETY: borrowed, non-null, alive for this call; the `Bound`s do not outlive it.
         let (ours, other) = unsafe {
             (
                 Bound::from_borrowed_ptr(py, a),
@@ -100,8 +103,10 @@ unsafe extern "C" fn richcompare(
 /// SAFETY (of the body): as for `richcompare`: called attached, with a valid borrowed
 /// pointer; errors are restored and signalled with -1, panics caught.
 unsafe extern "C" fn hash(a: *mut ffi::PyObject) -> ffi::Py_hash_t {
+    // SAFETY: CPython calls tp_hash only from an attached thread (GIL held).
     let py = unsafe { Python::assume_attached() };
     let result = std::panic::catch_unwind(|| {
+        // SAFETY: borrowed, non-null, alive for this call; the `Bound` does not outlive it.
         let ours = unsafe { Bound::from_borrowed_ptr(py, a) };
         ours.getattr(intern!(py, "_name_"))?.hash()
     });
