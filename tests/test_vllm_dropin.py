@@ -118,3 +118,15 @@ def test_no_scheduler_method_is_slower_than_vllms(sequence_pair, case):
     if ratio > 1.15:
         ratio = min(interleaved_ratio(sequence_pair, case, rounds=15) for _ in range(2))
     assert ratio <= 1.15, f"{case}: pagedkv takes {ratio:.2f}x vLLM's time"
+
+
+@pytest.mark.slow
+def test_scheduler_step_timing_runs_both_backends_to_the_same_end():
+    """The function `pagedkv bench` calls: vLLM's real scheduler on W1_QUICK with vLLM's classes
+    and with pagedkv's, each engine in its own process, stepping in lockstep."""
+    result = vllm_scheduler.compare_scheduler_step("0.4.2", caching=True, quick=True)
+    assert "error" not in result, result
+    stats = result["backends"]
+    assert set(stats) == {"vllm", "pagedkv-dropin"}
+    assert stats["vllm"]["steps"] == stats["pagedkv-dropin"]["steps"] > 100
+    assert result["speedup"]["vllm"] == 1.0 and result["speedup"]["pagedkv-dropin"] > 0
