@@ -130,3 +130,23 @@ def test_scheduler_step_timing_runs_both_backends_to_the_same_end():
     assert set(stats) == {"vllm", "pagedkv-dropin"}
     assert stats["vllm"]["steps"] == stats["pagedkv-dropin"]["steps"] > 100
     assert result["speedup"]["vllm"] == 1.0 and result["speedup"]["pagedkv-dropin"] > 0
+
+
+def test_vllms_own_sequences_count_blocks_in_their_own_block_size():
+    """A vLLM Sequence whose block size differs from the manager's, on pagedkv's manager (the
+    manager keeps a native token store for it, in the sequence's units)."""
+    import pagedkv
+
+    v = vllm_release.load("0.4.2", "vllm")
+    seq = v.sequence.Sequence(7, "", list(range(60)), 60)
+    group = v.sequence.SequenceGroup("r7", [seq], v.sampling_params.SamplingParams(), 0.0)
+    ours = pagedkv.BlockSpaceManager(4, 8, 4, watermark=0.0)
+    theirs = v.block_manager_v1.BlockSpaceManagerV1(4, 8, 4, watermark=0.0)
+    for mgr in (ours, theirs):
+        mgr.allocate(group)
+    seq.status = v.sequence.SequenceStatus.RUNNING
+    seq.append_token_id(1, {1: v.sequence.Logprob(0.0)})
+    for mgr in (ours, theirs):
+        assert mgr.append_slots(seq) == {}
+        assert len(mgr.get_block_table(seq)) == len(seq.logical_token_blocks) == 2
+        assert mgr.get_num_free_gpu_blocks() == 6
