@@ -38,10 +38,12 @@ __all__ = [
     "BACKENDS",
     "Backend",
     "Engine",
+    "EngineConfig",
     "compare_decisions",
     "compare_scheduler_step",
     "make_backend",
     "random_requests",
+    "run_engines",
 ]
 
 BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager")
