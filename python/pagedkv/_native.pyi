@@ -35,6 +35,15 @@ def hash_blocks(
 ) -> List[int]:
     """Chained 128-bit hashes of every full block of ``token_ids``."""
 
+class CompatEnumBase:
+    """Native base of ``pagedkv._enum.CompatEnum``: C-level ``==``/``!=`` (identity within one
+    enum; equal to a foreign enum member of the same class name and member name) and
+    ``hash(self._name_)``. Holds no data."""
+
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
 class TokenSeq:
     """Token ids of one sequence and the chained hashes of its full blocks (each full block is
     hashed exactly once, when its last token arrives)."""
