@@ -111,7 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--no-scheduler",
         action="store_true",
-        help="with --compare, skip timing vLLM's whole Scheduler step (own classes vs pagedkv)",
+        help="with --compare, skip timing vLLM's whole Scheduler step on W1 (its own classes vs "
+        "pagedkv's dropped in; minutes without --quick)",
     )
     parser.add_argument(
         "--no-w1", action="store_true", help="skip W1 (= without w1 in --workloads)"
