@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import platform
@@ -398,7 +399,7 @@ def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[
     from pagedkv.bench import report
 
     try:
-        from pagedkv.bench import vllm_scheduler
+        vllm_scheduler = importlib.import_module("pagedkv.bench.vllm_scheduler")
     except ImportError:
         return {"status": "not available (no pagedkv.bench.vllm_scheduler in this install)"}
     print(file=out)
