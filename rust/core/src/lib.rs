@@ -11,6 +11,7 @@ pub mod error;
 pub mod hash;
 pub mod manager;
 pub mod pool;
+pub mod scheduler;
 pub mod token_seq;
 
 #[cfg(test)]
