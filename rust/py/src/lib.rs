@@ -8,6 +8,7 @@ mod errors;
 mod hashing;
 mod manager;
 mod pool;
+mod scheduler;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -16,6 +17,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<manager::PyManager>()?;
+    m.add_class::<scheduler::PySchedulerCore>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;

@@ -972,3 +972,45 @@ impl PyManager {
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 }
+
+/// Crate-internal hooks for `scheduler.rs`: the native scheduler drives the core manager of the
+/// `BlockSpaceManager` it owns directly, and keeps this binding's caches current.
+impl PyManager {
+    pub(crate) fn core(&self) -> &Manager {
+        &self.inner
+    }
+
+    pub(crate) fn core_mut(&mut self) -> &mut Manager {
+        &mut self.inner
+    }
+
+    /// A sequence's table was freed behind this binding's back: drop what it caches for it.
+    pub(crate) fn dropped(&mut self, id: SeqId) {
+        self.table_lists.remove(&id);
+        self.forget(id);
+    }
+
+    /// The block table of `id` as a fresh Python list (from the cached list when current).
+    pub(crate) fn table_list<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: SeqId,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let version = self.inner.table_version(id).py()?;
+        if let Some((v, list)) = self.table_lists.get(&id) {
+            if *v == version {
+                let list = list.bind(py);
+                return Ok(list.get_slice(0, list.len()));
+            }
+        }
+        let ints = match self.inner.device_of(id).py()? {
+            Device::Gpu => &self.gpu_ints,
+            Device::Cpu => &self.cpu_ints,
+        };
+        let table = self.inner.block_table(id).py()?;
+        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
+        let copy = list.get_slice(0, list.len());
+        self.table_lists.insert(id, (version, list.unbind()));
+        Ok(copy)
+    }
+}

@@ -1,0 +1,516 @@
+//! `SchedulerCore`: the native half of `pagedkv.Scheduler`. It keeps the Python
+//! `SequenceGroup`/`Sequence` objects (and their native token stores) beside the core
+//! scheduler's state, mirrors the engine's changes to running groups into the core before a
+//! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
+//! all in `pagedkv_core::scheduler`.
+
+use crate::errors::{invalid, wrong_type, IntoPyResult};
+use crate::hashing::PyTokenSeq;
+use crate::manager::PyManager;
+use pagedkv_core::scheduler::{
+    Change, Finish, Group, GroupKey, Outputs, PreemptionMode, Scheduler, SchedulerConfig, SeqState,
+    Status, StepMeta, Tokens,
+};
+use pagedkv_core::{Error, SeqId, TokenSeq};
+use pyo3::gc::PyVisit;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::PyTraverseError;
+use std::collections::HashMap;
+
+const STATUS_NAMES: [&str; 7] = [
+    "WAITING",
+    "RUNNING",
+    "SWAPPED",
+    "FINISHED_STOPPED",
+    "FINISHED_LENGTH_CAPPED",
+    "FINISHED_ABORTED",
+    "FINISHED_IGNORED",
+];
+
+fn status_index(s: Status) -> usize {
+    match s {
+        Status::Waiting => 0,
+        Status::Running => 1,
+        Status::Swapped => 2,
+        Status::Finished(Finish::Stopped) => 3,
+        Status::Finished(Finish::LengthCapped) => 4,
+        Status::Finished(Finish::Aborted) => 5,
+        Status::Finished(Finish::Ignored) => 6,
+    }
+}
+
+const STATUSES: [Status; 7] = [
+    Status::Waiting,
+    Status::Running,
+    Status::Swapped,
+    Status::Finished(Finish::Stopped),
+    Status::Finished(Finish::LengthCapped),
+    Status::Finished(Finish::Aborted),
+    Status::Finished(Finish::Ignored),
+];
+
+struct SeqView {
+    obj: Py<PyAny>,
+    store: Py<PyTokenSeq>,
+}
+
+/// The token stores of the known sequences, read in place (no Python code runs while the
+/// core holds a borrow: the GIL is held and nothing here calls back into Python).
+struct Stores<'a, 'py> {
+    py: Python<'py>,
+    seqs: &'a HashMap<SeqId, SeqView>,
+}
+
+impl Tokens for Stores<'_, '_> {
+    fn with<R>(&self, id: SeqId, f: impl FnOnce(&TokenSeq) -> R) -> pagedkv_core::Result<R> {
+        let v = self.seqs.get(&id).ok_or(Error::UnknownSequence(id))?;
+        let s =
+            v.store.bind(self.py).try_borrow().map_err(|_| {
+                Error::invalid(format!("the token store of sequence {id} is in use"))
+            })?;
+        Ok(f(&s.inner))
+    }
+}
+
+#[pyclass(module = "pagedkv._native", name = "SchedulerCore")]
+pub struct PySchedulerCore {
+    core: Scheduler,
+    manager: Py<PyManager>,
+    groups: HashMap<GroupKey, Py<PyAny>>,
+    seqs: HashMap<SeqId, SeqView>,
+    /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
+    statuses: Vec<Py<PyAny>>,
+    decode: Py<PyAny>,
+}
+
+fn preemption_mode(s: Option<&str>) -> PyResult<Option<PreemptionMode>> {
+    Ok(match s.map(|s| s.to_ascii_lowercase()) {
+        None => None,
+        Some(s) if s == "swap" => Some(PreemptionMode::Swap),
+        Some(s) if s == "recompute" => Some(PreemptionMode::Recompute),
+        Some(s) => {
+            return Err(invalid(format!(
+                "preemption_mode must be 'swap' or 'recompute', got {s:?}"
+            )))
+        }
+    })
+}
+
+#[pymethods]
+impl PySchedulerCore {
+    #[new]
+    #[pyo3(signature = (manager, max_num_batched_tokens, max_num_seqs, max_model_len, *,
+        num_lookahead_slots = 0, delay_factor = 0.0, chunked_prefill = false, max_loras = None,
+        preemption_mode = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        manager: &Bound<'_, PyAny>,
+        max_num_batched_tokens: usize,
+        max_num_seqs: usize,
+        max_model_len: usize,
+        num_lookahead_slots: usize,
+        delay_factor: f64,
+        chunked_prefill: bool,
+        max_loras: Option<usize>,
+        preemption_mode: Option<&str>,
+    ) -> PyResult<Self> {
+        let manager = manager
+            .cast::<PyManager>()
+            .map_err(|_| wrong_type("manager must be a pagedkv BlockSpaceManager"))?
+            .clone()
+            .unbind();
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
+            num_lookahead_slots,
+            delay_factor,
+            chunked_prefill,
+            max_loras,
+            preemption_mode: self::preemption_mode(preemption_mode)?,
+        };
+        let seq_mod = py.import("pagedkv.sequence")?;
+        let st = seq_mod.getattr("SequenceStatus")?;
+        let statuses = STATUS_NAMES
+            .iter()
+            .map(|n| st.getattr(*n).map(|m| m.unbind()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let decode = seq_mod
+            .getattr("SequenceStage")?
+            .getattr("DECODE")?
+            .unbind();
+        Ok(PySchedulerCore {
+            core: Scheduler::new(cfg).py()?,
+            manager,
+            groups: HashMap::new(),
+            seqs: HashMap::new(),
+            statuses,
+            decode,
+        })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.manager)?;
+        for g in self.groups.values() {
+            visit.call(g)?;
+        }
+        for s in self.seqs.values() {
+            visit.call(&s.obj)?;
+            visit.call(&s.store)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.groups.clear();
+        self.seqs.clear();
+    }
+
+    #[getter]
+    fn manager(&self, py: Python<'_>) -> Py<PyManager> {
+        self.manager.clone_ref(py)
+    }
+
+    /// vLLM's `add_seq_group`: a fresh request with one WAITING pagedkv `Sequence`.
+    fn add_seq_group(&mut self, group: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = group.py();
+        let rid = group.getattr(intern!(py, "request_id"))?;
+        let rid = rid
+            .cast::<PyString>()
+            .map_err(|_| wrong_type("seq_group.request_id must be a str"))?
+            .to_cow()?
+            .into_owned();
+        let arrival: f64 = group
+            .getattr(intern!(py, "metrics"))?
+            .getattr(intern!(py, "arrival_time"))?
+            .extract()?;
+        let lora: u32 = group.getattr(intern!(py, "lora_int_id"))?.extract()?;
+        let sp = group.getattr(intern!(py, "sampling_params"))?;
+        let best_of: usize = sp.getattr(intern!(py, "best_of"))?.extract()?;
+        let beam: bool = sp.getattr(intern!(py, "use_beam_search"))?.is_truthy()?;
+        let mut g = Group::new(&rid, arrival, lora, best_of, beam);
+        let seqs = group.call_method0(intern!(py, "get_seqs"))?;
+        let seqs = seqs.cast::<PyList>()?;
+        let mut views = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter() {
+            let (state, view) = self.read_new_seq(&seq)?;
+            g.seqs.push(state);
+            views.push(view);
+        }
+        g.num_seqs = g.seqs.len();
+        let ids: Vec<SeqId> = g.seqs.iter().map(|s| s.id).collect();
+        let key = self.core.add_group(g).py()?;
+        for (id, v) in ids.into_iter().zip(views) {
+            self.seqs.insert(id, v);
+        }
+        self.groups.insert(key, group.clone().unbind());
+        Ok(())
+    }
+
+    /// vLLM's `abort_seq_group` for the given request ids.
+    fn abort(&mut self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+        self.sync_running(py)?;
+        let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
+        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let gone = self.core.abort(&ids, m.core_mut());
+        drop(m);
+        self.write_back(py)?;
+        for k in gone.py()? {
+            self.release(k);
+        }
+        Ok(())
+    }
+
+    fn num_unfinished(&self) -> usize {
+        self.core.num_unfinished_groups()
+    }
+
+    /// The groups of a queue (`"waiting"`, `"running"` or `"swapped"`), in order.
+    fn queue<'py>(&self, py: Python<'py>, which: &str) -> PyResult<Bound<'py, PyList>> {
+        let q = match which {
+            "waiting" => self.core.waiting(),
+            "running" => self.core.running(),
+            "swapped" => self.core.swapped(),
+            _ => return Err(invalid(format!("no queue named {which:?}"))),
+        };
+        PyList::new(py, q.iter().map(|k| self.groups[k].bind(py)))
+    }
+
+    /// One step. Returns `(scheduled, num_prefill_groups, num_batched_tokens, swap_in,
+    /// swap_out, copies, ignored, num_lookahead_slots, running_queue_size)` where each
+    /// scheduled entry is `(group, chunk, is_prompt, do_sample, seq_data, block_tables,
+    /// computed_block_nums)`.
+    fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
+        self.sync_running(py)?;
+        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let stores = Stores {
+            py,
+            seqs: &self.seqs,
+        };
+        let res = self
+            .core
+            .schedule(m.core_mut(), &stores, now)
+            .and_then(|out| {
+                let metas = self.core.step_meta(m.core_mut(), &stores, &out, now)?;
+                Ok((out, metas))
+            });
+        drop(m);
+        self.write_back(py)?;
+        let (out, metas) = res.py()?;
+        let tuple = self.outputs_tuple(py, &out, &metas)?;
+        for &k in &out.ignored {
+            self.release(k);
+        }
+        Ok(tuple)
+    }
+
+    /// vLLM's `fork_seq`: the child joins the parent's group and shares its blocks.
+    fn fork(&mut self, parent: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = parent.py();
+        let pid = seq_id(parent)?;
+        let (mut state, view) = self.read_new_seq(child)?;
+        if state.id == pid {
+            return Err(invalid(format!("cannot fork sequence {pid} into itself")));
+        }
+        let key = self
+            .core
+            .group_of_seq(pid)
+            .ok_or_else(|| crate::errors::to_py(Error::UnknownSequence(pid)))?;
+        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        self.core.fork(pid, state.id, m.core_mut()).py()?;
+        drop(m);
+        // The child carries its own view of status and progress (vLLM copies the parent's).
+        let g = self.core.group_mut(key).expect("live group");
+        state.status = g.seqs.last().expect("child").status;
+        *g.seqs.last_mut().expect("child") = state.clone();
+        self.seqs.insert(state.id, view);
+        Ok(())
+    }
+
+    /// vLLM's `free_finished_seq_groups`.
+    fn free_finished(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.sync_running(py)?;
+        for k in self.core.free_finished() {
+            self.release(k);
+        }
+        Ok(())
+    }
+
+    /// Native bytes held for the scheduler's state (core + this binding's references).
+    fn state_bytes(&self) -> usize {
+        let groups = self.core.num_unfinished_groups();
+        let seqs = self.seqs.len();
+        groups * (std::mem::size_of::<Group>() + 4 + 8 + 16)
+            + seqs * (std::mem::size_of::<SeqState>() + std::mem::size_of::<SeqView>() + 16)
+    }
+}
+
+fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
+    seq.getattr(intern!(seq.py(), "seq_id"))?
+        .extract::<SeqId>()
+        .map_err(|_| wrong_type("seq.seq_id must be a non-negative int"))
+}
+
+impl PySchedulerCore {
+    fn status_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<Status> {
+        let st = seq.getattr(intern!(seq.py(), "status"))?;
+        for (i, m) in self.statuses.iter().enumerate() {
+            if st.is(m) {
+                return Ok(STATUSES[i]);
+            }
+        }
+        let name: String = st
+            .getattr(intern!(seq.py(), "name"))
+            .and_then(|n| n.extract())
+            .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?;
+        STATUS_NAMES
+            .iter()
+            .position(|n| *n == name)
+            .map(|i| STATUSES[i])
+            .ok_or_else(|| invalid(format!("unknown sequence status {name}")))
+    }
+
+    /// The engine-visible progress of a sequence: (decode stage, num_computed_tokens).
+    fn progress_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<(bool, usize)> {
+        let py = seq.py();
+        let data = seq.getattr(intern!(py, "data"))?;
+        let computed = data
+            .getattr(intern!(py, "_num_computed_tokens"))?
+            .extract()?;
+        let decode = data.getattr(intern!(py, "_stage"))?.is(&self.decode);
+        Ok((decode, computed))
+    }
+
+    fn read_new_seq(&self, seq: &Bound<'_, PyAny>) -> PyResult<(SeqState, SeqView)> {
+        let py = seq.py();
+        let id = seq_id(seq)?;
+        if self.seqs.contains_key(&id) {
+            return Err(invalid(format!("sequence {id} is already scheduled")));
+        }
+        let store = seq
+            .getattr(intern!(py, "data"))
+            .and_then(|d| d.getattr(intern!(py, "_store")))
+            .ok()
+            .and_then(|s| s.cast_into::<PyTokenSeq>().ok())
+            .ok_or_else(|| {
+                wrong_type("pagedkv.Scheduler schedules pagedkv Sequences (seq.data._store)")
+            })?;
+        let m = self.manager.bind(py).borrow();
+        let hasher = m.core().config().hasher;
+        if store.borrow().inner.block_size() != m.core().config().block_size {
+            return Err(invalid(format!(
+                "sequence {id} has block size {}, the cache has {}",
+                store.borrow().inner.block_size(),
+                m.core().config().block_size
+            )));
+        }
+        drop(m);
+        if store.borrow().inner.hasher() != hasher {
+            store.borrow_mut().inner.adopt_hasher(hasher);
+        }
+        let status = self.status_of(seq)?;
+        let (decode, num_computed) = self.progress_of(seq)?;
+        let state = SeqState {
+            id,
+            status,
+            decode,
+            num_computed,
+        };
+        Ok((
+            state,
+            SeqView {
+                obj: seq.clone().unbind(),
+                store: store.unbind(),
+            },
+        ))
+    }
+
+    /// Read what the engine may have changed on running groups since the last step.
+    fn sync_running(&mut self, py: Python<'_>) -> PyResult<()> {
+        let running: Vec<GroupKey> = self.core.running().iter().copied().collect();
+        for key in running {
+            let n = self.groups[&key]
+                .bind(py)
+                .getattr(intern!(py, "seqs_dict"))?
+                .len()?;
+            let ids: Vec<SeqId> = self
+                .core
+                .group(key)
+                .expect("live")
+                .seqs
+                .iter()
+                .map(|s| s.id)
+                .collect();
+            let mut fresh = Vec::with_capacity(ids.len());
+            for id in ids {
+                let obj = self.seqs[&id].obj.bind(py);
+                fresh.push((self.status_of(obj)?, self.progress_of(obj)?));
+            }
+            let g = self.core.group_mut(key).expect("live");
+            g.num_seqs = n;
+            for (s, (status, (decode, computed))) in g.seqs.iter_mut().zip(fresh) {
+                s.status = status;
+                s.decode = decode;
+                s.num_computed = computed;
+            }
+        }
+        Ok(())
+    }
+
+    /// Mirror the core's status changes onto the Python sequences.
+    fn write_back(&mut self, py: Python<'_>) -> PyResult<()> {
+        let changes: Vec<Change> = self.core.take_changes();
+        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        for c in &changes {
+            if c.reset
+                || matches!(
+                    c.status,
+                    Status::Finished(Finish::Aborted | Finish::Ignored)
+                )
+            {
+                m.dropped(c.seq);
+            }
+        }
+        drop(m);
+        for c in changes {
+            let obj = self.seqs[&c.seq].obj.bind(py);
+            obj.setattr(
+                intern!(py, "status"),
+                self.statuses[status_index(c.status)].bind(py),
+            )?;
+            if c.reset {
+                obj.call_method0(intern!(py, "reset_state_for_recompute"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, key: GroupKey) {
+        if let Some(g) = self.core.release(key) {
+            for s in g.seqs {
+                self.seqs.remove(&s.id);
+            }
+        }
+        self.groups.remove(&key);
+    }
+
+    fn outputs_tuple<'py>(
+        &self,
+        py: Python<'py>,
+        out: &Outputs,
+        metas: &[StepMeta],
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let scheduled = PyList::empty(py);
+        for (s, meta) in out.scheduled.iter().zip(metas) {
+            let group = self.groups[&s.key].bind(py);
+            let seq_data = PyDict::new(py);
+            let tables = PyDict::new(py);
+            for &id in &meta.running {
+                let obj = self.seqs[&id].obj.bind(py);
+                seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
+                tables.set_item(id, m.table_list(py, id)?)?;
+            }
+            let entry = (
+                group,
+                s.chunk,
+                meta.is_prompt,
+                meta.do_sample,
+                seq_data,
+                tables,
+                PyList::new(py, &meta.computed)?,
+                meta.first_time,
+            );
+            scheduled.append(entry)?;
+        }
+        drop(m);
+        let swap_in = PyDict::new(py);
+        for &(a, b) in &out.swap_in {
+            swap_in.set_item(a, b)?;
+        }
+        let swap_out = PyDict::new(py);
+        for &(a, b) in &out.swap_out {
+            swap_out.set_item(a, b)?;
+        }
+        let copies = PyDict::new(py);
+        for (src, dsts) in &out.copies {
+            copies.set_item(src, PyList::new(py, dsts)?)?;
+        }
+        let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].bind(py)))?;
+        let items: [Bound<'py, PyAny>; 9] = [
+            scheduled.into_any(),
+            out.num_prefill_groups.into_pyobject(py)?.into_any(),
+            out.num_batched_tokens.into_pyobject(py)?.into_any(),
+            swap_in.into_any(),
+            swap_out.into_any(),
+            copies.into_any(),
+            ignored.into_any(),
+            out.lookahead.into_pyobject(py)?.into_any(),
+            out.running_queue_size.into_pyobject(py)?.into_any(),
+        ];
+        PyTuple::new(py, items)
+    }
+}
