@@ -246,3 +246,36 @@ class BlockManager:
     def num_cached_blocks(self, device: str = "gpu") -> int: ...
     def num_evictable_blocks(self, device: str = "gpu") -> int: ...
     def check_invariants(self) -> None: ...
+
+class SchedulerCore:
+    """Native half of :class:`pagedkv.Scheduler` (see ``docs/scheduler.md``): vLLM 0.4.2's
+    scheduling policy over the core of ``manager`` (a ``BlockSpaceManager``)."""
+
+    def __init__(
+        self,
+        manager: BlockManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        *,
+        num_lookahead_slots: int = 0,
+        delay_factor: float = 0.0,
+        chunked_prefill: bool = False,
+        max_loras: Optional[int] = None,
+        preemption_mode: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def manager(self) -> BlockManager: ...
+    def add_seq_group(self, group: Any) -> None: ...
+    def abort(self, request_ids: List[str]) -> None: ...
+    def num_unfinished(self) -> int: ...
+    def queue(self, which: str) -> List[Any]:
+        """The groups of ``"waiting"``, ``"running"`` or ``"swapped"``, in order."""
+    def schedule(self, now: float) -> Tuple[Any, ...]:
+        """``(scheduled, num_prefill_groups, num_batched_tokens, swap_in, swap_out, copies,
+        ignored, num_lookahead_slots, running_queue_size)``; each scheduled entry is
+        ``(group, chunk, is_prompt, do_sample, seq_data, block_tables, computed_block_nums,
+        first_time)``."""
+    def fork(self, parent: Any, child: Any) -> None: ...
+    def free_finished(self) -> None: ...
+    def state_bytes(self) -> int: ...

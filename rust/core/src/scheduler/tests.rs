@@ -321,3 +321,92 @@ fn state_sizes() {
     );
     assert!(per_request <= 160);
 }
+
+fn finish(s: &mut Scheduler, m: &mut Manager, key: GroupKey, id: SeqId) {
+    let g = s.group_mut(key).unwrap();
+    g.seqs.iter_mut().find(|q| q.id == id).unwrap().status = Status::Finished(Finish::Stopped);
+    m.free(id).unwrap();
+}
+
+#[test]
+fn fix2_recomputed_group_with_finished_sequences_is_a_prompt_again() {
+    // vLLM asserts that a prefilling group has exactly one sequence (finished ones included).
+    let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), mgr(3, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 4, 2.0, 2);
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    st.fork(2, 3);
+    s.fork(2, 3, &mut m).unwrap();
+    finish(&mut s, &mut m, b, 2); // the first sequence of the group finishes
+    let out = s.schedule(&mut m, &st, 6.0).unwrap();
+    assert_eq!(out.preempted, vec![b], "one unfinished sequence: recompute");
+    engine_step(&mut s, &st, &out);
+    finish(&mut s, &mut m, a, 1);
+    assert_eq!(s.free_finished(), vec![a]);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!(keys(&out.scheduled), vec![(b, 5)]);
+    let metas = s.step_meta(&mut m, &st, &out, 7.0).unwrap();
+    assert!(metas[0].is_prompt && metas[0].do_sample);
+    assert_eq!(metas[0].running, vec![3]);
+}
+
+#[test]
+fn fix3_group_swapped_mid_prefill_comes_back_in_chunks() {
+    // vLLM swaps in a prefill unchunked: a prompt longer than the budget never returns.
+    let (mut s, st, mut m) = (sched(8, 8, 100, true), Store::default(), mgr(7, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 20, 2.0, 2);
+    let mut swapped_once = false;
+    for step in 0..30 {
+        let out = s.schedule(&mut m, &st, 10.0 + step as f64).unwrap();
+        swapped_once |= out.swapped_out.contains(&b);
+        assert!(out.num_batched_tokens <= 8);
+        engine_step(&mut s, &st, &out);
+        if let Some(g) = s.group(a) {
+            let len = st.with(1, |t| t.len()).unwrap();
+            if len >= 7 && g.seqs[0].status == Status::Running {
+                finish(&mut s, &mut m, a, 1);
+                s.free_finished();
+            }
+        }
+        if s.group(b).unwrap().seqs[0].decode {
+            assert!(swapped_once, "the test must swap b out mid-prefill");
+            return;
+        }
+    }
+    panic!("b never finished its prefill after being swapped out");
+}
+
+#[test]
+fn fix4_no_swap_space_falls_back_to_recompute() {
+    let mut cfg = sched(100, 8, 100, false).cfg;
+    cfg.preemption_mode = Some(PreemptionMode::Swap);
+    let (mut s, st, mut m) = (Scheduler::new(cfg).unwrap(), Store::default(), mgr(2, 0));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 4, 2.0, 1);
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    let out = s.schedule(&mut m, &st, 6.0).unwrap(); // vLLM: RuntimeError (no CPU space)
+    assert_eq!(keys(&out.scheduled), vec![(a, 1)]);
+    assert_eq!(out.preempted, vec![b]);
+    assert!(out.swap_out.is_empty());
+}
+
+#[test]
+fn fix5_preempting_a_lora_group_in_chunked_mode() {
+    // vLLM removes the group's LoRA from a set it was never added to (KeyError).
+    let mut cfg = sched(100, 8, 100, true).cfg;
+    cfg.max_loras = Some(1);
+    let (mut s, st, mut m) = (Scheduler::new(cfg).unwrap(), Store::default(), mgr(3, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 4, 2.0, 1);
+    for k in [a, b] {
+        s.group_mut(k).unwrap().lora = 7;
+    }
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    let out = s.schedule(&mut m, &st, 6.0).unwrap();
+    assert_eq!(keys(&out.scheduled), vec![(a, 1)]);
+    assert_eq!(out.preempted, vec![b]);
+}
