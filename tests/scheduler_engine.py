@@ -226,12 +226,18 @@ class World:
             "swap_in": swap_in,
             "swap_out": swap_out,
             "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
+            "first_scheduled": {
+                rid: g.metrics.first_scheduled_time for rid, g in self.groups.items()
+            },
             "queues": [
                 [g.request_id for g in q]
                 for q in (self.sched.waiting, self.sched.running, self.sched.swapped)
             ],
             "statuses": {
-                rid: sorted((s.seq_id, s.status.name) for s in g.get_seqs())
+                rid: sorted(
+                    (s.seq_id, s.status.name, s.data.get_num_computed_tokens(), s.is_prefill())
+                    for s in g.get_seqs()
+                )
                 for rid, g in self.groups.items()
             },
         }

@@ -990,6 +990,18 @@ impl PyManager {
         self.forget(id);
     }
 
+    /// GPU block numbers as a Python list of the cached int objects (no int allocation).
+    pub(crate) fn gpu_block_list<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &[BlockId],
+    ) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            blocks.iter().map(|&b| self.gpu_ints[b as usize].bind(py)),
+        )
+    }
+
     /// The block table of `id` as a fresh Python list (from the cached list when current).
     pub(crate) fn table_list<'py>(
         &mut self,

@@ -481,7 +481,7 @@ impl PySchedulerCore {
                 meta.do_sample,
                 seq_data,
                 tables,
-                PyList::new(py, &meta.computed)?,
+                m.gpu_block_list(py, &meta.computed)?,
                 meta.first_time,
             );
             scheduled.append(entry)?;
