@@ -28,6 +28,7 @@ from pagedkv.sequence import Sequence, SequenceGroup, SequenceGroupMetadata
 from pagedkv.types import LoRARequest
 
 __all__ = [
+    "BlockList",
     "CacheConfig",
     "LoRAConfig",
     "PreemptionMode",
@@ -36,6 +37,36 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerOutputs",
 ]
+
+
+class BlockList(list):
+    """Block numbers in the scheduler's metadata (``block_tables`` values and
+    ``computed_block_nums``): a list that cannot be modified in place.
+
+    The scheduler hands out the same object for a sequence until its table changes (once per
+    ``block_size`` decode steps) instead of building a new list every step. Reading works as
+    for a list; ``list(x)``, ``x[:]`` or ``x.copy()`` give an ordinary mutable list.
+    """
+
+    __slots__ = ()
+
+    def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("block lists in scheduler metadata are read-only; copy() them first")
+
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
+
+    def copy(self) -> List[int]:  # type: ignore[override]
+        return list(self)
+
+    def __copy__(self) -> List[int]:
+        return list(self)
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> List[int]:
+        return list(self)
+
+    def __reduce__(self) -> Any:
+        return (list, (list(self),))
 
 
 class PreemptionMode(enum.Enum):

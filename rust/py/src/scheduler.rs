@@ -11,7 +11,7 @@ use pagedkv_core::scheduler::{
     Change, Finish, Group, GroupKey, Outputs, PreemptionMode, Scheduler, SchedulerConfig, SeqState,
     Status, StepMeta, Tokens,
 };
-use pagedkv_core::{Error, SeqId, TokenSeq};
+use pagedkv_core::{BlockId, Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -54,6 +54,15 @@ const STATUSES: [Status; 7] = [
 struct SeqView {
     obj: Py<PyAny>,
     store: Py<PyTokenSeq>,
+    /// The read-only block-table list handed out in metadata, with the table version it
+    /// shows: reused until the table changes (once per `block_size` decode steps).
+    table: Option<(u64, Py<PyAny>)>,
+}
+
+struct GroupView {
+    obj: Py<PyAny>,
+    /// The read-only `computed_block_nums` list last handed out, reused while equal.
+    computed: Option<(Vec<BlockId>, Py<PyAny>)>,
 }
 
 /// The token stores of the known sequences, read in place (no Python code runs while the
@@ -78,8 +87,10 @@ impl Tokens for Stores<'_, '_> {
 pub struct PySchedulerCore {
     core: Scheduler,
     manager: Py<PyManager>,
-    groups: HashMap<GroupKey, Py<PyAny>>,
+    groups: HashMap<GroupKey, GroupView>,
     seqs: HashMap<SeqId, SeqView>,
+    /// `pagedkv.scheduler.BlockList` (a read-only list).
+    block_list: Py<PyAny>,
     /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
     statuses: Vec<Py<PyAny>>,
     decode: Py<PyAny>,
@@ -142,6 +153,10 @@ impl PySchedulerCore {
             .getattr("SequenceStage")?
             .getattr("DECODE")?
             .unbind();
+        let block_list = py
+            .import("pagedkv.scheduler")?
+            .getattr("BlockList")?
+            .unbind();
         Ok(PySchedulerCore {
             core: Scheduler::new(cfg).py()?,
             manager,
@@ -149,17 +164,25 @@ impl PySchedulerCore {
             seqs: HashMap::new(),
             statuses,
             decode,
+            block_list,
         })
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.manager)?;
+        visit.call(&self.block_list)?;
         for g in self.groups.values() {
-            visit.call(g)?;
+            visit.call(&g.obj)?;
+            if let Some((_, l)) = &g.computed {
+                visit.call(l)?;
+            }
         }
         for s in self.seqs.values() {
             visit.call(&s.obj)?;
             visit.call(&s.store)?;
+            if let Some((_, l)) = &s.table {
+                visit.call(l)?;
+            }
         }
         Ok(())
     }
@@ -206,7 +229,11 @@ impl PySchedulerCore {
         for (id, v) in ids.into_iter().zip(views) {
             self.seqs.insert(id, v);
         }
-        self.groups.insert(key, group.clone().unbind());
+        let view = GroupView {
+            obj: group.clone().unbind(),
+            computed: None,
+        };
+        self.groups.insert(key, view);
         Ok(())
     }
 
@@ -236,7 +263,7 @@ impl PySchedulerCore {
             "swapped" => self.core.swapped(),
             _ => return Err(invalid(format!("no queue named {which:?}"))),
         };
-        PyList::new(py, q.iter().map(|k| self.groups[k].bind(py)))
+        PyList::new(py, q.iter().map(|k| self.groups[k].obj.bind(py)))
     }
 
     /// One step. Returns `(scheduled, num_prefill_groups, num_batched_tokens, swap_in,
@@ -384,6 +411,7 @@ impl PySchedulerCore {
             SeqView {
                 obj: seq.clone().unbind(),
                 store: store.unbind(),
+                table: None,
             },
         ))
     }
@@ -393,6 +421,7 @@ impl PySchedulerCore {
         let running: Vec<GroupKey> = self.core.running().iter().copied().collect();
         for key in running {
             let n = self.groups[&key]
+                .obj
                 .bind(py)
                 .getattr(intern!(py, "seqs_dict"))?
                 .len()?;
@@ -457,31 +486,72 @@ impl PySchedulerCore {
         self.groups.remove(&key);
     }
 
+    /// The read-only block-table list of `id` (cached while its table is unchanged).
+    fn table_of<'py>(
+        &mut self,
+        py: Python<'py>,
+        m: &mut PyManager,
+        id: SeqId,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let version = m.core().table_version(id).py()?;
+        let view = self.seqs.get_mut(&id).expect("known sequence");
+        if let Some((v, list)) = &view.table {
+            if *v == version {
+                return Ok(list.bind(py).clone());
+            }
+        }
+        let list = self.block_list.bind(py).call1((m.table_list(py, id)?,))?;
+        view.table = Some((version, list.clone().unbind()));
+        Ok(list)
+    }
+
+    /// The read-only `computed_block_nums` list of a group (cached while equal).
+    fn computed_of<'py>(
+        &mut self,
+        py: Python<'py>,
+        m: &PyManager,
+        key: GroupKey,
+        computed: &[BlockId],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let view = self.groups.get_mut(&key).expect("live group");
+        if let Some((c, list)) = &view.computed {
+            if c.as_slice() == computed {
+                return Ok(list.bind(py).clone());
+            }
+        }
+        let list = self
+            .block_list
+            .bind(py)
+            .call1((m.gpu_block_list(py, computed)?,))?;
+        view.computed = Some((computed.to_vec(), list.clone().unbind()));
+        Ok(list)
+    }
+
     fn outputs_tuple<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         out: &Outputs,
         metas: &[StepMeta],
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let manager = self.manager.clone_ref(py);
+        let mut m = manager.bind(py).try_borrow_mut()?;
         let scheduled = PyList::empty(py);
         for (s, meta) in out.scheduled.iter().zip(metas) {
-            let group = self.groups[&s.key].bind(py);
             let seq_data = PyDict::new(py);
             let tables = PyDict::new(py);
             for &id in &meta.running {
                 let obj = self.seqs[&id].obj.bind(py);
                 seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
-                tables.set_item(id, m.table_list(py, id)?)?;
+                tables.set_item(id, self.table_of(py, &mut m, id)?)?;
             }
             let entry = (
-                group,
+                self.groups[&s.key].obj.bind(py).clone(),
                 s.chunk,
                 meta.is_prompt,
                 meta.do_sample,
                 seq_data,
                 tables,
-                m.gpu_block_list(py, &meta.computed)?,
+                self.computed_of(py, &m, s.key, &meta.computed)?,
                 meta.first_time,
             );
             scheduled.append(entry)?;
@@ -499,7 +569,7 @@ impl PySchedulerCore {
         for (src, dsts) in &out.copies {
             copies.set_item(src, PyList::new(py, dsts)?)?;
         }
-        let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].bind(py)))?;
+        let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].obj.bind(py)))?;
         let items: [Bound<'py, PyAny>; 9] = [
             scheduled.into_any(),
             out.num_prefill_groups.into_pyobject(py)?.into_any(),
