@@ -410,3 +410,38 @@ fn fix5_preempting_a_lora_group_in_chunked_mode() {
     assert_eq!(keys(&out.scheduled), vec![(a, 1)]);
     assert_eq!(out.preempted, vec![b]);
 }
+
+#[test]
+fn fix6_group_that_can_never_swap_in_is_ignored_and_freed() {
+    // vLLM marks it ignored but keeps its CPU blocks (and drops it unreported when chunked).
+    for chunked in [false, true] {
+        let (mut s, st, mut m) = (sched(100, 8, 100, chunked), Store::default(), mgr(6, 8));
+        let a = add(&mut s, &st, 1, 4, 1.0, 1);
+        let b = add(&mut s, &st, 2, 4, 2.0, 3);
+        let out = s.schedule(&mut m, &st, 5.0).unwrap();
+        engine_step(&mut s, &st, &out);
+        for c in [3, 4] {
+            st.fork(2, c);
+            s.fork(2, c, &mut m).unwrap();
+        }
+        // Each of b's three sequences takes a block of its own: b holds 4 blocks, a 2.
+        let out = s.schedule(&mut m, &st, 6.0).unwrap();
+        assert_eq!(m.num_free_gpu_blocks(), 0);
+        engine_step(&mut s, &st, &out);
+        let out = s.schedule(&mut m, &st, 7.0).unwrap();
+        assert_eq!(out.swapped_out, vec![b]);
+        assert_eq!(m.num_free_cpu_blocks(), 4);
+        engine_step(&mut s, &st, &out);
+        // 4 blocks + one per sequence > 6 blocks in the pool: it can never come back.
+        let out = s.schedule(&mut m, &st, 8.0).unwrap();
+        assert_eq!(out.ignored, vec![b], "chunked={chunked}");
+        assert_eq!(m.num_free_cpu_blocks(), 8);
+        assert!(s
+            .group(b)
+            .unwrap()
+            .seqs
+            .iter()
+            .all(|q| q.status == Status::Finished(Finish::Ignored)));
+        assert!(s.swapped().is_empty() && s.running().contains(&a));
+    }
+}
