@@ -181,6 +181,16 @@ def test_bad_input_is_refused_and_changes_nothing():
         Scheduler(SchedulerConfig(64, 8, 64), CacheConfig(4))  # block counts not set
     with pytest.raises(InvalidArgumentError):
         make(preemption_mode="sometimes")
+    bad = SchedulerConfig(64, 8, 64)
+    bad.max_num_seqs = -1
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(bad, CacheConfig(4, num_gpu_blocks=8, num_cpu_blocks=8))
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(
+            SchedulerConfig(64, 8, 64),
+            CacheConfig(4, num_gpu_blocks=8, num_cpu_blocks=8),
+            LoRAConfig(max_lora_rank=8, max_loras=0),
+        )
 
 
 def test_prefix_caching_reports_common_computed_blocks():

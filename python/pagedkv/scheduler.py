@@ -256,8 +256,11 @@ class Scheduler:
         self.cache_config = cache_config
         self.lora_config = lora_config
         chunked = bool(_field(scheduler_config, "chunked_prefill_enabled", False))
-        max_tokens = scheduler_config.max_num_batched_tokens
-        max_len = scheduler_config.max_model_len
+        max_tokens = _count(scheduler_config, "max_num_batched_tokens", 1)
+        max_len = _count(scheduler_config, "max_model_len", 1)
+        max_seqs = _count(scheduler_config, "max_num_seqs", 1)
+        lookahead = _count(scheduler_config, "num_lookahead_slots", 0, default=0)
+        max_loras = _count(lora_config, "max_loras", 1) if lora_config else None
         self.prompt_limit = max_len if chunked else min(max_len, max_tokens)
         if _field(scheduler_config, "use_v2_block_manager", False):
             raise InvalidArgumentError(
@@ -277,12 +280,12 @@ class Scheduler:
         self._core = SchedulerCore(
             self.block_manager,
             max_tokens,
-            scheduler_config.max_num_seqs,
+            max_seqs,
             max_len,
-            num_lookahead_slots=_field(scheduler_config, "num_lookahead_slots", 0),
+            num_lookahead_slots=lookahead,
             delay_factor=float(_field(scheduler_config, "delay_factor", 0.0)),
             chunked_prefill=chunked,
-            max_loras=lora_config.max_loras if lora_config else None,
+            max_loras=max_loras,
             preemption_mode=_preemption_mode_name(_field(scheduler_config, "preemption_mode")),
         )
 
@@ -396,6 +399,14 @@ class Scheduler:
         """Bytes of native state the scheduler holds for its requests (excluding the Python
         objects the engine owns and the block manager)."""
         return self._core.state_bytes()
+
+
+def _count(obj: Any, name: str, least: int, default: Any = None) -> int:
+    """An integer config field that must be at least ``least`` (InvalidArgumentError)."""
+    value = getattr(obj, name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise InvalidArgumentError(f"{name} must be an int >= {least}, got {value!r}")
+    return value
 
 
 def _field(obj: Any, name: str, default: Any = None) -> Any:
