@@ -4,7 +4,8 @@ A model-free engine loop (what vLLM's LLMEngine does around the scheduler: ``sch
 the output processing of ``_process_model_outputs``: advance computed tokens, fork ``n > 1``
 requests after their prefill, append one sampled token per running sequence, finish and free
 sequences at their output length, ``free_finished_seq_groups``) drives three backends through
-the same W1 requests, one after the other in one process:
+the same W1 requests in one process, in lockstep (a step of each in turn, so that machine
+noise falls on all three alike):
 
 * ``vllm``: vLLM 0.4.2's Scheduler with its own classes (``pagedkv.vllm_release``);
 * ``dropin``: vLLM 0.4.2's Scheduler code with pagedkv's Sequence family and block manager;
@@ -14,6 +15,7 @@ The loop is the same code for all three; only the classes differ. It reports the
 whole step (schedule + output processing) and of ``schedule()`` alone, in microseconds, and the
 ratios to ``vllm``. Every backend must take the same number of steps (a cheap check that they
 made the same decisions; tests/test_scheduler_differential.py checks them step by step).
+GC is disabled while stepping (as in the issue's measurements), for all three alike.
 
 Run: ``python benches/bench_scheduler_step.py [--quick] [--caching on|off|both] [--steps N]``.
 """
@@ -104,33 +106,35 @@ class Engine:
         sched.free_finished_seq_groups()
 
 
-def run(backend: str, cfg: Any, caching: bool, max_steps: int) -> Engine:
-    eng = Engine(backend, cfg, caching)
-    for req in generate_w1(cfg).requests:
-        eng.add(req)
+def compare(cfg: Any, caching: bool, max_steps: int) -> Dict[str, Dict[str, float]]:
+    """Step the three engines in lockstep (one step of each in turn), so that machine noise
+    falls on all of them alike."""
+    engines = {b: Engine(b, cfg, caching) for b in BACKENDS}
+    requests = generate_w1(cfg).requests
+    for e in engines.values():
+        for req in requests:
+            e.add(req)
     gc.collect()
     gc.disable()
     try:
-        while eng.sched.has_unfinished_seqs() and len(eng.step_s) < max_steps:
-            eng.step()
+        steps = 0
+        while steps < max_steps and any(e.sched.has_unfinished_seqs() for e in engines.values()):
+            for e in engines.values():
+                e.step()
+            steps += 1
     finally:
         gc.enable()
-    return eng
-
-
-def compare(cfg: Any, caching: bool, max_steps: int) -> Dict[str, Dict[str, float]]:
-    res = {}
-    for b in BACKENDS:
-        e = run(b, cfg, caching, max_steps)
-        res[b] = {
+    busy = {b: e.sched.has_unfinished_seqs() for b, e in engines.items()}
+    if len(set(busy.values())) != 1:
+        raise AssertionError(f"backends finished at different steps: {busy}")
+    return {
+        b: {
             "steps": len(e.step_s),
             "step_us": statistics.fmean(e.step_s) * 1e6,
             "schedule_us": statistics.fmean(e.schedule_s) * 1e6,
         }
-    steps = {r["steps"] for r in res.values()}
-    if len(steps) != 1:
-        raise AssertionError(f"backends took different numbers of steps: {res}")
-    return res
+        for b, e in engines.items()
+    }
 
 
 def main(argv=None) -> int:
