@@ -188,6 +188,10 @@ impl PySchedulerCore {
     }
 
     fn __clear__(&mut self) {
+        // Drop the core's groups too, so that no queue names a view that is gone.
+        if let Ok(empty) = Scheduler::new(self.core.config().clone()) {
+            self.core = empty;
+        }
         self.groups.clear();
         self.seqs.clear();
     }
