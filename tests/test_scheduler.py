@@ -225,3 +225,25 @@ def test_state_bytes_per_request():
         s.add_seq_group(group(i, 4))
     per_request = (s.state_bytes() - base) / 10
     assert 0 < per_request <= 200
+
+
+def test_metadata_block_lists_are_read_only_and_follow_table_changes():
+    s = make(bs=4)
+    g = group(1, 3)
+    s.add_seq_group(g)
+    metas, _ = s.schedule()
+    seq = g.get_seqs()[0]
+    first = metas[0].block_tables[1]
+    with pytest.raises(TypeError):
+        first.append(7)
+    assert first.copy() == list(first) == s.block_manager.get_block_table(seq)
+    g.update_num_computed_tokens(3)
+    seq.append_token_id(5, {5: pagedkv.Logprob(0.0)})  # 4 tokens: still one block
+    metas, _ = s.schedule()
+    assert metas[0].block_tables[1] is first  # unchanged table: the same list
+    g.update_num_computed_tokens(1)
+    seq.append_token_id(6, {6: pagedkv.Logprob(0.0)})  # 5 tokens: a second block
+    metas, _ = s.schedule()
+    grown = metas[0].block_tables[1]
+    assert len(grown) == 2 and list(first) == grown[:1]
+    assert grown == s.block_manager.get_block_table(seq)
