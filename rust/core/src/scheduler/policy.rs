@@ -350,17 +350,17 @@ impl Scheduler {
     /// sequence, or the exact need if larger (the manager's rule).
     fn can_append_slots<T: Tokens>(&self, st: &Step<T>, key: GroupKey) -> Result<bool> {
         let la = self.cfg.num_lookahead_slots;
-        let ids = self.running_ids(key);
-        let mut need = 0;
-        for &id in &ids {
+        let (mut need, mut count) = (0, 0);
+        for id in self.g(key).ids_with(Status::Running) {
             need += st.toks.with(id, |t| st.mgr.append_need(id, t, la))??;
+            count += 1;
         }
-        Ok(st.mgr.num_free_gpu_blocks() >= need.max(ids.len()))
+        Ok(st.mgr.num_free_gpu_blocks() >= need.max(count))
     }
 
     fn append_slots<T: Tokens>(&self, st: &mut Step<T>, key: GroupKey) -> Result<()> {
         let la = self.cfg.num_lookahead_slots;
-        for id in self.running_ids(key) {
+        for id in self.g(key).ids_with(Status::Running) {
             let Step {
                 mgr, toks, cows, ..
             } = st;
