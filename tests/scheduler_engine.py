@@ -137,7 +137,8 @@ class World:
             self.LoRARequest = v.lora_request.LoRARequest
             self.Sequence, self.SequenceGroup = seq_mod.Sequence, seq_mod.SequenceGroup
         self.sched_mod = sched_mod
-        sched_mod.time = clock  # the module's `time.time()` reads the fake clock
+        self._real_time = sched_mod.time
+        sched_mod.time = clock  # the module's `time.time()` reads the fake clock (close())
         self.Status = seq_mod.SequenceStatus
         scfg = cfg_mod.SchedulerConfig(
             w.max_num_batched_tokens,
@@ -167,6 +168,10 @@ class World:
             )
         self.next_child = 100_000
         self.groups: Dict[str, Any] = {}
+
+    def close(self) -> None:
+        """Give the scheduler module its real clock back."""
+        self.sched_mod.time = self._real_time
 
     # -- requests ------------------------------------------------------------------------------
 

@@ -87,14 +87,19 @@ class Run:
         for req in self.w.requests:
             if req["abort_at"] is not None:
                 aborts.setdefault(req["abort_at"], []).append(req["rid"])
-        for step in range(self.w.steps):
-            try:
-                self.step(step, aborts.get(step, []))
-            except StopIteration as e:
-                self.stopped = str(e)
-                break
-            if not self.ours.sched.has_unfinished_seqs() and step > self.w.steps // 2:
-                break
+        worlds = [self.ours, *self.refs.values()]
+        try:
+            for step in range(self.w.steps):
+                try:
+                    self.step(step, aborts.get(step, []))
+                except StopIteration as e:
+                    self.stopped = str(e)
+                    break
+                if not self.ours.sched.has_unfinished_seqs() and step > self.w.steps // 2:
+                    break
+        finally:
+            for world in reversed(worlds):
+                world.close()
         return self
 
 
@@ -147,3 +152,12 @@ def test_lookahead_slots_against_vllm_scheduler_over_pagedkv_classes():
         for seed in range(400, 410)
     ]
     assert sum(r.compared["dropin"] for r in runs) >= 300
+
+
+def test_runs_give_the_real_clock_back():
+    import time
+
+    import pagedkv.scheduler
+
+    Run(Workload.random(7, steps=5)).run()
+    assert pagedkv.scheduler.time is time
