@@ -272,10 +272,9 @@ class SchedulerCore:
     def queue(self, which: str) -> List[Any]:
         """The groups of ``"waiting"``, ``"running"`` or ``"swapped"``, in order."""
     def schedule(self, now: float) -> Tuple[Any, ...]:
-        """``(scheduled, num_prefill_groups, num_batched_tokens, swap_in, swap_out, copies,
-        ignored, num_lookahead_slots, running_queue_size)``; each scheduled entry is
-        ``(group, chunk, is_prompt, do_sample, seq_data, block_tables, computed_block_nums,
-        first_time)``."""
+        """``(scheduled, metadata, num_prefill_groups, num_batched_tokens, swap_in,
+        swap_out, copies, ignored, num_lookahead_slots, running_queue_size)``: the
+        ``ScheduledSequenceGroup`` and ``SequenceGroupMetadata`` lists in vLLM's order."""
     def fork(self, parent: Any, child: Any) -> None: ...
     def free_finished(self) -> None: ...
     def state_bytes(self) -> int: ...

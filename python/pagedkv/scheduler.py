@@ -331,7 +331,8 @@ class Scheduler:
         """Decide one step; return the workers' metadata and the scheduler outputs."""
         now = time.time()
         (
-            entries,
+            scheduled,
+            metadata,
             num_prefill_groups,
             num_batched_tokens,
             swap_in,
@@ -341,32 +342,8 @@ class Scheduler:
             num_lookahead_slots,
             running_queue_size,
         ) = self._core.schedule(now)
-        with_mm = num_prefill_groups > 0
-        if any(e[0].lora_request is not None for e in entries):
-            # vLLM sorts the scheduled groups by LoRA (SchedulerOutputs.__post_init__) and
-            # builds the metadata in that order.
-            entries.sort(key=lambda e: (e[0].lora_int_id, e[0].request_id))
-        metadata = []
-        scheduled = []
-        for group, chunk, is_prompt, do_sample, seq_data, tables, computed, first in entries:
-            if first:
-                group.maybe_set_first_scheduled_time(now)
-            scheduled.append(ScheduledSequenceGroup(group, chunk))
-            metadata.append(
-                SequenceGroupMetadata(
-                    group.request_id,
-                    is_prompt,
-                    seq_data,
-                    group.sampling_params,
-                    tables,
-                    do_sample,
-                    chunk,
-                    group.lora_request,
-                    computed,
-                    group.state,
-                    group.multi_modal_data if with_mm else None,
-                )
-            )
+        # `scheduled` and `metadata` are built natively, already in vLLM's order (sorted by
+        # LoRA when any group has one, as SchedulerOutputs.__post_init__ does).
         outputs = SchedulerOutputs(
             scheduled_seq_groups=scheduled,
             num_prefill_groups=num_prefill_groups,

@@ -8,8 +8,8 @@ use crate::errors::{invalid, wrong_type, IntoPyResult};
 use crate::hashing::PyTokenSeq;
 use crate::manager::PyManager;
 use pagedkv_core::scheduler::{
-    Change, Finish, Group, GroupKey, Outputs, PreemptionMode, Scheduler, SchedulerConfig, SeqState,
-    Status, StepMeta, Tokens,
+    Change, Finish, Group, GroupKey, Outputs, PreemptionMode, Scheduled, Scheduler,
+    SchedulerConfig, SeqState, Status, StepMeta, Tokens,
 };
 use pagedkv_core::{BlockId, Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
@@ -91,6 +91,9 @@ pub struct PySchedulerCore {
     seqs: HashMap<SeqId, SeqView>,
     /// `pagedkv.scheduler.BlockList` (a read-only list).
     block_list: Py<PyAny>,
+    /// `pagedkv.sequence.SequenceGroupMetadata` and `pagedkv.scheduler.ScheduledSequenceGroup`.
+    metadata_cls: Py<PyAny>,
+    scheduled_cls: Py<PyAny>,
     /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
     statuses: Vec<Py<PyAny>>,
     decode: Py<PyAny>,
@@ -157,6 +160,11 @@ impl PySchedulerCore {
             .import("pagedkv.scheduler")?
             .getattr("BlockList")?
             .unbind();
+        let metadata_cls = seq_mod.getattr("SequenceGroupMetadata")?.unbind();
+        let scheduled_cls = py
+            .import("pagedkv.scheduler")?
+            .getattr("ScheduledSequenceGroup")?
+            .unbind();
         Ok(PySchedulerCore {
             core: Scheduler::new(cfg).py()?,
             manager,
@@ -165,12 +173,16 @@ impl PySchedulerCore {
             statuses,
             decode,
             block_list,
+            metadata_cls,
+            scheduled_cls,
         })
     }
 
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.manager)?;
         visit.call(&self.block_list)?;
+        visit.call(&self.metadata_cls)?;
+        visit.call(&self.scheduled_cls)?;
         for g in self.groups.values() {
             visit.call(&g.obj)?;
             if let Some((_, l)) = &g.computed {
@@ -291,7 +303,7 @@ impl PySchedulerCore {
         drop(m);
         self.write_back(py)?;
         let (out, metas) = res.py()?;
-        let tuple = self.outputs_tuple(py, &out, &metas)?;
+        let tuple = self.outputs_tuple(py, &out, &metas, now)?;
         for &k in &out.ignored {
             self.release(k);
         }
@@ -531,34 +543,77 @@ impl PySchedulerCore {
         Ok(list)
     }
 
+    /// The order vLLM hands scheduled groups out in: as scheduled, or by (LoRA id, request
+    /// id) when any of them has a LoRA (`SchedulerOutputs.__post_init__`).
+    fn output_order(&self, out: &Outputs) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..out.scheduled.len()).collect();
+        let group = |i: usize| self.core.group(out.scheduled[i].key).expect("live group");
+        if order.iter().any(|&i| group(i).lora > 0) {
+            order.sort_by(|&a, &b| {
+                let (ga, gb) = (group(a), group(b));
+                (ga.lora, &ga.request_id).cmp(&(gb.lora, &gb.request_id))
+            });
+        }
+        order
+    }
+
+    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body).
+    fn metadata<'py>(
+        &mut self,
+        py: Python<'py>,
+        m: &mut PyManager,
+        s: &Scheduled,
+        meta: &StepMeta,
+        with_mm: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let group = self.groups[&s.key].obj.bind(py).clone();
+        let seq_data = PyDict::new(py);
+        let tables = PyDict::new(py);
+        for &id in &meta.running {
+            let obj = self.seqs[&id].obj.bind(py);
+            seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
+            tables.set_item(id, self.table_of(py, m, id)?)?;
+        }
+        let mm = match with_mm {
+            true => group.getattr(intern!(py, "multi_modal_data"))?,
+            false => py.None().into_bound(py),
+        };
+        let args = (
+            group.getattr(intern!(py, "request_id"))?,
+            meta.is_prompt,
+            seq_data,
+            group.getattr(intern!(py, "sampling_params"))?,
+            tables,
+            meta.do_sample,
+            s.chunk,
+            group.getattr(intern!(py, "lora_request"))?,
+            self.computed_of(py, m, s.key, &meta.computed)?,
+            group.getattr(intern!(py, "state"))?,
+            mm,
+        );
+        self.metadata_cls.bind(py).call1(args)
+    }
+
     fn outputs_tuple<'py>(
         &mut self,
         py: Python<'py>,
         out: &Outputs,
         metas: &[StepMeta],
+        now: f64,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let manager = self.manager.clone_ref(py);
         let mut m = manager.bind(py).try_borrow_mut()?;
         let scheduled = PyList::empty(py);
-        for (s, meta) in out.scheduled.iter().zip(metas) {
-            let seq_data = PyDict::new(py);
-            let tables = PyDict::new(py);
-            for &id in &meta.running {
-                let obj = self.seqs[&id].obj.bind(py);
-                seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
-                tables.set_item(id, self.table_of(py, &mut m, id)?)?;
+        let metadata = PyList::empty(py);
+        let with_mm = out.num_prefill_groups > 0;
+        for i in self.output_order(out) {
+            let (s, meta) = (&out.scheduled[i], &metas[i]);
+            let group = self.groups[&s.key].obj.bind(py).clone();
+            if meta.first_time {
+                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
             }
-            let entry = (
-                self.groups[&s.key].obj.bind(py).clone(),
-                s.chunk,
-                meta.is_prompt,
-                meta.do_sample,
-                seq_data,
-                tables,
-                self.computed_of(py, &m, s.key, &meta.computed)?,
-                meta.first_time,
-            );
-            scheduled.append(entry)?;
+            metadata.append(self.metadata(py, &mut m, s, meta, with_mm)?)?;
+            scheduled.append(self.scheduled_cls.bind(py).call1((group, s.chunk))?)?;
         }
         drop(m);
         let swap_in = PyDict::new(py);
@@ -574,8 +629,9 @@ impl PySchedulerCore {
             copies.set_item(src, PyList::new(py, dsts)?)?;
         }
         let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].obj.bind(py)))?;
-        let items: [Bound<'py, PyAny>; 9] = [
+        let items: [Bound<'py, PyAny>; 10] = [
             scheduled.into_any(),
+            metadata.into_any(),
             out.num_prefill_groups.into_pyobject(py)?.into_any(),
             out.num_batched_tokens.into_pyobject(py)?.into_any(),
             swap_in.into_any(),
