@@ -8,7 +8,7 @@ use crate::errors::{invalid, wrong_type, IntoPyResult};
 use crate::hashing::PyTokenSeq;
 use crate::manager::PyManager;
 use pagedkv_core::scheduler::{
-    Change, Finish, Group, GroupKey, Outputs, PreemptionMode, Scheduled, Scheduler,
+    Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
     SchedulerConfig, SeqState, Status, StepMeta, Tokens,
 };
 use pagedkv_core::{BlockId, Error, SeqId, TokenSeq};
@@ -17,7 +17,6 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use pyo3::PyTraverseError;
-use std::collections::HashMap;
 
 const STATUS_NAMES: [&str; 7] = [
     "WAITING",
@@ -69,7 +68,7 @@ struct GroupView {
 /// core holds a borrow: the GIL is held and nothing here calls back into Python).
 struct Stores<'a, 'py> {
     py: Python<'py>,
-    seqs: &'a HashMap<SeqId, SeqView>,
+    seqs: &'a IdMap<SeqId, SeqView>,
 }
 
 impl Tokens for Stores<'_, '_> {
@@ -87,8 +86,8 @@ impl Tokens for Stores<'_, '_> {
 pub struct PySchedulerCore {
     core: Scheduler,
     manager: Py<PyManager>,
-    groups: HashMap<GroupKey, GroupView>,
-    seqs: HashMap<SeqId, SeqView>,
+    groups: IdMap<GroupKey, GroupView>,
+    seqs: IdMap<SeqId, SeqView>,
     /// `pagedkv.scheduler.BlockList` (a read-only list).
     block_list: Py<PyAny>,
     /// `pagedkv.sequence.SequenceGroupMetadata` and `pagedkv.scheduler.ScheduledSequenceGroup`.
@@ -168,8 +167,8 @@ impl PySchedulerCore {
         Ok(PySchedulerCore {
             core: Scheduler::new(cfg).py()?,
             manager,
-            groups: HashMap::new(),
-            seqs: HashMap::new(),
+            groups: IdMap::default(),
+            seqs: IdMap::default(),
             statuses,
             decode,
             block_list,

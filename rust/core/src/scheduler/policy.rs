@@ -4,11 +4,11 @@
 //! Every decision mirrors vLLM's code path for path; the places where we deliberately differ
 //! are the vLLM failures listed in `docs/scheduler.md` and are marked `fix N` below.
 
-use super::{Finish, GroupKey, PreemptionMode, Scheduler, Status, Tokens};
+use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, Status, Tokens};
 use crate::error::{Error, Result};
 use crate::manager::{AllocStatus, Copies, Device, Manager, SeqId};
 use crate::pool::BlockId;
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::VecDeque;
 
 /// A group scheduled this step and how many tokens it computes (1 for a decode).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -53,8 +53,8 @@ struct Budget {
     max_num_seqs: usize,
     tokens: usize,
     seqs: usize,
-    token_keys: HashSet<GroupKey>,
-    seq_keys: HashSet<GroupKey>,
+    token_keys: IdSet<GroupKey>,
+    seq_keys: IdSet<GroupKey>,
 }
 
 impl Budget {
@@ -64,8 +64,8 @@ impl Budget {
             max_num_seqs,
             tokens: 0,
             seqs: 0,
-            token_keys: HashSet::new(),
-            seq_keys: HashSet::new(),
+            token_keys: IdSet::default(),
+            seq_keys: IdSet::default(),
         }
     }
     fn can_schedule(&self, tokens: usize, seqs: usize) -> bool {
@@ -98,7 +98,7 @@ impl Budget {
 
 /// The LoRA ids in the batch (`None`: not tracked, as vLLM without a LoRA config in the
 /// default policy).
-type Loras = Option<HashSet<u32>>;
+type Loras = Option<IdSet<u32>>;
 
 #[derive(Default)]
 struct Part {
@@ -110,7 +110,7 @@ struct Step<'a, T: Tokens> {
     mgr: &'a mut Manager,
     toks: &'a T,
     copies: Vec<(BlockId, Vec<BlockId>)>,
-    copy_index: HashMap<BlockId, usize>,
+    copy_index: IdMap<BlockId, usize>,
     cows: Copies,
 }
 
@@ -141,7 +141,7 @@ impl Scheduler {
             mgr,
             toks,
             copies: Vec::new(),
-            copy_index: HashMap::new(),
+            copy_index: IdMap::default(),
             cows: Vec::new(),
         };
         let mut out = if self.cfg.chunked_prefill {
@@ -204,7 +204,7 @@ impl Scheduler {
 
     fn schedule_chunked<T: Tokens>(&mut self, st: &mut Step<T>, now: f64) -> Result<Outputs> {
         let mut budget = Budget::new(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs);
-        let mut loras: Loras = Some(HashSet::new());
+        let mut loras: Loras = Some(IdSet::default());
         let mut out = Outputs::default();
         let mut ignored = Vec::new();
         let (running, run) = self.schedule_running(st, &mut budget, &mut loras, true, &mut out)?;
