@@ -35,6 +35,15 @@ def hash_blocks(
 ) -> List[int]:
     """Chained 128-bit hashes of every full block of ``token_ids``."""
 
+class CompatEnumBase:
+    """Native base of ``pagedkv._enum.CompatEnum``: C-level ``==``/``!=`` (identity within one
+    enum; equal to a foreign enum member of the same class name and member name) and
+    ``hash(self._name_)``. Holds no data."""
+
+    def __eq__(self, other: object) -> bool: ...
+    def __ne__(self, other: object) -> bool: ...
+    def __hash__(self) -> int: ...
+
 class TokenSeq:
     """Token ids of one sequence and the chained hashes of its full blocks (each full block is
     hashed exactly once, when its last token arrives)."""
@@ -97,9 +106,11 @@ class BlockHasher:
     def num_pending_tokens(self) -> int: ...
 
 class BlockPool:
-    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and O(1) LRU
-    eviction of unreferenced cached blocks (least recently accessed first; ties: more hashed
-    tokens first)."""
+    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
+    of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
+    first): O(1) when blocks are released in access order, O(log k) at worst (k evictable
+    blocks). One call at a time: a concurrent call raises ``InUseError``. A GPU pool has at most
+    2**31 slots."""
 
     def __init__(
         self, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"
@@ -155,8 +166,10 @@ class BlockManager:
     """Native half of :class:`pagedkv.BlockSpaceManager` (see ``docs/block_manager.md``).
 
     Sequences are pagedkv ``Sequence`` objects (``seq_id``, ``status``, ``data._store``);
-    groups expose ``seqs_dict``. Buffers are C-contiguous numpy int32 arrays written in place
-    (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory)."""
+    groups expose ``seqs_dict``. Buffers are numpy int32 arrays (real ``ndarray``s: C-contiguous,
+    aligned, writable, no two overlapping) written in place (for a torch CPU tensor pass
+    ``tensor.numpy()``, which shares its memory). One call at a time: a call made while another is
+    in progress (another thread's, or a callback's) raises ``InUseError`` without waiting."""
 
     def __init__(
         self,

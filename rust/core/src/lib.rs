@@ -2,16 +2,20 @@
 //!
 //! * [`hash`]: the chained block hash (xxh3-128 keyed, or SHA-256).
 //! * [`token_seq`]: one sequence's token ids and full-block hashes.
-//! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, O(1) LRU eviction.
+//! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, LRU eviction
+//!   (`evict`: O(1) usually, O(log k) at worst).
 //! * [`manager`]: vLLM's BlockSpaceManager (v1) semantics on two pools.
 //!
 //! No PyO3 here; the Python bindings live in the `pagedkv-py` crate.
 
 pub mod error;
+mod evict;
 pub mod hash;
+pub mod limits;
 pub mod manager;
 pub mod pool;
 pub mod scheduler;
+pub mod step_buffers;
 pub mod token_seq;
 
 #[cfg(test)]
@@ -19,10 +23,14 @@ mod manager_tests;
 #[cfg(test)]
 mod pool_tests;
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod rng;
 
 pub use error::{Error, Result};
 pub use hash::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher};
+pub use limits::{check_block_size, check_gpu_slots, MAX_BLOCK_SIZE};
 pub use manager::{AllocStatus, Copies, Device, Manager, ManagerConfig, SeqId};
 pub use pool::{BlockId, BlockKey, BlockPool, PoolStats};
+pub use step_buffers::{newest_slot, StepRows, PAD_SLOT};
 pub use token_seq::TokenSeq;

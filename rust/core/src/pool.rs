@@ -17,17 +17,19 @@
 //!   blocks come out in the order vLLM's allocators hand them out (N-1 first without caching,
 //!   0 first with caching).
 //! * EVICTABLE blocks have ref count 0 but keep their hash, so a later request with the same
-//!   prefix can revive them. They sit on an intrusive doubly linked list ordered by eviction
-//!   priority: least recently accessed first, and among equal access times the block holding
-//!   more hashed tokens (the tail of a sequence) first. A block is inserted by walking back from
-//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first).
+//!   prefix can revive them. They are kept in eviction order (`evict`): least recently accessed
+//!   first, and among equal access times the block holding more hashed tokens (the tail of a
+//!   sequence) first. Every operation on the order is O(1) in the usual case (blocks released in
+//!   access order) and O(log k) at worst.
 //! * The prefix map goes from block hash to block; a lookup hits only if the stored token ids
 //!   are equal too, so a hash collision can never hand out another prompt's KV data.
 //!
-//! No operation allocates on the heap after construction: the map is created with room for
-//! every block and the stack and list live in preallocated vectors.
+//! In the usual case no operation allocates on the heap after construction: the map is created
+//! with room for every block, and the stack and the eviction run live in preallocated vectors
+//! (only blocks released out of access order take B-tree nodes).
 
 use crate::error::{Error, Result};
+use crate::evict::EvictionOrder;
 use crate::hash::BlockHash;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -100,11 +102,7 @@ pub struct BlockPool {
     /// generation, so a parent that was evicted and reused no longer vouches for it.
     generation: Vec<u32>,
     free_stack: Vec<BlockId>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    head: u32,
-    tail: u32,
-    num_evictable: u32,
+    evict: EvictionOrder,
     map: PrefixMap,
     stats: PoolStats,
 }
@@ -145,11 +143,7 @@ impl BlockPool {
             generation: vec![0; n],
             extra: vec![0; if caching { n } else { 0 }],
             free_stack,
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            head: NIL,
-            tail: NIL,
-            num_evictable: 0,
+            evict: EvictionOrder::new(n),
             map: PrefixMap::with_capacity_and_hasher(
                 if caching { n } else { 0 },
                 Default::default(),
@@ -171,10 +165,10 @@ impl BlockPool {
     }
     /// Free blocks: never-used or uncached ones plus evictable cached ones.
     pub fn num_free(&self) -> usize {
-        self.free_stack.len() + self.num_evictable as usize
+        self.free_stack.len() + self.evict.len()
     }
     pub fn num_evictable(&self) -> usize {
-        self.num_evictable as usize
+        self.evict.len()
     }
     pub fn num_cached(&self) -> usize {
         self.map.len()
@@ -229,13 +223,7 @@ impl BlockPool {
     }
     /// Evictable blocks in eviction order (first = next to go). O(n); for tests and introspection.
     pub fn eviction_order(&self) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.num_evictable as usize);
-        let mut cur = self.head;
-        while cur != NIL {
-            out.push(cur);
-            cur = self.next[cur as usize];
-        }
-        out
+        self.evict.order()
     }
 
     // ---- allocation and references -------------------------------------------------------
@@ -244,9 +232,7 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Result<BlockId> {
         let b = if let Some(b) = self.free_stack.pop() {
             b
-        } else if self.head != NIL {
-            let b = self.head;
-            self.unlink(b);
+        } else if let Some(b) = self.evict.pop_first() {
             let h = self.hash[b as usize]
                 .take()
                 .expect("evictable block has a hash");
@@ -268,7 +254,8 @@ impl BlockPool {
     }
 
     /// Add `n` references to a block that is referenced or evictable (an evictable block is
-    /// revived: it leaves the eviction list). Sharing a FREE block is an error.
+    /// revived: it leaves the eviction list). Sharing a FREE block, or adding no reference (which
+    /// would revive a block without holding it), is an error.
     pub fn acquire(&mut self, b: BlockId, n: u32) -> Result<()> {
         let i = b as usize;
         if i >= self.ref_count.len() {
@@ -277,13 +264,16 @@ impl BlockPool {
                 num_blocks: self.num_blocks,
             });
         }
+        if n == 0 {
+            return Err(Error::invalid("n must be positive"));
+        }
         if self.ref_count[i] == 0 {
             if self.hash[i].is_none() {
                 return Err(Error::invalid(format!(
                     "block {b} is free; it cannot be shared"
                 )));
             }
-            self.unlink(b);
+            self.evict.remove(b);
         }
         self.ref_count[i] += n;
         Ok(())
@@ -304,12 +294,72 @@ impl BlockPool {
         self.ref_count[i] -= 1;
         if self.ref_count[i] == 0 {
             if self.hash[i].is_some() {
-                self.insert_evictable(b);
+                self.evict
+                    .insert(b, self.last_accessed[i], self.num_hashed_tokens[i]);
             } else {
                 self.computed[i] = false;
                 self.free_stack.push(b);
             }
         }
+        Ok(())
+    }
+
+    /// `n` fresh blocks, all or nothing: fails with `OutOfBlocks` (changing nothing) unless
+    /// `n` blocks are free.
+    pub fn allocate_many(&mut self, n: usize) -> Result<Vec<BlockId>> {
+        if n > self.num_free() {
+            return Err(Error::OutOfBlocks {
+                device: self.device,
+                needed: n,
+                free: self.num_free(),
+            });
+        }
+        (0..n).map(|_| self.allocate()).collect()
+    }
+
+    /// Drop one reference from each listed block (a block listed k times loses k), all or
+    /// nothing: every block is range-checked and every ref count is checked to cover its
+    /// releases before any changes.
+    pub fn release_many(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let b = run[0];
+            if b >= self.num_blocks {
+                return Err(Error::BlockOutOfRange {
+                    block: b as i64,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            if (self.ref_count[b as usize] as usize) < run.len() {
+                return Err(Error::DoubleFree(b));
+            }
+        }
+        for &b in blocks {
+            self.release(b)?;
+        }
+        Ok(())
+    }
+
+    /// Set a block's last access time from outside the manager. Evictable blocks are refused:
+    /// their place in the eviction list depends on the time (revive the block first), and a
+    /// non-finite time would break the list's order.
+    pub fn touch(&mut self, b: BlockId, t: f64) -> Result<()> {
+        if b >= self.num_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
+        }
+        if !t.is_finite() {
+            return Err(Error::invalid("access_time must be finite"));
+        }
+        if self.is_evictable(b) {
+            return Err(Error::invalid(format!(
+                "block {b} is evictable; revive it before touching it"
+            )));
+        }
+        self.last_accessed[b as usize] = t;
         Ok(())
     }
 
@@ -391,11 +441,6 @@ impl BlockPool {
         if self.hash[i].is_some() {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
-        if self.map.contains_key(&key.hash) {
-            return Ok(false);
-        }
-        self.map.insert(key.hash, b);
-        self.hash[i] = Some(key.hash);
         if let Some(p) = key.parent {
             if p as usize >= self.ref_count.len() || p == b {
                 return Err(Error::invalid(format!(
@@ -403,68 +448,17 @@ impl BlockPool {
                 )));
             }
         }
+        if self.map.contains_key(&key.hash) {
+            return Ok(false);
+        }
+        self.map.insert(key.hash, b);
+        self.hash[i] = Some(key.hash);
         self.parent[i] = key.parent.unwrap_or(NIL);
         self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
         self.num_hashed_tokens[i] = num_hashed_tokens;
         self.tokens[i * self.block_size..(i + 1) * self.block_size].copy_from_slice(key.tokens);
         Ok(true)
-    }
-
-    // ---- eviction list -------------------------------------------------------------------
-
-    /// `a` goes before `b` in eviction order.
-    fn evicts_before(&self, a: BlockId, b: BlockId) -> bool {
-        let (ta, tb) = (
-            self.last_accessed[a as usize],
-            self.last_accessed[b as usize],
-        );
-        ta < tb
-            || (ta == tb && self.num_hashed_tokens[a as usize] > self.num_hashed_tokens[b as usize])
-    }
-
-    fn insert_evictable(&mut self, b: BlockId) {
-        // Walk back from the tail past every block that must be evicted after `b`;
-        // equal keys keep insertion order (FIFO).
-        let mut after = self.tail;
-        while after != NIL && self.evicts_before(b, after) {
-            after = self.prev[after as usize];
-        }
-        let before = if after == NIL {
-            self.head
-        } else {
-            self.next[after as usize]
-        };
-        self.prev[b as usize] = after;
-        self.next[b as usize] = before;
-        if after == NIL {
-            self.head = b;
-        } else {
-            self.next[after as usize] = b;
-        }
-        if before == NIL {
-            self.tail = b;
-        } else {
-            self.prev[before as usize] = b;
-        }
-        self.num_evictable += 1;
-    }
-
-    fn unlink(&mut self, b: BlockId) {
-        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.prev[b as usize] = NIL;
-        self.next[b as usize] = NIL;
-        self.num_evictable -= 1;
     }
 
     /// Check every structural invariant (tests; O(n)).
@@ -480,16 +474,13 @@ impl BlockPool {
             }
             state[b as usize] = 1;
         }
-        let order = self.eviction_order();
-        if order.len() != self.num_evictable as usize {
-            return Err("evictable count mismatch".into());
-        }
-        for w in order.windows(2) {
-            if self.evicts_before(w[1], w[0]) {
-                return Err(format!("eviction list out of order at {} / {}", w[0], w[1]));
-            }
-        }
-        for &b in &order {
+        self.evict.check(|b| {
+            (
+                self.last_accessed[b as usize],
+                self.num_hashed_tokens[b as usize],
+            )
+        })?;
+        for &b in &self.eviction_order() {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is both free and evictable"));
             }
@@ -511,12 +502,87 @@ impl BlockPool {
                 }
             }
         }
-        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
-            return Err("prefix map size mismatch".into());
-        }
+        self.check_prefix_map()?;
         if self.num_free() + state.iter().filter(|&&s| s == 3).count() != n {
             return Err("free + referenced != total".into());
         }
         Ok(())
+    }
+
+    /// The prefix map and the per-block cache fields agree both ways: every map entry points
+    /// at a block registered under that hash, every registered block is in the map, only a
+    /// caching pool has entries, and a cached block's parent is another block of the pool.
+    fn check_prefix_map(&self) -> std::result::Result<(), String> {
+        if !self.caching() && !self.map.is_empty() {
+            return Err("a pool without caching has prefix map entries".into());
+        }
+        for (&h, &b) in &self.map {
+            if b >= self.num_blocks {
+                return Err(format!(
+                    "prefix map entry for hash {h:#x} points past the pool"
+                ));
+            }
+            if self.hash[b as usize] != Some(h) {
+                return Err(format!(
+                    "prefix map entry {h:#x} -> block {b}, registered as {:?}",
+                    self.hash[b as usize]
+                ));
+            }
+        }
+        for b in 0..self.num_blocks as usize {
+            let Some(h) = self.hash[b] else { continue };
+            if self.map.get(&h) != Some(&(b as u32)) {
+                return Err(format!("block {b} hash not in the prefix map"));
+            }
+            let p = self.parent[b];
+            if p != NIL && (p >= self.num_blocks || p as usize == b) {
+                return Err(format!("cached block {b} has a bad parent {p}"));
+            }
+        }
+        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+            return Err("prefix map size mismatch".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod invariant_tests {
+    //! `check_invariants` notices a prefix map that disagrees with the blocks (states no public
+    //! call can reach; made here by hand).
+    use super::*;
+
+    fn cached_pool() -> (BlockPool, BlockId) {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let b = p.allocate().unwrap();
+        let key = BlockKey {
+            hash: 7,
+            parent: None,
+            extra: 0,
+            tokens: &[1, 2],
+        };
+        assert!(p.register(b, &key, 2).unwrap());
+        p.check_invariants().unwrap();
+        (p, b)
+    }
+
+    #[test]
+    fn a_cached_block_naming_itself_as_parent_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.parent[b as usize] = b;
+        assert!(p.check_invariants().unwrap_err().contains("bad parent"));
+        p.parent[b as usize] = 99;
+        assert!(p.check_invariants().is_err());
+    }
+
+    #[test]
+    fn a_map_entry_under_another_hash_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.map.insert(8, b); // a second entry for the same block
+        assert!(p.check_invariants().is_err());
+        p.map.remove(&8);
+        p.map.insert(9, 3); // an entry for a block with no hash
+        p.hash[3] = None;
+        assert!(p.check_invariants().is_err());
     }
 }

@@ -4,9 +4,10 @@
 //! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
 //! all in `pagedkv_core::scheduler`.
 
-use crate::errors::{invalid, wrong_type, IntoPyResult};
+use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
 use crate::hashing::PyTokenSeq;
-use crate::manager::PyManager;
+use crate::manager::{Locked, PyManager};
+use crate::registry::borrow_adopted;
 use pagedkv_core::scheduler::{
     Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
     SchedulerConfig, SeqState, Status, StepMeta, Tokens,
@@ -56,6 +57,12 @@ struct SeqView {
     /// The read-only block-table list handed out in metadata, with the table version it
     /// shows: reused until the table changes (once per `block_size` decode steps).
     table: Option<(u64, Py<PyAny>)>,
+}
+
+/// One scheduled group's block-table lists and `computed_block_nums` list.
+struct BlockLists<'py> {
+    tables: Vec<(SeqId, Bound<'py, PyAny>)>,
+    computed: Bound<'py, PyAny>,
 }
 
 struct GroupView {
@@ -256,7 +263,8 @@ impl PySchedulerCore {
     fn abort(&mut self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
         self.sync_running(py)?;
         let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
-        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
         let gone = self.core.abort(&ids, m.core_mut());
         drop(m);
         self.write_back(py)?;
@@ -287,7 +295,8 @@ impl PySchedulerCore {
     /// computed_block_nums)`.
     fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
         self.sync_running(py)?;
-        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
         let stores = Stores {
             py,
             seqs: &self.seqs,
@@ -321,7 +330,8 @@ impl PySchedulerCore {
             .core
             .group_of_seq(pid)
             .ok_or_else(|| crate::errors::to_py(Error::UnknownSequence(pid)))?;
-        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
         self.core.fork(pid, state.id, m.core_mut()).py()?;
         drop(m);
         // The child carries its own view of status and progress (vLLM copies the parent's).
@@ -400,19 +410,21 @@ impl PySchedulerCore {
             .ok_or_else(|| {
                 wrong_type("pagedkv.Scheduler schedules pagedkv Sequences (seq.data._store)")
             })?;
-        let m = self.manager.bind(py).borrow();
-        let hasher = m.core().config().hasher;
-        if store.borrow().inner.block_size() != m.core().config().block_size {
+        let (hasher, block_size) = {
+            let m = self.manager.bind(py).get().locked()?;
+            (m.core().config().hasher, m.core().config().block_size)
+        };
+        let own = store
+            .try_borrow()
+            .map_err(|_| busy("a token store"))?
+            .inner
+            .block_size();
+        if own != block_size {
             return Err(invalid(format!(
-                "sequence {id} has block size {}, the cache has {}",
-                store.borrow().inner.block_size(),
-                m.core().config().block_size
+                "sequence {id} has block size {own}, the cache has {block_size}"
             )));
         }
-        drop(m);
-        if store.borrow().inner.hasher() != hasher {
-            store.borrow_mut().inner.adopt_hasher(hasher);
-        }
+        drop(borrow_adopted(&store, hasher)?); // hashed with the manager's hasher from now on
         let status = self.status_of(seq)?;
         let (decode, num_computed) = self.progress_of(seq)?;
         let state = SeqState {
@@ -467,7 +479,8 @@ impl PySchedulerCore {
     /// Mirror the core's status changes onto the Python sequences.
     fn write_back(&mut self, py: Python<'_>) -> PyResult<()> {
         let changes: Vec<Change> = self.core.take_changes();
-        let mut m = self.manager.bind(py).try_borrow_mut()?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
         for c in &changes {
             if c.reset
                 || matches!(
@@ -505,7 +518,7 @@ impl PySchedulerCore {
     fn table_of<'py>(
         &mut self,
         py: Python<'py>,
-        m: &mut PyManager,
+        m: &mut Locked<'_>,
         id: SeqId,
     ) -> PyResult<Bound<'py, PyAny>> {
         let version = m.core().table_version(id).py()?;
@@ -524,7 +537,7 @@ impl PySchedulerCore {
     fn computed_of<'py>(
         &mut self,
         py: Python<'py>,
-        m: &PyManager,
+        m: &Locked<'_>,
         key: GroupKey,
         computed: &[BlockId],
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -556,22 +569,22 @@ impl PySchedulerCore {
         order
     }
 
-    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body).
+    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body), from
+    /// its block lists (taken under the manager's lock).
     fn metadata<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
-        m: &mut PyManager,
-        s: &Scheduled,
-        meta: &StepMeta,
+        (s, meta): (&Scheduled, &StepMeta),
+        lists: BlockLists<'py>,
         with_mm: bool,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let group = self.groups[&s.key].obj.bind(py).clone();
+        let group = self.groups[&s.key].obj.bind(py);
         let seq_data = PyDict::new(py);
         let tables = PyDict::new(py);
-        for &id in &meta.running {
+        for (id, table) in lists.tables {
             let obj = self.seqs[&id].obj.bind(py);
             seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
-            tables.set_item(id, self.table_of(py, m, id)?)?;
+            tables.set_item(id, table)?;
         }
         let mm = match with_mm {
             true => group.getattr(intern!(py, "multi_modal_data"))?,
@@ -586,11 +599,36 @@ impl PySchedulerCore {
             meta.do_sample,
             s.chunk,
             group.getattr(intern!(py, "lora_request"))?,
-            self.computed_of(py, m, s.key, &meta.computed)?,
+            lists.computed,
             group.getattr(intern!(py, "state"))?,
             mm,
         );
         self.metadata_cls.bind(py).call1(args)
+    }
+
+    /// The block lists of the scheduled groups, in output order (under the manager's lock;
+    /// no Python code runs while it is held).
+    fn block_lists<'py>(
+        &mut self,
+        py: Python<'py>,
+        out: &Outputs,
+        metas: &[StepMeta],
+        order: &[usize],
+    ) -> PyResult<Vec<BlockLists<'py>>> {
+        let manager = self.manager.clone_ref(py);
+        let mgr = manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let mut lists = Vec::with_capacity(order.len());
+        for &i in order {
+            let meta = &metas[i];
+            let mut tables = Vec::with_capacity(meta.running.len());
+            for &id in &meta.running {
+                tables.push((id, self.table_of(py, &mut m, id)?));
+            }
+            let computed = self.computed_of(py, &m, out.scheduled[i].key, &meta.computed)?;
+            lists.push(BlockLists { tables, computed });
+        }
+        Ok(lists)
     }
 
     fn outputs_tuple<'py>(
@@ -600,21 +638,20 @@ impl PySchedulerCore {
         metas: &[StepMeta],
         now: f64,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let manager = self.manager.clone_ref(py);
-        let mut m = manager.bind(py).try_borrow_mut()?;
+        let order = self.output_order(out);
+        let lists = self.block_lists(py, out, metas, &order)?;
         let scheduled = PyList::empty(py);
         let metadata = PyList::empty(py);
         let with_mm = out.num_prefill_groups > 0;
-        for i in self.output_order(out) {
+        for (&i, lists) in order.iter().zip(lists) {
             let (s, meta) = (&out.scheduled[i], &metas[i]);
             let group = self.groups[&s.key].obj.bind(py).clone();
             if meta.first_time {
                 group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
             }
-            metadata.append(self.metadata(py, &mut m, s, meta, with_mm)?)?;
+            metadata.append(self.metadata(py, (s, meta), lists, with_mm)?)?;
             scheduled.append(self.scheduled_cls.bind(py).call1((group, s.chunk))?)?;
         }
-        drop(m);
         let swap_in = PyDict::new(py);
         for &(a, b) in &out.swap_in {
             swap_in.set_item(a, b)?;
