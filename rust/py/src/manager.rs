@@ -666,3 +666,68 @@ impl PyManager {
         Ok(())
     }
 }
+
+/// Crate-internal hooks for `scheduler.rs`: the native scheduler drives the core manager of the
+/// `BlockSpaceManager` it owns directly (holding its lock for the call), and keeps this
+/// binding's caches current.
+pub(crate) struct Locked<'a>(MutexGuard<'a, State>);
+
+impl PyManager {
+    /// The manager's state for one native scheduler call (`InUseError` if another call
+    /// holds it).
+    pub(crate) fn locked(&self) -> PyResult<Locked<'_>> {
+        Ok(Locked(self.lock()?))
+    }
+}
+
+impl Locked<'_> {
+    pub(crate) fn core(&self) -> &Manager {
+        &self.0.inner
+    }
+
+    pub(crate) fn core_mut(&mut self) -> &mut Manager {
+        &mut self.0.inner
+    }
+
+    /// A sequence's table was freed behind this binding's back: drop what it caches for it.
+    pub(crate) fn dropped(&mut self, id: SeqId) {
+        self.0.forget(id);
+    }
+
+    /// GPU block numbers as a Python list of the cached int objects (no int allocation).
+    pub(crate) fn gpu_block_list<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &[pagedkv_core::BlockId],
+    ) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            blocks.iter().map(|&b| self.0.gpu_ints[b as usize].bind(py)),
+        )
+    }
+
+    /// The block table of `id` as a fresh Python list (from the cached list when current).
+    pub(crate) fn table_list<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: SeqId,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let st = &mut *self.0;
+        let version = st.inner.table_version(id).py()?;
+        if let Some((v, list)) = st.table_lists.get(&id) {
+            if *v == version {
+                let list = list.bind(py);
+                return Ok(list.get_slice(0, list.len()));
+            }
+        }
+        let ints = match st.inner.device_of(id).py()? {
+            Device::Gpu => &st.gpu_ints,
+            Device::Cpu => &st.cpu_ints,
+        };
+        let table = st.inner.block_table(id).py()?;
+        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
+        let copy = list.get_slice(0, list.len());
+        st.table_lists.insert(id, (version, list.unbind()));
+        Ok(copy)
+    }
+}
