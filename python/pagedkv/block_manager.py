@@ -1,38 +1,54 @@
 """``BlockSpaceManager``: vLLM's block manager API (BlockSpaceManagerV1 semantics) in Rust.
 
 The exact contract, shared with the pure-Python reference in :mod:`pagedkv.reference`, is in
-``docs/block_manager.md``. All the work happens in the native ``BlockManager`` this class
-extends: each call reads the sequence's id, status and native token store
-(``seq.data._store``) straight from the Python objects, crossing the boundary once per call.
+``docs/block_manager.md``. All the work happens in the native base class this class extends
+(``pagedkv._native.BlockSpaceManager``): each call reads the sequence's id, status and native
+token store (``seq.data._store``) straight from the Python objects, crossing the boundary once
+per call.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Dict, List
+from typing import TYPE_CHECKING, Any, Dict, Iterator, List, Tuple
 from typing import Sequence as Seq
 
 from pagedkv._enum import CompatEnum
-from pagedkv._native import BlockManager as _NativeBlockManager
+from pagedkv._native import BlockSpaceManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock
+from pagedkv.protocols import SequenceLike
 
 __all__ = ["AllocStatus", "BlockMapping", "BlockSpaceManager", "BlockTable"]
 
 BlockTable = List[int]
 
+if TYPE_CHECKING:
+    # PEP 696 default: a bare ``BlockMapping`` annotation means ``BlockMapping[Any]``, even
+    # under ``mypy --strict`` (typing_extensions is only needed by the type checker).
+    from typing_extensions import TypeVar
 
-class BlockMapping(dict):
+    _V = TypeVar("_V", default=Any)
+else:
+    from typing import TypeVar
+
+    _V = TypeVar("_V")
+
+
+class BlockMapping(Dict[int, _V]):
     """What ``append_slots`` (``{src: [dst, ...]}``), ``swap_in`` and ``swap_out``
     (``{src: dst}``) return: a read-only dict, as vLLM 0.4 and the seed use it (``.items()``,
     ``[]``, ``update`` into the scheduler's dicts), whose *iteration* yields ``(src, dst)``
     pairs, as vLLM 0.5 uses the list it returns (``blocks_to_copy.extend(cows)``). So both
     schedulers work unchanged. ``list(mapping.keys())`` gives the keys; ``dict(mapping)`` or
     ``mapping.copy()`` a plain, mutable dict.
+
+    Typed ``BlockMapping[List[int]]`` (copy-on-write) or ``BlockMapping[int]`` (swaps); a bare
+    ``BlockMapping`` annotation accepts both.
     """
 
     __slots__ = ()
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for src, dst in dict.items(self):
             if isinstance(dst, list):
                 for d in dst:
@@ -40,14 +56,16 @@ class BlockMapping(dict):
             else:
                 yield (src, dst)
 
-    def pairs(self) -> List[tuple]:
+    def pairs(self) -> List[Tuple[int, int]]:
         """The ``(src, dst)`` pairs as a list (vLLM 0.5's format)."""
         return list(iter(self))
 
-    def copy(self) -> dict:  # type: ignore[override]
+    def copy(self) -> Dict[int, _V]:
+        """A plain, mutable ``dict`` with the same items."""
         return dict(dict.items(self))
 
     def _read_only(self, *args, **kwargs):
+        """Refused: a ``BlockMapping`` is read-only (``copy()`` it first)."""
         raise TypeError("a BlockMapping returned by the manager is read-only; copy() it first")
 
     __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
@@ -95,7 +113,7 @@ class BlockSpaceManager(_NativeBlockManager):
     ``append_slots_batch`` and ``fill_block_tables`` write into caller-owned int32 buffers.
     """
 
-    def get_physical_blocks(self, seq) -> List[PhysicalTokenBlock]:
+    def get_physical_blocks(self, seq: SequenceLike) -> List[PhysicalTokenBlock]:
         """Snapshot views of the distinct physical blocks of ``seq``'s table (introspection;
         not for hot paths)."""
         device_name = self.table_device(seq)
@@ -119,6 +137,6 @@ class BlockSpaceManager(_NativeBlockManager):
         blk.computed = info["computed"]
         return blk
 
-    def get_block_tables(self, seqs: Seq) -> Dict[int, BlockTable]:
+    def get_block_tables(self, seqs: Seq[SequenceLike]) -> Dict[int, BlockTable]:
         """``{seq_id: block_table}`` for several sequences (convenience for metadata)."""
         return {seq.seq_id: self.get_block_table(seq) for seq in seqs}

@@ -1,4 +1,5 @@
-//! `BlockManager`: the native half of `pagedkv.BlockSpaceManager`. It reads sequences and groups
+//! `_native.BlockSpaceManager`: the native base class of `pagedkv.BlockSpaceManager` (same
+//! name, so type checkers and tracebacks name the class users know). It reads sequences and groups
 //! straight off the Python objects (`seq.seq_id`, `seq.status`, `seq.data._store`,
 //! `group.seqs_dict`) and hands the work to the core manager.
 
@@ -275,7 +276,9 @@ fn mapping_dict<'py>(
     block_mapping_class(py)?.call1((d,))
 }
 
-#[pyclass(module = "pagedkv._native", name = "BlockManager", subclass)]
+/// Native base of `pagedkv.BlockSpaceManager`: vLLM's block manager API (BlockSpaceManagerV1
+/// semantics) over the core manager. Use `pagedkv.BlockSpaceManager`.
+#[pyclass(module = "pagedkv._native", name = "BlockSpaceManager", subclass)]
 pub struct PyManager {
     inner: Manager,
     copies: Copies,
@@ -497,7 +500,8 @@ impl PyManager {
 impl PyManager {
     #[new]
     #[pyo3(signature = (block_size, num_gpu_blocks, num_cpu_blocks, watermark = Real(0.01), sliding_window = None,
-                        enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false))]
+                        enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false),
+           text_signature = "(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.01, sliding_window=None, enable_caching=False, *, hash_algo=None, hash_seed=None, strict=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -556,38 +560,47 @@ impl PyManager {
     }
 
     // ---- configuration -----------------------------------------------------------------
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> usize {
         self.inner.config().block_size
     }
+    /// Blocks in the GPU pool.
     #[getter]
     fn num_total_gpu_blocks(&self) -> u32 {
         self.inner.config().num_gpu_blocks
     }
+    /// Blocks in the CPU (swap) pool.
     #[getter]
     fn num_total_cpu_blocks(&self) -> u32 {
         self.inner.config().num_cpu_blocks
     }
+    /// Fraction of GPU blocks `can_allocate` keeps free.
     #[getter]
     fn watermark(&self) -> f64 {
         self.inner.config().watermark
     }
+    /// `watermark * num_total_gpu_blocks`, in blocks.
     #[getter]
     fn watermark_blocks(&self) -> usize {
         self.inner.watermark_blocks()
     }
+    /// Whether full blocks are shared through the prefix cache.
     #[getter]
     fn enable_caching(&self) -> bool {
         self.inner.config().enable_caching
     }
+    /// The sliding window in blocks (None without a window).
     #[getter]
     fn block_sliding_window(&self) -> Option<usize> {
         self.inner.window_blocks()
     }
+    /// Whether `free` of a sequence without a table raises `UnknownSequenceError`.
     #[getter]
     fn strict(&self) -> bool {
         self.inner.config().strict
     }
+    /// `(hash_algo, hash_seed)` of the block hash.
     #[getter]
     fn hasher(&self) -> (&'static str, u64) {
         let h = self.inner.config().hasher;
@@ -595,6 +608,8 @@ impl PyManager {
     }
 
     // ---- allocation --------------------------------------------------------------------
+    /// Whether the group's WAITING prompt fits: an `AllocStatus` (OK, LATER or NEVER;
+    /// the watermark counts).
     fn can_allocate(&self, py: Python<'_>, seq_group: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
         let first = waiting
@@ -604,6 +619,8 @@ impl PyManager {
         alloc_status(py, self.inner.can_allocate(&store.inner).py()?)
     }
 
+    /// Give the group's WAITING sequences one shared block table for the prompt (prefix-cache
+    /// hits reused). `OutOfBlocksError` if it does not fit.
     fn allocate(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
         let r = self.resolve(&waiting)?;
@@ -617,7 +634,10 @@ impl PyManager {
         Ok(())
     }
 
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    /// Whether every RUNNING sequence of the group can get its next slots (plus
+    /// `num_lookahead_slots`) now.
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn can_append_slots(
         &self,
         seq_group: &Bound<'_, PyAny>,
@@ -632,7 +652,8 @@ impl PyManager {
 
     /// Reserve slots for the tokens appended since the last call; returns copy-on-write pairs
     /// `{src_block: [dst_block, ...]}` (empty when nothing is copied).
-    #[pyo3(signature = (seq, num_lookahead_slots = Count(0)))]
+    #[pyo3(signature = (seq, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq, num_lookahead_slots=0)")]
     fn append_slots<'py>(
         &mut self,
         py: Python<'py>,
@@ -658,7 +679,8 @@ impl PyManager {
     /// token, `block * block_size + offset`). Buffers are numpy int32 arrays (torch: `t.numpy()`),
     /// written in place. Everything is checked before anything changes; out of blocks raises
     /// `OutOfBlocksError` with no sequence touched. Returns the copy-on-write pairs.
-    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)))]
+    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)),
+           text_signature = "($self, seqs, block_tables, context_lens, slot_mapping, *, pad_value=0)")]
     fn append_slots_batch<'py>(
         &mut self,
         py: Python<'py>,
@@ -690,7 +712,8 @@ impl PyManager {
 
     /// Write the current block tables of `seqs` (rows padded with `pad_value`) and, if given,
     /// their lengths into caller-owned int32 buffers, without changing anything.
-    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = Int32(0)))]
+    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = Int32(0)),
+           text_signature = "($self, seqs, block_tables, *, context_lens=None, pad_value=0)")]
     fn fill_block_tables<'py>(
         &self,
         seqs: &Bound<'py, PyAny>,
@@ -709,6 +732,7 @@ impl PyManager {
         self.write_rows(&refs, &tables, pad_value.0, cl.as_ref(), None)
     }
 
+    /// Share every block of `parent_seq`'s table with `child_seq` (ref counts +1).
     fn fork(
         &mut self,
         parent_seq: &Bound<'_, PyAny>,
@@ -729,6 +753,8 @@ impl PyManager {
         Ok(())
     }
 
+    /// Release `seq`'s table. Without a table: a no-op (vLLM), or `UnknownSequenceError` with
+    /// `strict=True`.
     fn free(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         let id = self.id_of(seq)?;
         self.inner.free(id).py()?;
@@ -737,6 +763,7 @@ impl PyManager {
         Ok(())
     }
 
+    /// Free every sequence's table, as `free` on each (cached blocks stay cached, evictable).
     fn reset(&mut self) -> PyResult<()> {
         self.inner.reset().py()?;
         self.table_lists.clear();
@@ -746,7 +773,9 @@ impl PyManager {
     }
 
     // ---- swapping ----------------------------------------------------------------------
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    /// Whether the group's SWAPPED sequences fit on the GPU: an `AllocStatus`.
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn can_swap_in(
         &self,
         py: Python<'_>,
@@ -773,7 +802,8 @@ impl PyManager {
     /// Move the group's SWAPPED sequences to the GPU; returns `{cpu_block: gpu_block}`.
     /// `num_lookahead_slots` is accepted for vLLM's signature; slots are reserved by the next
     /// `append_slots`, as in vLLM.
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn swap_in<'py>(
         &mut self,
         py: Python<'py>,
@@ -787,6 +817,7 @@ impl PyManager {
         mapping_dict(py, &m)
     }
 
+    /// Whether the distinct blocks of the group's unfinished sequences fit in the free CPU blocks.
     fn can_swap_out(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seqs = Self::with_status(seq_group, |s| s != Status::Finished)?;
         self.inner.can_swap_out(&self.ids(&seqs)?).py()
@@ -805,6 +836,7 @@ impl PyManager {
     }
 
     // ---- queries -----------------------------------------------------------------------
+    /// The physical block ids of `seq`'s table, in logical order (a new list).
     fn get_block_table<'py>(
         &mut self,
         py: Python<'py>,
@@ -829,14 +861,17 @@ impl PyManager {
         Ok(copy)
     }
 
+    /// Free GPU blocks (evictable cached blocks count as free).
     fn get_num_free_gpu_blocks(&self) -> usize {
         self.inner.num_free_gpu_blocks()
     }
 
+    /// Free CPU blocks (evictable cached blocks count as free).
     fn get_num_free_cpu_blocks(&self) -> usize {
         self.inner.num_free_cpu_blocks()
     }
 
+    /// Record `access_time` as the last access of every block of `seq` (LRU eviction order).
     fn access_all_blocks_in_seq(
         &mut self,
         seq: &Bound<'_, PyAny>,
@@ -846,12 +881,14 @@ impl PyManager {
         self.inner.access_all_blocks_in_seq(id, access_time.0).py()
     }
 
+    /// Mark every full block of `seq` as computed (prefix caching).
     fn compute_full_blocks_in_seq(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         let (id, store) = self.resolve_one(seq)?;
         self.inner.compute_full_blocks_in_seq(id, store.inner.len());
         Ok(())
     }
 
+    /// The computed blocks of `seq`'s table, except its last block (as vLLM).
     fn get_all_computed_blocks<'py>(
         &self,
         py: Python<'py>,
@@ -861,6 +898,8 @@ impl PyManager {
         PyList::new(py, self.inner.get_all_computed_blocks(id))
     }
 
+    /// Longest common prefix of the computed blocks of `seqs` (those with none are skipped;
+    /// empty without caching).
     fn get_common_computed_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -873,6 +912,7 @@ impl PyManager {
         PyList::new(py, self.inner.get_common_computed_block_ids(&ids))
     }
 
+    /// Mark the full blocks of every sequence of the group as computed (no-op without caching).
     fn mark_blocks_as_computed(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         if !self.inner.config().enable_caching {
             return Ok(());
@@ -915,6 +955,7 @@ impl PyManager {
     }
 
     // ---- introspection -----------------------------------------------------------------
+    /// Whether `seq` holds a block table in this manager.
     fn has_table(&self, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.inner.has_table(self.id_of(seq)?))
     }
@@ -924,6 +965,7 @@ impl PyManager {
         Ok(self.inner.device_of(self.id_of(seq)?).py()?.name())
     }
 
+    /// The ref count of `block` on `device` ("gpu" or "cpu").
     fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         let pool = self.inner.pool(device_arg(device)?);
         let b = pool.check(int_arg(block, "block")?).py()?;
@@ -954,11 +996,13 @@ impl PyManager {
         self.inner.prefix_cache_stats()
     }
 
+    /// Blocks of `device` registered in the prefix cache (referenced or evictable).
     #[pyo3(signature = (device = "gpu"))]
     fn num_cached_blocks(&self, device: &str) -> PyResult<usize> {
         Ok(self.inner.pool(device_arg(device)?).num_cached())
     }
 
+    /// Cached blocks of `device` with ref count 0 (reusable after eviction).
     #[pyo3(signature = (device = "gpu"))]
     fn num_evictable_blocks(&self, device: &str) -> PyResult<usize> {
         Ok(self.inner.pool(device_arg(device)?).num_evictable())

@@ -57,14 +57,17 @@ impl PyBlockPool {
         })
     }
 
+    /// Blocks in the pool.
     #[getter]
     fn num_blocks(&self) -> u32 {
         self.inner.num_blocks()
     }
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> usize {
         self.inner.block_size()
     }
+    /// "gpu" or "cpu".
     #[getter]
     fn device(&self) -> &'static str {
         self.inner.device()
@@ -74,26 +77,32 @@ impl PyBlockPool {
     fn num_free(&self) -> usize {
         self.inner.num_free()
     }
+    /// Blocks with ref count > 0.
     #[getter]
     fn num_referenced(&self) -> usize {
         self.inner.num_referenced()
     }
+    /// Blocks registered in the prefix cache (referenced or evictable).
     #[getter]
     fn num_cached(&self) -> usize {
         self.inner.num_cached()
     }
+    /// Cached blocks with ref count 0.
     #[getter]
     fn num_evictable(&self) -> usize {
         self.inner.num_evictable()
     }
+    /// Prefix-cache lookups so far.
     #[getter]
     fn lookups(&self) -> u64 {
         self.inner.stats().lookups
     }
+    /// Prefix-cache lookups that found a block.
     #[getter]
     fn hits(&self) -> u64 {
         self.inner.stats().hits
     }
+    /// Cached blocks evicted to make room so far.
     #[getter]
     fn evictions(&self) -> u64 {
         self.inner.stats().evictions
@@ -122,7 +131,7 @@ impl PyBlockPool {
     }
 
     /// Add `n` references to a referenced or evictable (cached) block; revives an evictable one.
-    #[pyo3(signature = (block, n = Count(1)))]
+    #[pyo3(signature = (block, n = Count(1)), text_signature = "($self, block, n=1)")]
     fn incref(&mut self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
         let b = self.id(block)?;
         let n = n.u32("n")?;
@@ -218,12 +227,15 @@ impl PyBlockPool {
         self.inner.register(b, &key, nht).py()
     }
 
+    /// The ref count of `block`.
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         Ok(self.inner.ref_count(self.id(block)?))
     }
+    /// The hash `block` is cached under, or None.
     fn block_hash(&self, block: &Bound<'_, PyAny>) -> PyResult<Option<BlockHash>> {
         Ok(self.inner.block_hash(self.id(block)?))
     }
+    /// Whether `block` is cached with ref count 0.
     fn is_evictable(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         Ok(self.inner.is_evictable(self.id(block)?))
     }
@@ -242,6 +254,7 @@ impl PyBlockPool {
         self.inner.set_last_accessed(b, access_time);
         Ok(())
     }
+    /// The last access time set by `touch` (-1.0 if never touched).
     fn last_accessed(&self, block: &Bound<'_, PyAny>) -> PyResult<f64> {
         Ok(self.inner.last_accessed(self.id(block)?))
     }
