@@ -20,7 +20,9 @@ class StatusLike(Protocol):
     ``SWAPPED``, ``FINISHED_*``), so pagedkv's and vLLM's enums both work."""
 
     @property
-    def name(self) -> str: ...
+    def name(self) -> str:
+        """The member's name."""
+        ...
 
 
 class SequenceLike(Protocol):
@@ -32,17 +34,37 @@ class SequenceLike(Protocol):
     """
 
     @property
-    def seq_id(self) -> int: ...
+    def seq_id(self) -> int:
+        """The sequence's id, unique among the sequences the manager holds tables for."""
+        ...
+
     @property
-    def status(self) -> StatusLike: ...
-    def get_len(self) -> int: ...
-    def get_prompt_len(self) -> int: ...
-    def get_token_ids(self) -> List[int]: ...
-    def get_output_token_ids(self) -> Seq[int]: ...
+    def status(self) -> StatusLike:
+        """Which calls act on it: WAITING (``allocate``), RUNNING (``append_slots``,
+        ``swap_out``), SWAPPED (``swap_in``), FINISHED_* (left out)."""
+        ...
+
+    def get_len(self) -> int:
+        """Prompt plus output tokens."""
+        ...
+
+    def get_prompt_len(self) -> int:
+        """Prompt tokens."""
+        ...
+
+    def get_token_ids(self) -> List[int]:
+        """Prompt then output token ids."""
+        ...
+
+    def get_output_token_ids(self) -> Seq[int]:
+        """Output token ids (read to sync tokens appended since the last call)."""
+        ...
 
 
 class SequenceGroupLike(Protocol):
     """A sequence group as the manager reads it: its sequences, in order (a ``seqs_dict``
     attribute, when present, is read instead of calling ``get_seqs``)."""
 
-    def get_seqs(self) -> Seq[SequenceLike]: ...
+    def get_seqs(self) -> Seq[SequenceLike]:
+        """The group's sequences, in order."""
+        ...
