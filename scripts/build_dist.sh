@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-dist}
 python -m pip install --quiet --group release
-rm -rf "$out"
+rm -f "$out"/pagedkv-*.whl "$out"/pagedkv-*.tar.gz  # check_dist wants exactly one of each
 # maturin finds zig through `python -m ziglang`, i.e. the python on PATH (this environment's).
 maturin build --release --zig --compatibility manylinux2014 --out "$out" --quiet
 maturin sdist --out "$out"
