@@ -90,6 +90,21 @@ def test_write_kv_and_attention_take_the_batch_buffers():
     assert torch.equal(out_qsl, out_t)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_numpy_buffers_drive_cuda_caches():
+    """Host buffers, device caches: the ops move the wrapped indices to the cache's device."""
+    mgr, seqs, tables, lens, slots = _decode_step([5, 8, 3])
+    cuda = torch.device("cuda")
+    cache = allocate_kv_cache(NUM_BLOCKS, BLOCK, HEADS, DIM, device=cuda)
+    k_cache, v_cache = split_kv_cache(cache)
+    key = torch.randn(len(seqs), HEADS, DIM, device=cuda)
+    write_kv(k_cache, v_cache, key, -key, slots)
+    query = torch.randn(len(seqs), HEADS, DIM, device=cuda)
+    out = paged_attention(query, k_cache, v_cache, tables, lens, backend="torch")
+    ref = paged_attention(query.cpu(), k_cache.cpu(), v_cache.cpu(), tables, lens, backend="torch")
+    torch.testing.assert_close(out.cpu(), ref)
+
+
 def test_copy_blocks_takes_a_block_mapping_pairs_and_arrays():
     mgr, seqs, *_ = _decode_step([6])
     child = seqs[0].fork(1)
