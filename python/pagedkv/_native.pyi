@@ -23,6 +23,7 @@ __all__ = [
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
+    "_set_weak_test_hasher",
 ]
 
 __version__: str
@@ -40,6 +41,10 @@ def set_default_hasher(hash_algo: str = "xxh3", hash_seed: Optional[int] = None)
 
 def get_default_hasher() -> Tuple[str, int]:
     """``(hash_algo, hash_seed)`` of the process default."""
+
+def _set_weak_test_hasher(hash_seed: Optional[int] = None) -> None:
+    """Make the 3-bit test hash the process default (tests only: it makes hash collisions
+    common, to show that the prefix cache never shares a block whose stored key differs)."""
 
 def hash_blocks(
     token_ids: _TokenIds,
@@ -132,9 +137,11 @@ class BlockHasher:
 
 @final
 class BlockPool:
-    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and O(1) LRU
-    eviction of unreferenced cached blocks (least recently accessed first; ties: more hashed
-    tokens first)."""
+    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
+    of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
+    first). Eviction is O(1); making a block evictable is O(1) when blocks are released in access
+    order, O(k) at worst (k evictable blocks accessed later). One call at a time: a concurrent
+    call raises ``InUseError``. A GPU pool has at most 2**31 slots."""
 
     def __new__(
         cls, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"
@@ -226,9 +233,11 @@ class BlockSpaceManager:
     that class.
 
     Sequences and groups are anything shaped like :class:`pagedkv.protocols.SequenceLike` /
-    :class:`~pagedkv.protocols.SequenceGroupLike` (pagedkv's own, or vLLM's). Buffers are
-    C-contiguous numpy int32 arrays written in place (for a torch CPU tensor pass
-    ``tensor.numpy()``, which shares its memory)."""
+    :class:`~pagedkv.protocols.SequenceGroupLike` (pagedkv's own, or vLLM's). Buffers are numpy
+    int32 arrays (real ``ndarray``s: C-contiguous, aligned, writable, no two overlapping) written
+    in place (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory). One call
+    at a time: a call made while another is in progress (another thread's, or a callback's)
+    raises ``InUseError`` without waiting."""
 
     def __new__(
         cls,

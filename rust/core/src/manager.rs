@@ -162,6 +162,7 @@ impl Manager {
         if bs == 0 {
             return Err(Error::invalid("block_size must be positive"));
         }
+        crate::limits::check_gpu_slots(cfg.num_gpu_blocks, bs)?;
         if !(cfg.watermark >= 0.0 && cfg.watermark.is_finite()) {
             return Err(Error::invalid(format!(
                 "watermark must be >= 0, got {}",
@@ -474,6 +475,15 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
+        self.check_append_batch(seqs, lookahead)?;
+        for &(id, seq) in seqs {
+            self.append_unchecked(id, seq, lookahead, copies)?;
+        }
+        Ok(())
+    }
+
+    /// The checks of `append_slots_batch` alone: `Ok` iff the batch would succeed now.
+    pub fn check_append_batch(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
         let mut need = 0;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;
@@ -481,9 +491,6 @@ impl Manager {
         }
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
-        }
-        for &(id, seq) in seqs {
-            self.append_unchecked(id, seq, lookahead, copies)?;
         }
         Ok(())
     }
