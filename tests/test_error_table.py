@@ -24,14 +24,6 @@ from pagedkv.errors import (
 
 BLOCK = 4
 
-# Rows that describe issue 8's fork/allocate behaviour (fork from a parent without a table always
-# raises; fork or allocate onto a sequence that holds a table replaces that table). Until issue 8
-# is merged they fail; strict xfail then turns green -> red at the merge, so the mark is removed
-# there and the rows are checked against the merged code.
-ISSUE_8 = pytest.mark.xfail(
-    strict=True, reason="issue 8's fork/allocate behaviour; remove this mark once it is merged"
-)
-
 
 @pytest.fixture(params=[False, True], ids=["default", "strict"])
 def strict(request):
@@ -93,19 +85,15 @@ def test_a_reference_dropped_below_zero_is_double_free_in_both_modes():
 
 
 # ---- fork -------------------------------------------------------------------------------------
-@pytest.mark.parametrize(
-    "strict_mode",
-    [pytest.param(False, marks=ISSUE_8, id="default"), pytest.param(True, id="strict")],
-)
-def test_fork_from_a_parent_without_a_table(strict_mode):
-    mgr = _mgr(strict_mode)
+def test_fork_from_a_parent_without_a_table(strict):
+    """Raises in both modes, as vLLM (KeyError): the child would get nothing to share."""
+    mgr = _mgr(strict)
     parent, _ = _group(0)
     child, _ = _group(1)
     with pytest.raises(UnknownSequenceError):
         mgr.fork(parent, child)
 
 
-@ISSUE_8
 def test_fork_onto_a_child_with_a_table_replaces_it(strict):
     mgr = _mgr(strict)
     parent, _ = _running(mgr, 0)
@@ -145,7 +133,6 @@ def test_allocate_that_does_not_fit(strict):
         assert _unchanged(mgr) == (2, 4)
 
 
-@ISSUE_8
 def test_allocate_onto_a_sequence_with_a_table_replaces_it(strict):
     mgr = _mgr(strict)
     seq, group = _running(mgr, 0)

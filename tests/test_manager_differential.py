@@ -190,8 +190,8 @@ class ManagerComparison(RuleBasedStateMachine):
             return
         expected_cows = []
         for seq in chosen:
-            expected_cows.extend(self.ref.append_slots(seq))
-        assert sorted(cows) == sorted(expected_cows)
+            expected_cows.extend(self.ref.append_slots(seq).pairs())
+        assert sorted(cows.pairs()) == sorted(expected_cows)
         for i, seq in enumerate(chosen):
             table = self.ref.get_block_table(seq)
             assert list(tables[i, : len(table)]) == table

@@ -167,9 +167,9 @@ def test_update_num_computed_tokens_chunked_prefill_stages():
     assert data.stage == SequenceStage.DECODE and data.get_num_computed_tokens() == 11
 
 
-@pytest.mark.parametrize("n", [11, -1])
-def test_update_num_computed_tokens_overflow_raises_and_changes_nothing(n):
-    data = SequenceData(list(range(10)))
+@pytest.mark.parametrize("n, strict", [(11, False), (11, True), (-1, True)])
+def test_update_num_computed_tokens_overflow_raises_and_changes_nothing(n, strict):
+    data = SequenceData(list(range(10)), strict=strict)
     with pytest.raises(ValueError, match="computed"):
         data.update_num_computed_tokens(n)
     assert data.get_num_computed_tokens() == 0 and data.stage == SequenceStage.PREFILL

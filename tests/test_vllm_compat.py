@@ -1,14 +1,12 @@
 """Drop-in compatibility with vLLM's own types: the native manager accepts sequences of another
-class (vLLM's ``Sequence``), pagedkv's enums equal vLLM's same-named members, and, where vLLM
-0.4.x is installed, pagedkv agrees with vLLM's BlockSpaceManagerV1 (benches/vllm_compare.py)."""
+class (vLLM's ``Sequence``) and pagedkv's enums equal vLLM's same-named members. The comparisons
+against vLLM's real code (its BlockSpaceManagerV1, its Scheduler, its own unit tests) are in
+tests/test_vllm_dropin.py and never skip."""
 
 from __future__ import annotations
 
 import enum
-import importlib.util
 import itertools
-import sys
-from pathlib import Path
 
 import pytest
 
@@ -130,43 +128,3 @@ def test_foreign_sequence_without_token_access_is_a_type_error():
 
     with pytest.raises(TypeError):
         m.allocate(ForeignGroup("x", [Bare()]))
-
-
-def _vllm_v1_importable() -> bool:
-    try:
-        return importlib.util.find_spec("vllm.core.block_manager_v1") is not None
-    except (ImportError, ValueError):
-        return False
-
-
-@pytest.mark.skipif(not _vllm_v1_importable(), reason="vLLM 0.4-0.5 is not installed")
-def test_agrees_with_vllm_block_manager_v1():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
-    try:
-        import vllm_compare
-    finally:
-        sys.path.pop(0)
-    assert vllm_compare.run(steps=3000, seed=7) == 0
-    assert vllm_compare.run(steps=3000, seed=7, caching=True) == 0
-
-
-def _vllm_scheduler_importable() -> bool:
-    try:
-        import vllm.core.scheduler  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(
-    not _vllm_scheduler_importable(), reason="vLLM 0.4's scheduler is not importable"
-)
-@pytest.mark.parametrize("caching", [False, True])
-@pytest.mark.parametrize("pagedkv_sequences", [False, True])
-def test_vllm_scheduler_makes_the_same_decisions_with_pagedkv(caching, pagedkv_sequences):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benches"))
-    try:
-        import vllm_scheduler_compare
-    finally:
-        sys.path.pop(0)
-    assert vllm_scheduler_compare.run(60, 3, caching, pagedkv_sequences) == 0

@@ -3,25 +3,21 @@ same class name (vLLM's own ``SequenceStatus``, ``SequenceStage``, ``AllocStatus
 
 Engine code that still imports those enums from vLLM then works unchanged with pagedkv's
 objects: ``mgr.can_allocate(g) == vllm.core.interfaces.AllocStatus.OK`` holds, and a status
-set from vLLM's enum counts as finished in ``SequenceStatus.is_finished``. Hashes stay
-``hash(name)`` (Enum's own), so such members also meet in sets and dict keys.
+set from vLLM's enum counts as finished in ``SequenceStatus.is_finished``. Hashes are
+``hash(name)`` (``enum.Enum``'s own), so such members also meet in sets and dict keys.
+
+The comparison and the hash live in the native base class (``rust/py/src/compat_enum.rs``):
+comparing two members of one of these enums is a C-level identity test, as cheap as for a
+plain ``enum.Enum`` (vLLM's scheduler compares statuses several times per group per step);
+only a comparison with an object of another type looks at names.
 """
 
 from __future__ import annotations
 
 import enum
 
+from pagedkv._native import CompatEnumBase
 
-class CompatEnum(enum.Enum):
-    def __eq__(self, other: object) -> bool:
-        if other is self:
-            return True
-        if isinstance(other, enum.Enum) and type(other).__name__ == type(self).__name__:
-            return self.name == other.name
-        return NotImplemented
 
-    def __ne__(self, other: object) -> bool:
-        eq = self.__eq__(other)
-        return eq if eq is NotImplemented else not eq
-
-    __hash__ = enum.Enum.__hash__
+class CompatEnum(CompatEnumBase, enum.Enum):
+    pass

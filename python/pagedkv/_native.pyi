@@ -20,6 +20,7 @@ __all__ = [
     "BlockHasher",
     "BlockPool",
     "BlockSpaceManager",
+    "CompatEnumBase",
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
@@ -56,6 +57,15 @@ def hash_blocks(
     hash_seed: Optional[int] = None,
 ) -> List[int]:
     """Chained 128-bit hashes of every full block of ``token_ids``."""
+
+class CompatEnumBase:
+    """Native base of ``pagedkv._enum.CompatEnum``: C-level ``==``/``!=`` (identity within one
+    enum; equal to a foreign enum member of the same class name and member name) and
+    ``hash(self._name_)``. Holds no data."""
+
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
 
 @final
 class TokenSeq:
@@ -139,9 +149,9 @@ class BlockHasher:
 class BlockPool:
     """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
     of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
-    first). Eviction is O(1); making a block evictable is O(1) when blocks are released in access
-    order, O(k) at worst (k evictable blocks accessed later). One call at a time: a concurrent
-    call raises ``InUseError``. A GPU pool has at most 2**31 slots."""
+    first): O(1) when blocks are released in access order, O(log k) at worst (k evictable
+    blocks). One call at a time: a concurrent call raises ``InUseError``. A GPU pool has at most
+    2**31 slots."""
 
     def __new__(
         cls, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"

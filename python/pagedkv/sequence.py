@@ -22,25 +22,41 @@ from __future__ import annotations
 import copy
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Tuple, Union
 
 from pagedkv._enum import CompatEnum
 from pagedkv._native import TokenSeq
 from pagedkv.block import LogicalTokenBlock
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
+from pagedkv.outputs import (
+    CompletionSequenceGroupOutput,
+    EmbeddingSequenceGroupOutput,
+    PoolerOutput,
+    SamplerOutput,
+    SequenceGroupOutput,
+    SequenceOutput,
+)
 from pagedkv.types import Logprob, LoRARequest, MultiModalData, SamplingParams
 
 __all__ = [
     "DEFAULT_BLOCK_SIZE",
+    "CompletionSequenceGroupOutput",
+    "EmbeddingSequenceGroupOutput",
     "ExecuteModelRequest",
+    "Logprob",
+    "MultiModalData",
+    "PoolerOutput",
     "PromptLogprobs",
     "RequestMetrics",
     "SampleLogprobs",
+    "SamplerOutput",
     "Sequence",
     "SequenceData",
     "SequenceGroup",
     "SequenceGroupMetadata",
+    "SequenceGroupOutput",
     "SequenceGroupState",
+    "SequenceOutput",
     "SequenceStage",
     "SequenceStatus",
     "TokenIdList",
@@ -168,6 +184,8 @@ class SequenceData:
     The keyword-only arguments configure the store: ``block_size`` (the block size of the
     hashes; ``Sequence`` passes its own), ``lora_int_id`` and ``cache_salt`` (both enter the
     hashes), and ``hash_algo``/``hash_seed`` (default: the process default hasher).
+    ``strict=True`` also refuses a negative computed-token count (see
+    :meth:`update_num_computed_tokens`).
     """
 
     __slots__ = (
@@ -178,6 +196,7 @@ class SequenceData:
         "_num_computed_tokens",
         "_stage",
         "_cache_salt",
+        "_strict",
     )
 
     def __init__(
@@ -190,6 +209,7 @@ class SequenceData:
         cache_salt: Union[str, bytes, None] = None,
         hash_algo: Optional[str] = None,
         hash_seed: Optional[int] = None,
+        strict: bool = False,
     ) -> None:
         # The store validates every token (type and range) before anything is kept.
         store = TokenSeq(
@@ -212,6 +232,7 @@ class SequenceData:
         self._num_computed_tokens = 0
         self._stage = SequenceStage.PREFILL
         self._cache_salt = cache_salt
+        self._strict = bool(strict)
 
     # -- token ids ---------------------------------------------------------------------------
 
@@ -249,6 +270,19 @@ class SequenceData:
     def get_output_token_ids(self) -> TokenIdList:
         return self._output
 
+    def get_prompt_token_ids(self) -> TokenIdList:
+        return self._prompt
+
+    def get_prefix_token_ids(
+        self, num_tokens: int
+    ) -> Tuple[Tuple[int, ...], Optional[Tuple[int, ...]]]:
+        """The first ``num_tokens`` tokens as hashable tuples (vLLM 0.5): ``(prompt part,
+        output part or None when the prefix lies within the prompt)``."""
+        prompt_len = len(self._prompt)
+        if num_tokens > prompt_len:
+            return tuple(self._prompt), tuple(self._output[: num_tokens - prompt_len])
+        return tuple(self._prompt[:num_tokens]), None
+
     def get_last_token_id(self) -> int:
         """The last token (IndexError for an empty sequence, like vLLM)."""
         if not self._output:
@@ -272,12 +306,16 @@ class SequenceData:
         """Record that a (chunk of) prefill or a decode step computed more tokens.
 
         Once every token is computed the sequence moves to the DECODE stage. Computing more
-        tokens than the sequence holds is a scheduler bug: ``ValueError``, state unchanged.
+        tokens than the sequence holds is a scheduler bug: ``InvalidArgumentError`` (a
+        ValueError; vLLM asserts), state unchanged. A negative count is accepted and stored as
+        vLLM's ``SequenceData`` does: vLLM 0.4.2's chunked-prefill scheduler can hand out a
+        negative ``token_chunk_size`` when a decoding group overran the token budget, and its
+        next step reschedules those tokens. ``strict=True`` refuses a total below zero.
         """
         total = self._num_computed_tokens + num_new_computed_tokens
         length = len(self._prompt) + len(self._output)
-        if not 0 <= total <= length:
-            raise ValueError(
+        if total > length or (total < 0 and self._strict):
+            raise InvalidArgumentError(
                 f"cannot mark {num_new_computed_tokens} more tokens as computed: "
                 f"{self._num_computed_tokens} of {length} are computed already"
             )
@@ -328,6 +366,7 @@ class SequenceData:
         new._num_computed_tokens = self._num_computed_tokens
         new._stage = self._stage
         new._cache_salt = self._cache_salt
+        new._strict = self._strict
         return new
 
     def __copy__(self) -> SequenceData:
@@ -340,7 +379,14 @@ class SequenceData:
     def __reduce__(self) -> Any:
         # The native store is not picklable; rebuild it (same hasher, so equal hashes).
         hash_algo, hash_seed = self._store.hasher
-        config = (self.block_size, self.lora_int_id, self._cache_salt, hash_algo, hash_seed)
+        config = (
+            self.block_size,
+            self.lora_int_id,
+            self._cache_salt,
+            hash_algo,
+            hash_seed,
+            self._strict,
+        )
         progress = (self.cumulative_logprob, self._num_computed_tokens, self._stage)
         return (_rebuild_sequence_data, (list(self._prompt), list(self._output), config, progress))
 
@@ -355,7 +401,7 @@ class SequenceData:
 def _rebuild_sequence_data(
     prompt: List[int], output: List[int], config: tuple, progress: tuple
 ) -> SequenceData:
-    block_size, lora_int_id, cache_salt, hash_algo, hash_seed = config
+    block_size, lora_int_id, cache_salt, hash_algo, hash_seed, strict = config
     data = SequenceData(
         prompt,
         output,
@@ -364,6 +410,7 @@ def _rebuild_sequence_data(
         cache_salt=cache_salt,
         hash_algo=hash_algo,
         hash_seed=hash_seed,
+        strict=strict,
     )
     data.cumulative_logprob, data._num_computed_tokens, data._stage = progress
     return data
@@ -376,8 +423,24 @@ def _check_seq_id(seq_id: Any) -> int:
     return seq_id
 
 
+def _copy_logprob(lp: Any) -> Any:
+    if type(lp) is Logprob:
+        return Logprob(lp.logprob, lp.rank, lp.decoded_token)
+    return copy.deepcopy(lp)
+
+
+def _copy_sample_logprobs(logprobs: List[Dict[int, Any]]) -> List[Dict[int, Any]]:
+    """What ``copy.deepcopy`` makes of a sequence's per-token logprob dicts, without its memo
+    bookkeeping (a fork copies a handful of small dicts per output token)."""
+    return [{tok: _copy_logprob(lp) for tok, lp in d.items()} for d in logprobs]
+
+
 # Attributes of a Sequence that cache its logical blocks; never copied, rebuilt on demand.
 _LOGICAL_CACHE = ("_logical_blocks", "_logical_len", "_logical_data")
+
+
+_PREFILL = SequenceStage.PREFILL
+_DECODE = SequenceStage.DECODE
 
 
 class SequenceAccessors:
@@ -416,6 +479,14 @@ class SequenceAccessors:
     def get_output_token_ids(self) -> List[int]:
         return self.data.get_output_token_ids()
 
+    def get_prompt_token_ids(self) -> List[int]:
+        return self.data.get_prompt_token_ids()
+
+    @property
+    def prompt_token_ids(self) -> List[int]:
+        """The prompt's token ids (vLLM 0.5 reads them from the sequence)."""
+        return self.data.get_prompt_token_ids()
+
     def get_cumulative_logprob(self) -> float:
         return self.data.cumulative_logprob
 
@@ -448,12 +519,15 @@ class SequenceAccessors:
     def get_num_new_tokens(self) -> int:
         """Tokens to compute in the next step: 1 when decoding, else the uncomputed rest
         (chunked prefill computes it over several steps)."""
-        if self.data.stage == SequenceStage.DECODE:
+        data = self.data
+        if data._stage == _DECODE:
             return 1
-        return self.data.get_num_uncomputed_tokens()
+        return data.get_num_uncomputed_tokens()
 
     def is_prefill(self) -> bool:
-        return self.data.stage == SequenceStage.PREFILL
+        # ``_stage``, not the ``stage`` property: vLLM's scheduler asks several times per
+        # group per step (both SequenceData classes keep the stage there).
+        return self.data._stage == _PREFILL
 
     def reset_state_for_recompute(self) -> None:
         self.data.reset_state_for_recompute()
@@ -471,6 +545,8 @@ class Sequence(SequenceAccessors):
         lora_request: The LoRA adapter; its ``lora_int_id`` enters the block hashes.
         cache_salt: Optional salt mixed into the first block's hash (and so into every later
             one): sequences with different salts never share cached blocks.
+        strict: Refuse a negative computed-token count (vLLM stores it; see
+            :meth:`SequenceData.update_num_computed_tokens`).
     """
 
     def __init__(
@@ -483,6 +559,7 @@ class Sequence(SequenceAccessors):
         lora_request: Optional[LoRARequest] = None,
         *,
         cache_salt: Union[str, bytes, None] = None,
+        strict: bool = False,
     ) -> None:
         self.seq_id = _check_seq_id(seq_id)
         self.prompt = prompt
@@ -496,6 +573,7 @@ class Sequence(SequenceAccessors):
             block_size=block_size,
             lora_int_id=self.lora_int_id,
             cache_salt=cache_salt,
+            strict=strict,
         )
         self.output_logprobs: SampleLogprobs = []
         self.output_text = ""
@@ -511,6 +589,21 @@ class Sequence(SequenceAccessors):
         self._logical_blocks: Optional[List[LogicalTokenBlock]] = None
         self._logical_len = 0
         self._logical_data: Optional[SequenceData] = None
+
+    # vLLM 0.5 reads the multi-modal input from the sequence (0.4.2 from the group only).
+    multi_modal_data: Optional[MultiModalData] = None
+
+    # The length accessors read the SequenceData's slots directly: vLLM's scheduler and
+    # engine call them for every sequence every step (``self.data`` is always ours).
+    def get_len(self) -> int:
+        data = self.data
+        return len(data._prompt) + len(data._output)
+
+    def get_output_len(self) -> int:
+        return len(self.data._output)
+
+    def get_prompt_len(self) -> int:
+        return len(self.data._prompt)
 
     @property
     def n_blocks(self) -> int:
@@ -588,8 +681,13 @@ class Sequence(SequenceAccessors):
         try:
             logprob = logprobs[token_id].logprob
         except KeyError:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"sequence {self.seq_id}: token {token_id!r} is missing from its logprobs dict"
+            ) from None
+        except (TypeError, AttributeError):
+            raise ArgumentTypeError(
+                f"sequence {self.seq_id}: logprobs must map token ids to Logprob objects, got "
+                f"{type(logprobs).__name__}"
             ) from None
         # SequenceData.append_token_id, inlined: this runs once per sequence per decode step
         # and the extra Python call cost about a third of it. Same order: the store validates
@@ -608,8 +706,9 @@ class Sequence(SequenceAccessors):
     def fork(self, new_seq_id: int) -> Sequence:
         """An independent copy with id ``new_seq_id`` (beam search / parallel sampling).
 
-        O(L) native memcpy plus O(outputs) pointer copies. The per-token logprob dicts are
-        shared, not copied: the engine never modifies a dict once its token is detokenized.
+        O(L) native memcpy for the tokens; the logprob containers (a dict and its ``Logprob``
+        objects per output token) are copied, as vLLM's ``copy.deepcopy`` does, so that writing
+        into the child's (detokenization sets ``decoded_token``) never changes the parent.
         """
         new_seq_id = _check_seq_id(new_seq_id)
         child = self._clone()
@@ -621,7 +720,7 @@ class Sequence(SequenceAccessors):
         child = cls.__new__(cls)
         state = self.__dict__.copy()
         state["data"] = self.data.copy()
-        state["output_logprobs"] = self.output_logprobs.copy()
+        state["output_logprobs"] = _copy_sample_logprobs(self.output_logprobs)
         if self.tokens is not None:
             state["tokens"] = self.tokens.copy()
         state["_logical_blocks"] = None
@@ -682,8 +781,10 @@ class SequenceGroup:
         *,
         embeddings: Optional[Any] = None,
         pooling_params: Optional[Any] = None,
+        encoder_seq: Optional[Sequence] = None,
     ) -> None:
         self.request_id = request_id
+        self.encoder_seq = encoder_seq  # vLLM 0.5: encoder/decoder models
         self.seqs_dict: Dict[int, Sequence] = {}
         # vLLM 0.5 reads these (embedding models); None for generation requests.
         self.embeddings = embeddings
@@ -745,21 +846,35 @@ class SequenceGroup:
 
     # -- sequences ---------------------------------------------------------------------------
 
+    # The methods vLLM's scheduler calls for every group every step have a fast path for the
+    # common one-sequence group and no nested calls (each must cost no more than vLLM's own).
+
     def get_max_num_running_seqs(self) -> int:
         """The most sequences this request will run in parallel for the rest of its life
         (the scheduler reserves room for them)."""
-        if self.sampling_params.use_beam_search:
+        params = self.sampling_params
+        if params.use_beam_search:
             # Beam search always keeps best_of candidates alive.
-            return self.sampling_params.best_of
-        if self.sampling_params.best_of > self.num_seqs():
+            return params.best_of
+        if params.best_of > len(self.seqs_dict):
             # Still in the prompt stage with one sequence: it forks into best_of.
-            return self.sampling_params.best_of
+            return params.best_of
         return self.num_unfinished_seqs()
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        seqs = self.seqs_dict
         if status is None:
-            return list(self.seqs_dict.values())
-        return [seq for seq in self.seqs_dict.values() if seq.status == status]
+            return list(seqs.values())
+        if len(seqs) == 1:
+            (seq,) = seqs.values()
+            return [seq] if seq.status == status else []
+        # a plain loop: in CPython 3.11 a list comprehension pays a function call, more than
+        # the appends of a few-sequence group cost
+        out = []
+        for seq in seqs.values():
+            if seq.status == status:
+                out.append(seq)
+        return out
 
     def get_unfinished_seqs(self) -> List[Sequence]:
         return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
@@ -770,7 +885,7 @@ class SequenceGroup:
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """Advance the prefill progress of every unfinished sequence."""
         for seq in self.seqs_dict.values():
-            if not seq.is_finished():
+            if seq.status not in _FINISHED_STATUSES:
                 seq.data.update_num_computed_tokens(num_new_computed_tokens)
 
     def get_num_uncomputed_tokens(self) -> int:
@@ -783,13 +898,21 @@ class SequenceGroup:
     def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
         if status is None:
             return len(self.seqs_dict)
-        return sum(1 for seq in self.seqs_dict.values() if seq.status == status)
+        n = 0
+        for seq in self.seqs_dict.values():
+            if seq.status == status:
+                n += 1
+        return n
 
     def num_unfinished_seqs(self) -> int:
-        return sum(1 for seq in self.seqs_dict.values() if not seq.is_finished())
+        n = 0
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_STATUSES:
+                n += 1
+        return n
 
     def num_finished_seqs(self) -> int:
-        return sum(1 for seq in self.seqs_dict.values() if seq.is_finished())
+        return len(self.seqs_dict) - self.num_unfinished_seqs()
 
     def find(self, seq_id: int) -> Sequence:
         try:
@@ -798,9 +921,15 @@ class SequenceGroup:
             raise ValueError(f"Sequence {seq_id} not found.") from None
 
     def add(self, seq: Sequence) -> None:
-        if seq.seq_id in self.seqs_dict:
-            raise ValueError(f"Sequence {seq.seq_id} already exists.")
-        self.seqs_dict[seq.seq_id] = seq
+        try:
+            seq_id = seq.seq_id
+        except AttributeError:
+            raise ArgumentTypeError(
+                f"sequence group {self.request_id!r}: expected a Sequence, got {type(seq).__name__}"
+            ) from None
+        if seq_id in self.seqs_dict:
+            raise ValueError(f"Sequence {seq_id} already exists.")
+        self.seqs_dict[seq_id] = seq
 
     def remove(self, seq_id: int) -> None:
         if seq_id not in self.seqs_dict:
@@ -810,9 +939,17 @@ class SequenceGroup:
     def is_finished(self) -> bool:
         return all(seq.is_finished() for seq in self.seqs_dict.values())
 
+    def is_encoder_decoder(self) -> bool:
+        return self.encoder_seq is not None
+
+    def get_encoder_seq(self) -> Optional[Sequence]:
+        return self.encoder_seq
+
     def is_prefill(self) -> bool:
-        # Every sequence of a group is in the same stage.
-        return self._first_seq().is_prefill()
+        # Every sequence of a group is in the same stage: ask the first one (inlined).
+        for seq in self.seqs_dict.values():
+            return seq.data._stage == _PREFILL
+        raise ValueError(f"sequence group {self.request_id!r} has no sequences")
 
     def __repr__(self) -> str:
         return (
@@ -854,9 +991,19 @@ class SequenceGroupMetadata:
         state: Optional[SequenceGroupState] = None,
         multi_modal_data: Optional[MultiModalData] = None,
         const_block_idx: Optional[Dict[int, int]] = None,
+        *,
+        pooling_params: Optional[Any] = None,
+        encoder_seq_data: Optional[SequenceData] = None,
+        cross_block_table: Optional[List[int]] = None,
     ) -> None:
         self.request_id = request_id
         self.is_prompt = is_prompt
+        # vLLM 0.5's fields (embedding models, encoder/decoder models); keyword-only here
+        # because 0.5 inserted pooling_params positionally before token_chunk_size.
+        self.pooling_params = pooling_params
+        self.encoder_seq_data = encoder_seq_data
+        self.cross_block_table = cross_block_table
+        self.num_speculative_tokens = None
         self.seq_data = seq_data
         self.sampling_params = sampling_params
         self.block_tables = block_tables

@@ -342,6 +342,13 @@ _PAGEDKV_OVERRIDES = {
     "lora/request.py": "from pagedkv.types import LoRARequest",
     "core/block_manager_v1.py": "from pagedkv import BlockSpaceManager as BlockSpaceManagerV1",
 }
+# vLLM 0.5's scheduler extends lists with the block manager's results: pagedkv's manager in
+# its documented mapping_format="pairs".
+_PAGEDKV_VERSION_OVERRIDES = {
+    ("0.5.0", "core/block_manager_v1.py"): (
+        "from pagedkv.block_manager import BlockSpaceManagerPairs as BlockSpaceManagerV1"
+    ),
+}
 
 _IMPORT_VLLM = re.compile(r"^(\s*)(from|import) vllm(\.|\s)", re.M)
 _IMPORT_TORCH = re.compile(r"^(\s*)import torch\s*$", re.M)
@@ -387,7 +394,8 @@ def _build_package(src: Path, version: str, flavor: str, dest: Path, pkg: str) -
             text += _REEXPORT.format(module=module)
         elif flavor == "pagedkv" and rel in _PAGEDKV_OVERRIDES:
             text += '\n# --- pagedkv.vllm_release, flavour "pagedkv" ---\n'
-            text += _PAGEDKV_OVERRIDES[rel] + "  # noqa: E402,F811\n"
+            override = _PAGEDKV_VERSION_OVERRIDES.get((version, rel), _PAGEDKV_OVERRIDES[rel])
+            text += override + "  # noqa: E402,F811\n"
         _write(dest / rel, text)
     for rel, names in _EXTRACTED.items():
         header = _CONFIG_HEADER if rel == "config.py" else _UTILS_HEADER
@@ -508,8 +516,10 @@ def run_own_tests(
     base = _own_tests_dir(version, flavor)
     args = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(base)]
     args += [str(base / "tests" / "core" / f) for f in files]
-    for test_id in deselect:
-        args += ["--deselect", str(base / "tests" / "core" / test_id)]
+    for (
+        test_id
+    ) in deselect:  # node ids are relative to the rootdir (an absolute path never matches)
+        args += ["--deselect", f"tests/core/{test_id}"]
     args += list(extra_args or ())
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(base)] + env.get("PYTHONPATH", "").split(os.pathsep))

@@ -6,7 +6,7 @@ executes it, so the example is known to work as well as to type-check.
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from pagedkv import (
     SequenceGroup,
     SequenceStatus,
 )
+from pagedkv.block_manager import BlockSpaceManagerPairs
 from pagedkv.protocols import SequenceGroupLike, SequenceLike
 
 
@@ -68,6 +69,13 @@ def main() -> None:
     batch: BlockMapping = mgr.append_slots_batch([seq], tables, lens, slots)
     assert not batch and int(lens[0]) == 42
     assert preempt_and_resume(mgr, group) == 3
+    vllm05 = BlockSpaceManagerPairs(16, 8, 8, strict=True)
+    other = Sequence(1, "p", list(range(20)), block_size=16)
+    assert admit(vllm05, SequenceGroup("r1", [other], SamplingParams(), arrival_time=0.0))
+    other.status = SequenceStatus.RUNNING
+    other.append_token_id(9, {9: Logprob(0.0)})
+    pairs: List[Tuple[int, int]] = vllm05.append_slots(other)
+    assert pairs == [] and vllm05.strict
     table: List[int] = mgr.get_block_table(seq)
     free: int = mgr.get_num_free_gpu_blocks()
     assert len(table) == 3 and free == 61

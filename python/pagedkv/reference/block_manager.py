@@ -25,7 +25,7 @@ import math
 from typing import Dict, Iterable, List, Optional, Tuple
 
 from pagedkv.block import Device, PhysicalTokenBlock
-from pagedkv.block_manager import AllocStatus, BlockMapping
+from pagedkv.block_manager import AllocStatus, BlockMapping, check_mapping_format
 from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, UnknownSequenceError
 from pagedkv.reference.pool import BlockPool
 
@@ -71,7 +71,9 @@ class BlockSpaceManager:
         hash_algo: Optional[str] = None,
         hash_seed: Optional[int] = None,
         strict: bool = False,
+        mapping_format: str = "dict",
     ) -> None:
+        self.mapping_format = check_mapping_format(mapping_format)
         if not isinstance(block_size, int) or block_size <= 0:
             raise InvalidArgumentError(f"block_size must be a positive int, got {block_size}")
         for name, value in (("num_gpu_blocks", num_gpu_blocks), ("num_cpu_blocks", num_cpu_blocks)):
@@ -142,12 +144,15 @@ class BlockSpaceManager:
         meta = self._meta(pool, parent, seq.lora_int_id, getattr(seq, "cache_salt", None))
         return seq.hash_of_block(i), seq.block_token_ids(i), meta
 
-    def _check_seq(self, seq) -> None:
-        if seq.block_size != self.block_size:
-            raise InvalidArgumentError(
-                f"sequence block_size {seq.block_size} does not match the manager's "
-                f"{self.block_size}"
-            )
+    def _result(self, mapping: BlockMapping):
+        """The manager's chosen result shape: the dict itself, or vLLM 0.5's pairs."""
+        return mapping.pairs() if self.mapping_format == "pairs" else mapping
+
+    def _caches(self, seq) -> bool:
+        """Prefix caching applies only to sequences counted in the manager's own block size:
+        a sequence's blocks are counted in its own ``block_size`` (as vLLM does), and cache
+        entries made in different units must never be shared."""
+        return self.enable_caching and seq.block_size == self.block_size
 
     def _table(self, seq) -> _Table:
         t = self._tables.get(seq.seq_id)
@@ -191,8 +196,7 @@ class BlockSpaceManager:
                 f"sequence group {seq_group.request_id!r} has no WAITING sequence"
             )
         seq = waiting[0]
-        self._check_seq(seq)
-        n = _ceil_div(seq.get_len(), self.block_size)
+        n = _ceil_div(seq.get_len(), seq.block_size)
         if self.block_sliding_window is not None:
             n = min(n, self.block_sliding_window)
         if self.num_total_gpu_blocks - n < self.watermark_blocks:
@@ -202,26 +206,24 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group) -> None:
-        """Give every WAITING sequence of the group one shared prompt table (ref count k)."""
+        """Give every WAITING sequence of the group one shared prompt table (ref count k); a
+        sequence that already holds a table gets the new one (the old one is released)."""
         waiting = self._with_status(seq_group, "WAITING")
         if not waiting:
             raise InvalidArgumentError(
                 f"sequence group {seq_group.request_id!r} has no WAITING sequence"
             )
-        for s in waiting:
-            self._check_seq(s)
-            if s.seq_id in self._tables:
-                raise InvalidArgumentError(f"sequence {s.seq_id} already has a block table")
         seq = waiting[0]
         k = len(waiting)
-        bs = self.block_size
+        bs = seq.block_size
         length = seq.get_len()
         n = _ceil_div(length, bs)
         w = self.block_sliding_window
         gpu = self.gpu
+        caching = self._caches(seq)
 
-        full = length // bs if self.enable_caching else 0
-        if self.enable_caching:
+        full = length // bs if caching else 0
+        if caching:
             # Walk the chain as the loop below will: block i can only hit if block i-1 did.
             # Only hits on referenced blocks cost no free block (their parents are referenced
             # too, so no eviction in the loop can turn them into misses).
@@ -255,6 +257,11 @@ class BlockSpaceManager:
                 b = self._fresh_gpu_block(k)
             blocks.append(b)
         for s in waiting:
+            # vLLM overwrites an existing table (leaking it); we release it, after the new
+            # table is built so that the blocks chosen are vLLM's.
+            old = self._tables.pop(s.seq_id, None)
+            if old is not None:
+                self._release(old)
             self._tables[s.seq_id] = _Table(list(blocks), "gpu", length)
 
     # ---- appending ---------------------------------------------------------------------------
@@ -262,7 +269,6 @@ class BlockSpaceManager:
     def _appendable(self, seq, num_lookahead_slots: int) -> _Table:
         if num_lookahead_slots < 0:
             raise InvalidArgumentError("num_lookahead_slots must be non-negative")
-        self._check_seq(seq)
         t = self._table(seq)
         if t.device != "gpu":
             raise InvalidArgumentError(
@@ -275,10 +281,10 @@ class BlockSpaceManager:
             )
         return t
 
-    def _append_need(self, t: _Table, target: int) -> int:
+    def _append_need(self, t: _Table, target: int, bs: int) -> int:
         """Upper bound on the free GPU blocks ``append_slots`` takes (cache hits not counted
-        as savings). A window block created by this same call always has ref count 1."""
-        bs = self.block_size
+        as savings). A window block created by this same call always has ref count 1. ``bs``:
+        the sequence's own block size."""
         w = self.block_sliding_window
         blocks = t.blocks
         ref = self.gpu._ref
@@ -300,9 +306,8 @@ class BlockSpaceManager:
         running = self._with_status(seq_group, "RUNNING")
         need = 0
         for seq in running:  # a question, not an action: only the table must exist
-            self._check_seq(seq)
             t = self._table(seq)
-            need += self._append_need(t, seq.get_len() + num_lookahead_slots)
+            need += self._append_need(t, seq.get_len() + num_lookahead_slots, seq.block_size)
         return self.gpu.num_free >= max(len(running), need)
 
     def append_slots(self, seq, num_lookahead_slots: int = 0) -> Dict[int, List[int]]:
@@ -312,13 +317,13 @@ class BlockSpaceManager:
         gpu = self.gpu
         length = seq.get_len()
         target = length + num_lookahead_slots
-        need = self._append_need(t, target)
+        bs = seq.block_size
+        need = self._append_need(t, target, bs)
         if need > gpu.num_free:
             raise OutOfBlocksError(f"out of gpu blocks: {need} needed, {gpu.num_free} free")
 
-        bs = self.block_size
         w = self.block_sliding_window
-        caching = self.enable_caching
+        caching = self._caches(seq)
         blocks = t.blocks
         ref = gpu._ref
         copies: Dict[int, List[int]] = {}
@@ -366,7 +371,7 @@ class BlockSpaceManager:
                         h, toks, meta = key
                         gpu.register(nb, h, toks, (i + 1) * bs, meta)
         t.reserved = length
-        return BlockMapping(copies)
+        return self._result(BlockMapping(copies))
 
     def _promote(self, blocks: List[int], i: int, b: int, key) -> None:
         """A just-filled private block: share an identical cached block, or cache this one."""
@@ -383,15 +388,16 @@ class BlockSpaceManager:
     # ---- fork and free -----------------------------------------------------------------------
 
     def fork(self, parent_seq, child_seq) -> None:
+        """The child's table becomes a copy of the parent's. A parent without a table is an
+        ``UnknownSequenceError`` (vLLM's KeyError); a child's old table is released first."""
         if parent_seq.seq_id == child_seq.seq_id:
             raise InvalidArgumentError(f"cannot fork sequence {parent_seq.seq_id} into itself")
         parent = self._tables.get(parent_seq.seq_id)
         if parent is None:
-            if self.strict:
-                raise UnknownSequenceError(f"unknown sequence id {parent_seq.seq_id}")
-            return
-        if child_seq.seq_id in self._tables:
-            raise InvalidArgumentError(f"child sequence {child_seq.seq_id} already has a table")
+            raise UnknownSequenceError(f"unknown sequence id {parent_seq.seq_id}")
+        old = self._tables.pop(child_seq.seq_id, None)
+        if old is not None:  # the parent keeps its references: nothing shared is freed here
+            self._release(old)
         child = parent.copy()
         pool = self._pools[child.device]
         for b in self._distinct(child.blocks):
@@ -485,7 +491,7 @@ class BlockSpaceManager:
                 src.free(b)
             t.blocks = [mapping[b] for b in t.blocks]
             t.device = dst_name
-        return BlockMapping(mapping)
+        return self._result(BlockMapping(mapping))
 
     # ---- prefix-caching helpers --------------------------------------------------------------
 

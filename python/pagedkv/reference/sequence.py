@@ -72,6 +72,9 @@ class SequenceData:
     def get_token_ids(self) -> List[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def get_prompt_token_ids(self) -> List[int]:
+        return self.prompt_token_ids
+
     def get_output_token_ids(self) -> List[int]:
         return self.output_token_ids
 
@@ -84,9 +87,11 @@ class SequenceData:
         return self._num_computed_tokens
 
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        # vLLM's rule: only the upper bound is checked (a negative chunk from vLLM 0.4.2's
+        # chunked-prefill scheduler is stored and rescheduled next step).
         total = self._num_computed_tokens + num_new_computed_tokens
-        if not 0 <= total <= self.get_len():
-            raise ValueError(
+        if total > self.get_len():
+            raise InvalidArgumentError(
                 f"cannot mark {num_new_computed_tokens} more tokens as computed: "
                 f"{self._num_computed_tokens} of {self.get_len()} are computed already"
             )

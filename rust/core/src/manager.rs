@@ -252,10 +252,26 @@ impl Manager {
         self.tables.get(&id).ok_or(Error::UnknownSequence(id))
     }
 
-    fn check_seq(&self, seq: &TokenSeq) -> Result<()> {
-        if seq.block_size() != self.cfg.block_size {
+    /// Whether `seq` counts its blocks in the manager's own block size. The per-sequence calls
+    /// accept any block size (vLLM counts a sequence's blocks in the sequence's own logical
+    /// blocks); only sequences in the manager's units take part in the prefix cache, so cache
+    /// entries made in different units are never shared.
+    fn same_units(&self, seq: &TokenSeq) -> bool {
+        seq.block_size() == self.cfg.block_size
+    }
+
+    /// Whether prefix-cache lookups and registrations apply to `seq`.
+    fn caches(&self, seq: &TokenSeq) -> bool {
+        self.cfg.enable_caching && self.same_units(seq)
+    }
+
+    /// The batch and slot-writing calls compute slot numbers `block * block_size + offset` in
+    /// the manager's units, so they refuse a sequence counted in other units.
+    pub fn check_slot_units(&self, seq: &TokenSeq) -> Result<()> {
+        if !self.same_units(seq) {
             return Err(Error::invalid(format!(
-                "sequence block_size {} does not match the manager's {}",
+                "sequence block_size {} does not match the manager's {}: slot numbers need the \
+                 manager's units (the per-sequence calls accept it)",
                 seq.block_size(),
                 self.cfg.block_size
             )));
@@ -280,7 +296,6 @@ impl Manager {
     }
 
     pub fn can_allocate(&self, first_waiting: &TokenSeq) -> Result<AllocStatus> {
-        self.check_seq(first_waiting)?;
         let n = self.prompt_blocks(first_waiting);
         let total = self.cfg.num_gpu_blocks as usize;
         Ok(if total < n + self.watermark_blocks {
@@ -293,21 +308,14 @@ impl Manager {
     }
 
     /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
+    /// A sequence that already holds a table gets the new one (the old one is released).
     pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
         let Some(&(_, seq)) = waiting.first() else {
             return Err(Error::invalid("the sequence group has no WAITING sequence"));
         };
-        for &(id, s) in waiting {
-            self.check_seq(s)?;
-            if self.tables.contains_key(&id) {
-                return Err(Error::invalid(format!(
-                    "sequence {id} already has a block table"
-                )));
-            }
-        }
         let k = waiting.len() as u32;
         let n = seq.num_blocks();
-        let caching = self.cfg.enable_caching;
+        let caching = self.caches(seq);
         let need = if caching {
             // Walk the chain as `allocate` will: block i can only hit if block i-1 did (a hit is
             // confirmed by parent identity). Only hits on referenced blocks cost no free block;
@@ -339,7 +347,7 @@ impl Manager {
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
         }
-        let bs = self.cfg.block_size;
+        let bs = seq.block_size();
         let mut table: Vec<BlockId> = Vec::with_capacity(n);
         for i in 0..n {
             let parent = if i > 0 { table.last().copied() } else { None };
@@ -366,6 +374,12 @@ impl Manager {
         }
         let reserved = seq.len();
         for &(id, _) in waiting {
+            // vLLM overwrites the table of a sequence id that already has one (leaking its
+            // references); we release it, after the new table is built so that the blocks
+            // chosen are vLLM's.
+            if let Some(mut old) = self.tables.remove(&id) {
+                self.release_table(&mut old)?;
+            }
             let order = self.next_order;
             self.next_order += 1;
             self.next_version += 1;
@@ -397,11 +411,11 @@ impl Manager {
     /// Upper bound on the free GPU blocks `append_slots` takes for this sequence.
     pub fn append_need(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> Result<usize> {
         let e = self.entry(id)?;
-        Ok(self.need_of(e, seq.len() + lookahead))
+        Ok(self.need_of(e, seq.len() + lookahead, seq.block_size()))
     }
 
-    fn need_of(&self, e: &SeqEntry, target: usize) -> usize {
-        let bs = self.cfg.block_size;
+    /// `bs`: the sequence's own block size (the unit its table is counted in).
+    fn need_of(&self, e: &SeqEntry, target: usize, bs: usize) -> usize {
         let first = e.reserved / bs;
         let last = target.div_ceil(bs);
         let mut need = 0;
@@ -431,14 +445,12 @@ impl Manager {
     ) -> Result<bool> {
         let mut need = 0;
         for &(id, seq) in running {
-            self.check_seq(seq)?;
             need += self.append_need(id, seq, lookahead)?;
         }
         Ok(self.gpu.num_free() >= need.max(running.len()))
     }
 
     fn check_appendable(&self, id: SeqId, seq: &TokenSeq) -> Result<&SeqEntry> {
-        self.check_seq(seq)?;
         let e = self.entry(id)?;
         if e.device != Device::Gpu {
             return Err(Error::invalid(format!(
@@ -464,11 +476,14 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
-        self.append_slots_batch(&[(id, seq)], lookahead, copies)
+        let one = [(id, seq)];
+        self.check_append_many(&one, lookahead)?;
+        self.append_checked(&one, lookahead, copies)
     }
 
     /// `append_slots` for many sequences: all checked first (the free-block need is summed),
-    /// then all done, so an error leaves every sequence untouched.
+    /// then all done, so an error leaves every sequence untouched. The batch step API: every
+    /// sequence must count its blocks in the manager's units (see `check_slot_units`).
     pub fn append_slots_batch(
         &mut self,
         seqs: &[(SeqId, &TokenSeq)],
@@ -476,18 +491,36 @@ impl Manager {
         copies: &mut Copies,
     ) -> Result<()> {
         self.check_append_batch(seqs, lookahead)?;
+        self.append_checked(seqs, lookahead, copies)
+    }
+
+    /// The checks of `append_slots_batch` alone: `Ok` iff the batch would succeed now.
+    pub fn check_append_batch(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
+        for &(_, seq) in seqs {
+            self.check_slot_units(seq)?;
+        }
+        self.check_append_many(seqs, lookahead)
+    }
+
+    /// Appends after `check_append_many` (or `check_append_batch`) said yes.
+    fn append_checked(
+        &mut self,
+        seqs: &[(SeqId, &TokenSeq)],
+        lookahead: usize,
+        copies: &mut Copies,
+    ) -> Result<()> {
         for &(id, seq) in seqs {
             self.append_unchecked(id, seq, lookahead, copies)?;
         }
         Ok(())
     }
 
-    /// The checks of `append_slots_batch` alone: `Ok` iff the batch would succeed now.
-    pub fn check_append_batch(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
+    /// Every sequence appendable and the summed free-block need met, in each sequence's units.
+    fn check_append_many(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
         let mut need = 0;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;
-            need += self.need_of(e, seq.len() + lookahead);
+            need += self.need_of(e, seq.len() + lookahead, seq.block_size());
         }
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
@@ -502,8 +535,8 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
-        let bs = self.cfg.block_size;
-        let caching = self.cfg.enable_caching;
+        let bs = seq.block_size();
+        let caching = self.caches(seq);
         let window = self.window;
         let gpu = &mut self.gpu;
         let stamps = &mut self.gpu_stamps;
@@ -597,25 +630,29 @@ impl Manager {
 
     // ---- fork and free -------------------------------------------------------------------
 
+    /// The child gets a copy of the parent's table (one more reference on each distinct block).
+    /// A parent without a table is `UnknownSequence` (vLLM's `KeyError`); a child that already
+    /// holds a table has it released first (vLLM overwrites it, leaking its references).
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
-        let Some(pe) = self.tables.get(&parent) else {
-            return if self.cfg.strict {
-                Err(Error::UnknownSequence(parent))
-            } else {
-                Ok(())
-            };
-        };
-        if self.tables.contains_key(&child) {
+        if parent == child {
             return Err(Error::invalid(format!(
-                "child sequence {child} already has a block table"
+                "cannot fork sequence {parent} into itself"
             )));
         }
+        let Some(pe) = self.tables.get(&parent) else {
+            return Err(Error::UnknownSequence(parent));
+        };
         let mut ce = pe.clone();
         ce.order = self.next_order;
+        ce.access = None; // the parent's pending access covers the shared blocks
+        if let Some(mut old) = self.tables.remove(&child) {
+            // The parent still holds its own references, so no block it shares with the
+            // child's old table is freed here.
+            self.release_table(&mut old)?;
+        }
         self.next_order += 1;
         self.next_version += 1;
         ce.version = self.next_version;
-        ce.access = None; // the parent's pending access covers the shared blocks
         let pool = match ce.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,

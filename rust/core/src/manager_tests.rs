@@ -37,10 +37,12 @@ fn allocate_shares_one_table_between_waiting_seqs() {
     assert_eq!(m.block_table(1).unwrap(), &[7, 6]);
     assert_eq!(m.block_table(2).unwrap(), &[7, 6]);
     assert_eq!(m.pool(Device::Gpu).ref_count(7), 2);
-    assert!(matches!(
-        m.allocate(&[(1, &s)]),
-        Err(Error::InvalidArgument(_))
-    ));
+    // vLLM's own tests allocate a new group under a sequence id that holds a table: the new
+    // table is built first (vLLM's block choice), then the old references are released.
+    m.allocate(&[(1, &s)]).unwrap();
+    assert_eq!(m.block_table(1).unwrap(), &[5, 4]);
+    assert_eq!(m.pool(Device::Gpu).ref_count(7), 1);
+    assert_eq!(m.num_free_gpu_blocks(), 4);
     m.check_invariants().unwrap();
 }
 
@@ -341,4 +343,118 @@ fn collisions_never_share_blocks_with_different_prefixes() {
         hits > 0 && hits < lookups,
         "some real sharing, some rejected collisions"
     );
+}
+
+#[test]
+fn per_sequence_calls_count_blocks_in_the_sequences_own_units() {
+    // vLLM's own scheduler tests: a sequence whose block size is its prompt length on a
+    // manager with block size 4 takes one block per `seq.block_size` tokens.
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let mut s = seq(&(0..60).collect::<Vec<u32>>(), 60);
+    assert_eq!(m.can_allocate(&s).unwrap(), AllocStatus::Ok);
+    m.allocate(&[(1, &s)]).unwrap();
+    assert_eq!(m.block_table(1).unwrap().len(), 1);
+    let mut copies = vec![];
+    s.push(60);
+    assert!(m.can_append_slots(&[(1, &s)], 0).unwrap());
+    m.append_slots(1, &s, 0, &mut copies).unwrap();
+    assert_eq!(
+        m.block_table(1).unwrap().len(),
+        2,
+        "token 61 opens the second 60-token block"
+    );
+    assert_eq!(m.num_free_gpu_blocks(), 6);
+    m.check_invariants().unwrap();
+    m.free(1).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 8);
+}
+
+#[test]
+fn batch_and_slot_calls_refuse_other_units_and_change_nothing() {
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let mut s = seq(&[1, 2, 3], 8);
+    m.allocate(&[(1, &s)]).unwrap();
+    s.push(4);
+    let mut copies = vec![];
+    let err = m.append_slots_batch(&[(1, &s)], 0, &mut copies);
+    assert!(matches!(err, Err(Error::InvalidArgument(ref msg)) if msg.contains("block_size 8")));
+    assert_eq!(m.reserved_tokens(1).unwrap(), 3);
+    assert!(m.check_slot_units(&s).is_err());
+    assert!(m.check_slot_units(&seq(&[1], 4)).is_ok());
+}
+
+#[test]
+fn cache_entries_in_other_units_are_never_shared() {
+    // Block 1 of a 4-token-block sequence and block 0 of an 8-token-block sequence cover the
+    // same 8 tokens; they must not meet in the cache, in either order.
+    let toks: Vec<u32> = (0..8).collect();
+    for first_small in [true, false] {
+        let mut m = Manager::new(cfg(4, 16, 4, true, None)).unwrap();
+        let small = seq(&toks, 4);
+        let big = seq(&toks, 8);
+        let (a, b) = if first_small {
+            (&small, &big)
+        } else {
+            (&big, &small)
+        };
+        m.allocate(&[(1, a)]).unwrap();
+        m.allocate(&[(2, b)]).unwrap();
+        let t1 = m.block_table(1).unwrap().to_vec();
+        let t2 = m.block_table(2).unwrap().to_vec();
+        assert!(t1.iter().all(|x| !t2.contains(x)), "{t1:?} vs {t2:?}");
+        let big2 = seq(&toks, 8);
+        m.allocate(&[(3, &big2)]).unwrap();
+        let t3 = m.block_table(3).unwrap().to_vec();
+        assert!(t3.iter().all(|x| !t1.contains(x) && !t2.contains(x)));
+        m.check_invariants().unwrap();
+        // the same units still share
+        let small2 = seq(&toks, 4);
+        m.allocate(&[(4, &small2)]).unwrap();
+        let st = if first_small { &t1 } else { &t2 };
+        assert_eq!(m.block_table(4).unwrap(), &st[..]);
+    }
+}
+
+#[test]
+fn fork_without_parent_table_is_unknown_even_when_not_strict() {
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let s = seq(&[1, 2, 3], 4);
+    m.allocate(&[(2, &s)]).unwrap();
+    let before = m.block_table(2).unwrap().to_vec();
+    assert!(matches!(m.fork(1, 2), Err(Error::UnknownSequence(1))));
+    assert!(matches!(m.fork(1, 3), Err(Error::UnknownSequence(1))));
+    assert_eq!(m.block_table(2).unwrap(), &before[..]);
+    assert!(!m.has_table(3));
+    assert_eq!(m.num_free_gpu_blocks(), 7);
+    assert!(matches!(m.fork(2, 2), Err(Error::InvalidArgument(_))));
+    m.free(9).unwrap(); // free of an unknown sequence stays a no-op
+}
+
+#[test]
+fn fork_onto_a_child_with_a_table_replaces_it_without_leaking() {
+    let mut m = Manager::new(cfg(4, 8, 4, false, None)).unwrap();
+    let p = seq(&[1, 2, 3, 4, 5], 4);
+    let c = seq(&[9, 9, 9, 9, 9, 9, 9, 9, 9], 4);
+    m.allocate(&[(1, &p)]).unwrap();
+    m.allocate(&[(2, &c)]).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 3);
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.block_table(2).unwrap(), m.block_table(1).unwrap());
+    assert_eq!(
+        m.num_free_gpu_blocks(),
+        6,
+        "the child's three old blocks came back"
+    );
+    m.check_invariants().unwrap();
+    // forking again onto a child that already shares the parent's table changes nothing
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 6);
+    assert_eq!(
+        m.pool(Device::Gpu).ref_count(m.block_table(1).unwrap()[0]),
+        2
+    );
+    m.check_invariants().unwrap();
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    assert_eq!(m.num_free_gpu_blocks(), 8);
 }

@@ -74,6 +74,7 @@ impl Manager {
             }
         }
         for &(id, seq) in seqs {
+            self.check_slot_units(seq)?;
             let need = self.row_len(id, seq, after_append)?;
             if need > cols {
                 return Err(Error::invalid(format!(

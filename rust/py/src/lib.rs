@@ -18,6 +18,7 @@ use pyo3::prelude::*;
 
 mod args;
 mod buffers;
+mod compat_enum;
 mod errors;
 mod hashing;
 mod manager;
@@ -31,6 +32,7 @@ mod tokens;
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<hashing::PyTokenSeq>()?;
+    m.add("CompatEnumBase", compat_enum::make_type(m.py())?)?;
     m.add_class::<hashing::PyBlockHasher>()?;
     m.add_class::<pool::PyBlockPool>()?;
     m.add_class::<manager::PyManager>()?;

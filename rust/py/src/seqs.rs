@@ -135,6 +135,11 @@ pub fn foreign_store<'py>(
         Ok(v) if !v.is_none() => Some(crate::hashing::salt_bytes_of(&v)?),
         _ => None,
     };
+    // vLLM counts a sequence's blocks in its own block size (it may differ from the manager's)
+    let block_size = match seq.getattr(intern!(py, "block_size")) {
+        Ok(v) if !v.is_none() => crate::hashing::check_block_size(int_arg(&v, "block_size")?)?,
+        _ => block_size,
+    };
     let extra = pagedkv_core::HashExtra { lora_id, salt };
     let inner = TokenSeq::new(block_size, &tokens, extra, hasher).py()?;
     Bound::new(py, PyTokenSeq { inner })

@@ -1,0 +1,444 @@
+"""vLLM's own Scheduler, driven by a model-free engine loop over interchangeable backends.
+
+The scheduler code is vLLM's real ``vllm/core/scheduler.py`` of a release, loaded by
+:mod:`pagedkv.vllm_release` (nothing of vLLM needs to be installed). What changes between
+backends is the classes it drives:
+
+* ``"vllm"``: vLLM's own Sequence family and BlockSpaceManagerV1 (the baseline);
+* ``"pagedkv-dropin"``: pagedkv's Sequence family and ``BlockSpaceManager``, swapped in by an
+  import change (``vllm_release.load(version, "pagedkv")``): the drop-in claim;
+* ``"pagedkv-manager"``: vLLM's own Sequence family with pagedkv's ``BlockSpaceManager`` (the
+  manager accepts foreign sequences).
+
+:class:`Engine` is what vLLM's LLMEngine does around the scheduler, minus the model: each step
+it calls ``schedule()``, then processes the outputs (advance the computed tokens, fork ``n > 1``
+requests after their prefill, append one sampled token per running sequence, finish and free
+sequences at their output length, free finished groups). The sampled tokens are fixed in
+advance per request and sequence, so every backend replays the same run. New backends (a
+native scheduler, say) plug in through :class:`Backend`.
+
+:func:`compare_decisions` checks that two backends make identical decisions at every step;
+:func:`compare_scheduler_step` times the whole step (``schedule()`` + output processing) of
+``"vllm"`` and ``"pagedkv-dropin"`` on W1 in the same run.
+"""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import random
+import time
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, W1Config, generate_w1
+
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Engine",
+    "EngineConfig",
+    "compare_decisions",
+    "compare_scheduler_step",
+    "make_backend",
+    "random_requests",
+    "run_engines",
+]
+
+BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager")
+
+
+@dataclass
+class Backend:
+    """The classes one engine uses: a vLLM-API ``Scheduler`` factory and the Sequence family
+    (module with ``Sequence``, ``SequenceGroup``, ``SequenceStatus``, ``Logprob``) plus
+    ``SamplingParams``. ``make_scheduler(scheduler_config, cache_config)``."""
+
+    name: str
+    version: str
+    release: types.SimpleNamespace  # the vllm_release load whose config classes are used
+    sequence: Any
+    sampling_params: Any
+    make_scheduler: Callable[[Any, Any], Any]
+
+
+def make_backend(version: str, name: str) -> Backend:
+    """One of :data:`BACKENDS` for vLLM ``version`` (fetched and loaded by vllm_release)."""
+    from pagedkv import vllm_release
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
+
+    def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
+        return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
+
+    make = scheduler
+    if name == "pagedkv-manager":
+        make = _with_pagedkv_manager(ns, version)
+    return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
+
+
+def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
+    """A Scheduler of the ``vllm`` load whose block manager is pagedkv's (in the result shape
+    of that release)."""
+    import pagedkv
+    from pagedkv.block_manager import BlockSpaceManagerPairs
+
+    manager = BlockSpaceManagerPairs if version != "0.4.2" else pagedkv.BlockSpaceManager
+
+    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
+        cls = ns.interfaces.BlockSpaceManager
+        original = cls.__dict__["get_block_space_manager_class"]
+        cls.get_block_space_manager_class = staticmethod(lambda version: manager)
+        try:
+            return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
+        finally:
+            cls.get_block_space_manager_class = original
+
+    return make
+
+
+# ---- the engine loop -------------------------------------------------------------------------
+
+
+def _canonical(tables: List[List[int]]) -> List[List[int]]:
+    """Renumber blocks by first appearance: two runs with the same sharing compare equal
+    (vLLM's free-list order after a free depends on object addresses)."""
+    names: Dict[int, int] = {}
+    return [[names.setdefault(b, len(names)) for b in t] for t in tables]
+
+
+def _pair_count(mapping: Any) -> int:
+    """(src, dst) pairs of a 0.4 dict ({src: dst} / {src: [dst]}) or a 0.5 list of pairs."""
+    if isinstance(mapping, dict):
+        return sum(len(v) if isinstance(v, list) else 1 for v in mapping.values())
+    return len(mapping)
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 16
+    num_gpu_blocks: int = 2304
+    num_cpu_blocks: int = 1024
+    max_num_seqs: int = 24
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 4352
+    caching: bool = False
+    chunked_prefill: bool = False
+
+    @classmethod
+    def from_w1(cls, cfg: W1Config, caching: bool) -> EngineConfig:
+        return cls(
+            block_size=cfg.block_size,
+            num_gpu_blocks=cfg.num_gpu_blocks,
+            num_cpu_blocks=cfg.num_cpu_blocks,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.prefill_token_budget,
+            max_model_len=cfg.prompt_len_max + cfg.output_len_max,
+            caching=caching,
+        )
+
+
+@dataclass
+class Engine:
+    """A model-free LLMEngine loop around ``backend``'s scheduler (see the module docstring)."""
+
+    backend: Backend
+    config: EngineConfig
+    scheduler: Any = None
+    requests: Dict[str, Request] = field(default_factory=dict)
+    next_child_id: int = 1 << 40
+    step_seconds: List[float] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        c, ns = self.config, self.backend.release
+        sched_cfg = ns.config.SchedulerConfig(
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
+            c.max_model_len,
+            enable_chunked_prefill=c.chunked_prefill,
+        )
+        cache_cfg = ns.config.CacheConfig(
+            c.block_size, 0.9, 1, "auto", enable_prefix_caching=c.caching
+        )
+        cache_cfg.num_gpu_blocks = c.num_gpu_blocks
+        cache_cfg.num_cpu_blocks = c.num_cpu_blocks
+        self.scheduler = self.backend.make_scheduler(sched_cfg, cache_cfg)
+        seq_params = list(inspect.signature(self.backend.sequence.Sequence.__init__).parameters)
+        self._inputs_dict = len(seq_params) > 2 and seq_params[2] == "inputs"  # vLLM 0.5
+        self._running = self.backend.sequence.SequenceStatus.RUNNING
+        self._capped = self.backend.sequence.SequenceStatus.FINISHED_LENGTH_CAPPED
+        self._logprob = self.backend.sequence.Logprob
+
+    def add(self, req: Request) -> None:
+        mod, bs = self.backend.sequence, self.config.block_size
+        tokens = list(req.prompt_token_ids)
+        if self._inputs_dict:
+            inputs = {"prompt": "", "prompt_token_ids": tokens, "multi_modal_data": None}
+            seq = mod.Sequence(req.index, inputs, bs)
+        else:
+            seq = mod.Sequence(req.index, "", tokens, bs)
+        params = self.backend.sampling_params(n=req.n, best_of=req.n, max_tokens=req.output_len)
+        group = mod.SequenceGroup(
+            request_id=req.request_id,
+            seqs=[seq],
+            sampling_params=params,
+            arrival_time=req.arrival_time,
+        )
+        self.requests[req.request_id] = req
+        self.scheduler.add_seq_group(group)
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def step(self, record: bool = False) -> Optional[Dict[str, Any]]:
+        """One engine step; its time is appended to ``step_seconds``. With ``record``, returns
+        the step's decisions (built outside the timed part)."""
+        t0 = time.perf_counter()
+        metas, out = self.scheduler.schedule()
+        self._process_outputs(out)
+        self.step_seconds.append(time.perf_counter() - t0)
+        return self._record(metas, out) if record else None
+
+    def _process_outputs(self, out: Any) -> None:
+        sched = self.scheduler
+        for sg in out.scheduled_seq_groups:
+            group = sg.seq_group
+            group.update_num_computed_tokens(sg.token_chunk_size)
+            if group.is_prefill():
+                continue  # an intermediate chunk of a chunked prefill samples nothing
+            req = self.requests[group.request_id]
+            running = group.get_seqs(status=self._running)
+            if req.n > 1 and len(group.get_seqs()) == 1:
+                child = running[0].fork(self.next_child_id)
+                self.next_child_id += 1
+                group.add(child)
+                sched.fork_seq(running[0], child)
+                running.append(child)
+            for row, seq in enumerate(running):
+                pos = seq.get_output_len()
+                tok = req.output_token_ids[row % len(req.output_token_ids)][pos]
+                seq.append_token_id(tok, {tok: self._logprob(0.0)})
+                if pos + 1 >= req.output_len:
+                    seq.status = self._capped
+                    sched.free_seq(seq)
+        sched.free_finished_seq_groups()
+
+    def _record(self, metas: Any, out: Any) -> Dict[str, Any]:
+        mgr = self.scheduler.block_manager
+        return {
+            "requests": [(m.request_id, m.is_prompt, m.token_chunk_size) for m in metas],
+            "tables": _canonical([t for m in metas for _, t in sorted(m.block_tables.items())]),
+            "computed": [len(m.computed_block_nums or []) for m in metas],
+            "swap": (_pair_count(out.blocks_to_swap_in), _pair_count(out.blocks_to_swap_out)),
+            "copies": _pair_count(out.blocks_to_copy),
+            "ignored": [g.request_id for g in out.ignored_seq_groups],
+            "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
+        }
+
+
+def _arrivals(requests: Sequence[Request], per_step: int) -> List[Tuple[int, Request]]:
+    """(step, request): ``per_step`` requests arrive each step (0: all at step 0)."""
+    if per_step <= 0:
+        return [(0, r) for r in requests]
+    return [(i // per_step, r) for i, r in enumerate(requests)]
+
+
+def run_engines(
+    engines: Sequence[Engine],
+    requests: Sequence[Request],
+    per_step: int = 0,
+    record: bool = False,
+    max_steps: int = 200_000,
+    between_steps: Optional[Callable[[], Any]] = None,
+    every: int = 50,
+) -> Tuple[int, Optional[str]]:
+    """Drive every engine through the same arrivals, step by step. With ``record``, stops at
+    the first step whose decisions differ and returns ``(steps, description)``.
+    ``between_steps`` runs every ``every`` steps, outside the timed part."""
+    arrivals = _arrivals(requests, per_step)
+    step, k = 0, 0
+    while k < len(arrivals) or any(e.busy() for e in engines):
+        while k < len(arrivals) and arrivals[k][0] <= step:
+            for e in engines:
+                e.add(arrivals[k][1])
+            k += 1
+        records = [e.step(record) for e in engines]
+        if record and any(r != records[0] for r in records[1:]):
+            diff = [key for key in records[0] if any(r[key] != records[0][key] for r in records)]
+            lines = [f"step {step}: {key} differs:" for key in diff]
+            for e, r in zip(engines, records):
+                lines += [f"  {e.backend.name}: {r[key]}" for key in diff]
+            return step, "\n".join(lines)
+        step += 1
+        if between_steps is not None and step % every == 0:
+            between_steps()
+        if step > max_steps:
+            return step, "did not finish"
+    return step, None
+
+
+# ---- decisions ---------------------------------------------------------------------------------
+
+
+def random_requests(
+    num: int,
+    seed: int,
+    caching: bool,
+    block_size: int = 4,
+    prompt_blocks: Tuple[int, int] = (1, 15),
+    max_n: int = 2,
+) -> List[Request]:
+    """A small random mix: prompts of a few blocks (whole blocks with a shared prefix when
+    ``caching``), 1..``max_n`` sequences, outputs of 1..40 tokens."""
+    rng = random.Random(seed)
+    prefixes = [
+        [rng.randrange(1000) for _ in range(block_size * rng.randrange(1, 8))] for _ in range(4)
+    ]
+    out = []
+    for i in range(num):
+        if caching:
+            head = rng.choice(prefixes) if rng.random() < 0.7 else []
+            own = block_size * rng.randrange(1, 6)
+            toks = head + [rng.randrange(1000) for _ in range(own)]
+        else:
+            lo, hi = prompt_blocks
+            toks = [rng.randrange(1000) for _ in range(rng.randrange(lo, hi * block_size))]
+        n = rng.randrange(1, max_n + 1) if rng.random() < 0.3 else 1
+        olen = rng.randrange(1, 40)
+        rows = [[rng.randrange(1000) for _ in range(olen)] for _ in range(n)]
+        out.append(Request(i, f"r{i}", toks, olen, n, None, 0.0, rows))
+    return out
+
+
+def compare_decisions(
+    version: str,
+    backends: Sequence[str] = ("vllm", "pagedkv-dropin"),
+    requests: int = 60,
+    seed: int = 3,
+    caching: bool = False,
+    chunked_prefill: bool = False,
+    per_step: int = 1,
+    config: Optional[EngineConfig] = None,
+    max_n: int = 2,
+    prompt_blocks: Tuple[int, int] = (1, 15),
+) -> Tuple[int, Optional[str]]:
+    """Run vLLM ``version``'s Scheduler over ``backends`` on the same random requests and
+    compare every step's decisions. Returns ``(steps, None)`` when they agree at every step,
+    else ``(step, description of the difference)``. Without caching the pool is small (so
+    requests are preempted by recompute and swapped); with caching it is large and prompts
+    share whole-block prefixes."""
+    if config is None:
+        config = EngineConfig(
+            block_size=4,
+            num_gpu_blocks=4096 if caching else 64,
+            num_cpu_blocks=256 if caching else 48,
+            max_num_seqs=24,
+            max_num_batched_tokens=48 if chunked_prefill else 1024,
+            max_model_len=1024,
+            caching=caching,
+            chunked_prefill=chunked_prefill,
+        )
+    reqs = random_requests(requests, seed, caching, config.block_size, prompt_blocks, max_n)
+    engines = [Engine(make_backend(version, b), config) for b in backends]
+    return run_engines(engines, reqs, per_step=per_step, record=True)
+
+
+# ---- timing ------------------------------------------------------------------------------------
+
+
+def _summary(seconds: List[float]) -> Dict[str, float]:
+    total = sum(seconds)
+    ordered = sorted(seconds)
+    return {
+        "steps": len(seconds),
+        "total_s": total,
+        "mean_step_us": 1e6 * total / max(1, len(seconds)),
+        "median_step_us": 1e6 * ordered[len(ordered) // 2] if ordered else 0.0,
+    }
+
+
+def _step_worker(conn: Any, version: str, name: str, quick: bool, caching: bool, seed: int) -> None:
+    """A process holding one engine: steps it on request, replies whether it is still busy;
+    finally sends its step times. Cyclic GC runs between steps, outside the timed part."""
+    import logging
+
+    logging.disable(logging.WARNING)  # vLLM's preemption warnings
+    cfg = W1_QUICK if quick else W1_FULL
+    engine = Engine(make_backend(version, name), EngineConfig.from_w1(cfg, caching))
+    for req in generate_w1(cfg, seed).requests:  # W1: every request arrives at step 0
+        engine.add(req)
+    gc.collect()
+    gc.disable()
+    conn.send("ready")
+    while conn.recv() == "step":
+        engine.step()
+        if len(engine.step_seconds) % 50 == 0:
+            gc.collect()
+        conn.send(engine.busy())
+    conn.send(engine.step_seconds)
+
+
+def compare_scheduler_step(
+    version: str = "0.4.2",
+    caching: bool = True,
+    quick: bool = False,
+    seed: int = 0,
+    backends: Sequence[str] = ("vllm", "pagedkv-dropin"),
+    max_steps: int = 200_000,
+) -> Dict[str, Any]:
+    """Time the whole engine step (``schedule()`` + output processing) of vLLM ``version``'s
+    real Scheduler on W1 (``quick``: W1_QUICK) with each backend, in the same run.
+
+    Each backend's engine lives in a process of its own (in production one engine runs: a
+    second one's objects in the same heap would slow the first), and the engines step in
+    lockstep, one step each in turn (the order alternating), so the machine's noise hits them
+    alike. Returns per-backend step statistics and ``speedup`` (the first backend's total step
+    time over each backend's); ``error`` is set if the backends took different numbers of
+    steps (they make the same decisions, so they must not)."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    workers = []
+    for name in backends:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=_step_worker, args=(child, version, name, quick, caching, seed), daemon=True
+        )
+        proc.start()
+        workers.append((name, parent, proc))
+    try:
+        for _, conn, _ in workers:
+            conn.recv()  # ready
+        busy = {name: True for name, _, _ in workers}
+        step = 0
+        while any(busy.values()) and step < max_steps:
+            order = workers if step % 2 == 0 else workers[::-1]
+            for name, conn, _ in order:
+                if busy[name]:
+                    conn.send("step")
+                    busy[name] = conn.recv()
+            step += 1
+        times = {}
+        for name, conn, _ in workers:
+            conn.send("stop")
+            times[name] = conn.recv()
+    finally:
+        for _, _, proc in workers:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    stats = {name: _summary(times[name]) for name in backends}
+    result: Dict[str, Any] = {
+        "version": version,
+        "caching": caching,
+        "workload": "W1_QUICK" if quick else "W1",
+        "backends": stats,
+    }
+    if len({s["steps"] for s in stats.values()}) != 1:
+        result["error"] = "the backends took different numbers of steps"
+    base = stats[backends[0]]["total_s"]
+    result["speedup"] = {name: base / st["total_s"] for name, st in stats.items()}
+    return result
