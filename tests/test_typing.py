@@ -25,7 +25,8 @@ ALLOWLIST = TYPING / "stubtest_allowlist.txt"
 @pytest.fixture
 def mypy_config(request, tmp_path) -> Path:
     """A mypy config whose cache persists across runs (numpy's stubs take a while to parse)."""
-    cache = request.config.cache.mkdir("mypy")
+    pytest_cache = getattr(request.config, "cache", None)  # absent with -p no:cacheprovider
+    cache = pytest_cache.mkdir("mypy") if pytest_cache else tmp_path / "mypy_cache"
     config = tmp_path / "mypy.ini"
     config.write_text(f"[mypy]\ncache_dir = {cache}\n")
     return config
