@@ -247,3 +247,47 @@ def test_metadata_block_lists_are_read_only_and_follow_table_changes():
     grown = metas[0].block_tables[1]
     assert len(grown) == 2 and list(first) == grown[:1]
     assert grown == s.block_manager.get_block_table(seq)
+
+
+def _snapshot(s, groups):
+    mgr = s.block_manager
+    return (
+        [ids(q) for q in (s.waiting, s.running, s.swapped)],
+        mgr.get_num_free_gpu_blocks(),
+        mgr.get_num_free_cpu_blocks(),
+        {
+            seq.seq_id: (
+                seq.status,
+                seq.data.get_num_computed_tokens(),
+                mgr.get_block_table(seq) if mgr.has_table(seq) else None,
+            )
+            for g in groups
+            for seq in g.get_seqs()
+        },
+    )
+
+
+def test_failed_schedule_changes_nothing():
+    # r2 runs two forks, the CPU has no swap space and a forked group cannot be recomputed:
+    # preempting it fails after r1 already got its new block. The whole step is undone.
+    s = make(gpu=4, cpu=0)
+    a, b = group(1, 4), group(2, 3, best_of=2)
+    s.add_seq_group(a)
+    s.add_seq_group(b)
+    _, out = s.schedule()
+    for sg in out.scheduled_seq_groups:
+        sg.seq_group.update_num_computed_tokens(sg.token_chunk_size)
+        sg.seq_group.get_seqs()[0].append_token_id(1, {1: pagedkv.Logprob(0.0)})
+    parent = b.get_seqs()[0]
+    child = parent.fork(20)
+    b.add(child)
+    s.fork_seq(parent, child)
+    before = _snapshot(s, [a, b])
+    with pytest.raises(pagedkv.OutOfBlocksError):
+        s.schedule()
+    assert _snapshot(s, [a, b]) == before
+    s.block_manager.check_invariants()
+    # The engine can recover: abort r2 and r1 is scheduled as vLLM would.
+    s.abort_seq_group("r2")
+    _, out = s.schedule()
+    assert ids(g.seq_group for g in out.scheduled_seq_groups) == ["r1"]

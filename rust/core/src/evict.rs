@@ -36,6 +36,7 @@ enum Place {
     Tree,
 }
 
+#[derive(Clone)]
 pub struct EvictionOrder {
     keys: Vec<Key>,
     place: Vec<Place>,

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 use crate::hash::Hasher;
 use crate::pool::{BlockId, BlockPool};
 use crate::token_seq::TokenSeq;
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 use std::hash::BuildHasherDefault;
 
@@ -75,6 +76,10 @@ struct SeqEntry {
     version: u64,
     /// The latest `access_all_blocks_in_seq` of this sequence, not yet written to its blocks.
     access: Option<PendingAccess>,
+    /// `(version, k)`: while the table is at `version`, its first `k` blocks are known to be
+    /// computed (a held block's computed mark only goes from false to true: it is cleared
+    /// when the block is freed). Makes the per-step computed-prefix query O(new blocks).
+    computed_hint: Cell<(u64, usize)>,
 }
 
 /// `access_all_blocks_in_seq` is O(1): it records the time on the sequence, and the blocks
@@ -116,6 +121,9 @@ pub struct ManagerConfig {
 /// Copy-on-write pairs `(src, dst)` in the order they were made.
 pub type Copies = Vec<(BlockId, BlockId)>;
 
+/// `Clone` lets a scheduler step that may fail part-way keep a copy to restore (a failed
+/// call changes nothing).
+#[derive(Clone)]
 pub struct Manager {
     cfg: ManagerConfig,
     /// Window in blocks.
@@ -392,6 +400,7 @@ impl Manager {
                     order,
                     version: self.next_version,
                     access: None,
+                    computed_hint: Cell::new((u64::MAX, 0)),
                 },
             );
         }
@@ -716,6 +725,22 @@ impl Manager {
         Ok(seen.len())
     }
 
+    /// An upper bound of `distinct_blocks(ids)` without hashing: a block at the same position
+    /// as in the first table is counted once (forks share their common prefix that way).
+    pub(crate) fn distinct_blocks_bound(&self, ids: &[SeqId]) -> Result<usize> {
+        let Some((&first, rest)) = ids.split_first() else {
+            return Ok(0);
+        };
+        let base = distinct(&self.entry(first)?.table, self.window);
+        let mut n = base.len();
+        for &id in rest {
+            let t = distinct(&self.entry(id)?.table, self.window);
+            n += t.len().saturating_sub(base.len());
+            n += t.iter().zip(base).filter(|(a, b)| a != b).count();
+        }
+        Ok(n)
+    }
+
     /// `unfinished`: every unfinished sequence of the group.
     pub fn can_swap_out(&self, unfinished: &[SeqId]) -> Result<bool> {
         Ok(self.distinct_blocks(unfinished)? <= self.cpu.num_free())
@@ -895,12 +920,25 @@ impl Manager {
         let Some(e) = self.tables.get(&id) else {
             return Vec::new();
         };
+        e.table[..self.computed_prefix_len(e)].to_vec()
+    }
+
+    /// How many leading blocks of the table, excluding its last entry, are computed:
+    /// continues from what the last query of the same table version found.
+    fn computed_prefix_len(&self, e: &SeqEntry) -> usize {
         let pool = self.pool(e.device);
-        let body = &e.table[..e.table.len().saturating_sub(1)];
-        body.iter()
-            .copied()
-            .take_while(|&b| pool.is_computed(b))
-            .collect()
+        let body = e.table.len().saturating_sub(1);
+        let (version, known) = e.computed_hint.get();
+        let mut k = if version == e.version {
+            known.min(body)
+        } else {
+            0
+        };
+        while k < body && pool.is_computed(e.table[k]) {
+            k += 1;
+        }
+        e.computed_hint.set((e.version, k));
+        k
     }
 
     /// Longest common prefix of the non-empty computed-block lists of `ids`.
@@ -908,22 +946,21 @@ impl Manager {
         if !self.cfg.enable_caching {
             return Vec::new();
         }
-        let mut common: Option<Vec<BlockId>> = None;
+        let mut common: Option<&[BlockId]> = None;
         for &id in ids {
-            let blocks = self.get_all_computed_blocks(id);
+            let Some(e) = self.tables.get(&id) else {
+                continue;
+            };
+            let blocks = &e.table[..self.computed_prefix_len(e)];
             if blocks.is_empty() {
                 continue;
             }
             common = Some(match common {
                 None => blocks,
-                Some(mut c) => {
-                    let n = c.iter().zip(&blocks).take_while(|(a, b)| a == b).count();
-                    c.truncate(n);
-                    c
-                }
+                Some(c) => &c[..c.iter().zip(blocks).take_while(|(a, b)| a == b).count()],
             });
         }
-        common.unwrap_or_default()
+        common.unwrap_or_default().to_vec()
     }
 
     /// Check pool invariants and that ref counts equal the references the tables hold.

@@ -81,6 +81,7 @@ pub struct PoolStats {
     pub evictions: u64,
 }
 
+#[derive(Clone)]
 pub struct BlockPool {
     device: &'static str,
     num_blocks: u32,

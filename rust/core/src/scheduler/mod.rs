@@ -188,6 +188,7 @@ pub struct Change {
     pub reset: bool,
 }
 
+#[derive(Clone)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
     groups: Vec<Option<Group>>,

@@ -58,14 +58,16 @@ struct Budget {
 }
 
 impl Budget {
-    fn new(token_budget: usize, max_num_seqs: usize) -> Self {
+    /// `groups`: about how many groups the step will count (sizes the sets once).
+    fn new(token_budget: usize, max_num_seqs: usize, groups: usize) -> Self {
+        let set = || IdSet::with_capacity_and_hasher(groups, Default::default());
         Budget {
             token_budget,
             max_num_seqs,
             tokens: 0,
             seqs: 0,
-            token_keys: IdSet::default(),
-            seq_keys: IdSet::default(),
+            token_keys: set(),
+            seq_keys: set(),
         }
     }
     fn can_schedule(&self, tokens: usize, seqs: usize) -> bool {
@@ -131,7 +133,69 @@ impl<T: Tokens> Step<'_, T> {
 
 impl Scheduler {
     /// Decide one step (vLLM's `_schedule`). `now` is the wall-clock time vLLM would read.
+    ///
+    /// All or nothing: an error leaves the scheduler and the manager as they were. The one
+    /// failure a consistent state can meet part-way (a group with several running sequences
+    /// to preempt and no CPU swap space for it, docs/scheduler.md fix 7) is possible only when
+    /// the running multi-sequence groups together hold more blocks than the CPU has free; only
+    /// then is a copy of the state taken to restore. The other errors are checked up front.
     pub fn schedule<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        now: f64,
+    ) -> Result<Outputs> {
+        if !now.is_finite() {
+            return Err(Error::invalid("the step time must be a finite number"));
+        }
+        self.check_waiting()?;
+        let saved = match self.swap_out_may_fail(mgr)? {
+            true => Some((self.clone(), mgr.clone())),
+            false => None,
+        };
+        let res = self.schedule_step(mgr, toks, now);
+        if let (Err(_), Some((s, m))) = (&res, saved) {
+            (*self, *mgr) = (s, m);
+        }
+        res
+    }
+
+    /// Every waiting request has exactly one WAITING sequence (checked before any decision).
+    fn check_waiting(&self) -> Result<()> {
+        for &key in &self.waiting {
+            let g = self.g(key);
+            if g.ids_with(Status::Waiting).count() != 1 {
+                return Err(Error::invalid(format!(
+                    "waiting request {} must have exactly one WAITING sequence",
+                    g.request_id
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether preempting running groups with several running sequences could run out of CPU
+    /// blocks this step: swap-outs are the only CPU allocations before any swap-in, and a
+    /// victim's table does not grow before it is preempted. `distinct_blocks_bound` may
+    /// overcount (then a copy is taken that was not needed), never undercount.
+    fn swap_out_may_fail(&self, mgr: &Manager) -> Result<bool> {
+        let mut need = 0;
+        for &key in &self.running {
+            let g = self.g(key);
+            if g.ids_with(Status::Running).nth(1).is_some() {
+                let unfinished: Vec<SeqId> = g
+                    .seqs
+                    .iter()
+                    .filter(|s| !s.status.is_finished())
+                    .map(|s| s.id)
+                    .collect();
+                need += mgr.distinct_blocks_bound(&unfinished)?;
+            }
+        }
+        Ok(need > mgr.num_free_cpu_blocks())
+    }
+
+    fn schedule_step<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
         toks: &T,
@@ -155,7 +219,7 @@ impl Scheduler {
     }
 
     fn schedule_default<T: Tokens>(&mut self, st: &mut Step<T>, now: f64) -> Result<Outputs> {
-        let mut budget = Budget::new(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs);
+        let mut budget = self.budget();
         for i in 0..self.running.len() {
             let k = self.running[i];
             budget.add_seqs(k, self.g(k).max_running_seqs());
@@ -203,7 +267,7 @@ impl Scheduler {
     }
 
     fn schedule_chunked<T: Tokens>(&mut self, st: &mut Step<T>, now: f64) -> Result<Outputs> {
-        let mut budget = Budget::new(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs);
+        let mut budget = self.budget();
         let mut loras: Loras = Some(IdSet::default());
         let mut out = Outputs::default();
         let mut ignored = Vec::new();
@@ -231,6 +295,15 @@ impl Scheduler {
         prefill_ignored.extend(ignored);
         out.ignored = prefill_ignored;
         Ok(out)
+    }
+
+    fn budget(&self) -> Budget {
+        let groups = self.running.len() + self.swapped.len() + 16;
+        Budget::new(
+            self.cfg.max_num_batched_tokens,
+            self.cfg.max_num_seqs,
+            groups,
+        )
     }
 
     /// Install the queues after a step, in vLLM's order.
@@ -539,12 +612,9 @@ impl Scheduler {
         let (mut scheduled, mut ignored, mut leftover) = (Vec::new(), Vec::new(), Vec::new());
         while self.passed_delay(now) {
             let Some(&key) = queue.front() else { break };
-            let waiting: Vec<SeqId> = self.g(key).ids_with(Status::Waiting).collect();
-            let &[id] = waiting.as_slice() else {
-                return Err(Error::invalid(format!(
-                    "waiting request {} must have exactly one WAITING sequence",
-                    self.g(key).request_id
-                )));
+            // One WAITING sequence: checked for every waiting group before the step.
+            let Some(id) = self.g(key).ids_with(Status::Waiting).next() else {
+                return Err(Error::invalid("a waiting request has no WAITING sequence"));
             };
             let n = self.num_new_tokens(st, key, Status::Waiting, chunking, budget)?;
             let never = n > self.cfg.prompt_limit()

@@ -445,3 +445,55 @@ fn fix6_group_that_can_never_swap_in_is_ignored_and_freed() {
         assert!(s.swapped().is_empty() && s.running().contains(&a));
     }
 }
+
+#[test]
+fn fix7_failed_step_changes_nothing() {
+    // b has two running sequences, no CPU swap space and cannot be recomputed: preempting it
+    // fails after a was already given its slot; the step must be undone as a whole.
+    let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), mgr(4, 0));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 3, 2.0, 2);
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    st.fork(2, 3);
+    s.fork(2, 3, &mut m).unwrap();
+    let tables = |m: &Manager| [1, 2, 3].map(|id| m.block_table(id).unwrap().to_vec());
+    let before = (m.num_free_gpu_blocks(), tables(&m), s.running.clone());
+    let statuses = |s: &Scheduler| {
+        let g = |k| s.group(k).unwrap().seqs.clone();
+        format!("{:?}{:?}", g(a), g(b))
+    };
+    let seqs_before = statuses(&s);
+    s.take_changes(); // the binding takes them after every call
+    let err = s.schedule(&mut m, &st, 6.0).unwrap_err();
+    assert!(
+        matches!(err, Error::OutOfBlocks { device: "cpu", .. }),
+        "{err:?}"
+    );
+    assert_eq!(
+        (m.num_free_gpu_blocks(), tables(&m), s.running.clone()),
+        before
+    );
+    assert_eq!(statuses(&s), seqs_before);
+    assert!(s.take_changes().is_empty());
+    m.check_invariants().unwrap();
+    // Once b is gone, the same step goes through for a.
+    let gone = s.abort(&["r2"], &mut m).unwrap();
+    assert_eq!(gone, vec![b]);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!(keys(&out.scheduled), vec![(a, 1)]);
+}
+
+#[test]
+fn bad_step_time_and_bad_waiting_group_change_nothing() {
+    let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), mgr(8, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 4, 2.0, 1);
+    assert!(s.schedule(&mut m, &st, f64::NAN).is_err());
+    // b's only sequence is no longer WAITING: refused before a is allocated.
+    s.group_mut(b).unwrap().seqs[0].status = Status::Running;
+    assert!(s.schedule(&mut m, &st, 5.0).is_err());
+    assert_eq!(m.num_free_gpu_blocks(), 8);
+    assert_eq!(s.waiting().iter().copied().collect::<Vec<_>>(), vec![a, b]);
+    assert!(s.take_changes().is_empty());
+}
