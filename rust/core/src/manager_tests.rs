@@ -186,6 +186,32 @@ fn computed_blocks_follow_vllm_rule() {
     assert_eq!(m.get_common_computed_block_ids(&[1, 99]), t[..3].to_vec());
 }
 
+#[test]
+fn computed_prefix_query_follows_later_marks_and_table_changes() {
+    // The query continues from what it found last time for the same table: it must still see
+    // blocks marked since, and start over when the table changes (a fork's copy-on-write).
+    let mut m = Manager::new(cfg(4, 16, 1, true, None)).unwrap();
+    let mut s = seq(&(0..9).collect::<Vec<u32>>(), 4); // 2 full blocks + 1 token
+    m.allocate(&[(1, &s)]).unwrap();
+    assert!(m.get_all_computed_blocks(1).is_empty());
+    m.compute_full_blocks_in_seq(1, s.len());
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!(m.get_all_computed_blocks(1), t[..1].to_vec());
+    for tok in 9..13 {
+        s.push(tok);
+    }
+    let mut cows = Vec::new();
+    m.append_slots(1, &s, 0, &mut cows).unwrap(); // table grows: 4 blocks
+    m.compute_full_blocks_in_seq(1, s.len());
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!(m.get_all_computed_blocks(1), t[..2].to_vec());
+    m.fork(1, 2).unwrap();
+    assert_eq!(m.get_common_computed_block_ids(&[1, 2]), t[..2].to_vec());
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    m.check_invariants().unwrap();
+}
+
 /// Seeded random operations; invariants after every one; everything free at the end.
 fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
     let bs = 4;

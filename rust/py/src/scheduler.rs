@@ -346,7 +346,7 @@ impl PySchedulerCore {
 
     /// vLLM's `free_finished_seq_groups`.
     fn free_finished(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.sync_running(py)?;
+        self.sync_running_with(py, false)?;
         for k in self.core.free_finished() {
             self.release(k);
         }
@@ -447,29 +447,37 @@ impl PySchedulerCore {
 
     /// Read what the engine may have changed on running groups since the last step.
     fn sync_running(&mut self, py: Python<'_>) -> PyResult<()> {
-        let running: Vec<GroupKey> = self.core.running().iter().copied().collect();
-        for key in running {
-            let n = self.groups[&key]
-                .obj
-                .bind(py)
-                .getattr(intern!(py, "seqs_dict"))?
-                .len()?;
-            let ids: Vec<SeqId> = self
-                .core
-                .group(key)
-                .expect("live")
-                .seqs
-                .iter()
-                .map(|s| s.id)
-                .collect();
-            let mut fresh = Vec::with_capacity(ids.len());
-            for id in ids {
-                let obj = self.seqs[&id].obj.bind(py);
-                fresh.push((self.status_of(obj)?, self.progress_of(obj)?));
+        self.sync_running_with(py, true)
+    }
+
+    /// `progress`: also read each sequence's computed tokens and stage and the group's
+    /// sequence count (`schedule()` needs them; `free_finished` needs only the statuses).
+    fn sync_running_with(&mut self, py: Python<'_>, progress: bool) -> PyResult<()> {
+        let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
+        for i in 0..self.core.running().len() {
+            let key = self.core.running()[i];
+            let n = match progress {
+                true => Some(
+                    self.groups[&key]
+                        .obj
+                        .bind(py)
+                        .getattr(intern!(py, "seqs_dict"))?
+                        .len()?,
+                ),
+                false => None,
+            };
+            fresh.clear();
+            for s in &self.core.group(key).expect("live").seqs {
+                let obj = self.seqs[&s.id].obj.bind(py);
+                let (decode, computed) = match progress {
+                    true => self.progress_of(obj)?,
+                    false => (s.decode, s.num_computed),
+                };
+                fresh.push((self.status_of(obj)?, decode, computed));
             }
             let g = self.core.group_mut(key).expect("live");
-            g.num_seqs = n;
-            for (s, (status, (decode, computed))) in g.seqs.iter_mut().zip(fresh) {
+            g.num_seqs = n.unwrap_or(g.num_seqs);
+            for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
                 s.status = status;
                 s.decode = decode;
                 s.num_computed = computed;

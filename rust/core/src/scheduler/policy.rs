@@ -138,7 +138,8 @@ impl Scheduler {
     /// failure a consistent state can meet part-way (a group with several running sequences
     /// to preempt and no CPU swap space for it, docs/scheduler.md fix 7) is possible only when
     /// the running multi-sequence groups together hold more blocks than the CPU has free; only
-    /// then is a copy of the state taken to restore. The other errors are checked up front.
+    /// then is a copy of the state taken to restore. The other errors are checked up front or
+    /// are excluded by the invariants (`check_waiting`).
     pub fn schedule<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
@@ -148,7 +149,7 @@ impl Scheduler {
         if !now.is_finite() {
             return Err(Error::invalid("the step time must be a finite number"));
         }
-        self.check_waiting()?;
+        debug_assert!(self.check_waiting().is_ok());
         let saved = match self.swap_out_may_fail(mgr)? {
             true => Some((self.clone(), mgr.clone())),
             false => None,
@@ -160,8 +161,10 @@ impl Scheduler {
         res
     }
 
-    /// Every waiting request has exactly one WAITING sequence (checked before any decision).
-    fn check_waiting(&self) -> Result<()> {
+    /// Every waiting request has exactly one WAITING sequence: `add_group` admits only such
+    /// groups and recompute preemption makes only such groups, and `fork` needs a parent with
+    /// blocks (so never a waiting one); the step relies on it before any decision.
+    pub(crate) fn check_waiting(&self) -> Result<()> {
         for &key in &self.waiting {
             let g = self.g(key);
             if g.ids_with(Status::Waiting).count() != 1 {
@@ -328,9 +331,15 @@ impl Scheduler {
     }
 
     /// FCFS: vLLM sorts by `now - arrival`, descending, stably.
+    /// The queue is usually in order already (one pass to check instead of a sort).
     fn by_arrival(&self, q: &VecDeque<GroupKey>) -> VecDeque<GroupKey> {
         let mut v: Vec<GroupKey> = q.iter().copied().collect();
-        v.sort_by(|&a, &b| self.g(a).arrival.total_cmp(&self.g(b).arrival));
+        let arrival: Vec<f64> = v.iter().map(|&k| self.g(k).arrival).collect();
+        if !arrival.is_sorted_by(|a, b| a.total_cmp(b).is_le()) {
+            let mut keyed: Vec<(f64, GroupKey)> = arrival.into_iter().zip(v).collect();
+            keyed.sort_by(|a, b| a.0.total_cmp(&b.0)); // stable, like Python's sort
+            v = keyed.into_iter().map(|(_, k)| k).collect();
+        }
         v.into()
     }
 

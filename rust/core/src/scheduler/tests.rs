@@ -485,15 +485,18 @@ fn fix7_failed_step_changes_nothing() {
 }
 
 #[test]
-fn bad_step_time_and_bad_waiting_group_change_nothing() {
+fn bad_step_time_changes_nothing_and_waiting_groups_stay_valid() {
     let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), mgr(8, 8));
     let a = add(&mut s, &st, 1, 4, 1.0, 1);
     let b = add(&mut s, &st, 2, 4, 2.0, 1);
     assert!(s.schedule(&mut m, &st, f64::NAN).is_err());
-    // b's only sequence is no longer WAITING: refused before a is allocated.
-    s.group_mut(b).unwrap().seqs[0].status = Status::Running;
-    assert!(s.schedule(&mut m, &st, 5.0).is_err());
     assert_eq!(m.num_free_gpu_blocks(), 8);
     assert_eq!(s.waiting().iter().copied().collect::<Vec<_>>(), vec![a, b]);
     assert!(s.take_changes().is_empty());
+    // A waiting group's sequence cannot be forked (it holds no blocks): the group keeps its
+    // one WAITING sequence, which the step relies on.
+    st.put(5, 4);
+    assert!(s.fork(2, 5, &mut m).is_err());
+    assert_eq!(s.group(b).unwrap().seqs.len(), 1);
+    assert!(s.check_waiting().is_ok());
 }
