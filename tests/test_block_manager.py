@@ -116,7 +116,7 @@ def test_lru_order_under_pressure(Manager):
 def weak_hash():
     """Every new sequence hashes with a 3-bit test hash: almost every lookup collides."""
     saved = pagedkv.get_default_hasher()
-    pagedkv.set_default_hasher("weak-for-testing", 1)
+    pagedkv._native._set_weak_test_hasher(1)
     yield
     pagedkv.set_default_hasher(*saved)
 

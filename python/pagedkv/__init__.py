@@ -26,6 +26,7 @@ from pagedkv.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from pagedkv.errors import (
     ArgumentTypeError,
     DoubleFreeError,
+    InUseError,
     InvalidArgumentError,
     OutOfBlocksError,
     PagedKVError,
@@ -70,6 +71,7 @@ __all__ = [
     # errors
     "PagedKVError",
     "InvalidArgumentError",
+    "InUseError",
     "ArgumentTypeError",
     "UnknownSequenceError",
     "DoubleFreeError",

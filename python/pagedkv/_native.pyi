@@ -106,9 +106,11 @@ class BlockHasher:
     def num_pending_tokens(self) -> int: ...
 
 class BlockPool:
-    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and O(1) LRU
-    eviction of unreferenced cached blocks (least recently accessed first; ties: more hashed
-    tokens first)."""
+    """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
+    of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
+    first). Eviction is O(1); making a block evictable is O(1) when blocks are released in access
+    order, O(k) at worst (k evictable blocks accessed later). One call at a time: a concurrent
+    call raises ``InUseError``. A GPU pool has at most 2**31 slots."""
 
     def __init__(
         self, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"
@@ -164,8 +166,10 @@ class BlockManager:
     """Native half of :class:`pagedkv.BlockSpaceManager` (see ``docs/block_manager.md``).
 
     Sequences are pagedkv ``Sequence`` objects (``seq_id``, ``status``, ``data._store``);
-    groups expose ``seqs_dict``. Buffers are C-contiguous numpy int32 arrays written in place
-    (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory)."""
+    groups expose ``seqs_dict``. Buffers are numpy int32 arrays (real ``ndarray``s: C-contiguous,
+    aligned, writable, no two overlapping) written in place (for a torch CPU tensor pass
+    ``tensor.numpy()``, which shares its memory). One call at a time: a call made while another is
+    in progress (another thread's, or a callback's) raises ``InUseError`` without waiting."""
 
     def __init__(
         self,

@@ -11,6 +11,7 @@ UnknownSequenceError   KeyError
 DoubleFreeError        ValueError
 OutOfBlocksError       ValueError (what vLLM raises) and MemoryError
 ArgumentTypeError      InvalidArgumentError and TypeError
+InUseError             RuntimeError
 ====================== ==========================================
 
 An operation that raises one of these has changed nothing.
@@ -25,6 +26,7 @@ __all__ = [
     "DoubleFreeError",
     "OutOfBlocksError",
     "ArgumentTypeError",
+    "InUseError",
 ]
 
 
@@ -53,3 +55,10 @@ class OutOfBlocksError(PagedKVError, ValueError, MemoryError):
 
 class ArgumentTypeError(InvalidArgumentError, TypeError):
     """An argument has the wrong type (also a TypeError)."""
+
+
+class InUseError(PagedKVError, RuntimeError):
+    """A native object (a manager, a pool, a token store) is in the middle of another call: a
+    second thread called it concurrently, or a Python callback it made (a foreign sequence's
+    ``get_token_ids``, say) called back into it. Nothing was changed; each object serves one
+    call at a time and never blocks waiting for another."""

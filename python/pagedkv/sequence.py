@@ -166,10 +166,10 @@ _list_append = list.append
 def _as_token_list(token_ids: Any, store: TokenSeq, start: int, end: int) -> TokenIdList:
     """A TokenIdList of ``token_ids``, which ``store`` has already validated as ``[start, end)``.
 
-    Lists and tuples are copied as they are (their items are exact ints, the store checked);
-    anything else (numpy arrays, iterators) is read back from the store as Python ints.
+    Lists and tuples of exact ints are copied as they are; anything else (numpy arrays or
+    numpy integer items, iterators) is read back from the store as Python ints.
     """
-    if isinstance(token_ids, (list, tuple)):
+    if isinstance(token_ids, (list, tuple)) and set(map(type, token_ids)) <= {int}:
         return TokenIdList(token_ids)
     return TokenIdList(store.token_slice(start, end))
 

@@ -30,11 +30,11 @@ pub enum HashAlgo {
 }
 
 impl HashAlgo {
+    /// A public algorithm by name (the test-only `WeakForTesting` has no name to parse).
     pub fn parse(name: &str) -> Option<Self> {
         match name.to_ascii_lowercase().as_str() {
             "xxh3" | "xxh3_128" | "xxh3-128" => Some(HashAlgo::Xxh3),
             "sha256" | "sha-256" => Some(HashAlgo::Sha256),
-            "weak-for-testing" => Some(HashAlgo::WeakForTesting),
             _ => None,
         }
     }

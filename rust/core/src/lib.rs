@@ -9,8 +9,10 @@
 
 pub mod error;
 pub mod hash;
+pub mod limits;
 pub mod manager;
 pub mod pool;
+pub mod step_buffers;
 pub mod token_seq;
 
 #[cfg(test)]
@@ -18,10 +20,14 @@ mod manager_tests;
 #[cfg(test)]
 mod pool_tests;
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod rng;
 
 pub use error::{Error, Result};
 pub use hash::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher};
+pub use limits::{check_block_size, check_gpu_slots, MAX_BLOCK_SIZE};
 pub use manager::{AllocStatus, Copies, Device, Manager, ManagerConfig, SeqId};
 pub use pool::{BlockId, BlockKey, BlockPool, PoolStats};
+pub use step_buffers::{newest_slot, StepRows, PAD_SLOT};
 pub use token_seq::TokenSeq;

@@ -162,6 +162,7 @@ impl Manager {
         if bs == 0 {
             return Err(Error::invalid("block_size must be positive"));
         }
+        crate::limits::check_gpu_slots(cfg.num_gpu_blocks, bs)?;
         if !(cfg.watermark >= 0.0 && cfg.watermark.is_finite()) {
             return Err(Error::invalid(format!(
                 "watermark must be >= 0, got {}",
@@ -475,7 +476,8 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
-        self.append_many(&[(id, seq)], lookahead, copies)
+        self.check_need(&[(id, seq)], lookahead)?;
+        self.append_unchecked(id, seq, lookahead, copies)
     }
 
     /// `append_slots` for many sequences: all checked first (the free-block need is summed),
@@ -487,18 +489,23 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
+        self.check_append_batch(seqs, lookahead)?;
+        for &(id, seq) in seqs {
+            self.append_unchecked(id, seq, lookahead, copies)?;
+        }
+        Ok(())
+    }
+
+    /// The checks of `append_slots_batch` alone: `Ok` iff the batch would succeed now.
+    pub fn check_append_batch(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
         for &(_, seq) in seqs {
             self.check_slot_units(seq)?;
         }
-        self.append_many(seqs, lookahead, copies)
+        self.check_need(seqs, lookahead)
     }
 
-    fn append_many(
-        &mut self,
-        seqs: &[(SeqId, &TokenSeq)],
-        lookahead: usize,
-        copies: &mut Copies,
-    ) -> Result<()> {
+    /// The table and free-block checks shared by the per-sequence and the batch calls.
+    fn check_need(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
         let mut need = 0;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;
@@ -506,9 +513,6 @@ impl Manager {
         }
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
-        }
-        for &(id, seq) in seqs {
-            self.append_unchecked(id, seq, lookahead, copies)?;
         }
         Ok(())
     }

@@ -20,7 +20,8 @@
 //!   prefix can revive them. They sit on an intrusive doubly linked list ordered by eviction
 //!   priority: least recently accessed first, and among equal access times the block holding
 //!   more hashed tokens (the tail of a sequence) first. A block is inserted by walking back from
-//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first).
+//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first) and
+//!   O(k) at worst, k being the evictable blocks that must be evicted after it.
 //! * The prefix map goes from block hash to block; a lookup hits only if the stored token ids
 //!   are equal too, so a hash collision can never hand out another prompt's KV data.
 //!
@@ -268,7 +269,8 @@ impl BlockPool {
     }
 
     /// Add `n` references to a block that is referenced or evictable (an evictable block is
-    /// revived: it leaves the eviction list). Sharing a FREE block is an error.
+    /// revived: it leaves the eviction list). Sharing a FREE block, or adding no reference (which
+    /// would revive a block without holding it), is an error.
     pub fn acquire(&mut self, b: BlockId, n: u32) -> Result<()> {
         let i = b as usize;
         if i >= self.ref_count.len() {
@@ -276,6 +278,9 @@ impl BlockPool {
                 block: b as i64,
                 num_blocks: self.num_blocks,
             });
+        }
+        if n == 0 {
+            return Err(Error::invalid("n must be positive"));
         }
         if self.ref_count[i] == 0 {
             if self.hash[i].is_none() {
@@ -310,6 +315,65 @@ impl BlockPool {
                 self.free_stack.push(b);
             }
         }
+        Ok(())
+    }
+
+    /// `n` fresh blocks, all or nothing: fails with `OutOfBlocks` (changing nothing) unless
+    /// `n` blocks are free.
+    pub fn allocate_many(&mut self, n: usize) -> Result<Vec<BlockId>> {
+        if n > self.num_free() {
+            return Err(Error::OutOfBlocks {
+                device: self.device,
+                needed: n,
+                free: self.num_free(),
+            });
+        }
+        (0..n).map(|_| self.allocate()).collect()
+    }
+
+    /// Drop one reference from each listed block (a block listed k times loses k), all or
+    /// nothing: every block is range-checked and every ref count is checked to cover its
+    /// releases before any changes.
+    pub fn release_many(&mut self, blocks: &[BlockId]) -> Result<()> {
+        let mut sorted = blocks.to_vec();
+        sorted.sort_unstable();
+        for run in sorted.chunk_by(|a, b| a == b) {
+            let b = run[0];
+            if b >= self.num_blocks {
+                return Err(Error::BlockOutOfRange {
+                    block: b as i64,
+                    num_blocks: self.num_blocks,
+                });
+            }
+            if (self.ref_count[b as usize] as usize) < run.len() {
+                return Err(Error::DoubleFree(b));
+            }
+        }
+        for &b in blocks {
+            self.release(b)?;
+        }
+        Ok(())
+    }
+
+    /// Set a block's last access time from outside the manager. Evictable blocks are refused:
+    /// their place in the eviction list depends on the time (revive the block first), and a
+    /// non-finite time would break the list's order.
+    pub fn touch(&mut self, b: BlockId, t: f64) -> Result<()> {
+        if b >= self.num_blocks {
+            return Err(Error::BlockOutOfRange {
+                block: b as i64,
+                num_blocks: self.num_blocks,
+            });
+        }
+        if !t.is_finite() {
+            return Err(Error::invalid("access_time must be finite"));
+        }
+        if self.is_evictable(b) {
+            return Err(Error::invalid(format!(
+                "block {b} is evictable; revive it before touching it"
+            )));
+        }
+        self.last_accessed[b as usize] = t;
         Ok(())
     }
 
@@ -391,11 +455,6 @@ impl BlockPool {
         if self.hash[i].is_some() {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
-        if self.map.contains_key(&key.hash) {
-            return Ok(false);
-        }
-        self.map.insert(key.hash, b);
-        self.hash[i] = Some(key.hash);
         if let Some(p) = key.parent {
             if p as usize >= self.ref_count.len() || p == b {
                 return Err(Error::invalid(format!(
@@ -403,6 +462,11 @@ impl BlockPool {
                 )));
             }
         }
+        if self.map.contains_key(&key.hash) {
+            return Ok(false);
+        }
+        self.map.insert(key.hash, b);
+        self.hash[i] = Some(key.hash);
         self.parent[i] = key.parent.unwrap_or(NIL);
         self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
@@ -511,12 +575,87 @@ impl BlockPool {
                 }
             }
         }
-        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
-            return Err("prefix map size mismatch".into());
-        }
+        self.check_prefix_map()?;
         if self.num_free() + state.iter().filter(|&&s| s == 3).count() != n {
             return Err("free + referenced != total".into());
         }
         Ok(())
+    }
+
+    /// The prefix map and the per-block cache fields agree both ways: every map entry points
+    /// at a block registered under that hash, every registered block is in the map, only a
+    /// caching pool has entries, and a cached block's parent is another block of the pool.
+    fn check_prefix_map(&self) -> std::result::Result<(), String> {
+        if !self.caching() && !self.map.is_empty() {
+            return Err("a pool without caching has prefix map entries".into());
+        }
+        for (&h, &b) in &self.map {
+            if b >= self.num_blocks {
+                return Err(format!(
+                    "prefix map entry for hash {h:#x} points past the pool"
+                ));
+            }
+            if self.hash[b as usize] != Some(h) {
+                return Err(format!(
+                    "prefix map entry {h:#x} -> block {b}, registered as {:?}",
+                    self.hash[b as usize]
+                ));
+            }
+        }
+        for b in 0..self.num_blocks as usize {
+            let Some(h) = self.hash[b] else { continue };
+            if self.map.get(&h) != Some(&(b as u32)) {
+                return Err(format!("block {b} hash not in the prefix map"));
+            }
+            let p = self.parent[b];
+            if p != NIL && (p >= self.num_blocks || p as usize == b) {
+                return Err(format!("cached block {b} has a bad parent {p}"));
+            }
+        }
+        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+            return Err("prefix map size mismatch".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod invariant_tests {
+    //! `check_invariants` notices a prefix map that disagrees with the blocks (states no public
+    //! call can reach; made here by hand).
+    use super::*;
+
+    fn cached_pool() -> (BlockPool, BlockId) {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let b = p.allocate().unwrap();
+        let key = BlockKey {
+            hash: 7,
+            parent: None,
+            extra: 0,
+            tokens: &[1, 2],
+        };
+        assert!(p.register(b, &key, 2).unwrap());
+        p.check_invariants().unwrap();
+        (p, b)
+    }
+
+    #[test]
+    fn a_cached_block_naming_itself_as_parent_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.parent[b as usize] = b;
+        assert!(p.check_invariants().unwrap_err().contains("bad parent"));
+        p.parent[b as usize] = 99;
+        assert!(p.check_invariants().is_err());
+    }
+
+    #[test]
+    fn a_map_entry_under_another_hash_is_caught() {
+        let (mut p, b) = cached_pool();
+        p.map.insert(8, b); // a second entry for the same block
+        assert!(p.check_invariants().is_err());
+        p.map.remove(&8);
+        p.map.insert(9, 3); // an entry for a block with no hash
+        p.hash[3] = None;
+        assert!(p.check_invariants().is_err());
     }
 }

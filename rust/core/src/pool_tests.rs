@@ -221,3 +221,89 @@ fn randomized_invariants_100k() {
     }
     assert_eq!(p.num_free(), N as usize);
 }
+
+#[test]
+fn allocate_many_is_all_or_nothing() {
+    let mut p = BlockPool::new("gpu", 3, 4, false).unwrap();
+    assert!(matches!(
+        p.allocate_many(4),
+        Err(Error::OutOfBlocks {
+            needed: 4,
+            free: 3,
+            ..
+        })
+    ));
+    assert_eq!(p.num_free(), 3);
+    assert_eq!(p.allocate_many(2).unwrap(), vec![2, 1]);
+    assert_eq!(p.num_free(), 1);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn release_many_checks_every_block_first() {
+    let mut p = BlockPool::new("gpu", 3, 4, false).unwrap();
+    let b = p.allocate().unwrap();
+    let c = p.allocate().unwrap();
+    // b listed twice but held once: nothing is released
+    assert_eq!(p.release_many(&[c, b, b]), Err(Error::DoubleFree(b)));
+    assert!(matches!(
+        p.release_many(&[c, 9]),
+        Err(Error::BlockOutOfRange { block: 9, .. })
+    ));
+    assert_eq!((p.ref_count(b), p.ref_count(c)), (1, 1));
+    p.acquire(b, 1).unwrap();
+    p.release_many(&[b, c, b]).unwrap();
+    assert_eq!(p.num_free(), 3);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn touch_refuses_evictable_and_non_finite() {
+    let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
+    let b = p.allocate().unwrap();
+    p.touch(b, 3.0).unwrap();
+    assert_eq!(p.last_accessed(b), 3.0);
+    assert!(p.touch(b, f64::NAN).is_err());
+    assert!(p.touch(7, 1.0).is_err());
+    p.register(b, &key(1, &toks(1, 4)), 4).unwrap();
+    p.release(b).unwrap();
+    assert!(
+        p.touch(b, 1.0).is_err(),
+        "an evictable block keeps its place"
+    );
+    assert_eq!(p.last_accessed(b), 3.0);
+    p.check_invariants().unwrap();
+}
+
+#[test]
+fn register_with_a_bad_parent_changes_nothing() {
+    let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
+    let b = p.allocate().unwrap();
+    let t = toks(1, 4);
+    for parent in [b, 2, 99] {
+        let k = BlockKey {
+            hash: 5,
+            parent: Some(parent),
+            extra: 0,
+            tokens: &t,
+        };
+        assert!(matches!(
+            p.register(b, &k, 4),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!((p.num_cached(), p.block_hash(b)), (0, None));
+        p.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn acquiring_no_reference_is_refused() {
+    let mut p = BlockPool::new("gpu", 2, 4, true).unwrap();
+    let b = p.allocate().unwrap();
+    p.register(b, &key(1, &toks(1, 4)), 4).unwrap();
+    p.release(b).unwrap();
+    // n = 0 on an evictable block would take it off the eviction list without holding it
+    assert!(matches!(p.acquire(b, 0), Err(Error::InvalidArgument(_))));
+    assert!(p.is_evictable(b));
+    p.check_invariants().unwrap();
+}

@@ -31,6 +31,7 @@ error_class!(unknown_sequence, "UnknownSequenceError");
 error_class!(double_free, "DoubleFreeError");
 error_class!(out_of_blocks, "OutOfBlocksError");
 error_class!(argument_type, "ArgumentTypeError");
+error_class!(in_use, "InUseError");
 
 fn make(py: Python<'_>, cls: PyResult<Py<PyType>>, msg: String) -> PyErr {
     match cls {
@@ -71,4 +72,16 @@ impl<T> IntoPyResult<T> for pagedkv_core::Result<T> {
 /// An `ArgumentTypeError` (InvalidArgumentError and TypeError) with a message.
 pub fn wrong_type(msg: impl Into<String>) -> PyErr {
     Python::attach(|py| make(py, argument_type(py), msg.into()))
+}
+
+/// An `InUseError` (also a RuntimeError): `what` is being used by another call right now (another
+/// thread's, or a Python callback's re-entering it).
+pub fn busy(what: &str) -> PyErr {
+    Python::attach(|py| {
+        make(
+            py,
+            in_use(py),
+            format!("{what} is in use by another call (a pagedkv object serves one call at a time; use it from one thread, or serialise calls)"),
+        )
+    })
 }

@@ -1,8 +1,9 @@
 //! `TokenSeq` (a sequence's native token store) and `BlockHasher` (the incremental chained
 //! hasher), plus the process-wide default hash function.
 
-use crate::arrays::{extract_tokens, token_from_item, Count, Int64};
+use crate::args::{Count, Int64};
 use crate::errors::invalid;
+use crate::tokens::{extract_tokens, token_from_item};
 use pagedkv_core::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher, TokenSeq};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
@@ -88,14 +89,27 @@ fn chain_params(
     Ok((bs, extra, resolve_hasher(hash_algo, hash_seed)?))
 }
 
-/// The one block-size bound of the bindings (pool, token store, hasher, manager).
+/// The one block-size bound (the core's), as a Python error.
 pub fn check_block_size(block_size: i64) -> PyResult<usize> {
-    if block_size <= 0 || block_size > 1 << 20 {
-        return Err(invalid(format!(
-            "block_size must be in 1..=2**20, got {block_size}"
-        )));
-    }
-    Ok(block_size as usize)
+    pagedkv_core::check_block_size(block_size).map_err(crate::errors::to_py)
+}
+
+/// Make the 3-bit test hash the process default (tests only: it makes hash collisions common,
+/// to show that the prefix cache never shares a block whose stored key differs). Private: no
+/// public argument accepts this hash.
+#[pyfunction]
+#[pyo3(signature = (hash_seed = None))]
+pub fn _set_weak_test_hasher(hash_seed: Option<Count>) {
+    let h = Hasher::new(HashAlgo::WeakForTesting, hash_seed.map(|c| c.0));
+    *DEFAULT_HASHER.lock().unwrap_or_else(|e| e.into_inner()) = Some(h);
+}
+
+/// Borrow a native object for a mutating call, or `InUseError` if another call has it.
+fn borrow_mut<'py, T: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::False>>(
+    slf: &Bound<'py, T>,
+) -> PyResult<PyRefMut<'py, T>> {
+    slf.try_borrow_mut()
+        .map_err(|_| crate::errors::busy("this object"))
 }
 
 /// Token ids of one sequence and the chained hashes of its full blocks.
@@ -142,16 +156,18 @@ impl PyTokenSeq {
         self.inner.extra().lora_id
     }
 
-    /// Append one token id; hashes the block it completes, if any. O(1) amortised.
-    fn append(&mut self, token_id: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.inner.push(token_from_item(token_id)?);
+    /// Append one token id; hashes the block it completes, if any. O(1) amortised. (The
+    /// argument is read before the store is borrowed: its `__index__` may use the store.)
+    fn append(slf: &Bound<'_, Self>, token_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let t = token_from_item(token_id)?;
+        borrow_mut(slf)?.inner.push(t);
         Ok(())
     }
 
     /// Append many token ids (list, tuple or int array).
-    fn extend(&mut self, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn extend(slf: &Bound<'_, Self>, token_ids: &Bound<'_, PyAny>) -> PyResult<()> {
         let t = extract_tokens(token_ids)?;
-        self.inner.extend(&t);
+        borrow_mut(slf)?.inner.extend(&t);
         Ok(())
     }
 
@@ -300,14 +316,15 @@ impl PyBlockHasher {
 
     /// Feed token ids; returns the hashes of blocks completed by them (often empty).
     fn feed<'py>(
-        &mut self,
-        py: Python<'py>,
+        slf: &Bound<'py, Self>,
         token_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let t = extract_tokens(token_ids)?;
-        self.out.clear();
-        self.inner.feed(&t, &mut self.out);
-        PyList::new(py, &self.out)
+        let mut this = borrow_mut(slf)?;
+        let this = &mut *this;
+        this.out.clear();
+        this.inner.feed(&t, &mut this.out);
+        PyList::new(slf.py(), &this.out)
     }
 
     #[getter]

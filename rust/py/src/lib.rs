@@ -1,16 +1,35 @@
 //! `pagedkv._native`: a thin PyO3 layer over `pagedkv-core`. It converts arguments, maps
 //! errors to `pagedkv.errors`, and writes into caller-owned buffers; all logic is in the core.
+//! One job per file:
+//!
+//! * `args`: integer, real and device arguments; `tokens`: token-id arguments;
+//! * `buffers`: checked numpy views (step outputs, token arrays);
+//! * `seqs`: reading sequences and groups off Python objects;
+//! * `registry`: the manager's sequences by identity, and resolving sequences to token stores;
+//! * `results`: `AllocStatus` and `BlockMapping` results;
+//! * `errors`: core errors to `pagedkv.errors`;
+//! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
+//! * `hashing`, `pool`, `manager`: the classes.
+//!
+//! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
+//! re-enables the GIL when importing it. Each object serves one call at a time; a concurrent or
+//! re-entrant call raises `InUseError` (see `manager`).
 
 use pyo3::prelude::*;
 
-mod arrays;
+mod args;
+mod buffers;
 mod compat_enum;
 mod errors;
 mod hashing;
 mod manager;
 mod pool;
+mod registry;
+mod results;
+mod seqs;
+mod tokens;
 
-#[pymodule]
+#[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<hashing::PyTokenSeq>()?;
@@ -21,5 +40,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;
+    m.add_function(wrap_pyfunction!(hashing::_set_weak_test_hasher, m)?)?;
     Ok(())
 }

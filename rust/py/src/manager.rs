@@ -1,289 +1,36 @@
-//! `BlockManager`: the native half of `pagedkv.BlockSpaceManager`. It reads sequences and groups
-//! straight off the Python objects (`seq.seq_id`, `seq.status`, `seq.data._store`,
-//! `group.seqs_dict`) and hands the work to the core manager.
+//! `BlockManager`: the native half of `pagedkv.BlockSpaceManager`. Each method reads its
+//! arguments (sequences, groups, buffers) off the Python objects and makes one core call.
+//!
+//! Concurrency: the manager's state sits behind a lock that is only ever *tried*: a call made
+//! while another is in progress (another thread's, or a Python callback's re-entering the
+//! manager: a foreign sequence's `get_token_ids`, say) raises `InUseError` and changes nothing.
+//! Nothing ever waits for the lock, so no callback can deadlock against it.
 
-use crate::arrays::{int_arg, type_name, writable_i32, Count, I32Out, Int32, Real};
-use crate::errors::{invalid, wrong_type, IntoPyResult};
+use crate::args::{device_arg, int_arg, Count, Int32, Real};
+use crate::buffers::{step_outputs, OutputArg};
+use crate::errors::{busy, invalid, IntoPyResult};
 use crate::hashing::{resolve_hasher, PyTokenSeq};
-use pagedkv_core::{AllocStatus, BlockId, Copies, Device, Manager, ManagerConfig, SeqId, TokenSeq};
-use pyo3::intern;
+use crate::registry::{borrow_adopted, Registry, Resolved};
+use crate::results::{alloc_status, copies_dict, mapping_dict};
+use crate::seqs::{group_seqs, items, seq_id_of, status_of, Status};
+use pagedkv_core::{Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyDict, PyList, PyString};
+use pyo3::types::{PyDict, PyList};
+use pyo3::{PyTraverseError, PyVisit};
 use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Status {
-    Waiting,
-    Running,
-    Swapped,
-    Finished,
-}
-
-/// The members WAITING, RUNNING, SWAPPED of `pagedkv.sequence.SequenceStatus`, for identity checks.
-fn status_members(py: Python<'_>) -> Option<&'static [Py<PyAny>; 3]> {
-    static CELL: PyOnceLock<Option<[Py<PyAny>; 3]>> = PyOnceLock::new();
-    CELL.get_or_init(py, || {
-        let cls = py
-            .import("pagedkv.sequence")
-            .ok()?
-            .getattr("SequenceStatus")
-            .ok()?;
-        let get = |n: &str| cls.getattr(n).ok().map(|m| m.unbind());
-        Some([get("WAITING")?, get("RUNNING")?, get("SWAPPED")?])
-    })
-    .as_ref()
-}
-
-fn status_of(seq: &Bound<'_, PyAny>) -> PyResult<Status> {
-    let py = seq.py();
-    let st = seq.getattr(intern!(py, "status"))?;
-    if let Some([w, r, s]) = status_members(py) {
-        if st.is(w) {
-            return Ok(Status::Waiting);
-        }
-        if st.is(r) {
-            return Ok(Status::Running);
-        }
-        if st.is(s) {
-            return Ok(Status::Swapped);
-        }
-    }
-    // Any enum with vLLM's member names works too.
-    let name = st
-        .getattr(intern!(py, "name"))
-        .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?;
-    let name = name
-        .cast::<PyString>()
-        .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?
-        .to_cow()?
-        .into_owned();
-    Ok(match name.as_str() {
-        "WAITING" => Status::Waiting,
-        "RUNNING" => Status::Running,
-        "SWAPPED" => Status::Swapped,
-        n if n.starts_with("FINISHED") => Status::Finished,
-        other => return Err(invalid(format!("unknown sequence status {other}"))),
-    })
-}
-
-fn seq_id_of(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
-    let id = seq.getattr(intern!(seq.py(), "seq_id")).map_err(|_| {
-        wrong_type(format!(
-            "expected a pagedkv Sequence, got {}",
-            type_name(seq)
-        ))
-    })?;
-    if id.is_exact_instance_of::<pyo3::types::PyInt>() {
-        if let Ok(v) = id.extract::<u64>() {
-            return Ok(v); // the common case, without the general checks
-        }
-    }
-    let id = int_arg(&id, "seq_id")?;
-    u64::try_from(id).map_err(|_| invalid(format!("seq_id must be non-negative, got {id}")))
-}
-
-/// The items of a list or tuple (fast paths) or any iterable.
-fn items<'py>(obj: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    if let Ok(list) = obj.cast::<PyList>() {
-        return Ok(list.iter().collect());
-    }
-    if let Ok(tuple) = obj.cast::<pyo3::types::PyTuple>() {
-        return Ok(tuple.iter().collect());
-    }
-    obj.try_iter()
-        .map_err(|_| {
-            wrong_type(format!(
-                "expected a list of sequences, got {}",
-                type_name(obj)
-            ))
-        })?
-        .collect()
-}
-
-/// The native token store of a pagedkv `Sequence` (`seq.data._store`), or `None` for any other
-/// sequence type.
-fn native_store_of<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyTokenSeq>> {
-    let py = seq.py();
-    seq.getattr(intern!(py, "data"))
-        .and_then(|d| d.getattr(intern!(py, "_store")))
-        .ok()
-        .and_then(|s| s.cast_into::<PyTokenSeq>().ok())
-}
-
-/// A store for a sequence of another type (vLLM's own `Sequence`, say): built from
-/// `seq.get_token_ids()`, with the sequence's LoRA id and optional `cache_salt`.
-fn foreign_store<'py>(
-    seq: &Bound<'py, PyAny>,
-    block_size: usize,
-    hasher: pagedkv_core::Hasher,
-) -> PyResult<Bound<'py, PyTokenSeq>> {
-    let py = seq.py();
-    let tokens = seq.call_method0(intern!(py, "get_token_ids")).map_err(|_| {
-        wrong_type(format!(
-            "expected a Sequence (pagedkv's, or one with seq_id, status and get_token_ids()), got {}",
-            type_name(seq)
-        ))
-    })?;
-    let tokens = crate::arrays::extract_tokens(&tokens)?;
-    let lora_id = match seq.getattr(intern!(py, "lora_int_id")) {
-        Ok(v) if !v.is_none() => int_arg(&v, "lora_int_id")?,
-        _ => 0,
-    };
-    let salt = match seq.getattr(intern!(py, "cache_salt")) {
-        Ok(v) if !v.is_none() => Some(crate::hashing::salt_bytes_of(&v)?),
-        _ => None,
-    };
-    // vLLM counts a sequence's blocks in its own block size (it may differ from the manager's)
-    let block_size = match seq.getattr(intern!(py, "block_size")) {
-        Ok(v) if !v.is_none() => crate::hashing::check_block_size(int_arg(&v, "block_size")?)?,
-        _ => block_size,
-    };
-    let extra = pagedkv_core::HashExtra { lora_id, salt };
-    let inner = TokenSeq::new(block_size, &tokens, extra, hasher).py()?;
-    Bound::new(py, PyTokenSeq { inner })
-}
-
-/// Bring a foreign sequence's store up to date with the tokens it has now: append what was
-/// appended since (the usual case: one token per step), or rebuild if anything else changed.
-fn sync_foreign(
-    seq: &Bound<'_, PyAny>,
-    store: &Bound<'_, PyTokenSeq>,
-    block_size: usize,
-    hasher: pagedkv_core::Hasher,
-) -> PyResult<()> {
-    let py = seq.py();
-    let len: usize = seq.call_method0(intern!(py, "get_len"))?.extract()?;
-    let have = store.borrow().inner.len();
-    if len == have {
-        return Ok(());
-    }
-    if len > have {
-        let prompt_len: usize = seq.call_method0(intern!(py, "get_prompt_len"))?.extract()?;
-        if have >= prompt_len {
-            let out = seq.call_method0(intern!(py, "get_output_token_ids"))?;
-            let new = out.get_item(pyo3::types::PySlice::new(
-                py,
-                (have - prompt_len) as isize,
-                isize::MAX,
-                1,
-            ))?;
-            let tokens = crate::arrays::extract_tokens(&new)?;
-            store.borrow_mut().inner.extend(&tokens);
-            if store.borrow().inner.len() == len {
-                return Ok(());
-            }
-        }
-    }
-    let fresh = foreign_store(seq, block_size, hasher)?;
-    let rebuilt = fresh.borrow().inner.clone();
-    store.borrow_mut().inner = rebuilt;
-    Ok(())
-}
-
-fn group_seqs<'py>(group: &Bound<'py, PyAny>) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let py = group.py();
-    let seqs = match group.getattr(intern!(py, "seqs_dict")) {
-        // a plain dict: walk it directly (insertion order, like `get_seqs()`)
-        Ok(d) if d.is_exact_instance_of::<PyDict>() => {
-            return Ok(d.cast_into::<PyDict>()?.iter().map(|(_, v)| v).collect());
-        }
-        Ok(d) => d.call_method0(intern!(py, "values"))?,
-        Err(_) => group.call_method0(intern!(py, "get_seqs")).map_err(|_| {
-            wrong_type(format!(
-                "expected a SequenceGroup, got {}",
-                type_name(group)
-            ))
-        })?,
-    };
-    seqs.try_iter()?.collect()
-}
-
-fn alloc_status(py: Python<'_>, s: AllocStatus) -> PyResult<Py<PyAny>> {
-    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    let cls = CELL.get_or_try_init(py, || {
-        Ok::<_, PyErr>(
-            py.import("pagedkv.block_manager")?
-                .getattr("AllocStatus")?
-                .unbind(),
-        )
-    })?;
-    let name = match s {
-        AllocStatus::Ok => "OK",
-        AllocStatus::Later => "LATER",
-        AllocStatus::Never => "NEVER",
-    };
-    Ok(cls.bind(py).getattr(name)?.unbind())
-}
-
-fn device_arg(device: &str) -> PyResult<Device> {
-    match device {
-        "gpu" | "GPU" | "cuda" => Ok(Device::Gpu),
-        "cpu" | "CPU" => Ok(Device::Cpu),
-        other => Err(invalid(format!(
-            "device must be 'gpu' or 'cpu', got {other:?}"
-        ))),
-    }
-}
-
-/// `pagedkv.block_manager.BlockMapping` (a read-only dict that iterates as `(src, dst)` pairs,
-/// so vLLM 0.4 and 0.5 schedulers both take it), and its shared empty instance: most calls
-/// copy nothing, and then cost no allocation.
-fn block_mapping_class(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    Ok(CELL
-        .get_or_try_init(py, || {
-            Ok::<_, PyErr>(
-                py.import("pagedkv.block_manager")?
-                    .getattr("BlockMapping")?
-                    .unbind(),
-            )
-        })?
-        .bind(py))
-}
-
-fn empty_mapping(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
-    static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    Ok(CELL
-        .get_or_try_init(py, || {
-            Ok::<_, PyErr>(block_mapping_class(py)?.call0()?.unbind())
-        })?
-        .bind(py)
-        .clone())
-}
-
-fn copies_dict<'py>(py: Python<'py>, copies: &Copies) -> PyResult<Bound<'py, PyAny>> {
-    if copies.is_empty() {
-        return empty_mapping(py);
-    }
-    let d = PyDict::new(py);
-    for &(src, dst) in copies {
-        match d.get_item(src)? {
-            Some(list) => list.cast_into::<PyList>()?.append(dst)?,
-            None => d.set_item(src, PyList::new(py, [dst])?)?,
-        }
-    }
-    block_mapping_class(py)?.call1((d,))
-}
-
-fn mapping_dict<'py>(
-    py: Python<'py>,
-    mapping: &[(BlockId, BlockId)],
-) -> PyResult<Bound<'py, PyAny>> {
-    if mapping.is_empty() {
-        return empty_mapping(py);
-    }
-    let d = PyDict::new(py);
-    for &(a, b) in mapping {
-        d.set_item(a, b)?;
-    }
-    block_mapping_class(py)?.call1((d,))
-}
-
-#[pyclass(module = "pagedkv._native", name = "BlockManager", subclass)]
+#[pyclass(module = "pagedkv._native", name = "BlockManager", subclass, frozen)]
 pub struct PyManager {
+    /// Fixed at construction (read without the lock).
+    cfg: ManagerConfig,
+    window: Option<usize>,
+    watermark_blocks: usize,
+    state: Mutex<State>,
+}
+
+struct State {
     inner: Manager,
-    copies: Copies,
     /// Python ints for every block number of each pool, made once: building a block table
     /// list then costs a reference increment per entry instead of an int allocation.
     gpu_ints: Vec<Py<PyAny>>,
@@ -292,210 +39,126 @@ pub struct PyManager {
     /// `get_block_table` hands out copies of it until the table changes (a table changes once
     /// per `block_size` decode steps, so most calls are a list copy).
     table_lists: HashMap<SeqId, (u64, Py<PyList>)>,
-    /// Sequences that hold a table, by object identity: their id and native token store, read
-    /// once at `allocate`/`fork` instead of through three attribute lookups on every call. We
-    /// hold a reference to each object, so its address cannot be reused while it is here; the
-    /// entry goes at `free`/`reset`. (A sequence's `seq_id` and `data` must not be replaced
-    /// while it holds a table; vLLM never does.)
-    known: HashMap<usize, Known>,
-    known_by_id: HashMap<SeqId, usize>,
+    registry: Registry,
 }
 
-struct Known {
-    _obj: Py<PyAny>,
-    id: SeqId,
-    store: Py<PyTokenSeq>,
-    /// Not a pagedkv Sequence: the store is ours and is synced with the sequence on each use.
-    foreign: bool,
-}
-
-/// Sequences resolved to (id, store) with their hasher aligned to the manager's.
-struct Resolved<'py> {
-    items: Vec<(SeqId, PyRef<'py, PyTokenSeq>)>,
-    stores: Vec<Bound<'py, PyTokenSeq>>,
-}
-
-impl<'py> Resolved<'py> {
-    fn refs(&self) -> Vec<(SeqId, &TokenSeq)> {
-        self.items.iter().map(|(id, s)| (*id, &s.inner)).collect()
-    }
-}
-
-impl PyManager {
-    fn id_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
-        match self.known.get(&(seq.as_ptr() as usize)) {
-            Some(k) => Ok(k.id),
-            None => seq_id_of(seq),
-        }
-    }
-
-    fn remember(&mut self, seq: &Bound<'_, PyAny>, id: SeqId, store: &Bound<'_, PyTokenSeq>) {
-        self.forget(id);
-        let ptr = seq.as_ptr() as usize;
-        if let Some(old) = self.known.remove(&ptr) {
-            self.known_by_id.remove(&old.id);
-        }
-        let foreign = native_store_of(seq).is_none_or(|s| !s.is(store));
-        self.known.insert(
-            ptr,
-            Known {
-                _obj: seq.clone().unbind(),
-                id,
-                store: store.clone().unbind(),
-                foreign,
-            },
-        );
-        self.known_by_id.insert(id, ptr);
-    }
-
-    fn forget(&mut self, id: SeqId) {
-        if let Some(ptr) = self.known_by_id.remove(&id) {
-            self.known.remove(&ptr);
-        }
-    }
-
-    /// The token store of a sequence that is not (yet) remembered: its own native store, or
-    /// one built for it.
-    fn store_for<'py>(&self, seq: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTokenSeq>> {
-        match native_store_of(seq) {
-            Some(s) => Ok(s),
-            None => foreign_store(
-                seq,
-                self.inner.config().block_size,
-                self.inner.config().hasher,
-            ),
-        }
-    }
-
+impl State {
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
-        let hasher = self.inner.config().hasher;
-        let mut items = Vec::with_capacity(seqs.len());
-        let mut stores = Vec::with_capacity(seqs.len());
-        for seq in seqs {
-            let (id, store) = match self.known.get(&(seq.as_ptr() as usize)) {
-                Some(k) => {
-                    let store = k.store.bind(seq.py()).clone();
-                    if k.foreign {
-                        sync_foreign(seq, &store, self.inner.config().block_size, hasher)?;
-                    }
-                    (k.id, store)
-                }
-                None => (seq_id_of(seq)?, self.store_for(seq)?),
-            };
-            if store.borrow().inner.hasher() != hasher {
-                store.borrow_mut().inner.adopt_hasher(hasher);
-            }
-            items.push((id, store.borrow()));
-            stores.push(store);
-        }
-        Ok(Resolved { items, stores })
+        let cfg = self.inner.config();
+        self.registry.resolve(seqs, cfg.block_size, cfg.hasher)
     }
 
     fn resolve_one<'py>(
         &self,
         seq: &Bound<'py, PyAny>,
-    ) -> PyResult<(SeqId, PyRef<'py, PyTokenSeq>)> {
-        let mut r = self.resolve(std::slice::from_ref(seq))?;
-        Ok(r.items.pop().expect("one item"))
+    ) -> PyResult<(SeqId, Bound<'py, PyTokenSeq>)> {
+        let cfg = self.inner.config();
+        self.registry.resolve_one(seq, cfg.block_size, cfg.hasher)
     }
 
-    fn with_status<'py>(
-        group: &Bound<'py, PyAny>,
-        pred: impl Fn(Status) -> bool,
-    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
-        let mut out = Vec::new();
-        for s in group_seqs(group)? {
-            if pred(status_of(&s)?) {
-                out.push(s);
-            }
+    fn forget(&mut self, id: SeqId) {
+        self.table_lists.remove(&id);
+        self.registry.forget(id);
+    }
+}
+
+fn with_status<'py>(
+    group: &Bound<'py, PyAny>,
+    pred: impl Fn(Status) -> bool,
+) -> PyResult<Vec<Bound<'py, PyAny>>> {
+    let mut out = Vec::new();
+    for s in group_seqs(group)? {
+        if pred(status_of(&s)?) {
+            out.push(s);
         }
-        Ok(out)
+    }
+    Ok(out)
+}
+
+fn block_ints(py: Python<'_>, n: u32) -> PyResult<Vec<Py<PyAny>>> {
+    (0..n)
+        .map(|b| Ok(b.into_pyobject(py)?.into_any().unbind()))
+        .collect()
+}
+
+fn count_arg(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
+    let v = int_arg(o, what)?;
+    if !(0..u32::MAX as i64).contains(&v) {
+        return Err(invalid(format!("{what} must be in 0..2**32-1, got {v}")));
+    }
+    Ok(v as u32)
+}
+
+fn window_arg(sliding_window: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
+    match sliding_window {
+        Some(o) if !o.is_none() => {
+            let v = int_arg(o, "sliding_window")?;
+            if v <= 0 {
+                return Err(invalid(format!("sliding_window must be positive, got {v}")));
+            }
+            Ok(Some(v as usize))
+        }
+        _ => Ok(None),
+    }
+}
+
+impl PyManager {
+    /// The state, or `InUseError` if another call holds it (never waits).
+    fn lock(&self) -> PyResult<MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Ok(g),
+            // The core does not panic on any input; if it ever did, its calls check before
+            // they mutate, so the state is still consistent.
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(busy("this BlockManager")),
+        }
     }
 
-    fn ids(&self, seqs: &[Bound<'_, PyAny>]) -> PyResult<Vec<SeqId>> {
-        seqs.iter().map(|s| self.id_of(s)).collect()
-    }
-
-    fn write_rows(
+    /// The shared body of `append_slots_batch` and `fill_block_tables`: resolve, check the
+    /// buffers, (append), write rows. Buffer views are taken after every Python callback.
+    fn step<'py>(
         &self,
-        ids: &[(SeqId, &TokenSeq)],
-        tables: &I32Out,
+        seqs: &Bound<'py, PyAny>,
+        outputs: &[OutputArg<'_, 'py>],
         pad_value: i32,
-        context_lens: Option<&I32Out>,
-        slot_mapping: Option<&I32Out>,
-    ) -> PyResult<()> {
-        let (rows, cols) = (tables.shape[0], tables.shape[1]);
-        let bs = self.inner.config().block_size;
-        // SAFETY: shapes were checked against `ids` by the caller; the arrays are alive (held by
-        // the caller's references) and we are attached to the interpreter.
-        let table_buf = unsafe { std::slice::from_raw_parts_mut(tables.ptr, rows * cols) };
-        for (r, &(id, seq)) in ids.iter().enumerate() {
-            let t = self.inner.block_table(id).py()?;
-            let row = &mut table_buf[r * cols..(r + 1) * cols];
-            for (dst, &b) in row.iter_mut().zip(t) {
-                *dst = b as i32;
-            }
-            row[t.len()..].fill(pad_value);
-            let len = seq.len();
-            if let Some(cl) = context_lens {
-                unsafe { *cl.ptr.add(r) = len as i32 };
-            }
-            if let Some(sm) = slot_mapping {
-                let slot = if len == 0 {
-                    -1
-                } else {
-                    let p = len - 1;
-                    (t[p / bs] as usize * bs + p % bs) as i32
-                };
-                unsafe { *sm.ptr.add(r) = slot };
+        append: bool,
+    ) -> PyResult<Copies> {
+        let seqs = items(seqs)?;
+        let mut st = self.lock()?;
+        let r = st.resolve(&seqs)?;
+        let mut views = step_outputs(outputs)?;
+        let hasher = self.cfg.hasher;
+        {
+            let b = r.borrow()?;
+            let pairs = b.pairs();
+            let (rows, cols) = views.table_shape();
+            st.inner
+                .check_step_buffers(&pairs, rows, cols, &views.vec_lens(), append)
+                .py()?;
+            if append {
+                st.inner.check_append_batch(&pairs, 0).py()?;
             }
         }
-        Ok(())
-    }
-
-    fn check_buffers(
-        &self,
-        refs: &[(SeqId, &TokenSeq)],
-        tables: &I32Out,
-        vecs: &[(&str, Option<&I32Out>)],
-        extra_blocks: bool,
-    ) -> PyResult<()> {
-        let n = refs.len();
-        let (rows, cols) = (tables.shape[0], tables.shape[1]);
-        if rows < n {
-            return Err(invalid(format!(
-                "block_tables has {rows} rows for {n} sequences"
-            )));
+        let b = r.borrow_adopted(hasher)?;
+        let pairs = b.pairs();
+        let mut copies = Copies::new();
+        if append {
+            st.inner.append_slots_batch(&pairs, 0, &mut copies).py()?;
         }
-        for (name, v) in vecs {
-            if let Some(v) = v {
-                if v.shape[0] < n {
-                    return Err(invalid(format!(
-                        "{name} has {} entries for {n} sequences",
-                        v.shape[0]
-                    )));
-                }
-            }
-        }
-        let bs = self.inner.config().block_size;
-        for &(id, seq) in refs {
-            self.inner.check_slot_units(seq).py()?;
-            let cur = self.inner.block_table(id).py()?.len();
-            let after = if extra_blocks {
-                cur.max(seq.len().div_ceil(bs))
-            } else {
-                cur
-            };
-            if after > cols {
-                return Err(invalid(format!(
-                    "block_tables has {cols} columns but sequence {id} needs {after}"
-                )));
-            }
-            if after as u64 > i32::MAX as u64 || seq.len() > i32::MAX as usize {
-                return Err(invalid("sequence too long for int32 buffers"));
-            }
-        }
-        Ok(())
+        let (block_tables, cols, context_lens, slot_mapping) = views.slices()?;
+        st.inner
+            .write_step_rows(
+                &pairs,
+                StepRows {
+                    block_tables,
+                    cols,
+                    pad_value,
+                    context_lens,
+                    slot_mapping,
+                },
+            )
+            .py()?;
+        Ok(copies)
     }
 }
 
@@ -517,108 +180,116 @@ impl PyManager {
         hash_seed: Option<Count>,
         strict: bool,
     ) -> PyResult<Self> {
-        let bs = crate::hashing::check_block_size(int_arg(block_size, "block_size")?)?;
-        let nblocks = |o: &Bound<'_, PyAny>, what: &str| -> PyResult<u32> {
-            let v = int_arg(o, what)?;
-            if !(0..u32::MAX as i64).contains(&v) {
-                return Err(invalid(format!("{what} must be in 0..2**32-1, got {v}")));
-            }
-            Ok(v as u32)
-        };
-        let sliding_window = match sliding_window {
-            Some(o) if !o.is_none() => {
-                let v = int_arg(o, "sliding_window")?;
-                if v <= 0 {
-                    return Err(invalid(format!("sliding_window must be positive, got {v}")));
-                }
-                Some(v as usize)
-            }
-            _ => None,
-        };
+        let bs = pagedkv_core::check_block_size(int_arg(block_size, "block_size")?).py()?;
         let cfg = ManagerConfig {
             block_size: bs,
-            num_gpu_blocks: nblocks(num_gpu_blocks, "num_gpu_blocks")?,
-            num_cpu_blocks: nblocks(num_cpu_blocks, "num_cpu_blocks")?,
+            num_gpu_blocks: count_arg(num_gpu_blocks, "num_gpu_blocks")?,
+            num_cpu_blocks: count_arg(num_cpu_blocks, "num_cpu_blocks")?,
             watermark: watermark.0,
-            sliding_window,
+            sliding_window: window_arg(sliding_window)?,
             enable_caching,
             strict,
             hasher: resolve_hasher(hash_algo, hash_seed.map(|c| c.0))?,
         };
-        let ints = |n: u32| -> PyResult<Vec<Py<PyAny>>> {
-            (0..n)
-                .map(|b| Ok(b.into_pyobject(py)?.into_any().unbind()))
-                .collect()
-        };
+        let inner = Manager::new(cfg).py()?;
         Ok(PyManager {
-            gpu_ints: ints(cfg.num_gpu_blocks)?,
-            cpu_ints: ints(cfg.num_cpu_blocks)?,
-            inner: Manager::new(cfg).py()?,
-            copies: Vec::new(),
-            table_lists: HashMap::new(),
-            known: HashMap::new(),
-            known_by_id: HashMap::new(),
+            cfg,
+            window: inner.window_blocks(),
+            watermark_blocks: inner.watermark_blocks(),
+            state: Mutex::new(State {
+                gpu_ints: block_ints(py, cfg.num_gpu_blocks)?,
+                cpu_ints: block_ints(py, cfg.num_cpu_blocks)?,
+                inner,
+                table_lists: HashMap::new(),
+                registry: Registry::default(),
+            }),
         })
+    }
+
+    // ---- garbage collection --------------------------------------------------------------
+    /// The registered sequences, their stores and the cached table lists. A manager that is
+    /// in a call cannot be collected (it is reachable from that call), so a busy lock means
+    /// there is nothing to report right now.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        let Ok(st) = self.state.try_lock() else {
+            return Ok(());
+        };
+        st.registry.traverse(&visit)?;
+        for (_, list) in st.table_lists.values() {
+            visit.call(list)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        if let Ok(mut st) = self.state.try_lock() {
+            st.registry.clear();
+            st.table_lists.clear();
+        }
     }
 
     // ---- configuration -----------------------------------------------------------------
     #[getter]
     fn block_size(&self) -> usize {
-        self.inner.config().block_size
+        self.cfg.block_size
     }
     #[getter]
     fn num_total_gpu_blocks(&self) -> u32 {
-        self.inner.config().num_gpu_blocks
+        self.cfg.num_gpu_blocks
     }
     #[getter]
     fn num_total_cpu_blocks(&self) -> u32 {
-        self.inner.config().num_cpu_blocks
+        self.cfg.num_cpu_blocks
     }
     #[getter]
     fn watermark(&self) -> f64 {
-        self.inner.config().watermark
+        self.cfg.watermark
     }
     #[getter]
     fn watermark_blocks(&self) -> usize {
-        self.inner.watermark_blocks()
+        self.watermark_blocks
     }
     #[getter]
     fn enable_caching(&self) -> bool {
-        self.inner.config().enable_caching
+        self.cfg.enable_caching
     }
     #[getter]
     fn block_sliding_window(&self) -> Option<usize> {
-        self.inner.window_blocks()
+        self.window
     }
     #[getter]
     fn strict(&self) -> bool {
-        self.inner.config().strict
+        self.cfg.strict
     }
     #[getter]
     fn hasher(&self) -> (&'static str, u64) {
-        let h = self.inner.config().hasher;
-        (h.algo.name(), h.seed)
+        (self.cfg.hasher.algo.name(), self.cfg.hasher.seed)
     }
 
     // ---- allocation --------------------------------------------------------------------
     fn can_allocate(&self, py: Python<'_>, seq_group: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
+        let waiting = with_status(seq_group, |s| s == Status::Waiting)?;
         let first = waiting
             .first()
             .ok_or_else(|| invalid("the sequence group has no WAITING sequence"))?;
-        let (_, store) = self.resolve_one(first)?;
-        alloc_status(py, self.inner.can_allocate(&store.inner).py()?)
+        let status = {
+            let st = self.lock()?;
+            let (_, store) = st.resolve_one(first)?;
+            let store = borrow_adopted(&store, self.cfg.hasher)?;
+            st.inner.can_allocate(&store.inner).py()?
+        };
+        alloc_status(py, status)
     }
 
-    fn allocate(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
-        let waiting = Self::with_status(seq_group, |s| s == Status::Waiting)?;
-        let r = self.resolve(&waiting)?;
-        self.inner.allocate(&r.refs()).py()?;
-        let ids: Vec<SeqId> = r.items.iter().map(|(id, _)| *id).collect();
-        let stores = r.stores.clone();
-        drop(r);
-        for ((seq, id), store) in waiting.iter().zip(ids).zip(stores) {
-            self.remember(seq, id, &store);
+    fn allocate(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
+        let waiting = with_status(seq_group, |s| s == Status::Waiting)?;
+        let mut st = self.lock()?;
+        let r = st.resolve(&waiting)?;
+        st.inner
+            .allocate(&r.borrow_adopted(self.cfg.hasher)?.pairs())
+            .py()?;
+        for ((seq, &id), store) in waiting.iter().zip(&r.ids).zip(&r.stores) {
+            st.registry.remember(seq, id, store);
         }
         Ok(())
     }
@@ -629,10 +300,12 @@ impl PyManager {
         seq_group: &Bound<'_, PyAny>,
         num_lookahead_slots: Count,
     ) -> PyResult<bool> {
-        let running = Self::with_status(seq_group, |s| s == Status::Running)?;
-        let r = self.resolve(&running)?;
-        self.inner
-            .can_append_slots(&r.refs(), num_lookahead_slots.usize())
+        let running = with_status(seq_group, |s| s == Status::Running)?;
+        let st = self.lock()?;
+        let r = st.resolve(&running)?;
+        let b = r.borrow_adopted(self.cfg.hasher)?;
+        st.inner
+            .can_append_slots(&b.pairs(), num_lookahead_slots.usize())
             .py()
     }
 
@@ -640,33 +313,35 @@ impl PyManager {
     /// `{src_block: [dst_block, ...]}` (empty when nothing is copied).
     #[pyo3(signature = (seq, num_lookahead_slots = Count(0)))]
     fn append_slots<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
         num_lookahead_slots: Count,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (id, store) = self.resolve_one(seq)?;
-        self.copies.clear();
-        self.inner
-            .append_slots(
-                id,
-                &store.inner,
-                num_lookahead_slots.usize(),
-                &mut self.copies,
-            )
-            .py()?;
-        copies_dict(py, &self.copies)
+        let copies = {
+            let mut guard = self.lock()?;
+            let st = &mut *guard;
+            let (id, store) = st.resolve_one(seq)?;
+            let store = borrow_adopted(&store, self.cfg.hasher)?;
+            let mut copies = Copies::new();
+            st.inner
+                .append_slots(id, &store.inner, num_lookahead_slots.usize(), &mut copies)
+                .py()?;
+            copies
+        };
+        copies_dict(py, &copies)
     }
 
     /// One decode step for many sequences in one call: reserve each one's newest slot, then
     /// write row `i` of `block_tables` (int32 `[rows >= n, cols]`, the rest of the row set to
     /// `pad_value`), `context_lens[i]` (= seq length) and `slot_mapping[i]` (slot of the newest
     /// token, `block * block_size + offset`). Buffers are numpy int32 arrays (torch: `t.numpy()`),
-    /// written in place. Everything is checked before anything changes; out of blocks raises
-    /// `OutOfBlocksError` with no sequence touched. Returns the copy-on-write pairs.
+    /// written in place; they must not overlap. Everything is checked before anything changes;
+    /// out of blocks raises `OutOfBlocksError` with no sequence touched. Returns the
+    /// copy-on-write pairs.
     #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)))]
     fn append_slots_batch<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
         block_tables: &Bound<'py, PyAny>,
@@ -674,24 +349,13 @@ impl PyManager {
         slot_mapping: &Bound<'py, PyAny>,
         pad_value: Int32,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let seqs = items(seqs)?;
-        let tables = writable_i32(block_tables, "block_tables", 2)?;
-        let cl = writable_i32(context_lens, "context_lens", 1)?;
-        let sm = writable_i32(slot_mapping, "slot_mapping", 1)?;
-        let r = self.resolve(&seqs)?;
-        let refs = r.refs();
-        self.check_buffers(
-            &refs,
-            &tables,
-            &[("context_lens", Some(&cl)), ("slot_mapping", Some(&sm))],
-            true,
-        )?;
-        self.copies.clear();
-        self.inner
-            .append_slots_batch(&refs, 0, &mut self.copies)
-            .py()?;
-        self.write_rows(&refs, &tables, pad_value.0, Some(&cl), Some(&sm))?;
-        copies_dict(py, &self.copies)
+        let outputs = [
+            OutputArg::table(block_tables),
+            OutputArg::vec("context_lens", Some(context_lens)),
+            OutputArg::vec("slot_mapping", Some(slot_mapping)),
+        ];
+        let copies = self.step(seqs, &outputs, pad_value.0, true)?;
+        copies_dict(py, &copies)
     }
 
     /// Write the current block tables of `seqs` (rows padded with `pad_value`) and, if given,
@@ -704,50 +368,44 @@ impl PyManager {
         context_lens: Option<&Bound<'py, PyAny>>,
         pad_value: Int32,
     ) -> PyResult<()> {
-        let seqs = items(seqs)?;
-        let tables = writable_i32(block_tables, "block_tables", 2)?;
-        let cl = context_lens
-            .map(|c| writable_i32(c, "context_lens", 1))
-            .transpose()?;
-        let r = self.resolve(&seqs)?;
-        let refs = r.refs();
-        self.check_buffers(&refs, &tables, &[("context_lens", cl.as_ref())], false)?;
-        self.write_rows(&refs, &tables, pad_value.0, cl.as_ref(), None)
+        let outputs = [
+            OutputArg::table(block_tables),
+            OutputArg::vec("context_lens", context_lens),
+            OutputArg::vec("slot_mapping", None),
+        ];
+        self.step(seqs, &outputs, pad_value.0, false).map(drop)
     }
 
-    fn fork(
-        &mut self,
-        parent_seq: &Bound<'_, PyAny>,
-        child_seq: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
-        let parent = self.id_of(parent_seq)?;
+    fn fork(&self, parent_seq: &Bound<'_, PyAny>, child_seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut st = self.lock()?;
+        let parent = st.registry.id_of(parent_seq)?;
         let child = seq_id_of(child_seq)?;
         if parent == child {
             return Err(invalid(format!(
                 "cannot fork sequence {parent} into itself"
             )));
         }
-        let child_store = self.store_for(child_seq)?;
-        self.inner.fork(parent, child).py()?;
-        if self.inner.has_table(child) {
-            self.remember(child_seq, child, &child_store);
+        let child_store = Registry::store_for(child_seq, self.cfg.block_size, self.cfg.hasher)?;
+        st.inner.fork(parent, child).py()?;
+        if st.inner.has_table(child) {
+            st.registry.remember(child_seq, child, &child_store);
         }
         Ok(())
     }
 
-    fn free(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        let id = self.id_of(seq)?;
-        self.inner.free(id).py()?;
-        self.table_lists.remove(&id);
-        self.forget(id);
+    fn free(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        let mut st = self.lock()?;
+        let id = st.registry.id_of(seq)?;
+        st.inner.free(id).py()?;
+        st.forget(id);
         Ok(())
     }
 
-    fn reset(&mut self) -> PyResult<()> {
-        self.inner.reset().py()?;
-        self.table_lists.clear();
-        self.known.clear();
-        self.known_by_id.clear();
+    fn reset(&self) -> PyResult<()> {
+        let mut st = self.lock()?;
+        st.inner.reset().py()?;
+        st.table_lists.clear();
+        st.registry.clear();
         Ok(())
     }
 
@@ -762,18 +420,20 @@ impl PyManager {
         let mut unfinished = Vec::new();
         let mut swapped = 0;
         for s in group_seqs(seq_group)? {
-            let st = status_of(&s)?;
-            if st != Status::Finished {
-                unfinished.push(self.id_of(&s)?);
+            let status = status_of(&s)?;
+            if status != Status::Finished {
+                unfinished.push(s);
             }
-            swapped += usize::from(st == Status::Swapped);
+            swapped += usize::from(status == Status::Swapped);
         }
-        alloc_status(
-            py,
-            self.inner
-                .can_swap_in(&unfinished, swapped, num_lookahead_slots.usize())
-                .py()?,
-        )
+        let answer = {
+            let st = self.lock()?;
+            let ids = st.registry.ids(&unfinished)?;
+            st.inner
+                .can_swap_in(&ids, swapped, num_lookahead_slots.usize())
+                .py()?
+        };
+        alloc_status(py, answer)
     }
 
     /// Move the group's SWAPPED sequences to the GPU; returns `{cpu_block: gpu_block}`.
@@ -781,81 +441,73 @@ impl PyManager {
     /// `append_slots`, as in vLLM.
     #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
     fn swap_in<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seq_group: &Bound<'py, PyAny>,
         num_lookahead_slots: Count,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = num_lookahead_slots;
-        let seqs = Self::with_status(seq_group, |s| s == Status::Swapped)?;
-        let ids = self.ids(&seqs)?;
-        let m = self.inner.swap(&ids, Device::Cpu).py()?;
-        mapping_dict(py, &m)
+        self.swap(py, seq_group, Status::Swapped, Device::Cpu)
     }
 
     fn can_swap_out(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<bool> {
-        let seqs = Self::with_status(seq_group, |s| s != Status::Finished)?;
-        self.inner.can_swap_out(&self.ids(&seqs)?).py()
+        let seqs = with_status(seq_group, |s| s != Status::Finished)?;
+        let st = self.lock()?;
+        st.inner.can_swap_out(&st.registry.ids(&seqs)?).py()
     }
 
     /// Move the group's RUNNING sequences to the CPU; returns `{gpu_block: cpu_block}`.
     fn swap_out<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seq_group: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let seqs = Self::with_status(seq_group, |s| s == Status::Running)?;
-        let ids = self.ids(&seqs)?;
-        let m = self.inner.swap(&ids, Device::Gpu).py()?;
-        mapping_dict(py, &m)
+        self.swap(py, seq_group, Status::Running, Device::Gpu)
     }
 
     // ---- queries -----------------------------------------------------------------------
     fn get_block_table<'py>(
-        &mut self,
+        &self,
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = self.id_of(seq)?;
-        let version = self.inner.table_version(id).py()?;
-        if let Some((v, list)) = self.table_lists.get(&id) {
+        let mut guard = self.lock()?;
+        let st = &mut *guard;
+        let id = st.registry.id_of(seq)?;
+        let version = st.inner.table_version(id).py()?;
+        if let Some((v, list)) = st.table_lists.get(&id) {
             if *v == version {
                 let list = list.bind(py);
                 return Ok(list.get_slice(0, list.len()));
             }
         }
-        let ints = match self.inner.device_of(id).py()? {
-            Device::Gpu => &self.gpu_ints,
-            Device::Cpu => &self.cpu_ints,
+        let ints = match st.inner.device_of(id).py()? {
+            Device::Gpu => &st.gpu_ints,
+            Device::Cpu => &st.cpu_ints,
         };
-        let table = self.inner.block_table(id).py()?;
+        let table = st.inner.block_table(id).py()?;
         let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
         let copy = list.get_slice(0, list.len());
-        self.table_lists.insert(id, (version, list.unbind()));
+        st.table_lists.insert(id, (version, list.unbind()));
         Ok(copy)
     }
 
-    fn get_num_free_gpu_blocks(&self) -> usize {
-        self.inner.num_free_gpu_blocks()
+    fn get_num_free_gpu_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.inner.num_free_gpu_blocks())
     }
 
-    fn get_num_free_cpu_blocks(&self) -> usize {
-        self.inner.num_free_cpu_blocks()
+    fn get_num_free_cpu_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.inner.num_free_cpu_blocks())
     }
 
-    fn access_all_blocks_in_seq(
-        &mut self,
-        seq: &Bound<'_, PyAny>,
-        access_time: Real,
-    ) -> PyResult<()> {
-        let id = self.id_of(seq)?;
-        self.inner.access_all_blocks_in_seq(id, access_time.0).py()
+    fn access_all_blocks_in_seq(&self, seq: &Bound<'_, PyAny>, access_time: Real) -> PyResult<()> {
+        let mut st = self.lock()?;
+        let id = st.registry.id_of(seq)?;
+        st.inner.access_all_blocks_in_seq(id, access_time.0).py()
     }
 
-    fn compute_full_blocks_in_seq(&mut self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
-        let (id, store) = self.resolve_one(seq)?;
-        self.inner.compute_full_blocks_in_seq(id, store.inner.len());
-        Ok(())
+    fn compute_full_blocks_in_seq(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.compute_full_blocks(std::slice::from_ref(seq))
     }
 
     fn get_all_computed_blocks<'py>(
@@ -863,8 +515,12 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let id = self.id_of(seq)?;
-        PyList::new(py, self.inner.get_all_computed_blocks(id))
+        let blocks = {
+            let st = self.lock()?;
+            let id = st.registry.id_of(seq)?;
+            st.inner.get_all_computed_blocks(id)
+        };
+        PyList::new(py, blocks)
     }
 
     fn get_common_computed_block_ids<'py>(
@@ -872,68 +528,61 @@ impl PyManager {
         py: Python<'py>,
         seqs: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let mut ids = Vec::new();
-        for s in items(seqs)? {
-            ids.push(self.id_of(&s)?);
-        }
-        PyList::new(py, self.inner.get_common_computed_block_ids(&ids))
+        let seqs = items(seqs)?;
+        let blocks = {
+            let st = self.lock()?;
+            let ids = st.registry.ids(&seqs)?;
+            st.inner.get_common_computed_block_ids(&ids)
+        };
+        PyList::new(py, blocks)
     }
 
-    fn mark_blocks_as_computed(&mut self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
-        if !self.inner.config().enable_caching {
+    fn mark_blocks_as_computed(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !self.cfg.enable_caching {
             return Ok(());
         }
-        let seqs = group_seqs(seq_group)?;
-        let r = self.resolve(&seqs)?;
-        for (id, s) in r.refs() {
-            self.inner.compute_full_blocks_in_seq(id, s.len());
-        }
-        Ok(())
+        self.compute_full_blocks(&group_seqs(seq_group)?)
     }
 
     /// `access_all_blocks_in_seq` for many sequences in one call (batch step API).
     fn access_all_blocks_in_seqs(
-        &mut self,
+        &self,
         seqs: &Bound<'_, PyAny>,
         access_time: Real,
     ) -> PyResult<()> {
-        let mut ids = Vec::new();
-        for s in items(seqs)? {
-            ids.push(self.id_of(&s)?);
-        }
-        self.inner
-            .access_all_blocks_in_seqs(&ids, access_time.0)
-            .py()
+        let seqs = items(seqs)?;
+        let mut st = self.lock()?;
+        let ids = st.registry.ids(&seqs)?;
+        st.inner.access_all_blocks_in_seqs(&ids, access_time.0).py()
     }
 
     /// `compute_full_blocks_in_seq` for many sequences in one call (what
     /// `mark_blocks_as_computed` does for each sequence of a group).
-    fn compute_full_blocks_in_seqs(&mut self, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
-        if !self.inner.config().enable_caching {
+    fn compute_full_blocks_in_seqs(&self, seqs: &Bound<'_, PyAny>) -> PyResult<()> {
+        if !self.cfg.enable_caching {
             return Ok(());
         }
-        let seqs = items(seqs)?;
-        let r = self.resolve(&seqs)?;
-        for (id, s) in r.refs() {
-            self.inner.compute_full_blocks_in_seq(id, s.len());
-        }
-        Ok(())
+        self.compute_full_blocks(&items(seqs)?)
     }
 
     // ---- introspection -----------------------------------------------------------------
     fn has_table(&self, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.has_table(self.id_of(seq)?))
+        let st = self.lock()?;
+        Ok(st.inner.has_table(st.registry.id_of(seq)?))
     }
 
     /// Device ("gpu"/"cpu") the sequence's table lives on.
     fn table_device(&self, seq: &Bound<'_, PyAny>) -> PyResult<&'static str> {
-        Ok(self.inner.device_of(self.id_of(seq)?).py()?.name())
+        let st = self.lock()?;
+        Ok(st.inner.device_of(st.registry.id_of(seq)?).py()?.name())
     }
 
     fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let pool = self.inner.pool(device_arg(device)?);
-        let b = pool.check(int_arg(block, "block")?).py()?;
-        Ok(pool.ref_count(b))
+        let dev = device_arg(device)?;
+        let block = int_arg(block, "block")?;
+        let st = self.lock()?;
+        let pool = st.inner.pool(dev);
+        Ok(pool.ref_count(pool.check(block).py()?))
     }
 
     /// `{ref_count, block_hash, num_hashed_tokens, last_accessed, computed}` of one block.
@@ -944,37 +593,76 @@ impl PyManager {
         block: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
         let dev = device_arg(device)?;
-        let pool = self.inner.pool(dev);
-        let b = pool.check(int_arg(block, "block")?).py()?;
+        let block = int_arg(block, "block")?;
+        let st = self.lock()?;
+        let pool = st.inner.pool(dev);
+        let b = pool.check(block).py()?;
         let d = PyDict::new(py);
         d.set_item("ref_count", pool.ref_count(b))?;
         d.set_item("block_hash", pool.block_hash(b))?;
         d.set_item("num_hashed_tokens", pool.num_hashed_tokens(b))?;
-        d.set_item("last_accessed", self.inner.last_accessed(dev, b))?;
+        d.set_item("last_accessed", st.inner.last_accessed(dev, b))?;
         d.set_item("computed", pool.is_computed(b))?;
         Ok(d)
     }
 
     /// `(lookups, hits)` of full prompt blocks in `allocate` (the prefix-cache hit rate).
-    fn prefix_cache_stats(&self) -> (u64, u64) {
-        self.inner.prefix_cache_stats()
+    fn prefix_cache_stats(&self) -> PyResult<(u64, u64)> {
+        Ok(self.lock()?.inner.prefix_cache_stats())
     }
 
     #[pyo3(signature = (device = "gpu"))]
     fn num_cached_blocks(&self, device: &str) -> PyResult<usize> {
-        Ok(self.inner.pool(device_arg(device)?).num_cached())
+        let dev = device_arg(device)?;
+        Ok(self.lock()?.inner.pool(dev).num_cached())
     }
 
     #[pyo3(signature = (device = "gpu"))]
     fn num_evictable_blocks(&self, device: &str) -> PyResult<usize> {
-        Ok(self.inner.pool(device_arg(device)?).num_evictable())
+        let dev = device_arg(device)?;
+        Ok(self.lock()?.inner.pool(dev).num_evictable())
     }
 
-    /// Raise AssertionError if a pool invariant is broken or a ref count disagrees with the
-    /// tables (O(blocks); for tests).
+    /// Raise AssertionError if a pool invariant is broken, a ref count disagrees with the
+    /// tables, or the registry holds a sequence without a table (O(blocks); for tests).
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner
+        let st = self.lock()?;
+        st.inner
             .check_invariants()
-            .map_err(pyo3::exceptions::PyAssertionError::new_err)
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)?;
+        if st.registry.len() > st.inner.num_tables() {
+            return Err(pyo3::exceptions::PyAssertionError::new_err(
+                "the registry holds more sequences than there are tables",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl PyManager {
+    fn swap<'py>(
+        &self,
+        py: Python<'py>,
+        seq_group: &Bound<'py, PyAny>,
+        status: Status,
+        from: Device,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let seqs = with_status(seq_group, |s| s == status)?;
+        let mapping = {
+            let mut st = self.lock()?;
+            let ids = st.registry.ids(&seqs)?;
+            st.inner.swap(&ids, from).py()?
+        };
+        mapping_dict(py, &mapping)
+    }
+
+    fn compute_full_blocks(&self, seqs: &[Bound<'_, PyAny>]) -> PyResult<()> {
+        let mut st = self.lock()?;
+        let r = st.resolve(seqs)?;
+        let lens: Vec<usize> = r.borrow()?.pairs().iter().map(|(_, s)| s.len()).collect();
+        for (&id, len) in r.ids.iter().zip(lens) {
+            st.inner.compute_full_blocks_in_seq(id, len);
+        }
+        Ok(())
     }
 }

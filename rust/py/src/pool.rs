@@ -1,21 +1,47 @@
 //! `BlockPool`: one device's block pool (ref counts, prefix cache, LRU eviction) for Python.
-//! Every method validates its arguments before touching the pool, so a raising call changes
-//! nothing.
+//! Every method reads its arguments (which may run Python code: `__index__`, iteration) before
+//! it takes the pool, and the core checks before it mutates, so a raising call changes nothing.
+//! The pool serves one call at a time: a concurrent call raises `InUseError` (never waits).
 
-use crate::arrays::{extract_tokens, hash_arg, int_arg, Count, Int64, Real};
-use crate::errors::{invalid, IntoPyResult};
+use crate::args::{hash_arg, int_arg, Count, Int64, Real};
+use crate::errors::{busy, invalid, IntoPyResult};
+use crate::tokens::extract_tokens;
 use pagedkv_core::{BlockHash, BlockId, BlockKey, BlockPool};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
+use std::sync::{Mutex, MutexGuard, TryLockError};
 
-#[pyclass(module = "pagedkv._native", name = "BlockPool")]
+#[pyclass(module = "pagedkv._native", name = "BlockPool", frozen)]
 pub struct PyBlockPool {
-    inner: BlockPool,
+    num_blocks: u32,
+    block_size: usize,
+    device: &'static str,
+    inner: Mutex<BlockPool>,
+}
+
+/// A block id argument, range-checked against a pool of `num_blocks`.
+fn block_arg(num_blocks: u32, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
+    let b = int_arg(block, "block")?;
+    if !(0..i64::from(num_blocks)).contains(&b) {
+        return Err(crate::errors::to_py(pagedkv_core::Error::BlockOutOfRange {
+            block: b,
+            num_blocks,
+        }));
+    }
+    Ok(b as BlockId)
 }
 
 impl PyBlockPool {
+    fn lock(&self) -> PyResult<MutexGuard<'_, BlockPool>> {
+        match self.inner.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(busy("this BlockPool")),
+        }
+    }
+
     fn id(&self, block: &Bound<'_, PyAny>) -> PyResult<BlockId> {
-        self.inner.check(int_arg(block, "block")?).py()
+        block_arg(self.num_blocks, block)
     }
 
     fn parent_arg(&self, parent: Option<&Bound<'_, PyAny>>) -> PyResult<Option<BlockId>> {
@@ -23,6 +49,19 @@ impl PyBlockPool {
             Some(p) if !p.is_none() => Ok(Some(self.id(p)?)),
             _ => Ok(None),
         }
+    }
+
+    /// The token ids of one block (exactly `block_size` of them).
+    fn block_tokens(&self, token_ids: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let t = extract_tokens(token_ids)?.into_owned();
+        if t.len() != self.block_size {
+            return Err(invalid(format!(
+                "token_ids must hold block_size={} tokens, got {}",
+                self.block_size,
+                t.len()
+            )));
+        }
+        Ok(t)
     }
 }
 
@@ -52,111 +91,93 @@ impl PyBlockPool {
                 )))
             }
         };
+        if device == "gpu" {
+            pagedkv_core::check_gpu_slots(num_blocks as u32, block_size).py()?;
+        }
         Ok(PyBlockPool {
-            inner: BlockPool::new(device, num_blocks as u32, block_size, enable_caching).py()?,
+            num_blocks: num_blocks as u32,
+            block_size,
+            device,
+            inner: Mutex::new(
+                BlockPool::new(device, num_blocks as u32, block_size, enable_caching).py()?,
+            ),
         })
     }
 
     #[getter]
     fn num_blocks(&self) -> u32 {
-        self.inner.num_blocks()
+        self.num_blocks
     }
     #[getter]
     fn block_size(&self) -> usize {
-        self.inner.block_size()
+        self.block_size
     }
     #[getter]
     fn device(&self) -> &'static str {
-        self.inner.device()
+        self.device
     }
     /// Free blocks: uncached free plus evictable.
     #[getter]
-    fn num_free(&self) -> usize {
-        self.inner.num_free()
+    fn num_free(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_free())
     }
     #[getter]
-    fn num_referenced(&self) -> usize {
-        self.inner.num_referenced()
+    fn num_referenced(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_referenced())
     }
     #[getter]
-    fn num_cached(&self) -> usize {
-        self.inner.num_cached()
+    fn num_cached(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_cached())
     }
     #[getter]
-    fn num_evictable(&self) -> usize {
-        self.inner.num_evictable()
+    fn num_evictable(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_evictable())
     }
     #[getter]
-    fn lookups(&self) -> u64 {
-        self.inner.stats().lookups
+    fn lookups(&self) -> PyResult<u64> {
+        Ok(self.lock()?.stats().lookups)
     }
     #[getter]
-    fn hits(&self) -> u64 {
-        self.inner.stats().hits
+    fn hits(&self) -> PyResult<u64> {
+        Ok(self.lock()?.stats().hits)
     }
     #[getter]
-    fn evictions(&self) -> u64 {
-        self.inner.stats().evictions
+    fn evictions(&self) -> PyResult<u64> {
+        Ok(self.lock()?.stats().evictions)
     }
 
     /// A fresh block with ref count 1 (evicts the LRU cached block if nothing else is free).
-    fn allocate(&mut self) -> PyResult<BlockId> {
-        self.inner.allocate().py()
+    fn allocate(&self) -> PyResult<BlockId> {
+        self.lock()?.allocate().py()
     }
 
     /// `n` fresh blocks in one call; all or nothing.
-    fn allocate_many<'py>(&mut self, py: Python<'py>, n: Count) -> PyResult<Bound<'py, PyList>> {
-        let n = n.usize();
-        if n > self.inner.num_free() {
-            return Err(crate::errors::to_py(pagedkv_core::Error::OutOfBlocks {
-                device: self.inner.device(),
-                needed: n,
-                free: self.inner.num_free(),
-            }));
-        }
-        let mut out = Vec::with_capacity(n);
-        for _ in 0..n {
-            out.push(self.inner.allocate().py()?);
-        }
-        PyList::new(py, out)
+    fn allocate_many<'py>(&self, py: Python<'py>, n: Count) -> PyResult<Bound<'py, PyList>> {
+        let blocks = self.lock()?.allocate_many(n.usize()).py()?;
+        PyList::new(py, blocks)
     }
 
     /// Add `n` references to a referenced or evictable (cached) block; revives an evictable one.
     #[pyo3(signature = (block, n = Count(1)))]
-    fn incref(&mut self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
+    fn incref(&self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
         let b = self.id(block)?;
         let n = n.u32("n")?;
-        if n == 0 {
-            return Err(invalid("n must be positive"));
-        }
-        self.inner.acquire(b, n).py()
+        self.lock()?.acquire(b, n).py()
     }
 
     /// Drop one reference; at zero a cached block becomes evictable, an uncached one free.
-    fn free(&mut self, block: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free(&self, block: &Bound<'_, PyAny>) -> PyResult<()> {
         let b = self.id(block)?;
-        self.inner.release(b).py()
+        self.lock()?.release(b).py()
     }
 
     /// Drop one reference from each listed block; all or nothing (checked first).
-    fn free_many(&mut self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn free_many(&self, blocks: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut ids = Vec::new();
         for b in blocks.try_iter()? {
             ids.push(self.id(&b?)?);
         }
-        let blocks = ids.clone();
-        ids.sort_unstable();
-        for run in ids.chunk_by(|a, b| a == b) {
-            if (self.inner.ref_count(run[0]) as usize) < run.len() {
-                return Err(crate::errors::to_py(pagedkv_core::Error::DoubleFree(
-                    run[0],
-                )));
-            }
-        }
-        for &b in &blocks {
-            self.inner.release(b).py()?;
-        }
-        Ok(())
+        self.lock()?.release_many(&ids).py()
     }
 
     /// The cached block holding exactly `token_ids` under `block_hash` (registered with the same
@@ -164,7 +185,7 @@ impl PyBlockPool {
     /// (call `incref` to take it).
     #[pyo3(signature = (block_hash, token_ids, *, parent_block = None, extra_key = None))]
     fn lookup(
-        &mut self,
+        &self,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         parent_block: Option<&Bound<'_, PyAny>>,
@@ -172,28 +193,21 @@ impl PyBlockPool {
     ) -> PyResult<Option<BlockId>> {
         let parent_block = self.parent_arg(parent_block)?;
         let extra_key = extra_key.map(hash_arg).transpose()?.unwrap_or(0);
-        let t = extract_tokens(token_ids)?;
-        if t.len() != self.inner.block_size() {
-            return Err(invalid(format!(
-                "token_ids must hold block_size={} tokens, got {}",
-                self.inner.block_size(),
-                t.len()
-            )));
-        }
+        let t = self.block_tokens(token_ids)?;
         let key = BlockKey {
             hash: hash_arg(block_hash)?,
             parent: parent_block,
             extra: extra_key,
             tokens: &t,
         };
-        Ok(self.inner.lookup(&key))
+        Ok(self.lock()?.lookup(&key))
     }
 
     /// Register a referenced, full, uncached block under its hash. Returns False when another
     /// block already holds that hash (the block then stays uncached).
     #[pyo3(signature = (block, block_hash, token_ids, num_hashed_tokens = None, *, parent_block = None, extra_key = None))]
     fn register(
-        &mut self,
+        &self,
         block: &Bound<'_, PyAny>,
         block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
@@ -204,10 +218,10 @@ impl PyBlockPool {
         let b = self.id(block)?;
         let parent_block = self.parent_arg(parent_block)?;
         let extra_key = extra_key.map(hash_arg).transpose()?.unwrap_or(0);
-        let t = extract_tokens(token_ids)?;
+        let t = self.block_tokens(token_ids)?;
         let nht = match num_hashed_tokens {
             Some(n) => n.u32("num_hashed_tokens")?,
-            None => self.inner.block_size() as u32,
+            None => self.block_size as u32,
         };
         let key = BlockKey {
             hash: hash_arg(block_hash)?,
@@ -215,54 +229,50 @@ impl PyBlockPool {
             extra: extra_key,
             tokens: &t,
         };
-        self.inner.register(b, &key, nht).py()
+        self.lock()?.register(b, &key, nht).py()
     }
 
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
-        Ok(self.inner.ref_count(self.id(block)?))
+        let b = self.id(block)?;
+        Ok(self.lock()?.ref_count(b))
     }
     fn block_hash(&self, block: &Bound<'_, PyAny>) -> PyResult<Option<BlockHash>> {
-        Ok(self.inner.block_hash(self.id(block)?))
+        let b = self.id(block)?;
+        Ok(self.lock()?.block_hash(b))
     }
     fn is_evictable(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
-        Ok(self.inner.is_evictable(self.id(block)?))
+        let b = self.id(block)?;
+        Ok(self.lock()?.is_evictable(b))
     }
     /// Set a block's last access time (eviction takes the least recent first).
-    fn touch(&mut self, block: &Bound<'_, PyAny>, access_time: Real) -> PyResult<()> {
+    fn touch(&self, block: &Bound<'_, PyAny>, access_time: Real) -> PyResult<()> {
         let b = self.id(block)?;
-        let access_time = access_time.0;
-        if !access_time.is_finite() {
-            return Err(invalid("access_time must be finite"));
-        }
-        if self.inner.is_evictable(b) {
-            return Err(invalid(format!(
-                "block {b} is evictable; revive it before touching it"
-            )));
-        }
-        self.inner.set_last_accessed(b, access_time);
-        Ok(())
+        self.lock()?.touch(b, access_time.0).py()
     }
     fn last_accessed(&self, block: &Bound<'_, PyAny>) -> PyResult<f64> {
-        Ok(self.inner.last_accessed(self.id(block)?))
+        let b = self.id(block)?;
+        Ok(self.lock()?.last_accessed(b))
     }
     /// Evictable blocks, next victim first (O(n), for introspection).
     fn eviction_order<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(py, self.inner.eviction_order())
+        let order = self.lock()?.eviction_order();
+        PyList::new(py, order)
     }
     /// Raise AssertionError if any structural invariant is broken (O(n), for tests).
     fn check_invariants(&self) -> PyResult<()> {
-        self.inner
+        self.lock()?
             .check_invariants()
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
-    fn __repr__(&self) -> String {
-        format!(
+    fn __repr__(&self) -> PyResult<String> {
+        let p = self.lock()?;
+        Ok(format!(
             "BlockPool(device={:?}, num_blocks={}, free={}, cached={}, evictable={})",
-            self.inner.device(),
-            self.inner.num_blocks(),
-            self.inner.num_free(),
-            self.inner.num_cached(),
-            self.inner.num_evictable()
-        )
+            p.device(),
+            p.num_blocks(),
+            p.num_free(),
+            p.num_cached(),
+            p.num_evictable()
+        ))
     }
 }
