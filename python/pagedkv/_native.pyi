@@ -208,7 +208,8 @@ class BlockManager:
     def can_append_slots(self, seq_group: Any, num_lookahead_slots: int = 0) -> bool: ...
     def append_slots(self, seq: Any, num_lookahead_slots: int = 0) -> Dict[int, List[int]]:
         """Copy-on-write pairs as a ``pagedkv.BlockMapping``: a read-only ``{src: [dst, ...]}``
-        dict that iterates as ``(src, dst)`` pairs (vLLM 0.4 and 0.5 schedulers both take it)."""
+        dict (``.pairs()``: the ``(src, dst)`` list; ``pagedkv.BlockSpaceManager(...,
+        mapping_format="pairs")`` returns that list, as vLLM 0.5)."""
     def append_slots_batch(
         self,
         seqs: Iterable[Any],
