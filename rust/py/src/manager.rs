@@ -13,7 +13,7 @@ use crate::hashing::{resolve_hasher, PyTokenSeq};
 use crate::registry::{borrow_adopted, Registry, Resolved};
 use crate::results::{alloc_status, copies_dict, mapping_dict};
 use crate::seqs::{group_seqs, items, seq_id_of, status_of, Status};
-use pagedkv_core::{Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
+use pagedkv_core::{BlockId, Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::{PyTraverseError, PyVisit};
@@ -43,6 +43,26 @@ struct State {
 }
 
 impl State {
+    /// A list of block numbers from the prebuilt ints (a block number is a plain int: either
+    /// pool's table serves, whichever device the block is on).
+    fn int_list<'py>(&self, py: Python<'py>, blocks: &[BlockId]) -> PyResult<Bound<'py, PyList>> {
+        let ints = if self.gpu_ints.len() >= self.cpu_ints.len() {
+            &self.gpu_ints
+        } else {
+            &self.cpu_ints
+        };
+        PyList::new(
+            py,
+            blocks.iter().map(|&b| match ints.get(b as usize) {
+                Some(i) => i.clone_ref(py).into_bound(py),
+                None => match b.into_pyobject(py) {
+                    Ok(int) => int.into_any(),
+                    Err(never) => match never {},
+                },
+            }),
+        )
+    }
+
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
         let cfg = self.inner.config();
         self.registry.resolve(seqs, cfg.block_size, cfg.hasher)
@@ -515,12 +535,9 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let blocks = {
-            let st = self.lock()?;
-            let id = st.registry.id_of(seq)?;
-            st.inner.get_all_computed_blocks(id)
-        };
-        PyList::new(py, blocks)
+        let st = self.lock()?;
+        let id = st.registry.id_of(seq)?;
+        st.int_list(py, &st.inner.get_all_computed_blocks(id))
     }
 
     fn get_common_computed_block_ids<'py>(
@@ -529,12 +546,9 @@ impl PyManager {
         seqs: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let seqs = items(seqs)?;
-        let blocks = {
-            let st = self.lock()?;
-            let ids = st.registry.ids(&seqs)?;
-            st.inner.get_common_computed_block_ids(&ids)
-        };
-        PyList::new(py, blocks)
+        let st = self.lock()?;
+        let ids = st.registry.ids(&seqs)?;
+        st.int_list(py, &st.inner.get_common_computed_block_ids(&ids))
     }
 
     fn mark_blocks_as_computed(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
