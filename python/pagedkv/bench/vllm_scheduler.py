@@ -395,9 +395,10 @@ def compare_scheduler_step(
     Each backend's engine lives in a process of its own (in production one engine runs: a
     second one's objects in the same heap would slow the first), and the engines step in
     lockstep, one step each in turn (the order alternating), so the machine's noise hits them
-    alike. Returns per-backend step statistics and ``speedup`` (the first backend's total step
-    time over each backend's); ``error`` is set if the backends took different numbers of
-    steps (they make the same decisions, so they must not)."""
+    alike. Returns per-backend step statistics, ``speedup`` (the first backend's total step
+    time over each backend's) and ``median_step_ratio`` (the median over steps of the same
+    ratio, step by step); ``error`` is set if the backends took different numbers of steps
+    (they make the same decisions, so they must not)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -441,4 +442,15 @@ def compare_scheduler_step(
         result["error"] = "the backends took different numbers of steps"
     base = stats[backends[0]]["total_s"]
     result["speedup"] = {name: base / st["total_s"] for name, st in stats.items()}
+    # Robust to a noisy machine: the engines ran each step back to back, so the median of the
+    # per-step time ratios shrugs off steps that another process interrupted.
+    first = times[backends[0]]
+    result["median_step_ratio"] = {
+        name: _median([a / b for a, b in zip(first, times[name]) if b > 0]) for name in backends
+    }
     return result
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")
