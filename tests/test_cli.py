@@ -1,111 +1,89 @@
-"""``pagedkv bench``: the CLI end to end, the W1 generator, and the cross-backend schedule check."""
+"""The ``pagedkv`` command line: help without torch, one-line errors, exit statuses, the JSON
+document, the progress bar on a (pseudo-)terminal and the plot."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
-from types import SimpleNamespace
+import textwrap
 
-import numpy as np
 import pytest
 
 from pagedkv import cli
 from pagedkv.bench import apply_overrides
-from pagedkv.bench.backends import BACKEND_NAMES, Backend, resolve_backends
-from pagedkv.bench.driver import run_w1
-from pagedkv.bench.report import cross_check
-from pagedkv.bench.workload import W1_FULL, W1_QUICK, W1Config, generate_w1
+from pagedkv.bench.workload import W1_QUICK, W2_QUICK
 
-BACKENDS, SKIP_NOTES = resolve_backends(list(BACKEND_NAMES))
-BY_NAME = {b.name: b for b in BACKENDS}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-needs_backends = pytest.mark.skipif(not BACKENDS, reason=f"no W1 backend: {SKIP_NOTES}")
+# the fastest real bench run: one small workload, the native backends, no micro benchmarks
+TINY = ["bench", "--quick", "--no-micro", "--workloads", "w1", "--caching", "off"]
 
-# A small, tight W1: few GPU blocks, no watermark and many n=2 requests, so that recompute and
-# swap preemption (and copy-on-write after forks) all happen within a few hundred steps.
-TIGHT = W1Config(
-    num_requests=32,
-    prompt_len_min=512,
-    prompt_len_max=2048,
-    num_prefixes=4,
-    prefix_len_min=128,
-    prefix_len_max=448,
-    output_len_min=64,
-    output_len_max=384,
-    n2_share=0.3,
-    num_gpu_blocks=600,
-    num_cpu_blocks=200,
-    watermark=0.0,
-    max_num_seqs=16,
-    prefill_token_budget=4096,
+
+def run_cli(args, block=(), env=None, **kwargs):
+    """``pagedkv ARGS`` in a fresh interpreter with the modules in ``block`` unimportable."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        for name in {list(block)!r}:
+            sys.modules[name] = None  # "import name" raises ModuleNotFoundError
+        from pagedkv.cli import main
+        rc = main({list(args)!r})
+        leaked = [m for m in {list(block)!r} if sys.modules.get(m) is not None]
+        assert not leaked, leaked
+        sys.exit(rc)
+        """
+    )
+    kwargs.setdefault("stdout", subprocess.PIPE)
+    kwargs.setdefault("stderr", subprocess.PIPE)
+    return subprocess.run(
+        [sys.executable, "-c", code], text=True, timeout=300, env=env, cwd=ROOT, **kwargs
+    )
+
+
+# --------------------------------------------------------------------------- help without torch
+
+
+@pytest.mark.parametrize(
+    "args", [["--help"], [], ["demo", "--help"], ["bench", "--help"], ["--version"]]
 )
+def test_help_works_without_torch(args):
+    proc = run_cli(args, block=["torch"])
+    assert proc.returncode == 0, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "pagedkv" in proc.stdout
 
 
-# ------------------------------------------------------------------------------ CLI end to end
+def test_bare_pagedkv_lists_the_subcommands(capsys):
+    assert cli.main([]) == 0
+    out = capsys.readouterr().out
+    assert "bench" in out and "demo" in out
 
 
-@needs_backends
-def test_bench_quick_json(tmp_path, capsys):
-    out = tmp_path / "out.json"
-    rc = cli.main(["bench", "--quick", "--json", str(out), "--no-progress"])
-    text = capsys.readouterr().out
-    assert rc == 0, text
-    assert "Schedule cross-check OK" in text
-    doc = json.loads(out.read_text())
-    assert {"pagedkv_version", "seed", "quick", "micro", "w1", "elapsed_s"} <= set(doc)
-    assert doc["quick"] is True
+def test_demo_without_torch_says_how_to_get_it():
+    proc = run_cli(["demo"], block=["torch"])
+    assert proc.returncode == 1
+    assert "pip install 'pagedkv[torch]'" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().count("\n") == 0  # one line
 
-    micro = doc["micro"]
-    hashing = micro["hashing"]
-    for key in ("native_list", "native_array"):
-        assert hashing[key]["mtok_per_s"] > 0
-    pool = micro["pool"]
-    assert {
-        "allocate",
-        "free",
-        "allocate_many",
-        "free_many",
-        "register",
-        "lookup_hit",
-        "incref_revive",
-        "free_to_evictable",
-        "cycle",
-    } <= set(pool["native"])
-    if "reference" in pool:
-        assert "speedup_vs_reference" in pool
-        assert hashing["reference_list"]["mtok_per_s"] > 0
 
-    w1 = doc["w1"]
-    assert w1["config"]["num_requests"] == W1_QUICK.num_requests
-    assert w1["workload"]["num_requests"] == W1_QUICK.num_requests
-    runs = w1["runs"]
-    assert {(r["backend"], r["enable_caching"]) for r in runs} == {
-        (b.name, c) for b in BACKENDS for c in (False, True)
-    }
-    for r in runs:
-        assert {"mean", "p50", "p99"} <= set(r["step_us"])
-        assert r["steps"] > 0 and r["step_us"]["mean"] > 0
-        assert r["finished"] == W1_QUICK.num_requests
-        assert r["all_blocks_free"] is True
-        assert r["final_free_gpu"] == W1_QUICK.num_gpu_blocks
-        assert r["final_free_cpu"] == W1_QUICK.num_cpu_blocks
-        for key in (
-            "preempt_recompute",
-            "preempt_swap",
-            "cow_copies",
-            "prefix_hit_rate",
-            "speedup_vs_reference",
-            "schedule_digest",
-        ):
-            assert key in r
-        if r["enable_caching"]:
-            assert r["prefix_hit_rate"] is not None and 0.05 < r["prefix_hit_rate"] < 1
-        else:
-            assert not r["prefix_hit_rate"]
-        if r["backend"] == "reference":
-            assert r["speedup_vs_reference"] == pytest.approx(1.0)
-    assert w1["cross_check"]["ok"] is True
+def test_building_the_parser_imports_neither_torch_nor_the_bench_drivers():
+    code = (
+        "import sys; from pagedkv.cli import build_parser; build_parser(); "
+        "heavy = [m for m in ('torch', 'pagedkv.demo', 'pagedkv.bench.driver', 'matplotlib', "
+        "'tqdm') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_demo_options_match_the_demo_module():
+    demo = pytest.importorskip("pagedkv.demo")  # needs torch
+    assert set(demo._DTYPES) == set(cli.DEMO_DTYPES)
+    assert demo.DemoConfig().num_requests == cli.DEMO_DEFAULT_REQUESTS
+    assert demo.MIN_REQUESTS == cli.DEMO_MIN_REQUESTS
 
 
 def test_console_entry_point_subprocess():
@@ -116,186 +94,266 @@ def test_console_entry_point_subprocess():
         timeout=60,
     )
     assert proc.returncode == 0
-    for flag in ("--quick", "--json", "--backends", "--caching", "--seed", "--no-caching"):
+    for flag in ("--quick", "--json", "--backends", "--compare", "--plot", "--scale", "--set"):
         assert flag in proc.stdout
 
 
-def test_demo_not_available_and_registry(monkeypatch, capsys):
-    monkeypatch.setitem(cli.SUBCOMMANDS, "nothere", ("pagedkv._no_such_module_", "x"))
-    assert cli.main(["nothere", "--whatever"]) == 1
-    assert "not available" in capsys.readouterr().err
-    try:
-        import pagedkv.demo  # noqa: F401
-    except ModuleNotFoundError:
-        assert cli.main(["demo"]) == 1
-        assert "not available" in capsys.readouterr().err
+# ------------------------------------------------------------------------------ errors, status
 
 
-def test_registered_subcommand_runs(monkeypatch):
-    mod = SimpleNamespace(
-        HELP="test",
-        add_arguments=lambda p: p.add_argument("--x", type=int, default=1),
-        run=lambda args: args.x + 40,
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--set", "num_gpu_blocks=-5"], "num_gpu_blocks must be >= 1"),
+        (["--set", "num_cpu_blocks=-1"], "num_cpu_blocks must be >= 0"),
+        (["--set", "watermark=abc"], "bad value for watermark"),
+        (["--set", "watermark=1.5"], "watermark must be in [0, 1)"),
+        (["--set", "block_size=3"], "block_size must be a power of two"),
+        (["--set", "chunked_prefill=maybe"], "expected true or false"),
+        (["--set", "nope=1"], "bad --set 'nope=1'"),
+        (["--set", "num_requests"], "bad --set 'num_requests'"),
+        (["--set", "w2.max_num_seqs=1"], "max_num_seqs must be >= 2"),
+        (["--backends", "nope"], "unknown backend"),
+        (["--backends", "vllm"], "--compare vllm==VERSION"),
+        (["--compare", "vllm0.4.2"], "expected vllm==VERSION"),
+        (["--compare", "torch==2.0"], "expected vllm==VERSION"),
+        (["--compare", "vllm==9.9.9"], "vllm==9.9.9"),
+        (["--workloads", "w3"], "unknown workload"),
+        (["--seed", "-1"], "--seed must be >= 0"),
+        (["--set", "w3.watermark=0"], "--set for unknown workload(s) ['w3']"),
+        (["--set", "w1.nope=0", "--compare", "vllm==0.4.2"], "bad --set 'w1.nope=0'"),
+        (["--json", "/nonexistent-dir/r.json"], "no such directory"),
+        (["--plot", "/nonexistent-dir/p.png"], "no such directory"),
+    ],
+)
+def test_bad_arguments_get_one_line_and_status_2(extra, message, capsys):
+    assert cli.main(["bench", *extra]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("pagedkv bench: ") and "\n" not in err, err
+    assert message in err
+    assert captured.out == ""  # nothing ran
+
+
+def test_bad_set_in_a_subprocess_has_no_traceback():
+    proc = run_cli(["bench", "--set", "num_gpu_blocks=-5"])
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip() == "pagedkv bench: w2: bad --set: num_gpu_blocks must be >= 1, got -5"
     )
-    monkeypatch.setitem(sys.modules, "fake_pagedkv_sub", mod)
-    cli.register_subcommand("fake", "fake_pagedkv_sub")
-    try:
-        assert cli.main(["fake", "--x", "2"]) == 42
-    finally:
-        cli.SUBCOMMANDS.pop("fake")
 
 
-def test_subcommand_with_its_own_main(monkeypatch):
-    seen = []
-    mod = SimpleNamespace(main=lambda argv: seen.append(argv) or 7)
-    monkeypatch.setitem(sys.modules, "fake_pagedkv_main", mod)
-    monkeypatch.setitem(cli.SUBCOMMANDS, "fakemain", ("fake_pagedkv_main", "x"))
-    assert cli.main(["fakemain", "--steps", "3", "x"]) == 7
-    assert seen == [["--steps", "3", "x"]]
-
-
-def test_bad_arguments():
-    assert cli.main(["bench", "--backends", "nope", "--no-micro"]) == 2
-    assert cli.main(["bench", "--set", "nope=1", "--no-micro"]) == 2
-    assert cli.main([]) == 2
-    cfg = apply_overrides(W1_QUICK, ["num_gpu_blocks=1000", "watermark=0"])
-    assert cfg.num_gpu_blocks == 1000 and cfg.watermark == 0.0
-
-
-def test_missing_backend_is_skipped_with_a_note(monkeypatch):
+def test_requested_backend_that_cannot_run_is_an_error(monkeypatch, capsys):
     import pagedkv.bench.backends as backends
 
     real = backends._import
     monkeypatch.setattr(
         backends, "_import", lambda m: None if m.startswith("pagedkv.reference") else real(m)
     )
-    found, notes = backends.resolve_backends(["reference", "native"])
-    assert "reference" not in [b.name for b in found]
-    assert any(n.startswith("reference: skipped") for n in notes)
-    with pytest.raises(ValueError):
-        backends.resolve_backends(["nope"])
+    assert cli.main([*TINY, "--backends", "reference,native", "--no-progress"]) == 2
+    assert "reference: skipped" in capsys.readouterr().err
+    # not asked for by name: the default set runs what it can and says what it skipped
+    assert cli.main([*TINY, "--no-progress"]) == 0
+    assert "reference: skipped" in capsys.readouterr().out
 
 
-# ------------------------------------------------------------------------------- W1 generator
-
-
-def test_w1_deterministic():
-    a = generate_w1(W1_QUICK, seed=3)
-    b = generate_w1(W1_QUICK, seed=3)
-    c = generate_w1(W1_QUICK, seed=4)
-    assert a.digest() == b.digest()
-    assert [r.prompt_token_ids for r in a.requests] == [r.prompt_token_ids for r in b.requests]
-    assert [r.output_token_ids for r in a.requests] == [r.output_token_ids for r in b.requests]
-    assert a.digest() != c.digest()
-
-
-def test_w1_matches_spec():
-    cfg = W1_FULL
-    w = generate_w1(cfg, seed=0)
-    reqs = w.requests
-    assert len(reqs) == 1024
-    assert len(w.prefixes) == 16
-    assert all(256 <= len(p) <= 1536 for p in w.prefixes)
-    assert min(len(p) for p in w.prefixes) == 256 and max(len(p) for p in w.prefixes) == 1536
-    plens = np.array([len(r.prompt_token_ids) for r in reqs])
-    assert plens.min() >= 512 and plens.max() <= 4096
-    assert plens.min() < 700 and plens.max() > 3900  # spans the range
-    olens = np.array([r.output_len for r in reqs])
-    assert olens.min() >= 32 and olens.max() <= 256
-    prefixed = [r for r in reqs if r.prefix_id is not None]
-    assert len(prefixed) == round(0.8 * 1024)
-    for r in prefixed:
-        p = w.prefixes[r.prefix_id]
-        assert r.prompt_token_ids[: len(p)] == p
-        assert len(r.prompt_token_ids) >= len(p) + cfg.min_own_tokens
-    assert len({r.prefix_id for r in prefixed}) == 16
-    n2 = [r for r in reqs if r.n == 2]
-    assert len(n2) == round(0.05 * 1024)
-    assert all(r.n in (1, 2) for r in reqs)
-    for r in reqs:
-        assert len(r.output_token_ids) == r.n
-        assert all(len(row) == r.output_len for row in r.output_token_ids)
-        assert all(0 <= t < cfg.vocab_size for t in r.output_token_ids[0])
-        assert r.arrival_time == 0.0
-    # no two unprefixed prompts share their first block
-    heads = [tuple(r.prompt_token_ids[:16]) for r in reqs if r.prefix_id is None]
-    assert len(set(heads)) == len(heads)
-
-
-def test_quick_config_is_scaled_w1():
-    q = W1_QUICK
-    assert q.num_requests < W1_FULL.num_requests
-    assert q.num_gpu_blocks / q.num_requests == pytest.approx(
-        W1_FULL.num_gpu_blocks / W1_FULL.num_requests
+def test_set_scopes_to_one_workload():
+    assert apply_overrides(W1_QUICK, ["w1.num_gpu_blocks=3000"]).num_gpu_blocks == 3000
+    cfg = apply_overrides(
+        W2_QUICK, ["watermark=0", "chunked-prefill=off", "w2.prefill_token_budget=4096"]
     )
-    assert (q.prompt_len_min, q.prompt_len_max) == (W1_FULL.prompt_len_min, W1_FULL.prompt_len_max)
+    assert cfg.watermark == 0.0 and cfg.chunked_prefill is False
+    with pytest.raises(ValueError, match="bad --set"):
+        apply_overrides(W1_QUICK, ["name=W9"])
 
 
-# -------------------------------------------------------------------------------- cross-check
-
-
-@needs_backends
-@pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
-def test_backends_agree_under_preemption(caching):
-    w = generate_w1(TIGHT, seed=1)
-    results = [run_w1(w, b, caching) for b in BACKENDS]
-    for r in results:
-        assert r.finished == TIGHT.num_requests
-        assert r.all_blocks_free, r.backend
-        assert r.preempt_recompute > 0 and r.preempt_swap > 0
-        assert r.swap_ins == r.preempt_swap
-        assert r.forks == sum(q.n == 2 for q in w.requests)
-        assert r.cow_copies > 0
-    check = cross_check(results)
-    assert check["ok"], check
-
-
-@needs_backends
-def test_backends_agree_on_ignored_and_aborted():
-    # a GPU pool too small for the longest prompts (NEVER -> ignored) and a CPU pool too small
-    # to swap a forked group out (aborted)
-    cfg = W1Config(
-        **{**TIGHT.to_dict(), "num_gpu_blocks": 120, "num_cpu_blocks": 30, "num_requests": 24}
+def test_quick_run_only_one_workload_with_set(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc = cli.main(
+        [
+            *TINY,
+            "--backends",
+            "native",
+            "--set",
+            "w1.num_gpu_blocks=3000",
+            "--set",
+            "w2.num_gpu_blocks=1",
+            "--json",
+            str(out),
+            "--no-progress",
+        ]
     )
-    w = generate_w1(cfg, seed=1)
-    results = [run_w1(w, b, True) for b in BACKENDS]
-    for r in results:
-        assert r.ignored > 0 and r.aborted > 0
-        assert r.finished + r.ignored + r.aborted == cfg.num_requests
-        assert r.all_blocks_free
-    assert cross_check(results)["ok"]
+    assert rc == 0, capsys.readouterr()
+    doc = json.loads(out.read_text())
+    assert "w2" not in doc and doc["w1"]["config"]["num_gpu_blocks"] == 3000
 
 
-@pytest.mark.skipif("native-batch" not in BY_NAME, reason="native-batch backend not available")
-def test_batch_buffers_match_block_tables():
-    """Every row append_slots_batch writes equals get_block_table / get_len / the newest slot."""
-    nb = BY_NAME["native-batch"]
-    bs = TIGHT.block_size
-    checked = {"rows": 0}
+def test_broken_pipe_is_quiet():
+    proc = subprocess.run(
+        f"{sys.executable} -m pagedkv.cli {' '.join(TINY)} --backends native | head -c 10",
+        shell=True,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert "Traceback" not in proc.stderr and "BrokenPipe" not in proc.stderr
 
-    def make_manager(*args):
-        mgr = nb.make_manager(*args)
-        real = mgr.append_slots_batch
 
-        def append_slots_batch(seqs, block_tables, context_lens, slot_mapping, **kw):
-            cow = real(seqs, block_tables, context_lens, slot_mapping, **kw)
-            for i, s in enumerate(seqs):
-                table = mgr.get_block_table(s)
-                n = s.get_len()
-                assert context_lens[i] == n
-                assert list(block_tables[i, : len(table)]) == table
-                assert not block_tables[i, len(table) :].any()
-                assert slot_mapping[i] == table[(n - 1) // bs] * bs + (n - 1) % bs
-                checked["rows"] += 1
-            return cow
+# -------------------------------------------------------------------------- the whole document
 
-        methods = {name: getattr(mgr, name) for name in dir(mgr) if not name.startswith("_")}
-        methods["append_slots_batch"] = append_slots_batch
-        return SimpleNamespace(**methods)
 
-    backend = Backend(**{**nb.__dict__, "make_manager": make_manager})
-    w = generate_w1(TIGHT, seed=2)
-    r = run_w1(w, backend, True)
-    assert r.all_blocks_free and checked["rows"] > 1000
-    if "native" in BY_NAME:
-        assert cross_check([run_w1(w, BY_NAME["native"], True), r])["ok"]
+def test_bench_quick_json(tmp_path, capsys):
+    out = tmp_path / "out.json"
+    rc = cli.main(["bench", "--quick", "--json", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert text.count("Schedule cross-check OK") == 2
+    doc = json.loads(out.read_text())
+    assert {"pagedkv_version", "seed", "quick", "micro", "w1", "w2", "scheduler"} <= set(doc)
+    assert doc["quick"] is True and "scaling" not in doc
+    assert doc["micro"]["hashing"]["native_list"]["mtok_per_s"] > 0
+    assert "cycle" in doc["micro"]["pool"]["native"]
+    for name, cfg in (("w1", W1_QUICK), ("w2", W2_QUICK)):
+        section = doc[name]
+        assert section["config"]["num_requests"] == cfg.num_requests
+        runs = section["runs"]
+        assert {(r["backend"], r["enable_caching"]) for r in runs} == {
+            (b, c) for b in ("reference", "native", "native-batch") for c in (False, True)
+        }
+        for r in runs:
+            assert r["finished"] == cfg.num_requests and r["all_blocks_free"] is True
+            assert r["steps"] > 0 and r["step_us"]["mean"] > 0
+            for key in ("preempt_recompute", "preempt_swap", "partial_prefills", "speedup_vs"):
+                assert key in r
+            if r["backend"] == "reference":
+                assert r["speedup_vs_reference"] == pytest.approx(1.0)
+            if name == "w2":  # the pressure workload preempts both ways and chunks prompts
+                assert r["preempt_recompute"] > 0 and r["preempt_swap"] > 0
+                assert r["partial_prefills"] > 0
+            else:  # W1 never does
+                assert r["preempt_recompute"] == r["preempt_swap"] == r["partial_prefills"] == 0
+        assert section["cross_check"]["ok"] is True
+    # the output lines: W2 leads
+    assert text.index("workload W2") < text.index("workload W1")
+
+
+# ------------------------------------------------------------------------------- progress bar
+
+
+def _run_on_pty(args, block=()):
+    """Run ``pagedkv ARGS`` with stderr on a pseudo-terminal and stdout on a pipe."""
+    pty = pytest.importorskip("pty")
+    master, slave = pty.openpty()
+    env = {**os.environ, "TERM": "xterm", "COLUMNS": "120"}
+    try:
+        with subprocess.Popen(
+            [sys.executable, "-c", _blocked_main(args, block)],
+            stdout=subprocess.PIPE,
+            stderr=slave,
+            env=env,
+            cwd=ROOT,
+        ) as proc:
+            os.close(slave)
+            chunks = []
+            while True:
+                try:
+                    data = os.read(master, 65536)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not data:
+                    break
+                chunks.append(data)
+            stdout = proc.stdout.read().decode()
+            proc.wait(timeout=120)
+    finally:
+        os.close(master)
+    return proc.returncode, stdout, b"".join(chunks).decode(errors="replace")
+
+
+def _blocked_main(args, block):
+    return (
+        "import sys\n"
+        f"for name in {list(block)!r}: sys.modules[name] = None\n"
+        "from pagedkv.cli import main\n"
+        f"sys.exit(main({list(args)!r}))\n"
+    )
+
+
+@pytest.mark.parametrize("block", [(), ("tqdm",)], ids=["tqdm", "without-tqdm"])
+def test_progress_bar_is_drawn_on_a_terminal(block):
+    rc, stdout, terminal = _run_on_pty([*TINY, "--backends", "native"], block)
+    assert rc == 0, terminal
+    assert "W1 native caching=off" in terminal
+    assert f"{W1_QUICK.num_requests}/{W1_QUICK.num_requests}" in terminal
+    # stdout (a pipe) has the tables and no bar
+    assert "Schedule cross-check OK" in stdout
+    assert "\r" not in stdout and "caching=off" not in stdout
+
+
+def test_no_progress_bar_off_a_terminal_or_when_asked(tmp_path):
+    proc = run_cli([*TINY, "--backends", "native", "--json", str(tmp_path / "r.json")])
+    assert proc.returncode == 0
+    assert proc.stderr == ""  # stderr is a pipe: no bar
+    assert "caching=off" not in (tmp_path / "r.json").read_text()
+    rc, _, terminal = _run_on_pty([*TINY, "--backends", "native", "--no-progress"])
+    assert rc == 0 and "caching=off" not in terminal
+
+
+# ------------------------------------------------------------------------------------- plot
+
+
+def test_plot_needs_matplotlib_and_says_so_before_running():
+    proc = run_cli([*TINY, "--plot", "x.png"], block=["matplotlib"])
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "pagedkv bench: --plot needs matplotlib: pip install 'pagedkv[plot]'"
+    )
+    assert proc.stdout == ""
+
+
+def test_plot_and_scaling_sweep(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png, out = tmp_path / "bench.png", tmp_path / "r.json"
+    args = [
+        "bench",
+        "--quick",
+        "--no-micro",
+        "--caching",
+        "on",
+        "--backends",
+        "native,native-batch",
+    ]
+    rc = cli.main([*args, "--plot", str(png), "--json", str(out), "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 50_000
+    doc = json.loads(out.read_text())
+    scaling = doc["scaling"]
+    assert scaling["factors"] == [1, 4, 16]
+    batch, pool = scaling["batch"], scaling["pool"]
+    assert [p["max_num_seqs"] // batch[0]["max_num_seqs"] for p in batch] == [1, 4, 16]
+    assert [p["num_gpu_blocks"] // pool[0]["num_gpu_blocks"] for p in pool] == [1, 4, 16]
+    assert len({p["max_num_seqs"] for p in pool}) == 1
+    # more running sequences per step at x16 than at x1, and a time for every backend
+    assert batch[2]["mean_batch_seqs"] > 4 * batch[0]["mean_batch_seqs"]
+    for p in batch + pool:
+        assert set(p["us_per_step"]) == {"native", "native-batch"}
+        assert all(v > 0 for v in p["us_per_step"].values())
+    assert "Scaling (W1 mix" in text
+
+
+def test_base_install_pulls_in_no_torch_and_no_bench_extras():
+    """``pip install .`` (the README's first command) installs numpy only; torch, matplotlib
+    and tqdm are the ``torch``, ``plot`` and ``progress`` extras."""
+    import re
+
+    with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
+        text = f.read()
+    deps = re.search(r"^dependencies = \[(.*?)\]", text, re.S | re.M).group(1)
+    names = {
+        re.split(r"[<>=!~\[ ]", d.strip().strip("\"'"))[0] for d in deps.split(",") if d.strip()
+    }
+    assert names == {"numpy"}
+    for extra, package in (("torch", "torch"), ("plot", "matplotlib"), ("progress", "tqdm")):
+        assert re.search(rf'^{extra} = \[[^\]]*"{package}', text, re.M), extra

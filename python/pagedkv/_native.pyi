@@ -108,9 +108,9 @@ class BlockHasher:
 class BlockPool:
     """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
     of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
-    first). Eviction is O(1); making a block evictable is O(1) when blocks are released in access
-    order, O(k) at worst (k evictable blocks accessed later). One call at a time: a concurrent
-    call raises ``InUseError``. A GPU pool has at most 2**31 slots."""
+    first): O(1) when blocks are released in access order, O(log k) at worst (k evictable
+    blocks). One call at a time: a concurrent call raises ``InUseError``. A GPU pool has at most
+    2**31 slots."""
 
     def __init__(
         self, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"

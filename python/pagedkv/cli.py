@@ -1,132 +1,110 @@
-"""The ``pagedkv`` command line.
+"""The ``pagedkv`` command line: ``pagedkv bench`` and ``pagedkv demo``.
 
-Subcommands are modules listed in :data:`SUBCOMMANDS`; each provides
-``add_arguments(parser)`` and ``run(args) -> int`` (and optionally a one-line ``HELP``), or just
-``main(argv) -> int``, which then receives the subcommand's arguments unparsed. Adding one is a
-single entry here (or a call to :func:`register_subcommand`). A listed module that is
-not installed still shows up, and running it prints "not available".
+Building the parser imports neither torch nor the benchmark's drivers, so ``pagedkv --help``,
+``pagedkv demo --help`` and ``pagedkv bench --help`` work on a plain ``pip install pagedkv``.
+``pagedkv demo`` needs torch; without it, it says how to get it and exits with status 1.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
+import os
 import sys
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional
 
-__all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
+__all__ = ["DEMO_DTYPES", "TORCH_HINT", "add_demo_arguments", "build_parser", "main"]
 
-#: subcommand -> (module implementing it, fallback help line)
-SUBCOMMANDS: Dict[str, Tuple[str, str]] = {
-    "bench": ("pagedkv.bench", "benchmark the native block manager against the reference"),
-    "demo": ("pagedkv.demo", "run the demo"),
-}
+#: What to install when a subcommand needs torch.
+TORCH_HINT = "pip install 'pagedkv[torch]'"
+
+#: ``pagedkv demo --dtype`` choices (pagedkv.demo maps each to a torch dtype).
+DEMO_DTYPES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
+
+#: ``pagedkv demo``: the default and the least number of requests (fewer cannot show both a
+#: swap and a recompute preemption); pagedkv.demo checks its DemoConfig against these.
+DEMO_DEFAULT_REQUESTS = 6
+DEMO_MIN_REQUESTS = 5
+
+BENCH_HELP = "benchmark the native block manager against the pure-Python reference (and vLLM)"
+DEMO_HELP = "serve requests through a paged engine and check every logit against a dense forward"
 
 
-def register_subcommand(name: str, module: str, help: str = "") -> None:  # noqa: A002
-    """Add (or replace) a subcommand implemented by ``module``."""
-    SUBCOMMANDS[name] = (module, help)
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``pagedkv demo`` (torch-free, so that help works without torch)."""
+    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
+    parser.add_argument("--dtype", default="float32", choices=DEMO_DTYPES, help="model/cache dtype")
+    parser.add_argument(
+        "--requests",
+        type=int,
+        default=DEMO_DEFAULT_REQUESTS,
+        help=f"number of requests (>= {DEMO_MIN_REQUESTS}, default {DEMO_DEFAULT_REQUESTS})",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    parser.add_argument("--quiet", action="store_true", help="print only failures")
 
 
-def _load(module: str):
+def _run_demo(args: argparse.Namespace) -> int:
     try:
-        return importlib.import_module(module)
+        from pagedkv import demo
     except ModuleNotFoundError as exc:
-        # only "this subcommand is not installed"; a broken import inside it must surface
-        if exc.name is not None and (module == exc.name or module.startswith(exc.name + ".")):
-            return None
-        raise
-
-
-def _not_available(name: str, module: str):
-    def run(args: argparse.Namespace) -> int:
-        print(f"pagedkv {name}: not available ({module} is not installed)", file=sys.stderr)
+        if exc.name is None or exc.name.split(".")[0] != "torch":
+            raise
+        print(f"pagedkv demo needs torch, which is not installed: {TORCH_HINT}", file=sys.stderr)
         return 1
-
-    return run
-
-
-def _pass_through(module_main):
-    def run(args: argparse.Namespace) -> int:
-        argv = list(args._extra) + (["--help"] if getattr(args, "_help", False) else [])
-        return module_main(argv)
-
-    return run
+    return demo.run(args)
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):
-        return False
+def _run_bench(args: argparse.Namespace) -> int:
+    from pagedkv import bench
+
+    return bench.run(args)
 
 
-def _selected(argv: List[str]) -> Optional[str]:
-    """The subcommand named in ``argv`` (the first argument that is not an option)."""
-    for arg in argv:
-        if not arg.startswith("-"):
-            return arg
-    return None
+def build_parser() -> argparse.ArgumentParser:
+    """The ``pagedkv`` parser with its subcommands (imports nothing heavy)."""
+    from pagedkv import bench
 
-
-def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
-    """The ``pagedkv`` parser. Only ``command``'s module is imported (all of them if None),
-    so a heavy subcommand does not slow the others down."""
     parser = argparse.ArgumentParser(
         prog="pagedkv",
         description="pagedkv: Rust-accelerated KV-cache block management (vLLM-compatible).",
     )
-    try:
-        from pagedkv import __version__
-
-        parser.add_argument("--version", action="version", version=f"pagedkv {__version__}")
-    except ImportError:  # pragma: no cover - the native module is missing
-        pass
+    parser.add_argument("--version", action="version", version=f"pagedkv {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, (module, fallback_help) in SUBCOMMANDS.items():
-        if command is not None and name != command:
-            note = "" if _installed(module) else " (not available)"
-            sub.add_parser(name, help=f"{fallback_help}{note}", add_help=False)
-            continue
-        mod = _load(module)
-        if mod is None:
-            p = sub.add_parser(name, help=f"{fallback_help} (not available)")
-            p.set_defaults(_run=_not_available(name, module), _any_args=True)
-            continue
-        help_line = getattr(mod, "HELP", fallback_help)
-        if hasattr(mod, "add_arguments") and hasattr(mod, "run"):
-            p = sub.add_parser(name, help=help_line)
-            mod.add_arguments(p)
-            p.set_defaults(_run=mod.run)
-        elif hasattr(mod, "main"):
-            # a module with its own ``main(argv)``: hand it the remaining arguments
-            p = sub.add_parser(name, help=help_line, add_help=False)
-            p.add_argument(
-                "-h", "--help", dest="_help", action="store_true", help=argparse.SUPPRESS
-            )
-            p.set_defaults(_run=_pass_through(mod.main), _any_args=True)
-        else:
-            raise TypeError(f"{module} provides neither add_arguments/run nor main")
+    p = sub.add_parser("bench", help=BENCH_HELP, description=bench.DESCRIPTION)
+    bench.add_arguments(p)
+    p.set_defaults(handler=_run_bench)
+    p = sub.add_parser("demo", help=DEMO_HELP, description=f"{DEMO_HELP} (needs {TORCH_HINT}).")
+    add_demo_arguments(p)
+    p.set_defaults(handler=_run_demo)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(_selected(argv))
-    args, extra = parser.parse_known_args(argv)
-    if extra and not getattr(args, "_any_args", False):
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    args._extra = extra
-    run = getattr(args, "_run", None)
-    if run is None:
-        parser.print_help()
-        return 2
+def _version() -> str:
     try:
-        return int(run(args) or 0)
+        from pagedkv import __version__
+    except ImportError:  # the native module is missing (a broken install)
+        return "unknown (native module not importable)"
+    return __version__
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler = getattr(args, "handler", None)
+    if handler is None:  # bare ``pagedkv``: say what there is
+        parser.print_help()
+        return 0
+    try:
+        return int(handler(args) or 0)
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``pagedkv bench | head``): stop quietly, as other CLI tools do;
+        # stdout is pointed at devnull so the interpreter's final flush cannot fail again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -72,6 +72,7 @@ from pagedkv.attention import (
     copy_blocks,
     swap_blocks,
 )
+from pagedkv.cli import DEMO_DEFAULT_REQUESTS, DEMO_MIN_REQUESTS, add_demo_arguments
 
 __all__ = [
     "DemoConfig",
@@ -106,7 +107,7 @@ TOLERANCES = {
 class DemoConfig:
     """Workload and engine sizes of the demo (the defaults exercise every event)."""
 
-    num_requests: int = 6
+    num_requests: int = DEMO_DEFAULT_REQUESTS
     seed: int = 0
     block_size: int = 4
     #: tokens of the system prompt shared by most requests
@@ -683,7 +684,7 @@ EVENTS = (
 )
 
 #: the default workload needs this many requests to show every event
-MIN_REQUESTS = 5
+MIN_REQUESTS = DEMO_MIN_REQUESTS
 
 #: fractions of the unconstrained peak GPU usage tried as pool sizes, in order
 _POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
@@ -806,19 +807,8 @@ def run_demo(
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``pagedkv demo`` (the CLI calls this, then :func:`run`)."""
-    parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.add_argument(
-        "--dtype", default="float32", choices=sorted(_DTYPES), help="model/cache dtype"
-    )
-    parser.add_argument(
-        "--requests",
-        type=int,
-        default=DemoConfig.num_requests,
-        help=f"number of requests (>= {MIN_REQUESTS}, default {DemoConfig.num_requests})",
-    )
-    parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
-    parser.add_argument("--quiet", action="store_true", help="print only failures")
+    """Options of ``pagedkv demo`` (defined torch-free in :mod:`pagedkv.cli`)."""
+    add_demo_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:

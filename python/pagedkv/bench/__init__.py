@@ -1,50 +1,83 @@
-"""``pagedkv bench``: native vs pure-Python block management.
+"""``pagedkv bench``: native vs pure-Python block management, and vLLM's own on the same run.
 
 Part A (micro, :mod:`pagedkv.bench.micro`): the chained hasher and the block pool, native vs
-reference. Part B (W1, :mod:`pagedkv.bench.workload` + :mod:`pagedkv.bench.driver`): a
-deterministic simulated serving run that drives each BlockSpaceManager backend through the calls
-vLLM's scheduler makes every step, timing only the time spent inside the manager.
+reference. Part B (:mod:`pagedkv.bench.workload` + :mod:`pagedkv.bench.driver`): deterministic
+simulated serving runs, W2 (memory pressure: recompute and swap preemption, chunked prefill) and
+W1 (a roomy pool: never preempts), that drive each BlockSpaceManager backend through the calls
+vLLM's scheduler makes every step, timing only the time spent inside the manager. ``--compare
+vllm==0.4.2`` adds that vLLM release's own block manager and sequences (fetched, not installed).
+``--scale`` adds a scaling sweep, ``--plot`` draws everything (``pagedkv[plot]``), ``--json``
+saves every number.
+
+Building the parser (:func:`add_arguments`) imports nothing heavy; :func:`run` does the work.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import json
+import os
 import platform
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
-__all__ = ["add_arguments", "apply_overrides", "run", "main"]
+__all__ = ["DESCRIPTION", "HELP", "add_arguments", "apply_overrides", "run", "main"]
 
-HELP = "benchmark the native block manager against the pure-Python reference"
+HELP = "benchmark the native block manager against the pure-Python reference (and vLLM)"
+
+DESCRIPTION = (
+    "Micro benchmarks (hasher, block pool) and two simulated serving workloads, W2 (memory "
+    "pressure: recompute and swap preemption, chunked prefill) and W1 (roomy: no preemption), "
+    "native vs the pure-Python reference, and with --compare vLLM's own block manager. Only "
+    "time spent inside block-manager calls is timed. Exit status: 0 ok, 1 backends disagreed, "
+    "2 bad arguments or a requested backend that cannot run."
+)
+
+_DEFAULT_BACKENDS = ("reference", "native", "native-batch")
+_WORKLOAD_NAMES = ("w2", "w1")
+
+
+class UsageError(Exception):
+    """Bad arguments or an unavailable requested backend: one line, exit status 2."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from pagedkv.bench.backends import BACKEND_NAMES
-
-    parser.description = (
-        "Micro benchmarks (hasher, block pool) and the W1 simulated serving workload, "
-        "native vs pure-Python reference. Only time spent inside block-manager calls is timed."
-    )
+    """Options of ``pagedkv bench`` (no heavy imports: help must work on any install)."""
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="scaled-down W1 (96 requests, smaller pool) and shorter micro benchmarks",
+        help="scaled-down workloads (W2: 64 requests, W1: 96) and shorter micro benchmarks",
     )
     parser.add_argument("--json", metavar="PATH", help="write every result to PATH as JSON")
     parser.add_argument(
         "--backends",
-        default=",".join(BACKEND_NAMES),
-        help=f"comma-separated W1 backends (default: {','.join(BACKEND_NAMES)})",
+        default=None,
+        help=f"comma-separated backends (default: {','.join(_DEFAULT_BACKENDS)}); "
+        "naming one that cannot run is an error",
+    )
+    parser.add_argument(
+        "--compare",
+        action="append",
+        default=[],
+        metavar="vllm==VERSION",
+        help="also run that vLLM release's own BlockSpaceManagerV1 and Sequence on the same "
+        "workloads (0.4.2 or 0.5.0; downloaded once from PyPI and cached, vLLM need not be "
+        "installed); repeatable or comma-separated",
+    )
+    parser.add_argument(
+        "--workloads",
+        default=",".join(_WORKLOAD_NAMES),
+        help="comma-separated workloads to run, of w2 (pressure) and w1 (roomy) (default: w2,w1)",
     )
     caching = parser.add_mutually_exclusive_group()
     caching.add_argument(
         "--caching",
         choices=["both", "on", "off"],
         default="both",
-        help="prefix caching setting(s) for W1 (default: both)",
+        help="prefix caching setting(s) (default: both)",
     )
     caching.add_argument(
         "--no-caching", dest="caching", action="store_const", const="off", help="= --caching off"
@@ -59,52 +92,191 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a W1 parameter, e.g. --set num_gpu_blocks=12288 --set watermark=0 "
-        "(fields of pagedkv.bench.workload.W1Config; repeatable)",
+        help="override a workload parameter, e.g. --set num_gpu_blocks=12288 --set watermark=0 "
+        "(fields of pagedkv.bench.workload.WorkloadConfig; w1.KEY or w2.KEY for one workload; "
+        "repeatable)",
+    )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="also run the scaling sweep: per-step cost vs running sequences (W1 x1, x4, x16) "
+        "and vs pool size (x1, x4, x16 blocks)",
+    )
+    parser.add_argument(
+        "--plot",
+        metavar="PNG",
+        help="draw step-time distributions, speedups and the scaling sweep (implies --scale) "
+        "into PNG (needs matplotlib: pip install 'pagedkv[plot]')",
     )
     parser.add_argument("--no-micro", action="store_true", help="skip the micro benchmarks")
-    parser.add_argument("--no-w1", action="store_true", help="skip the W1 workload")
     parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (default: on a terminal)"
+        "--no-scheduler",
+        action="store_true",
+        help="with --compare, skip timing vLLM's whole Scheduler step on W1 (its own classes vs "
+        "pagedkv's dropped in; minutes without --quick)",
     )
-
-
-def _progress_bar(total: int, desc: str, disable: Optional[bool]) -> Any:
-    from tqdm import tqdm
-
-    return tqdm(
-        total=total,
-        desc=desc,
-        unit="req",
-        file=sys.stderr,
-        disable=disable,
-        leave=False,
+    parser.add_argument(
+        "--no-w1", action="store_true", help="skip W1 (= without w1 in --workloads)"
+    )
+    parser.add_argument(
+        "--no-w2", action="store_true", help="skip W2 (= without w2 in --workloads)"
+    )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is drawn on stderr only when stderr is a terminal)",
     )
 
 
 def run(args: argparse.Namespace) -> int:
+    """Run ``pagedkv bench``; the exit status (see :data:`DESCRIPTION`)."""
+    try:
+        plan = _plan(args)
+    except UsageError as exc:
+        print(f"pagedkv bench: {exc}", file=sys.stderr)
+        return 2
+    return _execute(args, plan)
+
+
+@dataclasses.dataclass
+class _Plan:
+    backends: List[Any]
+    notes: List[str]
+    workloads: List[Tuple[str, Any]]  # (name, WorkloadConfig)
+    caching: List[bool]
+    vllm_versions: List[str]
+
+
+def _plan(args: argparse.Namespace) -> _Plan:
+    """Everything checked before anything runs: backends, configs, the plot dependency."""
+    from pagedkv.bench.backends import BackendError, parse_compare, resolve_backends, vllm_backend
+
+    if args.seed < 0:
+        raise UsageError(f"--seed must be >= 0, got {args.seed}")
+    for flag, path in (("--json", args.json), ("--plot", args.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            raise UsageError(f"{flag} {path}: no such directory {folder}")
+    explicit = args.backends is not None
+    names = _split(args.backends) if explicit else list(_DEFAULT_BACKENDS)
+    try:
+        versions = [parse_compare(v) for item in args.compare for v in _split(item)]
+        backends, notes = resolve_backends(names)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+    if explicit and notes:
+        raise UsageError("; ".join(notes))
+    workloads = _workloads(args)
+    if args.plot:
+        from pagedkv.bench import plot
+
+        try:
+            plot.require_matplotlib()
+        except ImportError as exc:
+            raise UsageError(str(exc)) from None
+    for version in dict.fromkeys(versions):  # last: this may download a release
+        try:
+            backends.append(vllm_backend(version))
+        except BackendError as exc:
+            raise UsageError(str(exc)) from None
+    if not backends:
+        raise UsageError("no backend to run")
+    for _, cfg in workloads:
+        _check_backends_accept(backends, cfg)
+    caching = {"both": [False, True], "on": [True], "off": [False]}[args.caching]
+    return _Plan(backends, notes, workloads, caching, list(dict.fromkeys(versions)))
+
+
+def _split(text: str) -> List[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
+    from pagedkv.bench.workload import WORKLOADS
+
+    wanted = _split(args.workloads)
+    unknown = [w for w in wanted if w.lower() not in WORKLOADS]
+    if unknown:
+        raise UsageError(f"unknown workload(s) {unknown}; choose from {list(WORKLOADS)}")
+    scopes = {_scope(o) for o in args.overrides} - {""}
+    if scopes - set(WORKLOADS):
+        bad = sorted(scopes - set(WORKLOADS))
+        raise UsageError(f"--set for unknown workload(s) {bad}; choose from {list(WORKLOADS)}")
+    skip = {"w1"} if args.no_w1 else set()
+    skip |= {"w2"} if args.no_w2 else set()
+    chosen = [w for w in WORKLOADS if w in {x.lower() for x in wanted} and w not in skip]
+    out = []
+    for name in chosen:
+        full, quick = WORKLOADS[name]
+        mine = [o for o in args.overrides if not _targets_other(o, name)]
+        try:
+            out.append((name, apply_overrides(quick if args.quick else full, mine)))
+        except ValueError as exc:
+            raise UsageError(f"{name}: {exc}") from None
+    return out
+
+
+def _scope(override: str) -> str:
+    """``w1`` of ``w1.KEY=VALUE``; empty for an override of every workload."""
+    key = override.partition("=")[0].strip().lower()
+    scope, dot, _ = key.rpartition(".")
+    return scope if dot else ""
+
+
+def _targets_other(override: str, name: str) -> bool:
+    return _scope(override) not in ("", name)
+
+
+def _check_backends_accept(backends: List[Any], cfg: Any) -> None:
+    """Build each backend's manager once with ``cfg``'s engine limits, so that a value the
+    manager refuses ends in one line here, not in a traceback mid-run."""
+    for b in backends:
+        try:
+            b.make_manager(
+                cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, cfg.watermark, True
+            )
+        except (ValueError, TypeError, OverflowError) as exc:
+            raise UsageError(f"{cfg.name}: {b.name} refuses the engine limits: {exc}") from None
+
+
+def apply_overrides(cfg: Any, overrides: List[str]) -> Any:
+    """``cfg`` with ``KEY=VALUE`` overrides applied (values converted to the field's type, an
+    optional ``w1.``/``w2.`` scope dropped); ValueError with a one-line message if one is bad."""
+    fields = {f.name: f for f in dataclasses.fields(cfg)}
+    changes: Dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_").rpartition(".")[2]
+        if not sep or key not in fields or key == "name":
+            settable = ", ".join(f for f in fields if f != "name")
+            raise ValueError(f"bad --set {item!r}; keys: {settable}")
+        changes[key] = _convert(key, getattr(cfg, key), value.strip())
+    try:
+        return dataclasses.replace(cfg, **changes) if changes else cfg
+    except ValueError as exc:
+        raise ValueError(f"bad --set: {exc}") from None
+
+
+def _convert(key: str, default: Any, value: str) -> Any:
+    if isinstance(default, bool):
+        truth = {"1": True, "true": True, "yes": True, "on": True}
+        truth.update({"0": False, "false": False, "no": False, "off": False})
+        if value.lower() not in truth:
+            raise ValueError(f"bad value for {key}: {value!r} (expected true or false)")
+        return truth[value.lower()]
+    try:
+        return type(default)(value)
+    except ValueError:
+        kind = type(default).__name__
+        raise ValueError(f"bad value for {key}: {value!r} (expected {kind})") from None
+
+
+def _execute(args: argparse.Namespace, plan: _Plan) -> int:
     import numpy as np
 
     import pagedkv
-    from pagedkv.bench import report
-    from pagedkv.bench.backends import resolve_backends
-    from pagedkv.bench.driver import run_w1
-    from pagedkv.bench.micro import MICRO_FULL, MICRO_QUICK, run_micro
-    from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate_w1
+    from pagedkv.bench import progress, report
 
-    backend_names = [b.strip() for b in args.backends.split(",") if b.strip()]
-    try:
-        backends, notes = resolve_backends(backend_names)
-    except ValueError as exc:
-        print(f"pagedkv bench: {exc}", file=sys.stderr)
-        return 2
-    try:
-        cfg = apply_overrides(W1_QUICK if args.quick else W1_FULL, args.overrides)
-    except ValueError as exc:
-        print(f"pagedkv bench: {exc}", file=sys.stderr)
-        return 2
-    caching_settings = {"both": [False, True], "on": [True], "off": [False]}[args.caching]
-    progress_disable: Optional[bool] = True if args.no_progress else None
     started = time.time()
     doc: Dict[str, Any] = {
         "pagedkv_version": pagedkv.__version__,
@@ -113,101 +285,145 @@ def run(args: argparse.Namespace) -> int:
         "numpy": np.__version__,
         "quick": bool(args.quick),
         "seed": args.seed,
+        "backends": {b.name: b.description for b in plan.backends},
     }
-
     out = sys.stdout
+    bars = progress.Progress(enabled=not args.no_progress)
+    if plan.vllm_versions:
+        doc["vllm"] = _report_vllm(plan, out)
     if not args.no_micro:
+        from pagedkv.bench.micro import MICRO_FULL, MICRO_QUICK, run_micro
+
         print("== Part A: micro benchmarks ==", file=out, flush=True)
         micro = run_micro(MICRO_QUICK if args.quick else MICRO_FULL, seed=args.seed)
         doc["micro"] = micro
         print(report.format_micro(micro), file=out, flush=True)
+    results: Dict[str, List[Any]] = {}
+    for part, (name, cfg) in enumerate(plan.workloads):
+        section, runs = _run_workload(name, cfg, plan, args, bars, out, part)
+        doc[name] = section
+        results[name] = runs
+    scaling = None
+    if args.scale or args.plot:
+        from pagedkv.bench import scaling as scaling_mod
 
-    if not args.no_w1:
-        workload = generate_w1(cfg, seed=args.seed)
-        summary = workload.summary()
-        print(file=out)
-        print(f"== Part B: workload W1{' (quick)' if args.quick else ''} ==", file=out)
-        print(
-            f"{summary['num_requests']} requests ({summary['prefixed_requests']} with one of "
-            f"{cfg.num_prefixes} shared prefixes, {summary['n2_requests']} with n=2), "
-            f"{summary['prompt_tokens']:,} prompt tokens (mean {summary['prompt_len_mean']:.0f}), "
-            f"mean output {summary['output_len_mean']:.0f}; "
-            f"{cfg.num_gpu_blocks} GPU / {cfg.num_cpu_blocks} CPU blocks of {cfg.block_size}, "
-            f"max {cfg.max_num_seqs} seqs, {cfg.prefill_token_budget} prefill tokens/step; "
-            f"seed {args.seed}, digest {summary['digest']}",
-            file=out,
-            flush=True,
+        scaling = scaling_mod.run_scaling(
+            plan.backends, quick=args.quick, seed=args.seed, progress=bars, out=out
         )
-        for note in notes:
-            print(f"  {note}", file=out)
-        results = []
-        for caching in caching_settings:
-            for backend in backends:
-                desc = f"W1 {backend.name} caching={'on' if caching else 'off'}"
-                with _progress_bar(len(workload.requests), desc, progress_disable) as bar:
-                    res = run_w1(workload, backend, caching, progress=bar.update)
-                results.append(res)
-        w1: Dict[str, Any] = {
-            "config": dataclasses.asdict(cfg),
-            "workload": summary,
-            "backends": {b.name: b.description for b in backends},
-            "skipped": notes,
-        }
-        if results:
-            print(file=out)
-            print(
-                "Block-manager time per step (us; only time inside manager calls), "
-                "speedup = reference mean / mean:",
-                file=out,
-            )
-            print(report.format_w1(results), file=out)
-            check = report.cross_check(results)
-            print(file=out)
-            print(report.format_cross_check(check), file=out, flush=True)
-            sp = report.speedups(results)
-            sp_vllm = report.speedups(results, "vllm")
-            runs = []
-            for i, r in enumerate(results):
-                d = r.to_dict()
-                d["speedup_vs_reference"] = sp[i]
-                d["speedup_vs_vllm"] = sp_vllm[i]
-                runs.append(d)
-            w1["runs"] = runs
-            w1["cross_check"] = check
-        else:
-            print("  no W1 backend is available", file=out)
-            w1["runs"] = []
-            w1["cross_check"] = {"ok": True, "groups": {}}
-        doc["w1"] = w1
+        doc["scaling"] = scaling
+    doc["scheduler"] = _scheduler_section(plan, args, out)
     doc["elapsed_s"] = time.time() - started
+    if args.plot:
+        from pagedkv.bench import plot
+
+        plot.write_plot(args.plot, results, scaling, title=_plot_title(doc))
+        print(f"\nplot written to {args.plot}", file=out)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=2, default=_json_default)
             f.write("\n")
         print(f"\nresults written to {args.json}", file=out)
-    ok = doc.get("w1", {}).get("cross_check", {}).get("ok", True)
+    ok = all(doc[name]["cross_check"]["ok"] for name, _ in plan.workloads)
+    ok = ok and not any("error" in r for r in doc["scheduler"].get("runs", []))
     return 0 if ok else 1
 
 
-def apply_overrides(cfg: Any, overrides: List[str]) -> Any:
-    """``cfg`` with ``KEY=VALUE`` overrides applied (values converted to the field's type)."""
-    fields = {f.name: f for f in dataclasses.fields(cfg)}
-    changes: Dict[str, Any] = {}
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or key not in fields:
-            raise ValueError(f"bad --set {item!r}; keys: {', '.join(fields)}")
-        default = getattr(cfg, key)
-        try:
-            changes[key] = (
-                type(default)(value)
-                if not isinstance(default, bool)
-                else (value.lower() in ("1", "true", "yes", "on"))
+def _report_vllm(plan: _Plan, out: Any) -> Dict[str, Any]:
+    """Which loaded files are vLLM's own and which are stand-ins, per compared release."""
+    section: Dict[str, Any] = {}
+    for b in plan.backends:
+        prov = getattr(b, "provenance", None)
+        if prov is None:
+            continue
+        section[b.name] = prov
+        print(f"== {b.name}: the files it runs (checked against the release's sdist) ==", file=out)
+        print(f"  vLLM's own (identical but for import lines): {', '.join(prov['vllm'])}", file=out)
+        extracted = ", ".join(prov["extracted"]) or "none"
+        print(f"  vLLM's definitions under pagedkv's module header: {extracted}", file=out)
+        standins = ", ".join(prov["stand-in"]) or "none"
+        print(
+            f"  pagedkv's stand-ins (any file of the release's there unused): {standins}", file=out
+        )
+    print(file=out, flush=True)
+    return section
+
+
+def _run_workload(
+    name: str, cfg: Any, plan: _Plan, args: argparse.Namespace, bars: Any, out: Any, part: int
+) -> Tuple[Dict[str, Any], List[Any]]:
+    from pagedkv.bench import report
+    from pagedkv.bench.driver import run as run_driver
+    from pagedkv.bench.workload import generate
+
+    workload = generate(cfg, seed=args.seed)
+    summary = workload.summary()
+    print(file=out)
+    label = f"Part {chr(ord('B') + part)}: workload {cfg.name}{' (quick)' if args.quick else ''}"
+    print(f"== {label} ==", file=out)
+    print(report.describe_workload(cfg, summary, args.seed), file=out, flush=True)
+    for note in plan.notes:
+        print(f"  {note}", file=out)
+    results = []
+    for caching in plan.caching:
+        for backend in plan.backends:
+            desc = f"{cfg.name} {backend.name} caching={'on' if caching else 'off'}"
+            with bars.bar(len(workload.requests), desc) as bar:
+                results.append(run_driver(workload, backend, caching, progress=bar.update))
+    section: Dict[str, Any] = {
+        "config": dataclasses.asdict(cfg),
+        "workload": summary,
+        "backends": {b.name: b.description for b in plan.backends},
+        "skipped": plan.notes,
+    }
+    print(file=out)
+    print(report.format_runs(results), file=out)
+    check = report.cross_check(results)
+    print(file=out)
+    print(report.format_cross_check(check), file=out, flush=True)
+    section["runs"] = report.run_dicts(results)
+    section["cross_check"] = check
+    return section, results
+
+
+def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
+    """vLLM's real Scheduler, whole step (``schedule()`` + output processing), with its own
+    classes and with pagedkv's dropped in, per compared release and caching setting.
+
+    The timing is :func:`pagedkv.bench.vllm_scheduler.compare_scheduler_step` (issue 8); this
+    section only calls it and reports. It runs with ``--compare`` unless ``--no-scheduler``.
+    """
+    if not plan.vllm_versions:
+        return {"status": "not run (needs --compare vllm==VERSION)"}
+    if args.no_scheduler:
+        return {"status": "not run (--no-scheduler)"}
+    from pagedkv.bench import report
+
+    try:
+        vllm_scheduler = importlib.import_module("pagedkv.bench.vllm_scheduler")
+    except ImportError:
+        return {"status": "not available (no pagedkv.bench.vllm_scheduler in this install)"}
+    print(file=out)
+    print(
+        "== vLLM's Scheduler, whole step (schedule() + output processing): vLLM's own classes "
+        "vs pagedkv's dropped in, same run ==",
+        file=out,
+    )
+    runs = []
+    for version in plan.vllm_versions:
+        for caching in plan.caching:
+            r = vllm_scheduler.compare_scheduler_step(
+                version, caching=caching, quick=args.quick, seed=args.seed
             )
-        except ValueError:
-            raise ValueError(f"bad value for {key}: {value!r}") from None
-    return dataclasses.replace(cfg, **changes) if changes else cfg
+            runs.append(r)
+            print(report.format_scheduler_step(r), file=out, flush=True)
+    return {"status": "ok", "runs": runs}
+
+
+def _plot_title(doc: Dict[str, Any]) -> str:
+    quick = " --quick" if doc["quick"] else ""
+    return (
+        f"pagedkv {doc['pagedkv_version']} bench{quick}, Python {doc['python']}, seed {doc['seed']}"
+    )
 
 
 def _json_default(obj: Any) -> Any:
@@ -224,7 +440,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m pagedkv.bench``-style entry: parse ``argv`` and run."""
-    parser = argparse.ArgumentParser(prog="pagedkv bench")
+    """``python -m pagedkv.bench``: the same as ``pagedkv bench``."""
+    parser = argparse.ArgumentParser(prog="pagedkv bench", description=DESCRIPTION)
     add_arguments(parser)
     return run(parser.parse_args(argv))

@@ -1,9 +1,13 @@
-"""The W1 driver: a small vLLM-0.4.2-style scheduler loop around one block-manager backend.
+"""The bench driver: a small vLLM-0.4.2-style scheduler loop around one block-manager backend.
+
+It runs any :class:`~pagedkv.bench.workload.Workload` (W1, W2). Issue 10 replaces this loop with
+``pagedkv.Scheduler``; the workloads stay.
 
 Each step mirrors what vLLM's scheduler and engine ask of the block manager:
 
-1. **decode** — every running group, oldest admission first: ``can_append_slots(group)``; while
-   it is False, preempt the most recently admitted running group (possibly the group itself):
+1. **decode** — every running group in arrival (request) order, as vLLM's FCFS policy sorts them:
+   ``can_append_slots(group)``; while it is False, preempt the latest-arriving running group
+   (possibly the group itself):
    recompute for single-sequence groups (``free`` + WAITING + ``reset_state_for_recompute`` +
    front of the waiting queue), swap for forked groups (``can_swap_out``/``swap_out`` + SWAPPED).
    Then ``append_slots(seq)`` for each running sequence (CoW dicts go to ``blocks_to_copy``).
@@ -12,7 +16,7 @@ Each step mirrors what vLLM's scheduler and engine ask of the block manager:
 3. **admit** — only if nobody was preempted and nothing is left swapped: waiting groups in order
    while ``can_allocate`` is OK and both the prefill-token budget and the sequence limit allow
    (``allocate`` + RUNNING). ``AllocStatus.NEVER`` (or a prompt over the budget) ignores the
-   request. Prompts are admitted whole (no chunked prefill); decodes and prefills share a step.
+   request. Prompts are admitted whole; decodes and prefills share a step.
 4. **prepare** — for every scheduled sequence ``get_block_table(seq)`` and
    ``access_all_blocks_in_seq(seq, now)`` (``now`` = the step number, so eviction order is
    deterministic); ``get_common_computed_block_ids(seqs)`` for each prefill group.
@@ -21,6 +25,21 @@ Each step mirrors what vLLM's scheduler and engine ask of the block manager:
    right after its prefill (``seq.fork`` before either appends, as vLLM's output processor, then
    ``manager.fork(parent, child)``); a sequence that reached its output length is
    FINISHED_LENGTH_CAPPED and ``free``d.
+
+**Chunked prefill** (``config.chunked_prefill``, vLLM 0.4.2's ``_schedule_chunked_prefill``):
+``prefill_token_budget`` is the step's token budget. Running groups are visited in order and take
+their tokens from it: one per sequence for a decode, the rest of the prompt for a group still in
+prefill, cut to what is left of the budget unless the group has forked (a group that gets no
+token is not scheduled this step, nor is any after it). Preemption is as above. Swapped groups
+come back only if nobody was preempted and the budget allows; waiting groups are admitted
+(``allocate`` reserves the whole prompt) with a first chunk, even after a preemption or with
+groups still swapped out. A group produces its first output token (and forks) in the step that
+computes the last chunk of its prompt. ``tests/test_bench_vllm.py`` checks this timeline
+(admissions, forks, recomputes, swaps, frees per step) against vLLM's own chunked-prefill
+Scheduler (0.4.2 and 0.5.0). One deliberate difference: vLLM swaps out a group that will fork
+(n=2) even before its prompt is complete, and its chunked scheduler swaps groups back in without
+chunking, so such a group whose prompt rest exceeds the step budget never comes back (the run
+stalls); the driver recomputes any group that has not forked yet.
 
 The ``native-batch`` backend replaces per-sequence ``append_slots``/``get_block_table`` with
 ``append_slots_batch`` into numpy buffers allocated once per run (and ``fill_block_tables`` for
@@ -46,14 +65,14 @@ import hashlib
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 import numpy as np
 
 from pagedkv.bench.backends import Backend
 from pagedkv.bench.workload import Request, Workload
 
-__all__ = ["RunResult", "run_w1", "StallError"]
+__all__ = ["RunResult", "run", "run_w1", "StallError"]
 
 
 class StallError(RuntimeError):
@@ -84,6 +103,7 @@ class RunResult:
     mean_batch_seqs: float
     schedule_digest: str
     wall_s: float
+    partial_prefills: int = 0  # prompt chunks that did not finish their prompt
     extra: Dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -122,6 +142,7 @@ class RunResult:
             "swap_ins": self.swap_ins,
             "cow_copies": self.cow_copies,
             "forks": self.forks,
+            "partial_prefills": self.partial_prefills,
             "final_free_gpu": self.final_free_gpu,
             "final_free_cpu": self.final_free_cpu,
             "schedule_digest": self.schedule_digest,
@@ -152,7 +173,17 @@ class RunResult:
 class _Live:
     """Driver-side state of one request (plain Python: identical cost for every backend)."""
 
-    __slots__ = ("req", "group", "seqs", "num_out", "done", "prompt_len")
+    __slots__ = (
+        "req",
+        "group",
+        "seqs",
+        "num_out",
+        "done",
+        "prompt_len",
+        "in_prefill",
+        "computed",
+        "chunk",
+    )
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -161,6 +192,20 @@ class _Live:
         self.num_out = 0  # output tokens so far (the same for every sequence of the group)
         self.done = False
         self.prompt_len = len(req.prompt_token_ids)
+        # chunked prefill only:
+        self.in_prefill = True  # its (re)computed prompt is not complete yet
+        self.computed = 0  # tokens of that prompt computed so far
+        self.chunk = 0  # tokens scheduled this step
+
+    def take(self, budget_left: int) -> int:
+        """Tokens this group computes next (vLLM's ``_get_num_new_tokens`` with chunking): the
+        rest of its prefill, or one per sequence when decoding; a single-sequence group's
+        share is cut to ``budget_left`` (a decode too: with nothing left it waits), a forked
+        group's is not."""
+        want = self.prompt_len + self.num_out - self.computed if self.in_prefill else 1
+        if len(self.seqs) > 1:
+            return len(self.seqs)
+        return max(0, min(want, budget_left))
 
 
 def _alloc_name(status: Any) -> str:
@@ -168,7 +213,7 @@ def _alloc_name(status: Any) -> str:
     return getattr(status, "name", str(status)).rsplit(".", 1)[-1]
 
 
-def run_w1(
+def run(
     workload: Workload,
     backend: Backend,
     enable_caching: bool,
@@ -206,7 +251,8 @@ def _run(
     FIN_LEN = status.FINISHED_LENGTH_CAPPED
     FIN_IGNORED = status.FINISHED_IGNORED
     FIN_ABORTED = getattr(status, "FINISHED_ABORTED", FIN_IGNORED)
-    Seq, Group = backend.sequence_cls, backend.group_cls
+    new_seq, new_group = backend.make_sequence, backend.make_group
+    chunked = cfg.chunked_prefill
     lp0 = backend.logprob_cls(0.0)
     sp_single = backend.sampling_params_cls(n=1)
     sp_pair = backend.sampling_params_cls(n=2, best_of=2)
@@ -236,7 +282,9 @@ def _run(
     pc = time.perf_counter
 
     waiting: Deque[_Live] = deque(_Live(r) for r in workload.requests)
-    running: List[_Live] = []  # admission order: the last one is the preemption victim
+    # FCFS by arrival (request order), as vLLM's policy sorts them: the last running group is
+    # the preemption victim, the first swapped one comes back first
+    running: List[_Live] = []
     swapped: Deque[_Live] = deque()
     next_child_id = len(workload.requests)
 
@@ -249,6 +297,7 @@ def _run(
         "swap_in": 0,
         "cow": 0,
         "forks": 0,
+        "partial": 0,
     }
     phase = {"decode": 0.0, "swap_admit": 0.0, "prepare": 0.0, "post": 0.0}
     step_times: List[float] = []
@@ -257,13 +306,14 @@ def _run(
 
     def make_group(live: _Live) -> None:
         req = live.req
-        seq = Seq(req.index, "", req.prompt_token_ids, block_size)
+        seq = new_seq(req.index, req.prompt_token_ids, block_size)
         sp = sp_pair if req.n == 2 else sp_single
-        live.group = Group(req.request_id, [seq], sp, req.arrival_time)
+        live.group = new_group(req.request_id, [seq], sp, req.arrival_time)
         live.seqs = [seq]
 
-    def count_cow(cow: Dict[int, List[int]]) -> None:
-        counters["cow"] += sum(len(d) for d in cow.values())
+    def count_cow(cow: Any) -> None:
+        # {src: [dst, ...]} (vLLM 0.4, pagedkv) or [(src, dst), ...] (vLLM 0.5)
+        counters["cow"] += sum(len(d) for d in cow.values()) if hasattr(cow, "values") else len(cow)
 
     # preemption: returns seconds spent outside manager calls (to subtract from the phase)
     recompute_preempted: List[_Live] = []
@@ -276,7 +326,7 @@ def _run(
                 x0 = pc()
                 for s in victim.seqs:
                     s.status = SWAPPED
-                swapped.append(victim)
+                _insert_in_arrival_order(swapped, victim)
                 counters["swap"] += 1
                 return pc() - x0
             for s in victim.seqs:
@@ -292,6 +342,7 @@ def _run(
         x0 = pc()
         seq.status = WAITING
         seq.reset_state_for_recompute()
+        victim.in_prefill, victim.computed = True, 0
         recompute_preempted.append(victim)
         counters["recompute"] += 1
         return pc() - x0
@@ -306,10 +357,14 @@ def _run(
         num_preempted_before = counters["recompute"] + counters["swap"] + counters["aborted"]
         decode: List[_Live] = []
         row = 0  # next free row of the batch buffers
+        budget_left = token_budget  # chunked prefill: the step's token budget
+        num_running = len(running)  # the head of ``running`` that gets scheduled (chunked)
+        if chunked and batch:
+            num_running, budget_left = _plan_chunks(running, budget_left)
 
         # ---- 1. decode reservations for every running group
         if batch:
-            running_seqs = [s for r in running for s in r.seqs]
+            running_seqs = [s for r in running[:num_running] for s in r.seqs]
             t0 = pc()
             if num_free_gpu() >= len(running_seqs):
                 # every group would pass can_append_slots (one free block per running
@@ -319,13 +374,18 @@ def _run(
                     if cow:
                         count_cow(cow)
                 row = len(running_seqs)
-                decode = running[:]
+                decode = running[:num_running]
                 t_decode = pc() - t0
             else:
+                budget_left = token_budget
                 excluded = 0.0
                 i = 0
                 while i < len(running):
                     r = running[i]
+                    if chunked:
+                        r.chunk = r.take(budget_left)
+                        if r.chunk == 0:
+                            break
                     while not can_append_slots(r.group):
                         victim = running.pop()
                         excluded += preempt(victim)
@@ -339,8 +399,9 @@ def _run(
                         if cow:
                             count_cow(cow)
                         row += len(seqs)
+                        budget_left -= r.chunk
                         i += 1
-                decode = running[:]
+                decode = running[:i]
                 t_decode = pc() - t0 - excluded
         else:
             excluded = 0.0
@@ -348,6 +409,10 @@ def _run(
             i = 0
             while i < len(running):
                 r = running[i]
+                if chunked:
+                    r.chunk = r.take(budget_left)
+                    if r.chunk == 0:
+                        break
                 while not can_append_slots(r.group):
                     victim = running.pop()
                     excluded += preempt(victim)
@@ -358,12 +423,10 @@ def _run(
                         cow = append_slots(s)
                         if cow:
                             count_cow(cow)
+                    budget_left -= r.chunk
                     i += 1
             t_decode = pc() - t0 - excluded
-            decode = running[:]
-        if recompute_preempted:
-            # vLLM: waiting.extendleft(preempted) -> the oldest preempted group ends up first
-            waiting.extendleft(recompute_preempted)
+            decode = running[:i]
         preempted_now = (
             counters["recompute"] + counters["swap"] + counters["aborted"] > num_preempted_before
         )
@@ -375,6 +438,8 @@ def _run(
             while swapped:
                 r = swapped[0]
                 if num_seqs + len(r.seqs) > max_num_seqs:
+                    break
+                if chunked and len(r.seqs) > budget_left:
                     break
                 t0 = pc()
                 st = _alloc_name(mgr.can_swap_in(r.group))
@@ -413,22 +478,24 @@ def _run(
                     for cow in cows:
                         if cow:
                             count_cow(cow)
-                running.append(r)
+                _insert_in_arrival_order(running, r)
                 decode.append(r)
                 num_seqs += len(r.seqs)
+                r.chunk = len(r.seqs)
+                budget_left -= r.chunk
                 swapped_in += 1
                 counters["swap_in"] += 1
 
-        # ---- 3. admit waiting requests (whole prompts)
+        # ---- 3. admit waiting requests (whole prompts, or first chunks)
         prefill: List[_Live] = []
         prefill_tokens = 0
-        if not preempted_now and not swapped:
+        if chunked or (not preempted_now and not swapped):
             while waiting:
                 r = waiting[0]
                 if r.group is None:
                     make_group(r)
                 num_tokens = r.prompt_len + r.num_out
-                if num_tokens > token_budget:
+                if not chunked and num_tokens > token_budget:
                     waiting.popleft()
                     _ignore(r, FIN_IGNORED)
                     counters["ignored"] += 1
@@ -443,7 +510,11 @@ def _run(
                     _ignore(r, FIN_IGNORED)
                     counters["ignored"] += 1
                     continue
-                if prefill_tokens + num_tokens > token_budget:
+                if chunked:
+                    num_tokens = min(num_tokens, budget_left)
+                    if num_tokens == 0:
+                        break
+                elif prefill_tokens + num_tokens > token_budget:
                     break
                 if num_seqs + r.req.n > max_num_seqs:
                     break
@@ -453,10 +524,16 @@ def _run(
                 t_admit += pc() - t0
                 for s in r.seqs:
                     s.status = RUNNING
-                running.append(r)
+                _insert_in_arrival_order(running, r)
                 prefill.append(r)
                 prefill_tokens += num_tokens
                 num_seqs += r.req.n
+                r.in_prefill, r.computed, r.chunk = True, 0, num_tokens
+                budget_left -= num_tokens
+        if recompute_preempted:
+            # vLLM: waiting.extendleft(preempted) after admission -> the oldest preempted group
+            # ends up first, and none is readmitted in the step that preempted it
+            waiting.extendleft(recompute_preempted)
 
         scheduled = decode + prefill
         if not scheduled and not preempted_now and (waiting or swapped):
@@ -506,6 +583,12 @@ def _run(
         to_free = []
         any_done = False
         for r in scheduled:
+            if chunked and r.in_prefill:
+                r.computed += r.chunk
+                if r.computed < r.prompt_len + r.num_out:
+                    counters["partial"] += 1
+                    continue  # a chunk of the prompt: no output token yet
+                r.in_prefill = False
             seqs = r.seqs
             p = r.num_out
             rows = r.req.output_token_ids
@@ -599,7 +682,34 @@ def _run(
         mean_batch_seqs=batch_seqs_total / step if step else 0.0,
         schedule_digest=digest,
         wall_s=time.perf_counter() - wall0,
+        partial_prefills=counters["partial"],
     )
+
+
+def _insert_in_arrival_order(queue: Any, live: _Live) -> None:
+    """Put ``live`` into ``queue`` (kept in request order) after every earlier request: vLLM's
+    FCFS policy sorts its running and swapped queues by arrival time each step, and a real
+    engine stamps requests in the order they come in (a group readmitted after a recompute
+    preemption goes back to its place, not to the end)."""
+    i = len(queue)
+    while i > 0 and queue[i - 1].req.index > live.req.index:
+        i -= 1
+    queue.insert(i, live)
+
+
+def _plan_chunks(running: List[_Live], budget_left: int) -> Tuple[int, int]:
+    """Chunk sizes of the running groups in order until the budget runs out (batch fast path:
+    valid when nobody is preempted): the number of groups scheduled and the budget left."""
+    for i, r in enumerate(running):
+        r.chunk = r.take(budget_left)
+        if r.chunk == 0:
+            return i, budget_left
+        budget_left -= r.chunk
+    return len(running), budget_left
+
+
+#: The name the driver was introduced under.
+run_w1 = run
 
 
 def _ignore(live: _Live, status: Any) -> None:

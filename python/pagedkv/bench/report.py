@@ -6,7 +6,18 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from pagedkv.bench.driver import RunResult
 
-__all__ = ["cross_check", "format_cross_check", "format_micro", "format_w1", "speedups"]
+__all__ = [
+    "cross_check",
+    "describe_workload",
+    "format_cross_check",
+    "format_micro",
+    "format_runs",
+    "format_scheduler_step",
+    "format_w1",
+    "run_dicts",
+    "speedups",
+    "vllm_names",
+]
 
 
 def _table(headers: Sequence[str], rows: List[Sequence[str]], right: Sequence[bool]) -> str:
@@ -97,7 +108,42 @@ def format_micro(micro: Dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------------------- W1
+# ---------------------------------------------------------------------------------- workloads
+
+
+def describe_workload(cfg: Any, summary: Dict[str, Any], seed: int) -> str:
+    """One paragraph: the request mix and the engine limits of a run."""
+    if cfg.chunked_prefill:
+        budget = f"chunked prefill, {cfg.prefill_token_budget} tokens/step"
+    else:
+        budget = f"{cfg.prefill_token_budget} prefill tokens/step"
+    return (
+        f"{summary['num_requests']} requests ({summary['prefixed_requests']} with one of "
+        f"{cfg.num_prefixes} shared prefixes, {summary['n2_requests']} with n=2), "
+        f"{summary['prompt_tokens']:,} prompt tokens (mean {summary['prompt_len_mean']:.0f}), "
+        f"mean output {summary['output_len_mean']:.0f}; "
+        f"{cfg.num_gpu_blocks} GPU / {cfg.num_cpu_blocks} CPU blocks of {cfg.block_size}, "
+        f"watermark {cfg.watermark}, max {cfg.max_num_seqs} seqs, {budget}; "
+        f"seed {seed}, digest {summary['digest']}"
+    )
+
+
+def vllm_names(results: List[RunResult]) -> List[str]:
+    """The vLLM backends among ``results`` (``vllm-<version>``), in order of appearance."""
+    return list(dict.fromkeys(r.backend for r in results if r.backend.startswith("vllm")))
+
+
+def run_dicts(results: List[RunResult]) -> List[Dict[str, Any]]:
+    """The JSON form of ``results``, with speedups against the reference and each vLLM."""
+    sp = speedups(results)
+    against = {name: speedups(results, name) for name in vllm_names(results)}
+    runs = []
+    for i, r in enumerate(results):
+        d = r.to_dict()
+        d["speedup_vs_reference"] = sp[i]
+        d["speedup_vs"] = {name: against[name][i] for name in against}
+        runs.append(d)
+    return runs
 
 
 def speedups(results: List[RunResult], against: str = "reference") -> Dict[int, Optional[float]]:
@@ -112,7 +158,8 @@ def speedups(results: List[RunResult], against: str = "reference") -> Dict[int, 
     return out
 
 
-def format_w1(results: List[RunResult]) -> str:
+def format_runs(results: List[RunResult]) -> str:
+    """The per-run table (step times, speedups, preemptions) and the phase breakdown."""
     sp = speedups(results)
     rows = []
     for i, r in enumerate(results):
@@ -129,6 +176,7 @@ def format_w1(results: List[RunResult]) -> str:
                 _ratio(sp[i]),
                 "-" if hit is None or not r.enable_caching else f"{100 * hit:.1f}%",
                 f"{r.preempt_recompute}/{r.preempt_swap}",
+                str(r.partial_prefills),
                 str(r.cow_copies),
                 "yes" if r.all_blocks_free else "NO",
                 f"{r.wall_s:.1f}",
@@ -144,13 +192,14 @@ def format_w1(results: List[RunResult]) -> str:
         "speedup",
         "hit rate",
         "preempt rec/swap",
+        "chunks",
         "CoW",
         "all free",
         "wall s",
     ]
-    if any(r.backend == "vllm" for r in results):
-        vs_vllm = speedups(results, "vllm")
-        headers.append("vs vLLM")
+    for name in vllm_names(results):
+        vs_vllm = speedups(results, name)
+        headers.append(f"vs {name.replace('vllm-', 'vLLM ')}")
         for i, row in enumerate(rows):
             row.append(_ratio(vs_vllm[i]))
     if any(r.ignored or r.aborted for r in results):
@@ -158,7 +207,12 @@ def format_w1(results: List[RunResult]) -> str:
         for row, r in zip(rows, results):
             row.append(f"{r.ignored}/{r.aborted}")
     right = [False, False] + [True] * (len(headers) - 2)
-    text = _table(headers, rows, right)
+    text = (
+        "Block-manager time per step (us; only time inside manager calls), "
+        "speedup = reference mean / mean; preemptions by recompute/swap; chunks = prompt "
+        "chunks that did not finish their prompt (chunked prefill):\n"
+    )
+    text += _table(headers, rows, right)
     phase_rows = []
     for r in results:
         total = sum(r.phase_us.values()) or 1.0
@@ -187,6 +241,10 @@ def format_w1(results: List[RunResult]) -> str:
     return text
 
 
+#: The name the table was introduced under.
+format_w1 = format_runs
+
+
 def cross_check(results: List[RunResult]) -> Dict[str, Any]:
     """Compare every backend's schedule with the first one of the same caching setting."""
     out: Dict[str, Any] = {"ok": True, "groups": {}}
@@ -196,6 +254,13 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
     for r in results:
         if r.backend in CROSS_CHECKED:
             by_caching.setdefault(r.enable_caching, []).append(r)
+    for r in results:  # the others (vLLM) are compared too, but only reported
+        if r.backend not in CROSS_CHECKED and r.enable_caching in by_caching:
+            key, base_key = r.schedule_key(), by_caching[r.enable_caching][0].schedule_key()
+            same = all(key[k] == base_key[k] for k in set(key) & set(base_key))
+            out.setdefault("informational", {}).setdefault(
+                "caching_on" if r.enable_caching else "caching_off", {}
+            )[r.backend] = "same schedule" if same else "different schedule"
     for caching, group in by_caching.items():
         base = group[0]
         base_key = base.schedule_key()
@@ -243,6 +308,10 @@ def format_cross_check(check: Dict[str, Any]) -> str:
     line = ("Schedule cross-check OK: " if check["ok"] else "Schedule cross-check FAILED: ") + (
         "; ".join(parts) if parts else "no runs"
     )
+    for name, verdicts in check.get("informational", {}).items():
+        said = ", ".join(f"{b}: {v}" for b, v in verdicts.items())
+        line += f"\n  not cross-checked, {name.replace('_', ' ')} (same workload, compared to "
+        line += f"the first backend; vLLM may differ by design with caching): {said}"
     if not check["ok"]:
         for g in check["groups"].values():
             for m in g["mismatches"][:10]:
@@ -253,3 +322,21 @@ def format_cross_check(check: Dict[str, Any]) -> str:
             if g["not_all_free"]:
                 line += f"\n  blocks left allocated after the run: {g['not_all_free']}"
     return line
+
+
+def format_scheduler_step(r: Dict[str, Any]) -> str:
+    """One line per backend of a vllm_scheduler.compare_scheduler_step result."""
+    head = (
+        f"vLLM {r['version']} Scheduler on {r['workload']}, caching "
+        f"{'on' if r['caching'] else 'off'} (speedup = first backend's total step time / "
+        "this one's):"
+    )
+    lines = [head]
+    for name, stats in r["backends"].items():
+        lines.append(
+            f"  {name:<16} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
+            f"median {stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
+        )
+    if r.get("error"):
+        lines.append(f"  DECISIONS DIFFERED: {r['error']}")
+    return "\n".join(lines)

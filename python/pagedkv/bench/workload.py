@@ -1,8 +1,17 @@
-"""The W1 workload: a deterministic, simulated vLLM-style serving run.
+"""The bench workloads: deterministic, simulated vLLM-style serving runs.
 
-W1 is described by a :class:`W1Config` (request mix and engine limits) and expanded by
-:func:`generate_w1` into a :class:`Workload`: every prompt token, every output token and every
+A workload is described by a :class:`WorkloadConfig` (request mix and engine limits) and expanded
+by :func:`generate` into a :class:`Workload`: every prompt token, every output token and every
 request's output length is fixed by the seed, so every backend replays exactly the same run.
+
+* **W2** (:data:`W2_FULL`, the one to judge a drop-in by): memory pressure. The GPU pool holds
+  about a quarter of what the running batch would need, a quarter of the requests fork (n=2) and
+  outputs are long, so running groups are preempted by recompute (single-sequence groups) and by
+  swap (forked groups) all through the run, and prompts are prefilled in chunks that share a
+  2,048-token step budget with the decodes (vLLM's chunked-prefill scheduling).
+* **W1** (:data:`W1_FULL`, kept for continuity with earlier results): a roomy pool. Its watermark
+  keeps a few hundred blocks free and the pool outgrows the batch, so W1 never preempts; it
+  measures allocation, prefix caching and the steady decode step.
 
 Request mix (full size):
 
@@ -28,17 +37,35 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["W1Config", "W1_FULL", "W1_QUICK", "Request", "Workload", "generate_w1"]
+__all__ = [
+    "WorkloadConfig",
+    "W1Config",
+    "W1_FULL",
+    "W1_QUICK",
+    "W2_FULL",
+    "W2_QUICK",
+    "WORKLOADS",
+    "Request",
+    "Workload",
+    "generate",
+    "generate_w1",
+]
 
 
 @dataclass(frozen=True)
-class W1Config:
-    """Shape of a W1 run: the request mix and the simulated engine's limits."""
+class WorkloadConfig:
+    """Shape of a run: the request mix and the simulated engine's limits.
 
+    ``prefill_token_budget`` is the per-step token budget: without ``chunked_prefill`` it bounds
+    the whole prompts admitted in one step; with it, it is vLLM's ``max_num_batched_tokens``
+    (decodes take one token per sequence, prompts are cut into chunks to fill the rest).
+    """
+
+    name: str = "W1"
     num_requests: int = 1024
     prompt_len_min: int = 512
     prompt_len_max: int = 4096
@@ -58,8 +85,10 @@ class W1Config:
     watermark: float = 0.01
     max_num_seqs: int = 256
     prefill_token_budget: int = 32768
+    chunked_prefill: bool = False
 
     def __post_init__(self) -> None:
+        self._check_engine()
         if self.num_requests < 1:
             raise ValueError("num_requests must be >= 1")
         if not 0 < self.prompt_len_min <= self.prompt_len_max:
@@ -75,11 +104,29 @@ class W1Config:
             raise ValueError("need 0 < output_len_min <= output_len_max")
         if not (0.0 <= self.prefix_share <= 1.0 and 0.0 <= self.n2_share <= 1.0):
             raise ValueError("shares must be in [0, 1]")
-        if self.prefill_token_budget < self.prompt_len_max + self.output_len_max:
+        if self.chunked_prefill:
+            if self.prefill_token_budget < self.max_num_seqs:
+                # as vLLM: every running sequence's decode token must fit in one step
+                raise ValueError(
+                    "with chunked_prefill, prefill_token_budget must be >= max_num_seqs"
+                )
+        elif self.prefill_token_budget < self.prompt_len_max + self.output_len_max:
             # a recomputed sequence is prompt + outputs long and must still fit in one step
             raise ValueError("prefill_token_budget must hold the longest prompt + outputs")
         if self.max_num_seqs < 2:
             raise ValueError("max_num_seqs must be >= 2 (n=2 requests)")
+
+    def _check_engine(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks < 1:
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not 0.0 <= self.watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {self.watermark}")
+        if self.vocab_size < 1 or self.num_prefixes < 0:
+            raise ValueError("vocab_size must be >= 1 and num_prefixes >= 0")
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -90,18 +137,59 @@ class W1Config:
         return dataclasses.asdict(self)
 
 
-#: The embedded default workload (issue 4).
-W1_FULL = W1Config()
+#: The name the first workload was introduced under (kept: tests and users import it).
+W1Config = WorkloadConfig
 
-#: ``--quick``: 96 requests and a pool and batch scaled down with them (about 3/32 of W1), so the
-#: run still preempts, swaps and shares prefixes but finishes in seconds.
-W1_QUICK = W1Config(
+#: W1, the embedded default workload of issue 4: a roomy pool (never preempts).
+W1_FULL = WorkloadConfig()
+
+#: ``--quick`` W1: 96 requests and a pool and batch scaled down with them (3/32 of W1); shares
+#: prefixes in seconds, and like W1 never preempts.
+W1_QUICK = WorkloadConfig(
     num_requests=96,
     num_gpu_blocks=2304,
     num_cpu_blocks=1024,
     max_num_seqs=24,
     prefill_token_budget=8192,
 )
+
+#: W2, the pressure workload: a pool of about a quarter of the running batch's demand, a quarter
+#: of the requests with n=2, long outputs and chunked prefill with a 2,048-token step budget.
+W2_FULL = WorkloadConfig(
+    name="W2",
+    num_requests=512,
+    prompt_len_min=256,
+    prompt_len_max=2048,
+    num_prefixes=8,
+    prefix_len_min=128,
+    prefix_len_max=768,
+    prefix_share=0.5,
+    output_len_min=128,
+    output_len_max=1024,
+    n2_share=0.25,
+    num_gpu_blocks=4096,
+    num_cpu_blocks=4096,
+    watermark=0.01,
+    max_num_seqs=128,
+    prefill_token_budget=2048,
+    chunked_prefill=True,
+)
+
+#: ``--quick`` W2: 64 requests, pool and batch scaled down by 1/8; still preempts both ways.
+W2_QUICK = dataclasses.replace(
+    W2_FULL,
+    num_requests=64,
+    num_gpu_blocks=512,
+    num_cpu_blocks=512,
+    max_num_seqs=16,
+    prefill_token_budget=512,
+)
+
+#: name -> (full, quick) config, in the order ``pagedkv bench`` runs them.
+WORKLOADS: Dict[str, Tuple[WorkloadConfig, WorkloadConfig]] = {
+    "w2": (W2_FULL, W2_QUICK),
+    "w1": (W1_FULL, W1_QUICK),
+}
 
 
 @dataclass
@@ -121,7 +209,7 @@ class Request:
 
 @dataclass
 class Workload:
-    config: W1Config
+    config: WorkloadConfig
     seed: int
     prefixes: List[List[int]]
     requests: List[Request]
@@ -154,14 +242,14 @@ class Workload:
         }
 
 
-def _prefix_lengths(cfg: W1Config) -> List[int]:
+def _prefix_lengths(cfg: WorkloadConfig) -> List[int]:
     k = cfg.num_prefixes
     if k == 1:
         return [cfg.prefix_len_min]
     return [int(round(x)) for x in np.linspace(cfg.prefix_len_min, cfg.prefix_len_max, k)]
 
 
-def generate_w1(config: W1Config = W1_FULL, seed: int = 0) -> Workload:
+def generate(config: WorkloadConfig = W1_FULL, seed: int = 0) -> Workload:
     """Expand ``config`` into the full request list; same ``(config, seed)`` -> same workload."""
     cfg = config
     rng = np.random.default_rng(np.random.SeedSequence([0x5731, seed]))
@@ -197,7 +285,7 @@ def generate_w1(config: W1Config = W1_FULL, seed: int = 0) -> Workload:
         requests.append(
             Request(
                 index=i,
-                request_id=f"w1-{i}",
+                request_id=f"{cfg.name.lower()}-{i}",
                 prompt_token_ids=head + own,
                 output_len=int(output_lens[i]),
                 n=num_seqs,
@@ -207,3 +295,7 @@ def generate_w1(config: W1Config = W1_FULL, seed: int = 0) -> Workload:
             )
         )
     return Workload(config=cfg, seed=seed, prefixes=prefixes, requests=requests)
+
+
+#: The name the generator was introduced under.
+generate_w1 = generate

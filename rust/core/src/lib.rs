@@ -2,12 +2,14 @@
 //!
 //! * [`hash`]: the chained block hash (xxh3-128 keyed, or SHA-256).
 //! * [`token_seq`]: one sequence's token ids and full-block hashes.
-//! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, O(1) LRU eviction.
+//! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, LRU eviction
+//!   (`evict`: O(1) usually, O(log k) at worst).
 //! * [`manager`]: vLLM's BlockSpaceManager (v1) semantics on two pools.
 //!
 //! No PyO3 here; the Python bindings live in the `pagedkv-py` crate.
 
 pub mod error;
+mod evict;
 pub mod hash;
 pub mod limits;
 pub mod manager;

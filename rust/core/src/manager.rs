@@ -476,8 +476,9 @@ impl Manager {
         lookahead: usize,
         copies: &mut Copies,
     ) -> Result<()> {
-        self.check_need(&[(id, seq)], lookahead)?;
-        self.append_unchecked(id, seq, lookahead, copies)
+        let one = [(id, seq)];
+        self.check_append_many(&one, lookahead)?;
+        self.append_checked(&one, lookahead, copies)
     }
 
     /// `append_slots` for many sequences: all checked first (the free-block need is summed),
@@ -490,10 +491,7 @@ impl Manager {
         copies: &mut Copies,
     ) -> Result<()> {
         self.check_append_batch(seqs, lookahead)?;
-        for &(id, seq) in seqs {
-            self.append_unchecked(id, seq, lookahead, copies)?;
-        }
-        Ok(())
+        self.append_checked(seqs, lookahead, copies)
     }
 
     /// The checks of `append_slots_batch` alone: `Ok` iff the batch would succeed now.
@@ -501,11 +499,24 @@ impl Manager {
         for &(_, seq) in seqs {
             self.check_slot_units(seq)?;
         }
-        self.check_need(seqs, lookahead)
+        self.check_append_many(seqs, lookahead)
     }
 
-    /// The table and free-block checks shared by the per-sequence and the batch calls.
-    fn check_need(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
+    /// Appends after `check_append_many` (or `check_append_batch`) said yes.
+    fn append_checked(
+        &mut self,
+        seqs: &[(SeqId, &TokenSeq)],
+        lookahead: usize,
+        copies: &mut Copies,
+    ) -> Result<()> {
+        for &(id, seq) in seqs {
+            self.append_unchecked(id, seq, lookahead, copies)?;
+        }
+        Ok(())
+    }
+
+    /// Every sequence appendable and the summed free-block need met, in each sequence's units.
+    fn check_append_many(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
         let mut need = 0;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;

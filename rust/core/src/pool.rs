@@ -17,18 +17,19 @@
 //!   blocks come out in the order vLLM's allocators hand them out (N-1 first without caching,
 //!   0 first with caching).
 //! * EVICTABLE blocks have ref count 0 but keep their hash, so a later request with the same
-//!   prefix can revive them. They sit on an intrusive doubly linked list ordered by eviction
-//!   priority: least recently accessed first, and among equal access times the block holding
-//!   more hashed tokens (the tail of a sequence) first. A block is inserted by walking back from
-//!   the tail, which is O(1) in the usual case (blocks are freed in access order, tail first) and
-//!   O(k) at worst, k being the evictable blocks that must be evicted after it.
+//!   prefix can revive them. They are kept in eviction order (`evict`): least recently accessed
+//!   first, and among equal access times the block holding more hashed tokens (the tail of a
+//!   sequence) first. Every operation on the order is O(1) in the usual case (blocks released in
+//!   access order) and O(log k) at worst.
 //! * The prefix map goes from block hash to block; a lookup hits only if the stored token ids
 //!   are equal too, so a hash collision can never hand out another prompt's KV data.
 //!
-//! No operation allocates on the heap after construction: the map is created with room for
-//! every block and the stack and list live in preallocated vectors.
+//! In the usual case no operation allocates on the heap after construction: the map is created
+//! with room for every block, and the stack and the eviction run live in preallocated vectors
+//! (only blocks released out of access order take B-tree nodes).
 
 use crate::error::{Error, Result};
+use crate::evict::EvictionOrder;
 use crate::hash::BlockHash;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
@@ -101,11 +102,7 @@ pub struct BlockPool {
     /// generation, so a parent that was evicted and reused no longer vouches for it.
     generation: Vec<u32>,
     free_stack: Vec<BlockId>,
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    head: u32,
-    tail: u32,
-    num_evictable: u32,
+    evict: EvictionOrder,
     map: PrefixMap,
     stats: PoolStats,
 }
@@ -146,11 +143,7 @@ impl BlockPool {
             generation: vec![0; n],
             extra: vec![0; if caching { n } else { 0 }],
             free_stack,
-            prev: vec![NIL; n],
-            next: vec![NIL; n],
-            head: NIL,
-            tail: NIL,
-            num_evictable: 0,
+            evict: EvictionOrder::new(n),
             map: PrefixMap::with_capacity_and_hasher(
                 if caching { n } else { 0 },
                 Default::default(),
@@ -172,10 +165,10 @@ impl BlockPool {
     }
     /// Free blocks: never-used or uncached ones plus evictable cached ones.
     pub fn num_free(&self) -> usize {
-        self.free_stack.len() + self.num_evictable as usize
+        self.free_stack.len() + self.evict.len()
     }
     pub fn num_evictable(&self) -> usize {
-        self.num_evictable as usize
+        self.evict.len()
     }
     pub fn num_cached(&self) -> usize {
         self.map.len()
@@ -230,13 +223,7 @@ impl BlockPool {
     }
     /// Evictable blocks in eviction order (first = next to go). O(n); for tests and introspection.
     pub fn eviction_order(&self) -> Vec<BlockId> {
-        let mut out = Vec::with_capacity(self.num_evictable as usize);
-        let mut cur = self.head;
-        while cur != NIL {
-            out.push(cur);
-            cur = self.next[cur as usize];
-        }
-        out
+        self.evict.order()
     }
 
     // ---- allocation and references -------------------------------------------------------
@@ -245,9 +232,7 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Result<BlockId> {
         let b = if let Some(b) = self.free_stack.pop() {
             b
-        } else if self.head != NIL {
-            let b = self.head;
-            self.unlink(b);
+        } else if let Some(b) = self.evict.pop_first() {
             let h = self.hash[b as usize]
                 .take()
                 .expect("evictable block has a hash");
@@ -288,7 +273,7 @@ impl BlockPool {
                     "block {b} is free; it cannot be shared"
                 )));
             }
-            self.unlink(b);
+            self.evict.remove(b);
         }
         self.ref_count[i] += n;
         Ok(())
@@ -309,7 +294,8 @@ impl BlockPool {
         self.ref_count[i] -= 1;
         if self.ref_count[i] == 0 {
             if self.hash[i].is_some() {
-                self.insert_evictable(b);
+                self.evict
+                    .insert(b, self.last_accessed[i], self.num_hashed_tokens[i]);
             } else {
                 self.computed[i] = false;
                 self.free_stack.push(b);
@@ -475,62 +461,6 @@ impl BlockPool {
         Ok(true)
     }
 
-    // ---- eviction list -------------------------------------------------------------------
-
-    /// `a` goes before `b` in eviction order.
-    fn evicts_before(&self, a: BlockId, b: BlockId) -> bool {
-        let (ta, tb) = (
-            self.last_accessed[a as usize],
-            self.last_accessed[b as usize],
-        );
-        ta < tb
-            || (ta == tb && self.num_hashed_tokens[a as usize] > self.num_hashed_tokens[b as usize])
-    }
-
-    fn insert_evictable(&mut self, b: BlockId) {
-        // Walk back from the tail past every block that must be evicted after `b`;
-        // equal keys keep insertion order (FIFO).
-        let mut after = self.tail;
-        while after != NIL && self.evicts_before(b, after) {
-            after = self.prev[after as usize];
-        }
-        let before = if after == NIL {
-            self.head
-        } else {
-            self.next[after as usize]
-        };
-        self.prev[b as usize] = after;
-        self.next[b as usize] = before;
-        if after == NIL {
-            self.head = b;
-        } else {
-            self.next[after as usize] = b;
-        }
-        if before == NIL {
-            self.tail = b;
-        } else {
-            self.prev[before as usize] = b;
-        }
-        self.num_evictable += 1;
-    }
-
-    fn unlink(&mut self, b: BlockId) {
-        let (p, n) = (self.prev[b as usize], self.next[b as usize]);
-        if p == NIL {
-            self.head = n;
-        } else {
-            self.next[p as usize] = n;
-        }
-        if n == NIL {
-            self.tail = p;
-        } else {
-            self.prev[n as usize] = p;
-        }
-        self.prev[b as usize] = NIL;
-        self.next[b as usize] = NIL;
-        self.num_evictable -= 1;
-    }
-
     /// Check every structural invariant (tests; O(n)).
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         let n = self.num_blocks as usize;
@@ -544,16 +474,13 @@ impl BlockPool {
             }
             state[b as usize] = 1;
         }
-        let order = self.eviction_order();
-        if order.len() != self.num_evictable as usize {
-            return Err("evictable count mismatch".into());
-        }
-        for w in order.windows(2) {
-            if self.evicts_before(w[1], w[0]) {
-                return Err(format!("eviction list out of order at {} / {}", w[0], w[1]));
-            }
-        }
-        for &b in &order {
+        self.evict.check(|b| {
+            (
+                self.last_accessed[b as usize],
+                self.num_hashed_tokens[b as usize],
+            )
+        })?;
+        for &b in &self.eviction_order() {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is both free and evictable"));
             }

@@ -74,7 +74,6 @@ impl Manager {
             }
         }
         for &(id, seq) in seqs {
-            // slot numbers are `block * block_size + offset` in the manager's units
             self.check_slot_units(seq)?;
             let need = self.row_len(id, seq, after_append)?;
             if need > cols {

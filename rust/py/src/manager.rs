@@ -43,24 +43,25 @@ struct State {
 }
 
 impl State {
-    /// A list of block numbers from the prebuilt ints (a block number is a plain int: either
-    /// pool's table serves, whichever device the block is on).
-    fn int_list<'py>(&self, py: Python<'py>, blocks: &[BlockId]) -> PyResult<Bound<'py, PyList>> {
+    /// The prebuilt Python ints of `blocks` (a block number is a plain int: either pool's
+    /// table serves, whichever device the block is on). Only reference increments happen
+    /// here, so it is safe under the lock; the caller builds the list after releasing it.
+    fn block_ints<'py>(&self, py: Python<'py>, blocks: &[BlockId]) -> Vec<Bound<'py, PyAny>> {
         let ints = if self.gpu_ints.len() >= self.cpu_ints.len() {
             &self.gpu_ints
         } else {
             &self.cpu_ints
         };
-        PyList::new(
-            py,
-            blocks.iter().map(|&b| match ints.get(b as usize) {
+        blocks
+            .iter()
+            .map(|&b| match ints.get(b as usize) {
                 Some(i) => i.clone_ref(py).into_bound(py),
                 None => match b.into_pyobject(py) {
                     Ok(int) => int.into_any(),
                     Err(never) => match never {},
                 },
-            }),
-        )
+            })
+            .collect()
     }
 
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
@@ -535,9 +536,12 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let st = self.lock()?;
-        let id = st.registry.id_of(seq)?;
-        st.int_list(py, &st.inner.get_all_computed_blocks(id))
+        let ints = {
+            let st = self.lock()?;
+            let id = st.registry.id_of(seq)?;
+            st.block_ints(py, &st.inner.get_all_computed_blocks(id))
+        };
+        PyList::new(py, ints)
     }
 
     fn get_common_computed_block_ids<'py>(
@@ -546,9 +550,12 @@ impl PyManager {
         seqs: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let seqs = items(seqs)?;
-        let st = self.lock()?;
-        let ids = st.registry.ids(&seqs)?;
-        st.int_list(py, &st.inner.get_common_computed_block_ids(&ids))
+        let ints = {
+            let st = self.lock()?;
+            let ids = st.registry.ids(&seqs)?;
+            st.block_ints(py, &st.inner.get_common_computed_block_ids(&ids))
+        };
+        PyList::new(py, ints)
     }
 
     fn mark_blocks_as_computed(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {

@@ -137,7 +137,7 @@ pub fn foreign_store<'py>(
     };
     // vLLM counts a sequence's blocks in its own block size (it may differ from the manager's)
     let block_size = match seq.getattr(intern!(py, "block_size")) {
-        Ok(v) if !v.is_none() => pagedkv_core::check_block_size(int_arg(&v, "block_size")?).py()?,
+        Ok(v) if !v.is_none() => crate::hashing::check_block_size(int_arg(&v, "block_size")?)?,
         _ => block_size,
     };
     let extra = pagedkv_core::HashExtra { lora_id, salt };
