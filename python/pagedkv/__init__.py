@@ -32,6 +32,14 @@ from pagedkv.errors import (
     PagedKVError,
     UnknownSequenceError,
 )
+from pagedkv.scheduler import (
+    CacheConfig,
+    LoRAConfig,
+    ScheduledSequenceGroup,
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutputs,
+)
 from pagedkv.sequence import (
     ExecuteModelRequest,
     RequestMetrics,
@@ -68,6 +76,13 @@ __all__ = [
     "AllocStatus",
     "BlockMapping",
     "BlockSpaceManager",
+    # the scheduler (vllm/core/scheduler.py)
+    "Scheduler",
+    "SchedulerConfig",
+    "CacheConfig",
+    "LoRAConfig",
+    "SchedulerOutputs",
+    "ScheduledSequenceGroup",
     # errors
     "PagedKVError",
     "InvalidArgumentError",

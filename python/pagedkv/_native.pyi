@@ -1,20 +1,39 @@
 """Type stubs for the private native module ``pagedkv._native`` (Rust, PyO3).
 
-Import these names from :mod:`pagedkv`; ``tests/test_stubs.py`` checks this file against the
-compiled module. Errors are the classes of :mod:`pagedkv.errors`.
+Import these names from :mod:`pagedkv`. ``tests/test_typing.py`` checks this file against the
+compiled module with ``mypy.stubtest`` (names, signatures, defaults, properties) and type-checks
+usage examples against it. Errors are the classes of :mod:`pagedkv.errors`.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, disjoint_base
+
+from pagedkv.block_manager import AllocStatus, BlockMapping
+from pagedkv.protocols import SequenceGroupLike, SequenceLike
+
+__all__ = [
+    "__version__",
+    "TokenSeq",
+    "BlockHasher",
+    "BlockPool",
+    "BlockSpaceManager",
+    "CompatEnumBase",
+    "hash_blocks",
+    "set_default_hasher",
+    "get_default_hasher",
+    "_set_weak_test_hasher",
+]
 
 __version__: str
 
-TokenIds = Union[
+# Token ids: a sequence of ints or a numpy integer array (no copy for int32/int64/uint32).
+_TokenIds = Union[
     Sequence[int], npt.NDArray[np.int32], npt.NDArray[np.int64], npt.NDArray[np.uint32]
 ]
-Salt = Union[str, bytes, None]
+_Salt = Union[str, bytes, None]
 
 def set_default_hasher(hash_algo: str = "xxh3", hash_seed: Optional[int] = None) -> None:
     """Hash function for new sequences and for managers built without ``hash_algo``.
@@ -24,12 +43,16 @@ def set_default_hasher(hash_algo: str = "xxh3", hash_seed: Optional[int] = None)
 def get_default_hasher() -> Tuple[str, int]:
     """``(hash_algo, hash_seed)`` of the process default."""
 
+def _set_weak_test_hasher(hash_seed: Optional[int] = None) -> None:
+    """Make the 3-bit test hash the process default (tests only: it makes hash collisions
+    common, to show that the prefix cache never shares a block whose stored key differs)."""
+
 def hash_blocks(
-    token_ids: TokenIds,
+    token_ids: _TokenIds,
     block_size: int,
     *,
     lora_id: int = 0,
-    cache_salt: Salt = None,
+    cache_salt: _Salt = None,
     hash_algo: Optional[str] = None,
     hash_seed: Optional[int] = None,
 ) -> List[int]:
@@ -40,71 +63,89 @@ class CompatEnumBase:
     enum; equal to a foreign enum member of the same class name and member name) and
     ``hash(self._name_)``. Holds no data."""
 
-    def __eq__(self, other: object) -> bool: ...
-    def __ne__(self, other: object) -> bool: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
 
+@final
 class TokenSeq:
     """Token ids of one sequence and the chained hashes of its full blocks (each full block is
     hashed exactly once, when its last token arrives)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         *,
         lora_id: int = 0,
-        cache_salt: Salt = None,
+        cache_salt: _Salt = None,
         hash_algo: Optional[str] = None,
         hash_seed: Optional[int] = None,
-    ) -> None: ...
+    ) -> Self: ...
     def __len__(self) -> int: ...
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     @property
-    def lora_id(self) -> int: ...
-    def append(self, token_id: int) -> None: ...
-    def extend(self, token_ids: TokenIds) -> None: ...
-    def tokens(self) -> List[int]: ...
-    def token_slice(self, start: int, end: Optional[int] = None) -> List[int]: ...
-    def last_token(self) -> int: ...
+    def lora_id(self) -> int:
+        """The LoRA id that enters every block hash (0: none)."""
+    def append(self, token_id: int) -> None:
+        """Append one token id; hashes the block it completes, if any. O(1) amortised."""
+    def extend(self, token_ids: _TokenIds) -> None:
+        """Append many token ids (list, tuple or int array)."""
+    def tokens(self) -> List[int]:
+        """All token ids as a new list (O(L))."""
+    def token_slice(self, start: int, end: Optional[int] = None) -> List[int]:
+        """Token ids in ``[start, end)`` (clamped like a slice with non-negative bounds)."""
+    def last_token(self) -> int:
+        """The last token id; ``InvalidArgumentError`` if the sequence is empty."""
     @property
     def num_blocks(self) -> int:
         """Blocks the tokens occupy (the last one may be partial)."""
     @property
-    def num_full_blocks(self) -> int: ...
-    def block_tokens(self, i: int) -> List[int]: ...
+    def num_full_blocks(self) -> int:
+        """Full blocks (each hashed once, when it filled)."""
+    def block_tokens(self, i: int) -> List[int]:
+        """Token ids of logical block ``i`` (the last block may be partial)."""
     def hash_of_block(self, i: int) -> int:
         """Stored hash of full block ``i``; ``InvalidArgumentError`` (a ValueError) if block
         ``i`` is not full."""
-    def block_hashes(self) -> List[int]: ...
+    def block_hashes(self) -> List[int]:
+        """Hashes of every full block."""
     @property
     def hash_calls(self) -> int:
         """Block hashes computed so far (a test hook for 'each block exactly once')."""
     @property
-    def hasher(self) -> Tuple[str, int]: ...
-    def copy(self) -> TokenSeq: ...
+    def hasher(self) -> Tuple[str, int]:
+        """``(hash_algo, hash_seed)`` this sequence hashes with."""
+    def copy(self) -> TokenSeq:
+        """An independent copy (appending to one leaves the other unchanged). O(L) memcpy."""
     def __copy__(self) -> TokenSeq: ...
     def __deepcopy__(self, memo: Any) -> TokenSeq: ...
 
+@final
 class BlockHasher:
     """Incremental chained hasher: ``feed`` returns the hashes of blocks that became full."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int,
         *,
         lora_id: int = 0,
-        cache_salt: Salt = None,
+        cache_salt: _Salt = None,
         hash_algo: Optional[str] = None,
         hash_seed: Optional[int] = None,
-    ) -> None: ...
-    def feed(self, token_ids: TokenIds) -> List[int]: ...
+    ) -> Self: ...
+    def feed(self, token_ids: _TokenIds) -> List[int]:
+        """Feed token ids; returns the hashes of blocks completed by them (often empty)."""
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Full blocks hashed so far."""
     @property
-    def num_pending_tokens(self) -> int: ...
+    def num_pending_tokens(self) -> int:
+        """Tokens of the unfinished block, waiting for it to fill."""
 
+@final
 class BlockPool:
     """One device's blocks: ref counts, a prefix cache confirmed by token ids, and LRU eviction
     of unreferenced cached blocks (least recently accessed first; ties: more hashed tokens
@@ -112,67 +153,104 @@ class BlockPool:
     blocks). One call at a time: a concurrent call raises ``InUseError``. A GPU pool has at most
     2**31 slots."""
 
-    def __init__(
-        self, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"
-    ) -> None: ...
+    def __new__(
+        cls, num_blocks: int, block_size: int, *, enable_caching: bool = True, device: str = "gpu"
+    ) -> Self: ...
     @property
-    def num_blocks(self) -> int: ...
+    def num_blocks(self) -> int:
+        """Blocks in the pool."""
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     @property
-    def device(self) -> str: ...
+    def device(self) -> str:
+        """``"gpu"`` or ``"cpu"``."""
     @property
     def num_free(self) -> int:
         """Uncached free plus evictable blocks."""
     @property
-    def num_referenced(self) -> int: ...
+    def num_referenced(self) -> int:
+        """Blocks with ref count > 0."""
     @property
-    def num_cached(self) -> int: ...
+    def num_cached(self) -> int:
+        """Blocks registered in the prefix cache (referenced or evictable)."""
     @property
-    def num_evictable(self) -> int: ...
+    def num_evictable(self) -> int:
+        """Cached blocks with ref count 0."""
     @property
-    def lookups(self) -> int: ...
+    def lookups(self) -> int:
+        """Prefix-cache lookups so far."""
     @property
-    def hits(self) -> int: ...
+    def hits(self) -> int:
+        """Prefix-cache lookups that found a block."""
     @property
-    def evictions(self) -> int: ...
-    def allocate(self) -> int: ...
-    def allocate_many(self, n: int) -> List[int]: ...
-    def incref(self, block: int, n: int = 1) -> None: ...
-    def free(self, block: int) -> None: ...
-    def free_many(self, blocks: Iterable[int]) -> None: ...
+    def evictions(self) -> int:
+        """Cached blocks evicted to make room so far."""
+    def allocate(self) -> int:
+        """A fresh block with ref count 1 (evicts the LRU cached block if nothing else is
+        free)."""
+    def allocate_many(self, n: int) -> List[int]:
+        """``n`` fresh blocks in one call; all or nothing."""
+    def incref(self, block: int, n: int = 1) -> None:
+        """Add ``n`` references to a referenced or evictable (cached) block; revives an
+        evictable one."""
+    def free(self, block: int) -> None:
+        """Drop one reference; at zero a cached block becomes evictable, an uncached one
+        free."""
+    def free_many(self, blocks: Iterable[int]) -> None:
+        """Drop one reference from each listed block; all or nothing (checked first)."""
     def lookup(
-        self, block_hash: int, token_ids: TokenIds, *, parent_hash: int = 0, extra_key: int = 0
-    ) -> Optional[int]: ...
+        self,
+        block_hash: int,
+        token_ids: _TokenIds,
+        *,
+        parent_block: Optional[int] = None,
+        extra_key: Optional[int] = None,
+    ) -> Optional[int]:
+        """The cached block holding exactly ``token_ids`` under ``block_hash`` (registered with
+        the same ``parent_block``, still holding the same data, and the same ``extra_key``), or
+        None. Does not change ref counts (call ``incref`` to take it)."""
     def register(
         self,
         block: int,
         block_hash: int,
-        token_ids: TokenIds,
+        token_ids: _TokenIds,
         num_hashed_tokens: Optional[int] = None,
         *,
-        parent_hash: int = 0,
-        extra_key: int = 0,
-    ) -> bool: ...
-    def ref_count(self, block: int) -> int: ...
-    def block_hash(self, block: int) -> Optional[int]: ...
-    def is_evictable(self, block: int) -> bool: ...
-    def touch(self, block: int, access_time: float) -> None: ...
-    def last_accessed(self, block: int) -> float: ...
-    def eviction_order(self) -> List[int]: ...
-    def check_invariants(self) -> None: ...
+        parent_block: Optional[int] = None,
+        extra_key: Optional[int] = None,
+    ) -> bool:
+        """Register a referenced, full, uncached block under its hash. Returns False when
+        another block already holds that hash (the block then stays uncached)."""
+    def ref_count(self, block: int) -> int:
+        """The ref count of ``block``."""
+    def block_hash(self, block: int) -> Optional[int]:
+        """The hash ``block`` is cached under, or None."""
+    def is_evictable(self, block: int) -> bool:
+        """Whether ``block`` is cached with ref count 0."""
+    def touch(self, block: int, access_time: float) -> None:
+        """Set a block's last access time (eviction takes the least recent first)."""
+    def last_accessed(self, block: int) -> float:
+        """The last access time set by ``touch`` (-1.0 if never touched)."""
+    def eviction_order(self) -> List[int]:
+        """Evictable blocks, next victim first (O(n), for introspection)."""
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if any structural invariant is broken (O(n), for tests)."""
 
-class BlockManager:
-    """Native half of :class:`pagedkv.BlockSpaceManager` (see ``docs/block_manager.md``).
+@disjoint_base
+class BlockSpaceManager:
+    """Native base of :class:`pagedkv.BlockSpaceManager` (see ``docs/block_manager.md``); use
+    that class.
 
-    Sequences are pagedkv ``Sequence`` objects (``seq_id``, ``status``, ``data._store``);
-    groups expose ``seqs_dict``. Buffers are numpy int32 arrays (real ``ndarray``s: C-contiguous,
-    aligned, writable, no two overlapping) written in place (for a torch CPU tensor pass
-    ``tensor.numpy()``, which shares its memory). One call at a time: a call made while another is
-    in progress (another thread's, or a callback's) raises ``InUseError`` without waiting."""
+    Sequences and groups are anything shaped like :class:`pagedkv.protocols.SequenceLike` /
+    :class:`~pagedkv.protocols.SequenceGroupLike` (pagedkv's own, or vLLM's). Buffers are numpy
+    int32 arrays (real ``ndarray``s: C-contiguous, aligned, writable, no two overlapping) written
+    in place (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory). One call
+    at a time: a call made while another is in progress (another thread's, or a callback's)
+    raises ``InUseError`` without waiting."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         block_size: int,
         num_gpu_blocks: int,
         num_cpu_blocks: int,
@@ -183,80 +261,172 @@ class BlockManager:
         hash_algo: Optional[str] = None,
         hash_seed: Optional[int] = None,
         strict: bool = False,
-    ) -> None: ...
+    ) -> Self: ...
     @property
-    def block_size(self) -> int: ...
+    def block_size(self) -> int:
+        """Tokens per block."""
     @property
-    def num_total_gpu_blocks(self) -> int: ...
+    def num_total_gpu_blocks(self) -> int:
+        """Blocks in the GPU pool."""
     @property
-    def num_total_cpu_blocks(self) -> int: ...
+    def num_total_cpu_blocks(self) -> int:
+        """Blocks in the CPU (swap) pool."""
     @property
-    def watermark(self) -> float: ...
+    def watermark(self) -> float:
+        """Fraction of GPU blocks ``can_allocate`` keeps free."""
     @property
-    def watermark_blocks(self) -> int: ...
+    def watermark_blocks(self) -> int:
+        """``watermark * num_total_gpu_blocks``, in blocks."""
     @property
-    def enable_caching(self) -> bool: ...
+    def enable_caching(self) -> bool:
+        """Whether full blocks are shared through the prefix cache."""
     @property
-    def block_sliding_window(self) -> Optional[int]: ...
+    def block_sliding_window(self) -> Optional[int]:
+        """The sliding window in blocks (None without a window)."""
     @property
-    def strict(self) -> bool: ...
+    def strict(self) -> bool:
+        """Whether ``free`` of a sequence without a table raises ``UnknownSequenceError``."""
     @property
-    def hasher(self) -> Tuple[str, int]: ...
-    def can_allocate(self, seq_group: Any) -> Any:
-        """An ``AllocStatus``."""
-    def allocate(self, seq_group: Any) -> None: ...
-    def can_append_slots(self, seq_group: Any, num_lookahead_slots: int = 0) -> bool: ...
-    def append_slots(self, seq: Any, num_lookahead_slots: int = 0) -> Dict[int, List[int]]:
-        """Copy-on-write pairs as a ``pagedkv.BlockMapping``: a read-only ``{src: [dst, ...]}``
-        dict (``.pairs()``: the ``(src, dst)`` list; ``pagedkv.BlockSpaceManager(...,
-        mapping_format="pairs")`` returns that list, as vLLM 0.5)."""
+    def hasher(self) -> Tuple[str, int]:
+        """``(hash_algo, hash_seed)`` of the block hash."""
+    def can_allocate(self, seq_group: SequenceGroupLike) -> AllocStatus:
+        """Whether the group's WAITING prompt fits: ``OK``, ``LATER`` or ``NEVER`` (the
+        watermark counts)."""
+    def allocate(self, seq_group: SequenceGroupLike) -> None:
+        """Give the group's WAITING sequences one shared block table for the prompt
+        (prefix-cache hits reused). ``OutOfBlocksError`` if it does not fit."""
+    def can_append_slots(self, seq_group: SequenceGroupLike, num_lookahead_slots: int = 0) -> bool:
+        """Whether every RUNNING sequence of the group can get its next slots (plus
+        ``num_lookahead_slots``) now."""
+    def append_slots(
+        self, seq: SequenceLike, num_lookahead_slots: int = 0
+    ) -> BlockMapping[List[int]]:
+        """Reserve slots for the tokens appended since the last call; returns the copy-on-write
+        pairs ``{src_block: [dst_block, ...]}`` (empty when nothing is copied)."""
     def append_slots_batch(
         self,
-        seqs: Iterable[Any],
+        seqs: Iterable[SequenceLike],
         block_tables: npt.NDArray[np.int32],
         context_lens: npt.NDArray[np.int32],
         slot_mapping: npt.NDArray[np.int32],
         *,
         pad_value: int = 0,
-    ) -> Dict[int, List[int]]:
+    ) -> BlockMapping[List[int]]:
         """One decode step for many sequences: reserve each one's newest slot and write row
         ``i`` of ``block_tables`` (``[rows >= n, cols]``, padded with ``pad_value``),
         ``context_lens[i]`` (sequence length) and ``slot_mapping[i]`` (slot of the newest token,
         ``block * block_size + offset``). All checked first: on error nothing changed."""
     def fill_block_tables(
         self,
-        seqs: Iterable[Any],
+        seqs: Iterable[SequenceLike],
         block_tables: npt.NDArray[np.int32],
         *,
         context_lens: Optional[npt.NDArray[np.int32]] = None,
         pad_value: int = 0,
-    ) -> None: ...
-    def fork(self, parent_seq: Any, child_seq: Any) -> None: ...
-    def free(self, seq: Any) -> None: ...
-    def reset(self) -> None: ...
-    def can_swap_in(self, seq_group: Any, num_lookahead_slots: int = 0) -> Any:
-        """An ``AllocStatus``."""
-    def swap_in(self, seq_group: Any, num_lookahead_slots: int = 0) -> Dict[int, int]: ...
-    def can_swap_out(self, seq_group: Any) -> bool: ...
-    def swap_out(self, seq_group: Any) -> Dict[int, int]: ...
-    def get_block_table(self, seq: Any) -> List[int]: ...
-    def get_num_free_gpu_blocks(self) -> int: ...
-    def get_num_free_cpu_blocks(self) -> int: ...
-    def access_all_blocks_in_seq(self, seq: Any, access_time: float) -> None: ...
-    def compute_full_blocks_in_seq(self, seq: Any) -> None: ...
-    def get_all_computed_blocks(self, seq: Any) -> List[int]: ...
-    def get_common_computed_block_ids(self, seqs: Iterable[Any]) -> List[int]: ...
-    def mark_blocks_as_computed(self, seq_group: Any) -> None: ...
-    def access_all_blocks_in_seqs(self, seqs: Iterable[Any], access_time: float) -> None:
+    ) -> None:
+        """Write the current block tables of ``seqs`` (rows padded with ``pad_value``) and, if
+        given, their lengths into caller-owned int32 buffers, without changing anything."""
+    def fork(self, parent_seq: SequenceLike, child_seq: SequenceLike) -> None:
+        """Share every block of ``parent_seq``'s table with ``child_seq`` (ref counts +1)."""
+    def free(self, seq: SequenceLike) -> None:
+        """Release ``seq``'s table. Without a table: a no-op (vLLM), or
+        ``UnknownSequenceError`` with ``strict=True``."""
+    def reset(self) -> None:
+        """Free every sequence's table, as ``free`` on each (cached blocks stay cached,
+        evictable)."""
+    def can_swap_in(
+        self, seq_group: SequenceGroupLike, num_lookahead_slots: int = 0
+    ) -> AllocStatus:
+        """Whether the group's SWAPPED sequences fit on the GPU."""
+    def swap_in(
+        self, seq_group: SequenceGroupLike, num_lookahead_slots: int = 0
+    ) -> BlockMapping[int]:
+        """Move the group's SWAPPED sequences to the GPU; returns ``{cpu_block: gpu_block}``.
+        ``num_lookahead_slots`` is accepted for vLLM's signature; slots are reserved by the
+        next ``append_slots``, as in vLLM."""
+    def can_swap_out(self, seq_group: SequenceGroupLike) -> bool:
+        """Whether the distinct blocks of the group's unfinished sequences fit in the free CPU
+        blocks."""
+    def swap_out(self, seq_group: SequenceGroupLike) -> BlockMapping[int]:
+        """Move the group's RUNNING sequences to the CPU; returns ``{gpu_block: cpu_block}``."""
+    def get_block_table(self, seq: SequenceLike) -> List[int]:
+        """The physical block ids of ``seq``'s table, in logical order (a new list)."""
+    def get_num_free_gpu_blocks(self) -> int:
+        """Free GPU blocks (evictable cached blocks count as free)."""
+    def get_num_free_cpu_blocks(self) -> int:
+        """Free CPU blocks (evictable cached blocks count as free)."""
+    def access_all_blocks_in_seq(self, seq: SequenceLike, access_time: float) -> None:
+        """Record ``access_time`` as the last access of every block of ``seq`` (LRU eviction
+        order)."""
+    def compute_full_blocks_in_seq(self, seq: SequenceLike) -> None:
+        """Mark every full block of ``seq`` as computed (prefix caching)."""
+    def get_all_computed_blocks(self, seq: SequenceLike) -> List[int]:
+        """The computed blocks of ``seq``'s table, except its last block (as vLLM)."""
+    def get_common_computed_block_ids(self, seqs: Iterable[SequenceLike]) -> List[int]:
+        """Longest common prefix of the computed blocks of ``seqs`` (those with none are
+        skipped; empty without caching)."""
+    def mark_blocks_as_computed(self, seq_group: SequenceGroupLike) -> None:
+        """Mark the full blocks of every sequence of the group as computed (no-op without
+        caching)."""
+    def access_all_blocks_in_seqs(self, seqs: Iterable[SequenceLike], access_time: float) -> None:
         """Batch form of ``access_all_blocks_in_seq`` (all checked before any change)."""
-    def compute_full_blocks_in_seqs(self, seqs: Iterable[Any]) -> None:
+    def compute_full_blocks_in_seqs(self, seqs: Iterable[SequenceLike]) -> None:
         """Batch form of ``compute_full_blocks_in_seq``."""
-    def has_table(self, seq: Any) -> bool: ...
-    def table_device(self, seq: Any) -> str: ...
-    def ref_count(self, device: str, block: int) -> int: ...
-    def block_info(self, device: str, block: int) -> Dict[str, Any]: ...
+    def has_table(self, seq: SequenceLike) -> bool:
+        """Whether ``seq`` holds a block table in this manager."""
+    def table_device(self, seq: SequenceLike) -> str:
+        """Device (``"gpu"``/``"cpu"``) the sequence's table lives on."""
+    def ref_count(self, device: str, block: int) -> int:
+        """The ref count of ``block`` on ``device`` (``"gpu"`` or ``"cpu"``)."""
+    def block_info(self, device: str, block: int) -> Dict[str, Any]:
+        """``{ref_count, block_hash, num_hashed_tokens, last_accessed, computed}`` of one
+        block."""
     def prefix_cache_stats(self) -> Tuple[int, int]:
         """``(lookups, hits)`` of full prompt blocks in ``allocate``."""
-    def num_cached_blocks(self, device: str = "gpu") -> int: ...
-    def num_evictable_blocks(self, device: str = "gpu") -> int: ...
-    def check_invariants(self) -> None: ...
+    def num_cached_blocks(self, device: str = "gpu") -> int:
+        """Blocks of ``device`` registered in the prefix cache (referenced or evictable)."""
+    def num_evictable_blocks(self, device: str = "gpu") -> int:
+        """Cached blocks of ``device`` with ref count 0 (reusable after eviction)."""
+    def check_invariants(self) -> None:
+        """Raise ``AssertionError`` if a pool invariant is broken or a ref count disagrees
+        with the tables (O(blocks); for tests)."""
+
+class SchedulerCore:
+    """Native half of :class:`pagedkv.Scheduler` (see ``docs/scheduler.md``): vLLM 0.4.2's
+    scheduling policy over the core of ``manager`` (a ``BlockSpaceManager``)."""
+
+    def __init__(
+        self,
+        manager: BlockSpaceManager,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        *,
+        num_lookahead_slots: int = 0,
+        delay_factor: float = 0.0,
+        chunked_prefill: bool = False,
+        max_loras: Optional[int] = None,
+        preemption_mode: Optional[str] = None,
+    ) -> None:
+        """See :class:`pagedkv.Scheduler` for the arguments."""
+    @property
+    def manager(self) -> BlockSpaceManager:
+        """The block manager the scheduler drives."""
+    def add_seq_group(self, group: Any) -> None:
+        """Queue a new ``SequenceGroup`` (its sequences WAITING) at the end of waiting."""
+    def abort(self, request_ids: List[str]) -> None:
+        """Finish (FINISHED_ABORTED) and free every group whose request id is listed."""
+    def num_unfinished(self) -> int:
+        """Groups in waiting, running and swapped together."""
+    def queue(self, which: str) -> List[Any]:
+        """The groups of ``"waiting"``, ``"running"`` or ``"swapped"``, in order."""
+    def schedule(self, now: float) -> Tuple[Any, ...]:
+        """``(scheduled, metadata, num_prefill_groups, num_batched_tokens, swap_in,
+        swap_out, copies, ignored, num_lookahead_slots, running_queue_size)``: the
+        ``ScheduledSequenceGroup`` and ``SequenceGroupMetadata`` lists in vLLM's order."""
+    def fork(self, parent: Any, child: Any) -> None:
+        """Register ``child`` in ``parent``'s group and share its blocks (copy-on-write)."""
+    def free_finished(self) -> None:
+        """Drop running groups whose sequences have all finished."""
+    def state_bytes(self) -> int:
+        """Bytes of native scheduler state (queues, groups, sequences, references)."""

@@ -48,12 +48,15 @@ class LogicalTokenBlock:
         self.num_tokens = 0
 
     def is_empty(self) -> bool:
+        """Whether the block holds no token yet."""
         return self.num_tokens == 0
 
     def get_num_empty_slots(self) -> int:
+        """Tokens the block can still take."""
         return self.block_size - self.num_tokens
 
     def is_full(self) -> bool:
+        """Whether the block holds ``block_size`` tokens."""
         return self.num_tokens == self.block_size
 
     def append_tokens(self, token_ids: List[int]) -> None:
@@ -73,6 +76,7 @@ class LogicalTokenBlock:
         return self.token_ids[: self.num_tokens]
 
     def get_last_token_id(self) -> int:
+        """The block's last token id; ``ValueError`` if it is empty."""
         if self.num_tokens == 0:
             raise ValueError(f"logical block {self.block_number} is empty")
         return self.token_ids[self.num_tokens - 1]

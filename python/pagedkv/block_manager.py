@@ -1,21 +1,23 @@
 """``BlockSpaceManager``: vLLM's block manager API (BlockSpaceManagerV1 semantics) in Rust.
 
 The exact contract, shared with the pure-Python reference in :mod:`pagedkv.reference`, is in
-``docs/block_manager.md``. All the work happens in the native ``BlockManager`` this class
-extends: each call reads the sequence's id, status and native token store
-(``seq.data._store``) straight from the Python objects, crossing the boundary once per call.
+``docs/block_manager.md``. All the work happens in the native base class this class extends
+(``pagedkv._native.BlockSpaceManager``): each call reads the sequence's id, status and native
+token store (``seq.data._store``) straight from the Python objects, crossing the boundary once
+per call.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Dict, List, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple, Type
 from typing import Sequence as Seq
 
 from pagedkv._enum import CompatEnum
-from pagedkv._native import BlockManager as _NativeBlockManager
+from pagedkv._native import BlockSpaceManager as _NativeBlockManager
 from pagedkv.block import Device, PhysicalTokenBlock
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.protocols import SequenceGroupLike, SequenceLike
 
 __all__ = [
     "AllocStatus",
@@ -27,14 +29,30 @@ __all__ = [
 
 BlockTable = List[int]
 
+if TYPE_CHECKING:
+    # PEP 696 default: a bare ``BlockMapping`` annotation means ``BlockMapping[Any]``, even
+    # under ``mypy --strict`` (typing_extensions is only needed by the type checker).
+    from typing_extensions import TypeVar
 
-class BlockMapping(dict):
+    _V = TypeVar("_V", default=Any)
+else:
+    from typing import TypeVar
+
+    _V = TypeVar("_V")
+
+_M = TypeVar("_M", bound="BlockSpaceManager")
+
+
+class BlockMapping(Dict[int, _V]):
     """What ``append_slots`` (``{src: [dst, ...]}``), ``swap_in`` and ``swap_out``
     (``{src: dst}``) return by default: a read-only ``dict`` in every respect (iteration,
     ``len``, ``in``, ``[]``, ``.items()``), as vLLM 0.4 and the seed return ``Dict``.
     ``pairs()`` lists the ``(src, dst)`` pairs (vLLM 0.5's format); a manager built with
     ``mapping_format="pairs"`` returns such lists directly. ``dict(mapping)`` or
     ``mapping.copy()`` gives a plain, mutable dict.
+
+    Typed ``BlockMapping[List[int]]`` (copy-on-write) or ``BlockMapping[int]`` (swaps); a bare
+    ``BlockMapping`` annotation accepts both.
     """
 
     __slots__ = ()
@@ -42,21 +60,24 @@ class BlockMapping(dict):
     def pairs(self) -> List[Tuple[int, int]]:
         """The ``(src, dst)`` pairs, in order, one per destination (vLLM 0.5's format)."""
         out: List[Tuple[int, int]] = []
-        for src, dst in dict.items(self):
+        items: Any = dict.items(self)  # values: lists of block ids or block ids
+        for src, dst in items:
             if isinstance(dst, list):
                 out.extend((src, d) for d in dst)
             else:
                 out.append((src, dst))
         return out
 
-    def copy(self) -> dict:  # type: ignore[override]
+    def copy(self) -> Dict[int, _V]:
+        """A plain, mutable ``dict`` with the same items."""
         return dict(dict.items(self))
 
     def _read_only(self, *args, **kwargs):
+        """Refused: a ``BlockMapping`` is read-only (``copy()`` it first)."""
         raise TypeError("a BlockMapping returned by the manager is read-only; copy() it first")
 
-    __setitem__ = __delitem__ = __ior__ = _read_only  # type: ignore[assignment]
-    update = pop = popitem = clear = setdefault = _read_only  # type: ignore[assignment]
+    __setitem__ = __delitem__ = __ior__ = _read_only
+    update = pop = popitem = clear = setdefault = _read_only
 
     def __reduce__(self):
         return (dict, (dict(dict.items(self)),))
@@ -118,15 +139,41 @@ class BlockSpaceManager(_NativeBlockManager):
 
     mapping_format = "dict"
 
-    def __new__(cls, *args, mapping_format: str = "dict", **kwargs):
+    def __new__(
+        cls: Type[_M],
+        block_size: int,
+        num_gpu_blocks: int,
+        num_cpu_blocks: int,
+        watermark: float = 0.01,
+        sliding_window: Optional[int] = None,
+        enable_caching: bool = False,
+        *,
+        hash_algo: Optional[str] = None,
+        hash_seed: Optional[int] = None,
+        strict: bool = False,
+        mapping_format: str = "dict",
+    ) -> _M:
+        # The parameters are spelled out (not *args) so that signatures and type checkers show
+        # them.
         if check_mapping_format(mapping_format) == "pairs" and cls.mapping_format != "pairs":
             cls = _pairs_class(cls)
-        return super().__new__(cls, *args, **kwargs)
+        return super().__new__(
+            cls,
+            block_size,
+            num_gpu_blocks,
+            num_cpu_blocks,
+            watermark,
+            sliding_window,
+            enable_caching,
+            hash_algo=hash_algo,
+            hash_seed=hash_seed,
+            strict=strict,
+        )
 
-    def __init__(self, *args, mapping_format: str = "dict", **kwargs) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         pass  # everything happens in __new__ (the native constructor)
 
-    def get_physical_blocks(self, seq) -> List[PhysicalTokenBlock]:
+    def get_physical_blocks(self, seq: SequenceLike) -> List[PhysicalTokenBlock]:
         """Snapshot views of the distinct physical blocks of ``seq``'s table (introspection;
         not for hot paths)."""
         device_name = self.table_device(seq)
@@ -150,7 +197,7 @@ class BlockSpaceManager(_NativeBlockManager):
         blk.computed = info["computed"]
         return blk
 
-    def get_block_tables(self, seqs: Seq) -> Dict[int, BlockTable]:
+    def get_block_tables(self, seqs: Seq[SequenceLike]) -> Dict[int, BlockTable]:
         """``{seq_id: block_table}`` for several sequences (convenience for metadata)."""
         return {seq.seq_id: self.get_block_table(seq) for seq in seqs}
 
@@ -165,12 +212,15 @@ def _pairs_class(cls: type) -> type:
     if made is None:
 
         def append_slots(self, seq, num_lookahead_slots=0):
+            """``append_slots`` of the base class as a list of ``(src, dst)`` pairs."""
             return cls.append_slots(self, seq, num_lookahead_slots).pairs()
 
         def swap_in(self, seq_group, *args, **kwargs):
+            """``swap_in`` of the base class as a list of ``(src, dst)`` pairs."""
             return cls.swap_in(self, seq_group, *args, **kwargs).pairs()
 
         def swap_out(self, seq_group):
+            """``swap_out`` of the base class as a list of ``(src, dst)`` pairs."""
             return cls.swap_out(self, seq_group).pairs()
 
         namespace = {
@@ -186,6 +236,22 @@ def _pairs_class(cls: type) -> type:
     return made
 
 
-#: ``BlockSpaceManager`` with ``mapping_format="pairs"`` fixed: a drop-in for vLLM 0.5's
-#: ``BlockSpaceManagerV1``, whose scheduler ``extend``s lists with the results.
-BlockSpaceManagerPairs = _pairs_class(BlockSpaceManager)
+if TYPE_CHECKING:
+
+    class BlockSpaceManagerPairs(BlockSpaceManager):
+        """``BlockSpaceManager`` returning lists of ``(src, dst)`` pairs (for type checkers)."""
+
+        def append_slots(  # type: ignore[override]
+            self, seq: SequenceLike, num_lookahead_slots: int = 0
+        ) -> List[Tuple[int, int]]: ...
+        def swap_in(  # type: ignore[override]
+            self, seq_group: SequenceGroupLike, num_lookahead_slots: int = 0
+        ) -> List[Tuple[int, int]]: ...
+        def swap_out(  # type: ignore[override]
+            self, seq_group: SequenceGroupLike
+        ) -> List[Tuple[int, int]]: ...
+
+else:
+    #: ``BlockSpaceManager`` with ``mapping_format="pairs"`` fixed: a drop-in for vLLM 0.5's
+    #: ``BlockSpaceManagerV1``, whose scheduler ``extend``s lists with the results.
+    BlockSpaceManagerPairs = _pairs_class(BlockSpaceManager)

@@ -235,6 +235,7 @@ class SamplingParams:
 
     @property
     def sampling_type(self) -> SamplingType:
+        """How the next token is chosen: beam search, greedy, seeded or plain random."""
         if self.use_beam_search:
             return SamplingType.BEAM
         if self.temperature < _SAMPLING_EPS:

@@ -19,6 +19,8 @@ slots (``-1`` marks a padding token whose K/V must not be written).
 All operations are batched: index tensors are built once and each cache tensor
 sees a single gather/scatter, never a Python loop over blocks.
 
+Index arguments may be numpy integer arrays, such as the int32 ``slot_mapping`` buffer that
+``BlockSpaceManager.append_slots_batch`` fills: ``torch.from_numpy`` wraps them without a copy.
 Bad arguments raise :class:`pagedkv.errors.InvalidArgumentError` (a ``ValueError``);
 wrongly typed ones :class:`~pagedkv.errors.ArgumentTypeError` (also a ``TypeError``).
 Validation happens before anything is written.
@@ -27,11 +29,25 @@ Validation happens before anything is written.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Union
 
+import numpy as np
 import torch
 
 from ..errors import ArgumentTypeError, InvalidArgumentError
+from ._args import index_tensor, tensor
+
+#: Block-id pairs for :func:`copy_blocks` / :func:`swap_blocks`: a mapping (``{src: [dst, ...]}``
+#: or ``{src: dst}``, e.g. a ``BlockMapping`` from the manager), an iterable of ``(src, dst)``
+#: pairs, or an integer ``[n, 2]`` tensor / numpy array of pairs (vLLM 0.5's format).
+BlockPairs = Union[
+    Mapping[int, Sequence[int]],
+    Mapping[int, int],
+    Iterable[Sequence[int]],
+    torch.Tensor,
+    np.ndarray,
+]
 
 __all__ = [
     "allocate_kv_cache",
@@ -91,7 +107,7 @@ def write_kv(
     v_cache: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    slot_mapping: torch.Tensor,
+    slot_mapping: torch.Tensor | np.ndarray,
     *,
     validate: bool = True,
 ) -> None:
@@ -101,8 +117,9 @@ def write_kv(
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``,
             contiguous (e.g. the views returned by :func:`split_kv_cache`).
         key, value: ``[num_tokens, num_kv_heads, head_dim]``; cast to the cache dtype.
-        slot_mapping: integer ``[num_tokens]``; ``slot = block * block_size + offset``.
-            Negative entries (``-1`` = padding) are skipped.
+        slot_mapping: integer ``[num_tokens]`` tensor or numpy array (shared, not copied);
+            ``slot = block * block_size + offset``. Negative entries (``-1`` = padding) are
+            skipped.
         validate: check that slots are in range.  On CUDA this costs a host sync;
             pass ``False`` in a hot loop once inputs are trusted.
 
@@ -110,6 +127,9 @@ def write_kv(
     step can share a cached block that neither has computed yet, and both write the same
     (identical) K/V into it, as in vLLM. Which of the equal copies lands is unspecified.
     """
+    k_cache, v_cache = tensor(k_cache, "k_cache"), tensor(v_cache, "v_cache")
+    key, value = tensor(key, "key"), tensor(value, "value")
+    slot_mapping = index_tensor(slot_mapping, "slot_mapping")
     _check_kv_pair(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     expected = (num_kv_heads, head_dim)
@@ -156,27 +176,20 @@ def _check_slots(slots: torch.Tensor, num_slots: int) -> None:
 # --------------------------------------------------------------------------- #
 
 
-def copy_blocks(
-    kv_caches: Sequence[torch.Tensor], blocks_to_copy: Mapping[int, Sequence[int]]
-) -> None:
-    """Copy-on-write: copy block ``src`` to every ``dst`` in ``blocks_to_copy[src]``.
+def copy_blocks(kv_caches: Sequence[torch.Tensor], blocks_to_copy: BlockPairs) -> None:
+    """Copy-on-write: copy block ``src`` to every ``dst`` it is paired with.
 
+    ``blocks_to_copy`` is what ``append_slots`` returns (``{src: [dst, ...]}``), any iterable
+    of ``(src, dst)`` pairs, or an integer ``[n, 2]`` tensor or numpy array of pairs.
     Applied to every layer cache in ``kv_caches`` (each
     ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, K and V together).
     All sources are read before any destination is written, so the result does
-    not depend on dict order.  Destinations must be distinct.
+    not depend on order.  Destinations must be distinct.
     """
-    if not blocks_to_copy:
-        return
-    caches = _check_cache_list(kv_caches, "kv_caches")
-    src_ids: list[int] = []
-    dst_ids: list[int] = []
-    for src, dsts in blocks_to_copy.items():
-        for dst in dsts:
-            src_ids.append(src)
-            dst_ids.append(dst)
+    src_ids, dst_ids = _block_pairs(blocks_to_copy, "blocks_to_copy")
     if not dst_ids:
         return
+    caches = _check_cache_list(kv_caches, "kv_caches")
     num_blocks = caches[0].shape[1]
     src_ids = _check_block_ids(src_ids, num_blocks, "source")
     dst_ids = _check_block_ids(dst_ids, num_blocks, "destination")
@@ -195,9 +208,12 @@ def copy_blocks(
 def swap_blocks(
     src_caches: Sequence[torch.Tensor],
     dst_caches: Sequence[torch.Tensor],
-    mapping: Mapping[int, int],
+    mapping: BlockPairs,
 ) -> None:
     """Copy block ``src`` of ``src_caches`` into block ``mapping[src]`` of ``dst_caches``.
+
+    ``mapping`` is what ``swap_in``/``swap_out`` return (``{src: dst}``), any iterable of
+    ``(src, dst)`` pairs, or an integer ``[n, 2]`` tensor or numpy array of pairs.
 
     Used for swap-out (GPU cache -> CPU swap space) and swap-in (CPU -> GPU).
     Layer ``i`` of ``src_caches`` is copied into layer ``i`` of ``dst_caches``;
@@ -211,7 +227,8 @@ def swap_blocks(
         raise InvalidArgumentError(
             f"src_caches has {len(src_caches)} layers, dst_caches has {len(dst_caches)}"
         )
-    if not mapping:
+    src_ids, dst_ids = _block_pairs(mapping, "mapping")
+    if not dst_ids:
         return
     srcs = _check_cache_list(src_caches, "src_caches")
     dsts = _check_cache_list(dst_caches, "dst_caches")
@@ -220,8 +237,6 @@ def swap_blocks(
             "src and dst caches must agree on block_size, num_kv_heads, head_dim and dtype: "
             f"{tuple(srcs[0].shape)} {srcs[0].dtype} vs {tuple(dsts[0].shape)} {dsts[0].dtype}"
         )
-    src_ids = list(mapping.keys())
-    dst_ids = list(mapping.values())
     src_ids = _check_block_ids(src_ids, srcs[0].shape[1], "source")
     dst_ids = _check_block_ids(dst_ids, dsts[0].shape[1], "destination")
     _check_unique(dst_ids, "destination")
@@ -262,12 +277,51 @@ def _sync_device_to_host(srcs: list[torch.Tensor], dsts: list[torch.Tensor]) -> 
 # --------------------------------------------------------------------------- #
 
 
+def _block_pairs(pairs: BlockPairs, name: str) -> tuple[list, list]:
+    """``(sources, destinations)`` of a mapping, an iterable of pairs or an ``[n, 2]`` array.
+
+    A mapping's values may be lists of destinations (copy-on-write) or single ones (swap).
+    Ids are not checked here (see :func:`_check_block_ids`).
+    """
+    if isinstance(pairs, (torch.Tensor, np.ndarray)):
+        arr = index_tensor(pairs, name)
+        if arr.dim() != 2 or arr.shape[1] != 2:
+            raise InvalidArgumentError(
+                f"{name} as an array must have shape [n, 2], got {tuple(arr.shape)}"
+            )
+        if arr.dtype not in _INT_DTYPES:
+            raise ArgumentTypeError(f"{name} must be an integer array, got {arr.dtype}")
+        flat = arr.cpu().tolist()
+        return [p[0] for p in flat], [p[1] for p in flat]
+    srcs: list = []
+    dsts: list = []
+    if isinstance(pairs, Mapping):
+        for src, dst in pairs.items():
+            many = dst if isinstance(dst, (list, tuple)) else [dst]
+            srcs.extend([src] * len(many))
+            dsts.extend(many)
+        return srcs, dsts
+    try:
+        items = list(pairs)
+    except TypeError:
+        raise ArgumentTypeError(
+            f"{name} must be a mapping {{src: [dst, ...]}} or {{src: dst}}, an iterable of "
+            f"(src, dst) pairs or an integer [n, 2] array; got {type(pairs).__name__}"
+        ) from None
+    for pair in items:
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+            raise ArgumentTypeError(f"{name} item must be a (src, dst) pair, got {pair!r}")
+        srcs.append(pair[0])
+        dsts.append(pair[1])
+    return srcs, dsts
+
+
 def _check_layer_cache(cache: torch.Tensor, name: str) -> None:
-    if not isinstance(cache, torch.Tensor) or cache.dim() != 5 or cache.shape[0] != 2:
-        shape = tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__
+    cache = tensor(cache, name)
+    if cache.dim() != 5 or cache.shape[0] != 2:
         raise InvalidArgumentError(
             f"{name} must have shape [2, num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {shape}"
+            f"got {tuple(cache.shape)}"
         )
 
 

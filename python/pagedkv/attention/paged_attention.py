@@ -38,8 +38,13 @@ Backends (``backend=``):
 * ``"auto"`` (default): ``"flash_attn"`` when all of its requirements hold,
   else ``"torch"``.
 
+Index arguments (``block_tables``, ``context_lens``, ``query_start_loc``) may be numpy
+integer arrays, such as the int32 buffers ``BlockSpaceManager.append_slots_batch`` fills: they
+are wrapped with ``torch.from_numpy`` (no copy) and moved to the query's device.
+
 Invalid shapes, lengths or block ids raise
-:class:`~pagedkv.errors.InvalidArgumentError` (a ``ValueError``).
+:class:`~pagedkv.errors.InvalidArgumentError` (a ``ValueError``); arguments of the wrong type
+:class:`~pagedkv.errors.ArgumentTypeError` (a ``TypeError``).
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ import functools
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..errors import InvalidArgumentError
+from ._args import index_tensor, tensor
 
 __all__ = ["FLASH_ATTN_BLOCK_MULTIPLE", "flash_attn_unavailable_reason", "paged_attention"]
 
@@ -65,10 +72,10 @@ def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    context_lens: torch.Tensor,
+    block_tables: torch.Tensor | np.ndarray,
+    context_lens: torch.Tensor | np.ndarray,
     *,
-    query_start_loc: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | np.ndarray | None = None,
     scale: float | None = None,
     backend: str = "auto",
     validate: bool = True,
@@ -82,6 +89,7 @@ def paged_attention(
         context_lens: integer ``[num_seqs]``, cached tokens incl. the query tokens.
         query_start_loc: integer ``[num_seqs + 1]`` cumulative query offsets, or
             ``None`` for decode (one query token per sequence).
+        The three index arguments are tensors or numpy integer arrays (shared, not copied).
         scale: softmax scale, default ``1 / sqrt(head_dim)``.
         backend: ``"auto"``, ``"torch"`` or ``"flash_attn"`` (see module docs).
         validate: check index values (lengths, block ids).  Costs host syncs on CUDA.
@@ -91,6 +99,15 @@ def paged_attention(
     """
     if backend not in _BACKENDS:
         raise InvalidArgumentError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    query, k_cache, v_cache = (
+        tensor(query, "query"),
+        tensor(k_cache, "k_cache"),
+        tensor(v_cache, "v_cache"),
+    )
+    block_tables = index_tensor(block_tables, "block_tables")
+    context_lens = index_tensor(context_lens, "context_lens")
+    if query_start_loc is not None:
+        query_start_loc = index_tensor(query_start_loc, "query_start_loc")
     _check_shapes(query, k_cache, v_cache, block_tables, context_lens, query_start_loc)
     layout = _QueryLayout.build(query_start_loc, block_tables.shape[0], query.shape[0])
     if validate:

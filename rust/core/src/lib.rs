@@ -14,6 +14,7 @@ pub mod hash;
 pub mod limits;
 pub mod manager;
 pub mod pool;
+pub mod scheduler;
 pub mod step_buffers;
 pub mod token_seq;
 

@@ -121,7 +121,8 @@ pub struct PyTokenSeq {
 #[pymethods]
 impl PyTokenSeq {
     #[new]
-    #[pyo3(signature = (block_size, token_ids, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
+    #[pyo3(signature = (block_size, token_ids, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None),
+           text_signature = "(block_size, token_ids, *, lora_id=0, cache_salt=None, hash_algo=None, hash_seed=None)")]
     fn new(
         block_size: Int64,
         token_ids: &Bound<'_, PyAny>,
@@ -146,11 +147,13 @@ impl PyTokenSeq {
         self.inner.len()
     }
 
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> usize {
         self.inner.block_size()
     }
 
+    /// The LoRA id that enters every block hash (0: none).
     #[getter]
     fn lora_id(&self) -> i64 {
         self.inner.extra().lora_id
@@ -192,6 +195,7 @@ impl PyTokenSeq {
         PyList::new(py, &t[start.min(end)..end])
     }
 
+    /// The last token id; `InvalidArgumentError` if the sequence is empty.
     fn last_token(&self) -> PyResult<u32> {
         self.inner
             .tokens()
@@ -200,11 +204,13 @@ impl PyTokenSeq {
             .ok_or_else(|| invalid("the sequence has no tokens"))
     }
 
+    /// Blocks the tokens occupy (the last one may be partial).
     #[getter]
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()
     }
 
+    /// Full blocks (each hashed once, when it filled).
     #[getter]
     fn num_full_blocks(&self) -> usize {
         self.inner.num_full_blocks()
@@ -264,10 +270,12 @@ impl PyTokenSeq {
         }
     }
 
+    /// Same as `copy()`.
     fn __copy__(&self) -> Self {
         self.copy()
     }
 
+    /// Same as `copy()` (token ids hold no references to share).
     fn __deepcopy__(&self, _memo: &Bound<'_, PyAny>) -> Self {
         self.copy()
     }
@@ -293,7 +301,8 @@ pub struct PyBlockHasher {
 #[pymethods]
 impl PyBlockHasher {
     #[new]
-    #[pyo3(signature = (block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
+    #[pyo3(signature = (block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None),
+           text_signature = "(block_size, *, lora_id=0, cache_salt=None, hash_algo=None, hash_seed=None)")]
     fn new(
         block_size: Int64,
         lora_id: Int64,
@@ -327,11 +336,13 @@ impl PyBlockHasher {
         PyList::new(slf.py(), &this.out)
     }
 
+    /// Full blocks hashed so far.
     #[getter]
     fn num_blocks(&self) -> usize {
         self.inner.num_blocks()
     }
 
+    /// Tokens of the unfinished block, waiting for it to fill.
     #[getter]
     fn num_pending_tokens(&self) -> usize {
         self.inner.num_pending_tokens()
@@ -340,7 +351,8 @@ impl PyBlockHasher {
 
 /// Chained hashes of every full block of `token_ids` in one call.
 #[pyfunction]
-#[pyo3(signature = (token_ids, block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None))]
+#[pyo3(signature = (token_ids, block_size, *, lora_id = Int64(0), cache_salt = None, hash_algo = None, hash_seed = None),
+       text_signature = "(token_ids, block_size, *, lora_id=0, cache_salt=None, hash_algo=None, hash_seed=None)")]
 pub fn hash_blocks<'py>(
     py: Python<'py>,
     token_ids: &Bound<'py, PyAny>,

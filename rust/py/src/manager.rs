@@ -1,4 +1,5 @@
-//! `BlockManager`: the native half of `pagedkv.BlockSpaceManager`. Each method reads its
+//! `_native.BlockSpaceManager`: the native base class of `pagedkv.BlockSpaceManager` (same
+//! name, so type checkers and tracebacks name the class users know). Each method reads its
 //! arguments (sequences, groups, buffers) off the Python objects and makes one core call.
 //!
 //! Concurrency: the manager's state sits behind a lock that is only ever *tried*: a call made
@@ -20,7 +21,14 @@ use pyo3::{PyTraverseError, PyVisit};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
-#[pyclass(module = "pagedkv._native", name = "BlockManager", subclass, frozen)]
+/// Native base of `pagedkv.BlockSpaceManager`: vLLM's block manager API (BlockSpaceManagerV1
+/// semantics) over the core manager. Use `pagedkv.BlockSpaceManager`.
+#[pyclass(
+    module = "pagedkv._native",
+    name = "BlockSpaceManager",
+    subclass,
+    frozen
+)]
 pub struct PyManager {
     /// Fixed at construction (read without the lock).
     cfg: ManagerConfig,
@@ -131,7 +139,7 @@ impl PyManager {
             // The core does not panic on any input; if it ever did, its calls check before
             // they mutate, so the state is still consistent.
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
-            Err(TryLockError::WouldBlock) => Err(busy("this BlockManager")),
+            Err(TryLockError::WouldBlock) => Err(busy("this BlockSpaceManager")),
         }
     }
 
@@ -187,7 +195,8 @@ impl PyManager {
 impl PyManager {
     #[new]
     #[pyo3(signature = (block_size, num_gpu_blocks, num_cpu_blocks, watermark = Real(0.01), sliding_window = None,
-                        enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false))]
+                        enable_caching = false, *, hash_algo = None, hash_seed = None, strict = false),
+           text_signature = "(block_size, num_gpu_blocks, num_cpu_blocks, watermark=0.01, sliding_window=None, enable_caching=False, *, hash_algo=None, hash_seed=None, strict=False)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -250,44 +259,55 @@ impl PyManager {
     }
 
     // ---- configuration -----------------------------------------------------------------
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> usize {
         self.cfg.block_size
     }
+    /// Blocks in the GPU pool.
     #[getter]
     fn num_total_gpu_blocks(&self) -> u32 {
         self.cfg.num_gpu_blocks
     }
+    /// Blocks in the CPU (swap) pool.
     #[getter]
     fn num_total_cpu_blocks(&self) -> u32 {
         self.cfg.num_cpu_blocks
     }
+    /// Fraction of GPU blocks `can_allocate` keeps free.
     #[getter]
     fn watermark(&self) -> f64 {
         self.cfg.watermark
     }
+    /// `watermark * num_total_gpu_blocks`, in blocks.
     #[getter]
     fn watermark_blocks(&self) -> usize {
         self.watermark_blocks
     }
+    /// Whether full blocks are shared through the prefix cache.
     #[getter]
     fn enable_caching(&self) -> bool {
         self.cfg.enable_caching
     }
+    /// The sliding window in blocks (None without a window).
     #[getter]
     fn block_sliding_window(&self) -> Option<usize> {
         self.window
     }
+    /// Whether `free` of a sequence without a table raises `UnknownSequenceError`.
     #[getter]
     fn strict(&self) -> bool {
         self.cfg.strict
     }
+    /// `(hash_algo, hash_seed)` of the block hash.
     #[getter]
     fn hasher(&self) -> (&'static str, u64) {
         (self.cfg.hasher.algo.name(), self.cfg.hasher.seed)
     }
 
     // ---- allocation --------------------------------------------------------------------
+    /// Whether the group's WAITING prompt fits: an `AllocStatus` (OK, LATER or NEVER;
+    /// the watermark counts).
     fn can_allocate(&self, py: Python<'_>, seq_group: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let waiting = with_status(seq_group, |s| s == Status::Waiting)?;
         let first = waiting
@@ -302,6 +322,8 @@ impl PyManager {
         alloc_status(py, status)
     }
 
+    /// Give the group's WAITING sequences one shared block table for the prompt (prefix-cache
+    /// hits reused). `OutOfBlocksError` if it does not fit.
     fn allocate(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         let waiting = with_status(seq_group, |s| s == Status::Waiting)?;
         let mut st = self.lock()?;
@@ -315,7 +337,10 @@ impl PyManager {
         Ok(())
     }
 
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    /// Whether every RUNNING sequence of the group can get its next slots (plus
+    /// `num_lookahead_slots`) now.
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn can_append_slots(
         &self,
         seq_group: &Bound<'_, PyAny>,
@@ -332,7 +357,8 @@ impl PyManager {
 
     /// Reserve slots for the tokens appended since the last call; returns copy-on-write pairs
     /// `{src_block: [dst_block, ...]}` (empty when nothing is copied).
-    #[pyo3(signature = (seq, num_lookahead_slots = Count(0)))]
+    #[pyo3(signature = (seq, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq, num_lookahead_slots=0)")]
     fn append_slots<'py>(
         &self,
         py: Python<'py>,
@@ -360,7 +386,8 @@ impl PyManager {
     /// written in place; they must not overlap. Everything is checked before anything changes;
     /// out of blocks raises `OutOfBlocksError` with no sequence touched. Returns the
     /// copy-on-write pairs.
-    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)))]
+    #[pyo3(signature = (seqs, block_tables, context_lens, slot_mapping, *, pad_value = Int32(0)),
+           text_signature = "($self, seqs, block_tables, context_lens, slot_mapping, *, pad_value=0)")]
     fn append_slots_batch<'py>(
         &self,
         py: Python<'py>,
@@ -381,7 +408,8 @@ impl PyManager {
 
     /// Write the current block tables of `seqs` (rows padded with `pad_value`) and, if given,
     /// their lengths into caller-owned int32 buffers, without changing anything.
-    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = Int32(0)))]
+    #[pyo3(signature = (seqs, block_tables, *, context_lens = None, pad_value = Int32(0)),
+           text_signature = "($self, seqs, block_tables, *, context_lens=None, pad_value=0)")]
     fn fill_block_tables<'py>(
         &self,
         seqs: &Bound<'py, PyAny>,
@@ -397,6 +425,7 @@ impl PyManager {
         self.step(seqs, &outputs, pad_value.0, false).map(drop)
     }
 
+    /// Share every block of `parent_seq`'s table with `child_seq` (ref counts +1).
     fn fork(&self, parent_seq: &Bound<'_, PyAny>, child_seq: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut st = self.lock()?;
         let parent = st.registry.id_of(parent_seq)?;
@@ -414,6 +443,8 @@ impl PyManager {
         Ok(())
     }
 
+    /// Release `seq`'s table. Without a table: a no-op (vLLM), or `UnknownSequenceError` with
+    /// `strict=True`.
     fn free(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         let mut st = self.lock()?;
         let id = st.registry.id_of(seq)?;
@@ -422,6 +453,7 @@ impl PyManager {
         Ok(())
     }
 
+    /// Free every sequence's table, as `free` on each (cached blocks stay cached, evictable).
     fn reset(&self) -> PyResult<()> {
         let mut st = self.lock()?;
         st.inner.reset().py()?;
@@ -431,7 +463,9 @@ impl PyManager {
     }
 
     // ---- swapping ----------------------------------------------------------------------
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    /// Whether the group's SWAPPED sequences fit on the GPU: an `AllocStatus`.
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn can_swap_in(
         &self,
         py: Python<'_>,
@@ -460,7 +494,8 @@ impl PyManager {
     /// Move the group's SWAPPED sequences to the GPU; returns `{cpu_block: gpu_block}`.
     /// `num_lookahead_slots` is accepted for vLLM's signature; slots are reserved by the next
     /// `append_slots`, as in vLLM.
-    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)))]
+    #[pyo3(signature = (seq_group, num_lookahead_slots = Count(0)),
+           text_signature = "($self, seq_group, num_lookahead_slots=0)")]
     fn swap_in<'py>(
         &self,
         py: Python<'py>,
@@ -471,6 +506,7 @@ impl PyManager {
         self.swap(py, seq_group, Status::Swapped, Device::Cpu)
     }
 
+    /// Whether the distinct blocks of the group's unfinished sequences fit in the free CPU blocks.
     fn can_swap_out(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<bool> {
         let seqs = with_status(seq_group, |s| s != Status::Finished)?;
         let st = self.lock()?;
@@ -487,6 +523,7 @@ impl PyManager {
     }
 
     // ---- queries -----------------------------------------------------------------------
+    /// The physical block ids of `seq`'s table, in logical order (a new list).
     fn get_block_table<'py>(
         &self,
         py: Python<'py>,
@@ -513,24 +550,29 @@ impl PyManager {
         Ok(copy)
     }
 
+    /// Free GPU blocks (evictable cached blocks count as free).
     fn get_num_free_gpu_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.inner.num_free_gpu_blocks())
     }
 
+    /// Free CPU blocks (evictable cached blocks count as free).
     fn get_num_free_cpu_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.inner.num_free_cpu_blocks())
     }
 
+    /// Record `access_time` as the last access of every block of `seq` (LRU eviction order).
     fn access_all_blocks_in_seq(&self, seq: &Bound<'_, PyAny>, access_time: Real) -> PyResult<()> {
         let mut st = self.lock()?;
         let id = st.registry.id_of(seq)?;
         st.inner.access_all_blocks_in_seq(id, access_time.0).py()
     }
 
+    /// Mark every full block of `seq` as computed (prefix caching).
     fn compute_full_blocks_in_seq(&self, seq: &Bound<'_, PyAny>) -> PyResult<()> {
         self.compute_full_blocks(std::slice::from_ref(seq))
     }
 
+    /// The computed blocks of `seq`'s table, except its last block (as vLLM).
     fn get_all_computed_blocks<'py>(
         &self,
         py: Python<'py>,
@@ -544,6 +586,8 @@ impl PyManager {
         PyList::new(py, ints)
     }
 
+    /// Longest common prefix of the computed blocks of `seqs` (those with none are skipped;
+    /// empty without caching).
     fn get_common_computed_block_ids<'py>(
         &self,
         py: Python<'py>,
@@ -558,6 +602,7 @@ impl PyManager {
         PyList::new(py, ints)
     }
 
+    /// Mark the full blocks of every sequence of the group as computed (no-op without caching).
     fn mark_blocks_as_computed(&self, seq_group: &Bound<'_, PyAny>) -> PyResult<()> {
         if !self.cfg.enable_caching {
             return Ok(());
@@ -587,6 +632,7 @@ impl PyManager {
     }
 
     // ---- introspection -----------------------------------------------------------------
+    /// Whether `seq` holds a block table in this manager.
     fn has_table(&self, seq: &Bound<'_, PyAny>) -> PyResult<bool> {
         let st = self.lock()?;
         Ok(st.inner.has_table(st.registry.id_of(seq)?))
@@ -598,6 +644,7 @@ impl PyManager {
         Ok(st.inner.device_of(st.registry.id_of(seq)?).py()?.name())
     }
 
+    /// The ref count of `block` on `device` ("gpu" or "cpu").
     fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         let dev = device_arg(device)?;
         let block = int_arg(block, "block")?;
@@ -632,12 +679,14 @@ impl PyManager {
         Ok(self.lock()?.inner.prefix_cache_stats())
     }
 
+    /// Blocks of `device` registered in the prefix cache (referenced or evictable).
     #[pyo3(signature = (device = "gpu"))]
     fn num_cached_blocks(&self, device: &str) -> PyResult<usize> {
         let dev = device_arg(device)?;
         Ok(self.lock()?.inner.pool(dev).num_cached())
     }
 
+    /// Cached blocks of `device` with ref count 0 (reusable after eviction).
     #[pyo3(signature = (device = "gpu"))]
     fn num_evictable_blocks(&self, device: &str) -> PyResult<usize> {
         let dev = device_arg(device)?;
@@ -685,5 +734,70 @@ impl PyManager {
             st.inner.compute_full_blocks_in_seq(id, len);
         }
         Ok(())
+    }
+}
+
+/// Crate-internal hooks for `scheduler.rs`: the native scheduler drives the core manager of the
+/// `BlockSpaceManager` it owns directly (holding its lock for the call), and keeps this
+/// binding's caches current.
+pub(crate) struct Locked<'a>(MutexGuard<'a, State>);
+
+impl PyManager {
+    /// The manager's state for one native scheduler call (`InUseError` if another call
+    /// holds it).
+    pub(crate) fn locked(&self) -> PyResult<Locked<'_>> {
+        Ok(Locked(self.lock()?))
+    }
+}
+
+impl Locked<'_> {
+    pub(crate) fn core(&self) -> &Manager {
+        &self.0.inner
+    }
+
+    pub(crate) fn core_mut(&mut self) -> &mut Manager {
+        &mut self.0.inner
+    }
+
+    /// A sequence's table was freed behind this binding's back: drop what it caches for it.
+    pub(crate) fn dropped(&mut self, id: SeqId) {
+        self.0.forget(id);
+    }
+
+    /// GPU block numbers as a Python list of the cached int objects (no int allocation).
+    pub(crate) fn gpu_block_list<'py>(
+        &self,
+        py: Python<'py>,
+        blocks: &[pagedkv_core::BlockId],
+    ) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            blocks.iter().map(|&b| self.0.gpu_ints[b as usize].bind(py)),
+        )
+    }
+
+    /// The block table of `id` as a fresh Python list (from the cached list when current).
+    pub(crate) fn table_list<'py>(
+        &mut self,
+        py: Python<'py>,
+        id: SeqId,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let st = &mut *self.0;
+        let version = st.inner.table_version(id).py()?;
+        if let Some((v, list)) = st.table_lists.get(&id) {
+            if *v == version {
+                let list = list.bind(py);
+                return Ok(list.get_slice(0, list.len()));
+            }
+        }
+        let ints = match st.inner.device_of(id).py()? {
+            Device::Gpu => &st.gpu_ints,
+            Device::Cpu => &st.cpu_ints,
+        };
+        let table = st.inner.block_table(id).py()?;
+        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
+        let copy = list.get_slice(0, list.len());
+        st.table_lists.insert(id, (version, list.unbind()));
+        Ok(copy)
     }
 }

@@ -104,14 +104,17 @@ impl PyBlockPool {
         })
     }
 
+    /// Blocks in the pool.
     #[getter]
     fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> usize {
         self.block_size
     }
+    /// "gpu" or "cpu".
     #[getter]
     fn device(&self) -> &'static str {
         self.device
@@ -121,26 +124,32 @@ impl PyBlockPool {
     fn num_free(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_free())
     }
+    /// Blocks with ref count > 0.
     #[getter]
     fn num_referenced(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_referenced())
     }
+    /// Blocks registered in the prefix cache (referenced or evictable).
     #[getter]
     fn num_cached(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_cached())
     }
+    /// Cached blocks with ref count 0.
     #[getter]
     fn num_evictable(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_evictable())
     }
+    /// Prefix-cache lookups so far.
     #[getter]
     fn lookups(&self) -> PyResult<u64> {
         Ok(self.lock()?.stats().lookups)
     }
+    /// Prefix-cache lookups that found a block.
     #[getter]
     fn hits(&self) -> PyResult<u64> {
         Ok(self.lock()?.stats().hits)
     }
+    /// Cached blocks evicted to make room so far.
     #[getter]
     fn evictions(&self) -> PyResult<u64> {
         Ok(self.lock()?.stats().evictions)
@@ -158,7 +167,7 @@ impl PyBlockPool {
     }
 
     /// Add `n` references to a referenced or evictable (cached) block; revives an evictable one.
-    #[pyo3(signature = (block, n = Count(1)))]
+    #[pyo3(signature = (block, n = Count(1)), text_signature = "($self, block, n=1)")]
     fn incref(&self, block: &Bound<'_, PyAny>, n: Count) -> PyResult<()> {
         let b = self.id(block)?;
         let n = n.u32("n")?;
@@ -232,14 +241,17 @@ impl PyBlockPool {
         self.lock()?.register(b, &key, nht).py()
     }
 
+    /// The ref count of `block`.
     fn ref_count(&self, block: &Bound<'_, PyAny>) -> PyResult<u32> {
         let b = self.id(block)?;
         Ok(self.lock()?.ref_count(b))
     }
+    /// The hash `block` is cached under, or None.
     fn block_hash(&self, block: &Bound<'_, PyAny>) -> PyResult<Option<BlockHash>> {
         let b = self.id(block)?;
         Ok(self.lock()?.block_hash(b))
     }
+    /// Whether `block` is cached with ref count 0.
     fn is_evictable(&self, block: &Bound<'_, PyAny>) -> PyResult<bool> {
         let b = self.id(block)?;
         Ok(self.lock()?.is_evictable(b))
@@ -249,6 +261,7 @@ impl PyBlockPool {
         let b = self.id(block)?;
         self.lock()?.touch(b, access_time.0).py()
     }
+    /// The last access time set by `touch` (-1.0 if never touched).
     fn last_accessed(&self, block: &Bound<'_, PyAny>) -> PyResult<f64> {
         let b = self.id(block)?;
         Ok(self.lock()?.last_accessed(b))

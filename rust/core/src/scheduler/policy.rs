@@ -1,0 +1,643 @@
+//! One scheduling step: vLLM 0.4.2's `_schedule_default` and `_schedule_chunked_prefill`
+//! with their three sub-policies (running, swapped, prefills), over the core manager.
+//!
+//! Every decision mirrors vLLM's code path for path; the places where we deliberately differ
+//! are the vLLM failures listed in `docs/scheduler.md` and are marked `fix N` below.
+
+use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, Status, Tokens};
+use crate::error::{Error, Result};
+use crate::manager::{AllocStatus, Copies, Device, Manager, SeqId};
+use crate::pool::BlockId;
+use std::collections::VecDeque;
+
+/// A group scheduled this step and how many tokens it computes (1 for a decode).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    pub key: GroupKey,
+    pub chunk: usize,
+}
+
+/// vLLM's `SchedulerOutputs`, with group keys for groups and block-number pairs for maps
+/// (in the order vLLM's dicts would hold them).
+#[derive(Clone, Debug, Default)]
+pub struct Outputs {
+    pub scheduled: Vec<Scheduled>,
+    pub num_prefill_groups: usize,
+    pub num_batched_tokens: usize,
+    pub swap_in: Vec<(BlockId, BlockId)>,
+    pub swap_out: Vec<(BlockId, BlockId)>,
+    pub copies: Vec<(BlockId, Vec<BlockId>)>,
+    pub ignored: Vec<GroupKey>,
+    pub lookahead: usize,
+    pub running_queue_size: usize,
+    /// Preempted this step by recomputation / by swapping (for metrics and tests).
+    pub preempted: Vec<GroupKey>,
+    pub swapped_out: Vec<GroupKey>,
+}
+
+/// What `SequenceGroupMetadata` needs for one scheduled group.
+#[derive(Clone, Debug)]
+pub struct StepMeta {
+    pub key: GroupKey,
+    pub is_prompt: bool,
+    pub do_sample: bool,
+    pub running: Vec<SeqId>,
+    pub computed: Vec<BlockId>,
+    /// First time this group is scheduled (the caller sets its first-scheduled time).
+    pub first_time: bool,
+}
+
+/// vLLM's `SchedulingBudget` (group-aware: a group is counted at most once).
+struct Budget {
+    token_budget: usize,
+    max_num_seqs: usize,
+    tokens: usize,
+    seqs: usize,
+    token_keys: IdSet<GroupKey>,
+    seq_keys: IdSet<GroupKey>,
+}
+
+impl Budget {
+    fn new(token_budget: usize, max_num_seqs: usize) -> Self {
+        Budget {
+            token_budget,
+            max_num_seqs,
+            tokens: 0,
+            seqs: 0,
+            token_keys: IdSet::default(),
+            seq_keys: IdSet::default(),
+        }
+    }
+    fn can_schedule(&self, tokens: usize, seqs: usize) -> bool {
+        self.tokens + tokens <= self.token_budget && self.seqs + seqs <= self.max_num_seqs
+    }
+    fn remaining(&self) -> usize {
+        self.token_budget.saturating_sub(self.tokens)
+    }
+    fn add_tokens(&mut self, k: GroupKey, n: usize) {
+        if self.token_keys.insert(k) {
+            self.tokens += n;
+        }
+    }
+    fn sub_tokens(&mut self, k: GroupKey, n: usize) {
+        if self.token_keys.remove(&k) {
+            self.tokens -= n;
+        }
+    }
+    fn add_seqs(&mut self, k: GroupKey, n: usize) {
+        if self.seq_keys.insert(k) {
+            self.seqs += n;
+        }
+    }
+    fn sub_seqs(&mut self, k: GroupKey, n: usize) {
+        if self.seq_keys.remove(&k) {
+            self.seqs -= n;
+        }
+    }
+}
+
+/// The LoRA ids in the batch (`None`: not tracked, as vLLM without a LoRA config in the
+/// default policy).
+type Loras = Option<IdSet<u32>>;
+
+#[derive(Default)]
+struct Part {
+    prefill: Vec<Scheduled>,
+    decode: Vec<Scheduled>,
+}
+
+struct Step<'a, T: Tokens> {
+    mgr: &'a mut Manager,
+    toks: &'a T,
+    copies: Vec<(BlockId, Vec<BlockId>)>,
+    copy_index: IdMap<BlockId, usize>,
+    cows: Copies,
+}
+
+impl<T: Tokens> Step<'_, T> {
+    fn add_copies(&mut self) {
+        for &(src, dst) in &self.cows {
+            match self.copy_index.get(&src) {
+                Some(&i) => self.copies[i].1.push(dst),
+                None => {
+                    self.copy_index.insert(src, self.copies.len());
+                    self.copies.push((src, vec![dst]));
+                }
+            }
+        }
+        self.cows.clear();
+    }
+}
+
+impl Scheduler {
+    /// Decide one step (vLLM's `_schedule`). `now` is the wall-clock time vLLM would read.
+    pub fn schedule<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        now: f64,
+    ) -> Result<Outputs> {
+        let mut st = Step {
+            mgr,
+            toks,
+            copies: Vec::new(),
+            copy_index: IdMap::default(),
+            cows: Vec::new(),
+        };
+        let mut out = if self.cfg.chunked_prefill {
+            self.schedule_chunked(&mut st, now)?
+        } else {
+            self.schedule_default(&mut st, now)?
+        };
+        out.copies = st.copies;
+        out.running_queue_size = self.running.len();
+        Ok(out)
+    }
+
+    fn schedule_default<T: Tokens>(&mut self, st: &mut Step<T>, now: f64) -> Result<Outputs> {
+        let mut budget = Budget::new(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs);
+        for i in 0..self.running.len() {
+            let k = self.running[i];
+            budget.add_seqs(k, self.g(k).max_running_seqs());
+        }
+        let mut loras: Loras = self
+            .cfg
+            .max_loras
+            .map(|_| self.running.iter().map(|&k| self.g(k).lora).collect());
+        let (mut prefills, mut ignored) = (Vec::new(), Vec::new());
+        let mut waiting = self.waiting.clone();
+        if self.swapped.is_empty() {
+            (waiting, prefills, ignored) =
+                self.schedule_prefills(st, &mut budget, &mut loras, false, now)?;
+        }
+        let mut out = Outputs::default();
+        let (mut running, mut swapped) = (self.running.clone(), self.swapped.clone());
+        let (mut run, mut swap) = (Part::default(), Part::default());
+        if prefills.is_empty() {
+            (running, run) = self.schedule_running(st, &mut budget, &mut loras, false, &mut out)?;
+            out.lookahead = self.cfg.num_lookahead_slots;
+            if out.preempted.is_empty() && out.swapped_out.is_empty() {
+                (swapped, swap) = self.schedule_swapped(
+                    st,
+                    &mut budget,
+                    &mut loras,
+                    false,
+                    &mut out,
+                    &mut ignored,
+                )?;
+            }
+        }
+        debug_assert!(run.prefill.is_empty() && swap.prefill.is_empty());
+        self.finish_queues(
+            waiting,
+            running,
+            swapped,
+            &out,
+            [&prefills, &run.decode, &swap.decode],
+        );
+        out.num_prefill_groups = prefills.len();
+        out.scheduled = [prefills, run.decode, swap.decode].concat();
+        out.num_batched_tokens = budget.tokens;
+        out.ignored = ignored;
+        Ok(out)
+    }
+
+    fn schedule_chunked<T: Tokens>(&mut self, st: &mut Step<T>, now: f64) -> Result<Outputs> {
+        let mut budget = Budget::new(self.cfg.max_num_batched_tokens, self.cfg.max_num_seqs);
+        let mut loras: Loras = Some(IdSet::default());
+        let mut out = Outputs::default();
+        let mut ignored = Vec::new();
+        let (running, run) = self.schedule_running(st, &mut budget, &mut loras, true, &mut out)?;
+        out.lookahead = self.cfg.num_lookahead_slots;
+        let (mut swapped, mut swap) = (self.swapped.clone(), Part::default());
+        if out.preempted.is_empty() && out.swapped_out.is_empty() {
+            // fix 3: swapped-in prefills are chunked like running ones.
+            (swapped, swap) =
+                self.schedule_swapped(st, &mut budget, &mut loras, true, &mut out, &mut ignored)?;
+        }
+        let (waiting, prefills, mut prefill_ignored) =
+            self.schedule_prefills(st, &mut budget, &mut loras, true, now)?;
+        let new_running = [
+            &prefills,
+            &run.decode,
+            &run.prefill,
+            &swap.decode,
+            &swap.prefill,
+        ];
+        self.finish_queues(waiting, running, swapped, &out, new_running);
+        out.num_prefill_groups = prefills.len() + run.prefill.len() + swap.prefill.len();
+        out.scheduled = [prefills, run.prefill, swap.prefill, run.decode, swap.decode].concat();
+        out.num_batched_tokens = budget.tokens;
+        prefill_ignored.extend(ignored);
+        out.ignored = prefill_ignored;
+        Ok(out)
+    }
+
+    /// Install the queues after a step, in vLLM's order.
+    fn finish_queues<const N: usize>(
+        &mut self,
+        mut waiting: VecDeque<GroupKey>,
+        mut running: VecDeque<GroupKey>,
+        mut swapped: VecDeque<GroupKey>,
+        out: &Outputs,
+        new_running: [&Vec<Scheduled>; N],
+    ) {
+        for &k in &out.preempted {
+            waiting.push_front(k); // deque.extendleft: the last preempted ends up first
+        }
+        for part in new_running {
+            running.extend(part.iter().map(|s| s.key));
+        }
+        swapped.extend(out.swapped_out.iter().copied());
+        self.waiting = waiting;
+        self.running = running;
+        self.swapped = swapped;
+    }
+
+    /// FCFS: vLLM sorts by `now - arrival`, descending, stably.
+    fn by_arrival(&self, q: &VecDeque<GroupKey>) -> VecDeque<GroupKey> {
+        let mut v: Vec<GroupKey> = q.iter().copied().collect();
+        v.sort_by(|&a, &b| self.g(a).arrival.total_cmp(&self.g(b).arrival));
+        v.into()
+    }
+
+    fn seq_len<T: Tokens>(&self, st: &Step<T>, id: SeqId) -> Result<usize> {
+        st.toks.with(id, |t| t.len())
+    }
+
+    /// vLLM's `_get_num_new_tokens` for the sequences of `key` in `status`.
+    fn num_new_tokens<T: Tokens>(
+        &self,
+        st: &Step<T>,
+        key: GroupKey,
+        status: Status,
+        chunking: bool,
+        budget: &Budget,
+    ) -> Result<usize> {
+        let mut n = 0;
+        let mut count = 0;
+        for s in self.g(key).seqs.iter().filter(|s| s.status == status) {
+            count += 1;
+            n += if s.decode {
+                1
+            } else {
+                self.seq_len(st, s.id)?.saturating_sub(s.num_computed)
+            };
+        }
+        if chunking && count == 1 {
+            n = n.min(budget.remaining());
+        }
+        Ok(n)
+    }
+
+    fn schedule_running<T: Tokens>(
+        &mut self,
+        st: &mut Step<T>,
+        budget: &mut Budget,
+        loras: &mut Loras,
+        chunking: bool,
+        out: &mut Outputs,
+    ) -> Result<(VecDeque<GroupKey>, Part)> {
+        let mut queue = self.by_arrival(&self.running);
+        let mut part = Part::default();
+        while let Some(&key) = queue.front() {
+            let n = self.num_new_tokens(st, key, Status::Running, chunking, budget)?;
+            // fix 1: a group that cannot be chunked (several sequences) must fit the budget.
+            if n == 0 || (chunking && n > budget.remaining()) {
+                break;
+            }
+            queue.pop_front();
+            loop {
+                if self.can_append_slots(st, key)? {
+                    self.append_slots(st, key)?;
+                    let chunk = Scheduled { key, chunk: n };
+                    if self.g(key).is_prefill() {
+                        part.prefill.push(chunk);
+                    } else {
+                        part.decode.push(Scheduled { key, chunk: 1 });
+                    }
+                    budget.add_tokens(key, n);
+                    if chunking {
+                        budget.add_seqs(key, self.g(key).max_running_seqs());
+                    }
+                    let lora = self.g(key).lora;
+                    if let (Some(l), true) = (loras.as_mut(), lora > 0) {
+                        l.insert(lora);
+                    }
+                    break;
+                }
+                budget.sub_tokens(key, n);
+                budget.sub_seqs(key, self.g(key).max_running_seqs());
+                let lora = self.g(key).lora;
+                if let (Some(l), true) = (loras.as_mut(), lora > 0) {
+                    l.remove(&lora); // fix 5: vLLM's set.remove raises when absent
+                }
+                let victim = queue.pop_back();
+                self.preempt(st, victim.unwrap_or(key), out)?;
+                if victim.is_none() {
+                    break;
+                }
+            }
+        }
+        Ok((queue, part))
+    }
+
+    fn running_ids(&self, key: GroupKey) -> Vec<SeqId> {
+        self.g(key).ids_with(Status::Running).collect()
+    }
+
+    /// vLLM's `can_append_slots` for the running sequences of a group: one free block per
+    /// sequence, or the exact need if larger (the manager's rule).
+    fn can_append_slots<T: Tokens>(&self, st: &Step<T>, key: GroupKey) -> Result<bool> {
+        let la = self.cfg.num_lookahead_slots;
+        let (mut need, mut count) = (0, 0);
+        for id in self.g(key).ids_with(Status::Running) {
+            need += st.toks.with(id, |t| st.mgr.append_need(id, t, la))??;
+            count += 1;
+        }
+        Ok(st.mgr.num_free_gpu_blocks() >= need.max(count))
+    }
+
+    fn append_slots<T: Tokens>(&self, st: &mut Step<T>, key: GroupKey) -> Result<()> {
+        let la = self.cfg.num_lookahead_slots;
+        for id in self.g(key).ids_with(Status::Running) {
+            let Step {
+                mgr, toks, cows, ..
+            } = st;
+            toks.with(id, |t| mgr.append_slots(id, t, la, cows))??;
+            st.add_copies();
+        }
+        Ok(())
+    }
+
+    /// Preempt `key` (vLLM's `_preempt`): recompute single-sequence groups, swap others,
+    /// unless the config forces a mode.
+    fn preempt<T: Tokens>(
+        &mut self,
+        st: &mut Step<T>,
+        key: GroupKey,
+        out: &mut Outputs,
+    ) -> Result<()> {
+        let g = self.g(key);
+        let auto = if g.max_running_seqs() == 1 {
+            PreemptionMode::Recompute
+        } else {
+            PreemptionMode::Swap
+        };
+        let running = self.running_ids(key);
+        let mut mode = self.cfg.preemption_mode.unwrap_or(auto);
+        if mode == PreemptionMode::Recompute && running.len() > 1 {
+            // Forked sequences cannot be re-prefilled from one shared prompt table.
+            mode = PreemptionMode::Swap;
+        }
+        let unfinished: Vec<SeqId> = g
+            .seqs
+            .iter()
+            .filter(|s| !s.status.is_finished())
+            .map(|s| s.id)
+            .collect();
+        if mode == PreemptionMode::Swap && !st.mgr.can_swap_out(&unfinished)? {
+            if running.len() > 1 {
+                return Err(Error::OutOfBlocks {
+                    device: "cpu",
+                    needed: unfinished.len(),
+                    free: st.mgr.num_free_cpu_blocks(),
+                });
+            }
+            mode = PreemptionMode::Recompute; // fix 4: no swap space -> recompute
+        }
+        match mode {
+            PreemptionMode::Recompute => {
+                for &id in &running {
+                    st.mgr.free(id)?;
+                }
+                self.move_seqs(key, Some(Status::Running), Status::Waiting, true);
+                out.preempted.push(key);
+            }
+            PreemptionMode::Swap => {
+                let m = st.mgr.swap(&running, Device::Gpu)?;
+                out.swap_out.extend(m);
+                self.move_seqs(key, Some(Status::Running), Status::Swapped, false);
+                out.swapped_out.push(key);
+            }
+        }
+        Ok(())
+    }
+
+    fn lora_blocked(&self, key: GroupKey, loras: &Loras) -> bool {
+        let (Some(max), Some(l)) = (self.cfg.max_loras, loras.as_ref()) else {
+            return false;
+        };
+        let lora = self.g(key).lora;
+        lora > 0 && !l.contains(&lora) && l.len() >= max
+    }
+
+    fn schedule_swapped<T: Tokens>(
+        &mut self,
+        st: &mut Step<T>,
+        budget: &mut Budget,
+        loras: &mut Loras,
+        chunking: bool,
+        out: &mut Outputs,
+        ignored: &mut Vec<GroupKey>,
+    ) -> Result<(VecDeque<GroupKey>, Part)> {
+        let mut queue = self.by_arrival(&self.swapped);
+        let mut part = Part::default();
+        let mut leftover = Vec::new();
+        while let Some(&key) = queue.front() {
+            let g = self.g(key);
+            let unfinished: Vec<SeqId> = g
+                .seqs
+                .iter()
+                .filter(|s| !s.status.is_finished())
+                .map(|s| s.id)
+                .collect();
+            let nswapped = g.ids_with(Status::Swapped).count();
+            match st.mgr.can_swap_in(&unfinished, nswapped, 0)? {
+                AllocStatus::Later => break,
+                AllocStatus::Never => {
+                    // vLLM marks every sequence ignored but never frees their CPU blocks.
+                    for &id in &unfinished {
+                        st.mgr.free(id)?;
+                    }
+                    self.move_seqs_all(key, Status::Finished(Finish::Ignored));
+                    ignored.push(key);
+                    queue.pop_front();
+                    continue;
+                }
+                AllocStatus::Ok => {}
+            }
+            if self.lora_blocked(key, loras) {
+                leftover.push(key);
+                queue.pop_front();
+                continue;
+            }
+            let seqs = self.g(key).max_running_seqs();
+            let n = self.num_new_tokens(st, key, Status::Swapped, chunking, budget)?;
+            if n == 0 || !budget.can_schedule(n, seqs) {
+                break;
+            }
+            let lora = self.g(key).lora;
+            if let (Some(l), true) = (loras.as_mut(), lora > 0) {
+                l.insert(lora);
+            }
+            queue.pop_front();
+            let ids: Vec<SeqId> = self.g(key).ids_with(Status::Swapped).collect();
+            out.swap_in.extend(st.mgr.swap(&ids, Device::Cpu)?);
+            self.move_seqs(key, Some(Status::Swapped), Status::Running, false);
+            self.append_slots(st, key)?;
+            if self.g(key).is_prefill() {
+                part.prefill.push(Scheduled { key, chunk: n });
+            } else {
+                part.decode.push(Scheduled { key, chunk: 1 });
+            }
+            budget.add_tokens(key, n);
+            budget.add_seqs(key, seqs);
+        }
+        for &k in leftover.iter().rev() {
+            queue.push_front(k);
+        }
+        Ok((queue, part))
+    }
+
+    fn move_seqs_all(&mut self, key: GroupKey, to: Status) {
+        for i in 0..self.g(key).seqs.len() {
+            self.set_status(key, i, to, false);
+        }
+    }
+
+    /// vLLM's `_passed_delay` (called once per loop turn, as vLLM does).
+    fn passed_delay(&mut self, now: f64) -> bool {
+        if self.prev_prompt {
+            self.last_prompt_latency = now - self.prev_time;
+        }
+        self.prev_time = now;
+        self.prev_prompt = false;
+        if self.cfg.delay_factor > 0.0 && !self.waiting.is_empty() {
+            let earliest = self
+                .waiting
+                .iter()
+                .map(|&k| self.g(k).arrival)
+                .fold(f64::INFINITY, f64::min);
+            now - earliest > self.cfg.delay_factor * self.last_prompt_latency
+                || self.running.is_empty()
+        } else {
+            true
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn schedule_prefills<T: Tokens>(
+        &mut self,
+        st: &mut Step<T>,
+        budget: &mut Budget,
+        loras: &mut Loras,
+        chunking: bool,
+        now: f64,
+    ) -> Result<(VecDeque<GroupKey>, Vec<Scheduled>, Vec<GroupKey>)> {
+        let mut queue = self.waiting.clone();
+        let (mut scheduled, mut ignored, mut leftover) = (Vec::new(), Vec::new(), Vec::new());
+        while self.passed_delay(now) {
+            let Some(&key) = queue.front() else { break };
+            let waiting: Vec<SeqId> = self.g(key).ids_with(Status::Waiting).collect();
+            let &[id] = waiting.as_slice() else {
+                return Err(Error::invalid(format!(
+                    "waiting request {} must have exactly one WAITING sequence",
+                    self.g(key).request_id
+                )));
+            };
+            let n = self.num_new_tokens(st, key, Status::Waiting, chunking, budget)?;
+            let never = n > self.cfg.prompt_limit()
+                || st.toks.with(id, |t| st.mgr.can_allocate(t))?? == AllocStatus::Never;
+            if never {
+                self.move_seqs(
+                    key,
+                    Some(Status::Waiting),
+                    Status::Finished(Finish::Ignored),
+                    false,
+                );
+                ignored.push(key);
+                queue.pop_front();
+                continue;
+            }
+            if st.toks.with(id, |t| st.mgr.can_allocate(t))?? == AllocStatus::Later {
+                break;
+            }
+            if self.lora_blocked(key, loras) {
+                leftover.push(key);
+                queue.pop_front();
+                continue;
+            }
+            let seqs = self.g(key).max_running_seqs();
+            if n == 0 || !budget.can_schedule(n, seqs) {
+                break;
+            }
+            let lora = self.g(key).lora;
+            if let (Some(l), true) = (loras.as_mut(), lora > 0) {
+                l.insert(lora);
+            }
+            queue.pop_front();
+            let Step { mgr, toks, .. } = st;
+            toks.with(id, |t| mgr.allocate(&[(id, t)]))??;
+            self.move_seqs(key, Some(Status::Waiting), Status::Running, false);
+            scheduled.push(Scheduled { key, chunk: n });
+            budget.add_tokens(key, n);
+            budget.add_seqs(key, seqs);
+        }
+        for &k in leftover.iter().rev() {
+            queue.push_front(k);
+        }
+        if !scheduled.is_empty() {
+            self.prev_prompt = true;
+        }
+        Ok((queue, scheduled, ignored))
+    }
+
+    /// After `schedule`: the per-group metadata vLLM's `schedule()` builds, with the block
+    /// accesses and computed marks it makes (in its order: all metadata, then the marks).
+    pub fn step_meta<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        out: &Outputs,
+        now: f64,
+    ) -> Result<Vec<StepMeta>> {
+        let mut metas = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let running = self.running_ids(s.key);
+            for &id in &running {
+                mgr.access_all_blocks_in_seq(id, now)?;
+            }
+            let computed = mgr.get_common_computed_block_ids(&running);
+            let g = self.gm(s.key);
+            let first_time = !g.scheduled_before;
+            g.scheduled_before = true;
+            let is_prompt = self.g(s.key).is_prefill();
+            let mut do_sample = true;
+            if is_prompt {
+                // fix 2: the unfinished sequence, not "the only sequence" of the group.
+                if let Some(q) = self.g(s.key).seqs.iter().find(|q| !q.status.is_finished()) {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    do_sample = s.chunk + q.num_computed >= len;
+                }
+            }
+            metas.push(StepMeta {
+                key: s.key,
+                is_prompt,
+                do_sample,
+                running,
+                computed,
+                first_time,
+            });
+        }
+        if mgr.config().enable_caching {
+            for s in &out.scheduled {
+                for q in &self.g(s.key).seqs {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    mgr.compute_full_blocks_in_seq(q.id, len);
+                }
+            }
+        }
+        Ok(metas)
+    }
+}

@@ -1,0 +1,682 @@
+//! `SchedulerCore`: the native half of `pagedkv.Scheduler`. It keeps the Python
+//! `SequenceGroup`/`Sequence` objects (and their native token stores) beside the core
+//! scheduler's state, mirrors the engine's changes to running groups into the core before a
+//! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
+//! all in `pagedkv_core::scheduler`.
+
+use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
+use crate::hashing::PyTokenSeq;
+use crate::manager::{Locked, PyManager};
+use crate::registry::borrow_adopted;
+use pagedkv_core::scheduler::{
+    Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
+    SchedulerConfig, SeqState, Status, StepMeta, Tokens,
+};
+use pagedkv_core::{BlockId, Error, SeqId, TokenSeq};
+use pyo3::gc::PyVisit;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use pyo3::PyTraverseError;
+
+const STATUS_NAMES: [&str; 7] = [
+    "WAITING",
+    "RUNNING",
+    "SWAPPED",
+    "FINISHED_STOPPED",
+    "FINISHED_LENGTH_CAPPED",
+    "FINISHED_ABORTED",
+    "FINISHED_IGNORED",
+];
+
+fn status_index(s: Status) -> usize {
+    match s {
+        Status::Waiting => 0,
+        Status::Running => 1,
+        Status::Swapped => 2,
+        Status::Finished(Finish::Stopped) => 3,
+        Status::Finished(Finish::LengthCapped) => 4,
+        Status::Finished(Finish::Aborted) => 5,
+        Status::Finished(Finish::Ignored) => 6,
+    }
+}
+
+const STATUSES: [Status; 7] = [
+    Status::Waiting,
+    Status::Running,
+    Status::Swapped,
+    Status::Finished(Finish::Stopped),
+    Status::Finished(Finish::LengthCapped),
+    Status::Finished(Finish::Aborted),
+    Status::Finished(Finish::Ignored),
+];
+
+struct SeqView {
+    obj: Py<PyAny>,
+    store: Py<PyTokenSeq>,
+    /// The read-only block-table list handed out in metadata, with the table version it
+    /// shows: reused until the table changes (once per `block_size` decode steps).
+    table: Option<(u64, Py<PyAny>)>,
+}
+
+/// One scheduled group's block-table lists and `computed_block_nums` list.
+struct BlockLists<'py> {
+    tables: Vec<(SeqId, Bound<'py, PyAny>)>,
+    computed: Bound<'py, PyAny>,
+}
+
+struct GroupView {
+    obj: Py<PyAny>,
+    /// The read-only `computed_block_nums` list last handed out, reused while equal.
+    computed: Option<(Vec<BlockId>, Py<PyAny>)>,
+}
+
+/// The token stores of the known sequences, read in place (no Python code runs while the
+/// core holds a borrow: the GIL is held and nothing here calls back into Python).
+struct Stores<'a, 'py> {
+    py: Python<'py>,
+    seqs: &'a IdMap<SeqId, SeqView>,
+}
+
+impl Tokens for Stores<'_, '_> {
+    fn with<R>(&self, id: SeqId, f: impl FnOnce(&TokenSeq) -> R) -> pagedkv_core::Result<R> {
+        let v = self.seqs.get(&id).ok_or(Error::UnknownSequence(id))?;
+        let s =
+            v.store.bind(self.py).try_borrow().map_err(|_| {
+                Error::invalid(format!("the token store of sequence {id} is in use"))
+            })?;
+        Ok(f(&s.inner))
+    }
+}
+
+#[pyclass(module = "pagedkv._native", name = "SchedulerCore")]
+pub struct PySchedulerCore {
+    core: Scheduler,
+    manager: Py<PyManager>,
+    groups: IdMap<GroupKey, GroupView>,
+    seqs: IdMap<SeqId, SeqView>,
+    /// `pagedkv.scheduler.BlockList` (a read-only list).
+    block_list: Py<PyAny>,
+    /// `pagedkv.sequence.SequenceGroupMetadata` and `pagedkv.scheduler.ScheduledSequenceGroup`.
+    metadata_cls: Py<PyAny>,
+    scheduled_cls: Py<PyAny>,
+    /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
+    statuses: Vec<Py<PyAny>>,
+    decode: Py<PyAny>,
+}
+
+fn preemption_mode(s: Option<&str>) -> PyResult<Option<PreemptionMode>> {
+    Ok(match s.map(|s| s.to_ascii_lowercase()) {
+        None => None,
+        Some(s) if s == "swap" => Some(PreemptionMode::Swap),
+        Some(s) if s == "recompute" => Some(PreemptionMode::Recompute),
+        Some(s) => {
+            return Err(invalid(format!(
+                "preemption_mode must be 'swap' or 'recompute', got {s:?}"
+            )))
+        }
+    })
+}
+
+#[pymethods]
+impl PySchedulerCore {
+    #[new]
+    #[pyo3(signature = (manager, max_num_batched_tokens, max_num_seqs, max_model_len, *,
+        num_lookahead_slots = 0, delay_factor = 0.0, chunked_prefill = false, max_loras = None,
+        preemption_mode = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        manager: &Bound<'_, PyAny>,
+        max_num_batched_tokens: usize,
+        max_num_seqs: usize,
+        max_model_len: usize,
+        num_lookahead_slots: usize,
+        delay_factor: f64,
+        chunked_prefill: bool,
+        max_loras: Option<usize>,
+        preemption_mode: Option<&str>,
+    ) -> PyResult<Self> {
+        let manager = manager
+            .cast::<PyManager>()
+            .map_err(|_| wrong_type("manager must be a pagedkv BlockSpaceManager"))?
+            .clone()
+            .unbind();
+        let cfg = SchedulerConfig {
+            max_num_batched_tokens,
+            max_num_seqs,
+            max_model_len,
+            num_lookahead_slots,
+            delay_factor,
+            chunked_prefill,
+            max_loras,
+            preemption_mode: self::preemption_mode(preemption_mode)?,
+        };
+        let seq_mod = py.import("pagedkv.sequence")?;
+        let st = seq_mod.getattr("SequenceStatus")?;
+        let statuses = STATUS_NAMES
+            .iter()
+            .map(|n| st.getattr(*n).map(|m| m.unbind()))
+            .collect::<PyResult<Vec<_>>>()?;
+        let decode = seq_mod
+            .getattr("SequenceStage")?
+            .getattr("DECODE")?
+            .unbind();
+        let block_list = py
+            .import("pagedkv.scheduler")?
+            .getattr("BlockList")?
+            .unbind();
+        let metadata_cls = seq_mod.getattr("SequenceGroupMetadata")?.unbind();
+        let scheduled_cls = py
+            .import("pagedkv.scheduler")?
+            .getattr("ScheduledSequenceGroup")?
+            .unbind();
+        Ok(PySchedulerCore {
+            core: Scheduler::new(cfg).py()?,
+            manager,
+            groups: IdMap::default(),
+            seqs: IdMap::default(),
+            statuses,
+            decode,
+            block_list,
+            metadata_cls,
+            scheduled_cls,
+        })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.manager)?;
+        visit.call(&self.block_list)?;
+        visit.call(&self.metadata_cls)?;
+        visit.call(&self.scheduled_cls)?;
+        for g in self.groups.values() {
+            visit.call(&g.obj)?;
+            if let Some((_, l)) = &g.computed {
+                visit.call(l)?;
+            }
+        }
+        for s in self.seqs.values() {
+            visit.call(&s.obj)?;
+            visit.call(&s.store)?;
+            if let Some((_, l)) = &s.table {
+                visit.call(l)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        // Drop the core's groups too, so that no queue names a view that is gone.
+        if let Ok(empty) = Scheduler::new(self.core.config().clone()) {
+            self.core = empty;
+        }
+        self.groups.clear();
+        self.seqs.clear();
+    }
+
+    #[getter]
+    fn manager(&self, py: Python<'_>) -> Py<PyManager> {
+        self.manager.clone_ref(py)
+    }
+
+    /// vLLM's `add_seq_group`: a fresh request with one WAITING pagedkv `Sequence`.
+    fn add_seq_group(&mut self, group: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = group.py();
+        let rid = group.getattr(intern!(py, "request_id"))?;
+        let rid = rid
+            .cast::<PyString>()
+            .map_err(|_| wrong_type("seq_group.request_id must be a str"))?
+            .to_cow()?
+            .into_owned();
+        let arrival: f64 = group
+            .getattr(intern!(py, "metrics"))?
+            .getattr(intern!(py, "arrival_time"))?
+            .extract()?;
+        let lora: u32 = group.getattr(intern!(py, "lora_int_id"))?.extract()?;
+        let sp = group.getattr(intern!(py, "sampling_params"))?;
+        let best_of: usize = sp.getattr(intern!(py, "best_of"))?.extract()?;
+        let beam: bool = sp.getattr(intern!(py, "use_beam_search"))?.is_truthy()?;
+        let mut g = Group::new(&rid, arrival, lora, best_of, beam);
+        let seqs = group.call_method0(intern!(py, "get_seqs"))?;
+        let seqs = seqs.cast::<PyList>()?;
+        let mut views = Vec::with_capacity(seqs.len());
+        for seq in seqs.iter() {
+            let (state, view) = self.read_new_seq(&seq)?;
+            g.seqs.push(state);
+            views.push(view);
+        }
+        g.num_seqs = g.seqs.len();
+        let ids: Vec<SeqId> = g.seqs.iter().map(|s| s.id).collect();
+        let key = self.core.add_group(g).py()?;
+        for (id, v) in ids.into_iter().zip(views) {
+            self.seqs.insert(id, v);
+        }
+        let view = GroupView {
+            obj: group.clone().unbind(),
+            computed: None,
+        };
+        self.groups.insert(key, view);
+        Ok(())
+    }
+
+    /// vLLM's `abort_seq_group` for the given request ids.
+    fn abort(&mut self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+        self.sync_running(py)?;
+        let ids: Vec<&str> = request_ids.iter().map(String::as_str).collect();
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let gone = self.core.abort(&ids, m.core_mut());
+        drop(m);
+        self.write_back(py)?;
+        for k in gone.py()? {
+            self.release(k);
+        }
+        Ok(())
+    }
+
+    fn num_unfinished(&self) -> usize {
+        self.core.num_unfinished_groups()
+    }
+
+    /// The groups of a queue (`"waiting"`, `"running"` or `"swapped"`), in order.
+    fn queue<'py>(&self, py: Python<'py>, which: &str) -> PyResult<Bound<'py, PyList>> {
+        let q = match which {
+            "waiting" => self.core.waiting(),
+            "running" => self.core.running(),
+            "swapped" => self.core.swapped(),
+            _ => return Err(invalid(format!("no queue named {which:?}"))),
+        };
+        PyList::new(py, q.iter().map(|k| self.groups[k].obj.bind(py)))
+    }
+
+    /// One step. Returns `(scheduled, num_prefill_groups, num_batched_tokens, swap_in,
+    /// swap_out, copies, ignored, num_lookahead_slots, running_queue_size)` where each
+    /// scheduled entry is `(group, chunk, is_prompt, do_sample, seq_data, block_tables,
+    /// computed_block_nums)`.
+    fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
+        self.sync_running(py)?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let stores = Stores {
+            py,
+            seqs: &self.seqs,
+        };
+        let res = self
+            .core
+            .schedule(m.core_mut(), &stores, now)
+            .and_then(|out| {
+                let metas = self.core.step_meta(m.core_mut(), &stores, &out, now)?;
+                Ok((out, metas))
+            });
+        drop(m);
+        self.write_back(py)?;
+        let (out, metas) = res.py()?;
+        let tuple = self.outputs_tuple(py, &out, &metas, now)?;
+        for &k in &out.ignored {
+            self.release(k);
+        }
+        Ok(tuple)
+    }
+
+    /// vLLM's `fork_seq`: the child joins the parent's group and shares its blocks.
+    fn fork(&mut self, parent: &Bound<'_, PyAny>, child: &Bound<'_, PyAny>) -> PyResult<()> {
+        let py = parent.py();
+        let pid = seq_id(parent)?;
+        let (mut state, view) = self.read_new_seq(child)?;
+        if state.id == pid {
+            return Err(invalid(format!("cannot fork sequence {pid} into itself")));
+        }
+        let key = self
+            .core
+            .group_of_seq(pid)
+            .ok_or_else(|| crate::errors::to_py(Error::UnknownSequence(pid)))?;
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        self.core.fork(pid, state.id, m.core_mut()).py()?;
+        drop(m);
+        // The child carries its own view of status and progress (vLLM copies the parent's).
+        let g = self.core.group_mut(key).expect("live group");
+        state.status = g.seqs.last().expect("child").status;
+        *g.seqs.last_mut().expect("child") = state.clone();
+        self.seqs.insert(state.id, view);
+        Ok(())
+    }
+
+    /// vLLM's `free_finished_seq_groups`.
+    fn free_finished(&mut self, py: Python<'_>) -> PyResult<()> {
+        self.sync_running(py)?;
+        for k in self.core.free_finished() {
+            self.release(k);
+        }
+        Ok(())
+    }
+
+    /// Native bytes held for the scheduler's state (core + this binding's references).
+    fn state_bytes(&self) -> usize {
+        let groups = self.core.num_unfinished_groups();
+        let seqs = self.seqs.len();
+        groups * (std::mem::size_of::<Group>() + 4 + 8 + 16)
+            + seqs * (std::mem::size_of::<SeqState>() + std::mem::size_of::<SeqView>() + 16)
+    }
+}
+
+fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
+    seq.getattr(intern!(seq.py(), "seq_id"))?
+        .extract::<SeqId>()
+        .map_err(|_| wrong_type("seq.seq_id must be a non-negative int"))
+}
+
+impl PySchedulerCore {
+    fn status_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<Status> {
+        let st = seq.getattr(intern!(seq.py(), "status"))?;
+        for (i, m) in self.statuses.iter().enumerate() {
+            if st.is(m) {
+                return Ok(STATUSES[i]);
+            }
+        }
+        let name: String = st
+            .getattr(intern!(seq.py(), "name"))
+            .and_then(|n| n.extract())
+            .map_err(|_| wrong_type("seq.status must be a SequenceStatus"))?;
+        STATUS_NAMES
+            .iter()
+            .position(|n| *n == name)
+            .map(|i| STATUSES[i])
+            .ok_or_else(|| invalid(format!("unknown sequence status {name}")))
+    }
+
+    /// The engine-visible progress of a sequence: (decode stage, num_computed_tokens).
+    fn progress_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<(bool, usize)> {
+        let py = seq.py();
+        let data = seq.getattr(intern!(py, "data"))?;
+        let computed = data
+            .getattr(intern!(py, "_num_computed_tokens"))?
+            .extract()?;
+        let decode = data.getattr(intern!(py, "_stage"))?.is(&self.decode);
+        Ok((decode, computed))
+    }
+
+    fn read_new_seq(&self, seq: &Bound<'_, PyAny>) -> PyResult<(SeqState, SeqView)> {
+        let py = seq.py();
+        let id = seq_id(seq)?;
+        if self.seqs.contains_key(&id) {
+            return Err(invalid(format!("sequence {id} is already scheduled")));
+        }
+        let store = seq
+            .getattr(intern!(py, "data"))
+            .and_then(|d| d.getattr(intern!(py, "_store")))
+            .ok()
+            .and_then(|s| s.cast_into::<PyTokenSeq>().ok())
+            .ok_or_else(|| {
+                wrong_type("pagedkv.Scheduler schedules pagedkv Sequences (seq.data._store)")
+            })?;
+        let (hasher, block_size) = {
+            let m = self.manager.bind(py).get().locked()?;
+            (m.core().config().hasher, m.core().config().block_size)
+        };
+        let own = store
+            .try_borrow()
+            .map_err(|_| busy("a token store"))?
+            .inner
+            .block_size();
+        if own != block_size {
+            return Err(invalid(format!(
+                "sequence {id} has block size {own}, the cache has {block_size}"
+            )));
+        }
+        drop(borrow_adopted(&store, hasher)?); // hashed with the manager's hasher from now on
+        let status = self.status_of(seq)?;
+        let (decode, num_computed) = self.progress_of(seq)?;
+        let state = SeqState {
+            id,
+            status,
+            decode,
+            num_computed,
+        };
+        Ok((
+            state,
+            SeqView {
+                obj: seq.clone().unbind(),
+                store: store.unbind(),
+                table: None,
+            },
+        ))
+    }
+
+    /// Read what the engine may have changed on running groups since the last step.
+    fn sync_running(&mut self, py: Python<'_>) -> PyResult<()> {
+        let running: Vec<GroupKey> = self.core.running().iter().copied().collect();
+        for key in running {
+            let n = self.groups[&key]
+                .obj
+                .bind(py)
+                .getattr(intern!(py, "seqs_dict"))?
+                .len()?;
+            let ids: Vec<SeqId> = self
+                .core
+                .group(key)
+                .expect("live")
+                .seqs
+                .iter()
+                .map(|s| s.id)
+                .collect();
+            let mut fresh = Vec::with_capacity(ids.len());
+            for id in ids {
+                let obj = self.seqs[&id].obj.bind(py);
+                fresh.push((self.status_of(obj)?, self.progress_of(obj)?));
+            }
+            let g = self.core.group_mut(key).expect("live");
+            g.num_seqs = n;
+            for (s, (status, (decode, computed))) in g.seqs.iter_mut().zip(fresh) {
+                s.status = status;
+                s.decode = decode;
+                s.num_computed = computed;
+            }
+        }
+        Ok(())
+    }
+
+    /// Mirror the core's status changes onto the Python sequences.
+    fn write_back(&mut self, py: Python<'_>) -> PyResult<()> {
+        let changes: Vec<Change> = self.core.take_changes();
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        for c in &changes {
+            if c.reset
+                || matches!(
+                    c.status,
+                    Status::Finished(Finish::Aborted | Finish::Ignored)
+                )
+            {
+                m.dropped(c.seq);
+            }
+        }
+        drop(m);
+        for c in changes {
+            let obj = self.seqs[&c.seq].obj.bind(py);
+            obj.setattr(
+                intern!(py, "status"),
+                self.statuses[status_index(c.status)].bind(py),
+            )?;
+            if c.reset {
+                obj.call_method0(intern!(py, "reset_state_for_recompute"))?;
+            }
+        }
+        Ok(())
+    }
+
+    fn release(&mut self, key: GroupKey) {
+        if let Some(g) = self.core.release(key) {
+            for s in g.seqs {
+                self.seqs.remove(&s.id);
+            }
+        }
+        self.groups.remove(&key);
+    }
+
+    /// The read-only block-table list of `id` (cached while its table is unchanged).
+    fn table_of<'py>(
+        &mut self,
+        py: Python<'py>,
+        m: &mut Locked<'_>,
+        id: SeqId,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let version = m.core().table_version(id).py()?;
+        let view = self.seqs.get_mut(&id).expect("known sequence");
+        if let Some((v, list)) = &view.table {
+            if *v == version {
+                return Ok(list.bind(py).clone());
+            }
+        }
+        let list = self.block_list.bind(py).call1((m.table_list(py, id)?,))?;
+        view.table = Some((version, list.clone().unbind()));
+        Ok(list)
+    }
+
+    /// The read-only `computed_block_nums` list of a group (cached while equal).
+    fn computed_of<'py>(
+        &mut self,
+        py: Python<'py>,
+        m: &Locked<'_>,
+        key: GroupKey,
+        computed: &[BlockId],
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let view = self.groups.get_mut(&key).expect("live group");
+        if let Some((c, list)) = &view.computed {
+            if c.as_slice() == computed {
+                return Ok(list.bind(py).clone());
+            }
+        }
+        let list = self
+            .block_list
+            .bind(py)
+            .call1((m.gpu_block_list(py, computed)?,))?;
+        view.computed = Some((computed.to_vec(), list.clone().unbind()));
+        Ok(list)
+    }
+
+    /// The order vLLM hands scheduled groups out in: as scheduled, or by (LoRA id, request
+    /// id) when any of them has a LoRA (`SchedulerOutputs.__post_init__`).
+    fn output_order(&self, out: &Outputs) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..out.scheduled.len()).collect();
+        let group = |i: usize| self.core.group(out.scheduled[i].key).expect("live group");
+        if order.iter().any(|&i| group(i).lora > 0) {
+            order.sort_by(|&a, &b| {
+                let (ga, gb) = (group(a), group(b));
+                (ga.lora, &ga.request_id).cmp(&(gb.lora, &gb.request_id))
+            });
+        }
+        order
+    }
+
+    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body), from
+    /// its block lists (taken under the manager's lock).
+    fn metadata<'py>(
+        &self,
+        py: Python<'py>,
+        (s, meta): (&Scheduled, &StepMeta),
+        lists: BlockLists<'py>,
+        with_mm: bool,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let group = self.groups[&s.key].obj.bind(py);
+        let seq_data = PyDict::new(py);
+        let tables = PyDict::new(py);
+        for (id, table) in lists.tables {
+            let obj = self.seqs[&id].obj.bind(py);
+            seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
+            tables.set_item(id, table)?;
+        }
+        let mm = match with_mm {
+            true => group.getattr(intern!(py, "multi_modal_data"))?,
+            false => py.None().into_bound(py),
+        };
+        let args = (
+            group.getattr(intern!(py, "request_id"))?,
+            meta.is_prompt,
+            seq_data,
+            group.getattr(intern!(py, "sampling_params"))?,
+            tables,
+            meta.do_sample,
+            s.chunk,
+            group.getattr(intern!(py, "lora_request"))?,
+            lists.computed,
+            group.getattr(intern!(py, "state"))?,
+            mm,
+        );
+        self.metadata_cls.bind(py).call1(args)
+    }
+
+    /// The block lists of the scheduled groups, in output order (under the manager's lock;
+    /// no Python code runs while it is held).
+    fn block_lists<'py>(
+        &mut self,
+        py: Python<'py>,
+        out: &Outputs,
+        metas: &[StepMeta],
+        order: &[usize],
+    ) -> PyResult<Vec<BlockLists<'py>>> {
+        let manager = self.manager.clone_ref(py);
+        let mgr = manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let mut lists = Vec::with_capacity(order.len());
+        for &i in order {
+            let meta = &metas[i];
+            let mut tables = Vec::with_capacity(meta.running.len());
+            for &id in &meta.running {
+                tables.push((id, self.table_of(py, &mut m, id)?));
+            }
+            let computed = self.computed_of(py, &m, out.scheduled[i].key, &meta.computed)?;
+            lists.push(BlockLists { tables, computed });
+        }
+        Ok(lists)
+    }
+
+    fn outputs_tuple<'py>(
+        &mut self,
+        py: Python<'py>,
+        out: &Outputs,
+        metas: &[StepMeta],
+        now: f64,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let order = self.output_order(out);
+        let lists = self.block_lists(py, out, metas, &order)?;
+        let scheduled = PyList::empty(py);
+        let metadata = PyList::empty(py);
+        let with_mm = out.num_prefill_groups > 0;
+        for (&i, lists) in order.iter().zip(lists) {
+            let (s, meta) = (&out.scheduled[i], &metas[i]);
+            let group = self.groups[&s.key].obj.bind(py).clone();
+            if meta.first_time {
+                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
+            }
+            metadata.append(self.metadata(py, (s, meta), lists, with_mm)?)?;
+            scheduled.append(self.scheduled_cls.bind(py).call1((group, s.chunk))?)?;
+        }
+        let swap_in = PyDict::new(py);
+        for &(a, b) in &out.swap_in {
+            swap_in.set_item(a, b)?;
+        }
+        let swap_out = PyDict::new(py);
+        for &(a, b) in &out.swap_out {
+            swap_out.set_item(a, b)?;
+        }
+        let copies = PyDict::new(py);
+        for (src, dsts) in &out.copies {
+            copies.set_item(src, PyList::new(py, dsts)?)?;
+        }
+        let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].obj.bind(py)))?;
+        let items: [Bound<'py, PyAny>; 10] = [
+            scheduled.into_any(),
+            metadata.into_any(),
+            out.num_prefill_groups.into_pyobject(py)?.into_any(),
+            out.num_batched_tokens.into_pyobject(py)?.into_any(),
+            swap_in.into_any(),
+            swap_out.into_any(),
+            copies.into_any(),
+            ignored.into_any(),
+            out.lookahead.into_pyobject(py)?.into_any(),
+            out.running_queue_size.into_pyobject(py)?.into_any(),
+        ];
+        PyTuple::new(py, items)
+    }
+}

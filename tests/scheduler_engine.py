@@ -1,0 +1,324 @@
+"""A model-free engine loop around a vLLM-0.4.2-style scheduler, for differential tests.
+
+One ``World`` is one scheduler with its own Sequence family: ``"ours"`` is
+``pagedkv.Scheduler`` over pagedkv's classes; ``"vllm"`` is vLLM 0.4.2's real ``Scheduler``
+with vLLM's own classes (``pagedkv.vllm_release``); ``"dropin"`` is vLLM's scheduler with
+pagedkv's classes dropped in. Each step does what ``LLMEngine.step()`` and its single-step
+output processor do (update computed tokens, sample only where ``do_sample``, fork for
+``best_of > 1``, stop checks, free finished sequences, ``free_finished_seq_groups``), with
+tokens and stops that depend only on (request, sequence, position), so every world sees the
+same inputs as long as the schedulers agree. ``step()`` returns a record of the decisions with
+block numbers renumbered by first appearance (vLLM's free order depends on object addresses).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+
+class FakeClock:
+    """A clock that moves only when told (both worlds read the same time)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def time(self) -> float:
+        return self.now
+
+
+@dataclass
+class Workload:
+    seed: int
+    block_size: int = 4
+    gpu_blocks: int = 48
+    cpu_blocks: int = 32
+    max_num_seqs: int = 8
+    max_model_len: int = 64
+    max_num_batched_tokens: int = 64
+    chunked: bool = False
+    caching: bool = False
+    lookahead: int = 0
+    delay_factor: float = 0.0
+    max_loras: Optional[int] = None
+    preemption_mode: Optional[str] = None
+    steps: int = 120
+    eos: int = 3
+    vocab: int = 40
+    requests: List[dict] = field(default_factory=list)
+
+    @classmethod
+    def random(cls, seed: int, **force: Any) -> Workload:
+        r = random.Random(seed)
+        chunked = force.get("chunked", r.random() < 0.4)
+        w = cls(
+            seed=seed,
+            block_size=r.choice([4, 8]),
+            gpu_blocks=r.randint(12, 60),
+            cpu_blocks=r.choice([4, 16, 64]),
+            max_num_seqs=r.randint(2, 10),
+            max_model_len=r.choice([48, 64, 96]),
+            chunked=chunked,
+            caching=force.get("caching", r.random() < 0.4),
+            lookahead=0,  # vLLM 0.4.2's v1 manager refuses lookahead slots
+            delay_factor=r.choice([0.0, 0.0, 0.5]),
+            max_loras=force.get("max_loras", r.choice([None, None, 1, 2])),
+        )
+        w.max_num_batched_tokens = (
+            r.randint(max(w.max_num_seqs, 8), 48)
+            if chunked
+            else r.randint(w.max_model_len, w.max_model_len * 2)
+        )
+        for k, v in force.items():
+            setattr(w, k, v)
+        w.requests = w._make_requests(r)
+        return w
+
+    def _make_requests(self, r: random.Random) -> List[dict]:
+        bs = self.block_size
+        prefixes = [[r.randrange(self.vocab) for _ in range(bs * 3)] for _ in range(3)]
+        reqs = []
+        for i in range(r.randint(8, 30)):
+            n = r.randint(1, self.max_model_len + 16)
+            if self.caching:
+                # Whole-block prompts: vLLM 0.4.2 shares a partially filled prompt block
+                # through the cache and then writes into it (a bug we do not copy).
+                n = max(bs, n // bs * bs)
+                pre = r.choice(prefixes)[: r.choice([0, bs, 2 * bs, 3 * bs])]
+                prompt = (pre + [r.randrange(self.vocab) for _ in range(n)])[:n]
+            else:
+                prompt = [r.randrange(self.vocab) for _ in range(n)]
+            reqs.append(
+                dict(
+                    rid=f"r{i}",
+                    seq_id=i,
+                    prompt=prompt,
+                    best_of=r.choice([1, 1, 1, 2, 3]),
+                    max_tokens=r.randint(1, 24),
+                    lora=r.choice([0, 1, 2, 3]) if self.max_loras else 0,
+                    at_step=r.randint(0, self.steps // 2),
+                    abort_at=r.randint(0, self.steps) if r.random() < 0.1 else None,
+                )
+            )
+        return reqs
+
+
+def token_for(rid: str, seq_id: int, pos: int, vocab: int) -> int:
+    return random.Random(f"{rid}/{seq_id}/{pos}").randrange(vocab)
+
+
+class VllmFailure(Exception):
+    """vLLM's own scheduler hit one of its known failures (docs/scheduler.md)."""
+
+
+class World:
+    def __init__(self, kind: str, w: Workload, clock: FakeClock) -> None:
+        self.kind, self.w, self.clock = kind, w, clock
+        if kind == "ours":
+            import pagedkv
+            import pagedkv.scheduler as sched_mod
+            from pagedkv import sequence as seq_mod
+            from pagedkv import types
+
+            self.seq_mod, self.types = seq_mod, types
+            cfg_mod = sched_mod
+            self.Logprob, self.SamplingParams = types.Logprob, types.SamplingParams
+            self.LoRARequest = types.LoRARequest
+            self.Sequence, self.SequenceGroup = pagedkv.Sequence, pagedkv.SequenceGroup
+        else:
+            from pagedkv import vllm_release
+
+            v = vllm_release.load("0.4.2", "vllm" if kind == "vllm" else "pagedkv")
+            sched_mod, cfg_mod, seq_mod = v.scheduler, v.config, v.sequence
+            self.seq_mod = seq_mod
+            self.Logprob = seq_mod.Logprob
+            self.SamplingParams = v.sampling_params.SamplingParams
+            self.LoRARequest = v.lora_request.LoRARequest
+            self.Sequence, self.SequenceGroup = seq_mod.Sequence, seq_mod.SequenceGroup
+        self.sched_mod = sched_mod
+        self._real_time = sched_mod.time
+        sched_mod.time = clock  # the module's `time.time()` reads the fake clock (close())
+        self.Status = seq_mod.SequenceStatus
+        scfg = cfg_mod.SchedulerConfig(
+            w.max_num_batched_tokens,
+            w.max_num_seqs,
+            w.max_model_len,
+            num_lookahead_slots=w.lookahead,
+            delay_factor=w.delay_factor,
+            enable_chunked_prefill=w.chunked,
+        )
+        ccfg = cfg_mod.CacheConfig(w.block_size, 0.9, 1, "auto", enable_prefix_caching=w.caching)
+        ccfg.num_gpu_blocks, ccfg.num_cpu_blocks = w.gpu_blocks, w.cpu_blocks
+        lcfg = None
+        if w.max_loras:
+            if kind == "ours":
+                lcfg = sched_mod.LoRAConfig(max_lora_rank=8, max_loras=w.max_loras)
+            else:
+                lcfg = _LoraCfg(w.max_loras)
+        if w.preemption_mode and kind == "ours":
+            scfg.preemption_mode = w.preemption_mode
+        self.sched = sched_mod.Scheduler(scfg, ccfg, lcfg)
+        if w.preemption_mode and kind != "ours":
+            # vLLM 0.4.2 has no config field for it; its `_preempt` takes the mode.
+            forced = sched_mod.PreemptionMode[w.preemption_mode.upper()]
+            preempt = self.sched._preempt
+            self.sched._preempt = lambda group, swap_out, mode=None: preempt(
+                group, swap_out, forced
+            )
+        self.next_child = 100_000
+        self.groups: Dict[str, Any] = {}
+
+    def close(self) -> None:
+        """Give the scheduler module its real clock back."""
+        self.sched_mod.time = self._real_time
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add(self, req: dict) -> None:
+        lora = None
+        if req["lora"]:
+            lora = self.LoRARequest(f"l{req['lora']}", req["lora"], "/nowhere")
+        seq = self.Sequence(
+            req["seq_id"], "", list(req["prompt"]), self.w.block_size, self.w.eos, lora
+        )
+        params = self.SamplingParams(
+            n=1, best_of=req["best_of"], max_tokens=req["max_tokens"], temperature=1.0
+        )
+        group = self.SequenceGroup(req["rid"], [seq], params, self.clock.now, lora)
+        self.groups[req["rid"]] = group
+        self.sched.add_seq_group(group)
+
+    # -- one engine step -----------------------------------------------------------------------
+
+    def schedule(self) -> tuple:
+        metas, out = self.sched.schedule()
+        return metas, out
+
+    def record(self, metas, out) -> dict:
+        names: Dict[tuple, int] = {}
+
+        def canon(dev: str, b: int) -> int:
+            return names.setdefault((dev, b), len(names))
+
+        mgr = self.sched.block_manager
+        meta = []
+        for m in metas:
+            tables = [
+                (sid, [canon("g", b) for b in t]) for sid, t in sorted(m.block_tables.items())
+            ]
+            computed = [canon("g", b) for b in (m.computed_block_nums or [])]
+            meta.append(
+                (m.request_id, m.is_prompt, m.do_sample, m.token_chunk_size, tables, computed)
+            )
+        copies = sorted(
+            (canon("g", s), sorted(canon("g", d) for d in ds))
+            for s, ds in out.blocks_to_copy.items()
+        )
+        swap_out = sorted((canon("g", a), canon("c", b)) for a, b in out.blocks_to_swap_out.items())
+        swap_in = sorted((canon("c", a), canon("g", b)) for a, b in out.blocks_to_swap_in.items())
+        return {
+            "scheduled": [
+                (g.seq_group.request_id, g.token_chunk_size) for g in out.scheduled_seq_groups
+            ],
+            "num_prefill_groups": out.num_prefill_groups,
+            "num_batched_tokens": out.num_batched_tokens,
+            "ignored": [g.request_id for g in out.ignored_seq_groups],
+            "lookahead": out.num_lookahead_slots,
+            "running_queue_size": out.running_queue_size,
+            "meta": meta,
+            "copy": copies,
+            "swap_in": swap_in,
+            "swap_out": swap_out,
+            "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
+            "first_scheduled": {
+                rid: g.metrics.first_scheduled_time for rid, g in self.groups.items()
+            },
+            "queues": [
+                [g.request_id for g in q]
+                for q in (self.sched.waiting, self.sched.running, self.sched.swapped)
+            ],
+            "statuses": {
+                rid: sorted(
+                    (s.seq_id, s.status.name, s.data.get_num_computed_tokens(), s.is_prefill())
+                    for s in g.get_seqs()
+                )
+                for rid, g in self.groups.items()
+            },
+        }
+
+    def process(self, metas, out) -> None:
+        """vLLM 0.4.2's `_process_model_outputs` with the single-step output processor."""
+        for sg, meta in zip(out.scheduled_seq_groups, _by_request(metas, out)):
+            group = sg.seq_group
+            group.update_num_computed_tokens(sg.token_chunk_size)
+            if meta.do_sample:
+                self._sample(group)
+        self.sched.free_finished_seq_groups()
+
+    def _sample(self, group) -> None:
+        Status = self.Status
+        parents = group.get_seqs(status=Status.RUNNING)
+        params = group.sampling_params
+        pairs = []
+        for parent in parents:
+            n_samples = params.best_of if len(group.get_seqs()) == 1 else 1
+            for _k in range(n_samples - 1):
+                child = parent.fork(self.next_child)
+                self.next_child += 1
+                pairs.append((child, parent))
+            pairs.append((parent, parent))
+        for seq, _ in pairs:
+            tok = token_for(group.request_id, seq.seq_id, seq.get_len(), self.w.vocab)
+            seq.append_token_id(tok, {tok: self.Logprob(0.0)})
+            if seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.w.max_model_len:
+                seq.status = Status.FINISHED_LENGTH_CAPPED
+            elif tok == self.w.eos:
+                seq.status = Status.FINISHED_STOPPED
+        for seq, parent in pairs:
+            if seq is not parent:
+                group.add(seq)
+                if not seq.is_finished():
+                    self.sched.fork_seq(parent, seq)
+        for seq, parent in pairs:
+            if seq is parent and seq.is_finished():
+                self.sched.free_seq(seq)
+
+
+class _LoraCfg:
+    def __init__(self, max_loras: int) -> None:
+        self.max_loras = max_loras
+        self.max_lora_rank = 8
+
+
+def _by_request(metas, out):
+    by_id = {m.request_id: m for m in metas}
+    return [by_id[g.seq_group.request_id] for g in out.scheduled_seq_groups]
+
+
+def vllm_hazard(world: World) -> Optional[str]:
+    """Before a step: is vLLM's scheduler in a state where one of its known failures
+    (docs/scheduler.md) decides this step?"""
+    for g in world.sched.waiting:
+        if len(g.get_seqs()) > 1:
+            return "recompute of a best_of>1 group with finished sequences (fix 2)"
+    if world.w.chunked:
+        for g in world.sched.swapped:
+            if g.is_prefill():
+                return "a group swapped out mid-prefill in chunked mode (fix 3)"
+    return None
+
+
+def vllm_output_failure(world: World, before_swapped: List[str], out) -> Optional[str]:
+    w = world.w
+    if any(g.token_chunk_size <= 0 for g in out.scheduled_seq_groups):
+        return "a non-positive chunk (fix 1)"
+    if out.num_batched_tokens > w.max_num_batched_tokens:
+        return "over the token budget (fix 1)"
+    sched = world.sched
+    if any(
+        rid not in {g.request_id for q in (sched.waiting, sched.running, sched.swapped) for g in q}
+        for rid in before_swapped
+    ):
+        return "a swapped group that can never swap in keeps its CPU blocks"
+    return None
