@@ -21,6 +21,7 @@ __all__ = [
     "BlockPool",
     "BlockSpaceManager",
     "CompatEnumBase",
+    "SchedulerCore",
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
@@ -391,12 +392,13 @@ class BlockSpaceManager:
         """Raise ``AssertionError`` if a pool invariant is broken or a ref count disagrees
         with the tables (O(blocks); for tests)."""
 
+@final
 class SchedulerCore:
     """Native half of :class:`pagedkv.Scheduler` (see ``docs/scheduler.md``): vLLM 0.4.2's
     scheduling policy over the core of ``manager`` (a ``BlockSpaceManager``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         manager: BlockSpaceManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
@@ -407,7 +409,7 @@ class SchedulerCore:
         chunked_prefill: bool = False,
         max_loras: Optional[int] = None,
         preemption_mode: Optional[str] = None,
-    ) -> None:
+    ) -> SchedulerCore:
         """See :class:`pagedkv.Scheduler` for the arguments."""
     @property
     def manager(self) -> BlockSpaceManager:

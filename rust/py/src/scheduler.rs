@@ -214,6 +214,7 @@ impl PySchedulerCore {
         self.seqs.clear();
     }
 
+    /// The block manager the scheduler drives.
     #[getter]
     fn manager(&self, py: Python<'_>) -> Py<PyManager> {
         self.manager.clone_ref(py)
@@ -274,6 +275,7 @@ impl PySchedulerCore {
         Ok(())
     }
 
+    /// Groups in waiting, running and swapped together.
     fn num_unfinished(&self) -> usize {
         self.core.num_unfinished_groups()
     }
