@@ -8,18 +8,20 @@ backends is the classes it drives:
 * ``"pagedkv-dropin"``: pagedkv's Sequence family and ``BlockSpaceManager``, swapped in by an
   import change (``vllm_release.load(version, "pagedkv")``): the drop-in claim;
 * ``"pagedkv-manager"``: vLLM's own Sequence family with pagedkv's ``BlockSpaceManager`` (the
-  manager accepts foreign sequences).
+  manager accepts foreign sequences);
+* ``"pagedkv-scheduler"``: :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, its loop in Rust)
+  over pagedkv's Sequence family, built from the same vLLM config objects (0.4.2 only).
 
 :class:`Engine` is what vLLM's LLMEngine does around the scheduler, minus the model: each step
 it calls ``schedule()``, then processes the outputs (advance the computed tokens, fork ``n > 1``
 requests after their prefill, append one sampled token per running sequence, finish and free
 sequences at their output length, free finished groups). The sampled tokens are fixed in
-advance per request and sequence, so every backend replays the same run. New backends (a
-native scheduler, say) plug in through :class:`Backend`.
+advance per request and sequence, so every backend replays the same run. Backends plug in
+through :class:`Backend`.
 
 :func:`compare_decisions` checks that two backends make identical decisions at every step;
 :func:`compare_scheduler_step` times the whole step (``schedule()`` + output processing) of
-``"vllm"`` and ``"pagedkv-dropin"`` on W1 in the same run.
+any of these backends on W1 in the same run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ __all__ = [
     "run_engines",
 ]
 
-BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager")
+BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
 
 
 @dataclass
@@ -69,6 +71,8 @@ def make_backend(version: str, name: str) -> Backend:
 
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "pagedkv-scheduler":
+        return _native_scheduler_backend(version)
     ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
 
     def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
@@ -78,6 +82,22 @@ def make_backend(version: str, name: str) -> Backend:
     if name == "pagedkv-manager":
         make = _with_pagedkv_manager(ns, version)
     return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
+
+
+def _native_scheduler_backend(version: str) -> Backend:
+    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2), configured with that release's own
+    config objects, driving pagedkv's Sequence family."""
+    import pagedkv
+    from pagedkv import sequence, vllm_release
+
+    if version != "0.4.2":
+        raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
+    ns = vllm_release.load(version, "pagedkv")
+
+    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
+        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
+
+    return Backend("pagedkv-scheduler", version, ns, sequence, pagedkv.SamplingParams, make)
 
 
 def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
