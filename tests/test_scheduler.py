@@ -291,3 +291,30 @@ def test_failed_schedule_changes_nothing():
     s.abort_seq_group("r2")
     _, out = s.schedule()
     assert ids(g.seq_group for g in out.scheduled_seq_groups) == ["r1"]
+
+
+def test_sequences_removed_from_a_running_group_leave_it():
+    # Beam search drops the parents it does not keep with SequenceGroup.remove (their status
+    # stays RUNNING) and frees them; the scheduler must stop counting them, and the group
+    # finishes when what is left of it has.
+    s = make()
+    g = group(1, 6, best_of=2)
+    s.add_seq_group(g)
+    _, out = s.schedule()
+    g.update_num_computed_tokens(6)
+    parent = g.get_seqs()[0]
+    child = parent.fork(99)
+    g.add(child)
+    s.fork_seq(parent, child)
+    for seq in (parent, child):
+        seq.append_token_id(1, {1: pagedkv.Logprob(0.0)})
+    g.remove(parent.seq_id)
+    s.free_seq(parent)
+    assert parent.status == SequenceStatus.RUNNING
+    metas, out = s.schedule()
+    assert [list(m.block_tables) for m in metas] == [[99]]
+    child.status = SequenceStatus.FINISHED_STOPPED
+    s.free_seq(child)
+    s.free_finished_seq_groups()
+    assert not s.has_unfinished_seqs()
+    assert s.block_manager.get_num_free_gpu_blocks() == 32

@@ -53,6 +53,8 @@ const STATUSES: [Status; 7] = [
 
 struct SeqView {
     obj: Py<PyAny>,
+    /// `seq.seq_id` as the engine's int object (the key of its group's `seqs_dict`).
+    id_obj: Py<PyAny>,
     store: Py<PyTokenSeq>,
     /// The read-only block-table list handed out in metadata, with the table version it
     /// shows: reused until the table changes (once per `block_size` decode steps).
@@ -439,6 +441,7 @@ impl PySchedulerCore {
             state,
             SeqView {
                 obj: seq.clone().unbind(),
+                id_obj: seq.getattr(intern!(py, "seq_id"))?.unbind(),
                 store: store.unbind(),
                 table: None,
             },
@@ -450,33 +453,42 @@ impl PySchedulerCore {
         self.sync_running_with(py, true)
     }
 
-    /// `progress`: also read each sequence's computed tokens and stage and the group's
-    /// sequence count (`schedule()` needs them; `free_finished` needs only the statuses).
+    /// `progress`: also read each sequence's computed tokens and stage (`schedule()` needs
+    /// them; `free_finished` needs only the statuses). Sequences the engine removed from a
+    /// running group's `seqs_dict` (beam search drops parents that way) leave the group.
     fn sync_running_with(&mut self, py: Python<'_>, progress: bool) -> PyResult<()> {
         let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
+        let mut removed: Vec<SeqId> = Vec::new();
         for i in 0..self.core.running().len() {
             let key = self.core.running()[i];
-            let n = match progress {
-                true => Some(
-                    self.groups[&key]
-                        .obj
-                        .bind(py)
-                        .getattr(intern!(py, "seqs_dict"))?
-                        .len()?,
-                ),
-                false => None,
-            };
+            let seqs_dict = self.groups[&key]
+                .obj
+                .bind(py)
+                .getattr(intern!(py, "seqs_dict"))?;
+            let n = seqs_dict.len()?;
             fresh.clear();
+            removed.clear();
             for s in &self.core.group(key).expect("live").seqs {
-                let obj = self.seqs[&s.id].obj.bind(py);
+                let view = &self.seqs[&s.id];
+                if !seqs_dict.contains(view.id_obj.bind(py))? {
+                    removed.push(s.id);
+                    continue;
+                }
+                let obj = view.obj.bind(py);
                 let (decode, computed) = match progress {
                     true => self.progress_of(obj)?,
                     false => (s.decode, s.num_computed),
                 };
                 fresh.push((self.status_of(obj)?, decode, computed));
             }
+            if !removed.is_empty() {
+                self.core.remove_seqs(key, &removed);
+                for id in &removed {
+                    self.seqs.remove(id);
+                }
+            }
             let g = self.core.group_mut(key).expect("live");
-            g.num_seqs = n.unwrap_or(g.num_seqs);
+            g.num_seqs = n;
             for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
                 s.status = status;
                 s.decode = decode;

@@ -331,6 +331,21 @@ impl Scheduler {
         Some(g)
     }
 
+    /// The engine removed these sequences from a running group (vLLM's `SequenceGroup.remove`,
+    /// as beam search does with the parents it drops): they no longer count for the group.
+    /// Their blocks are the engine's to free (`free_seq`), as in vLLM.
+    pub fn remove_seqs(&mut self, key: GroupKey, ids: &[SeqId]) {
+        let Some(g) = self.group_mut(key) else {
+            return;
+        };
+        g.seqs.retain(|s| !ids.contains(&s.id));
+        for id in ids {
+            if self.by_seq.get(id) == Some(&key) {
+                self.by_seq.remove(id);
+            }
+        }
+    }
+
     fn set_status(&mut self, key: GroupKey, idx: usize, status: Status, reset: bool) {
         let s = &mut self.gm(key).seqs[idx];
         s.status = status;
