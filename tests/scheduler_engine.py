@@ -43,6 +43,8 @@ class Workload:
     delay_factor: float = 0.0
     max_loras: Optional[int] = None
     preemption_mode: Optional[str] = None
+    #: Every request with best_of > 1 uses beam search (vLLM's single-step beam processing).
+    beam: bool = False
     steps: int = 120
     eos: int = 3
     vocab: int = 40
@@ -182,8 +184,13 @@ class World:
         seq = self.Sequence(
             req["seq_id"], "", list(req["prompt"]), self.w.block_size, self.w.eos, lora
         )
+        beam = self.w.beam and req["best_of"] > 1
         params = self.SamplingParams(
-            n=1, best_of=req["best_of"], max_tokens=req["max_tokens"], temperature=1.0
+            n=1,
+            best_of=req["best_of"],
+            max_tokens=req["max_tokens"],
+            temperature=0.0 if beam else 1.0,
+            use_beam_search=beam,
         )
         group = self.SequenceGroup(req["rid"], [seq], params, self.clock.now, lora)
         self.groups[req["rid"]] = group
@@ -257,6 +264,8 @@ class World:
         self.sched.free_finished_seq_groups()
 
     def _sample(self, group) -> None:
+        if group.sampling_params.use_beam_search:
+            return self._sample_beam(group)
         Status = self.Status
         parents = group.get_seqs(status=Status.RUNNING)
         params = group.sampling_params
@@ -271,10 +280,7 @@ class World:
         for seq, _ in pairs:
             tok = token_for(group.request_id, seq.seq_id, seq.get_len(), self.w.vocab)
             seq.append_token_id(tok, {tok: self.Logprob(0.0)})
-            if seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.w.max_model_len:
-                seq.status = Status.FINISHED_LENGTH_CAPPED
-            elif tok == self.w.eos:
-                seq.status = Status.FINISHED_STOPPED
+            self._stop_check(seq, tok, params)
         for seq, parent in pairs:
             if seq is not parent:
                 group.add(seq)
@@ -283,6 +289,96 @@ class World:
         for seq, parent in pairs:
             if seq is parent and seq.is_finished():
                 self.sched.free_seq(seq)
+
+    def _stop_check(self, seq, tok: int, params) -> None:
+        Status = self.Status
+        if seq.get_output_len() >= params.max_tokens or seq.get_len() >= self.w.max_model_len:
+            seq.status = Status.FINISHED_LENGTH_CAPPED
+        elif tok == self.w.eos:
+            seq.status = Status.FINISHED_STOPPED
+
+    def _beam_samples(self, group, parents) -> Dict[int, List[tuple]]:
+        """A model-free beam sampler: every parent proposes 2 * beam_width (token, logprob)
+        candidates that depend only on (request, parent, position); the best 2 * beam_width by
+        cumulative logprob across parents are kept, grouped by parent (vLLM's sampler keeps the
+        top 2 * beam_width the same way)."""
+        width = group.sampling_params.best_of
+        cands = []
+        for p_idx, parent in enumerate(parents):
+            pos = parent.get_len()
+            for j in range(2 * width):
+                r = random.Random(f"{group.request_id}/{parent.seq_id}/{pos}/{j}")
+                tok, lp = r.randrange(self.w.vocab), -3.0 * r.random()
+                score = parent.get_cumulative_logprob() + lp
+                cands.append((-score, p_idx, j, tok, lp))
+        cands.sort()
+        by_parent: Dict[int, List[tuple]] = {p.seq_id: [] for p in parents}
+        for _, p_idx, _, tok, lp in cands[: 2 * width]:
+            by_parent[parents[p_idx].seq_id].append((tok, lp))
+        return by_parent
+
+    def _sample_beam(self, group) -> None:
+        """vLLM 0.4.2's single-step output processing with beam search (early_stopping
+        False): children forked per sample, the best finished and running candidates kept,
+        the others removed from the group and freed."""
+        Status, sched = self.Status, self.sched
+        params = group.sampling_params
+        width = params.best_of
+        parents = group.get_seqs(status=Status.RUNNING)
+        done_before = group.get_finished_seqs()
+        pairs = []  # (sequence, the parent it continues)
+        for parent, samples in zip(parents, self._beam_samples(group, parents).values()):
+            if not samples:
+                parent.status = Status.FINISHED_ABORTED
+                group.remove(parent.seq_id)
+                sched.free_seq(parent)
+                continue
+            for tok, lp in samples[:-1]:
+                child = parent.fork(self.next_child)
+                self.next_child += 1
+                child.append_token_id(tok, {tok: self.Logprob(lp)})
+                pairs.append((child, parent))
+            tok, lp = samples[-1]
+            parent.append_token_id(tok, {tok: self.Logprob(lp)})
+            pairs.append((parent, parent))
+        for seq, _ in pairs:
+            self._stop_check(seq, seq.get_last_token_id(), params)
+
+        def score(seq) -> float:
+            return seq.get_beam_search_score(
+                length_penalty=params.length_penalty, eos_token_id=seq.eos_token_id
+            )
+
+        finished = [(s, None, False) for s in done_before]
+        finished += [(s, p, True) for s, p in pairs if s.is_finished()]
+        finished.sort(key=lambda x: score(x[0]), reverse=True)
+        keep = [(s, p) for s, p, new in finished[:width] if new]
+        drop = [(s, p) for s, p, new in finished[width:] if new]
+        for s, _, new in finished[width:]:
+            if not new:
+                group.remove(s.seq_id)
+        running = [(s, p) for s, p in pairs if not s.is_finished()]
+        running.sort(key=lambda x: score(x[0]), reverse=True)
+        stop = not running or (
+            len(finished) >= width and score(finished[width - 1][0]) >= score(running[0][0])
+        )
+        if stop:
+            drop += running
+        else:
+            keep += running[:width]
+            drop += running[width:]
+        for s, p in keep:
+            if s is not p:
+                group.add(s)
+                if not s.is_finished():
+                    sched.fork_seq(p, s)
+        for s, p in keep:
+            if s is p and s.is_finished():
+                sched.free_seq(s)
+        for s, p in drop:
+            if s is p:
+                group.remove(s.seq_id)
+                sched.free_seq(s)
 
 
 class _LoraCfg:

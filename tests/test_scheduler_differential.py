@@ -161,3 +161,13 @@ def test_runs_give_the_real_clock_back():
 
     Run(Workload.random(7, steps=5)).run()
     assert pagedkv.scheduler.time is time
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["default", "chunked"])
+def test_beam_search(chunked):
+    """Beam search's output processing forks children, removes the parents it drops from the
+    group (still RUNNING) and frees them: the scheduler must follow the group's membership."""
+    runs = check(
+        [Workload.random(seed, beam=True, chunked=chunked) for seed in range(200, 212)], 150
+    )
+    assert any(r.compared["dropin"] for r in runs)
