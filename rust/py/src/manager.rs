@@ -776,6 +776,20 @@ impl Locked<'_> {
         )
     }
 
+    /// Append GPU block numbers (the cached int objects) to `list`, through the C list API
+    /// (so also to a read-only list subclass such as the scheduler's `BlockList`).
+    pub(crate) fn extend_gpu_blocks(
+        &self,
+        list: &Bound<'_, PyList>,
+        blocks: &[pagedkv_core::BlockId],
+    ) -> PyResult<()> {
+        let py = list.py();
+        for &b in blocks {
+            list.append(self.0.gpu_ints[b as usize].bind(py))?;
+        }
+        Ok(())
+    }
+
     /// The block table of `id` as a fresh Python list (from the cached list when current).
     pub(crate) fn table_list<'py>(
         &mut self,

@@ -12,7 +12,7 @@ use pagedkv_core::scheduler::{
     Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
     SchedulerConfig, SeqState, Status, StepMeta, Tokens,
 };
-use pagedkv_core::{BlockId, Error, SeqId, TokenSeq};
+use pagedkv_core::{BlockId, Device, Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -364,6 +364,12 @@ impl PySchedulerCore {
     }
 }
 
+/// An empty `BlockList` (`cls`), to be filled through the C list API, which its read-only
+/// Python methods do not intercept.
+fn new_block_list<'py>(cls: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
+    Ok(cls.call0()?.cast_into::<PyList>()?)
+}
+
 fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
     seq.getattr(intern!(seq.py(), "seq_id"))?
         .extract::<SeqId>()
@@ -550,7 +556,16 @@ impl PySchedulerCore {
                 return Ok(list.bind(py).clone());
             }
         }
-        let list = self.block_list.bind(py).call1((m.table_list(py, id)?,))?;
+        // A scheduled sequence's table is on the GPU: its BlockList is filled in place from the
+        // cached block ints, without an intermediate list.
+        let list = match m.core().device_of(id).py()? {
+            Device::Gpu => {
+                let list = new_block_list(self.block_list.bind(py))?;
+                m.extend_gpu_blocks(&list, m.core().block_table(id).py()?)?;
+                list.into_any()
+            }
+            Device::Cpu => self.block_list.bind(py).call1((m.table_list(py, id)?,))?,
+        };
         view.table = Some((version, list.clone().unbind()));
         Ok(list)
     }
@@ -569,10 +584,9 @@ impl PySchedulerCore {
                 return Ok(list.bind(py).clone());
             }
         }
-        let list = self
-            .block_list
-            .bind(py)
-            .call1((m.gpu_block_list(py, computed)?,))?;
+        let list = new_block_list(self.block_list.bind(py))?;
+        m.extend_gpu_blocks(&list, computed)?;
+        let list = list.into_any();
         view.computed = Some((computed.to_vec(), list.clone().unbind()));
         Ok(list)
     }
