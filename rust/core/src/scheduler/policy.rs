@@ -137,9 +137,10 @@ impl Scheduler {
     /// All or nothing: an error leaves the scheduler and the manager as they were. The one
     /// failure a consistent state can meet part-way (a group with several running sequences
     /// to preempt and no CPU swap space for it, docs/scheduler.md fix 7) is possible only when
-    /// the running multi-sequence groups together hold more blocks than the CPU has free; only
-    /// then is a copy of the state taken to restore. The other errors are checked up front or
-    /// are excluded by the invariants (`check_waiting`).
+    /// the running multi-sequence groups together hold more blocks than the CPU has free and
+    /// the GPU cannot give every running group its slots; only then is a copy of the state
+    /// taken to restore. The other errors are checked up front or are excluded by the
+    /// invariants (`check_waiting`).
     pub fn schedule<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
@@ -150,7 +151,8 @@ impl Scheduler {
             return Err(Error::invalid("the step time must be a finite number"));
         }
         debug_assert!(self.check_waiting().is_ok());
-        let saved = match self.swap_out_may_fail(mgr)? {
+        let risky = self.swap_out_may_fail(mgr)? && self.may_preempt(mgr, toks)?;
+        let saved = match risky {
             true => Some((self.clone(), mgr.clone())),
             false => None,
         };
@@ -196,6 +198,25 @@ impl Scheduler {
             }
         }
         Ok(need > mgr.num_free_cpu_blocks())
+    }
+
+    /// Whether this step could preempt at all. Running groups are the only ones that preempt,
+    /// and group g is appended to when the free blocks left after the groups before it cover
+    /// `max(need_g, running_g)` (`can_append_slots`); appends take at most their need. So if
+    /// the free blocks cover every running group's need plus the largest running count, no
+    /// group is preempted. (A step that schedules new prefills runs no running groups.)
+    fn may_preempt<T: Tokens>(&self, mgr: &Manager, toks: &T) -> Result<bool> {
+        let la = self.cfg.num_lookahead_slots;
+        let (mut need, mut most) = (0, 0);
+        for &key in &self.running {
+            let mut count = 0;
+            for id in self.g(key).ids_with(Status::Running) {
+                need += toks.with(id, |t| mgr.append_need(id, t, la))??;
+                count += 1;
+            }
+            most = usize::max(most, count);
+        }
+        Ok(need + most > mgr.num_free_gpu_blocks())
     }
 
     fn schedule_step<T: Tokens>(
