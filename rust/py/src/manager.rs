@@ -764,18 +764,6 @@ impl Locked<'_> {
         self.0.forget(id);
     }
 
-    /// GPU block numbers as a Python list of the cached int objects (no int allocation).
-    pub(crate) fn gpu_block_list<'py>(
-        &self,
-        py: Python<'py>,
-        blocks: &[pagedkv_core::BlockId],
-    ) -> PyResult<Bound<'py, PyList>> {
-        PyList::new(
-            py,
-            blocks.iter().map(|&b| self.0.gpu_ints[b as usize].bind(py)),
-        )
-    }
-
     /// Append GPU block numbers (the cached int objects) to `list`, through the C list API
     /// (so also to a read-only list subclass such as the scheduler's `BlockList`).
     pub(crate) fn extend_gpu_blocks(
