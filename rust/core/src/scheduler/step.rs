@@ -1,0 +1,430 @@
+//! Issue 10's batch step, core half: apply the previous step's sampled tokens (with vLLM
+//! 0.4.2's stop checks and forks for `best_of > 1`), free what finished, and, after the
+//! ordinary [`Scheduler::schedule`], write the model runner's inputs into caller-owned int32
+//! slices. No Python: the token stores are reached through [`TokensMut`].
+//!
+//! The previous step's batch is a list of [`Row`]s (one per running sequence of a scheduled
+//! group, in output order). Each row with `samples > 0` takes that many sampled tokens, in
+//! row order: the first `samples - 1` go to new children (forked from the row's sequence
+//! before its own token is appended, vLLM's `_process_sequence_group_outputs`), the last to
+//! the row's sequence itself.
+
+use super::{Change, Finish, Group, GroupKey, IdMap, Outputs, Scheduled, Scheduler, SeqState};
+use super::{Status, StepMeta, Tokens};
+use crate::error::{Error, Result};
+use crate::manager::{Manager, SeqId};
+use crate::step_buffers::newest_slot;
+use crate::token_seq::TokenSeq;
+
+/// Mutable access to token stores (appending sampled tokens).
+pub trait TokensMut: Tokens {
+    fn with_mut<R>(&self, id: SeqId, f: impl FnOnce(&mut TokenSeq) -> R) -> Result<R>;
+}
+
+/// The `SamplingParams` fields vLLM 0.4.2's `StopChecker` reads (stop strings need a
+/// detokenizer and are the caller's business), plus the group's prompt length.
+#[derive(Clone, Debug, Default)]
+pub struct StopRules {
+    pub prompt_len: usize,
+    pub max_tokens: Option<usize>,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub eos: Option<u32>,
+    pub stop_ids: Vec<u32>,
+}
+
+impl StopRules {
+    /// `StopChecker.maybe_stop_sequence` after a token was appended: `len` tokens in all,
+    /// `last` the newest. Same order of checks as vLLM.
+    pub fn check(&self, len: usize, last: u32, max_model_len: usize) -> Option<Finish> {
+        let out = len.saturating_sub(self.prompt_len);
+        if out < self.min_tokens {
+            return None;
+        }
+        if (!self.ignore_eos && self.eos == Some(last)) || self.stop_ids.contains(&last) {
+            return Some(Finish::Stopped);
+        }
+        if len > max_model_len || self.max_tokens == Some(out) {
+            return Some(Finish::LengthCapped);
+        }
+        None
+    }
+}
+
+/// One running sequence of a scheduled group: one row of the model inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub key: GroupKey,
+    pub seq: SeqId,
+    /// Tokens the model samples for this row (0: no sampling this step).
+    pub samples: usize,
+}
+
+/// The previous step's batch, as the caller's sampled-token array is laid out.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub groups: Vec<Scheduled>,
+    pub rows: Vec<Row>,
+}
+
+impl Batch {
+    pub fn num_samples(&self) -> usize {
+        self.rows.iter().map(|r| r.samples).sum()
+    }
+    pub fn num_children(&self) -> usize {
+        self.rows.iter().map(|r| r.samples.saturating_sub(1)).sum()
+    }
+    /// Forget groups that left the scheduler between steps (aborted): their rows still take
+    /// their samples (the caller's array has them) but nothing is applied.
+    pub fn drop_groups(&mut self, keys: &[GroupKey]) {
+        self.groups.retain(|s| !keys.contains(&s.key));
+        for r in &mut self.rows {
+            if keys.contains(&r.key) {
+                r.key = GroupKey::MAX;
+            }
+        }
+    }
+}
+
+/// What applying the sampled tokens did.
+#[derive(Clone, Debug, Default)]
+pub struct Applied {
+    /// Sequences whose block tables were freed (finished).
+    pub freed: Vec<SeqId>,
+    /// Finished groups, out of the running queue (the caller releases them).
+    pub finished: Vec<GroupKey>,
+}
+
+impl Scheduler {
+    /// Apply the previous step: computed tokens, sampled tokens, stop checks, forks (child
+    /// ids in `children`, their stores already copies of their parents'), frees. Everything
+    /// the caller passes is checked before anything changes.
+    pub fn apply_sampled<T: TokensMut>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        prev: &Batch,
+        rules: &IdMap<GroupKey, StopRules>,
+        sampled: &[i32],
+        children: &[SeqId],
+    ) -> Result<Applied> {
+        self.check_sampled(prev, rules, sampled)?;
+        if children.len() != prev.num_children() {
+            return Err(Error::invalid("wrong number of child sequence ids"));
+        }
+        if let Some(c) = children.iter().find(|c| self.by_seq.contains_key(c)) {
+            return Err(Error::invalid(format!("sequence {c} already exists")));
+        }
+        for s in &prev.groups {
+            self.add_computed(toks, s.key, s.chunk)?;
+        }
+        let (mut next_tok, mut next_child) = (0, 0);
+        let mut forks = Vec::new();
+        let mut freed = Vec::new();
+        for r in &prev.rows {
+            let toks_of_row = &sampled[next_tok..next_tok + r.samples];
+            next_tok += r.samples;
+            if r.key == GroupKey::MAX || r.samples == 0 {
+                continue;
+            }
+            let rule = &rules[&r.key];
+            let kids = &children[next_child..next_child + r.samples - 1];
+            next_child += r.samples - 1;
+            for (&child, &tok) in kids.iter().zip(toks_of_row) {
+                self.add_child(r.key, r.seq, child);
+                if self.append_checked(toks, r.key, child, tok as u32, rule)? {
+                    forks.push((r.seq, child));
+                }
+            }
+            let last = *toks_of_row.last().expect("samples > 0");
+            if !self.append_checked(toks, r.key, r.seq, last as u32, rule)? {
+                freed.push(r.seq);
+            }
+        }
+        for &(parent, child) in &forks {
+            mgr.fork(parent, child)?;
+        }
+        for &id in &freed {
+            mgr.free(id)?;
+        }
+        let finished = self.free_finished();
+        Ok(Applied { freed, finished })
+    }
+
+    /// Is `sampled` what the previous batch `prev` needs?
+    pub fn check_sampled(
+        &self,
+        prev: &Batch,
+        rules: &IdMap<GroupKey, StopRules>,
+        sampled: &[i32],
+    ) -> Result<()> {
+        if sampled.len() != prev.num_samples() {
+            return Err(Error::invalid(format!(
+                "the previous step sampled {} tokens; got {}",
+                prev.num_samples(),
+                sampled.len()
+            )));
+        }
+        if let Some(t) = sampled.iter().find(|&&t| t < 0) {
+            return Err(Error::invalid(format!("sampled token id {t} is negative")));
+        }
+        for r in prev.rows.iter().filter(|r| r.key != GroupKey::MAX) {
+            if self.group(r.key).is_none() || !rules.contains_key(&r.key) {
+                return Err(Error::invalid(
+                    "the previous batch names a group that is gone",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `SequenceGroup.update_num_computed_tokens`: every unfinished sequence.
+    fn add_computed<T: Tokens>(&mut self, toks: &T, key: GroupKey, chunk: usize) -> Result<()> {
+        let Some(g) = self.groups.get_mut(key as usize).and_then(|g| g.as_mut()) else {
+            return Ok(());
+        };
+        for s in g.seqs.iter_mut().filter(|s| !s.status.is_finished()) {
+            let len = toks.with(s.id, |t| t.len())?;
+            s.num_computed = (s.num_computed + chunk).min(len);
+            if s.num_computed == len {
+                s.decode = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// A new child of `parent` with the parent's progress (its store is the caller's copy).
+    fn add_child(&mut self, key: GroupKey, parent: SeqId, child: SeqId) {
+        let g: &mut Group = self.gm(key);
+        let st = g.seqs.iter().find(|s| s.id == parent).cloned();
+        let st = st.expect("a row names a sequence of its group");
+        g.seqs.push(SeqState { id: child, ..st });
+        g.num_seqs += 1;
+        self.by_seq.insert(child, key);
+    }
+
+    /// Append a sampled token and run the stop checks; false if the sequence finished.
+    fn append_checked<T: TokensMut>(
+        &mut self,
+        toks: &T,
+        key: GroupKey,
+        id: SeqId,
+        tok: u32,
+        rule: &StopRules,
+    ) -> Result<bool> {
+        let len = toks.with_mut(id, |t| {
+            t.push(tok);
+            t.len()
+        })?;
+        let Some(fin) = rule.check(len, tok, self.cfg.max_model_len) else {
+            return Ok(true);
+        };
+        let g = self.gm(key);
+        let s = g
+            .seqs
+            .iter_mut()
+            .find(|s| s.id == id)
+            .expect("sequence of its group");
+        s.status = Status::Finished(fin);
+        self.changes.push(Change {
+            key,
+            seq: id,
+            status: Status::Finished(fin),
+            reset: false,
+        });
+        Ok(false)
+    }
+
+    /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
+    /// `best_of` for a sampling group that has one sequence (its first sample), else 1.
+    pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {
+        let mut b = Batch::default();
+        for &i in order {
+            let (s, m) = (out.scheduled[i], &metas[i]);
+            b.groups.push(s);
+            let g = self.g(s.key);
+            let samples = match (m.do_sample, g.seqs.len()) {
+                (false, _) => 0,
+                (true, 1) => g.best_of,
+                (true, _) => 1,
+            };
+            b.rows.extend(m.running.iter().map(|&seq| Row {
+                key: s.key,
+                seq,
+                samples,
+            }));
+        }
+        b
+    }
+
+    /// The progress of a sequence (computed tokens, decode stage).
+    pub fn progress(&self, id: SeqId) -> Option<(usize, bool)> {
+        let key = self.by_seq.get(&id)?;
+        let g = self.group(*key)?;
+        g.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.num_computed, s.decode))
+    }
+}
+
+/// Caller-owned int32 model inputs of one step (see `docs/scheduler.md`, batch step).
+pub struct ModelInputs<'a> {
+    /// Per token: its id, position and KV slot (`[num_batched_tokens]`).
+    pub input_tokens: &'a mut [i32],
+    pub positions: &'a mut [i32],
+    pub slot_mapping: &'a mut [i32],
+    /// Per row: token offsets (`[rows + 1]`), length after this step, samples.
+    pub query_start_loc: &'a mut [i32],
+    pub context_lens: &'a mut [i32],
+    pub num_samples: &'a mut [i32],
+    pub seq_ids: &'a mut [i64],
+    /// `[rows, cols]` row-major, padded with 0 (vLLM's padding).
+    pub block_tables: &'a mut [i32],
+    pub cols: usize,
+    /// Flattened pairs `(src, dst)`.
+    pub copies: &'a mut [i32],
+    pub swap_in: &'a mut [i32],
+    pub swap_out: &'a mut [i32],
+}
+
+/// What was written: the used lengths.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Written {
+    pub rows: usize,
+    pub tokens: usize,
+    pub copies: usize,
+    pub swap_in: usize,
+    pub swap_out: usize,
+}
+
+fn too_small(name: &str, have: usize, need: usize) -> Error {
+    Error::invalid(format!(
+        "{name} holds {have} entries; this step needs {need}"
+    ))
+}
+
+fn put_pairs(name: &str, dst: &mut [i32], pairs: &[(u32, u32)]) -> Result<usize> {
+    if dst.len() < 2 * pairs.len() {
+        return Err(too_small(name, dst.len() / 2, pairs.len()));
+    }
+    for (d, &(a, b)) in dst.chunks_exact_mut(2).zip(pairs) {
+        d[0] = a as i32;
+        d[1] = b as i32;
+    }
+    Ok(pairs.len())
+}
+
+fn as_i32(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::invalid(format!("{x} does not fit int32")))
+}
+
+impl Manager {
+    /// Block-table columns the rows of `batch` need (the widest table).
+    pub fn batch_cols(&self, batch: &Batch) -> Result<usize> {
+        let mut cols = 0;
+        for r in &batch.rows {
+            cols = cols.max(self.block_table(r.seq)?.len());
+        }
+        Ok(cols)
+    }
+
+    /// Write the model inputs of `batch` (rows of this step, chunk per group). Sizes are
+    /// checked before the first write.
+    pub fn write_model_inputs<T: Tokens>(
+        &self,
+        sched: &Scheduler,
+        toks: &T,
+        batch: &Batch,
+        out: &Outputs,
+        buf: ModelInputs<'_>,
+    ) -> Result<Written> {
+        let chunk_of: IdMap<GroupKey, usize> =
+            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
+        let rows = batch.rows.len();
+        let tokens: usize = batch.rows.iter().map(|r| chunk_of[&r.key]).sum();
+        let per_row = [
+            ("context_lens", buf.context_lens.len()),
+            ("num_samples", buf.num_samples.len()),
+            ("seq_ids", buf.seq_ids.len()),
+            (
+                "block_tables rows",
+                buf.block_tables.len().checked_div(buf.cols).unwrap_or(0),
+            ),
+        ];
+        for (name, have) in per_row {
+            if have < rows {
+                return Err(too_small(name, have, rows));
+            }
+        }
+        if buf.query_start_loc.len() < rows + 1 {
+            return Err(too_small(
+                "query_start_loc",
+                buf.query_start_loc.len(),
+                rows + 1,
+            ));
+        }
+        for (name, have) in [
+            ("input_tokens", buf.input_tokens.len()),
+            ("positions", buf.positions.len()),
+            ("slot_mapping", buf.slot_mapping.len()),
+        ] {
+            if have < tokens {
+                return Err(too_small(name, have, tokens));
+            }
+        }
+        for r in &batch.rows {
+            let need = self.block_table(r.seq)?.len();
+            if need > buf.cols {
+                return Err(too_small("a block_tables row", buf.cols, need));
+            }
+        }
+        let copies: Vec<(u32, u32)> = out
+            .copies
+            .iter()
+            .flat_map(|(s, ds)| ds.iter().map(move |&d| (*s, d)))
+            .collect();
+        let written = Written {
+            rows,
+            tokens,
+            copies: put_pairs("copies", buf.copies, &copies)?,
+            swap_in: put_pairs("swap_in", buf.swap_in, &out.swap_in)?,
+            swap_out: put_pairs("swap_out", buf.swap_out, &out.swap_out)?,
+        };
+        let bs = self.config().block_size;
+        let mut t = 0;
+        buf.query_start_loc[0] = 0;
+        for (i, r) in batch.rows.iter().enumerate() {
+            let chunk = chunk_of[&r.key];
+            let table = self.block_table(r.seq)?;
+            let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
+            toks.with(r.seq, |ts| -> Result<()> {
+                let ids = ts.tokens().get(start..start + chunk).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "sequence {} has no tokens {start}..{}",
+                        r.seq,
+                        start + chunk
+                    ))
+                })?;
+                for (j, &id) in ids.iter().enumerate() {
+                    let p = start + j;
+                    buf.input_tokens[t + j] = as_i32(id as usize)?;
+                    buf.positions[t + j] = as_i32(p)?;
+                    buf.slot_mapping[t + j] = newest_slot(table, p + 1, bs)?;
+                }
+                Ok(())
+            })??;
+            t += chunk;
+            buf.query_start_loc[i + 1] = as_i32(t)?;
+            buf.context_lens[i] = as_i32(start + chunk)?;
+            buf.num_samples[i] = as_i32(r.samples)?;
+            buf.seq_ids[i] = i64::try_from(r.seq).map_err(|_| Error::invalid("seq id over i64"))?;
+            let row = &mut buf.block_tables[i * buf.cols..(i + 1) * buf.cols];
+            row.fill(0);
+            for (d, &b) in row.iter_mut().zip(table) {
+                *d = b as i32;
+            }
+        }
+        Ok(written)
+    }
+}
