@@ -235,6 +235,54 @@ impl Scheduler {
         Ok(false)
     }
 
+    /// [`Scheduler::step_meta`] for the batch step: the same block accesses, computed marks
+    /// and per-group facts, without `computed_block_nums` (an O(table) walk per sequence the
+    /// batch step's caller does not read: the model inputs carry whole block tables).
+    pub fn batch_meta<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        out: &Outputs,
+        now: f64,
+    ) -> Result<Vec<StepMeta>> {
+        let mut metas = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let running: Vec<SeqId> = self.g(s.key).ids_with(Status::Running).collect();
+            for &id in &running {
+                mgr.access_all_blocks_in_seq(id, now)?;
+            }
+            let g = self.gm(s.key);
+            let first_time = !g.scheduled_before;
+            g.scheduled_before = true;
+            let is_prompt = g.is_prefill();
+            let mut do_sample = true;
+            if is_prompt {
+                // fix 2 (docs/scheduler.md), as in step_meta.
+                if let Some(q) = g.seqs.iter().find(|q| !q.status.is_finished()) {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    do_sample = s.chunk + q.num_computed >= len;
+                }
+            }
+            metas.push(StepMeta {
+                key: s.key,
+                is_prompt,
+                do_sample,
+                running,
+                computed: Vec::new(),
+                first_time,
+            });
+        }
+        if mgr.config().enable_caching {
+            for s in &out.scheduled {
+                for q in &self.g(s.key).seqs {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    mgr.compute_full_blocks_in_seq(q.id, len);
+                }
+            }
+        }
+        Ok(metas)
+    }
+
     /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
     /// `best_of` for a sampling group that has one sequence (its first sample), else 1.
     pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {
@@ -426,5 +474,40 @@ impl Manager {
             }
         }
         Ok(written)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> StopRules {
+        StopRules {
+            prompt_len: 4,
+            max_tokens: Some(3),
+            min_tokens: 2,
+            ignore_eos: false,
+            eos: Some(7),
+            stop_ids: vec![9],
+        }
+    }
+
+    #[test]
+    fn stop_checks_in_vllm_order() {
+        let r = rules();
+        // min_tokens holds everything back, even the length limit.
+        assert_eq!(r.check(5, 7, 4), None);
+        assert_eq!(r.check(6, 7, 100), Some(Finish::Stopped));
+        assert_eq!(r.check(6, 9, 100), Some(Finish::Stopped));
+        // EOS and stop tokens win over the length checks.
+        assert_eq!(r.check(7, 7, 5), Some(Finish::Stopped));
+        assert_eq!(r.check(7, 1, 100), Some(Finish::LengthCapped));
+        assert_eq!(r.check(6, 1, 5), Some(Finish::LengthCapped));
+        assert_eq!(r.check(6, 1, 6), None); // len == max_model_len is not over it
+        let ignore = StopRules {
+            ignore_eos: true,
+            ..rules()
+        };
+        assert_eq!(ignore.check(6, 7, 100), None);
     }
 }

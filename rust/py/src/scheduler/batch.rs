@@ -387,6 +387,7 @@ impl PyBatchStep {
         c: &PySchedulerCore,
         b: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        drop(take_views(b)?); // types, writability, contiguity, overlap
         let cfg = c.core.config();
         let mgr = c.manager.bind(py).get().locked()?;
         let mc = mgr.core().config();
@@ -435,19 +436,7 @@ impl PyBatchStep {
         out: &pagedkv_core::scheduler::Outputs,
         b: &Bound<'_, PyAny>,
     ) -> PyResult<pagedkv_core::scheduler::Written> {
-        let objs: Vec<Bound<'_, PyAny>> = OUTPUTS
-            .iter()
-            .map(|n| b.getattr(*n))
-            .collect::<PyResult<_>>()?;
-        // Views only after every Python callback of the call (buffers.rs).
-        let mut v: Vec<PyReadwriteArray1<'_, i32>> = Vec::with_capacity(10);
-        for (i, name) in OUTPUTS.iter().enumerate() {
-            if i != 6 && i != 7 {
-                v.push(writable_1d::<i32>(&objs[i], name)?);
-            }
-        }
-        let mut ids = writable_1d::<i64>(&objs[6], "seq_ids")?;
-        let mut bt = writable_2d_i32(&objs[7], "block_tables")?;
+        let (mut v, mut ids, mut bt) = take_views(b)?;
         let cols = bt.shape()[1];
         let nc = |_| invalid("an output buffer is not contiguous");
         let mut sl = v
@@ -480,6 +469,31 @@ impl PyBatchStep {
     }
 }
 
+type Views<'py> = (
+    Vec<PyReadwriteArray1<'py, i32>>,
+    PyReadwriteArray1<'py, i64>,
+    numpy::PyReadwriteArray2<'py, i32>,
+);
+
+/// Writable views of every output array of `b`, taken together (numpy's borrow tracking
+/// refuses overlapping arrays). Taken only after every Python callback of the call
+/// (buffers.rs), and once before anything changes, to refuse bad buffers early.
+fn take_views<'py>(b: &Bound<'py, PyAny>) -> PyResult<Views<'py>> {
+    let objs: Vec<Bound<'py, PyAny>> = OUTPUTS
+        .iter()
+        .map(|n| b.getattr(*n))
+        .collect::<PyResult<_>>()?;
+    let mut v = Vec::with_capacity(9);
+    for (i, name) in OUTPUTS.iter().enumerate() {
+        if i != 6 && i != 7 {
+            v.push(writable_1d::<i32>(&objs[i], name)?);
+        }
+    }
+    let ids = writable_1d::<i64>(&objs[6], "seq_ids")?;
+    let bt = writable_2d_i32(&objs[7], "block_tables")?;
+    Ok((v, ids, bt))
+}
+
 impl PySchedulerCore {
     /// `schedule()` without the compat read-back of running groups (in batch mode the native
     /// state is the authority) and without building metadata objects.
@@ -502,7 +516,7 @@ impl PySchedulerCore {
             .core
             .schedule(m.core_mut(), &stores, now)
             .and_then(|out| {
-                let metas = self.core.step_meta(m.core_mut(), &stores, &out, now)?;
+                let metas = self.core.batch_meta(m.core_mut(), &stores, &out, now)?;
                 Ok((out, metas))
             });
         drop(m);
