@@ -27,7 +27,13 @@ import re
 import numpy as np
 import pytest
 
-from pagedkv.engine_step import BatchBuffers, BatchEngine
+from pagedkv.engine_step import (
+    ROW_APPENDED,
+    ROW_REWRITTEN,
+    ROW_SAME,
+    BatchBuffers,
+    BatchEngine,
+)
 from pagedkv.errors import PagedKVError
 from scheduler_engine import FakeClock, Workload, World, token_for
 
@@ -186,7 +192,9 @@ class Pair:
         self.next_child = 100_000
         # Narrow rows: sequences outgrow max_model_len here (min_tokens; long prompts in
         # chunked mode, as in vLLM), so the engine must widen them itself.
-        bufs = BatchBuffers.for_scheduler(self.batch.sched)
+        bufs = BatchBuffers.for_scheduler(self.batch.sched, incremental=True)
+        self.persistent: list = []  # block tables kept up to date from the increments only
+        self.rows_same = 0
         self.engine = BatchEngine(self.batch.sched, bufs, seq_counter=self._new_id)
         self.steps = 0
         self.samples_applied = 0
@@ -195,6 +203,23 @@ class Pair:
     def _new_id(self) -> int:
         self.next_child += 1
         return self.next_child - 1
+
+    def apply_increments(self, res) -> None:
+        b = res.buffers
+        rows = []
+        for i in range(res.num_rows):
+            new = b.new_blocks[b.new_block_loc[i] : b.new_block_loc[i + 1]].tolist()
+            state = int(b.row_state[i])
+            if state == ROW_SAME:
+                assert not new
+                self.rows_same += 1
+                rows.append(self.persistent[i])
+            elif state == ROW_APPENDED:
+                rows.append(self.persistent[i] + new)
+            else:
+                assert state == ROW_REWRITTEN
+                rows.append(new)
+        self.persistent = rows
 
     def sampled_for(self, res) -> np.ndarray:
         """The tokens for `res`'s rows, as the compat world samples them."""
@@ -256,6 +281,8 @@ class Pair:
                     n = len(e_row[3])
                     assert g_row[3][:n] == e_row[3], f"seed {self.w.seed} step {step} table"
                     assert not any(g_row[3][n:]), "rows are padded with 0"
+                self.apply_increments(res)
+                assert self.persistent == [e[3] for e in expect["rows"]], f"step {step}"
                 self.engine.sync_views()
                 assert views(self.batch) == views(self.compat), f"seed {self.w.seed} step {step}"
                 assert finished_b == finished_c
@@ -283,6 +310,7 @@ def test_batch_step_makes_the_compat_decisions(force):
     pairs = [Pair(Workload.random(seed, **force)).run() for seed in range(10)]
     assert sum(p.steps for p in pairs) >= 300
     assert sum(p.samples_applied for p in pairs) >= 300
+    assert sum(p.rows_same for p in pairs) >= 300  # the increments are mostly empty
 
 
 def test_batch_step_with_lora_and_forced_preemption():

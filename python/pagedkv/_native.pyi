@@ -447,9 +447,9 @@ class BatchStep:
     def step(self, sampled: npt.NDArray[np.int32], now: float, buffers: Any) -> Tuple[Any, ...]:
         """``(counts, num_prefill_groups, scheduled, finished, ignored, needed_cols)``; see
         :meth:`pagedkv.engine_step.BatchEngine.step`."""
-    def rewrite(self, buffers: Any) -> Optional[Tuple[int, int, int, int, int]]:
+    def rewrite(self, buffers: Any) -> Optional[Tuple[int, int, int, int, int, int]]:
         """Write the last step's inputs again (into wider buffers): ``(rows, tokens, copies,
-        swap_in, swap_out)``, or ``None`` if a block-table row is still too narrow."""
+        swap_in, swap_out, new_blocks)``, or ``None`` if a block-table row is still too narrow."""
     def sync_views(self) -> None:
         """Write native tokens and progress back to every scheduled ``Sequence``."""
     def abort(self, request_ids: List[str]) -> None:

@@ -41,9 +41,18 @@ import numpy as np
 from ._native import BatchStep
 from .errors import ArgumentTypeError, InvalidArgumentError
 
-__all__ = ["BatchBuffers", "BatchEngine", "StepResult"]
+__all__ = [
+    "BatchBuffers",
+    "BatchEngine",
+    "StepResult",
+    "ROW_SAME",
+    "ROW_APPENDED",
+    "ROW_REWRITTEN",
+]
 
 _INT32 = np.iinfo(np.int32)
+
+ROW_SAME, ROW_APPENDED, ROW_REWRITTEN = 0, 1, 2
 
 
 class BatchBuffers:
@@ -56,10 +65,23 @@ class BatchBuffers:
     (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``). Flattened ``(src, dst)``
     pairs: ``copies`` (copy-on-write), ``swap_in`` (CPU -> GPU), ``swap_out`` (GPU -> CPU).
     A step writes only the prefixes it reports in its :class:`StepResult`.
+
+    ``incremental=True`` adds block-table changes since the previous step, the way vLLM v1
+    hands its workers only new block ids: ``row_state[i]`` is ``ROW_SAME`` (0: same sequence
+    in the same row, table unchanged), ``ROW_APPENDED`` (1: blocks appended; the new ids are
+    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``) or ``ROW_REWRITTEN`` (2: a new or
+    moved row, or blocks replaced by copy-on-write, swap or recompute; that slice is the whole
+    table). A caller keeping its own persistent table applies these and need not read
+    ``block_tables`` (still written whole, for simple callers).
     """
 
     def __init__(
-        self, max_tokens: int, max_rows: int, max_blocks_per_seq: int, max_swap_blocks: int
+        self,
+        max_tokens: int,
+        max_rows: int,
+        max_blocks_per_seq: int,
+        max_swap_blocks: int,
+        incremental: bool = False,
     ) -> None:
         for name, v in (
             ("max_tokens", max_tokens),
@@ -83,17 +105,29 @@ class BatchBuffers:
         self.copies = np.zeros(2 * max_rows, i32)
         self.swap_in = np.zeros(2 * max_swap_blocks, i32)
         self.swap_out = np.zeros(2 * max_swap_blocks, i32)
+        self.row_state: Optional[np.ndarray] = None
+        self.new_block_loc: Optional[np.ndarray] = None
+        self.new_blocks: Optional[np.ndarray] = None
+        if incremental:
+            self.row_state = np.zeros(max_rows, i32)
+            self.new_block_loc = np.zeros(max_rows + 1, i32)
+            self.new_blocks = np.zeros(max_rows * max_blocks_per_seq, i32)
 
     def widened(self, max_blocks_per_seq: int) -> BatchBuffers:
         """A copy with block-table rows of at least ``max_blocks_per_seq`` (doubling)."""
         rows, cols = self.block_tables.shape
         new = BatchBuffers.__new__(BatchBuffers)
         new.__dict__.update(self.__dict__)
-        new.block_tables = np.zeros((rows, max(max_blocks_per_seq, 2 * cols)), np.int32)
+        cols = max(max_blocks_per_seq, 2 * cols)
+        new.block_tables = np.zeros((rows, cols), np.int32)
+        if self.new_blocks is not None:
+            new.new_blocks = np.zeros(rows * cols, np.int32)
         return new
 
     @classmethod
-    def for_scheduler(cls, scheduler: Any, extra_tokens: int = 0) -> BatchBuffers:
+    def for_scheduler(
+        cls, scheduler: Any, extra_tokens: int = 0, incremental: bool = False
+    ) -> BatchBuffers:
         """Buffers for any step of ``scheduler`` (a :class:`pagedkv.Scheduler`) whose
         sequences stay within ``max_model_len + extra_tokens`` tokens. A sequence can outgrow
         ``max_model_len`` (vLLM's ``min_tokens``; chunked prefill does not limit the prompt
@@ -106,6 +140,7 @@ class BatchBuffers:
             sc.max_num_seqs,
             blocks,
             int(cc.num_gpu_blocks),
+            incremental,
         )
 
 
@@ -119,6 +154,8 @@ class StepResult:
     num_copies: int
     num_swap_in: int
     num_swap_out: int
+    #: Entries of ``new_blocks`` written (incremental buffers only).
+    num_new_blocks: int
     #: The scheduled groups, in row order (a group has one row per running sequence).
     scheduled: List[Any]
     #: Groups that finished applying the sampled tokens (views fully written back).
@@ -188,7 +225,7 @@ class BatchEngine:
         if counts is None:  # a sequence outgrew the block-table width: widen, write again
             self.buffers = self.buffers.widened(cols)
             counts = self._step.rewrite(self.buffers)
-        rows, tokens, copies, swap_in, swap_out = counts
+        rows, tokens, copies, swap_in, swap_out, new_blocks = counts
         return StepResult(
             rows,
             tokens,
@@ -196,6 +233,7 @@ class BatchEngine:
             copies,
             swap_in,
             swap_out,
+            new_blocks,
             scheduled,
             finished,
             ignored,

@@ -22,7 +22,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
-pub use step::{Applied, Batch, ModelInputs, Row, StopRules, TokensMut, Written};
+pub use step::{
+    Applied, Batch, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut, Written,
+    ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
+};
 
 pub type GroupKey = u32;
 

@@ -13,6 +13,7 @@ use super::{Change, Finish, Group, GroupKey, IdMap, Outputs, Scheduled, Schedule
 use super::{Status, StepMeta, Tokens};
 use crate::error::{Error, Result};
 use crate::manager::{Manager, SeqId};
+use crate::pool::BlockId;
 use crate::step_buffers::newest_slot;
 use crate::token_seq::TokenSeq;
 
@@ -474,6 +475,62 @@ impl Manager {
             }
         }
         Ok(written)
+    }
+}
+
+/// How a row's block table changed since the last step (incremental updates, the way vLLM
+/// v1 hands its workers only new block ids).
+pub const ROW_SAME: u8 = 0;
+/// Same sequence in the same row; blocks were only appended (the new ids follow).
+pub const ROW_APPENDED: u8 = 1;
+/// A new or moved row, or blocks replaced (copy-on-write, swap, recompute): the whole
+/// table follows.
+pub const ROW_REWRITTEN: u8 = 2;
+
+/// Per row: its state and the block ids the caller applies (`blocks[loc[i]..loc[i + 1]]`).
+#[derive(Clone, Debug, Default)]
+pub struct TableDelta {
+    pub state: Vec<u8>,
+    pub loc: Vec<usize>,
+    pub blocks: Vec<BlockId>,
+}
+
+/// The tables a caller last received, per sequence: `(row, table version, table)`.
+pub type SentTables = IdMap<SeqId, (usize, u64, Vec<BlockId>)>;
+
+impl Manager {
+    /// The block-table changes of `batch` relative to `sent` (updated). Work per row is O(1)
+    /// unless its table changed (once per `block_size` decode steps), then O(table).
+    pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
+        let mut d = TableDelta {
+            state: Vec::with_capacity(batch.rows.len()),
+            loc: Vec::with_capacity(batch.rows.len() + 1),
+            blocks: Vec::new(),
+        };
+        d.loc.push(0);
+        let mut live = IdMap::default();
+        for (i, r) in batch.rows.iter().enumerate() {
+            let (table, version) = (self.block_table(r.seq)?, self.table_version(r.seq)?);
+            live.insert(r.seq, ());
+            let state = match sent.get(&r.seq) {
+                Some((row, v, _)) if *row == i && *v == version => ROW_SAME,
+                Some((row, _, old)) if *row == i && table.starts_with(old) => {
+                    d.blocks.extend_from_slice(&table[old.len()..]);
+                    ROW_APPENDED
+                }
+                _ => {
+                    d.blocks.extend_from_slice(table);
+                    ROW_REWRITTEN
+                }
+            };
+            if state != ROW_SAME {
+                sent.insert(r.seq, (i, version, table.to_vec()));
+            }
+            d.state.push(state);
+            d.loc.push(d.blocks.len());
+        }
+        sent.retain(|id, _| live.contains_key(id));
+        Ok(d)
     }
 }
 

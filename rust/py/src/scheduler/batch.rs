@@ -10,7 +10,9 @@ use crate::buffers::{writable_1d, writable_2d_i32};
 use crate::errors::{busy, invalid, IntoPyResult};
 use crate::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
-use pagedkv_core::scheduler::{Batch, GroupKey, IdMap, ModelInputs, Outputs, StopRules, TokensMut};
+use pagedkv_core::scheduler::{
+    Batch, GroupKey, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta, TokensMut,
+};
 use pagedkv_core::{Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
@@ -41,6 +43,10 @@ pub struct PyBatchStep {
     prev: Batch,
     /// The last step's decisions (copy and swap lists), for `rewrite`.
     last_out: Outputs,
+    /// Incremental block tables (when the buffers have `row_state`): what the caller was
+    /// sent, and the last step's changes.
+    sent: SentTables,
+    last_delta: Option<TableDelta>,
     rules: IdMap<GroupKey, StopRules>,
     prefill: Py<PyAny>,
 }
@@ -83,6 +89,8 @@ impl PyBatchStep {
             new_seq_id: new_seq_id.clone().unbind(),
             prev: Batch::default(),
             last_out: Outputs::default(),
+            sent: SentTables::default(),
+            last_delta: None,
             rules: IdMap::default(),
             prefill,
         })
@@ -146,6 +154,13 @@ impl PyBatchStep {
         let ignored = self.finish_groups(py, &mut c, &out.ignored)?;
         self.prev = batch;
         self.last_out = out;
+        self.last_delta = None;
+        if buffers.getattr(intern!(py, "row_state"))?.is_none() {
+            self.sent.clear();
+        } else {
+            let m = c.manager.bind(py).get().locked()?;
+            self.last_delta = Some(m.core().table_delta(&self.prev, &mut self.sent).py()?);
+        }
         drop(c);
         let counts = self.rewrite(py, buffers)?;
         let items: [Bound<'py, PyAny>; 6] = [
@@ -163,7 +178,7 @@ impl PyBatchStep {
     }
 
     /// (Re)write the model inputs of the last step into `buffers`: `(rows, tokens, copies,
-    /// swap_in, swap_out)`, or `None` when a block-table row of `buffers` is narrower than
+    /// swap_in, swap_out, new_blocks)`, or `None` when a block-table row of `buffers` is narrower than
     /// the widest table of the batch (`needed_cols`; nothing is written). A sequence can
     /// outgrow `max_model_len` (vLLM's `min_tokens`, and chunked prefill does not limit the
     /// prompt length), so callers widen their buffers and call this again.
@@ -184,8 +199,15 @@ impl PyBatchStep {
         if shape.get(1).copied().unwrap_or(0) < self.needed_cols(py)? {
             return Ok(py.None().into_bound(py));
         }
+        let mut n_new = 0;
+        if let Some(d) = &self.last_delta {
+            match write_delta(buffers, d)? {
+                Some(n) => n_new = n,
+                None => return Ok(py.None().into_bound(py)),
+            }
+        }
         let w = self.write(py, &c, &self.last_out, buffers)?;
-        Ok((w.rows, w.tokens, w.copies, w.swap_in, w.swap_out)
+        Ok((w.rows, w.tokens, w.copies, w.swap_in, w.swap_out, n_new)
             .into_pyobject(py)?
             .into_any())
     }
@@ -388,6 +410,19 @@ impl PyBatchStep {
         b: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         drop(take_views(b)?); // types, writability, contiguity, overlap
+        if !b.getattr(intern!(py, "row_state"))?.is_none() {
+            let rows = c.core.config().max_num_seqs;
+            let st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+            let loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
+            let nb = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
+            if st.len() < rows || loc.len() < rows + 1 {
+                return Err(invalid(format!(
+                    "buffers.row_state / new_block_loc must hold {rows} / {} entries",
+                    rows + 1
+                )));
+            }
+            drop((st, loc, nb));
+        }
         let cfg = c.core.config();
         let mgr = c.manager.bind(py).get().locked()?;
         let mc = mgr.core().config();
@@ -467,6 +502,38 @@ impl PyBatchStep {
             .write_model_inputs(&c.core, &stores, &self.prev, out, buf)
             .py()
     }
+}
+
+/// Write the incremental block-table changes into `row_state`, `new_block_loc` and
+/// `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
+fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> {
+    let mut st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+    let mut loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
+    let mut blocks = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
+    let nc = |_| invalid("an output buffer is not contiguous");
+    let (st, loc, blocks) = (
+        st.as_slice_mut().map_err(nc)?,
+        loc.as_slice_mut().map_err(nc)?,
+        blocks.as_slice_mut().map_err(nc)?,
+    );
+    if st.len() < d.state.len() || loc.len() < d.loc.len() {
+        return Err(invalid(
+            "row_state / new_block_loc are shorter than the batch",
+        ));
+    }
+    if blocks.len() < d.blocks.len() {
+        return Ok(None);
+    }
+    for (dst, &x) in st.iter_mut().zip(&d.state) {
+        *dst = i32::from(x);
+    }
+    for (dst, &x) in loc.iter_mut().zip(&d.loc) {
+        *dst = i32::try_from(x).map_err(|_| invalid("new_block_loc overflows int32"))?;
+    }
+    for (dst, &x) in blocks.iter_mut().zip(&d.blocks) {
+        *dst = x as i32;
+    }
+    Ok(Some(d.blocks.len()))
 }
 
 type Views<'py> = (
