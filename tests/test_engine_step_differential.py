@@ -318,3 +318,10 @@ def test_batch_step_with_lora_and_forced_preemption():
     for mode in ("swap", "recompute"):
         runs += [Pair(Workload.random(s, preemption_mode=mode)).run() for s in range(120, 124)]
     assert sum(p.steps for p in runs) >= 300
+
+
+def test_blocks_shared_by_forks_are_swapped_once():
+    """Seed 225 swaps a forked group back in: its sequences share CPU blocks, and the swap
+    pairs must name each block once (vLLM's dict), not once per sequence."""
+    p = Pair(Workload.random(225, preemption_mode="swap")).run()
+    assert p.steps > 97

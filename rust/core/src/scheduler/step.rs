@@ -353,6 +353,24 @@ fn too_small(name: &str, have: usize, need: usize) -> Error {
     ))
 }
 
+/// `pairs` as vLLM's dict would hold them: one entry per source block, in first-insertion
+/// order, holding the last destination set (sequences of a group share blocks, so a shared
+/// block is swapped once).
+fn as_mapping(pairs: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    let mut at: IdMap<u32, usize> = IdMap::default();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(pairs.len());
+    for &(a, b) in pairs {
+        match at.get(&a) {
+            Some(&i) => out[i].1 = b,
+            None => {
+                at.insert(a, out.len());
+                out.push((a, b));
+            }
+        }
+    }
+    out
+}
+
 fn put_pairs(name: &str, dst: &mut [i32], pairs: &[(u32, u32)]) -> Result<usize> {
     if dst.len() < 2 * pairs.len() {
         return Err(too_small(name, dst.len() / 2, pairs.len()));
@@ -437,8 +455,8 @@ impl Manager {
             rows,
             tokens,
             copies: put_pairs("copies", buf.copies, &copies)?,
-            swap_in: put_pairs("swap_in", buf.swap_in, &out.swap_in)?,
-            swap_out: put_pairs("swap_out", buf.swap_out, &out.swap_out)?,
+            swap_in: put_pairs("swap_in", buf.swap_in, &as_mapping(&out.swap_in))?,
+            swap_out: put_pairs("swap_out", buf.swap_out, &as_mapping(&out.swap_out))?,
         };
         let bs = self.config().block_size;
         let mut t = 0;
@@ -566,5 +584,11 @@ mod tests {
             ..rules()
         };
         assert_eq!(ignore.check(6, 7, 100), None);
+    }
+
+    #[test]
+    fn swap_pairs_collapse_like_a_dict() {
+        let pairs = [(10, 3), (28, 18), (10, 3), (5, 1), (5, 2)];
+        assert_eq!(as_mapping(&pairs), vec![(10, 3), (28, 18), (5, 2)]);
     }
 }
