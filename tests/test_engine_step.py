@@ -163,3 +163,18 @@ def test_abort_between_steps_skips_the_rows():
     assert res.scheduled == [b]
     eng.sync_views()
     assert list(b.get_seqs()[0].data.output_token_ids) == [5]
+
+
+def test_a_bad_seq_counter_changes_nothing():
+    ids = iter([1, 100, 100])  # 1 is taken by the parent; then a good one
+    sched, eng = make(seq_counter=lambda: next(ids))
+    g = add(eng, "a", 1, [1, 2, 3], n=2, best_of=2, max_tokens=4, temperature=1.0)
+    eng.step(now=1.0)
+    free = sched.block_manager.get_num_free_gpu_blocks()
+    with pytest.raises(InvalidArgumentError, match="already in use"):
+        eng.step([5, 6], now=2.0)
+    assert [s.seq_id for s in g.get_seqs()] == [1]
+    assert sched.block_manager.get_num_free_gpu_blocks() == free
+    assert eng.num_expected_samples == 2
+    res = eng.step([5, 6], now=2.0)
+    assert res.buffers.seq_ids[: res.num_rows].tolist() == [1, 100]

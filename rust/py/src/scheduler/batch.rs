@@ -264,22 +264,33 @@ impl PyBatchStep {
 
     /// Python half of the forks: a child `Sequence` per extra sample, added to its group.
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
-        let mut children = Vec::new();
-        for r in self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX) {
+        let live = || self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX);
+        // Every id first, checked, so that a bad counter changes nothing.
+        let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
+        for _ in live().flat_map(|r| 1..r.samples) {
+            let id: SeqId = self
+                .new_seq_id
+                .bind(py)
+                .call0()?
+                .extract()
+                .map_err(|_| crate::errors::wrong_type("new_seq_id must return an int >= 0"))?;
+            if children.contains(&id) || c.seqs.contains_key(&id) {
+                return Err(invalid(format!("new_seq_id returned {id}, already in use")));
+            }
+            children.push(id);
+        }
+        let mut ids = children.iter();
+        for r in live() {
             for _ in 1..r.samples {
-                let id: SeqId = self.new_seq_id.bind(py).call0()?.extract()?;
+                let id = *ids.next().expect("one id per child");
                 let parent = c.seqs[&r.seq].obj.bind(py).clone();
                 let child = parent.call_method1(intern!(py, "fork"), (id,))?;
                 let (_, view) = c.read_new_seq(&child)?;
-                if children.contains(&id) || c.core.group_of_seq(id).is_some() {
-                    return Err(invalid(format!("new_seq_id returned {id} twice")));
-                }
                 c.groups[&r.key]
                     .obj
                     .bind(py)
                     .call_method1(intern!(py, "add"), (&child,))?;
                 c.seqs.insert(id, view);
-                children.push(id);
             }
         }
         Ok(children)
