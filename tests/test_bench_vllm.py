@@ -82,8 +82,10 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
 
     calls = []
 
-    def compare_scheduler_step(version, caching=True, quick=False, seed=0):
-        calls.append((version, caching, quick, seed))
+    def compare_scheduler_step(
+        version, caching=True, quick=False, seed=0, backends=("vllm", "pagedkv-dropin")
+    ):
+        calls.append((version, caching, quick, seed, tuple(backends)))
         return {
             "version": version,
             "caching": caching,
@@ -101,7 +103,8 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
     out = tmp_path / "r.json"
     args = [*QUICK, "--workloads", "", "--caching", "on", "--seed", "3", "--json", str(out)]
     assert cli.main([*args, "--compare", "vllm==0.4.2"]) == 0
-    assert calls == [("0.4.2", True, True, 3)]
+    # Against 0.4.2 the section also times pagedkv.Scheduler on the same engine loop.
+    assert calls == [("0.4.2", True, True, 3, ("vllm", "pagedkv-dropin", "pagedkv-scheduler"))]
     assert "pagedkv-dropin       10 steps, mean      50.0 us/step" in capsys.readouterr().out
     section = json.loads(out.read_text())["scheduler"]
     assert section["status"] == "ok" and section["runs"][0]["speedup"]["pagedkv-dropin"] == 4.0

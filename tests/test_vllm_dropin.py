@@ -61,6 +61,29 @@ def test_vllm_scheduler_makes_the_same_decisions(version, caching, backend):
     assert steps > 50
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["nocache", "caching"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+def test_native_scheduler_backend_decides_as_vllm(caching, chunked):
+    """The bench's ``pagedkv-scheduler`` backend (pagedkv.Scheduler on vLLM's config objects, the
+    same engine loop) makes vLLM 0.4.2's decisions at every step (the policy's own randomized
+    differential: tests/test_scheduler_differential.py)."""
+    steps, problem = vllm_scheduler.compare_decisions(
+        "0.4.2",
+        ("vllm", "pagedkv-scheduler"),
+        requests=60,
+        seed=5,
+        caching=caching,
+        chunked_prefill=chunked,
+    )
+    assert problem is None, problem
+    assert steps > 50
+
+
+def test_native_scheduler_backend_is_only_for_0_4_2():
+    with pytest.raises(ValueError, match="0.4.2"):
+        vllm_scheduler.make_backend("0.5.0", "pagedkv-scheduler")
+
+
 # Seeds whose run hands out a negative chunk under vLLM 0.4.2's chunked-prefill scheduler (a
 # decoding n>1 group overran the token budget; the next prompt got min(len, remaining) < 0).
 NEGATIVE_CHUNK_SEEDS = (12, 28)

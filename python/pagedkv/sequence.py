@@ -877,10 +877,18 @@ class SequenceGroup:
         return out
 
     def get_unfinished_seqs(self) -> List[Sequence]:
-        return [seq for seq in self.seqs_dict.values() if not seq.is_finished()]
+        out = []
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_STATUSES:
+                out.append(seq)
+        return out
 
     def get_finished_seqs(self) -> List[Sequence]:
-        return [seq for seq in self.seqs_dict.values() if seq.is_finished()]
+        out = []
+        for seq in self.seqs_dict.values():
+            if seq.status in _FINISHED_STATUSES:
+                out.append(seq)
+        return out
 
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """Advance the prefill progress of every unfinished sequence."""
@@ -889,11 +897,11 @@ class SequenceGroup:
                 seq.data.update_num_computed_tokens(num_new_computed_tokens)
 
     def get_num_uncomputed_tokens(self) -> int:
-        return sum(
-            seq.data.get_num_uncomputed_tokens()
-            for seq in self.seqs_dict.values()
-            if not seq.is_finished()
-        )
+        n = 0
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_STATUSES:
+                n += seq.data.get_num_uncomputed_tokens()
+        return n
 
     def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
         if status is None:
@@ -937,7 +945,10 @@ class SequenceGroup:
         del self.seqs_dict[seq_id]
 
     def is_finished(self) -> bool:
-        return all(seq.is_finished() for seq in self.seqs_dict.values())
+        for seq in self.seqs_dict.values():
+            if seq.status not in _FINISHED_STATUSES:
+                return False
+        return True
 
     def is_encoder_decoder(self) -> bool:
         return self.encoder_seq is not None

@@ -387,7 +387,8 @@ def _run_workload(
 
 def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
     """vLLM's real Scheduler, whole step (``schedule()`` + output processing), with its own
-    classes and with pagedkv's dropped in, per compared release and caching setting.
+    classes and with pagedkv's dropped in, and (against 0.4.2) :class:`pagedkv.Scheduler` on the
+    same engine loop, per compared release and caching setting.
 
     The timing is :func:`pagedkv.bench.vllm_scheduler.compare_scheduler_step` (issue 8); this
     section only calls it and reports. It runs with ``--compare`` unless ``--no-scheduler``.
@@ -404,15 +405,18 @@ def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[
         return {"status": "not available (no pagedkv.bench.vllm_scheduler in this install)"}
     print(file=out)
     print(
-        "== vLLM's Scheduler, whole step (schedule() + output processing): vLLM's own classes "
-        "vs pagedkv's dropped in, same run ==",
+        "== Whole scheduler step (schedule() + output processing): vLLM's Scheduler with its "
+        "own classes, with pagedkv's dropped in, and pagedkv.Scheduler, same run ==",
         file=out,
     )
     runs = []
     for version in plan.vllm_versions:
         for caching in plan.caching:
+            backends = ["vllm", "pagedkv-dropin"]
+            if version == "0.4.2":  # pagedkv.Scheduler mirrors 0.4.2
+                backends.append("pagedkv-scheduler")
             r = vllm_scheduler.compare_scheduler_step(
-                version, caching=caching, quick=args.quick, seed=args.seed
+                version, caching=caching, quick=args.quick, seed=args.seed, backends=backends
             )
             runs.append(r)
             print(report.format_scheduler_step(r), file=out, flush=True)

@@ -8,18 +8,20 @@ backends is the classes it drives:
 * ``"pagedkv-dropin"``: pagedkv's Sequence family and ``BlockSpaceManager``, swapped in by an
   import change (``vllm_release.load(version, "pagedkv")``): the drop-in claim;
 * ``"pagedkv-manager"``: vLLM's own Sequence family with pagedkv's ``BlockSpaceManager`` (the
-  manager accepts foreign sequences).
+  manager accepts foreign sequences);
+* ``"pagedkv-scheduler"``: :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, its loop in Rust)
+  over pagedkv's Sequence family, built from the same vLLM config objects (0.4.2 only).
 
 :class:`Engine` is what vLLM's LLMEngine does around the scheduler, minus the model: each step
 it calls ``schedule()``, then processes the outputs (advance the computed tokens, fork ``n > 1``
 requests after their prefill, append one sampled token per running sequence, finish and free
 sequences at their output length, free finished groups). The sampled tokens are fixed in
-advance per request and sequence, so every backend replays the same run. New backends (a
-native scheduler, say) plug in through :class:`Backend`.
+advance per request and sequence, so every backend replays the same run. Backends plug in
+through :class:`Backend`.
 
 :func:`compare_decisions` checks that two backends make identical decisions at every step;
 :func:`compare_scheduler_step` times the whole step (``schedule()`` + output processing) of
-``"vllm"`` and ``"pagedkv-dropin"`` on W1 in the same run.
+any of these backends on W1 in the same run.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ __all__ = [
     "run_engines",
 ]
 
-BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager")
+BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
 
 
 @dataclass
@@ -69,6 +71,8 @@ def make_backend(version: str, name: str) -> Backend:
 
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "pagedkv-scheduler":
+        return _native_scheduler_backend(version)
     ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
 
     def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
@@ -78,6 +82,22 @@ def make_backend(version: str, name: str) -> Backend:
     if name == "pagedkv-manager":
         make = _with_pagedkv_manager(ns, version)
     return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
+
+
+def _native_scheduler_backend(version: str) -> Backend:
+    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2), configured with that release's own
+    config objects, driving pagedkv's Sequence family."""
+    import pagedkv
+    from pagedkv import sequence, vllm_release
+
+    if version != "0.4.2":
+        raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
+    ns = vllm_release.load(version, "pagedkv")
+
+    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
+        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
+
+    return Backend("pagedkv-scheduler", version, ns, sequence, pagedkv.SamplingParams, make)
 
 
 def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
@@ -395,9 +415,10 @@ def compare_scheduler_step(
     Each backend's engine lives in a process of its own (in production one engine runs: a
     second one's objects in the same heap would slow the first), and the engines step in
     lockstep, one step each in turn (the order alternating), so the machine's noise hits them
-    alike. Returns per-backend step statistics and ``speedup`` (the first backend's total step
-    time over each backend's); ``error`` is set if the backends took different numbers of
-    steps (they make the same decisions, so they must not)."""
+    alike. Returns per-backend step statistics, ``speedup`` (the first backend's total step
+    time over each backend's) and ``median_step_ratio`` (the median over steps of the same
+    ratio, step by step); ``error`` is set if the backends took different numbers of steps
+    (they make the same decisions, so they must not)."""
     import multiprocessing
 
     ctx = multiprocessing.get_context("fork")
@@ -441,4 +462,15 @@ def compare_scheduler_step(
         result["error"] = "the backends took different numbers of steps"
     base = stats[backends[0]]["total_s"]
     result["speedup"] = {name: base / st["total_s"] for name, st in stats.items()}
+    # Robust to a noisy machine: the engines ran each step back to back, so the median of the
+    # per-step time ratios shrugs off steps that another process interrupted.
+    first = times[backends[0]]
+    result["median_step_ratio"] = {
+        name: _median([a / b for a, b in zip(first, times[name]) if b > 0]) for name in backends
+    }
     return result
+
+
+def _median(values: List[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else float("nan")

@@ -8,6 +8,7 @@
 //! * `registry`: the manager's sequences by identity, and resolving sequences to token stores;
 //! * `results`: `AllocStatus` and `BlockMapping` results;
 //! * `errors`: core errors to `pagedkv.errors`;
+//! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
 //! * `hashing`, `pool`, `manager`: the classes.
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter

@@ -14,7 +14,7 @@ use crate::hashing::{resolve_hasher, PyTokenSeq};
 use crate::registry::{borrow_adopted, Registry, Resolved};
 use crate::results::{alloc_status, copies_dict, mapping_dict};
 use crate::seqs::{group_seqs, items, seq_id_of, status_of, Status};
-use pagedkv_core::{Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
+use pagedkv_core::{BlockId, Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::{PyTraverseError, PyVisit};
@@ -51,6 +51,27 @@ struct State {
 }
 
 impl State {
+    /// The prebuilt Python ints of `blocks` (a block number is a plain int: either pool's
+    /// table serves, whichever device the block is on). Only reference increments happen
+    /// here, so it is safe under the lock; the caller builds the list after releasing it.
+    fn block_ints<'py>(&self, py: Python<'py>, blocks: &[BlockId]) -> Vec<Bound<'py, PyAny>> {
+        let ints = if self.gpu_ints.len() >= self.cpu_ints.len() {
+            &self.gpu_ints
+        } else {
+            &self.cpu_ints
+        };
+        blocks
+            .iter()
+            .map(|&b| match ints.get(b as usize) {
+                Some(i) => i.clone_ref(py).into_bound(py),
+                None => match b.into_pyobject(py) {
+                    Ok(int) => int.into_any(),
+                    Err(never) => match never {},
+                },
+            })
+            .collect()
+    }
+
     fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
         let cfg = self.inner.config();
         self.registry.resolve(seqs, cfg.block_size, cfg.hasher)
@@ -557,12 +578,12 @@ impl PyManager {
         py: Python<'py>,
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
-        let blocks = {
+        let ints = {
             let st = self.lock()?;
             let id = st.registry.id_of(seq)?;
-            st.inner.get_all_computed_blocks(id)
+            st.block_ints(py, &st.inner.get_all_computed_blocks(id))
         };
-        PyList::new(py, blocks)
+        PyList::new(py, ints)
     }
 
     /// Longest common prefix of the computed blocks of `seqs` (those with none are skipped;
@@ -573,12 +594,12 @@ impl PyManager {
         seqs: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let seqs = items(seqs)?;
-        let blocks = {
+        let ints = {
             let st = self.lock()?;
             let ids = st.registry.ids(&seqs)?;
-            st.inner.get_common_computed_block_ids(&ids)
+            st.block_ints(py, &st.inner.get_common_computed_block_ids(&ids))
         };
-        PyList::new(py, blocks)
+        PyList::new(py, ints)
     }
 
     /// Mark the full blocks of every sequence of the group as computed (no-op without caching).

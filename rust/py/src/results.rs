@@ -22,9 +22,9 @@ pub fn alloc_status(py: Python<'_>, s: AllocStatus) -> PyResult<Py<PyAny>> {
     Ok(cls.bind(py).getattr(name)?.unbind())
 }
 
-/// `pagedkv.block_manager.BlockMapping` (a read-only dict that iterates as `(src, dst)` pairs,
-/// so vLLM 0.4 and 0.5 schedulers both take it), and its shared empty instance: most calls
-/// copy nothing, and then cost no allocation.
+/// `pagedkv.block_manager.BlockMapping` (a read-only dict; the Python manager class turns it
+/// into vLLM 0.5's list of pairs when built with `mapping_format="pairs"`), and its shared
+/// empty instance: most calls copy nothing, and then cost no allocation.
 fn block_mapping_class(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     Ok(CELL
