@@ -165,10 +165,12 @@ class StepResult:
     buffers: BatchBuffers
 
     def is_empty(self) -> bool:
+        """Whether the step scheduled no rows and moved or copied no block."""
         return self.num_rows == 0 and not (self.num_copies or self.num_swap_in or self.num_swap_out)
 
     @property
     def block_tables(self) -> np.ndarray:
+        """The block-table rows of this step's batch (a view of the buffer)."""
         return self.buffers.block_tables[: self.num_rows]
 
     def pairs(self, which: str) -> np.ndarray:
@@ -203,13 +205,16 @@ class BatchEngine:
         return self._step.num_expected_samples
 
     def add_seq_group(self, seq_group: Any) -> None:
+        """Queue a new request (as :meth:`pagedkv.Scheduler.add_seq_group`)."""
         self.scheduler.add_seq_group(seq_group)
 
     def abort_seq_group(self, request_id: Union[str, Iterable[str]]) -> None:
+        """Abort one request id or an iterable of them (native state first, then views)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         self._step.abort(ids)
 
     def has_unfinished_seqs(self) -> bool:
+        """Whether any request is waiting, running or swapped."""
         return self.scheduler.has_unfinished_seqs()
 
     def sync_views(self) -> None:
