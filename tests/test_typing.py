@@ -13,7 +13,17 @@ from pathlib import Path
 import pytest
 
 import pagedkv
-from pagedkv import _native, block, block_manager, protocols, types
+from pagedkv import (
+    _native,
+    block,
+    block_manager,
+    engine_step,
+    outputs,
+    protocols,
+    scheduler,
+    sequence,
+    types,
+)
 
 pytest.importorskip("mypy")
 
@@ -85,7 +95,16 @@ NATIVE_FUNCTIONS = [f for f in map(_native.__dict__.get, _native.__all__) if cal
 NATIVE_FUNCTIONS = [f for f in NATIVE_FUNCTIONS if not isinstance(f, type)]
 # Python classes whose methods must all be documented (pagedkv.sequence: see the report of
 # issue 12; its methods follow vLLM's names and are documented where they differ).
-PYTHON_MODULES = [block_manager, block, protocols, types]
+PYTHON_MODULES = [
+    block_manager,
+    block,
+    protocols,
+    types,
+    sequence,
+    outputs,
+    scheduler,
+    engine_step,
+]
 
 
 def _python_classes():
@@ -122,8 +141,8 @@ def test_every_public_method_has_a_docstring():
             if isinstance(member, (staticmethod, classmethod)):
                 member = member.__func__
             is_method = inspect.isroutine(member) or inspect.isdatadescriptor(member)
-            if name == "__init__" or not is_method:
-                continue  # plain class attributes (dataclass defaults, enum members)
+            if name == "__init__" or not is_method or inspect.ismemberdescriptor(member):
+                continue  # plain attributes (dataclass defaults, enum members, __slots__)
             doc = getattr(member, "__doc__", None)
             if not (doc and doc.strip()):
                 missing.append(f"{cls.__name__}.{name}")

@@ -22,6 +22,7 @@ __all__ = [
     "BlockSpaceManager",
     "CompatEnumBase",
     "SchedulerCore",
+    "BatchStep",
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
@@ -432,3 +433,24 @@ class SchedulerCore:
         """Drop running groups whose sequences have all finished."""
     def state_bytes(self) -> int:
         """Bytes of native scheduler state (queues, groups, sequences, references)."""
+
+@final
+class BatchStep:
+    """Native half of :class:`pagedkv.engine_step.BatchEngine`: issue 10's one-call engine
+    step over a ``SchedulerCore`` (see ``docs/scheduler.md``)."""
+
+    def __new__(cls, core: SchedulerCore, new_seq_id: Any) -> BatchStep:
+        """``new_seq_id``: a callable returning a fresh sequence id per call (forks)."""
+    @property
+    def num_expected_samples(self) -> int:
+        """Tokens the next ``step`` takes (the previous batch's samples)."""
+    def step(self, sampled: npt.NDArray[np.int32], now: float, buffers: Any) -> Tuple[Any, ...]:
+        """``(counts, num_prefill_groups, scheduled, finished, ignored, needed_cols)``; see
+        :meth:`pagedkv.engine_step.BatchEngine.step`."""
+    def rewrite(self, buffers: Any) -> Optional[Tuple[int, int, int, int, int, int]]:
+        """Write the last step's inputs again (into wider buffers): ``(rows, tokens, copies,
+        swap_in, swap_out, new_blocks)``, or ``None`` if a block-table row is still too narrow."""
+    def sync_views(self) -> None:
+        """Write native tokens and progress back to every scheduled ``Sequence``."""
+    def abort(self, request_ids: List[str]) -> None:
+        """vLLM's ``abort_seq_group``, keeping the previous batch consistent."""

@@ -51,12 +51,14 @@ class BlockList(list):
     __slots__ = ()
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: metadata block lists are shared between steps (raises ``TypeError``)."""
         raise TypeError("block lists in scheduler metadata are read-only; copy() them first")
 
     append = extend = insert = pop = remove = clear = sort = reverse = _read_only
     __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only  # type: ignore[assignment]
 
     def copy(self) -> List[int]:  # type: ignore[override]
+        """An ordinary, mutable copy."""
         return list(self)
 
     def __copy__(self) -> List[int]:
@@ -213,6 +215,7 @@ class SchedulerOutputs:
             )
 
     def is_empty(self) -> bool:
+        """Whether nothing was scheduled and nothing is to be swapped or copied."""
         return not (
             self.scheduled_seq_groups
             or self.blocks_to_swap_in
@@ -222,6 +225,7 @@ class SchedulerOutputs:
 
     @property
     def lora_requests(self) -> Set[LoRARequest]:
+        """The LoRA requests of the scheduled groups."""
         return {
             g.seq_group.lora_request
             for g in self.scheduled_seq_groups
@@ -293,22 +297,27 @@ class Scheduler:
 
     @property
     def lora_enabled(self) -> bool:
+        """Whether a ``LoRAConfig`` was given."""
         return bool(self.lora_config)
 
     @property
     def num_decoding_tokens_per_seq(self) -> int:
+        """Decode tokens per sequence per step: 1 (vLLM 0.4.2 without speculative decoding)."""
         return 1
 
     @property
     def waiting(self) -> Deque[SequenceGroup]:
+        """The waiting groups in vLLM's order (a snapshot; change it through the API)."""
         return deque(self._core.queue("waiting"))
 
     @property
     def running(self) -> Deque[SequenceGroup]:
+        """The running groups in vLLM's order (a snapshot; change it through the API)."""
         return deque(self._core.queue("running"))
 
     @property
     def swapped(self) -> Deque[SequenceGroup]:
+        """The swapped groups in vLLM's order (a snapshot; change it through the API)."""
         return deque(self._core.queue("swapped"))
 
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -322,9 +331,11 @@ class Scheduler:
         self._core.abort(ids)
 
     def has_unfinished_seqs(self) -> bool:
+        """Whether any group is waiting, running or swapped."""
         return self._core.num_unfinished() != 0
 
     def get_num_unfinished_seq_groups(self) -> int:
+        """Number of groups waiting, running or swapped."""
         return self._core.num_unfinished()
 
     def schedule(self) -> Tuple[List[SequenceGroupMetadata], SchedulerOutputs]:
@@ -370,6 +381,7 @@ class Scheduler:
         self._core.free_finished()
 
     def mark_blocks_as_computed(self, seq_group: SequenceGroup) -> None:
+        """Mark the full blocks of the group's sequences as computed (prefix caching)."""
         self.block_manager.mark_blocks_as_computed(seq_group)
 
     def state_bytes(self) -> int:

@@ -84,6 +84,7 @@ class SequenceStatus(CompatEnum):
 
     @staticmethod
     def is_finished(status: SequenceStatus) -> bool:
+        """Whether ``status`` is one of the FINISHED_* statuses."""
         return status in _FINISHED_STATUSES
 
     @staticmethod
@@ -140,6 +141,7 @@ class TokenIdList(list):
     __slots__ = ()
 
     def _read_only(self, *args: Any, **kwargs: Any) -> Any:
+        """Refused: the list mirrors the native token store (raises ``TypeError``)."""
         raise TypeError(
             "token id lists of a SequenceData are read-only: append tokens with "
             "Sequence.append_token_id (or SequenceData.append_token_id) so that the native "
@@ -255,12 +257,15 @@ class SequenceData:
         self.cumulative_logprob = cumulative
 
     def get_len(self) -> int:
+        """Prompt plus output length, in tokens."""
         return len(self._prompt) + len(self._output)
 
     def get_prompt_len(self) -> int:
+        """Number of prompt tokens."""
         return len(self._prompt)
 
     def get_output_len(self) -> int:
+        """Number of output tokens."""
         return len(self._output)
 
     def get_token_ids(self) -> List[int]:
@@ -268,9 +273,11 @@ class SequenceData:
         return self._prompt + self._output
 
     def get_output_token_ids(self) -> TokenIdList:
+        """The output token ids (read-only list)."""
         return self._output
 
     def get_prompt_token_ids(self) -> TokenIdList:
+        """The prompt token ids (read-only list; vLLM 0.5's name)."""
         return self._prompt
 
     def get_prefix_token_ids(
@@ -329,11 +336,13 @@ class SequenceData:
         self._stage = SequenceStage.PREFILL
 
     def get_num_uncomputed_tokens(self) -> int:
+        """Tokens not yet computed (prompt and output together)."""
         # get_len(), not the prompt length: a recomputed sequence re-prefills its outputs too.
         return len(self._prompt) + len(self._output) - self._num_computed_tokens
 
     @property
     def stage(self) -> SequenceStage:
+        """PREFILL until every prompt token is computed, then DECODE."""
         return self._stage
 
     # -- store configuration -----------------------------------------------------------------
@@ -345,10 +354,12 @@ class SequenceData:
 
     @property
     def lora_int_id(self) -> int:
+        """The LoRA id that enters the block hashes (0: none)."""
         return self._store.lora_id
 
     @property
     def cache_salt(self) -> Union[str, bytes, None]:
+        """The tenant salt that enters the first block's hash (None: none)."""
         return self._cache_salt
 
     # -- copies ------------------------------------------------------------------------------
@@ -456,30 +467,39 @@ class SequenceAccessors:
 
     @property
     def lora_int_id(self) -> int:
+        """The request's LoRA id (0 without a LoRA request)."""
         return self.lora_request.lora_int_id if self.lora_request else 0
 
     def num_hashed_tokens_of_block(self, logical_idx: int) -> int:
+        """Tokens hashed up to and including logical block ``logical_idx`` (vLLM's cache key)."""
         return logical_idx * self.block_size + self.block_size
 
     def get_len(self) -> int:
+        """Prompt plus output length, in tokens."""
         return self.data.get_len()
 
     def get_prompt_len(self) -> int:
+        """Number of prompt tokens."""
         return self.data.get_prompt_len()
 
     def get_output_len(self) -> int:
+        """Number of output tokens."""
         return self.data.get_output_len()
 
     def get_token_ids(self) -> List[int]:
+        """Prompt followed by output token ids (a new list)."""
         return self.data.get_token_ids()
 
     def get_last_token_id(self) -> int:
+        """The newest token id."""
         return self.data.get_last_token_id()
 
     def get_output_token_ids(self) -> List[int]:
+        """The output token ids."""
         return self.data.get_output_token_ids()
 
     def get_prompt_token_ids(self) -> List[int]:
+        """The prompt token ids."""
         return self.data.get_prompt_token_ids()
 
     @property
@@ -488,6 +508,7 @@ class SequenceAccessors:
         return self.data.get_prompt_token_ids()
 
     def get_cumulative_logprob(self) -> float:
+        """Sum of the logprobs of the sampled tokens."""
         return self.data.cumulative_logprob
 
     def get_output_text_to_return(self, buffer_length: int) -> str:
@@ -514,6 +535,7 @@ class SequenceAccessors:
         return self.get_cumulative_logprob() / (seq_len**length_penalty)
 
     def is_finished(self) -> bool:
+        """Whether the sequence's status is one of the FINISHED_* statuses."""
         return self.status in _FINISHED_STATUSES
 
     def get_num_new_tokens(self) -> int:
@@ -525,11 +547,13 @@ class SequenceAccessors:
         return data.get_num_uncomputed_tokens()
 
     def is_prefill(self) -> bool:
+        """Whether the sequence is still in its prefill stage."""
         # ``_stage``, not the ``stage`` property: vLLM's scheduler asks several times per
         # group per step (both SequenceData classes keep the stage there).
         return self.data._stage == _PREFILL
 
     def reset_state_for_recompute(self) -> None:
+        """Recompute preemption: back to the prefill stage with nothing computed."""
         self.data.reset_state_for_recompute()
 
 
@@ -596,13 +620,16 @@ class Sequence(SequenceAccessors):
     # The length accessors read the SequenceData's slots directly: vLLM's scheduler and
     # engine call them for every sequence every step (``self.data`` is always ours).
     def get_len(self) -> int:
+        """Prompt plus output length, in tokens."""
         data = self.data
         return len(data._prompt) + len(data._output)
 
     def get_output_len(self) -> int:
+        """Number of output tokens."""
         return len(self.data._output)
 
     def get_prompt_len(self) -> int:
+        """Number of prompt tokens."""
         return len(self.data._prompt)
 
     @property
@@ -811,15 +838,18 @@ class SequenceGroup:
 
     @property
     def prompt(self) -> str:
+        """The prompt text (shared by every sequence of the group)."""
         # Every sequence of a group has the same prompt.
         return self._first_seq().prompt
 
     @property
     def prompt_token_ids(self) -> List[int]:
+        """The prompt token ids (shared by every sequence of the group)."""
         return self._first_seq().data.prompt_token_ids
 
     @property
     def lora_int_id(self) -> int:
+        """The request's LoRA id (0 without a LoRA request)."""
         return self.lora_request.lora_int_id if self.lora_request else 0
 
     # -- metrics -----------------------------------------------------------------------------
@@ -842,6 +872,7 @@ class SequenceGroup:
             self.metrics.time_in_queue = time - self.metrics.arrival_time
 
     def set_finished_time(self, time: Optional[float]) -> None:
+        """Set the request's finished time in ``metrics`` (once; later calls keep the first)."""
         self.metrics.finished_time = time
 
     # -- sequences ---------------------------------------------------------------------------
@@ -862,6 +893,7 @@ class SequenceGroup:
         return self.num_unfinished_seqs()
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
+        """The group's sequences, or only those with ``status``."""
         seqs = self.seqs_dict
         if status is None:
             return list(seqs.values())
@@ -877,6 +909,7 @@ class SequenceGroup:
         return out
 
     def get_unfinished_seqs(self) -> List[Sequence]:
+        """The sequences that have not finished."""
         out = []
         for seq in self.seqs_dict.values():
             if seq.status not in _FINISHED_STATUSES:
@@ -884,6 +917,7 @@ class SequenceGroup:
         return out
 
     def get_finished_seqs(self) -> List[Sequence]:
+        """The sequences that have finished."""
         out = []
         for seq in self.seqs_dict.values():
             if seq.status in _FINISHED_STATUSES:
@@ -897,6 +931,7 @@ class SequenceGroup:
                 seq.data.update_num_computed_tokens(num_new_computed_tokens)
 
     def get_num_uncomputed_tokens(self) -> int:
+        """Tokens not yet computed, over the unfinished sequences."""
         n = 0
         for seq in self.seqs_dict.values():
             if seq.status not in _FINISHED_STATUSES:
@@ -904,6 +939,7 @@ class SequenceGroup:
         return n
 
     def num_seqs(self, status: Optional[SequenceStatus] = None) -> int:
+        """Number of sequences, or of those with ``status``."""
         if status is None:
             return len(self.seqs_dict)
         n = 0
@@ -913,6 +949,7 @@ class SequenceGroup:
         return n
 
     def num_unfinished_seqs(self) -> int:
+        """Number of unfinished sequences."""
         n = 0
         for seq in self.seqs_dict.values():
             if seq.status not in _FINISHED_STATUSES:
@@ -920,15 +957,18 @@ class SequenceGroup:
         return n
 
     def num_finished_seqs(self) -> int:
+        """Number of finished sequences."""
         return len(self.seqs_dict) - self.num_unfinished_seqs()
 
     def find(self, seq_id: int) -> Sequence:
+        """The sequence with ``seq_id`` (``UnknownSequenceError`` if absent)."""
         try:
             return self.seqs_dict[seq_id]
         except KeyError:
             raise ValueError(f"Sequence {seq_id} not found.") from None
 
     def add(self, seq: Sequence) -> None:
+        """Add a forked sequence to the group (its id must be new)."""
         try:
             seq_id = seq.seq_id
         except AttributeError:
@@ -940,23 +980,28 @@ class SequenceGroup:
         self.seqs_dict[seq_id] = seq
 
     def remove(self, seq_id: int) -> None:
+        """Remove the sequence with ``seq_id`` from the group."""
         if seq_id not in self.seqs_dict:
             raise ValueError(f"Sequence {seq_id} not found.")
         del self.seqs_dict[seq_id]
 
     def is_finished(self) -> bool:
+        """Whether every sequence of the group has finished."""
         for seq in self.seqs_dict.values():
             if seq.status not in _FINISHED_STATUSES:
                 return False
         return True
 
     def is_encoder_decoder(self) -> bool:
+        """Whether the group has an encoder sequence (never: decoder-only)."""
         return self.encoder_seq is not None
 
     def get_encoder_seq(self) -> Optional[Sequence]:
+        """The encoder sequence (None: decoder-only)."""
         return self.encoder_seq
 
     def is_prefill(self) -> bool:
+        """Whether the group is still in its prefill stage."""
         # Every sequence of a group is in the same stage: ask the first one (inlined).
         for seq in self.seqs_dict.values():
             return seq.data._stage == _PREFILL
@@ -1036,6 +1081,7 @@ class SequenceGroupMetadata:
 
     @property
     def lora_int_id(self) -> int:
+        """The request's LoRA id (0 without a LoRA request)."""
         return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property

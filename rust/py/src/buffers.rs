@@ -142,3 +142,55 @@ impl<'py> StepViews<'py> {
         Ok((table, cols, a, b))
     }
 }
+
+/// A writable view of a 1-D numpy array of `T` (`what` names it in errors). Overlap with any
+/// view the caller already holds is refused by numpy's borrow tracking.
+pub fn writable_1d<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<PyReadwriteArray1<'py, T>> {
+    typed_array::<T>(obj, what, 1)?
+        .cast::<PyArray1<T>>()?
+        .try_readwrite()
+        .map_err(|e| borrow_error(what, e))
+}
+
+/// A writable view of a 2-D C-contiguous int32 numpy array.
+pub fn writable_2d_i32<'py>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+) -> PyResult<PyReadwriteArray2<'py, i32>> {
+    typed_array::<i32>(obj, what, 2)?
+        .cast::<PyArray2<i32>>()?
+        .try_readwrite()
+        .map_err(|e| borrow_error(what, e))
+}
+
+fn typed_array<'a, 'py, T: numpy::Element>(
+    obj: &'a Bound<'py, PyAny>,
+    what: &str,
+    ndim: usize,
+) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
+        wrong_type(format!(
+            "{what} must be a numpy array (torch: pass tensor.numpy()), got {}",
+            crate::args::type_name(obj)
+        ))
+    })?;
+    if !arr.dtype().is_equiv_to(&dtype::<T>(obj.py())) {
+        return Err(invalid(format!(
+            "{what} must have dtype {}",
+            dtype::<T>(obj.py())
+        )));
+    }
+    if arr.ndim() != ndim {
+        return Err(invalid(format!(
+            "{what} must be {ndim}-dimensional, got shape {:?}",
+            arr.shape()
+        )));
+    }
+    if !arr.is_c_contiguous() || !arr.is_aligned() {
+        return Err(invalid(format!("{what} must be C-contiguous and aligned")));
+    }
+    Ok(arr)
+}

@@ -4,6 +4,8 @@
 //! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
 //! all in `pagedkv_core::scheduler`.
 
+pub(crate) mod batch;
+
 use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
 use crate::hashing::PyTokenSeq;
 use crate::manager::{Locked, PyManager};

@@ -11,6 +11,7 @@
 //! SWAPPED (or finished but not yet freed by the engine).
 
 mod policy;
+mod step;
 #[cfg(test)]
 mod tests;
 
@@ -21,6 +22,10 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
+pub use step::{
+    Applied, Batch, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut, Written,
+    ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
+};
 
 pub type GroupKey = u32;
 

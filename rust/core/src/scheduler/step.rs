@@ -1,0 +1,594 @@
+//! Issue 10's batch step, core half: apply the previous step's sampled tokens (with vLLM
+//! 0.4.2's stop checks and forks for `best_of > 1`), free what finished, and, after the
+//! ordinary [`Scheduler::schedule`], write the model runner's inputs into caller-owned int32
+//! slices. No Python: the token stores are reached through [`TokensMut`].
+//!
+//! The previous step's batch is a list of [`Row`]s (one per running sequence of a scheduled
+//! group, in output order). Each row with `samples > 0` takes that many sampled tokens, in
+//! row order: the first `samples - 1` go to new children (forked from the row's sequence
+//! before its own token is appended, vLLM's `_process_sequence_group_outputs`), the last to
+//! the row's sequence itself.
+
+use super::{Change, Finish, Group, GroupKey, IdMap, Outputs, Scheduled, Scheduler, SeqState};
+use super::{Status, StepMeta, Tokens};
+use crate::error::{Error, Result};
+use crate::manager::{Manager, SeqId};
+use crate::pool::BlockId;
+use crate::step_buffers::newest_slot;
+use crate::token_seq::TokenSeq;
+
+/// Mutable access to token stores (appending sampled tokens).
+pub trait TokensMut: Tokens {
+    fn with_mut<R>(&self, id: SeqId, f: impl FnOnce(&mut TokenSeq) -> R) -> Result<R>;
+}
+
+/// The `SamplingParams` fields vLLM 0.4.2's `StopChecker` reads (stop strings need a
+/// detokenizer and are the caller's business), plus the group's prompt length.
+#[derive(Clone, Debug, Default)]
+pub struct StopRules {
+    pub prompt_len: usize,
+    pub max_tokens: Option<usize>,
+    pub min_tokens: usize,
+    pub ignore_eos: bool,
+    pub eos: Option<u32>,
+    pub stop_ids: Vec<u32>,
+}
+
+impl StopRules {
+    /// `StopChecker.maybe_stop_sequence` after a token was appended: `len` tokens in all,
+    /// `last` the newest. Same order of checks as vLLM.
+    pub fn check(&self, len: usize, last: u32, max_model_len: usize) -> Option<Finish> {
+        let out = len.saturating_sub(self.prompt_len);
+        if out < self.min_tokens {
+            return None;
+        }
+        if (!self.ignore_eos && self.eos == Some(last)) || self.stop_ids.contains(&last) {
+            return Some(Finish::Stopped);
+        }
+        if len > max_model_len || self.max_tokens == Some(out) {
+            return Some(Finish::LengthCapped);
+        }
+        None
+    }
+}
+
+/// One running sequence of a scheduled group: one row of the model inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Row {
+    pub key: GroupKey,
+    pub seq: SeqId,
+    /// Tokens the model samples for this row (0: no sampling this step).
+    pub samples: usize,
+}
+
+/// The previous step's batch, as the caller's sampled-token array is laid out.
+#[derive(Clone, Debug, Default)]
+pub struct Batch {
+    pub groups: Vec<Scheduled>,
+    pub rows: Vec<Row>,
+}
+
+impl Batch {
+    pub fn num_samples(&self) -> usize {
+        self.rows.iter().map(|r| r.samples).sum()
+    }
+    pub fn num_children(&self) -> usize {
+        self.rows.iter().map(|r| r.samples.saturating_sub(1)).sum()
+    }
+    /// Forget groups that left the scheduler between steps (aborted): their rows still take
+    /// their samples (the caller's array has them) but nothing is applied.
+    pub fn drop_groups(&mut self, keys: &[GroupKey]) {
+        self.groups.retain(|s| !keys.contains(&s.key));
+        for r in &mut self.rows {
+            if keys.contains(&r.key) {
+                r.key = GroupKey::MAX;
+            }
+        }
+    }
+}
+
+/// What applying the sampled tokens did.
+#[derive(Clone, Debug, Default)]
+pub struct Applied {
+    /// Sequences whose block tables were freed (finished).
+    pub freed: Vec<SeqId>,
+    /// Finished groups, out of the running queue (the caller releases them).
+    pub finished: Vec<GroupKey>,
+}
+
+impl Scheduler {
+    /// Apply the previous step: computed tokens, sampled tokens, stop checks, forks (child
+    /// ids in `children`, their stores already copies of their parents'), frees. Everything
+    /// the caller passes is checked before anything changes.
+    pub fn apply_sampled<T: TokensMut>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        prev: &Batch,
+        rules: &IdMap<GroupKey, StopRules>,
+        sampled: &[i32],
+        children: &[SeqId],
+    ) -> Result<Applied> {
+        self.check_sampled(prev, rules, sampled)?;
+        if children.len() != prev.num_children() {
+            return Err(Error::invalid("wrong number of child sequence ids"));
+        }
+        if let Some(c) = children.iter().find(|c| self.by_seq.contains_key(c)) {
+            return Err(Error::invalid(format!("sequence {c} already exists")));
+        }
+        for s in &prev.groups {
+            self.add_computed(toks, s.key, s.chunk)?;
+        }
+        let (mut next_tok, mut next_child) = (0, 0);
+        let mut forks = Vec::new();
+        let mut freed = Vec::new();
+        for r in &prev.rows {
+            let toks_of_row = &sampled[next_tok..next_tok + r.samples];
+            next_tok += r.samples;
+            if r.key == GroupKey::MAX || r.samples == 0 {
+                continue;
+            }
+            let rule = &rules[&r.key];
+            let kids = &children[next_child..next_child + r.samples - 1];
+            next_child += r.samples - 1;
+            for (&child, &tok) in kids.iter().zip(toks_of_row) {
+                self.add_child(r.key, r.seq, child);
+                if self.append_checked(toks, r.key, child, tok as u32, rule)? {
+                    forks.push((r.seq, child));
+                }
+            }
+            let last = *toks_of_row.last().expect("samples > 0");
+            if !self.append_checked(toks, r.key, r.seq, last as u32, rule)? {
+                freed.push(r.seq);
+            }
+        }
+        for &(parent, child) in &forks {
+            mgr.fork(parent, child)?;
+        }
+        for &id in &freed {
+            mgr.free(id)?;
+        }
+        let finished = self.free_finished();
+        Ok(Applied { freed, finished })
+    }
+
+    /// Is `sampled` what the previous batch `prev` needs?
+    pub fn check_sampled(
+        &self,
+        prev: &Batch,
+        rules: &IdMap<GroupKey, StopRules>,
+        sampled: &[i32],
+    ) -> Result<()> {
+        if sampled.len() != prev.num_samples() {
+            return Err(Error::invalid(format!(
+                "the previous step sampled {} tokens; got {}",
+                prev.num_samples(),
+                sampled.len()
+            )));
+        }
+        if let Some(t) = sampled.iter().find(|&&t| t < 0) {
+            return Err(Error::invalid(format!("sampled token id {t} is negative")));
+        }
+        for r in prev.rows.iter().filter(|r| r.key != GroupKey::MAX) {
+            if self.group(r.key).is_none() || !rules.contains_key(&r.key) {
+                return Err(Error::invalid(
+                    "the previous batch names a group that is gone",
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `SequenceGroup.update_num_computed_tokens`: every unfinished sequence.
+    fn add_computed<T: Tokens>(&mut self, toks: &T, key: GroupKey, chunk: usize) -> Result<()> {
+        let Some(g) = self.groups.get_mut(key as usize).and_then(|g| g.as_mut()) else {
+            return Ok(());
+        };
+        for s in g.seqs.iter_mut().filter(|s| !s.status.is_finished()) {
+            let len = toks.with(s.id, |t| t.len())?;
+            s.num_computed = (s.num_computed + chunk).min(len);
+            if s.num_computed == len {
+                s.decode = true;
+            }
+        }
+        Ok(())
+    }
+
+    /// A new child of `parent` with the parent's progress (its store is the caller's copy).
+    fn add_child(&mut self, key: GroupKey, parent: SeqId, child: SeqId) {
+        let g: &mut Group = self.gm(key);
+        let st = g.seqs.iter().find(|s| s.id == parent).cloned();
+        let st = st.expect("a row names a sequence of its group");
+        g.seqs.push(SeqState { id: child, ..st });
+        g.num_seqs += 1;
+        self.by_seq.insert(child, key);
+    }
+
+    /// Append a sampled token and run the stop checks; false if the sequence finished.
+    fn append_checked<T: TokensMut>(
+        &mut self,
+        toks: &T,
+        key: GroupKey,
+        id: SeqId,
+        tok: u32,
+        rule: &StopRules,
+    ) -> Result<bool> {
+        let len = toks.with_mut(id, |t| {
+            t.push(tok);
+            t.len()
+        })?;
+        let Some(fin) = rule.check(len, tok, self.cfg.max_model_len) else {
+            return Ok(true);
+        };
+        let g = self.gm(key);
+        let s = g
+            .seqs
+            .iter_mut()
+            .find(|s| s.id == id)
+            .expect("sequence of its group");
+        s.status = Status::Finished(fin);
+        self.changes.push(Change {
+            key,
+            seq: id,
+            status: Status::Finished(fin),
+            reset: false,
+        });
+        Ok(false)
+    }
+
+    /// [`Scheduler::step_meta`] for the batch step: the same block accesses, computed marks
+    /// and per-group facts, without `computed_block_nums` (an O(table) walk per sequence the
+    /// batch step's caller does not read: the model inputs carry whole block tables).
+    pub fn batch_meta<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        out: &Outputs,
+        now: f64,
+    ) -> Result<Vec<StepMeta>> {
+        let mut metas = Vec::with_capacity(out.scheduled.len());
+        for s in &out.scheduled {
+            let running: Vec<SeqId> = self.g(s.key).ids_with(Status::Running).collect();
+            for &id in &running {
+                mgr.access_all_blocks_in_seq(id, now)?;
+            }
+            let g = self.gm(s.key);
+            let first_time = !g.scheduled_before;
+            g.scheduled_before = true;
+            let is_prompt = g.is_prefill();
+            let mut do_sample = true;
+            if is_prompt {
+                // fix 2 (docs/scheduler.md), as in step_meta.
+                if let Some(q) = g.seqs.iter().find(|q| !q.status.is_finished()) {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    do_sample = s.chunk + q.num_computed >= len;
+                }
+            }
+            metas.push(StepMeta {
+                key: s.key,
+                is_prompt,
+                do_sample,
+                running,
+                computed: Vec::new(),
+                first_time,
+            });
+        }
+        if mgr.config().enable_caching {
+            for s in &out.scheduled {
+                for q in &self.g(s.key).seqs {
+                    let len = toks.with(q.id, |t| t.len())?;
+                    mgr.compute_full_blocks_in_seq(q.id, len);
+                }
+            }
+        }
+        Ok(metas)
+    }
+
+    /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
+    /// `best_of` for a sampling group that has one sequence (its first sample), else 1.
+    pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {
+        let mut b = Batch::default();
+        for &i in order {
+            let (s, m) = (out.scheduled[i], &metas[i]);
+            b.groups.push(s);
+            let g = self.g(s.key);
+            let samples = match (m.do_sample, g.seqs.len()) {
+                (false, _) => 0,
+                (true, 1) => g.best_of,
+                (true, _) => 1,
+            };
+            b.rows.extend(m.running.iter().map(|&seq| Row {
+                key: s.key,
+                seq,
+                samples,
+            }));
+        }
+        b
+    }
+
+    /// The progress of a sequence (computed tokens, decode stage).
+    pub fn progress(&self, id: SeqId) -> Option<(usize, bool)> {
+        let key = self.by_seq.get(&id)?;
+        let g = self.group(*key)?;
+        g.seqs
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| (s.num_computed, s.decode))
+    }
+}
+
+/// Caller-owned int32 model inputs of one step (see `docs/scheduler.md`, batch step).
+pub struct ModelInputs<'a> {
+    /// Per token: its id, position and KV slot (`[num_batched_tokens]`).
+    pub input_tokens: &'a mut [i32],
+    pub positions: &'a mut [i32],
+    pub slot_mapping: &'a mut [i32],
+    /// Per row: token offsets (`[rows + 1]`), length after this step, samples.
+    pub query_start_loc: &'a mut [i32],
+    pub context_lens: &'a mut [i32],
+    pub num_samples: &'a mut [i32],
+    pub seq_ids: &'a mut [i64],
+    /// `[rows, cols]` row-major, padded with 0 (vLLM's padding).
+    pub block_tables: &'a mut [i32],
+    pub cols: usize,
+    /// Flattened pairs `(src, dst)`.
+    pub copies: &'a mut [i32],
+    pub swap_in: &'a mut [i32],
+    pub swap_out: &'a mut [i32],
+}
+
+/// What was written: the used lengths.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Written {
+    pub rows: usize,
+    pub tokens: usize,
+    pub copies: usize,
+    pub swap_in: usize,
+    pub swap_out: usize,
+}
+
+fn too_small(name: &str, have: usize, need: usize) -> Error {
+    Error::invalid(format!(
+        "{name} holds {have} entries; this step needs {need}"
+    ))
+}
+
+/// `pairs` as vLLM's dict would hold them: one entry per source block, in first-insertion
+/// order, holding the last destination set (sequences of a group share blocks, so a shared
+/// block is swapped once).
+fn as_mapping(pairs: &[(u32, u32)]) -> Vec<(u32, u32)> {
+    let mut at: IdMap<u32, usize> = IdMap::default();
+    let mut out: Vec<(u32, u32)> = Vec::with_capacity(pairs.len());
+    for &(a, b) in pairs {
+        match at.get(&a) {
+            Some(&i) => out[i].1 = b,
+            None => {
+                at.insert(a, out.len());
+                out.push((a, b));
+            }
+        }
+    }
+    out
+}
+
+fn put_pairs(name: &str, dst: &mut [i32], pairs: &[(u32, u32)]) -> Result<usize> {
+    if dst.len() < 2 * pairs.len() {
+        return Err(too_small(name, dst.len() / 2, pairs.len()));
+    }
+    for (d, &(a, b)) in dst.chunks_exact_mut(2).zip(pairs) {
+        d[0] = a as i32;
+        d[1] = b as i32;
+    }
+    Ok(pairs.len())
+}
+
+fn as_i32(x: usize) -> Result<i32> {
+    i32::try_from(x).map_err(|_| Error::invalid(format!("{x} does not fit int32")))
+}
+
+impl Manager {
+    /// Block-table columns the rows of `batch` need (the widest table).
+    pub fn batch_cols(&self, batch: &Batch) -> Result<usize> {
+        let mut cols = 0;
+        for r in &batch.rows {
+            cols = cols.max(self.block_table(r.seq)?.len());
+        }
+        Ok(cols)
+    }
+
+    /// Write the model inputs of `batch` (rows of this step, chunk per group). Sizes are
+    /// checked before the first write.
+    pub fn write_model_inputs<T: Tokens>(
+        &self,
+        sched: &Scheduler,
+        toks: &T,
+        batch: &Batch,
+        out: &Outputs,
+        buf: ModelInputs<'_>,
+    ) -> Result<Written> {
+        let chunk_of: IdMap<GroupKey, usize> =
+            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
+        let rows = batch.rows.len();
+        let tokens: usize = batch.rows.iter().map(|r| chunk_of[&r.key]).sum();
+        let per_row = [
+            ("context_lens", buf.context_lens.len()),
+            ("num_samples", buf.num_samples.len()),
+            ("seq_ids", buf.seq_ids.len()),
+            (
+                "block_tables rows",
+                buf.block_tables.len().checked_div(buf.cols).unwrap_or(0),
+            ),
+        ];
+        for (name, have) in per_row {
+            if have < rows {
+                return Err(too_small(name, have, rows));
+            }
+        }
+        if buf.query_start_loc.len() < rows + 1 {
+            return Err(too_small(
+                "query_start_loc",
+                buf.query_start_loc.len(),
+                rows + 1,
+            ));
+        }
+        for (name, have) in [
+            ("input_tokens", buf.input_tokens.len()),
+            ("positions", buf.positions.len()),
+            ("slot_mapping", buf.slot_mapping.len()),
+        ] {
+            if have < tokens {
+                return Err(too_small(name, have, tokens));
+            }
+        }
+        for r in &batch.rows {
+            let need = self.block_table(r.seq)?.len();
+            if need > buf.cols {
+                return Err(too_small("a block_tables row", buf.cols, need));
+            }
+        }
+        let copies: Vec<(u32, u32)> = out
+            .copies
+            .iter()
+            .flat_map(|(s, ds)| ds.iter().map(move |&d| (*s, d)))
+            .collect();
+        let written = Written {
+            rows,
+            tokens,
+            copies: put_pairs("copies", buf.copies, &copies)?,
+            swap_in: put_pairs("swap_in", buf.swap_in, &as_mapping(&out.swap_in))?,
+            swap_out: put_pairs("swap_out", buf.swap_out, &as_mapping(&out.swap_out))?,
+        };
+        let bs = self.config().block_size;
+        let mut t = 0;
+        buf.query_start_loc[0] = 0;
+        for (i, r) in batch.rows.iter().enumerate() {
+            let chunk = chunk_of[&r.key];
+            let table = self.block_table(r.seq)?;
+            let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
+            toks.with(r.seq, |ts| -> Result<()> {
+                let ids = ts.tokens().get(start..start + chunk).ok_or_else(|| {
+                    Error::invalid(format!(
+                        "sequence {} has no tokens {start}..{}",
+                        r.seq,
+                        start + chunk
+                    ))
+                })?;
+                for (j, &id) in ids.iter().enumerate() {
+                    let p = start + j;
+                    buf.input_tokens[t + j] = as_i32(id as usize)?;
+                    buf.positions[t + j] = as_i32(p)?;
+                    buf.slot_mapping[t + j] = newest_slot(table, p + 1, bs)?;
+                }
+                Ok(())
+            })??;
+            t += chunk;
+            buf.query_start_loc[i + 1] = as_i32(t)?;
+            buf.context_lens[i] = as_i32(start + chunk)?;
+            buf.num_samples[i] = as_i32(r.samples)?;
+            buf.seq_ids[i] = i64::try_from(r.seq).map_err(|_| Error::invalid("seq id over i64"))?;
+            let row = &mut buf.block_tables[i * buf.cols..(i + 1) * buf.cols];
+            row.fill(0);
+            for (d, &b) in row.iter_mut().zip(table) {
+                *d = b as i32;
+            }
+        }
+        Ok(written)
+    }
+}
+
+/// How a row's block table changed since the last step (incremental updates, the way vLLM
+/// v1 hands its workers only new block ids).
+pub const ROW_SAME: u8 = 0;
+/// Same sequence in the same row; blocks were only appended (the new ids follow).
+pub const ROW_APPENDED: u8 = 1;
+/// A new or moved row, or blocks replaced (copy-on-write, swap, recompute): the whole
+/// table follows.
+pub const ROW_REWRITTEN: u8 = 2;
+
+/// Per row: its state and the block ids the caller applies (`blocks[loc[i]..loc[i + 1]]`).
+#[derive(Clone, Debug, Default)]
+pub struct TableDelta {
+    pub state: Vec<u8>,
+    pub loc: Vec<usize>,
+    pub blocks: Vec<BlockId>,
+}
+
+/// The tables a caller last received, per sequence: `(row, table version, table)`.
+pub type SentTables = IdMap<SeqId, (usize, u64, Vec<BlockId>)>;
+
+impl Manager {
+    /// The block-table changes of `batch` relative to `sent` (updated). Work per row is O(1)
+    /// unless its table changed (once per `block_size` decode steps), then O(table).
+    pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
+        let mut d = TableDelta {
+            state: Vec::with_capacity(batch.rows.len()),
+            loc: Vec::with_capacity(batch.rows.len() + 1),
+            blocks: Vec::new(),
+        };
+        d.loc.push(0);
+        let mut live = IdMap::default();
+        for (i, r) in batch.rows.iter().enumerate() {
+            let (table, version) = (self.block_table(r.seq)?, self.table_version(r.seq)?);
+            live.insert(r.seq, ());
+            let state = match sent.get(&r.seq) {
+                Some((row, v, _)) if *row == i && *v == version => ROW_SAME,
+                Some((row, _, old)) if *row == i && table.starts_with(old) => {
+                    d.blocks.extend_from_slice(&table[old.len()..]);
+                    ROW_APPENDED
+                }
+                _ => {
+                    d.blocks.extend_from_slice(table);
+                    ROW_REWRITTEN
+                }
+            };
+            if state != ROW_SAME {
+                sent.insert(r.seq, (i, version, table.to_vec()));
+            }
+            d.state.push(state);
+            d.loc.push(d.blocks.len());
+        }
+        sent.retain(|id, _| live.contains_key(id));
+        Ok(d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rules() -> StopRules {
+        StopRules {
+            prompt_len: 4,
+            max_tokens: Some(3),
+            min_tokens: 2,
+            ignore_eos: false,
+            eos: Some(7),
+            stop_ids: vec![9],
+        }
+    }
+
+    #[test]
+    fn stop_checks_in_vllm_order() {
+        let r = rules();
+        // min_tokens holds everything back, even the length limit.
+        assert_eq!(r.check(5, 7, 4), None);
+        assert_eq!(r.check(6, 7, 100), Some(Finish::Stopped));
+        assert_eq!(r.check(6, 9, 100), Some(Finish::Stopped));
+        // EOS and stop tokens win over the length checks.
+        assert_eq!(r.check(7, 7, 5), Some(Finish::Stopped));
+        assert_eq!(r.check(7, 1, 100), Some(Finish::LengthCapped));
+        assert_eq!(r.check(6, 1, 5), Some(Finish::LengthCapped));
+        assert_eq!(r.check(6, 1, 6), None); // len == max_model_len is not over it
+        let ignore = StopRules {
+            ignore_eos: true,
+            ..rules()
+        };
+        assert_eq!(ignore.check(6, 7, 100), None);
+    }
+
+    #[test]
+    fn swap_pairs_collapse_like_a_dict() {
+        let pairs = [(10, 3), (28, 18), (10, 3), (5, 1), (5, 2)];
+        assert_eq!(as_mapping(&pairs), vec![(10, 3), (28, 18), (5, 2)]);
+    }
+}

@@ -1,0 +1,604 @@
+//! `BatchStep`: issue 10's one-call engine step over a `SchedulerCore` (docs/scheduler.md,
+//! "Batch step"). Per step it crosses into Python only for what is per step or per event:
+//! forks (a child `Sequence` object), the status of sequences that finished or were
+//! preempted, first-scheduled times of new groups, the stop rules of new groups and the
+//! views of finished groups. Running sequences' Python views (output token list, computed
+//! tokens, stage) are written back on demand (`sync_views`) or when their group finishes.
+
+use super::{PySchedulerCore, Stores};
+use crate::buffers::{writable_1d, writable_2d_i32};
+use crate::errors::{busy, invalid, IntoPyResult};
+use crate::manager::PyManager;
+use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
+use pagedkv_core::scheduler::{
+    Batch, GroupKey, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta, TokensMut,
+};
+use pagedkv_core::{Error, SeqId, TokenSeq};
+use pyo3::gc::PyVisit;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+use pyo3::PyTraverseError;
+
+impl TokensMut for Stores<'_, '_> {
+    fn with_mut<R>(
+        &self,
+        id: SeqId,
+        f: impl FnOnce(&mut TokenSeq) -> R,
+    ) -> pagedkv_core::Result<R> {
+        let v = self.seqs.get(&id).ok_or(Error::UnknownSequence(id))?;
+        let mut s =
+            v.store.bind(self.py).try_borrow_mut().map_err(|_| {
+                Error::invalid(format!("the token store of sequence {id} is in use"))
+            })?;
+        Ok(f(&mut s.inner))
+    }
+}
+
+#[pyclass(module = "pagedkv._native", name = "BatchStep")]
+pub struct PyBatchStep {
+    core: Py<PySchedulerCore>,
+    /// Returns a fresh sequence id per call (the engine's counter), for forks.
+    new_seq_id: Py<PyAny>,
+    prev: Batch,
+    /// The last step's decisions (copy and swap lists), for `rewrite`.
+    last_out: Outputs,
+    /// Incremental block tables (when the buffers have `row_state`): what the caller was
+    /// sent, and the last step's changes.
+    sent: SentTables,
+    last_delta: Option<TableDelta>,
+    rules: IdMap<GroupKey, StopRules>,
+    prefill: Py<PyAny>,
+}
+
+/// The output arrays of one step, by keyword.
+const OUTPUTS: [&str; 11] = [
+    "input_tokens",
+    "positions",
+    "slot_mapping",
+    "query_start_loc",
+    "context_lens",
+    "num_samples",
+    "seq_ids",
+    "block_tables",
+    "copies",
+    "swap_in",
+    "swap_out",
+];
+
+#[pymethods]
+impl PyBatchStep {
+    #[new]
+    fn new(core: &Bound<'_, PyAny>, new_seq_id: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = core.py();
+        let core = core
+            .cast::<PySchedulerCore>()
+            .map_err(|_| crate::errors::wrong_type("core must be a SchedulerCore"))?
+            .clone()
+            .unbind();
+        if !new_seq_id.is_callable() {
+            return Err(crate::errors::wrong_type("new_seq_id must be callable"));
+        }
+        let prefill = py
+            .import("pagedkv.sequence")?
+            .getattr("SequenceStage")?
+            .getattr("PREFILL")?
+            .unbind();
+        Ok(PyBatchStep {
+            core,
+            new_seq_id: new_seq_id.clone().unbind(),
+            prev: Batch::default(),
+            last_out: Outputs::default(),
+            sent: SentTables::default(),
+            last_delta: None,
+            rules: IdMap::default(),
+            prefill,
+        })
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.core)?;
+        visit.call(&self.new_seq_id)?;
+        visit.call(&self.prefill)
+    }
+
+    /// Tokens the caller must pass to the next `step` (the previous batch's samples).
+    #[getter]
+    fn num_expected_samples(&self) -> usize {
+        self.prev.num_samples()
+    }
+
+    /// One engine step; see `pagedkv.engine_step.BatchEngine.step`. Returns `(counts,
+    /// num_prefill_groups, scheduled, finished, ignored, needed_cols)` with `counts` as
+    /// `rewrite` returns it.
+    #[pyo3(signature = (sampled, now, buffers))]
+    fn step<'py>(
+        &mut self,
+        py: Python<'py>,
+        sampled: PyReadonlyArray1<'py, i32>,
+        now: f64,
+        buffers: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let sampled: Vec<i32> = sampled
+            .as_slice()
+            .map_err(|_| invalid("sampled must be C-contiguous"))?
+            .to_vec();
+        let core = self.core.clone_ref(py);
+        let mut c = core
+            .bind(py)
+            .try_borrow_mut()
+            .map_err(|_| busy("the scheduler"))?;
+        self.check_buffers(py, &c, buffers)?;
+        c.core
+            .check_sampled(&self.prev, &self.rules, &sampled)
+            .py()?;
+        let children = self.fork_views(py, &mut c)?;
+        let finished = self.apply(py, &mut c, &sampled, &children)?;
+        let (out, metas) = c.schedule_native(py, now)?;
+        let order = c.output_order(&out);
+        let batch = c.core.batch_rows(&out, &metas, &order);
+        for (s, m) in batch.groups.iter().zip(order.iter().map(|&i| &metas[i])) {
+            let group = c.groups[&s.key].obj.bind(py).clone();
+            if m.first_time {
+                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
+            }
+            if !self.rules.contains_key(&s.key) {
+                let rules = self.read_rules(py, &c, s.key)?;
+                self.rules.insert(s.key, rules);
+            }
+        }
+        let scheduled = PyList::new(
+            py,
+            batch.groups.iter().map(|s| c.groups[&s.key].obj.bind(py)),
+        )?;
+        let ignored = self.finish_groups(py, &mut c, &out.ignored)?;
+        self.prev = batch;
+        self.last_out = out;
+        self.last_delta = None;
+        if buffers.getattr(intern!(py, "row_state"))?.is_none() {
+            self.sent.clear();
+        } else {
+            let m = c.manager.bind(py).get().locked()?;
+            self.last_delta = Some(m.core().table_delta(&self.prev, &mut self.sent).py()?);
+        }
+        drop(c);
+        let counts = self.rewrite(py, buffers)?;
+        let items: [Bound<'py, PyAny>; 6] = [
+            counts.into_any(),
+            self.last_out
+                .num_prefill_groups
+                .into_pyobject(py)?
+                .into_any(),
+            scheduled.into_any(),
+            finished.into_any(),
+            ignored.into_any(),
+            self.needed_cols(py)?.into_pyobject(py)?.into_any(),
+        ];
+        PyTuple::new(py, items)
+    }
+
+    /// (Re)write the model inputs of the last step into `buffers`: `(rows, tokens, copies,
+    /// swap_in, swap_out, new_blocks)`, or `None` when a block-table row of `buffers` is narrower than
+    /// the widest table of the batch (`needed_cols`; nothing is written). A sequence can
+    /// outgrow `max_model_len` (vLLM's `min_tokens`, and chunked prefill does not limit the
+    /// prompt length), so callers widen their buffers and call this again.
+    fn rewrite<'py>(
+        &self,
+        py: Python<'py>,
+        buffers: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let c = self
+            .core
+            .bind(py)
+            .try_borrow()
+            .map_err(|_| busy("the scheduler"))?;
+        let shape: Vec<usize> = buffers
+            .getattr("block_tables")?
+            .getattr(intern!(py, "shape"))?
+            .extract()?;
+        if shape.get(1).copied().unwrap_or(0) < self.needed_cols(py)? {
+            return Ok(py.None().into_bound(py));
+        }
+        let mut n_new = 0;
+        if let Some(d) = &self.last_delta {
+            match write_delta(buffers, d)? {
+                Some(n) => n_new = n,
+                None => return Ok(py.None().into_bound(py)),
+            }
+        }
+        let w = self.write(py, &c, &self.last_out, buffers)?;
+        Ok((w.rows, w.tokens, w.copies, w.swap_in, w.swap_out, n_new)
+            .into_pyobject(py)?
+            .into_any())
+    }
+
+    /// Write the native progress and tokens of every known sequence back to its Python
+    /// view (`Sequence.data`): output token list, computed tokens, stage.
+    fn sync_views(&self, py: Python<'_>) -> PyResult<()> {
+        let c = self
+            .core
+            .bind(py)
+            .try_borrow()
+            .map_err(|_| busy("the scheduler"))?;
+        let ids: Vec<SeqId> = c.seqs.keys().copied().collect();
+        for id in ids {
+            self.sync_seq(py, &c, id)?;
+        }
+        Ok(())
+    }
+
+    /// Abort requests (vLLM's `abort_seq_group`), keeping the batch state consistent: the
+    /// aborted groups' rows of the previous batch take their samples but apply nothing.
+    fn abort(&mut self, py: Python<'_>, request_ids: Vec<String>) -> PyResult<()> {
+        self.sync_views(py)?;
+        let mut c = self
+            .core
+            .bind(py)
+            .try_borrow_mut()
+            .map_err(|_| busy("the scheduler"))?;
+        c.abort(py, request_ids)?;
+        let gone: Vec<GroupKey> = self
+            .prev
+            .groups
+            .iter()
+            .map(|s| s.key)
+            .filter(|&k| c.core.group(k).is_none())
+            .collect();
+        self.prev.drop_groups(&gone);
+        self.rules.retain(|k, _| c.core.group(*k).is_some());
+        Ok(())
+    }
+}
+
+impl PyBatchStep {
+    /// Block-table columns the last step's batch needs.
+    fn needed_cols(&self, py: Python<'_>) -> PyResult<usize> {
+        let c = self
+            .core
+            .bind(py)
+            .try_borrow()
+            .map_err(|_| busy("the scheduler"))?;
+        let m = c.manager.bind(py).get().locked()?;
+        m.core().batch_cols(&self.prev).py()
+    }
+
+    /// Python half of the forks: a child `Sequence` per extra sample, added to its group.
+    fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
+        let live = || self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX);
+        // Every id first, checked, so that a bad counter changes nothing.
+        let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
+        for _ in live().flat_map(|r| 1..r.samples) {
+            let id: SeqId = self
+                .new_seq_id
+                .bind(py)
+                .call0()?
+                .extract()
+                .map_err(|_| crate::errors::wrong_type("new_seq_id must return an int >= 0"))?;
+            if children.contains(&id) || c.seqs.contains_key(&id) {
+                return Err(invalid(format!("new_seq_id returned {id}, already in use")));
+            }
+            children.push(id);
+        }
+        let mut ids = children.iter();
+        for r in live() {
+            for _ in 1..r.samples {
+                let id = *ids.next().expect("one id per child");
+                let parent = c.seqs[&r.seq].obj.bind(py).clone();
+                let child = parent.call_method1(intern!(py, "fork"), (id,))?;
+                let (_, view) = c.read_new_seq(&child)?;
+                c.groups[&r.key]
+                    .obj
+                    .bind(py)
+                    .call_method1(intern!(py, "add"), (&child,))?;
+                c.seqs.insert(id, view);
+            }
+        }
+        Ok(children)
+    }
+
+    /// Native half: computed tokens, sampled tokens, stop checks, forks, frees. Returns the
+    /// finished groups (views written back, released).
+    fn apply<'py>(
+        &mut self,
+        py: Python<'py>,
+        c: &mut PySchedulerCore,
+        sampled: &[i32],
+        children: &[SeqId],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let manager = c.manager.clone_ref(py);
+        let mgr: &PyManager = manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let stores = Stores { py, seqs: &c.seqs };
+        let res = c.core.apply_sampled(
+            m.core_mut(),
+            &stores,
+            &self.prev,
+            &self.rules,
+            sampled,
+            children,
+        );
+        if let Ok(a) = &res {
+            for &id in &a.freed {
+                m.dropped(id);
+            }
+        }
+        drop(m);
+        c.write_back(py)?;
+        let applied = res.py()?;
+        self.prev = Batch::default();
+        self.finish_groups(py, c, &applied.finished)
+    }
+
+    /// Write back and release finished (or ignored) groups; their Python objects, in order.
+    fn finish_groups<'py>(
+        &mut self,
+        py: Python<'py>,
+        c: &mut PySchedulerCore,
+        keys: &[GroupKey],
+    ) -> PyResult<Bound<'py, PyList>> {
+        let list = PyList::empty(py);
+        for &k in keys {
+            let ids: Vec<SeqId> = match c.core.group(k) {
+                Some(g) => g.seqs.iter().map(|s| s.id).collect(),
+                None => Vec::new(),
+            };
+            for id in ids {
+                self.sync_seq(py, c, id)?;
+            }
+            if let Some(v) = c.groups.get(&k) {
+                list.append(v.obj.bind(py))?;
+            }
+            self.rules.remove(&k);
+            c.release(k);
+        }
+        Ok(list)
+    }
+
+    /// Bring one sequence's Python view up to the native state.
+    fn sync_seq(&self, py: Python<'_>, c: &PySchedulerCore, id: SeqId) -> PyResult<()> {
+        let Some(view) = c.seqs.get(&id) else {
+            return Ok(());
+        };
+        let data = view.obj.bind(py).getattr(intern!(py, "data"))?;
+        let out = data.getattr(intern!(py, "_output"))?;
+        let out = out.cast::<PyList>()?;
+        let from = data.getattr(intern!(py, "_prompt"))?.len()? + out.len();
+        let fresh: Vec<u32> = {
+            let s = view
+                .store
+                .bind(py)
+                .try_borrow()
+                .map_err(|_| busy("a token store"))?;
+            s.inner.tokens().get(from..).unwrap_or_default().to_vec()
+        };
+        for t in fresh {
+            out.append(t)?;
+        }
+        if let Some((n, decode)) = c.core.progress(id) {
+            data.setattr(intern!(py, "_num_computed_tokens"), n)?;
+            let stage = if decode { &c.decode } else { &self.prefill };
+            data.setattr(intern!(py, "_stage"), stage.bind(py))?;
+        }
+        Ok(())
+    }
+
+    /// vLLM's `StopChecker` inputs of a group, read once when it is first scheduled.
+    fn read_rules(
+        &self,
+        py: Python<'_>,
+        c: &PySchedulerCore,
+        key: GroupKey,
+    ) -> PyResult<StopRules> {
+        let g = c.groups[&key].obj.bind(py);
+        let sp = g.getattr(intern!(py, "sampling_params"))?;
+        let first = c.core.group(key).and_then(|g| g.seqs.first()).map(|s| s.id);
+        let seq = c.seqs[&first.expect("a group has a sequence")].obj.bind(py);
+        let eos: Option<u32> = seq.getattr(intern!(py, "eos_token_id"))?.extract()?;
+        let prompt_len = seq.call_method0(intern!(py, "get_prompt_len"))?.extract()?;
+        Ok(StopRules {
+            prompt_len,
+            max_tokens: sp.getattr(intern!(py, "max_tokens"))?.extract()?,
+            min_tokens: sp
+                .getattr(intern!(py, "min_tokens"))
+                .and_then(|v| v.extract())
+                .unwrap_or(0),
+            ignore_eos: sp.getattr(intern!(py, "ignore_eos"))?.is_truthy()?,
+            eos,
+            stop_ids: sp
+                .getattr(intern!(py, "stop_token_ids"))
+                .and_then(|v| v.extract::<Option<Vec<u32>>>())
+                .map_err(|_| invalid("stop_token_ids must be non-negative ints"))?
+                .unwrap_or_default(),
+        })
+    }
+
+    /// Before anything changes: the buffers are there, of the right types, and big enough
+    /// for any step this scheduler can make.
+    fn check_buffers(
+        &self,
+        py: Python<'_>,
+        c: &PySchedulerCore,
+        b: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        drop(take_views(b)?); // types, writability, contiguity, overlap
+        if !b.getattr(intern!(py, "row_state"))?.is_none() {
+            let rows = c.core.config().max_num_seqs;
+            let st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+            let loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
+            let nb = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
+            if st.len() < rows || loc.len() < rows + 1 {
+                return Err(invalid(format!(
+                    "buffers.row_state / new_block_loc must hold {rows} / {} entries",
+                    rows + 1
+                )));
+            }
+            drop((st, loc, nb));
+        }
+        let cfg = c.core.config();
+        let mgr = c.manager.bind(py).get().locked()?;
+        let mc = mgr.core().config();
+        let bs = mc.block_size;
+        let rows = cfg.max_num_seqs;
+        let tokens = cfg.max_num_batched_tokens.max(cfg.max_num_seqs);
+        let cols = (cfg.max_model_len + cfg.num_lookahead_slots).div_ceil(bs);
+        let gpu = mc.num_gpu_blocks as usize;
+        let need = [
+            tokens,
+            tokens,
+            tokens,
+            rows + 1,
+            rows,
+            rows,
+            rows,
+            rows * cols,
+            2 * rows,
+            2 * gpu,
+            2 * gpu,
+        ];
+        drop(mgr);
+        for (name, need) in OUTPUTS.iter().zip(need) {
+            let arr = b.getattr(*name)?;
+            let len: usize = arr.getattr(intern!(py, "size"))?.extract()?;
+            if len < need {
+                return Err(invalid(format!(
+                    "buffers.{name} holds {len} entries; this scheduler may need {need}"
+                )));
+            }
+        }
+        let bt = b.getattr("block_tables")?;
+        let shape: Vec<usize> = bt.getattr(intern!(py, "shape"))?.extract()?;
+        if shape.len() != 2 || shape[1] < cols {
+            return Err(invalid(format!(
+                "buffers.block_tables must be 2-D with at least {cols} columns, got {shape:?}"
+            )));
+        }
+        Ok(())
+    }
+
+    fn write(
+        &self,
+        py: Python<'_>,
+        c: &PySchedulerCore,
+        out: &pagedkv_core::scheduler::Outputs,
+        b: &Bound<'_, PyAny>,
+    ) -> PyResult<pagedkv_core::scheduler::Written> {
+        let (mut v, mut ids, mut bt) = take_views(b)?;
+        let cols = bt.shape()[1];
+        let nc = |_| invalid("an output buffer is not contiguous");
+        let mut sl = v
+            .iter_mut()
+            .map(|a| a.as_slice_mut())
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(nc)?;
+        let [it, pos, slot, qs, cl, ns, cp, si, so]: [&mut [i32]; 9] = std::mem::take(&mut sl)
+            .try_into()
+            .map_err(|_| invalid("outputs"))?;
+        let buf = ModelInputs {
+            input_tokens: it,
+            positions: pos,
+            slot_mapping: slot,
+            query_start_loc: qs,
+            context_lens: cl,
+            num_samples: ns,
+            seq_ids: ids.as_slice_mut().map_err(nc)?,
+            block_tables: bt.as_slice_mut().map_err(nc)?,
+            cols,
+            copies: cp,
+            swap_in: si,
+            swap_out: so,
+        };
+        let mgr = c.manager.bind(py).get().locked()?;
+        let stores = Stores { py, seqs: &c.seqs };
+        mgr.core()
+            .write_model_inputs(&c.core, &stores, &self.prev, out, buf)
+            .py()
+    }
+}
+
+/// Write the incremental block-table changes into `row_state`, `new_block_loc` and
+/// `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
+fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> {
+    let mut st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+    let mut loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
+    let mut blocks = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
+    let nc = |_| invalid("an output buffer is not contiguous");
+    let (st, loc, blocks) = (
+        st.as_slice_mut().map_err(nc)?,
+        loc.as_slice_mut().map_err(nc)?,
+        blocks.as_slice_mut().map_err(nc)?,
+    );
+    if st.len() < d.state.len() || loc.len() < d.loc.len() {
+        return Err(invalid(
+            "row_state / new_block_loc are shorter than the batch",
+        ));
+    }
+    if blocks.len() < d.blocks.len() {
+        return Ok(None);
+    }
+    for (dst, &x) in st.iter_mut().zip(&d.state) {
+        *dst = i32::from(x);
+    }
+    for (dst, &x) in loc.iter_mut().zip(&d.loc) {
+        *dst = i32::try_from(x).map_err(|_| invalid("new_block_loc overflows int32"))?;
+    }
+    for (dst, &x) in blocks.iter_mut().zip(&d.blocks) {
+        *dst = x as i32;
+    }
+    Ok(Some(d.blocks.len()))
+}
+
+type Views<'py> = (
+    Vec<PyReadwriteArray1<'py, i32>>,
+    PyReadwriteArray1<'py, i64>,
+    numpy::PyReadwriteArray2<'py, i32>,
+);
+
+/// Writable views of every output array of `b`, taken together (numpy's borrow tracking
+/// refuses overlapping arrays). Taken only after every Python callback of the call
+/// (buffers.rs), and once before anything changes, to refuse bad buffers early.
+fn take_views<'py>(b: &Bound<'py, PyAny>) -> PyResult<Views<'py>> {
+    let objs: Vec<Bound<'py, PyAny>> = OUTPUTS
+        .iter()
+        .map(|n| b.getattr(*n))
+        .collect::<PyResult<_>>()?;
+    let mut v = Vec::with_capacity(9);
+    for (i, name) in OUTPUTS.iter().enumerate() {
+        if i != 6 && i != 7 {
+            v.push(writable_1d::<i32>(&objs[i], name)?);
+        }
+    }
+    let ids = writable_1d::<i64>(&objs[6], "seq_ids")?;
+    let bt = writable_2d_i32(&objs[7], "block_tables")?;
+    Ok((v, ids, bt))
+}
+
+impl PySchedulerCore {
+    /// `schedule()` without the compat read-back of running groups (in batch mode the native
+    /// state is the authority) and without building metadata objects.
+    fn schedule_native(
+        &mut self,
+        py: Python<'_>,
+        now: f64,
+    ) -> PyResult<(
+        pagedkv_core::scheduler::Outputs,
+        Vec<pagedkv_core::scheduler::StepMeta>,
+    )> {
+        let manager = self.manager.clone_ref(py);
+        let mgr: &PyManager = manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let stores = Stores {
+            py,
+            seqs: &self.seqs,
+        };
+        let res = self
+            .core
+            .schedule(m.core_mut(), &stores, now)
+            .and_then(|out| {
+                let metas = self.core.batch_meta(m.core_mut(), &stores, &out, now)?;
+                Ok((out, metas))
+            });
+        drop(m);
+        self.write_back(py)?;
+        res.py()
+    }
+}
