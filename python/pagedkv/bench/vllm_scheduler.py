@@ -171,6 +171,7 @@ class Engine:
     requests: Dict[str, Request] = field(default_factory=dict)
     next_child_id: int = 1 << 40
     step_seconds: List[float] = field(default_factory=list)
+    schedule_seconds: List[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         c, ns = self.config, self.backend.release
@@ -218,8 +219,10 @@ class Engine:
         the step's decisions (built outside the timed part)."""
         t0 = time.perf_counter()
         metas, out = self.scheduler.schedule()
+        t1 = time.perf_counter()
         self._process_outputs(out)
         self.step_seconds.append(time.perf_counter() - t0)
+        self.schedule_seconds.append(t1 - t0)
         return self._record(metas, out) if record else None
 
     def _process_outputs(self, out: Any) -> None:
