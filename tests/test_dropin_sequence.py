@@ -142,6 +142,29 @@ def test_negative_chunk_is_stored_like_vllm_and_refused_only_when_strict():
     assert group.get_num_uncomputed_tokens() == 7
 
 
+def _progress(data):
+    return data.get_num_computed_tokens(), data.stage
+
+
+@pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.parametrize("chunks", [[4, 6, 0], [10], [-3, 13], [3, 8], [10, 1], [-1]])
+def test_group_update_matches_sequence_data_update(chunks, strict):
+    # SequenceGroup.update_num_computed_tokens inlines SequenceData's accepted case: each
+    # chunk must leave both in the same state, and raise (changing nothing) alike.
+    group = SequenceGroup("g", [sequence(3, range(10), strict=strict)], SamplingParams(), 0.0)
+    oracle = SequenceData(list(range(10)), strict=strict)
+    data = group.get_seqs()[0].data
+    for n in chunks:
+        try:
+            oracle.update_num_computed_tokens(n)
+        except InvalidArgumentError:
+            with pytest.raises(InvalidArgumentError):
+                group.update_num_computed_tokens(n)
+        else:
+            group.update_num_computed_tokens(n)
+        assert _progress(data) == _progress(oracle)
+
+
 # ---- item 5: enums -------------------------------------------------------------------------
 
 

@@ -887,19 +887,24 @@ class SequenceGroup:
         if params.use_beam_search:
             # Beam search always keeps best_of candidates alive.
             return params.best_of
-        if params.best_of > len(self.seqs_dict):
+        seqs = self.seqs_dict
+        if params.best_of > len(seqs):
             # Still in the prompt stage with one sequence: it forks into best_of.
             return params.best_of
-        return self.num_unfinished_seqs()
+        n = 0  # num_unfinished_seqs(), inlined
+        for seq in seqs.values():
+            if seq.status not in _FINISHED_STATUSES:
+                n += 1
+        return n
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> List[Sequence]:
         """The group's sequences, or only those with ``status``."""
         seqs = self.seqs_dict
         if status is None:
-            return list(seqs.values())
+            return [*seqs.values()]  # no global lookup and call of ``list``
         if len(seqs) == 1:
-            (seq,) = seqs.values()
-            return [seq] if seq.status == status else []
+            for seq in seqs.values():  # cheaper than unpacking the view
+                return [seq] if seq.status == status else []
         # a plain loop: in CPython 3.11 a list comprehension pays a function call, more than
         # the appends of a few-sequence group cost
         out = []
@@ -926,9 +931,22 @@ class SequenceGroup:
 
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         """Advance the prefill progress of every unfinished sequence."""
+        # The engine runs this for every scheduled group every step: our SequenceData's
+        # accepted case is inlined (same result as its method); the method handles the rest
+        # (errors, negative totals, other SequenceData classes).
         for seq in self.seqs_dict.values():
-            if seq.status not in _FINISHED_STATUSES:
-                seq.data.update_num_computed_tokens(num_new_computed_tokens)
+            if seq.status in _FINISHED_STATUSES:
+                continue
+            data = seq.data
+            if type(data) is SequenceData:
+                total = data._num_computed_tokens + num_new_computed_tokens
+                length = len(data._prompt) + len(data._output)
+                if 0 <= total <= length:
+                    data._num_computed_tokens = total
+                    if total == length:
+                        data._stage = _DECODE
+                    continue
+            data.update_num_computed_tokens(num_new_computed_tokens)
 
     def get_num_uncomputed_tokens(self) -> int:
         """Tokens not yet computed, over the unfinished sequences."""
