@@ -105,7 +105,7 @@ def test_scheduler_section_calls_the_whole_step_timing(monkeypatch, tmp_path, ca
     assert cli.main([*args, "--compare", "vllm==0.4.2"]) == 0
     # Against 0.4.2 the section also times pagedkv.Scheduler on the same engine loop.
     assert calls == [("0.4.2", True, True, 3, ("vllm", "pagedkv-dropin", "pagedkv-scheduler"))]
-    assert "pagedkv-dropin       10 steps, mean      50.0 us/step" in capsys.readouterr().out
+    assert "pagedkv-dropin        10 steps, mean      50.0 us/step" in capsys.readouterr().out
     section = json.loads(out.read_text())["scheduler"]
     assert section["status"] == "ok" and section["runs"][0]["speedup"]["pagedkv-dropin"] == 4.0
     calls.clear()

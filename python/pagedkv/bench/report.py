@@ -334,7 +334,7 @@ def format_scheduler_step(r: Dict[str, Any]) -> str:
     lines = [head]
     for name, stats in r["backends"].items():
         lines.append(
-            f"  {name:<16} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
+            f"  {name:<17} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
             f"median {stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
         )
     if r.get("error"):
