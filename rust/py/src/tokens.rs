@@ -31,12 +31,14 @@ pub fn extract_tokens<'a>(obj: &'a Bound<'_, PyAny>) -> PyResult<Cow<'a, [u32]>>
         let n = list.len();
         let mut out = Vec::with_capacity(n);
         for i in 0..n {
-            // SAFETY: we hold a reference to the list, and the module requires the GIL
+            // Soundness: we hold a reference to the list, and the module requires the GIL
             // (`gil_used`), so no other thread runs while we read. PyList_GetItem returns a
             // borrowed reference or NULL (with IndexError) if the list shrank meanwhile: only an
             // item's __index__ can run Python code, on the slow path, which takes its own
             // reference to the item first (`Bound::from_borrowed_ptr`), so no borrowed item is
             // used after Python code ran. Index i is re-read for every item.
+            // SAFETY: by the argument above (GIL held, borrowed item used before any Python
+            // code runs, NULL checked below).
             let item = unsafe { pyo3::ffi::PyList_GetItem(list.as_ptr(), i as isize) };
             if item.is_null() {
                 return Err(PyErr::fetch(obj.py()));
