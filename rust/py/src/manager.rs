@@ -51,6 +51,27 @@ struct State {
 }
 
 impl State {
+    /// The block table of `id` as a fresh Python list, copied from a list cached per table
+    /// version (built from the prebuilt block ints when the table changed).
+    fn table_list<'py>(&mut self, py: Python<'py>, id: SeqId) -> PyResult<Bound<'py, PyList>> {
+        let version = self.inner.table_version(id).py()?;
+        if let Some((v, list)) = self.table_lists.get(&id) {
+            if *v == version {
+                let list = list.bind(py);
+                return Ok(list.get_slice(0, list.len()));
+            }
+        }
+        let ints = match self.inner.device_of(id).py()? {
+            Device::Gpu => &self.gpu_ints,
+            Device::Cpu => &self.cpu_ints,
+        };
+        let table = self.inner.block_table(id).py()?;
+        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
+        let copy = list.get_slice(0, list.len());
+        self.table_lists.insert(id, (version, list.unbind()));
+        Ok(copy)
+    }
+
     /// The prebuilt Python ints of `blocks` (a block number is a plain int: either pool's
     /// table serves, whichever device the block is on). Only reference increments happen
     /// here, so it is safe under the lock; the caller builds the list after releasing it.
@@ -530,24 +551,8 @@ impl PyManager {
         seq: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyList>> {
         let mut guard = self.lock()?;
-        let st = &mut *guard;
-        let id = st.registry.id_of(seq)?;
-        let version = st.inner.table_version(id).py()?;
-        if let Some((v, list)) = st.table_lists.get(&id) {
-            if *v == version {
-                let list = list.bind(py);
-                return Ok(list.get_slice(0, list.len()));
-            }
-        }
-        let ints = match st.inner.device_of(id).py()? {
-            Device::Gpu => &st.gpu_ints,
-            Device::Cpu => &st.cpu_ints,
-        };
-        let table = st.inner.block_table(id).py()?;
-        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
-        let copy = list.get_slice(0, list.len());
-        st.table_lists.insert(id, (version, list.unbind()));
-        Ok(copy)
+        let id = guard.registry.id_of(seq)?;
+        guard.table_list(py, id)
     }
 
     /// Free GPU blocks (evictable cached blocks count as free).
@@ -784,22 +789,6 @@ impl Locked<'_> {
         py: Python<'py>,
         id: SeqId,
     ) -> PyResult<Bound<'py, PyList>> {
-        let st = &mut *self.0;
-        let version = st.inner.table_version(id).py()?;
-        if let Some((v, list)) = st.table_lists.get(&id) {
-            if *v == version {
-                let list = list.bind(py);
-                return Ok(list.get_slice(0, list.len()));
-            }
-        }
-        let ints = match st.inner.device_of(id).py()? {
-            Device::Gpu => &st.gpu_ints,
-            Device::Cpu => &st.cpu_ints,
-        };
-        let table = st.inner.block_table(id).py()?;
-        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
-        let copy = list.get_slice(0, list.len());
-        st.table_lists.insert(id, (version, list.unbind()));
-        Ok(copy)
+        self.0.table_list(py, id)
     }
 }
