@@ -702,13 +702,29 @@ impl Scheduler {
         out: &Outputs,
         now: f64,
     ) -> Result<Vec<StepMeta>> {
+        self.build_meta(mgr, toks, out, now, true)
+    }
+
+    /// `step_meta`'s work; `with_computed`: gather each group's `computed_block_nums` (the
+    /// batch step does without them).
+    pub(super) fn build_meta<T: Tokens>(
+        &mut self,
+        mgr: &mut Manager,
+        toks: &T,
+        out: &Outputs,
+        now: f64,
+        with_computed: bool,
+    ) -> Result<Vec<StepMeta>> {
         let mut metas = Vec::with_capacity(out.scheduled.len());
         for s in &out.scheduled {
             let running = self.running_ids(s.key);
             for &id in &running {
                 mgr.access_all_blocks_in_seq(id, now)?;
             }
-            let computed = mgr.get_common_computed_block_ids(&running);
+            let computed = match with_computed {
+                true => mgr.get_common_computed_block_ids(&running),
+                false => Vec::new(),
+            };
             let g = self.gm(s.key);
             let first_time = !g.scheduled_before;
             g.scheduled_before = true;

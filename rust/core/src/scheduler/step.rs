@@ -246,42 +246,7 @@ impl Scheduler {
         out: &Outputs,
         now: f64,
     ) -> Result<Vec<StepMeta>> {
-        let mut metas = Vec::with_capacity(out.scheduled.len());
-        for s in &out.scheduled {
-            let running: Vec<SeqId> = self.g(s.key).ids_with(Status::Running).collect();
-            for &id in &running {
-                mgr.access_all_blocks_in_seq(id, now)?;
-            }
-            let g = self.gm(s.key);
-            let first_time = !g.scheduled_before;
-            g.scheduled_before = true;
-            let is_prompt = g.is_prefill();
-            let mut do_sample = true;
-            if is_prompt {
-                // fix 2 (docs/scheduler.md), as in step_meta.
-                if let Some(q) = g.seqs.iter().find(|q| !q.status.is_finished()) {
-                    let len = toks.with(q.id, |t| t.len())?;
-                    do_sample = s.chunk + q.num_computed >= len;
-                }
-            }
-            metas.push(StepMeta {
-                key: s.key,
-                is_prompt,
-                do_sample,
-                running,
-                computed: Vec::new(),
-                first_time,
-            });
-        }
-        if mgr.config().enable_caching {
-            for s in &out.scheduled {
-                for q in &self.g(s.key).seqs {
-                    let len = toks.with(q.id, |t| t.len())?;
-                    mgr.compute_full_blocks_in_seq(q.id, len);
-                }
-            }
-        }
-        Ok(metas)
+        self.build_meta(mgr, toks, out, now, false)
     }
 
     /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
