@@ -36,36 +36,6 @@ impl<'a, 'py> OutputArg<'a, 'py> {
     }
 }
 
-/// A numpy array of the given rank whose dtype is int32, or a clear error.
-fn int32_array<'a, 'py>(
-    obj: &'a Bound<'py, PyAny>,
-    what: &str,
-    ndim: usize,
-) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
-    let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
-        wrong_type(format!(
-            "{what} must be a numpy int32 array (torch: pass tensor.numpy()), got {}",
-            crate::args::type_name(obj)
-        ))
-    })?;
-    if !arr.dtype().is_equiv_to(&dtype::<i32>(obj.py())) {
-        return Err(invalid(format!("{what} must have dtype int32")));
-    }
-    if arr.ndim() != ndim {
-        return Err(invalid(format!(
-            "{what} must be {ndim}-dimensional, got shape {:?}",
-            arr.shape()
-        )));
-    }
-    if !arr.is_c_contiguous() {
-        return Err(invalid(format!("{what} must be C-contiguous")));
-    }
-    if !arr.is_aligned() {
-        return Err(invalid(format!("{what} must be aligned for int32")));
-    }
-    Ok(arr)
-}
-
 fn borrow_error(what: &str, e: BorrowError) -> PyErr {
     match e {
         BorrowError::NotWriteable => invalid(format!("{what} is read-only")),
@@ -87,7 +57,7 @@ pub struct StepViews<'py> {
 pub fn step_outputs<'py>(args: &[OutputArg<'_, 'py>]) -> PyResult<StepViews<'py>> {
     let (first, rest) = args.split_first().expect("block_tables comes first");
     let obj = first.obj.expect("block_tables is required");
-    let table = int32_array(obj, first.name, 2)?
+    let table = typed_array::<i32>(obj, first.name, 2)?
         .cast::<PyArray2<i32>>()?
         .try_readwrite()
         .map_err(|e| borrow_error(first.name, e))?;
@@ -95,7 +65,7 @@ pub fn step_outputs<'py>(args: &[OutputArg<'_, 'py>]) -> PyResult<StepViews<'py>
     for arg in rest {
         let view = match arg.obj {
             Some(obj) if !obj.is_none() => Some(
-                int32_array(obj, arg.name, 1)?
+                typed_array::<i32>(obj, arg.name, 1)?
                     .cast::<PyArray1<i32>>()?
                     .try_readwrite()
                     .map_err(|e| borrow_error(arg.name, e))?,
@@ -166,22 +136,21 @@ pub fn writable_2d_i32<'py>(
         .map_err(|e| borrow_error(what, e))
 }
 
+/// A numpy array of rank `ndim` and dtype `T` (C-contiguous, aligned), or a clear error.
 fn typed_array<'a, 'py, T: numpy::Element>(
     obj: &'a Bound<'py, PyAny>,
     what: &str,
     ndim: usize,
 ) -> PyResult<&'a Bound<'py, PyUntypedArray>> {
+    let want = dtype::<T>(obj.py());
     let arr = obj.cast::<PyUntypedArray>().map_err(|_| {
         wrong_type(format!(
-            "{what} must be a numpy array (torch: pass tensor.numpy()), got {}",
+            "{what} must be a numpy {want} array (torch: pass tensor.numpy()), got {}",
             crate::args::type_name(obj)
         ))
     })?;
-    if !arr.dtype().is_equiv_to(&dtype::<T>(obj.py())) {
-        return Err(invalid(format!(
-            "{what} must have dtype {}",
-            dtype::<T>(obj.py())
-        )));
+    if !arr.dtype().is_equiv_to(&want) {
+        return Err(invalid(format!("{what} must have dtype {want}")));
     }
     if arr.ndim() != ndim {
         return Err(invalid(format!(
@@ -189,8 +158,11 @@ fn typed_array<'a, 'py, T: numpy::Element>(
             arr.shape()
         )));
     }
-    if !arr.is_c_contiguous() || !arr.is_aligned() {
-        return Err(invalid(format!("{what} must be C-contiguous and aligned")));
+    if !arr.is_c_contiguous() {
+        return Err(invalid(format!("{what} must be C-contiguous")));
+    }
+    if !arr.is_aligned() {
+        return Err(invalid(format!("{what} must be aligned for {want}")));
     }
     Ok(arr)
 }
