@@ -301,22 +301,7 @@ impl PySchedulerCore {
     /// computed_block_nums)`.
     fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
         self.sync_running(py)?;
-        let mgr = self.manager.bind(py).get();
-        let mut m = mgr.locked()?;
-        let stores = Stores {
-            py,
-            seqs: &self.seqs,
-        };
-        let res = self
-            .core
-            .schedule(m.core_mut(), &stores, now)
-            .and_then(|out| {
-                let metas = self.core.step_meta(m.core_mut(), &stores, &out, now)?;
-                Ok((out, metas))
-            });
-        drop(m);
-        self.write_back(py)?;
-        let (out, metas) = res.py()?;
+        let (out, metas) = self.schedule_step(py, now, true)?;
         let tuple = self.outputs_tuple(py, &out, &metas, now)?;
         for &k in &out.ignored {
             self.release(k);
@@ -504,6 +489,35 @@ impl PySchedulerCore {
             }
         }
         Ok(())
+    }
+
+    /// The core's step under the manager's lock, then the status write-back: the decisions
+    /// and each scheduled group's facts (with `computed_block_nums` when `with_computed`; the
+    /// batch step does without). The compat `schedule()` reads running groups back first.
+    fn schedule_step(
+        &mut self,
+        py: Python<'_>,
+        now: f64,
+        with_computed: bool,
+    ) -> PyResult<(Outputs, Vec<StepMeta>)> {
+        let mgr = self.manager.bind(py).get();
+        let mut m = mgr.locked()?;
+        let stores = Stores {
+            py,
+            seqs: &self.seqs,
+        };
+        let res = self
+            .core
+            .schedule(m.core_mut(), &stores, now)
+            .and_then(|out| {
+                let metas =
+                    self.core
+                        .build_meta(m.core_mut(), &stores, &out, now, with_computed)?;
+                Ok((out, metas))
+            });
+        drop(m);
+        self.write_back(py)?;
+        res.py()
     }
 
     /// Mirror the core's status changes onto the Python sequences.

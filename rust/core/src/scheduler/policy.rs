@@ -705,9 +705,10 @@ impl Scheduler {
         self.build_meta(mgr, toks, out, now, true)
     }
 
-    /// `step_meta`'s work; `with_computed`: gather each group's `computed_block_nums` (the
-    /// batch step does without them).
-    pub(super) fn build_meta<T: Tokens>(
+    /// `step_meta`, with `computed_block_nums` gathered only when `with_computed`: the batch
+    /// step does without them (an O(table) walk per sequence its caller does not read: the
+    /// model inputs carry whole block tables).
+    pub fn build_meta<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
         toks: &T,

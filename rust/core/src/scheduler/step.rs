@@ -236,19 +236,6 @@ impl Scheduler {
         Ok(false)
     }
 
-    /// [`Scheduler::step_meta`] for the batch step: the same block accesses, computed marks
-    /// and per-group facts, without `computed_block_nums` (an O(table) walk per sequence the
-    /// batch step's caller does not read: the model inputs carry whole block tables).
-    pub fn batch_meta<T: Tokens>(
-        &mut self,
-        mgr: &mut Manager,
-        toks: &T,
-        out: &Outputs,
-        now: f64,
-    ) -> Result<Vec<StepMeta>> {
-        self.build_meta(mgr, toks, out, now, false)
-    }
-
     /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
     /// `best_of` for a sampling group that has one sequence (its first sample), else 1.
     pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {

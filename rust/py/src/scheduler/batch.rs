@@ -134,7 +134,7 @@ impl PyBatchStep {
             .py()?;
         let children = self.fork_views(py, &mut c)?;
         let finished = self.apply(py, &mut c, &sampled, &children)?;
-        let (out, metas) = c.schedule_native(py, now)?;
+        let (out, metas) = c.schedule_step(py, now, false)?;
         let order = c.output_order(&out);
         let batch = c.core.batch_rows(&out, &metas, &order);
         for (s, m) in batch.groups.iter().zip(order.iter().map(|&i| &metas[i])) {
@@ -570,35 +570,4 @@ fn take_views<'py>(b: &Bound<'py, PyAny>) -> PyResult<Views<'py>> {
     let ids = writable_1d::<i64>(&objs[6], "seq_ids")?;
     let bt = writable_2d_i32(&objs[7], "block_tables")?;
     Ok((v, ids, bt))
-}
-
-impl PySchedulerCore {
-    /// `schedule()` without the compat read-back of running groups (in batch mode the native
-    /// state is the authority) and without building metadata objects.
-    fn schedule_native(
-        &mut self,
-        py: Python<'_>,
-        now: f64,
-    ) -> PyResult<(
-        pagedkv_core::scheduler::Outputs,
-        Vec<pagedkv_core::scheduler::StepMeta>,
-    )> {
-        let manager = self.manager.clone_ref(py);
-        let mgr: &PyManager = manager.bind(py).get();
-        let mut m = mgr.locked()?;
-        let stores = Stores {
-            py,
-            seqs: &self.seqs,
-        };
-        let res = self
-            .core
-            .schedule(m.core_mut(), &stores, now)
-            .and_then(|out| {
-                let metas = self.core.batch_meta(m.core_mut(), &stores, &out, now)?;
-                Ok((out, metas))
-            });
-        drop(m);
-        self.write_back(py)?;
-        res.py()
-    }
 }
