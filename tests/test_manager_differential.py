@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 import pagedkv
 from pagedkv import reference
-from pagedkv.errors import OutOfBlocksError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, OutOfBlocksError, PagedKVError
 from pagedkv.sequence import Logprob, SamplingParams, Sequence, SequenceGroup, SequenceStatus
 
 BS = 4
@@ -164,6 +164,14 @@ class ManagerComparison(RuleBasedStateMachine):
         self.both("mark_blocks_as_computed", group)
         self.both("get_common_computed_block_ids", group.get_seqs())
 
+    def _ref_refuses(self, seq):
+        """Whether the reference refuses to append to ``seq`` (its check alone, no change)."""
+        try:
+            self.ref._appendable(seq, 0)
+        except InvalidArgumentError:
+            return True
+        return False
+
     @precondition(lambda self: self.seqs(SequenceStatus.RUNNING))
     @rule(data=st.data(), pad=st.sampled_from([0, -1]), spare=st.integers(0, 2))
     def batch_step(self, data, pad, spare):
@@ -187,6 +195,13 @@ class ManagerComparison(RuleBasedStateMachine):
             # serves sequence by sequence without running out.)
             assert self.native_state() == before
             assert (tables == 99).all() and (lens == 99).all() and (slots == 99).all()
+            return
+        except InvalidArgumentError:
+            # A sequence the reference cannot append to either (e.g. it shares a prompt table
+            # allocated for a longer sibling after recompute): refused whole, nothing touched.
+            assert self.native_state() == before
+            assert (tables == 99).all() and (lens == 99).all() and (slots == 99).all()
+            assert any(self._ref_refuses(seq) for seq in chosen)
             return
         expected_cows = []
         for seq in chosen:
