@@ -89,7 +89,12 @@ def test_chunked_prefill_schedule_by_hand():
     # scheduling: running groups first, then new prefills with what is left; the outputs list
     # new prefills, then running prefills, then decodes)
     three = dataclasses.replace(
-        ONE, num_requests=3, prompt_len_min=40, prompt_len_max=40, output_len_min=3, output_len_max=3
+        ONE,
+        num_requests=3,
+        prompt_len_min=40,
+        prompt_len_max=40,
+        output_len_min=3,
+        output_len_max=3,
     )
     assert scheduled(three) == [
         [("t-0", 32)],

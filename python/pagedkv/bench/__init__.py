@@ -191,6 +191,7 @@ def _split(text: str) -> List[str]:
 
 
 def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
+    from pagedkv.bench.trace import SCHEDULER_WATERMARK
     from pagedkv.bench.workload import WORKLOADS
 
     wanted = _split(args.workloads)
@@ -209,9 +210,15 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
         full, quick = WORKLOADS[name]
         mine = [o for o in args.overrides if not _targets_other(o, name)]
         try:
-            out.append((name, apply_overrides(quick if args.quick else full, mine)))
+            cfg = apply_overrides(quick if args.quick else full, mine)
         except ValueError as exc:
             raise UsageError(f"{name}: {exc}") from None
+        if cfg.watermark != SCHEDULER_WATERMARK:
+            raise UsageError(
+                f"{name}: watermark must be {SCHEDULER_WATERMARK}, the block-manager watermark "
+                "vLLM 0.4.2's Scheduler (and pagedkv.Scheduler) always uses"
+            )
+        out.append((name, cfg))
     return out
 
 

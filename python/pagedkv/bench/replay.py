@@ -185,7 +185,11 @@ class _Player:
         cfg = trace.config
         self.trace, self.backend = trace, backend
         self.mgr = backend.make_manager(
-            cfg.block_size, cfg.num_gpu_blocks, cfg.num_cpu_blocks, SCHEDULER_WATERMARK, trace.caching
+            cfg.block_size,
+            cfg.num_gpu_blocks,
+            cfg.num_cpu_blocks,
+            SCHEDULER_WATERMARK,
+            trace.caching,
         )
         self.requests = {r.request_id: r for r in trace.workload.requests}
         self.groups: Dict[str, Any] = {}
@@ -229,7 +233,9 @@ class _Player:
         if step.prefix is not None and callable(stats):
             mine = tuple(int(x) for x in stats())
             if mine != step.prefix:
-                raise Divergence(f"prefix-cache lookups/hits {mine}, the scheduler had {step.prefix}")
+                raise Divergence(
+                    f"prefix-cache lookups/hits {mine}, the scheduler had {step.prefix}"
+                )
 
     def _running(self, step: Step) -> float:
         """Appends of the running groups, with the recorded preemptions interleaved."""
@@ -239,7 +245,11 @@ class _Player:
             seqs = [s for rid in step.appended for s in self._running_seqs(rid)]
             pc = time.perf_counter
             t0 = pc()
-            cow = self.mgr.append_slots_batch(seqs, self.tables, self.lens, self.slots) if seqs else {}
+            cow = (
+                self.mgr.append_slots_batch(seqs, self.tables, self.lens, self.slots)
+                if seqs
+                else {}
+            )
             spent = pc() - t0
             self._count_cow(cow)
             return spent
@@ -317,7 +327,9 @@ class _Player:
             group = self.groups[rid]
             status, dt = self._timed(mgr.can_swap_in, group)
             if _name(status) != "OK":
-                raise Divergence(f"{rid}: can_swap_in says {_name(status)}, the scheduler swapped in")
+                raise Divergence(
+                    f"{rid}: can_swap_in says {_name(status)}, the scheduler swapped in"
+                )
             spent += dt + self._timed(mgr.swap_in, group)[1]
             for s in group.get_seqs(status=self.SWAPPED):
                 s.status = self.RUNNING
@@ -345,7 +357,9 @@ class _Player:
             group = self._group(rid)
             status, dt = self._timed(mgr.can_allocate, group)
             if _name(status) != "OK":
-                raise Divergence(f"{rid}: can_allocate says {_name(status)}, the scheduler admitted")
+                raise Divergence(
+                    f"{rid}: can_allocate says {_name(status)}, the scheduler admitted"
+                )
             spent += dt + self._timed(mgr.allocate, group)[1]
             for s in group.get_seqs(status=self.WAITING):
                 s.status = self.RUNNING
@@ -415,7 +429,9 @@ class _Player:
         if group is None:
             req = self.requests[rid]
             b = self.backend
-            seq = b.make_sequence(req.index, list(req.prompt_token_ids), self.trace.config.block_size)
+            seq = b.make_sequence(
+                req.index, list(req.prompt_token_ids), self.trace.config.block_size
+            )
             params = b.sampling_params_cls(n=req.n, best_of=req.n, max_tokens=req.output_len)
             group = b.make_group(rid, [seq], params, req.arrival_time)
             self.groups[rid] = group

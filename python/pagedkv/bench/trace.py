@@ -135,7 +135,9 @@ def record(
     recorder = _Recorder(engine)
     recorder.groups = {g.request_id: g for g in engine.scheduler.waiting}
     mgr = engine.scheduler.block_manager
-    trace = Trace(workload, caching, [], mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks())
+    trace = Trace(
+        workload, caching, [], mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()
+    )
     while engine.busy() and (max_steps is None or len(trace.steps) < max_steps):
         trace.steps.append(recorder.step())
         if progress is not None and recorder.done_now:
@@ -161,7 +163,9 @@ class _Recorder:
         order = _fcfs(sched.running)
         swapped = _fcfs(sched.swapped)
         _, out = sched.schedule()
-        scheduled = [(sg.seq_group.request_id, sg.token_chunk_size) for sg in out.scheduled_seq_groups]
+        scheduled = [
+            (sg.seq_group.request_id, sg.token_chunk_size) for sg in out.scheduled_seq_groups
+        ]
         log.clear()
         self.engine._process_outputs(out)
         chosen = {rid for rid, _ in scheduled}
