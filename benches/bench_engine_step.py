@@ -19,7 +19,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 import argparse  # noqa: E402
 
 from pagedkv.bench.report import format_whole_step  # noqa: E402
-from pagedkv.bench.wholestep import run_whole_step  # noqa: E402
+from pagedkv.bench.wholestep import TURN, run_whole_step  # noqa: E402
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate  # noqa: E402
 
 
@@ -28,10 +28,16 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="W1 quick (96 requests)")
     ap.add_argument("--caching", choices=("on", "off", "both"), default="both")
     ap.add_argument("--steps", type=int, default=None, help="stop after N steps")
+    ap.add_argument(
+        "--turn",
+        type=int,
+        default=TURN,
+        help=f"steps of one engine before the next one's (default {TURN}; 1: strict alternation)",
+    )
     args = ap.parse_args(argv)
     workload = generate(W1_QUICK if args.quick else W1_FULL)
     runs = [
-        run_whole_step(workload, caching, vllm=["0.4.2"], max_steps=args.steps)
+        run_whole_step(workload, caching, vllm=["0.4.2"], max_steps=args.steps, turn=args.turn)
         for caching in {"on": [True], "off": [False], "both": [True, False]}[args.caching]
     ]
     print(format_whole_step(runs))

@@ -32,7 +32,8 @@ def test_batch_step_makes_the_compat_steps_decisions(cfg, caching):
         assert lane["mean_us"] > 0 and lane["us_per_row"] > 0 and "error" not in lane
 
 
-def test_a_batch_step_that_decides_otherwise_is_caught(monkeypatch):
+@pytest.mark.parametrize("turn", [1, 7, 16])
+def test_a_batch_step_that_decides_otherwise_is_caught(monkeypatch, turn):
     """One request given one token less in the batch engine finishes a step early: the next
     step's groups differ from the compat step's, and the section says so (exit status 1)."""
     real_add = wholestep.BatchDriver.add
@@ -43,12 +44,18 @@ def test_a_batch_step_that_decides_otherwise_is_caught(monkeypatch):
         real_add(self, req)
 
     monkeypatch.setattr(wholestep.BatchDriver, "add", add)
-    run = wholestep.run_whole_step(generate(W1_QUICK, seed=0), False)
-    assert not run["ok"]
+    run = wholestep.run_whole_step(generate(W1_QUICK, seed=0), False, turn=turn)
+    assert not run["ok"] and run["turn"] == turn
     assert "scheduled other groups" in run["lanes"]["batch"]["error"]
 
 
-def test_max_steps_stops_every_lane():
-    run = wholestep.run_whole_step(generate(W1_QUICK, seed=0), True, max_steps=40)
+@pytest.mark.parametrize("turn", [1, 16])
+def test_max_steps_stops_every_lane(turn):
+    run = wholestep.run_whole_step(generate(W1_QUICK, seed=0), True, max_steps=40, turn=turn)
     assert run["ok"] and run["steps"] == 40
     assert run["lanes"]["compat"]["steps"] == 40 and run["lanes"]["batch"]["steps"] == 41
+
+
+def test_turn_must_be_positive():
+    with pytest.raises(ValueError, match="turn must be >= 1"):
+        wholestep.run_whole_step(generate(W1_QUICK, seed=0), True, turn=0)

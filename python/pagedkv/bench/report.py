@@ -360,10 +360,12 @@ def format_scheduler_step(r: Dict[str, Any]) -> str:
 def format_whole_step(runs: List[Dict[str, Any]]) -> str:
     """The whole-step section: per caching setting, each lane's µs per step and per batch row,
     and the ratios measured in the same run."""
+    turn = runs[0]["turn"] if runs else 1
     lines = [
         "Whole engine step (schedule + applying the sampled tokens + frees), same run, in "
-        "lockstep: compat = pagedkv.Scheduler.schedule() + Python output processing, batch = "
-        "BatchEngine.step(sampled); us per step and per running sequence of the batch:"
+        f"turns of {turn} steps: compat = pagedkv.Scheduler.schedule() + Python output "
+        "processing, batch = BatchEngine.step(sampled); us per step and per running sequence "
+        "of the batch; batch speedup = that engine's total step time / the batch step's:"
     ]
     rows = []
     for r in runs:

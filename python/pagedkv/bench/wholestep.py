@@ -1,7 +1,8 @@
 """The whole engine step of ``pagedkv bench``: the compat step, the batch step and vLLM's own.
 
-Three engines take the same workload in lockstep, one step each in turn (the order
-alternating, so that the machine's noise falls on all alike), in one process:
+Three engines take the same workload in lockstep, in one process, in turns of :data:`TURN`
+steps each (the compat engine's first, the others in alternating order, so that the machine's
+noise falls on all alike):
 
 * ``compat``: :class:`pagedkv.Scheduler` driven through vLLM 0.4.2's API by the model-free
   engine loop of :mod:`pagedkv.bench.vllm_scheduler`: ``schedule()`` plus vLLM's output
@@ -32,7 +33,14 @@ import numpy as np
 from pagedkv.bench.trace import engine_config, scheduler_backend
 from pagedkv.bench.workload import Request, Workload, WorkloadConfig
 
-__all__ = ["BatchDriver", "run_whole_step", "step_stats"]
+__all__ = ["TURN", "BatchDriver", "run_whole_step", "step_stats"]
+
+#: Steps one engine takes before the next one's turn. One engine serves alone in production, its
+#: data warm in the CPU caches from one step to the next; stepping the engines in strict
+#: alternation (1) evicts it every step, which costs the native steps far more than vLLM's
+#: Python loop (see the README). Turns of 16 keep each engine's data warm while the machine's
+#: noise still falls on all of them alike.
+TURN = 16
 
 
 class BatchDriver:
@@ -164,12 +172,15 @@ def run_whole_step(
     vllm: Sequence[str] = (),
     max_steps: Optional[int] = None,
     progress: Optional[Callable[[int], None]] = None,
+    turn: int = TURN,
 ) -> Dict[str, Any]:
     """Step the engines in lockstep over ``workload`` (all of it, or ``max_steps``), with a
     lane of vLLM's own Scheduler for each release in ``vllm``; the section's JSON: per lane
     step statistics (``lanes``), the ratios of total step time measured in this run
     (``ratios``: ``batch_vs_compat``, ``batch_vs_vllm-0.4.2``, ...), and ``ok`` (the batch
-    step made the compat step's decisions)."""
+    step made the compat step's decisions). The lanes take turns of ``turn`` steps."""
+    if turn < 1:
+        raise ValueError(f"turn must be >= 1, got {turn}")
     import logging
 
     logging.disable(logging.WARNING)  # vLLM's preemption warnings
@@ -178,7 +189,7 @@ def run_whole_step(
     gc.collect()
     gc.disable()
     try:
-        steps = _lockstep(lanes, max_steps, progress)
+        steps = _lockstep(lanes, max_steps, turn, progress)
         # the batch step applies a step's tokens at its next call: one more call applies the
         # last step's (timed, and counted against the same steps)
         _, done = batch.step()
@@ -190,34 +201,47 @@ def run_whole_step(
         batch.error = "the batch step did not finish with the compat step"
     if batch.error is None and sorted(batch.finished) != sorted(compat.finished):
         batch.error = "the batch step finished other requests than the compat step"
-    return _section(workload, caching, steps, lanes, driver.rows)
+    return _section(workload, caching, steps, lanes, driver.rows, turn)
 
 
-def _lockstep(lanes: List[_Lane], max_steps: Optional[int], progress: Any) -> int:
-    """Step every lane until the compat engine is done; a lane that raises stops (its error
-    is kept) and a lane whose scheduled groups differ from the compat step's is marked."""
+def _lockstep(lanes: List[_Lane], max_steps: Optional[int], turn: int, progress: Any) -> int:
+    """Step the lanes in turns of ``turn`` steps (the compat engine's first, the others in
+    alternating order) until the compat engine is done; a lane that raises stops (its error is
+    kept) and a lane whose scheduled groups differ from the compat step's is marked."""
     compat, batch = lanes[0], lanes[1]
     steps = 0
     while compat.busy() and (max_steps is None or steps < max_steps):
-        seen: Dict[str, Tuple[List[str], List[str]]] = {}
-        for lane in lanes if steps % 2 == 0 else lanes[::-1]:
-            if lane.error is None:
-                try:
-                    seen[lane.name] = lane.step()
-                except Exception as exc:  # vLLM's own failures: report, do not crash
-                    lane.error = f"step {steps}: {type(exc).__name__}: {exc}"
-        scheduled, done = seen[compat.name]
-        for lane in lanes:
-            if lane.name in seen:
-                lane.finished += seen[lane.name][1]
-                if lane.differs_at is None and seen[lane.name][0] != scheduled:
-                    lane.differs_at = steps
+        k = turn if max_steps is None else min(turn, max_steps - steps)
+        ours = _turn(compat, k, steps, compat.busy)
+        others = lanes[1:] if (steps // turn) % 2 == 0 else lanes[:0:-1]
+        for lane in others:
+            theirs = _turn(lane, len(ours), steps)
+            for i, (a, b) in enumerate(zip(ours, theirs)):
+                lane.finished += b[1]
+                if lane.differs_at is None and a[0] != b[0]:
+                    lane.differs_at = steps + i
+        for _, done in ours:
+            compat.finished += done
+            if progress is not None and done:
+                progress(len(done))
         if batch.differs_at is not None and batch.error is None:
             batch.error = f"step {batch.differs_at}: the batch step scheduled other groups"
-        steps += 1
-        if progress is not None and done:
-            progress(len(done))
+        steps += len(ours)
     return steps
+
+
+def _turn(
+    lane: _Lane, k: int, first: int, busy: Optional[Callable[[], bool]] = None
+) -> List[Tuple[List[str], List[str]]]:
+    """Up to ``k`` steps of ``lane`` (fewer once ``busy`` says done, or when it raises: its
+    failures are vLLM's own, reported, not raised)."""
+    out: List[Tuple[List[str], List[str]]] = []
+    while len(out) < k and lane.error is None and (busy is None or busy()):
+        try:
+            out.append(lane.step())
+        except Exception as exc:
+            lane.error = f"step {first + len(out)}: {type(exc).__name__}: {exc}"
+    return out
 
 
 def step_stats(seconds: List[float], rows: int) -> Dict[str, float]:
@@ -236,7 +260,7 @@ def step_stats(seconds: List[float], rows: int) -> Dict[str, float]:
 
 
 def _section(
-    workload: Workload, caching: bool, steps: int, lanes: List[_Lane], rows: List[int]
+    workload: Workload, caching: bool, steps: int, lanes: List[_Lane], rows: List[int], turn: int
 ) -> Dict[str, Any]:
     compat = lanes[0]
     total_rows = sum(rows)
@@ -246,6 +270,7 @@ def _section(
         "steps": steps,
         "rows_per_step": total_rows / max(1, steps),
         "finished": len(compat.finished),
+        "turn": turn,
         "lanes": {},
         "ratios": {},
     }
