@@ -16,6 +16,7 @@ Nothing here decides anything: every field is read off the scheduler's decisions
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -67,17 +68,21 @@ class Trace:
     steps: List[Step] = field(default_factory=list)
     num_gpu_blocks: int = 0
     num_cpu_blocks: int = 0
+    _digest: Optional[Tuple[int, str]] = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> WorkloadConfig:
         return self.workload.config
 
     def digest(self) -> str:
-        """A short fingerprint of every decision (two schedulers that agree have the same)."""
-        h = hashlib.sha256()
-        for s in self.steps:
-            h.update(repr(s).encode())
-        return h.hexdigest()[:16]
+        """A short fingerprint of every decision (two schedulers that agree have the same);
+        computed once, when the trace is complete."""
+        if self._digest is None or self._digest[0] != len(self.steps):
+            h = hashlib.sha256()
+            for s in self.steps:
+                h.update(repr(s).encode())
+            self._digest = (len(self.steps), h.hexdigest()[:16])
+        return self._digest[1]
 
 
 def engine_config(cfg: WorkloadConfig, caching: bool) -> Any:
@@ -138,10 +143,18 @@ def record(
     trace = Trace(
         workload, caching, [], mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()
     )
-    while engine.busy() and (max_steps is None or len(trace.steps) < max_steps):
-        trace.steps.append(recorder.step())
-        if progress is not None and recorder.done_now:
-            progress(recorder.done_now)
+    # the steps are many small tuples: with the cyclic collector running, its passes over them
+    # would cost more than the run (nothing here makes reference cycles worth collecting)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        while engine.busy() and (max_steps is None or len(trace.steps) < max_steps):
+            trace.steps.append(recorder.step())
+            if progress is not None and recorder.done_now:
+                progress(recorder.done_now)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     return trace
 
 
