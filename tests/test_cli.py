@@ -159,6 +159,55 @@ def test_requested_backend_that_cannot_run_is_an_error(monkeypatch, capsys):
     assert "reference: skipped" in capsys.readouterr().out
 
 
+def test_a_diverging_manager_is_exit_status_1(monkeypatch, capsys):
+    """A backend whose manager leaks a block: the replay cross-check fails, exit status 1."""
+    import types
+
+    import pagedkv.bench.backends as backends
+
+    real = backends._RESOLVERS["native"]
+
+    def leaky_native():
+        backend, note = real()
+        make = backend.make_manager
+
+        def make_manager(*args):
+            mgr = make(*args)
+            methods = {n: getattr(mgr, n) for n in dir(mgr) if not n.startswith("_")}
+            frees = []
+
+            def free(seq):
+                frees.append(seq)
+                if len(frees) != 2:
+                    mgr.free(seq)
+
+            methods["free"] = free
+            return types.SimpleNamespace(**methods)
+
+        backend.make_manager = make_manager
+        return backend, note
+
+    monkeypatch.setitem(backends._RESOLVERS, "native", leaky_native)
+    assert cli.main([*TINY, "--backends", "reference,native", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "Schedule cross-check FAILED" in out and "free GPU/CPU blocks" in out
+
+
+def test_a_batch_step_that_decides_otherwise_is_exit_status_1(monkeypatch, capsys):
+    import dataclasses
+
+    from pagedkv.bench import wholestep
+
+    real_add = wholestep.BatchDriver.add
+
+    def add(self, req):
+        real_add(self, dataclasses.replace(req, output_len=max(1, req.output_len - 1)))
+
+    monkeypatch.setattr(wholestep.BatchDriver, "add", add)
+    assert cli.main([*TINY, "--backends", "native", "--no-progress"]) == 1
+    assert "BATCH STEP DIFFERED" in capsys.readouterr().out
+
+
 def test_set_scopes_to_one_workload():
     assert apply_overrides(W1_QUICK, ["w1.num_gpu_blocks=3000"]).num_gpu_blocks == 3000
     cfg = apply_overrides(

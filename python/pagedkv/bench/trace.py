@@ -138,7 +138,6 @@ def record(
     for req in workload.requests:
         engine.add(req)
     recorder = _Recorder(engine)
-    recorder.groups = {g.request_id: g for g in engine.scheduler.waiting}
     mgr = engine.scheduler.block_manager
     trace = Trace(
         workload, caching, [], mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()
@@ -159,16 +158,15 @@ def record(
 
 
 class _Recorder:
-    """Steps an engine and reads each step's block-manager calls off its decisions."""
+    """Steps an engine (its requests added) and reads each step's block-manager calls off its
+    decisions."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
         self.sched = engine.scheduler
-        status = engine.backend.sequence.SequenceStatus
-        self.waiting_status = status.WAITING
-        self.running_status = status.RUNNING
-        self.groups: Dict[str, Any] = {}
-        self.done_now = 0
+        self.waiting_status = engine.backend.sequence.SequenceStatus.WAITING
+        self.groups: Dict[str, Any] = {g.request_id: g for g in engine.scheduler.waiting}
+        self.done_now = 0  # requests that finished or were ignored in the last step
         engine.log = []
 
     def step(self) -> Step:
