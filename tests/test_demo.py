@@ -128,6 +128,25 @@ def test_engine_state_after_run(engines):
                 assert [parent[0], child[0]] == torch.topk(row, 2).indices.tolist()
 
 
+def test_preemption_follows_vllms_policy(engines):
+    """vLLM's choice, not the demo's: groups with several running sequences are swapped
+    out (and come back), single-sequence groups are recomputed."""
+    for engine in engines.values():
+        log = engine.preemptions
+        kinds = {event for _, event, _, _ in log}
+        assert kinds == {"swap_outs", "swap_ins", "recompute_preemptions"}
+        for _, event, rid, live in log:
+            n = engine.requests[int(rid.split("-")[1])].n
+            if event == "recompute_preemptions":
+                assert live == 1 and n == 1, (event, rid)
+            else:
+                assert live == 2 and n == 2, (event, rid)
+        outs = [rid for _, e, rid, _ in log if e == "swap_outs"]
+        ins = [rid for _, e, rid, _ in log if e == "swap_ins"]
+        assert sorted(outs) == sorted(ins)
+    assert engines["batch"].preemptions == engines["compat"].preemptions
+
+
 def test_prompt_rows_leave_the_cached_prefix_out(engines):
     """A prompt row's tokens start where its computed blocks end (vLLM's model runner):
     positions and slots follow, the context still counts the whole prompt."""

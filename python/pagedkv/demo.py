@@ -249,6 +249,7 @@ class DemoEngine:
         self.clock = 0
         self.max_used_gpu_blocks = 0
         self.plans: List[StepPlan] = []
+        self.preemptions: List[Tuple[int, str, str, int]] = []
         #: seq_id -> list of (positions [k] long, logits [k, vocab] float32), on the CPU
         self.records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         self.report = DemoReport(
@@ -323,19 +324,21 @@ class DemoEngine:
     def _count_preemptions(self) -> None:
         """Group status changes the scheduler made this step (both paths write them onto
         the ``Sequence`` objects): RUNNING -> SWAPPED is a swap-out, SWAPPED -> RUNNING a
-        swap-in, RUNNING -> WAITING a recompute preemption."""
-        rep = self.report
+        swap-in, RUNNING -> WAITING a recompute preemption. Each is logged in
+        ``self.preemptions`` as ``(step, event, request id, unfinished sequences)``."""
+        events = {
+            (SequenceStatus.RUNNING, SequenceStatus.SWAPPED): "swap_outs",
+            (SequenceStatus.SWAPPED, SequenceStatus.RUNNING): "swap_ins",
+            (SequenceStatus.RUNNING, SequenceStatus.WAITING): "recompute_preemptions",
+        }
         for req in self.requests:
-            seqs = req.group.get_seqs()
-            now = next((s.status for s in seqs if not s.is_finished()), seqs[0].status)
-            before = self._status.get(req.group.request_id, SequenceStatus.WAITING)
-            self._status[req.group.request_id] = now
-            if before == SequenceStatus.RUNNING and now == SequenceStatus.SWAPPED:
-                rep.swap_outs += 1
-            elif before == SequenceStatus.SWAPPED and now == SequenceStatus.RUNNING:
-                rep.swap_ins += 1
-            elif before == SequenceStatus.RUNNING and now == SequenceStatus.WAITING:
-                rep.recompute_preemptions += 1
+            rid, live = req.group.request_id, req.group.get_unfinished_seqs()
+            now = live[0].status if live else SequenceStatus.FINISHED_STOPPED
+            event = events.get((self._status.get(rid, SequenceStatus.WAITING), now))
+            self._status[rid] = now
+            if event is not None:
+                setattr(self.report, event, getattr(self.report, event) + 1)
+                self.preemptions.append((self.clock, event, rid, len(live)))
 
     # ------------------------------------------------------------------ #
     # execution
