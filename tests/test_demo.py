@@ -17,6 +17,7 @@ from pagedkv.demo import (  # noqa: E402
     choose_num_gpu_blocks,
     run_demo,
 )
+from pagedkv.errors import InvalidArgumentError  # noqa: E402
 
 CONFIG = DemoConfig()  # 6 requests, block size 4, the batch path
 
@@ -316,9 +317,11 @@ def test_main_quiet_and_bad_arguments(capsys):
         assert "CUDA" in capsys.readouterr().err
 
 
-def test_unknown_path_is_refused():
-    with pytest.raises(ValueError, match="path"):
+def test_bad_config_is_refused():
+    with pytest.raises(InvalidArgumentError, match="path"):
         DemoEngine(DemoConfig(path="nonsense"), None)
+    with pytest.raises(InvalidArgumentError, match="num_requests"):
+        DemoEngine(DemoConfig(num_requests=0), None)
 
 
 def test_main_reports_a_failed_check(capsys, monkeypatch):

@@ -46,6 +46,7 @@ from pagedkv import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from pagedkv.attention import TinyConfig, TinyDecoder, allocate_kv_cache, copy_blocks, swap_blocks
 from pagedkv.cli import DEMO_DEFAULT_REQUESTS, DEMO_MIN_REQUESTS, DEMO_PATHS, add_demo_arguments
 from pagedkv.demo_paths import PATHS, StepPlan
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 __all__ = [
@@ -225,7 +226,9 @@ class DemoEngine:
         num_gpu_blocks: Optional[int] = None,
     ) -> None:
         if config.path not in DEMO_PATHS:
-            raise ValueError(f"unknown path {config.path!r}; expected one of {DEMO_PATHS}")
+            raise InvalidArgumentError(
+                f"unknown path {config.path!r}; expected one of {DEMO_PATHS}"
+            )
         self.config = cfg = config
         self.model = model
         self.dry_run = model is None
@@ -531,7 +534,7 @@ def _make_requests(cfg: DemoConfig) -> List[_Request]:
     """Deterministic requests from ``cfg.seed`` (see :class:`DemoConfig`); prompts are
     distinct."""
     if cfg.num_requests < 1:
-        raise ValueError("num_requests must be >= 1")
+        raise InvalidArgumentError("num_requests must be >= 1")
     gen = torch.Generator().manual_seed(cfg.seed)
     vocab, bs = cfg.model.vocab_size, cfg.block_size
 
