@@ -109,6 +109,26 @@ def test_both_paths_make_identical_decisions(engines):
     assert batch.report.checked_rows == fed
 
 
+@pytest.mark.parametrize("seed, requests", [(1, 5), (2, 8), (3, 12)])
+def test_paths_agree_on_other_workloads(seed, requests):
+    cfg = DemoConfig(
+        num_requests=requests, seed=seed, model=dataclasses.replace(CONFIG.model, seed=seed)
+    )
+    size = choose_num_gpu_blocks(cfg)
+    model = TinyDecoder(cfg.model)
+    runs = []
+    for path in ("batch", "compat"):
+        engine = DemoEngine(dataclasses.replace(cfg, path=path), model, num_gpu_blocks=size)
+        with torch.inference_mode():
+            engine.run()
+            engine.check(1e-5, 1e-5)
+        assert engine.report.ok, engine.report.failures
+        runs.append(engine)
+    batch, compat = runs
+    assert [plan_arrays(p) for p in batch.plans] == [plan_arrays(p) for p in compat.plans]
+    assert batch.preemptions == compat.preemptions
+
+
 def test_engine_state_after_run(engines):
     for engine in engines.values():
         mgr = engine.manager
