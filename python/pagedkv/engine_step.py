@@ -19,6 +19,14 @@ of a group with one sequence, else 1); the next ``step`` takes them in row order
 ``k`` samples the first ``k - 1`` go to new child sequences (ids from ``seq_counter``), the
 last to the row's own sequence, as vLLM's output processor does.
 
+Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
+tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
+``input_tokens``, ``positions`` and ``slot_mapping``, as vLLM 0.4.2's model runner leaves
+them out; ``cached_tokens[i]`` says how many, ``positions[q[i]]`` is the first computed
+position and ``context_lens[i]`` still counts the whole context. The model reads the cached
+prefix from the KV cache through the block table; a row's last token is always computed.
+With chunked prefill nothing is left out (vLLM 0.4.2 refuses prefix caching there).
+
 Python views: running sequences' ``Sequence``/``SequenceData`` objects are not written every
 step. Their status is (when it changes), and finished groups come back fully written; call
 :meth:`BatchEngine.sync_views` before reading a running sequence's tokens or progress. The
@@ -62,7 +70,9 @@ class BatchBuffers:
     ``positions``, ``slot_mapping``. Per row (``max_rows``): ``context_lens`` (tokens in the
     sequence's context after this step), ``num_samples``, ``seq_ids``, ``block_tables``
     (``[max_rows, max_blocks_per_seq]``, rows padded with 0) and ``query_start_loc``
-    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``). Flattened ``(src, dst)``
+    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``) and ``cached_tokens``
+    (leading tokens of a prompt row left out because the prefix cache holds them; 0 for
+    other rows). Flattened ``(src, dst)``
     pairs: ``copies`` (copy-on-write), ``swap_in`` (CPU -> GPU), ``swap_out`` (GPU -> CPU).
     A step writes only the prefixes it reports in its :class:`StepResult`.
 
@@ -100,6 +110,7 @@ class BatchBuffers:
         self.query_start_loc = np.zeros(max_rows + 1, i32)
         self.context_lens = np.zeros(max_rows, i32)
         self.num_samples = np.zeros(max_rows, i32)
+        self.cached_tokens = np.zeros(max_rows, i32)
         self.seq_ids = np.zeros(max_rows, np.int64)
         self.block_tables = np.zeros((max_rows, max_blocks_per_seq), i32)
         self.copies = np.zeros(2 * max_rows, i32)
@@ -149,6 +160,7 @@ class StepResult:
     """What one :meth:`BatchEngine.step` wrote and decided."""
 
     num_rows: int
+    #: Tokens written (prompt rows without their cached prefix).
     num_tokens: int
     num_prefill_groups: int
     num_copies: int
