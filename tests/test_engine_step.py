@@ -178,3 +178,52 @@ def test_a_bad_seq_counter_changes_nothing():
     assert eng.num_expected_samples == 2
     res = eng.step([5, 6], now=2.0)
     assert res.buffers.seq_ids[: res.num_rows].tolist() == [1, 100]
+
+
+def _table(sched, group):
+    return list(sched.block_manager.get_block_table(group.get_seqs()[0]))
+
+
+def test_incremental_block_tables_are_kept_not_rewritten():
+    """With incremental buffers ``block_tables`` is a persistent buffer: a step writes only
+    the entries that changed, so a mark past every table survives; the rows stay equal to
+    the manager's tables. Without incremental buffers every row is written whole."""
+    sched, eng = make(max_model_len=64)
+    eng.buffers = BatchBuffers.for_scheduler(sched, incremental=True)
+    g = add(eng, "a", 1, [1, 2, 3], max_tokens=40)
+    b = eng.buffers
+    eng.step(now=1.0)
+    b.block_tables[0, -1] = 777  # beyond any table of this run: a whole-row write clears it
+    states = []
+    for t in range(30):
+        res = eng.step([5], now=2.0 + t)
+        states.append(int(b.row_state[0]))
+        table = _table(sched, g)
+        assert b.block_tables[0, : len(table)].tolist() == table
+        assert not b.block_tables[0, len(table) : -1].any()
+    assert b.block_tables[0, -1] == 777
+    assert states.count(1) >= 6 and states.count(0) >= 20  # appended / same
+    # Plain buffers: the whole row, padded with 0, every step.
+    eng.buffers = plain = BatchBuffers.for_scheduler(sched)
+    eng.step([5], now=40.0)
+    plain.block_tables[0, -1] = 777
+    eng.step([5], now=41.0)
+    assert plain.block_tables[0, -1] == 0
+
+
+def test_new_incremental_buffers_are_written_whole():
+    """A step into buffers other than the last ones (the engine widened them, or the caller
+    swapped them) cannot rely on what they hold: every row is written whole."""
+    sched, eng = make(max_model_len=64)
+    eng.buffers = BatchBuffers.for_scheduler(sched, incremental=True)
+    g = add(eng, "a", 1, [1, 2, 3, 4, 5, 6], max_tokens=20)
+    eng.step(now=1.0)
+    eng.step([5], now=2.0)
+    fresh = BatchBuffers.for_scheduler(sched, incremental=True)
+    fresh.block_tables[:] = 99
+    eng.buffers = fresh
+    res = eng.step([5], now=3.0)
+    table = _table(sched, g)
+    assert res.block_tables[0].tolist() == table + [0] * (fresh.block_tables.shape[1] - len(table))
+    # the increments are relative to what the caller was sent, not to the buffer
+    assert fresh.row_state[0] == 0

@@ -23,8 +23,8 @@ use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use step::{
-    Applied, Batch, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut, Written,
-    ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
+    Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut,
+    Written, ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
 };
 
 pub type GroupKey = u32;

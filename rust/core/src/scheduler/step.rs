@@ -283,6 +283,9 @@ pub struct ModelInputs<'a> {
     /// `[rows, cols]` row-major, padded with 0 (vLLM's padding).
     pub block_tables: &'a mut [i32],
     pub cols: usize,
+    /// Incremental mode: `block_tables` is kept across steps from this step's delta
+    /// (`Manager::write_block_tables`); `None`: rows written whole.
+    pub held: Option<(&'a TableDelta, &'a mut HeldTables)>,
     /// Flattened pairs `(src, dst)`.
     pub copies: &'a mut [i32],
     pub swap_in: &'a mut [i32],
@@ -438,12 +441,8 @@ impl Manager {
             buf.context_lens[i] = as_i32(start + chunk)?;
             buf.num_samples[i] = as_i32(r.samples)?;
             buf.seq_ids[i] = i64::try_from(r.seq).map_err(|_| Error::invalid("seq id over i64"))?;
-            let row = &mut buf.block_tables[i * buf.cols..(i + 1) * buf.cols];
-            row.fill(0);
-            for (d, &b) in row.iter_mut().zip(table) {
-                *d = b as i32;
-            }
         }
+        self.write_block_tables(batch, buf.block_tables, buf.cols, buf.held)?;
         Ok(written)
     }
 }
@@ -460,32 +459,62 @@ pub const ROW_REWRITTEN: u8 = 2;
 /// Per row: its state and the block ids the caller applies (`blocks[loc[i]..loc[i + 1]]`).
 #[derive(Clone, Debug, Default)]
 pub struct TableDelta {
+    /// Which delta this is (`SentTables` counts them): a persistent buffer that reflects delta
+    /// `number - 1` can apply this one.
+    pub number: u64,
     pub state: Vec<u8>,
     pub loc: Vec<usize>,
     pub blocks: Vec<BlockId>,
 }
 
-/// The tables a caller last received, per sequence: `(row, table version, table)`.
-pub type SentTables = IdMap<SeqId, (usize, u64, Vec<BlockId>)>;
+/// What the caller was last sent for one sequence.
+#[derive(Clone, Copy, Debug)]
+struct SentRow {
+    row: usize,
+    version: u64,
+    layout: u64,
+    len: usize,
+    /// The delta that last named the sequence (sequences not in the last batch are dropped).
+    seen: u64,
+}
+
+/// The tables a caller last received, per sequence, and how many deltas were made.
+#[derive(Clone, Debug, Default)]
+pub struct SentTables {
+    rows: IdMap<SeqId, SentRow>,
+    deltas: u64,
+}
+
+impl SentTables {
+    /// Forget what was sent: the next delta rewrites every row, and a persistent buffer that
+    /// reflects an earlier delta is written whole.
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.deltas += 1;
+    }
+}
 
 impl Manager {
-    /// The block-table changes of `batch` relative to `sent` (updated). Work per row is O(1)
-    /// unless its table changed (once per `block_size` decode steps), then O(table).
+    /// The block-table changes of `batch` relative to `sent` (updated). O(1) per row plus
+    /// the entries written: a table that only grew (its `layout` unchanged) sends its new
+    /// entries; one created, moved or with entries replaced sends all of them.
     pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
+        sent.deltas += 1;
+        let number = sent.deltas;
         let mut d = TableDelta {
+            number,
             state: Vec::with_capacity(batch.rows.len()),
             loc: Vec::with_capacity(batch.rows.len() + 1),
             blocks: Vec::new(),
         };
         d.loc.push(0);
-        let mut live = IdMap::default();
         for (i, r) in batch.rows.iter().enumerate() {
-            let (table, version) = (self.block_table(r.seq)?, self.table_version(r.seq)?);
-            live.insert(r.seq, ());
-            let state = match sent.get(&r.seq) {
-                Some((row, v, _)) if *row == i && *v == version => ROW_SAME,
-                Some((row, _, old)) if *row == i && table.starts_with(old) => {
-                    d.blocks.extend_from_slice(&table[old.len()..]);
+            let table = self.block_table(r.seq)?;
+            let (version, layout) = self.table_versions(r.seq)?;
+            let state = match sent.rows.get(&r.seq) {
+                Some(s) if s.row == i && s.version == version => ROW_SAME,
+                Some(s) if s.row == i && s.layout == layout && s.len <= table.len() => {
+                    d.blocks.extend_from_slice(&table[s.len..]);
                     ROW_APPENDED
                 }
                 _ => {
@@ -493,14 +522,114 @@ impl Manager {
                     ROW_REWRITTEN
                 }
             };
-            if state != ROW_SAME {
-                sent.insert(r.seq, (i, version, table.to_vec()));
-            }
+            let row = SentRow {
+                row: i,
+                version,
+                layout,
+                len: table.len(),
+                seen: number,
+            };
+            sent.rows.insert(r.seq, row);
             d.state.push(state);
             d.loc.push(d.blocks.len());
         }
-        sent.retain(|id, _| live.contains_key(id));
+        sent.rows.retain(|_, s| s.seen == number);
         Ok(d)
+    }
+}
+
+/// A `block_tables` buffer kept up to date across steps from the deltas (incremental mode):
+/// which delta it reflects, and per buffer row how far it may hold non-zero entries (so a
+/// rewritten row is padded up to its previous length, not to the full width).
+#[derive(Clone, Debug, Default)]
+pub struct HeldTables {
+    synced: Option<u64>,
+    filled: Vec<usize>,
+}
+
+impl HeldTables {
+    /// The buffer is another one (or was changed by someone else): write it whole next time.
+    pub fn forget(&mut self) {
+        self.synced = None;
+    }
+}
+
+impl Manager {
+    /// Write the block-table rows of `batch` into `bt` (`[rows, cols]` row-major, padded
+    /// with 0). Without `held`: every row whole, padded to `cols`. With `held = (delta,
+    /// state)` for a buffer that reflects the previous delta: only what changed (appended
+    /// entries; rewritten rows padded up to their previous length), so the step costs the
+    /// changed entries, not the rows' width; otherwise the rows are written whole. Row widths
+    /// are checked by the caller (`write_model_inputs`).
+    pub fn write_block_tables(
+        &self,
+        batch: &Batch,
+        bt: &mut [i32],
+        cols: usize,
+        held: Option<(&TableDelta, &mut HeldTables)>,
+    ) -> Result<()> {
+        let rows = bt.len().checked_div(cols).unwrap_or(0);
+        let Some((d, h)) = held else {
+            return self.write_whole_rows(batch, bt, cols, None);
+        };
+        let in_step = h.synced.is_some_and(|n| n + 1 == d.number)
+            && h.filled.len() == rows
+            && d.state.len() == batch.rows.len();
+        h.synced = None; // until this write is done
+        if !in_step {
+            h.filled = vec![cols; rows]; // unknown contents
+            self.write_whole_rows(batch, bt, cols, Some(&mut h.filled))?;
+            h.synced = Some(d.number);
+            return Ok(());
+        }
+        for (i, r) in batch.rows.iter().enumerate() {
+            let table = self.block_table(r.seq)?;
+            let row = &mut bt[i * cols..(i + 1) * cols];
+            let from = match d.state[i] {
+                ROW_SAME => continue,
+                ROW_APPENDED => table
+                    .len()
+                    .checked_sub(d.loc[i + 1] - d.loc[i])
+                    .ok_or_else(|| Error::invalid("the table delta is stale"))?,
+                _ => 0,
+            };
+            for (dst, &b) in row[from..table.len()].iter_mut().zip(&table[from..]) {
+                *dst = b as i32;
+            }
+            let filled = &mut h.filled[i];
+            if d.state[i] == ROW_REWRITTEN && *filled > table.len() {
+                row[table.len()..*filled].fill(0);
+            }
+            *filled = table.len().max(if d.state[i] == ROW_APPENDED {
+                *filled
+            } else {
+                0
+            });
+        }
+        h.synced = Some(d.number);
+        Ok(())
+    }
+
+    /// Every row of `batch` whole, padded with 0 to `cols` (`filled[i]`: the table length).
+    fn write_whole_rows(
+        &self,
+        batch: &Batch,
+        bt: &mut [i32],
+        cols: usize,
+        mut filled: Option<&mut Vec<usize>>,
+    ) -> Result<()> {
+        for (i, r) in batch.rows.iter().enumerate() {
+            let table = self.block_table(r.seq)?;
+            let row = &mut bt[i * cols..(i + 1) * cols];
+            for (d, &b) in row.iter_mut().zip(table) {
+                *d = b as i32;
+            }
+            row[table.len()..].fill(0);
+            if let Some(f) = filled.as_deref_mut() {
+                f[i] = table.len();
+            }
+        }
+        Ok(())
     }
 }
 

@@ -11,7 +11,8 @@ use crate::errors::{busy, invalid, IntoPyResult};
 use crate::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
 use pagedkv_core::scheduler::{
-    Batch, GroupKey, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta, TokensMut,
+    Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta,
+    TokensMut,
 };
 use pagedkv_core::{Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
@@ -47,6 +48,11 @@ pub struct PyBatchStep {
     /// sent, and the last step's changes.
     sent: SentTables,
     last_delta: Option<TableDelta>,
+    /// Incremental mode keeps `block_tables` as a persistent buffer: what it holds, and the
+    /// array it is (held, so that its memory cannot be reused by another array while we
+    /// compare identities).
+    held: HeldTables,
+    held_array: Option<Py<PyAny>>,
     rules: IdMap<GroupKey, StopRules>,
     prefill: Py<PyAny>,
 }
@@ -91,6 +97,8 @@ impl PyBatchStep {
             last_out: Outputs::default(),
             sent: SentTables::default(),
             last_delta: None,
+            held: HeldTables::default(),
+            held_array: None,
             rules: IdMap::default(),
             prefill,
         })
@@ -99,6 +107,7 @@ impl PyBatchStep {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.core)?;
         visit.call(&self.new_seq_id)?;
+        visit.call(&self.held_array)?;
         visit.call(&self.prefill)
     }
 
@@ -183,12 +192,12 @@ impl PyBatchStep {
     /// outgrow `max_model_len` (vLLM's `min_tokens`, and chunked prefill does not limit the
     /// prompt length), so callers widen their buffers and call this again.
     fn rewrite<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         buffers: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let c = self
-            .core
+        let core = self.core.clone_ref(py);
+        let c = core
             .bind(py)
             .try_borrow()
             .map_err(|_| busy("the scheduler"))?;
@@ -206,7 +215,7 @@ impl PyBatchStep {
                 None => return Ok(py.None().into_bound(py)),
             }
         }
-        let w = self.write(py, &c, &self.last_out, buffers)?;
+        let w = self.write(py, &c, buffers)?;
         Ok((w.rows, w.tokens, w.copies, w.swap_in, w.swap_out, n_new)
             .into_pyobject(py)?
             .into_any())
@@ -476,12 +485,29 @@ impl PyBatchStep {
     }
 
     fn write(
-        &self,
+        &mut self,
         py: Python<'_>,
         c: &PySchedulerCore,
-        out: &pagedkv_core::scheduler::Outputs,
         b: &Bound<'_, PyAny>,
     ) -> PyResult<pagedkv_core::scheduler::Written> {
+        let held = match &self.last_delta {
+            Some(d) => {
+                let arr = b.getattr(intern!(py, "block_tables"))?;
+                if !self
+                    .held_array
+                    .as_ref()
+                    .is_some_and(|h| h.bind(py).is(&arr))
+                {
+                    self.held.forget();
+                    self.held_array = Some(arr.unbind());
+                }
+                Some((d, &mut self.held))
+            }
+            None => {
+                self.held_array = None;
+                None
+            }
+        };
         let (mut v, mut ids, mut bt) = take_views(b)?;
         let cols = bt.shape()[1];
         let nc = |_| invalid("an output buffer is not contiguous");
@@ -506,11 +532,12 @@ impl PyBatchStep {
             copies: cp,
             swap_in: si,
             swap_out: so,
+            held,
         };
         let mgr = c.manager.bind(py).get().locked()?;
         let stores = Stores { py, seqs: &c.seqs };
         mgr.core()
-            .write_model_inputs(&c.core, &stores, &self.prev, out, buf)
+            .write_model_inputs(&c.core, &stores, &self.prev, &self.last_out, buf)
             .py()
     }
 }
