@@ -272,9 +272,11 @@ impl PyBatchStep {
     }
 
     /// Python half of the forks: a child `Sequence` per extra sample, added to its group.
+    /// All or nothing: every id is drawn and checked and every child made (`parent.fork`,
+    /// engine code that may raise) before any group or view changes; a failing
+    /// `group.add` takes back the children already added.
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
         let live = || self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX);
-        // Every id first, checked, so that a bad counter changes nothing.
         let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
         for _ in live().flat_map(|r| 1..r.samples) {
             let id: SeqId = self
@@ -288,19 +290,38 @@ impl PyBatchStep {
             }
             children.push(id);
         }
+        let mut made = Vec::with_capacity(children.len());
         let mut ids = children.iter();
         for r in live() {
             for _ in 1..r.samples {
                 let id = *ids.next().expect("one id per child");
-                let parent = c.seqs[&r.seq].obj.bind(py).clone();
+                let parent = c.seqs[&r.seq].obj.bind(py);
                 let child = parent.call_method1(intern!(py, "fork"), (id,))?;
-                let (_, view) = c.read_new_seq(&child)?;
-                c.groups[&r.key]
-                    .obj
-                    .bind(py)
-                    .call_method1(intern!(py, "add"), (&child,))?;
-                c.seqs.insert(id, view);
+                let (state, view) = c.read_new_seq(&child)?;
+                if state.id != id {
+                    return Err(invalid(format!(
+                        "fork({id}) returned a sequence with id {}",
+                        state.id
+                    )));
+                }
+                made.push((r.key, id, child, view));
             }
+        }
+        for (i, (key, _, child, _)) in made.iter().enumerate() {
+            let group = c.groups[key].obj.bind(py);
+            if let Err(e) = group.call_method1(intern!(py, "add"), (child,)) {
+                for (key, id, _, _) in &made[..i] {
+                    // best effort: the group accepted it a moment ago
+                    let _ = c.groups[key]
+                        .obj
+                        .bind(py)
+                        .call_method1(intern!(py, "remove"), (*id,));
+                }
+                return Err(e);
+            }
+        }
+        for (_, id, _, view) in made {
+            c.seqs.insert(id, view);
         }
         Ok(children)
     }
