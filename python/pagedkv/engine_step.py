@@ -198,6 +198,7 @@ class BatchBuffers:
 
     @property
     def pinned(self) -> bool:
+        """Whether the host arena is pinned (page-locked) memory."""
         return self._arena is not None and self._arena.pinned
 
     def to_device(self, res: StepResult, non_blocking: bool = True) -> DeviceBatch:
