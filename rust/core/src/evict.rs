@@ -68,6 +68,17 @@ impl EvictionOrder {
         self.len
     }
 
+    /// Heap bytes: the per-block arrays, and the B-tree's entries (blocks released out of
+    /// access order; its node overhead is not counted).
+    pub fn heap_bytes(&self) -> usize {
+        use crate::mem::vec_bytes;
+        vec_bytes(&self.keys)
+            + vec_bytes(&self.place)
+            + vec_bytes(&self.prev)
+            + vec_bytes(&self.next)
+            + self.tree.len() * std::mem::size_of::<(Key, u32)>()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

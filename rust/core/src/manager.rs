@@ -237,6 +237,23 @@ impl Manager {
     pub fn num_free_cpu_blocks(&self) -> usize {
         self.cpu.num_free()
     }
+    /// Heap bytes of the two pools (per block: `pool.heap_bytes()`) and their access stamps.
+    pub fn pool_heap_bytes(&self) -> usize {
+        use crate::mem::vec_bytes;
+        self.gpu.heap_bytes()
+            + self.cpu.heap_bytes()
+            + vec_bytes(&self.gpu_stamps)
+            + vec_bytes(&self.cpu_stamps)
+    }
+    /// Heap bytes of the sequences' tables: the map's table and every table's entries.
+    pub fn tables_heap_bytes(&self) -> usize {
+        crate::mem::map_bytes(&self.tables)
+            + self
+                .tables
+                .values()
+                .map(|e| crate::mem::vec_bytes(&e.table))
+                .sum::<usize>()
+    }
     pub fn prefix_cache_stats(&self) -> (u64, u64) {
         (self.prefix_lookups, self.prefix_hits)
     }

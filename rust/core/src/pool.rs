@@ -53,11 +53,23 @@ impl Hasher for FoldHasher {
             self.0 = self.0.rotate_left(17) ^ u64::from_le_bytes(b);
         }
     }
-    fn write_u128(&mut self, x: u128) {
-        self.0 = (x as u64) ^ ((x >> 64) as u64);
+    fn write_u64(&mut self, x: u64) {
+        self.0 = x;
     }
 }
-type PrefixMap = HashMap<BlockHash, BlockId, BuildHasherDefault<FoldHasher>>;
+/// The prefix map is keyed by the low 64 bits of a block hash ([`map_slot`]): half the table
+/// of a `u128` key. A hit is confirmed against the block's full hash (and its parent, extras
+/// and tokens), so two hashes sharing their low bits only share a slot (the second one is
+/// not cached, as with an equal hash).
+type PrefixMap = HashMap<u64, BlockId, BuildHasherDefault<FoldHasher>>;
+
+fn map_slot(h: BlockHash) -> u64 {
+    h as u64
+}
+
+/// `hash[b]` of a block that is not cached (`cached[b]` says which; an `Option<u128>` array
+/// would take 32 bytes per block instead of 17).
+const NO_HASH: BlockHash = 0;
 
 /// What a cached block is stored under and confirmed against on a hit: its hash, its parent
 /// *block* (the physical block holding the previous block of the sequence; `None` for block 0),
@@ -87,8 +99,9 @@ pub struct BlockPool {
     num_blocks: u32,
     block_size: usize,
     ref_count: Vec<u32>,
-    /// `Some(h)` iff the block is registered in the prefix map under `h`.
-    hash: Vec<Option<BlockHash>>,
+    /// The hash the block is registered under (when `cached`), else [`NO_HASH`].
+    hash: Vec<BlockHash>,
+    cached: Vec<bool>,
     num_hashed_tokens: Vec<u32>,
     last_accessed: Vec<f64>,
     computed: Vec<bool>,
@@ -134,7 +147,8 @@ impl BlockPool {
             num_blocks,
             block_size,
             ref_count: vec![0; n],
-            hash: vec![None; n],
+            hash: vec![NO_HASH; n],
+            cached: vec![false; n],
             num_hashed_tokens: vec![0; n],
             last_accessed: vec![NEVER_ACCESSED; n],
             computed: vec![false; n],
@@ -181,6 +195,27 @@ impl BlockPool {
         self.stats
     }
 
+    /// Heap bytes this pool holds: its per-block arrays, the free stack, the eviction order
+    /// and the prefix map's table. All are sized for every block at construction, so this is
+    /// also what a cached block costs (`docs/scheduler.md`, memory).
+    pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{map_bytes, vec_bytes};
+        vec_bytes(&self.ref_count)
+            + vec_bytes(&self.hash)
+            + vec_bytes(&self.cached)
+            + vec_bytes(&self.num_hashed_tokens)
+            + vec_bytes(&self.last_accessed)
+            + vec_bytes(&self.computed)
+            + vec_bytes(&self.tokens)
+            + vec_bytes(&self.parent)
+            + vec_bytes(&self.parent_gen)
+            + vec_bytes(&self.extra)
+            + vec_bytes(&self.generation)
+            + vec_bytes(&self.free_stack)
+            + self.evict.heap_bytes()
+            + map_bytes(&self.map)
+    }
+
     // ---- per-block views -----------------------------------------------------------------
 
     pub fn check(&self, id: i64) -> Result<BlockId> {
@@ -196,7 +231,7 @@ impl BlockPool {
         self.ref_count[b as usize]
     }
     pub fn block_hash(&self, b: BlockId) -> Option<BlockHash> {
-        self.hash[b as usize]
+        self.cached[b as usize].then(|| self.hash[b as usize])
     }
     pub fn num_hashed_tokens(&self, b: BlockId) -> u32 {
         self.num_hashed_tokens[b as usize]
@@ -214,11 +249,11 @@ impl BlockPool {
         self.computed[b as usize] = c;
     }
     pub fn is_evictable(&self, b: BlockId) -> bool {
-        self.ref_count[b as usize] == 0 && self.hash[b as usize].is_some()
+        self.ref_count[b as usize] == 0 && self.cached[b as usize]
     }
     /// Stored token ids of a cached block.
     pub fn cached_tokens(&self, b: BlockId) -> Option<&[u32]> {
-        self.hash[b as usize]?;
+        self.block_hash(b)?;
         let s = b as usize * self.block_size;
         Some(&self.tokens[s..s + self.block_size])
     }
@@ -234,10 +269,10 @@ impl BlockPool {
         let b = if let Some(b) = self.free_stack.pop() {
             b
         } else if let Some(b) = self.evict.pop_first() {
-            let h = self.hash[b as usize]
-                .take()
-                .expect("evictable block has a hash");
-            self.map.remove(&h);
+            debug_assert!(self.cached[b as usize], "an evictable block has a hash");
+            let h = std::mem::replace(&mut self.hash[b as usize], NO_HASH);
+            self.cached[b as usize] = false;
+            self.map.remove(&map_slot(h));
             self.num_hashed_tokens[b as usize] = 0;
             self.computed[b as usize] = false;
             self.stats.evictions += 1;
@@ -269,7 +304,7 @@ impl BlockPool {
             return Err(Error::invalid("n must be positive"));
         }
         if self.ref_count[i] == 0 {
-            if self.hash[i].is_none() {
+            if !self.cached[i] {
                 return Err(Error::invalid(format!(
                     "block {b} is free; it cannot be shared"
                 )));
@@ -294,7 +329,7 @@ impl BlockPool {
         }
         self.ref_count[i] -= 1;
         if self.ref_count[i] == 0 {
-            if self.hash[i].is_some() {
+            if self.cached[i] {
                 self.evict
                     .insert(b, self.last_accessed[i], self.num_hashed_tokens[i]);
             } else {
@@ -374,6 +409,7 @@ impl BlockPool {
         let i = b as usize;
         let s = i * self.block_size;
         key.tokens.len() == self.block_size
+            && self.hash[i] == key.hash
             && self.parent[i] == key.parent.unwrap_or(NIL)
             && key
                 .parent
@@ -393,7 +429,7 @@ impl BlockPool {
 
     /// `lookup` without touching the statistics (dry runs, pre-checks).
     pub fn peek(&self, key: &BlockKey<'_>) -> Option<BlockId> {
-        let b = *self.map.get(&key.hash)?;
+        let b = *self.map.get(&map_slot(key.hash))?;
         // a hash collision never hands out different data
         self.matches(b, key).then_some(b)
     }
@@ -401,7 +437,7 @@ impl BlockPool {
     /// The key a cached block is stored under.
     pub fn key_of(&self, b: BlockId) -> Option<BlockKey<'_>> {
         let i = b as usize;
-        let hash = self.hash[i]?;
+        let hash = self.block_hash(b)?;
         let s = i * self.block_size;
         Some(BlockKey {
             hash,
@@ -439,7 +475,7 @@ impl BlockPool {
         if self.ref_count[i] == 0 {
             return Err(Error::invalid(format!("block {b} is not allocated")));
         }
-        if self.hash[i].is_some() {
+        if self.cached[i] {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
         if let Some(p) = key.parent {
@@ -449,11 +485,12 @@ impl BlockPool {
                 )));
             }
         }
-        if self.map.contains_key(&key.hash) {
+        if self.map.contains_key(&map_slot(key.hash)) {
             return Ok(false);
         }
-        self.map.insert(key.hash, b);
-        self.hash[i] = Some(key.hash);
+        self.map.insert(map_slot(key.hash), b);
+        self.hash[i] = key.hash;
+        self.cached[i] = true;
         self.parent[i] = key.parent.unwrap_or(NIL);
         self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
@@ -470,7 +507,7 @@ impl BlockPool {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is on the free stack twice"));
             }
-            if self.ref_count[b as usize] != 0 || self.hash[b as usize].is_some() {
+            if self.ref_count[b as usize] != 0 || self.cached[b as usize] {
                 return Err(format!("free block {b} has refs or a hash"));
             }
             state[b as usize] = 1;
@@ -497,10 +534,8 @@ impl BlockPool {
                 }
                 *st = 3;
             }
-            if let Some(h) = self.hash[b] {
-                if self.map.get(&h) != Some(&(b as u32)) {
-                    return Err(format!("block {b} hash not in the prefix map"));
-                }
+            if self.cached[b] && self.map.get(&map_slot(self.hash[b])) != Some(&(b as u32)) {
+                return Err(format!("block {b} hash not in the prefix map"));
             }
         }
         self.check_prefix_map()?;
@@ -523,16 +558,19 @@ impl BlockPool {
                     "prefix map entry for hash {h:#x} points past the pool"
                 ));
             }
-            if self.hash[b as usize] != Some(h) {
+            if !self.cached[b as usize] || map_slot(self.hash[b as usize]) != h {
                 return Err(format!(
-                    "prefix map entry {h:#x} -> block {b}, registered as {:?}",
+                    "prefix map entry {h:#x} -> block {b}, registered as {:#x}",
                     self.hash[b as usize]
                 ));
             }
         }
         for b in 0..self.num_blocks as usize {
-            let Some(h) = self.hash[b] else { continue };
-            if self.map.get(&h) != Some(&(b as u32)) {
+            if !self.cached[b] {
+                continue;
+            }
+            let h = self.hash[b];
+            if self.map.get(&map_slot(h)) != Some(&(b as u32)) {
                 return Err(format!("block {b} hash not in the prefix map"));
             }
             let p = self.parent[b];
@@ -540,7 +578,7 @@ impl BlockPool {
                 return Err(format!("cached block {b} has a bad parent {p}"));
             }
         }
-        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+        if self.map.len() != self.cached.iter().filter(|&&c| c).count() {
             return Err("prefix map size mismatch".into());
         }
         Ok(())
@@ -583,7 +621,52 @@ mod invariant_tests {
         assert!(p.check_invariants().is_err());
         p.map.remove(&8);
         p.map.insert(9, 3); // an entry for a block with no hash
-        p.hash[3] = None;
+        p.cached[3] = false;
         assert!(p.check_invariants().is_err());
+    }
+}
+
+#[cfg(test)]
+mod slot_tests {
+    //! The prefix map is keyed by 64 of the hash's 128 bits; hits still need the whole key.
+    use super::*;
+
+    fn key(hash: BlockHash, tokens: &[u32]) -> BlockKey<'_> {
+        BlockKey {
+            hash,
+            parent: None,
+            extra: 0,
+            tokens,
+        }
+    }
+
+    #[test]
+    fn hashes_sharing_a_slot_never_hit_each_other() {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let (h1, h2) = (5 | 1 << 100, 5 | 1 << 90); // same low 64 bits
+        assert!(p.register(a, &key(h1, &[1, 2]), 2).unwrap());
+        assert!(
+            !p.register(b, &key(h2, &[1, 2]), 2).unwrap(),
+            "the slot is taken"
+        );
+        assert_eq!(p.peek(&key(h1, &[1, 2])), Some(a));
+        assert_eq!(
+            p.peek(&key(h2, &[1, 2])),
+            None,
+            "same slot and tokens, other hash"
+        );
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_zero_hash_is_cached_like_any_other() {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let a = p.allocate().unwrap();
+        assert_eq!(p.block_hash(a), None);
+        assert!(p.register(a, &key(0, &[1, 2]), 2).unwrap());
+        assert_eq!(p.block_hash(a), Some(0));
+        assert_eq!(p.peek(&key(0, &[1, 2])), Some(a));
+        p.check_invariants().unwrap();
     }
 }

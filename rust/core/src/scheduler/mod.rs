@@ -240,6 +240,27 @@ impl Scheduler {
         &self.cfg
     }
 
+    /// Heap bytes of the scheduler's state: the group slab (each group's sequences and
+    /// request id), the sequence index and the queues.
+    pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{map_bytes, vec_bytes};
+        let deque = |q: &VecDeque<GroupKey>| q.capacity() * std::mem::size_of::<GroupKey>();
+        let groups: usize = self
+            .groups
+            .iter()
+            .flatten()
+            .map(|g| vec_bytes(&g.seqs) + g.request_id.capacity())
+            .sum();
+        vec_bytes(&self.groups)
+            + groups
+            + vec_bytes(&self.free_keys)
+            + map_bytes(&self.by_seq)
+            + deque(&self.waiting)
+            + deque(&self.running)
+            + deque(&self.swapped)
+            + vec_bytes(&self.changes)
+    }
+
     pub fn group(&self, key: GroupKey) -> Option<&Group> {
         self.groups.get(key as usize).and_then(|g| g.as_ref())
     }
