@@ -87,7 +87,7 @@ def ours_per_block(num_blocks: int) -> dict:
     }
 
 
-def test_a_cached_block_costs_under_a_third_of_vllm_v1s():
+def test_a_cached_block_costs_a_quarter_of_vllm_v1s():
     vllm = vllm_v1_bytes_per_cached_block()
     assert 400 < vllm < 2000, f"implausible measurement of vLLM's block: {vllm:.0f} B"
     for num_blocks in (24_576, 65_536):
@@ -97,9 +97,9 @@ def test_a_cached_block_costs_under_a_third_of_vllm_v1s():
             f"pagedkv core {ours['core']:.0f} B ({vllm / ours['core']:.2f}x less), "
             f"+ binding block ints {ours['binding']:.0f} B"
         )
-        # The issue aims at 1/4; the core holds 1/3.3 to 1/3.5 (docs/scheduler.md, memory).
-        assert 3 * ours["core"] <= vllm
-        assert ours["core"] + ours["binding"] < vllm / 2
+        assert 4 * ours["core"] <= vllm  # the issue's aim
+        # with the binding's per-block int objects (for block-table lists): under 1/3
+        assert 3 * (ours["core"] + ours["binding"]) <= vllm
 
 
 def test_native_bytes_follow_the_tables():

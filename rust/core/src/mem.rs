@@ -12,13 +12,16 @@ pub fn vec_bytes<T>(v: &Vec<T>) -> usize {
 /// byte, plus a group of trailing control bytes). `capacity()` is `buckets - 1` below 8
 /// buckets and `buckets / 8 * 7` from 8 on, which gives the bucket count back.
 pub fn map_bytes<K, V, S>(m: &HashMap<K, V, S>) -> usize {
-    let cap = m.capacity();
+    table_bytes(m.capacity(), std::mem::size_of::<(K, V)>())
+}
+
+/// Heap bytes of a hashbrown table of `capacity()` `cap` holding `slot`-byte entries.
+pub fn table_bytes(cap: usize, slot: usize) -> usize {
     let buckets = match cap {
         0 => return 0,
         c if c < 7 => c + 1,
         c => c / 7 * 8,
     };
-    let slot = std::mem::size_of::<(K, V)>();
     const GROUP: usize = 16;
     (buckets * slot).next_multiple_of(GROUP) + buckets + GROUP
 }

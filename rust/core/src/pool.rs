@@ -27,41 +27,28 @@
 //! In the usual case no operation allocates on the heap after construction: the map is created
 //! with room for every block, and the stack and the eviction run live in preallocated vectors
 //! (only blocks released out of access order take B-tree nodes).
+//!
+//! Memory: 161-165 bytes per block of 16 tokens with caching (64 of them the cached token
+//! ids), 67 without; the layout is chosen for it (a hash array with a separate cached flag,
+//! a table of 4-byte block ids found by 64 hash bits, eviction keys read from the per-block
+//! arrays). `heap_bytes` accounts for it; `docs/scheduler.md` compares it with vLLM v1.
 
 use crate::error::{Error, Result};
-use crate::evict::EvictionOrder;
+use crate::evict::{EvictionOrder, Fields};
 use crate::hash::BlockHash;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 /// `last_accessed` of a block that was never accessed (vLLM's DEFAULT_LAST_ACCESSED_TIME).
 pub const NEVER_ACCESSED: f64 = -1.0;
 
-/// Block hashes are already uniformly distributed (and keyed), so the map does not hash again.
-#[derive(Default)]
-pub struct FoldHasher(u64);
-impl Hasher for FoldHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 = self.0.rotate_left(17) ^ u64::from_le_bytes(b);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = x;
-    }
-}
-/// The prefix map is keyed by the low 64 bits of a block hash ([`map_slot`]): half the table
-/// of a `u128` key. A hit is confirmed against the block's full hash (and its parent, extras
-/// and tokens), so two hashes sharing their low bits only share a slot (the second one is
-/// not cached, as with an equal hash).
-type PrefixMap = HashMap<u64, BlockId, BuildHasherDefault<FoldHasher>>;
+/// The prefix map: a table of the cached blocks' ids, found by the low 64 bits of their hash
+/// ([`map_slot`]; block hashes are uniformly distributed and keyed, so no second hash). It
+/// stores 4-byte block ids only (a `HashMap<u128, u32>` bucket takes 32 bytes): the key is
+/// the block's own `hash` entry. At most one block per 64-bit slot, and a hit is confirmed
+/// against the whole key (hash, parent, extras, tokens): two hashes sharing their low bits
+/// only share a slot (the second one is not cached, as with an equal hash).
+type PrefixMap = hashbrown::HashTable<BlockId>;
 
 fn map_slot(h: BlockHash) -> u64 {
     h as u64
@@ -159,10 +146,7 @@ impl BlockPool {
             extra: vec![0; if caching { n } else { 0 }],
             free_stack,
             evict: EvictionOrder::new(n),
-            map: PrefixMap::with_capacity_and_hasher(
-                if caching { n } else { 0 },
-                Default::default(),
-            ),
+            map: PrefixMap::with_capacity(if caching { n } else { 0 }),
             stats: PoolStats::default(),
         })
     }
@@ -199,7 +183,7 @@ impl BlockPool {
     /// and the prefix map's table. All are sized for every block at construction, so this is
     /// also what a cached block costs (`docs/scheduler.md`, memory).
     pub fn heap_bytes(&self) -> usize {
-        use crate::mem::{map_bytes, vec_bytes};
+        use crate::mem::{table_bytes, vec_bytes};
         vec_bytes(&self.ref_count)
             + vec_bytes(&self.hash)
             + vec_bytes(&self.cached)
@@ -213,7 +197,7 @@ impl BlockPool {
             + vec_bytes(&self.generation)
             + vec_bytes(&self.free_stack)
             + self.evict.heap_bytes()
-            + map_bytes(&self.map)
+            + table_bytes(self.map.capacity(), std::mem::size_of::<BlockId>())
     }
 
     // ---- per-block views -----------------------------------------------------------------
@@ -239,8 +223,17 @@ impl BlockPool {
     pub fn last_accessed(&self, b: BlockId) -> f64 {
         self.last_accessed[b as usize]
     }
+    /// (Never on an evictable block: its place in the eviction order is keyed by it.)
     pub fn set_last_accessed(&mut self, b: BlockId, t: f64) {
+        debug_assert!(!self.is_evictable(b), "block {b} is evictable");
         self.last_accessed[b as usize] = t;
+    }
+
+    fn fields(&self) -> Fields<'_> {
+        Fields {
+            time: &self.last_accessed,
+            hashed_tokens: &self.num_hashed_tokens,
+        }
     }
     pub fn is_computed(&self, b: BlockId) -> bool {
         self.computed[b as usize]
@@ -259,7 +252,7 @@ impl BlockPool {
     }
     /// Evictable blocks in eviction order (first = next to go). O(n); for tests and introspection.
     pub fn eviction_order(&self) -> Vec<BlockId> {
-        self.evict.order()
+        self.evict.order(self.fields())
     }
 
     // ---- allocation and references -------------------------------------------------------
@@ -268,11 +261,14 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Result<BlockId> {
         let b = if let Some(b) = self.free_stack.pop() {
             b
-        } else if let Some(b) = self.evict.pop_first() {
+        } else if let Some(b) = self.evict.pop_first(Fields {
+            time: &self.last_accessed,
+            hashed_tokens: &self.num_hashed_tokens,
+        }) {
             debug_assert!(self.cached[b as usize], "an evictable block has a hash");
             let h = std::mem::replace(&mut self.hash[b as usize], NO_HASH);
             self.cached[b as usize] = false;
-            self.map.remove(&map_slot(h));
+            self.map_remove(b, h);
             self.num_hashed_tokens[b as usize] = 0;
             self.computed[b as usize] = false;
             self.stats.evictions += 1;
@@ -309,7 +305,11 @@ impl BlockPool {
                     "block {b} is free; it cannot be shared"
                 )));
             }
-            self.evict.remove(b);
+            let f = Fields {
+                time: &self.last_accessed,
+                hashed_tokens: &self.num_hashed_tokens,
+            };
+            self.evict.remove(b, f);
         }
         self.ref_count[i] += n;
         Ok(())
@@ -330,8 +330,11 @@ impl BlockPool {
         self.ref_count[i] -= 1;
         if self.ref_count[i] == 0 {
             if self.cached[i] {
-                self.evict
-                    .insert(b, self.last_accessed[i], self.num_hashed_tokens[i]);
+                let f = Fields {
+                    time: &self.last_accessed,
+                    hashed_tokens: &self.num_hashed_tokens,
+                };
+                self.evict.insert(b, f);
             } else {
                 self.computed[i] = false;
                 self.free_stack.push(b);
@@ -418,6 +421,21 @@ impl BlockPool {
             && self.tokens[s..s + self.block_size] == *key.tokens
     }
 
+    /// The block cached under 64-bit slot `h`.
+    fn map_get(&self, h: u64) -> Option<BlockId> {
+        let hashes = &self.hash;
+        self.map
+            .find(h, |&b| map_slot(hashes[b as usize]) == h)
+            .copied()
+    }
+
+    /// Drop block `b` (cached under `hash`) from the prefix map.
+    fn map_remove(&mut self, b: BlockId, hash: BlockHash) {
+        if let Ok(e) = self.map.find_entry(map_slot(hash), |&x| x == b) {
+            e.remove();
+        }
+    }
+
     /// Find the cached block stored under `key` (hash, parent, extras and tokens all equal).
     /// Does not change ref counts; counts in the hit statistics.
     pub fn lookup(&mut self, key: &BlockKey<'_>) -> Option<BlockId> {
@@ -429,7 +447,7 @@ impl BlockPool {
 
     /// `lookup` without touching the statistics (dry runs, pre-checks).
     pub fn peek(&self, key: &BlockKey<'_>) -> Option<BlockId> {
-        let b = *self.map.get(&map_slot(key.hash))?;
+        let b = self.map_get(map_slot(key.hash))?;
         // a hash collision never hands out different data
         self.matches(b, key).then_some(b)
     }
@@ -485,10 +503,12 @@ impl BlockPool {
                 )));
             }
         }
-        if self.map.contains_key(&map_slot(key.hash)) {
+        if self.map_get(map_slot(key.hash)).is_some() {
             return Ok(false);
         }
-        self.map.insert(map_slot(key.hash), b);
+        let hashes = &self.hash;
+        self.map
+            .insert_unique(map_slot(key.hash), b, |&x| map_slot(hashes[x as usize]));
         self.hash[i] = key.hash;
         self.cached[i] = true;
         self.parent[i] = key.parent.unwrap_or(NIL);
@@ -512,12 +532,7 @@ impl BlockPool {
             }
             state[b as usize] = 1;
         }
-        self.evict.check(|b| {
-            (
-                self.last_accessed[b as usize],
-                self.num_hashed_tokens[b as usize],
-            )
-        })?;
+        self.evict.check(self.fields())?;
         for &b in &self.eviction_order() {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is both free and evictable"));
@@ -534,7 +549,7 @@ impl BlockPool {
                 }
                 *st = 3;
             }
-            if self.cached[b] && self.map.get(&map_slot(self.hash[b])) != Some(&(b as u32)) {
+            if self.cached[b] && self.map_get(map_slot(self.hash[b])) != Some(b as u32) {
                 return Err(format!("block {b} hash not in the prefix map"));
             }
         }
@@ -552,17 +567,12 @@ impl BlockPool {
         if !self.caching() && !self.map.is_empty() {
             return Err("a pool without caching has prefix map entries".into());
         }
-        for (&h, &b) in &self.map {
+        for &b in &self.map {
             if b >= self.num_blocks {
-                return Err(format!(
-                    "prefix map entry for hash {h:#x} points past the pool"
-                ));
+                return Err(format!("prefix map entry {b} points past the pool"));
             }
-            if !self.cached[b as usize] || map_slot(self.hash[b as usize]) != h {
-                return Err(format!(
-                    "prefix map entry {h:#x} -> block {b}, registered as {:#x}",
-                    self.hash[b as usize]
-                ));
+            if !self.cached[b as usize] {
+                return Err(format!("prefix map names block {b}, which is not cached"));
             }
         }
         for b in 0..self.num_blocks as usize {
@@ -570,7 +580,7 @@ impl BlockPool {
                 continue;
             }
             let h = self.hash[b];
-            if self.map.get(&map_slot(h)) != Some(&(b as u32)) {
+            if self.map_get(map_slot(h)) != Some(b as u32) {
                 return Err(format!("block {b} hash not in the prefix map"));
             }
             let p = self.parent[b];
@@ -617,11 +627,12 @@ mod invariant_tests {
     #[test]
     fn a_map_entry_under_another_hash_is_caught() {
         let (mut p, b) = cached_pool();
-        p.map.insert(8, b); // a second entry for the same block
+        let hashes = p.hash.clone();
+        p.map.insert_unique(8, b, |&x| map_slot(hashes[x as usize])); // twice the same block
         assert!(p.check_invariants().is_err());
-        p.map.remove(&8);
-        p.map.insert(9, 3); // an entry for a block with no hash
-        p.cached[3] = false;
+        p.map.find_entry(8, |&x| x == b).unwrap().remove();
+        p.check_invariants().unwrap();
+        p.map.insert_unique(9, 3, |&x| map_slot(hashes[x as usize])); // a block with no hash
         assert!(p.check_invariants().is_err());
     }
 }
