@@ -196,7 +196,7 @@ def test_incremental_block_tables_are_kept_not_rewritten():
     b.block_tables[0, -1] = 777  # beyond any table of this run: a whole-row write clears it
     states = []
     for t in range(30):
-        res = eng.step([5], now=2.0 + t)
+        eng.step([5], now=2.0 + t)
         states.append(int(b.row_state[0]))
         table = _table(sched, g)
         assert b.block_tables[0, : len(table)].tolist() == table
