@@ -1,7 +1,7 @@
 """W1 whole engine step: the batch step (pagedkv.engine_step.BatchEngine) vs vLLM 0.4.2's own
 Scheduler, same run.
 
-``vllm`` is the engine loop of ``benches/bench_scheduler_step.py`` over vLLM 0.4.2's Scheduler
+``vllm`` is the engine loop of :mod:`pagedkv.bench.vllm_scheduler` over vLLM 0.4.2's Scheduler
 with its own classes: ``schedule()`` plus the output processing (advance computed tokens, fork
 ``n > 1`` requests, append one token per running sequence, finish and free at the output
 length, ``free_finished_seq_groups``). ``batch`` is one ``BatchEngine.step(sampled)`` per step:
@@ -37,15 +37,12 @@ import argparse  # noqa: E402
 import dataclasses  # noqa: E402
 import gc  # noqa: E402
 import statistics  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Dict, List, Tuple  # noqa: E402
 
 import numpy as np  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_scheduler_step import Engine  # noqa: E402
+from pagedkv.bench.vllm_scheduler import Engine, EngineConfig, make_backend  # noqa: E402
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate_w1  # noqa: E402
 
 
@@ -117,7 +114,8 @@ def compare(cfg: Any, caching: bool, max_steps: int, turn: int = 1) -> Dict[str,
     """Step both in lockstep, ``turn`` steps of one, then ``turn`` of the other (1: strict
     alternation, as benches/bench_scheduler_step.py; each step then starts with caches full of
     the other loop's data, which costs the native step far more than vLLM's Python loop)."""
-    vllm, batch = Engine("vllm", cfg, caching), BatchDriver(cfg, caching)
+    vllm = Engine(make_backend("0.4.2", "vllm"), EngineConfig.from_w1(cfg, caching))
+    batch = BatchDriver(cfg, caching)
     for req in generate_w1(cfg).requests:
         vllm.add(req)
         batch.add(req)
@@ -125,9 +123,9 @@ def compare(cfg: Any, caching: bool, max_steps: int, turn: int = 1) -> Dict[str,
     gc.disable()
     try:
         steps = 0
-        while steps < max_steps and vllm.sched.has_unfinished_seqs():
+        while steps < max_steps and vllm.busy():
             n = 0
-            while n < turn and steps + n < max_steps and vllm.sched.has_unfinished_seqs():
+            while n < turn and steps + n < max_steps and vllm.busy():
                 vllm.step()
                 n += 1
             for _ in range(n):
@@ -142,13 +140,13 @@ def compare(cfg: Any, caching: bool, max_steps: int, turn: int = 1) -> Dict[str,
         raise AssertionError("the batch step did not finish with vLLM")
     rows = sum(batch.rows)
     return {
-        "vllm": {"steps": steps, "step_us": statistics.fmean(vllm.step_s) * 1e6},
+        "vllm": {"steps": steps, "step_us": statistics.fmean(vllm.step_seconds) * 1e6},
         "batch": {
             "steps": steps,
             "step_us": sum(batch.step_s) * 1e6 / steps,
             "rows_per_step": rows / steps,
             "us_per_row": sum(batch.step_s) * 1e6 / max(1, rows),
-            "vllm_us_per_row": sum(vllm.step_s) * 1e6 / max(1, rows),
+            "vllm_us_per_row": sum(vllm.step_seconds) * 1e6 / max(1, rows),
         },
     }
 

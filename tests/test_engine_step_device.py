@@ -30,6 +30,7 @@ NAMES = (
     "swap_out",
     "block_tables",
     "row_state",
+    "moved_from",
     "new_block_loc",
     "new_blocks",
 )
@@ -66,6 +67,7 @@ def host_used(res) -> dict:
     if b.row_state is not None:
         used.update(
             row_state=b.row_state[:r],
+            moved_from=b.moved_from[:r],
             new_block_loc=b.new_block_loc[: r + 1],
             new_blocks=b.new_blocks[: res.num_new_blocks],
         )

@@ -49,11 +49,12 @@ __all__ = [
     "ROW_SAME",
     "ROW_APPENDED",
     "ROW_REWRITTEN",
+    "ROW_MOVED",
 ]
 
 _INT32 = np.iinfo(np.int32)
 
-ROW_SAME, ROW_APPENDED, ROW_REWRITTEN = 0, 1, 2
+ROW_SAME, ROW_APPENDED, ROW_REWRITTEN, ROW_MOVED = 0, 1, 2, 3
 
 
 #: The per-step arrays other than ``block_tables``, in the order a device copy packs them.
@@ -69,10 +70,10 @@ _SMALL = (
     "swap_in",
     "swap_out",
     "row_state",
+    "moved_from",
     "new_block_loc",
     "new_blocks",
 )
-_INCREMENTAL = ("row_state", "new_block_loc", "new_blocks")
 
 
 def _align(n: int, to: int = 64) -> int:
@@ -93,9 +94,12 @@ class BatchBuffers:
     ``incremental=True`` adds block-table changes since the previous step, the way vLLM v1
     hands its workers only new block ids: ``row_state[i]`` is ``ROW_SAME`` (0: same sequence
     in the same row, table unchanged), ``ROW_APPENDED`` (1: blocks appended; the new ids are
-    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``) or ``ROW_REWRITTEN`` (2: a new or
-    moved row, or blocks replaced by copy-on-write, swap or recompute; that slice is the whole
-    table). A caller keeping its own persistent table applies these. ``block_tables`` then
+    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: the sequence
+    was in row ``moved_from[i]`` of the previous batch; its table there plus that slice) or
+    ``ROW_REWRITTEN`` (2: a new row, or blocks replaced by copy-on-write, swap or recompute;
+    that slice is the whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for
+    the first two. A caller keeping its own persistent table applies these (moves read the
+    previous step's rows). ``block_tables`` then
     becomes a persistent buffer the step keeps: each step writes only what changed (the
     appended entries; a rewritten row, padded with 0 up to its previous length), so it stays
     equal to the batch's tables only if nobody else writes it. New buffers (another object,
@@ -145,9 +149,11 @@ class BatchBuffers:
         }
         if incremental:
             shapes["row_state"] = (max_rows,)
+            shapes["moved_from"] = (max_rows,)
             shapes["new_block_loc"] = (max_rows + 1,)
             shapes["new_blocks"] = (max_rows * max_blocks_per_seq,)
         self.row_state: Optional[np.ndarray] = None
+        self.moved_from: Optional[np.ndarray] = None
         self.new_block_loc: Optional[np.ndarray] = None
         self.new_blocks: Optional[np.ndarray] = None
         self._arena: Any = None
@@ -252,7 +258,9 @@ class BatchBuffers:
             "swap_out": 2 * res.num_swap_out,
         }
         if self.row_state is not None:
-            used.update(row_state=r, new_block_loc=r + 1, new_blocks=res.num_new_blocks)
+            used.update(
+                row_state=r, moved_from=r, new_block_loc=r + 1, new_blocks=res.num_new_blocks
+            )
         return used
 
     def widened(self, max_blocks_per_seq: int) -> BatchBuffers:
@@ -318,6 +326,7 @@ class DeviceBatch:
     swap_out: Any
     block_tables: Any
     row_state: Any = None
+    moved_from: Any = None
     new_block_loc: Any = None
     new_blocks: Any = None
 

@@ -24,7 +24,7 @@ use std::hash::BuildHasherDefault;
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use step::{
     Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut,
-    Written, ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
+    Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,
 };
 
 pub type GroupKey = u32;

@@ -452,9 +452,14 @@ impl Manager {
 pub const ROW_SAME: u8 = 0;
 /// Same sequence in the same row; blocks were only appended (the new ids follow).
 pub const ROW_APPENDED: u8 = 1;
-/// A new or moved row, or blocks replaced (copy-on-write, swap, recompute): the whole
-/// table follows.
+/// A new row, or blocks replaced (copy-on-write, swap, recompute): the whole table follows.
 pub const ROW_REWRITTEN: u8 = 2;
+/// The sequence was in another row of the last batch (`from`; rows move when an earlier row
+/// leaves or a new one enters before it); its table there, plus the new ids that follow.
+pub const ROW_MOVED: u8 = 3;
+
+/// `TableDelta::from` of a rewritten row (no earlier row to start from).
+pub const NO_ROW: usize = usize::MAX;
 
 /// Per row: its state and the block ids the caller applies (`blocks[loc[i]..loc[i + 1]]`).
 #[derive(Clone, Debug, Default)]
@@ -463,6 +468,8 @@ pub struct TableDelta {
     /// `number - 1` can apply this one.
     pub number: u64,
     pub state: Vec<u8>,
+    /// Per row: its row in the last batch (`NO_ROW` when rewritten).
+    pub from: Vec<usize>,
     pub loc: Vec<usize>,
     pub blocks: Vec<BlockId>,
 }
@@ -497,13 +504,15 @@ impl SentTables {
 impl Manager {
     /// The block-table changes of `batch` relative to `sent` (updated). O(1) per row plus
     /// the entries written: a table that only grew (its `layout` unchanged) sends its new
-    /// entries; one created, moved or with entries replaced sends all of them.
+    /// entries, in its old row or moved from another; one created, moved to the other
+    /// device or with entries replaced sends all of them.
     pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
         sent.deltas += 1;
         let number = sent.deltas;
         let mut d = TableDelta {
             number,
             state: Vec::with_capacity(batch.rows.len()),
+            from: Vec::with_capacity(batch.rows.len()),
             loc: Vec::with_capacity(batch.rows.len() + 1),
             blocks: Vec::new(),
         };
@@ -511,15 +520,15 @@ impl Manager {
         for (i, r) in batch.rows.iter().enumerate() {
             let table = self.block_table(r.seq)?;
             let (version, layout) = self.table_versions(r.seq)?;
-            let state = match sent.rows.get(&r.seq) {
-                Some(s) if s.row == i && s.version == version => ROW_SAME,
-                Some(s) if s.row == i && s.layout == layout && s.len <= table.len() => {
+            let (state, from) = match sent.rows.get(&r.seq) {
+                Some(s) if s.row == i && s.version == version => (ROW_SAME, i),
+                Some(s) if s.layout == layout && s.len <= table.len() => {
                     d.blocks.extend_from_slice(&table[s.len..]);
-                    ROW_APPENDED
+                    (if s.row == i { ROW_APPENDED } else { ROW_MOVED }, s.row)
                 }
                 _ => {
                     d.blocks.extend_from_slice(table);
-                    ROW_REWRITTEN
+                    (ROW_REWRITTEN, NO_ROW)
                 }
             };
             let row = SentRow {
@@ -531,6 +540,7 @@ impl Manager {
             };
             sent.rows.insert(r.seq, row);
             d.state.push(state);
+            d.from.push(from);
             d.loc.push(d.blocks.len());
         }
         sent.rows.retain(|_, s| s.seen == number);
@@ -558,9 +568,11 @@ impl Manager {
     /// Write the block-table rows of `batch` into `bt` (`[rows, cols]` row-major, padded
     /// with 0). Without `held`: every row whole, padded to `cols`. With `held = (delta,
     /// state)` for a buffer that reflects the previous delta: only what changed (appended
-    /// entries; rewritten rows padded up to their previous length), so the step costs the
-    /// changed entries, not the rows' width; otherwise the rows are written whole. Row widths
-    /// are checked by the caller (`write_model_inputs`).
+    /// entries; rewritten and moved rows, padded up to their previous length), so the step
+    /// costs the changed entries and moved rows, not the rows' width; otherwise the rows are
+    /// written whole. A moved row is written from its table (as cheap as moving it, and a
+    /// batch's moves can form cycles). Row widths are checked by the caller
+    /// (`write_model_inputs`).
     pub fn write_block_tables(
         &self,
         batch: &Batch,
@@ -597,7 +609,7 @@ impl Manager {
                 *dst = b as i32;
             }
             let filled = &mut h.filled[i];
-            if d.state[i] == ROW_REWRITTEN && *filled > table.len() {
+            if d.state[i] != ROW_APPENDED && *filled > table.len() {
                 row[table.len()..*filled].fill(0);
             }
             *filled = table.len().max(if d.state[i] == ROW_APPENDED {

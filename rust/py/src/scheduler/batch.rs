@@ -12,7 +12,7 @@ use crate::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
 use pagedkv_core::scheduler::{
     Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta,
-    TokensMut,
+    TokensMut, NO_ROW,
 };
 use pagedkv_core::{Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
@@ -454,15 +454,17 @@ impl PyBatchStep {
         if !b.getattr(intern!(py, "row_state"))?.is_none() {
             let rows = c.core.config().max_num_seqs;
             let st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+            let from = writable_1d::<i32>(&b.getattr("moved_from")?, "moved_from")?;
             let loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
             let nb = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
-            if st.len() < rows || loc.len() < rows + 1 {
+            if st.len() < rows || from.len() < rows || loc.len() < rows + 1 {
                 return Err(invalid(format!(
-                    "buffers.row_state / new_block_loc must hold {rows} / {} entries",
+                    "buffers.row_state / moved_from / new_block_loc must hold {rows} / {rows} / \
+                     {} entries",
                     rows + 1
                 )));
             }
-            drop((st, loc, nb));
+            drop((st, from, loc, nb));
         }
         let cfg = c.core.config();
         let mgr = c.manager.bind(py).get().locked()?;
@@ -563,21 +565,23 @@ impl PyBatchStep {
     }
 }
 
-/// Write the incremental block-table changes into `row_state`, `new_block_loc` and
-/// `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
+/// Write the incremental block-table changes into `row_state`, `moved_from`,
+/// `new_block_loc` and `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
 fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> {
     let mut st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+    let mut from = writable_1d::<i32>(&b.getattr("moved_from")?, "moved_from")?;
     let mut loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
     let mut blocks = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
     let nc = |_| invalid("an output buffer is not contiguous");
-    let (st, loc, blocks) = (
+    let (st, from, loc, blocks) = (
         st.as_slice_mut().map_err(nc)?,
+        from.as_slice_mut().map_err(nc)?,
         loc.as_slice_mut().map_err(nc)?,
         blocks.as_slice_mut().map_err(nc)?,
     );
-    if st.len() < d.state.len() || loc.len() < d.loc.len() {
+    if st.len() < d.state.len() || from.len() < d.from.len() || loc.len() < d.loc.len() {
         return Err(invalid(
-            "row_state / new_block_loc are shorter than the batch",
+            "row_state / moved_from / new_block_loc are shorter than the batch",
         ));
     }
     if blocks.len() < d.blocks.len() {
@@ -586,6 +590,9 @@ fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> 
     for (dst, &x) in st.iter_mut().zip(&d.state) {
         *dst = i32::from(x);
     }
+    for (dst, &x) in from.iter_mut().zip(&d.from) {
+        *dst = if x == NO_ROW { -1 } else { as_row(x)? };
+    }
     for (dst, &x) in loc.iter_mut().zip(&d.loc) {
         *dst = i32::try_from(x).map_err(|_| invalid("new_block_loc overflows int32"))?;
     }
@@ -593,6 +600,10 @@ fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> 
         *dst = x as i32;
     }
     Ok(Some(d.blocks.len()))
+}
+
+fn as_row(x: usize) -> PyResult<i32> {
+    i32::try_from(x).map_err(|_| invalid("a row index overflows int32"))
 }
 
 type Views<'py> = (
