@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Short GPU check of the torch side of pagedkv (runs in well under 2 minutes).
 
-1. the end-to-end demo (:mod:`pagedkv.demo`) on the device in fp32 (tolerance 1e-5)
-   and bf16 (2e-2 of the row's largest logit): prefix caching, fork + copy-on-write,
-   swap out/in and recompute, every logits row against ``dense_forward``;
+1. the end-to-end demo (:mod:`pagedkv.demo`: pagedkv.Scheduler through the batch step,
+   and through ``schedule()`` in fp32) on the device in fp32 (tolerance 1e-5) and bf16
+   (2e-2 of the row's largest logit): prefix caching, fork + copy-on-write, swap out/in
+   and recompute, every logits row against ``dense_forward``;
 2. :func:`pagedkv.attention.paged_attention` against per-sequence SDPA on a mixed
    batch (prefill chunks + decodes, GQA, scrambled block tables), fp32 and bf16,
    every backend that can run the inputs;
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 
 import pagedkv
 from pagedkv.attention import StepBuffers, flash_attn_unavailable_reason, paged_attention
-from pagedkv.demo import run_demo
+from pagedkv.demo import DemoConfig, run_demo
 
 ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -53,11 +54,15 @@ def sync(device: torch.device) -> None:
 
 def check_demo(device: torch.device) -> list[str]:
     failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        rep = run_demo(device=device, dtype=dtype, verbose=False)
-        name = str(dtype).replace("torch.", "")
+    for path, dtype in (
+        ("batch", torch.float32),
+        ("batch", torch.bfloat16),
+        ("compat", torch.float32),
+    ):
+        rep = run_demo(DemoConfig(path=path), device=device, dtype=dtype, verbose=False)
+        name = f"{path} {str(dtype).replace('torch.', '')}"
         print(
-            f"demo {name:8s}: {'OK ' if rep.ok else 'FAIL'} {rep.checked_rows} rows, "
+            f"demo {name:14s}: {'OK ' if rep.ok else 'FAIL'} {rep.checked_rows} rows, "
             f"max|diff| {rep.max_abs_diff:.2e} (atol {rep.atol:g}), hits "
             f"{rep.prefix_hits}/{rep.prefix_lookups}, skipped {rep.prefix_cached_tokens} tok, "
             f"cow {rep.cow_copies}, swap {rep.swap_outs}/{rep.swap_ins}, "
@@ -276,7 +281,10 @@ def check_batch_buffers(device: torch.device, steps: int = 200) -> list[str]:
             "slot_mapping": b.slot_mapping[:t],
             "query_start_loc": b.query_start_loc[: r + 1],
             "context_lens": b.context_lens[:r],
+            "num_samples": b.num_samples[:r],
+            "cached_tokens": b.cached_tokens[:r],
             "seq_ids": b.seq_ids[:r],
+            "moved_from": b.moved_from[:r],
             "block_tables": b.block_tables[:r],
             "copies": b.copies[: 2 * res.num_copies],
             "swap_out": b.swap_out[: 2 * res.num_swap_out],

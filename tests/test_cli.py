@@ -84,6 +84,9 @@ def test_demo_options_match_the_demo_module():
     assert set(demo._DTYPES) == set(cli.DEMO_DTYPES)
     assert demo.DemoConfig().num_requests == cli.DEMO_DEFAULT_REQUESTS
     assert demo.MIN_REQUESTS == cli.DEMO_MIN_REQUESTS
+    from pagedkv.demo_paths import PATHS
+
+    assert tuple(PATHS) == cli.DEMO_PATHS and demo.DemoConfig().path == cli.DEMO_PATHS[0]
 
 
 def test_console_entry_point_subprocess():

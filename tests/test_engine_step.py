@@ -58,6 +58,37 @@ def test_prefill_then_decode_writes_the_model_inputs():
     assert not eng.has_unfinished_seqs()
 
 
+def test_prompt_rows_leave_their_cached_prefix_out():
+    """vLLM 0.4.2's model runner rule: a prompt starts after its computed blocks (all full
+    blocks but the last of a scheduled sequence are marked computed)."""
+    cc = CacheConfig(BS, 0.9, 1, "auto", enable_prefix_caching=True)
+    cc.num_gpu_blocks, cc.num_cpu_blocks = 64, 16
+    sched = pagedkv.Scheduler(SchedulerConfig(64, 8, 32), cc, None)
+    eng = BatchEngine(sched)
+    prompt = list(range(20, 33))  # 13 tokens: blocks 0-2 full, 0-1 marked computed
+    add(eng, "a", 1, prompt, max_tokens=4)
+    res = eng.step(now=1.0)
+    b = res.buffers
+    assert (res.num_tokens, b.cached_tokens[0]) == (13, 0)
+    add(eng, "b", 2, prompt[:12] + [99], max_tokens=4)  # same first 3 blocks
+    res = eng.step([7], now=2.0)
+    assert (res.num_rows, res.num_prefill_groups, res.num_tokens) == (1, 1, 5)
+    assert b.cached_tokens[0] == 8 and b.context_lens[0] == 13
+    assert b.input_tokens[:5].tolist() == prompt[8:12] + [99]
+    assert b.positions[:5].tolist() == list(range(8, 13))
+    table = b.block_tables[0, :4].tolist()
+    assert table[:2] == sched.block_manager.get_block_table(sched.running[0].get_seqs()[0])[:2]
+    assert b.slot_mapping[:5].tolist() == [table[p // BS] * BS + p % BS for p in range(8, 13)]
+    assert b.query_start_loc[:2].tolist() == [0, 5]
+    res = eng.step([8], now=3.0)  # decodes never skip
+    assert res.num_tokens == 2 and not b.cached_tokens[:2].any()
+    short = BatchBuffers.for_scheduler(sched)
+    short.cached_tokens = short.cached_tokens[:1]
+    eng.buffers = short
+    with pytest.raises(InvalidArgumentError, match="cached_tokens"):
+        eng.step([9, 9], now=4.0)
+
+
 def test_stop_checks_follow_vllm_order():
     _, eng = make()
     a = add(eng, "eos", 1, [1, 2], eos=7, max_tokens=9)

@@ -19,6 +19,14 @@ of a group with one sequence, else 1); the next ``step`` takes them in row order
 ``k`` samples the first ``k - 1`` go to new child sequences (ids from ``seq_counter``), the
 last to the row's own sequence, as vLLM's output processor does.
 
+Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
+tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
+``input_tokens``, ``positions`` and ``slot_mapping``, as vLLM 0.4.2's model runner leaves
+them out; ``cached_tokens[i]`` says how many, ``positions[q[i]]`` is the first computed
+position and ``context_lens[i]`` still counts the whole context. The model reads the cached
+prefix from the KV cache through the block table; a row's last token is always computed.
+With chunked prefill nothing is left out (vLLM 0.4.2 refuses prefix caching there).
+
 Python views: running sequences' ``Sequence``/``SequenceData`` objects are not written every
 step. Their status is (when it changes), and finished groups come back fully written; call
 :meth:`BatchEngine.sync_views` before reading a running sequence's tokens or progress. The
@@ -62,6 +70,7 @@ _SMALL = (
     "query_start_loc",
     "context_lens",
     "num_samples",
+    "cached_tokens",
     "seq_ids",
     "input_tokens",
     "positions",
@@ -87,7 +96,9 @@ class BatchBuffers:
     ``positions``, ``slot_mapping``. Per row (``max_rows``): ``context_lens`` (tokens in the
     sequence's context after this step), ``num_samples``, ``seq_ids``, ``block_tables``
     (``[max_rows, max_blocks_per_seq]``, rows padded with 0) and ``query_start_loc``
-    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``). Flattened ``(src, dst)``
+    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``) and ``cached_tokens``
+    (leading tokens of a prompt row left out because the prefix cache holds them; 0 for
+    other rows). Flattened ``(src, dst)``
     pairs: ``copies`` (copy-on-write), ``swap_in`` (CPU -> GPU), ``swap_out`` (GPU -> CPU).
     A step writes only the prefixes it reports in its :class:`StepResult`.
 
@@ -141,6 +152,7 @@ class BatchBuffers:
             "query_start_loc": (max_rows + 1,),
             "context_lens": (max_rows,),
             "num_samples": (max_rows,),
+            "cached_tokens": (max_rows,),
             "seq_ids": (max_rows,),
             "block_tables": (max_rows, max_blocks_per_seq),
             "copies": (2 * max_rows,),
@@ -249,6 +261,7 @@ class BatchBuffers:
             "query_start_loc": r + 1,
             "context_lens": r,
             "num_samples": r,
+            "cached_tokens": r,
             "seq_ids": r,
             "input_tokens": t,
             "positions": t,
@@ -317,6 +330,7 @@ class DeviceBatch:
     query_start_loc: Any
     context_lens: Any
     num_samples: Any
+    cached_tokens: Any
     seq_ids: Any
     input_tokens: Any
     positions: Any
@@ -336,6 +350,7 @@ class StepResult:
     """What one :meth:`BatchEngine.step` wrote and decided."""
 
     num_rows: int
+    #: Tokens written (prompt rows without their cached prefix).
     num_tokens: int
     num_prefill_groups: int
     num_copies: int

@@ -23,8 +23,8 @@ use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use step::{
-    Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut,
-    Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,
+    cached_skip, Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta,
+    TokensMut, Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,
 };
 
 pub type GroupKey = u32;

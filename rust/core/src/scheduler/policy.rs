@@ -722,9 +722,10 @@ impl Scheduler {
         self.build_meta(mgr, toks, out, now, true)
     }
 
-    /// `step_meta`, with `computed_block_nums` gathered only when `with_computed`: the batch
-    /// step does without them (an O(table) walk per sequence its caller does not read: the
-    /// model inputs carry whole block tables).
+    /// `step_meta`, with `computed_block_nums` gathered for every group only when
+    /// `with_computed`. The batch step needs them only for prompt groups without chunked
+    /// prefill (its rows skip the cached prefix, as vLLM 0.4.2's model runner does): elsewhere
+    /// they are an O(table) walk per sequence nobody reads.
     pub fn build_meta<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
@@ -739,14 +740,14 @@ impl Scheduler {
             for &id in &running {
                 mgr.access_all_blocks_in_seq(id, now)?;
             }
-            let computed = match with_computed {
+            let is_prompt = self.g(s.key).is_prefill();
+            let computed = match with_computed || (is_prompt && !self.cfg.chunked_prefill) {
                 true => mgr.get_common_computed_block_ids(&running),
                 false => Vec::new(),
             };
             let g = self.gm(s.key);
             let first_time = !g.scheduled_before;
             g.scheduled_before = true;
-            let is_prompt = self.g(s.key).is_prefill();
             let mut do_sample = true;
             if is_prompt {
                 // fix 2: the unfinished sequence, not "the only sequence" of the group.

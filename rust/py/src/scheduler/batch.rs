@@ -58,7 +58,7 @@ pub struct PyBatchStep {
 }
 
 /// The output arrays of one step, by keyword.
-const OUTPUTS: [&str; 11] = [
+const OUTPUTS: [&str; 12] = [
     "input_tokens",
     "positions",
     "slot_mapping",
@@ -70,6 +70,7 @@ const OUTPUTS: [&str; 11] = [
     "copies",
     "swap_in",
     "swap_out",
+    "cached_tokens",
 ];
 
 #[pymethods]
@@ -486,6 +487,7 @@ impl PyBatchStep {
             2 * rows,
             2 * gpu,
             2 * gpu,
+            rows,
         ];
         drop(mgr);
         for (name, need) in OUTPUTS.iter().zip(need) {
@@ -539,7 +541,7 @@ impl PyBatchStep {
             .map(|a| a.as_slice_mut())
             .collect::<Result<Vec<_>, _>>()
             .map_err(nc)?;
-        let [it, pos, slot, qs, cl, ns, cp, si, so]: [&mut [i32]; 9] = std::mem::take(&mut sl)
+        let [it, pos, slot, qs, cl, ns, cp, si, so, ct]: [&mut [i32]; 10] = std::mem::take(&mut sl)
             .try_into()
             .map_err(|_| invalid("outputs"))?;
         let buf = ModelInputs {
@@ -549,6 +551,7 @@ impl PyBatchStep {
             query_start_loc: qs,
             context_lens: cl,
             num_samples: ns,
+            cached_tokens: ct,
             seq_ids: ids.as_slice_mut().map_err(nc)?,
             block_tables: bt.as_slice_mut().map_err(nc)?,
             cols,
@@ -620,7 +623,7 @@ fn take_views<'py>(b: &Bound<'py, PyAny>) -> PyResult<Views<'py>> {
         .iter()
         .map(|n| b.getattr(*n))
         .collect::<PyResult<_>>()?;
-    let mut v = Vec::with_capacity(9);
+    let mut v = Vec::with_capacity(OUTPUTS.len() - 2);
     for (i, name) in OUTPUTS.iter().enumerate() {
         if i != 6 && i != 7 {
             v.push(writable_1d::<i32>(&objs[i], name)?);
