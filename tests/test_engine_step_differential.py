@@ -31,6 +31,7 @@ import pytest
 
 from pagedkv.engine_step import (
     ROW_APPENDED,
+    ROW_MOVED,
     ROW_REWRITTEN,
     ROW_SAME,
     BatchBuffers,
@@ -211,6 +212,7 @@ class Pair:
         bufs = BatchBuffers.for_scheduler(self.batch.sched, incremental=True)
         self.persistent: list = []  # block tables kept up to date from the increments only
         self.rows_same = 0
+        self.rows_moved = 0
         self.cached_rows = 0  # prompt rows that left a cached prefix out
         self.engine = BatchEngine(self.batch.sched, bufs, seq_counter=self._new_id)
         self.steps = 0
@@ -228,13 +230,19 @@ class Pair:
             new = b.new_blocks[b.new_block_loc[i] : b.new_block_loc[i + 1]].tolist()
             state = int(b.row_state[i])
             if state == ROW_SAME:
-                assert not new
+                assert not new and b.moved_from[i] == i
                 self.rows_same += 1
                 rows.append(self.persistent[i])
             elif state == ROW_APPENDED:
+                assert b.moved_from[i] == i
                 rows.append(self.persistent[i] + new)
+            elif state == ROW_MOVED:
+                j = int(b.moved_from[i])
+                assert j != i
+                self.rows_moved += 1
+                rows.append(self.persistent[j] + new)
             else:
-                assert state == ROW_REWRITTEN
+                assert state == ROW_REWRITTEN and b.moved_from[i] == -1
                 rows.append(new)
         self.persistent = rows
 
@@ -330,6 +338,7 @@ def test_batch_step_makes_the_compat_decisions(force):
     assert sum(p.steps for p in pairs) >= 300
     assert sum(p.samples_applied for p in pairs) >= 300
     assert sum(p.rows_same for p in pairs) >= 300  # the increments are mostly empty
+    assert sum(p.rows_moved for p in pairs) >= 30  # rows move when earlier ones leave
     cached_rows = sum(p.cached_rows for p in pairs)
     if force["caching"] and not force["chunked"]:
         assert cached_rows >= 20, cached_rows

@@ -10,9 +10,10 @@ Two sweeps over the factors 1, 4 and 16, prefix caching on:
   growth of the per-step cost is a cost of the pool's size (there should be none).
 
 Each point runs the first :data:`MAX_STEPS` steps of the workload (the batch is full after a
-few dozen) with the batch step (:class:`pagedkv.engine_step.BatchEngine`, whole step) and
-replays the same steps, recorded from :class:`pagedkv.Scheduler`, onto the native block
-manager backends (manager time only). vLLM's default policy does not mix prompts and decodes:
+few dozen) with the batch step (:class:`pagedkv.engine_step.BatchEngine`, whole step, with
+plain and with incremental :class:`~pagedkv.engine_step.BatchBuffers`) and replays the same
+steps, recorded from :class:`pagedkv.Scheduler`, onto the native block manager backends
+(manager time only). vLLM's default policy does not mix prompts and decodes:
 a prefill step costs what its prompts cost (allocation and hashing of every prompt token, the
 "changed entries"), a decode step what its running sequences cost. A point is the median time
 of the decode-only steps and the median of their time per running sequence (on a shared
@@ -28,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
 
@@ -40,6 +41,10 @@ FACTORS = (1, 4, 16)
 
 #: Steps run per point (full, quick).
 MAX_STEPS = {False: 200, True: 60}
+
+#: Buffers the batch step is timed with, and their column names.
+BUFFERS = ("plain", "incremental")
+_BATCH_LANES = {"plain": "batch-step", "incremental": "batch-step-inc"}
 
 #: Backends whose manager replay is part of the sweep (the pure-Python ones are too slow at x16).
 SCALING_BACKENDS = ("native", "native-batch")
@@ -78,18 +83,25 @@ def run_scaling(
     seed: int = 0,
     progress: Optional[Any] = None,
     out: Optional[TextIO] = None,
+    max_steps: Optional[int] = None,
+    buffers: Tuple[str, ...] = BUFFERS,
+    caching: bool = True,
 ) -> Dict[str, Any]:
-    """Run both sweeps; the JSON section (and the table, to ``out``)."""
+    """Run both sweeps (``max_steps`` steps per point, default :data:`MAX_STEPS`; the batch
+    step with each of ``buffers``: ``"plain"``, ``"incremental"``); the JSON section (and the
+    table, to ``out``)."""
     replayed = [b for b in backends if b.name in SCALING_BACKENDS]
+    steps = MAX_STEPS[quick] if max_steps is None else max_steps
     doc: Dict[str, Any] = {
         "factors": list(FACTORS),
-        "enable_caching": True,
-        "max_steps": MAX_STEPS[quick],
-        "timed": ["batch-step"] + [b.name for b in replayed],
+        "enable_caching": caching,
+        "max_steps": steps,
+        "timed": [_BATCH_LANES[b] for b in buffers] + [b.name for b in replayed],
     }
     for sweep, configs in sweep_configs(quick).items():
         doc[sweep] = [
-            _point(k, cfg, replayed, quick, seed, progress) for k, cfg in zip(FACTORS, configs)
+            _point(k, cfg, replayed, buffers, (steps, seed, caching), progress)
+            for k, cfg in zip(FACTORS, configs)
         ]
     if out is not None:
         print(file=out)
@@ -98,12 +110,18 @@ def run_scaling(
 
 
 def _point(
-    k: int, cfg: WorkloadConfig, backends: List[Any], quick: bool, seed: int, progress: Any
+    k: int,
+    cfg: WorkloadConfig,
+    backends: List[Any],
+    buffers: Tuple[str, ...],
+    run: Tuple[int, int, bool],
+    progress: Any,
 ) -> Dict[str, Any]:
+    """One point of a sweep: ``run`` is (steps, seed, caching)."""
     from pagedkv.bench.replay import replay
     from pagedkv.bench.trace import record
 
-    steps = MAX_STEPS[quick]
+    steps, seed, caching = run
     workload = generate(cfg, seed=seed)
     point: Dict[str, Any] = {
         "factor": k,
@@ -116,14 +134,18 @@ def _point(
         "mean_us_per_row": {},  # every step: total us / total running sequences
     }
     desc = f"scale x{k}: {cfg.max_num_seqs} seqs, {cfg.num_gpu_blocks} blocks"
-    with progress.bar(1 + len(backends), desc) if progress else contextlib.nullcontext() as bar:
-        seconds, rows, decode = _batch_steps(workload, steps)
-        _store(point, "batch-step", seconds * 1e6, rows, decode)
-        point["mean_batch_seqs"] = float(rows.mean())
-        point["decode_steps"] = int(decode.sum())
-        if bar is not None:
-            bar.update(1)
-        trace = record(workload, True, max_steps=steps)
+    total = len(buffers) + len(backends)
+    with progress.bar(total, desc) if progress else contextlib.nullcontext() as bar:
+        for kind in buffers:
+            seconds, rows, decode = _batch_steps(workload, steps, caching, kind == "incremental")
+            _store(point, _BATCH_LANES[kind], seconds * 1e6, rows, decode)
+            point["mean_batch_seqs"] = float(rows.mean())
+            point["decode_steps"] = int(decode.sum())
+            if bar is not None:
+                bar.update(1)
+        if not backends:
+            return point
+        trace = record(workload, caching, max_steps=steps)
         trace_rows = np.asarray([s.rows for s in trace.steps], dtype=float)
         decode = np.asarray([_decode_only(s) for s in trace.steps])
         for b in backends:
@@ -136,17 +158,18 @@ def _point(
     return point
 
 
-def _batch_steps(workload: Any, steps: int) -> Any:
-    """The first ``steps`` batch steps of ``workload``: seconds and rows per step."""
+def _batch_steps(workload: Any, steps: int, caching: bool, incremental: bool) -> Any:
+    """The first ``steps`` batch steps of ``workload`` (fewer if it ends): seconds and rows per
+    step, and which steps only decode."""
     from pagedkv.bench.wholestep import BatchDriver
 
-    driver = BatchDriver(workload.config, caching=True)
+    driver = BatchDriver(workload.config, caching, incremental)
     for req in workload.requests:
         driver.add(req)
     gc.collect()
     gc.disable()
     try:
-        for _ in range(steps):
+        while len(driver.seconds) < steps and driver.busy():
             driver.step()
     finally:
         gc.enable()
@@ -177,9 +200,10 @@ def format_scaling(doc: Dict[str, Any]) -> str:
     """The sweeps as a table: median µs per step and per batch row, per timed engine."""
     names = doc.get("timed", [])
     lines = [
-        f"== Scaling (W1 mix, caching on, first {doc.get('max_steps')} steps): median us per "
-        "decode step (and per running sequence); batch-step = the whole batch step, the others "
-        "= manager time of the replayed schedule =="
+        f"== Scaling (W1 mix, caching {'on' if doc.get('enable_caching') else 'off'}, at most "
+        f"{doc.get('max_steps')} steps): median us per decode step (and per running sequence); "
+        "batch-step(-inc) = the whole batch step (plain / incremental buffers), the others = "
+        "manager time of the replayed schedule =="
     ]
     header = f"{'sweep':<6} {'x':>3} {'running':>7} {'rows/step':>9} {'GPU blocks':>10}  "
     lines.append(header + "  ".join(f"{n:>24}" for n in names))

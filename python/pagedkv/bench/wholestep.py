@@ -45,12 +45,13 @@ TURN = 16
 
 class BatchDriver:
     """A workload's requests through :class:`~pagedkv.engine_step.BatchEngine`, with the
-    model's sampled tokens taken from the workload."""
+    model's sampled tokens taken from the workload (``incremental``: buffers that also carry
+    the block-table increments, :class:`~pagedkv.engine_step.BatchBuffers`)."""
 
-    def __init__(self, cfg: WorkloadConfig, caching: bool) -> None:
+    def __init__(self, cfg: WorkloadConfig, caching: bool, incremental: bool = False) -> None:
         import pagedkv
         from pagedkv import scheduler as conf
-        from pagedkv.engine_step import BatchEngine
+        from pagedkv.engine_step import BatchBuffers, BatchEngine
 
         ec = engine_config(cfg, caching)
         sched_cfg = conf.SchedulerConfig(
@@ -64,7 +65,8 @@ class BatchDriver:
         cache_cfg.num_cpu_blocks = ec.num_cpu_blocks
         self.scheduler = pagedkv.Scheduler(sched_cfg, cache_cfg, None)
         self.next_child = 1 << 40  # the compat loop's child ids
-        self.engine = BatchEngine(self.scheduler, seq_counter=self._new_id)
+        buffers = BatchBuffers.for_scheduler(self.scheduler, incremental=incremental)
+        self.engine = BatchEngine(self.scheduler, buffers, seq_counter=self._new_id)
         self.pagedkv = pagedkv
         self.block_size = cfg.block_size
         # seq id -> (request, row of its output_token_ids, prompt length)

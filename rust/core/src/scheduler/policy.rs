@@ -181,23 +181,40 @@ impl Scheduler {
 
     /// Whether preempting running groups with several running sequences could run out of CPU
     /// blocks this step: swap-outs are the only CPU allocations before any swap-in, and a
-    /// victim's table does not grow before it is preempted. `distinct_blocks_bound` may
-    /// overcount (then a copy is taken that was not needed), never undercount.
+    /// victim's table does not grow before it is preempted. First bounded by the tables'
+    /// lengths (O(1) per sequence, so a step does not walk every table while the CPU has
+    /// room); only when that bound does not settle it, by `distinct_blocks_bound` (O(table):
+    /// shared prefixes counted once). Both may overcount (then a copy is taken that was not
+    /// needed), never undercount.
     fn swap_out_may_fail(&self, mgr: &Manager) -> Result<bool> {
-        let mut need = 0;
-        for &key in &self.running {
-            let g = self.g(key);
-            if g.ids_with(Status::Running).nth(1).is_some() {
-                let unfinished: Vec<SeqId> = g
-                    .seqs
-                    .iter()
-                    .filter(|s| !s.status.is_finished())
-                    .map(|s| s.id)
-                    .collect();
-                need += mgr.distinct_blocks_bound(&unfinished)?;
+        let free = mgr.num_free_cpu_blocks();
+        let multi = || {
+            self.running
+                .iter()
+                .map(|&k| self.g(k))
+                .filter(|g| g.ids_with(Status::Running).nth(1).is_some())
+        };
+        let unfinished = |g: &super::Group| -> Vec<SeqId> {
+            g.seqs
+                .iter()
+                .filter(|s| !s.status.is_finished())
+                .map(|s| s.id)
+                .collect()
+        };
+        let mut crude = 0;
+        for g in multi() {
+            for s in g.seqs.iter().filter(|s| !s.status.is_finished()) {
+                crude += mgr.distinct_len(s.id)?;
             }
         }
-        Ok(need > mgr.num_free_cpu_blocks())
+        if crude <= free {
+            return Ok(false);
+        }
+        let mut need = 0;
+        for g in multi() {
+            need += mgr.distinct_blocks_bound(&unfinished(g))?;
+        }
+        Ok(need > free)
     }
 
     /// Whether this step could preempt at all. Running groups are the only ones that preempt,

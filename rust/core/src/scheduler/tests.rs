@@ -536,6 +536,7 @@ fn batch_inputs(s: &mut Scheduler, m: &mut Manager, st: &Store, now: f64) -> (Wr
         seq_ids: &mut ids,
         block_tables: &mut bt,
         cols,
+        held: None,
         copies: &mut cp,
         swap_in: &mut si,
         swap_out: &mut so,
