@@ -12,7 +12,6 @@ __all__ = [
     "format_cross_check",
     "format_micro",
     "format_runs",
-    "format_scheduler_step",
     "format_whole_step",
     "format_w1",
     "run_dicts",
@@ -337,24 +336,6 @@ def format_cross_check(check: Dict[str, Any]) -> str:
             if g["not_all_free"]:
                 line += f"\n  blocks left allocated after the run: {g['not_all_free']}"
     return line
-
-
-def format_scheduler_step(r: Dict[str, Any]) -> str:
-    """One line per backend of a vllm_scheduler.compare_scheduler_step result."""
-    head = (
-        f"vLLM {r['version']} Scheduler on {r['workload']}, caching "
-        f"{'on' if r['caching'] else 'off'} (speedup = first backend's total step time / "
-        "this one's):"
-    )
-    lines = [head]
-    for name, stats in r["backends"].items():
-        lines.append(
-            f"  {name:<17} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
-            f"median {stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
-        )
-    if r.get("error"):
-        lines.append(f"  DECISIONS DIFFERED: {r['error']}")
-    return "\n".join(lines)
 
 
 def format_whole_step(runs: List[Dict[str, Any]]) -> str:
