@@ -19,6 +19,19 @@ of a group with one sequence, else 1); the next ``step`` takes them in row order
 ``k`` samples the first ``k - 1`` go to new child sequences (ids from ``seq_counter``), the
 last to the row's own sequence, as vLLM's output processor does.
 
+Stable rows (``BatchEngine(..., stable_rows=True)``): the decisions are the same, only the
+rows are placed differently, the way vLLM v1's persistent batch keeps them. A sequence keeps
+its row while it stays in the batch; rows stay dense ``0..n-1``: the rows of sequences that
+left the batch (finished, preempted, or not scheduled this step, as a chunked prefill can be
+when the token budget runs out) are filled by the last rows (only that many rows move:
+``ROW_MOVED`` with incremental buffers), and sequences new to the batch (admitted, swapped
+in, forked, back after a step out) take rows at the end, in schedule order. A group's rows
+need not be adjacent; ``seq_ids`` names each row's sequence, ``query_start_loc`` its token
+span (any row order is valid), ``StepResult.scheduled`` stays in schedule order, and the
+sampled array still follows the rows. Samples are applied in schedule order: children's ids
+are drawn from ``seq_counter`` in schedule order (group by group, as vLLM does), not in
+row order.
+
 Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
 tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
 ``input_tokens``, ``positions`` and ``slot_mapping``, as vLLM 0.4.2's model runner leaves
@@ -388,14 +401,21 @@ class StepResult:
 
 
 class BatchEngine:
-    """Drive a :class:`pagedkv.Scheduler` with the one-call batch step (module docstring)."""
+    """Drive a :class:`pagedkv.Scheduler` with the one-call batch step (module docstring).
+
+    ``stable_rows=True``: a running sequence keeps its row while it stays in the batch (the
+    module docstring, "Stable rows"); with ``incremental`` buffers a step then costs the
+    running sequences and the changed entries, not the tables' length."""
 
     def __init__(
         self,
         scheduler: Any,
         buffers: Optional[BatchBuffers] = None,
         seq_counter: Optional[Callable[[], int]] = None,
+        stable_rows: bool = False,
     ) -> None:
+        if not isinstance(stable_rows, bool):
+            raise ArgumentTypeError("stable_rows must be a bool")
         core = getattr(scheduler, "_core", None)
         if core is None:
             raise ArgumentTypeError("BatchEngine drives a pagedkv.Scheduler")
@@ -403,7 +423,13 @@ class BatchEngine:
         self.buffers = buffers if buffers is not None else BatchBuffers.for_scheduler(scheduler)
         if seq_counter is None:
             seq_counter = itertools.count(1 << 40).__next__
-        self._step = BatchStep(core, seq_counter)
+        self._step = BatchStep(core, seq_counter, stable_rows)
+
+    @property
+    def stable_rows(self) -> bool:
+        """Whether a running sequence keeps its row from step to step (see the module
+        docstring) rather than rows following :meth:`Scheduler.schedule`'s order."""
+        return self._step.stable_rows
 
     @property
     def num_expected_samples(self) -> int:

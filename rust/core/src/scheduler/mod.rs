@@ -11,6 +11,7 @@
 //! SWAPPED (or finished but not yet freed by the engine).
 
 mod policy;
+mod rows;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -22,6 +23,7 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
+pub use rows::StableRows;
 pub use step::{
     cached_skip, Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta,
     TokensMut, Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,

@@ -66,16 +66,40 @@ pub struct Row {
     /// vLLM's `len(computed_block_nums)` for a prompt row without chunked prefill (its
     /// cached prefix, in blocks), else 0.
     pub cached_blocks: usize,
+    /// The group's token chunk this step (its `Scheduled::chunk`).
+    pub chunk: usize,
 }
 
 /// The previous step's batch, as the caller's sampled-token array is laid out.
+///
+/// `rows` are in buffer-row order. By default that is `schedule()`'s order (`place` empty);
+/// with stable rows ([`StableRows`](super::StableRows)) `place[j]` is the buffer row of the
+/// `j`-th row in schedule order. Samples are applied in schedule order (children drawn,
+/// forked and parents freed as vLLM's output processor does, so block ids and sequence ids
+/// match the compat path), each row taking its samples from its buffer row's span.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub groups: Vec<Scheduled>,
     pub rows: Vec<Row>,
+    pub place: Vec<usize>,
 }
 
 impl Batch {
+    /// The rows in schedule order, each with where its samples start in the sampled array
+    /// (laid out in buffer-row order).
+    pub fn rows_by_schedule(&self) -> Vec<(&Row, usize)> {
+        let mut start = Vec::with_capacity(self.rows.len());
+        let mut at = 0;
+        for r in &self.rows {
+            start.push(at);
+            at += r.samples;
+        }
+        if self.place.is_empty() {
+            return self.rows.iter().zip(start).collect();
+        }
+        self.place.iter().map(|&i| (&self.rows[i], start[i])).collect()
+    }
+
     pub fn num_samples(&self) -> usize {
         self.rows.iter().map(|r| r.samples).sum()
     }
@@ -126,12 +150,11 @@ impl Scheduler {
         for s in &prev.groups {
             self.add_computed(toks, s.key, s.chunk)?;
         }
-        let (mut next_tok, mut next_child) = (0, 0);
+        let mut next_child = 0;
         let mut forks = Vec::new();
         let mut freed = Vec::new();
-        for r in &prev.rows {
-            let toks_of_row = &sampled[next_tok..next_tok + r.samples];
-            next_tok += r.samples;
+        for (r, at) in prev.rows_by_schedule() {
+            let toks_of_row = &sampled[at..at + r.samples];
             if r.key == GroupKey::MAX || r.samples == 0 {
                 continue;
             }
@@ -268,6 +291,7 @@ impl Scheduler {
                 seq,
                 samples,
                 cached_blocks,
+                chunk: s.chunk,
             }));
         }
         b
@@ -440,14 +464,12 @@ impl Manager {
 
     /// Per row: where its chunk starts, its length and the cached tokens it leaves out.
     fn row_spans(&self, sched: &Scheduler, batch: &Batch) -> Result<Vec<Span>> {
-        let chunk_of: IdMap<GroupKey, usize> =
-            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
         let bs = self.config().block_size;
         batch
             .rows
             .iter()
             .map(|r| {
-                let len = chunk_of[&r.key];
+                let len = r.chunk;
                 let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
                 let skip = cached_skip(r.cached_blocks * bs, start, len);
                 Ok(Span { start, len, skip })
@@ -756,10 +778,12 @@ mod tests {
             seq,
             samples: 1,
             cached_blocks: 0,
+            chunk: 1,
         });
         Batch {
             groups: Vec::new(),
             rows: rows.collect(),
+            place: Vec::new(),
         }
     }
 
