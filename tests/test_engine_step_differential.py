@@ -232,11 +232,11 @@ class Pair:
         self.persistent: list = []  # block tables kept up to date from the increments only
         self.rows_same = 0
         self.rows_moved = 0
-        self.rows_left = 0  # rows of a batch whose sequence is not in the next one
+        self.rows_freed = 0  # rows of a batch whose sequence left it (or that were new)
         self.cached_rows = 0  # prompt rows that left a cached prefix out
         self.stable = stable
         self.reordered = 0  # steps whose rows are not in schedule order
-        self.prev_ids: list = []
+        self.owner: list = []  # per row of the increments' buffer: the sequence it holds
         self.engine = BatchEngine(
             self.batch.sched, bufs, seq_counter=self._new_id, stable_rows=stable
         )
@@ -249,34 +249,39 @@ class Pair:
         return self.next_child - 1
 
     def apply_increments(self, res) -> None:
-        b = res.buffers
-        rows, moved = [], 0
-        for i in range(res.num_rows):
+        """Keep a block-table buffer from the increments alone, as a caller would: a row
+        holds what it was last sent (rows past the batch included) and moves read the
+        buffer as it was before the step."""
+        b, n = res.buffers, res.num_rows
+        before, moved = list(self.persistent), 0
+        ids = b.seq_ids[:n].tolist()
+        in_batch = set(ids)
+        # rows of the batch whose sequence is gone from it: the only rows a move may fill
+        freed = sum(1 for i in range(n) if i >= len(self.owner) or self.owner[i] not in in_batch)
+        self.persistent += [[] for _ in range(n - len(before))]
+        self.owner += [None] * (n - len(self.owner))
+        for i in range(n):
             new = b.new_blocks[b.new_block_loc[i] : b.new_block_loc[i + 1]].tolist()
             state = int(b.row_state[i])
-            if state == ROW_SAME:
-                assert not new and b.moved_from[i] == i
-                self.rows_same += 1
-                rows.append(self.persistent[i])
-            elif state == ROW_APPENDED:
-                assert b.moved_from[i] == i
-                rows.append(self.persistent[i] + new)
+            if state in (ROW_SAME, ROW_APPENDED):
+                assert b.moved_from[i] == i and self.owner[i] == ids[i]
+                assert state == ROW_APPENDED or not new, "a row the same has no new ids"
+                self.rows_same += state == ROW_SAME
+                self.persistent[i] = before[i] + new
             elif state == ROW_MOVED:
                 j = int(b.moved_from[i])
-                assert j != i
+                assert j != i and self.owner[j] == ids[i], "moved from the row that holds it"
                 moved += 1
-                rows.append(self.persistent[j] + new)
+                self.persistent[i] = before[j] + new
             else:
                 assert state == ROW_REWRITTEN and b.moved_from[i] == -1
-                rows.append(new)
-        self.persistent = rows
-        ids = b.seq_ids[: res.num_rows].tolist()
-        left = len(set(self.prev_ids) - set(ids))
+                self.persistent[i] = new
+        for i in range(n):
+            self.owner[i] = ids[i]
         if self.stable:
-            assert moved <= left, f"{moved} rows moved, {left} left the batch"
+            assert moved <= freed, f"{moved} rows moved, {freed} rows were left free"
         self.rows_moved += moved
-        self.rows_left += left
-        self.prev_ids = ids
+        self.rows_freed += freed
 
     def sampled_for(self, res) -> np.ndarray:
         """The tokens for `res`'s rows (in row order), as the compat world samples them.
@@ -358,7 +363,7 @@ class Pair:
                 got = written_inputs(res)
                 self.compare(step, got, expect)
                 self.apply_increments(res)
-                tables = {r[0]: t for r, t in zip(got["rows"], self.persistent)}
+                tables = {r[0]: t for r, t in zip(got["rows"], self.persistent[: res.num_rows])}
                 assert tables == {e[0]: e[4] for e in expect["rows"]}, f"step {step}"
                 self.engine.sync_views()
                 assert views(self.batch) == views(self.compat), f"seed {self.w.seed} step {step}"
@@ -389,10 +394,10 @@ def test_batch_step_makes_the_compat_decisions(force, stable):
     assert sum(p.steps for p in pairs) >= 300
     assert sum(p.samples_applied for p in pairs) >= 300
     assert sum(p.rows_same for p in pairs) >= 300  # the increments are mostly empty
-    moved, left = sum(p.rows_moved for p in pairs), sum(p.rows_left for p in pairs)
+    moved, freed = sum(p.rows_moved for p in pairs), sum(p.rows_freed for p in pairs)
     assert moved >= 30  # rows move when earlier ones leave (stable: into their holes)
     if stable:
-        assert moved <= left  # (also checked per step)
+        assert moved <= freed  # (also checked per step)
         assert sum(p.reordered for p in pairs) >= 30  # the rows are not schedule()'s
     cached_rows = sum(p.cached_rows for p in pairs)
     if force["caching"] and not force["chunked"]:

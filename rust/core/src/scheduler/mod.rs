@@ -12,6 +12,7 @@
 
 mod policy;
 mod rows;
+mod seq_ids;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -24,6 +25,7 @@ use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use rows::StableRows;
+pub use seq_ids::SeqIds;
 pub use step::{
     cached_skip, Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta,
     TokensMut, Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,
