@@ -10,8 +10,9 @@ the batch step alone (no manager replay, no vLLM): W1 scaled x1, x4, x16 (reques
 limit, GPU and CPU pools, token budget; x4 is the issue's 4,096 requests, 1,024 running,
 262,144 GPU blocks, so the base pool is 65,536 GPU blocks rather than W1's 24,576) and the
 pool alone (the x1 batch with x1, x4, x16 GPU blocks), with plain buffers, incremental ones
-and incremental ones with stable rows (``--buffers``); µs per running sequence per step over the decode-only steps (no prefill in the
-step: the steady state). ``--scale-steps N`` caps each run (default: to completion).
+and incremental ones with stable rows (``--buffers``); µs per running sequence per step over
+the decode-only steps (no prefill in the step: the steady state). ``--scale-steps N`` caps
+each run (default: to completion).
 
 Run: ``python benches/bench_engine_step.py [--quick] [--caching on|off|both] [--steps N]
 [--turn N] [--buffers plain|incremental|stable]`` (the whole step's batch buffers; default

@@ -21,16 +21,18 @@ last to the row's own sequence, as vLLM's output processor does.
 
 Stable rows (``BatchEngine(..., stable_rows=True)``): the decisions are the same, only the
 rows are placed differently, the way vLLM v1's persistent batch keeps them. A sequence keeps
-its row while it stays in the batch; rows stay dense ``0..n-1``: the rows of sequences that
-left the batch (finished, preempted, or not scheduled this step, as a chunked prefill can be
-when the token budget runs out) are filled by the last rows (only that many rows move:
-``ROW_MOVED`` with incremental buffers), and sequences new to the batch (admitted, swapped
-in, forked, back after a step out) take rows at the end, in schedule order. A group's rows
-need not be adjacent; ``seq_ids`` names each row's sequence, ``query_start_loc`` its token
-span (any row order is valid), ``StepResult.scheduled`` stays in schedule order, and the
-sampled array still follows the rows. Samples are applied in schedule order: children's ids
-are drawn from ``seq_counter`` in schedule order (group by group, as vLLM does), not in
-row order.
+its row; a row belongs to its sequence until another one takes it, so a sequence that sits a
+step out (vLLM 0.4.2's default policy runs prompts in steps of their own; a chunked prefill can
+run out of token budget) finds its row again when the batch reaches it. Rows stay dense
+``0..n-1``: rows whose sequence left (finished, preempted, or not in this step) are filled
+first by the sequences whose rows lie past the batch (the last rows first: they move,
+``ROW_MOVED`` with incremental buffers; at most as many as rows were left free), then by
+sequences new to the buffer (admitted, swapped in, forked, or whose row was taken), in schedule
+order. A group's rows need not be adjacent; ``seq_ids`` names each row's sequence,
+``query_start_loc`` its token span (any row order is valid), ``StepResult.scheduled`` stays in
+schedule order, and the sampled array still follows the rows. Samples are applied in schedule
+order: children's ids are drawn from ``seq_counter`` group by group as vLLM draws them, not
+in row order.
 
 Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
 tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
@@ -116,14 +118,17 @@ class BatchBuffers:
     A step writes only the prefixes it reports in its :class:`StepResult`.
 
     ``incremental=True`` adds block-table changes since the previous step, the way vLLM v1
-    hands its workers only new block ids: ``row_state[i]`` is ``ROW_SAME`` (0: same sequence
-    in the same row, table unchanged), ``ROW_APPENDED`` (1: blocks appended; the new ids are
-    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: the sequence
-    was in row ``moved_from[i]`` of the previous batch; its table there plus that slice) or
-    ``ROW_REWRITTEN`` (2: a new row, or blocks replaced by copy-on-write, swap or recompute;
-    that slice is the whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for
-    the first two. A caller keeping its own persistent table applies these (moves read the
-    previous step's rows). ``block_tables`` then
+    hands its workers only new block ids. They are relative to a persistent table of
+    ``max_rows`` rows in which a row keeps what it was last sent, also while it lies past the
+    batch (a sequence may sit some steps out and come back to its row): ``row_state[i]`` is
+    ``ROW_SAME`` (0: row ``i`` holds this sequence's table, unchanged), ``ROW_APPENDED`` (1:
+    row ``i`` holds it, blocks appended; the new ids are
+    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: row
+    ``moved_from[i]`` holds it; that row plus the slice) or ``ROW_REWRITTEN`` (2: no row
+    holds it, or blocks were replaced by copy-on-write, swap or recompute; the slice is the
+    whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for the first two. A
+    caller keeping its own persistent table applies these to rows ``0..num_rows`` and leaves
+    the others alone (moves read the rows as they were before the step). ``block_tables`` then
     becomes a persistent buffer the step keeps: each step writes only what changed (the
     appended entries; a rewritten row, padded with 0 up to its previous length), so it stays
     equal to the batch's tables only if nobody else writes it. New buffers (another object,
@@ -371,7 +376,8 @@ class StepResult:
     num_swap_out: int
     #: Entries of ``new_blocks`` written (incremental buffers only).
     num_new_blocks: int
-    #: The scheduled groups, in row order (a group has one row per running sequence).
+    #: The scheduled groups, in schedule order (a group has one row per running sequence;
+    #: the rows follow this order unless the engine has stable rows).
     scheduled: List[Any]
     #: Groups that finished applying the sampled tokens (views fully written back).
     finished: List[Any]

@@ -47,7 +47,11 @@ MAX_STEPS = {False: 200, True: 60}
 #: incremental (block-table increments; rows in schedule order) and stable (incremental
 #: buffers with stable rows: a running sequence keeps its row).
 BUFFERS = ("plain", "incremental", "stable")
-_BATCH_LANES = {"plain": "batch-step", "incremental": "batch-step-inc", "stable": "batch-step-stable"}
+_BATCH_LANES = {
+    "plain": "batch-step",
+    "incremental": "batch-step-inc",
+    "stable": "batch-step-stable",
+}
 
 #: Backends whose manager replay is part of the sweep (the pure-Python ones are too slow at x16).
 SCALING_BACKENDS = ("native", "native-batch")

@@ -62,7 +62,7 @@ impl StableRows {
                 None => fresh.push(j),
             }
         }
-        displaced.sort_unstable_by(|a, b| b.0.cmp(&a.0)); // the last rows first
+        displaced.sort_unstable_by_key(|d| std::cmp::Reverse(d.0)); // the last rows first
         let moved = displaced.len();
         let holes: Vec<usize> = (0..n).filter(|&h| !self.taken[h]).collect();
         let movers = displaced.iter().map(|&(_, j)| j).chain(fresh);
@@ -130,7 +130,10 @@ mod tests {
         let got: Vec<SeqId> = b.rows.iter().map(|r| r.seq).collect();
         let owners: Vec<Option<SeqId>> = s.row_seqs().collect();
         for (j, &id) in ids.iter().enumerate() {
-            assert_eq!(b.rows[b.place[j]].seq, id, "place maps schedule order to rows");
+            assert_eq!(
+                b.rows[b.place[j]].seq, id,
+                "place maps schedule order to rows"
+            );
         }
         for (i, &id) in got.iter().enumerate() {
             assert_eq!((s.row_of[&id], owners[i]), (i, Some(id)));
@@ -177,7 +180,10 @@ mod tests {
         assert_eq!(arrange(&mut s, &[5, 6]), (vec![5, 6], 0));
         // the decodes come back: 3 and 4 still own rows 2 and 3; 1 and 2 lost theirs
         // and take new rows at the end
-        assert_eq!(arrange(&mut s, &[1, 2, 3, 4, 5, 6]), (vec![5, 6, 3, 4, 1, 2], 0));
+        assert_eq!(
+            arrange(&mut s, &[1, 2, 3, 4, 5, 6]),
+            (vec![5, 6, 3, 4, 1, 2], 0)
+        );
         // 5 and 6 finish: 2 and 1 (the last rows first) move into their rows 0 and 1
         assert_eq!(arrange(&mut s, &[1, 2, 3, 4]), (vec![2, 1, 3, 4], 2));
         // 1, 3 and 4 sit out; a newcomer takes 1's row (which the batch needs), while
@@ -213,7 +219,13 @@ mod tests {
             }
             let n = order.len();
             let freed = (0..n)
-                .filter(|&h| owner.get(h).copied().flatten().is_none_or(|o| !order.contains(&o)))
+                .filter(|&h| {
+                    owner
+                        .get(h)
+                        .copied()
+                        .flatten()
+                        .is_none_or(|o| !order.contains(&o))
+                })
                 .count();
             let (rows, moved) = arrange(&mut s, &order);
             assert!(moved <= freed, "{moved} moved, {freed} rows left free");

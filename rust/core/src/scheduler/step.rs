@@ -97,7 +97,10 @@ impl Batch {
         if self.place.is_empty() {
             return self.rows.iter().zip(start).collect();
         }
-        self.place.iter().map(|&i| (&self.rows[i], start[i])).collect()
+        self.place
+            .iter()
+            .map(|&i| (&self.rows[i], start[i]))
+            .collect()
     }
 
     pub fn num_samples(&self) -> usize {
@@ -629,7 +632,12 @@ impl Manager {
             d.from.push(from);
             d.loc.push(d.blocks.len());
             let len = table.len();
-            now.push(SentRow { row: i, version, layout, len });
+            now.push(SentRow {
+                row: i,
+                version,
+                layout,
+                len,
+            });
         }
         // recorded after every row was read against the buffer as it was before the delta
         for (r, row) in batch.rows.iter().zip(now) {

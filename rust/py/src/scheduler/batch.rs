@@ -296,7 +296,11 @@ impl PyBatchStep {
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
         // children are drawn in schedule order, as vLLM's output processor draws them
         let rows = self.prev.rows_by_schedule();
-        let live = || rows.iter().map(|(r, _)| *r).filter(|r| r.key != GroupKey::MAX);
+        let live = || {
+            rows.iter()
+                .map(|(r, _)| *r)
+                .filter(|r| r.key != GroupKey::MAX)
+        };
         let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
         for _ in live().flat_map(|r| 1..r.samples) {
             let id: SeqId = self
