@@ -214,6 +214,18 @@ class SchedulerOutputs:
                 key=lambda g: (g.seq_group.lora_int_id, g.seq_group.request_id),
             )
 
+    @classmethod
+    def _decided(cls, num_loras: int, **fields: Any) -> SchedulerOutputs:
+        """The outputs of :meth:`Scheduler.schedule`, whose groups are already in vLLM's order
+        and whose ``num_loras`` the native step counted: the same object the constructor
+        builds, without ``__post_init__``'s pass over the groups."""
+        if fields["blocks_to_swap_in"] and fields["blocks_to_swap_out"]:
+            raise AssertionError("a step cannot both swap in and swap out")
+        out = cls.__new__(cls)
+        out.__dict__.update(fields)
+        out.num_loras = num_loras
+        return out
+
     def is_empty(self) -> bool:
         """Whether nothing was scheduled and nothing is to be swapped or copied."""
         return not (
@@ -352,10 +364,12 @@ class Scheduler:
             ignored,
             num_lookahead_slots,
             running_queue_size,
+            num_loras,
         ) = self._core.schedule(now)
         # `scheduled` and `metadata` are built natively, already in vLLM's order (sorted by
         # LoRA when any group has one, as SchedulerOutputs.__post_init__ does).
-        outputs = SchedulerOutputs(
+        outputs = SchedulerOutputs._decided(
+            num_loras,
             scheduled_seq_groups=scheduled,
             num_prefill_groups=num_prefill_groups,
             num_batched_tokens=num_batched_tokens,

@@ -14,7 +14,7 @@ use pagedkv_core::scheduler::{
     Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
     SchedulerConfig, SeqState, Status, StepMeta, Tokens,
 };
-use pagedkv_core::{BlockId, Device, Error, SeqId, TokenSeq};
+use pagedkv_core::{ComputedPrefix, Device, Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -61,6 +61,10 @@ struct SeqView {
     /// The read-only block-table list handed out in metadata, with the table version it
     /// shows: reused until the table changes (once per `block_size` decode steps).
     table: Option<(u64, Py<PyAny>)>,
+    /// Whether the sequence counts blocks in the manager's block size (vLLM's own tests use
+    /// other sizes; the compat `schedule()` takes them as the manager does, the batch step
+    /// does not).
+    manager_units: bool,
 }
 
 /// One scheduled group's block-table lists and `computed_block_nums` list.
@@ -71,8 +75,59 @@ struct BlockLists<'py> {
 
 struct GroupView {
     obj: Py<PyAny>,
-    /// The read-only `computed_block_nums` list last handed out, reused while equal.
-    computed: Option<(Vec<BlockId>, Py<PyAny>)>,
+    /// The read-only `computed_block_nums` list last handed out, reused while it names the
+    /// same blocks (same prefix of the same table version).
+    computed: Option<(Option<ComputedPrefix>, Py<PyAny>)>,
+    /// The `SequenceGroupMetadata` and `ScheduledSequenceGroup` handed out last, reused while
+    /// everything they were built from is the same (docs/scheduler.md, "Metadata objects").
+    last: Option<LastOutputs>,
+}
+
+/// What one group's metadata was built from. The objects are held (not their addresses), so
+/// an identity match can never be a new object at a freed one's address.
+struct MetaInputs {
+    is_prompt: bool,
+    do_sample: bool,
+    chunk: usize,
+    /// `request_id`, `sampling_params`, `lora_request`, `state`, and `multi_modal_data` (None
+    /// in a step without prefills, as vLLM hands it out).
+    fields: [Py<PyAny>; 5],
+    /// Per running sequence: its id, `seq.data` and block-table list.
+    seqs: Vec<(SeqId, Py<PyAny>, Py<PyAny>)>,
+    computed: Py<PyAny>,
+}
+
+/// The same inputs, borrowed for this step (compared with [`MetaInputs`] before anything is
+/// built).
+struct MetaArgs<'py> {
+    is_prompt: bool,
+    do_sample: bool,
+    chunk: usize,
+    fields: [Bound<'py, PyAny>; 5],
+    seqs: Vec<(SeqId, Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    computed: Bound<'py, PyAny>,
+}
+
+impl MetaInputs {
+    fn matches(&self, a: &MetaArgs<'_>) -> bool {
+        self.is_prompt == a.is_prompt
+            && self.do_sample == a.do_sample
+            && self.chunk == a.chunk
+            && self.computed.is(&a.computed)
+            && self.fields.iter().zip(&a.fields).all(|(x, y)| x.is(y))
+            && self.seqs.len() == a.seqs.len()
+            && self
+                .seqs
+                .iter()
+                .zip(&a.seqs)
+                .all(|((i, d, t), (j, e, u))| i == j && d.is(e) && t.is(u))
+    }
+}
+
+struct LastOutputs {
+    inputs: MetaInputs,
+    metadata: Py<PyAny>,
+    scheduled: Py<PyAny>,
 }
 
 /// The token stores of the known sequences, read in place (no Python code runs while the
@@ -107,6 +162,9 @@ pub struct PySchedulerCore {
     /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
     statuses: Vec<Py<PyAny>>,
     decode: Py<PyAny>,
+    /// Set once a sequence in other block units than the manager's was added: the batch step,
+    /// whose slot numbers are in the manager's units, refuses to run from then on.
+    mixed_units: bool,
 }
 
 fn preemption_mode(s: Option<&str>) -> PyResult<Option<PreemptionMode>> {
@@ -185,6 +243,7 @@ impl PySchedulerCore {
             block_list,
             metadata_cls,
             scheduled_cls,
+            mixed_units: false,
         })
     }
 
@@ -197,6 +256,18 @@ impl PySchedulerCore {
             visit.call(&g.obj)?;
             if let Some((_, l)) = &g.computed {
                 visit.call(l)?;
+            }
+            if let Some(last) = &g.last {
+                visit.call(&last.metadata)?;
+                visit.call(&last.scheduled)?;
+                let i = &last.inputs;
+                for f in i.fields.iter().chain([&i.computed]) {
+                    visit.call(f)?;
+                }
+                for (_, d, t) in &i.seqs {
+                    visit.call(d)?;
+                    visit.call(t)?;
+                }
             }
         }
         for s in self.seqs.values() {
@@ -253,12 +324,14 @@ impl PySchedulerCore {
         g.num_seqs = g.seqs.len();
         let ids: Vec<SeqId> = g.seqs.iter().map(|s| s.id).collect();
         let key = self.core.add_group(g).py()?;
+        self.mixed_units |= views.iter().any(|v| !v.manager_units);
         for (id, v) in ids.into_iter().zip(views) {
             self.seqs.insert(id, v);
         }
         let view = GroupView {
             obj: group.clone().unbind(),
             computed: None,
+            last: None,
         };
         self.groups.insert(key, view);
         Ok(())
@@ -295,10 +368,9 @@ impl PySchedulerCore {
         PyList::new(py, q.iter().map(|k| self.groups[k].obj.bind(py)))
     }
 
-    /// One step. Returns `(scheduled, num_prefill_groups, num_batched_tokens, swap_in,
-    /// swap_out, copies, ignored, num_lookahead_slots, running_queue_size)` where each
-    /// scheduled entry is `(group, chunk, is_prompt, do_sample, seq_data, block_tables,
-    /// computed_block_nums)`.
+    /// One step. Returns `(scheduled, metadata, num_prefill_groups, num_batched_tokens,
+    /// swap_in, swap_out, copies, ignored, num_lookahead_slots, running_queue_size,
+    /// num_loras)`: `ScheduledSequenceGroup`s and `SequenceGroupMetadata`s in vLLM's order.
     fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
         self.sync_running(py)?;
         let (out, metas) = self.schedule_step(py, now, true)?;
@@ -329,14 +401,25 @@ impl PySchedulerCore {
         let g = self.core.group_mut(key).expect("live group");
         state.status = g.seqs.last().expect("child").status;
         *g.seqs.last_mut().expect("child") = state.clone();
+        self.mixed_units |= !view.manager_units;
         self.seqs.insert(state.id, view);
         Ok(())
     }
 
-    /// vLLM's `free_finished_seq_groups`.
+    /// vLLM's `free_finished_seq_groups`: the groups whose sequences (in their `seqs_dict`)
+    /// all finished leave. Only those are read back here; the next `schedule()` reads every
+    /// running group back anyway.
     fn free_finished(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.sync_running_with(py, false)?;
-        for k in self.core.free_finished() {
+        let mut done = Vec::new();
+        for &key in self.core.running() {
+            if self.finished_in_view(py, key)? {
+                done.push(key);
+            }
+        }
+        for &key in &done {
+            self.sync_group(py, key, false)?;
+        }
+        for k in self.core.free_finished_among(&done) {
             self.release(k);
         }
         Ok(())
@@ -349,6 +432,29 @@ impl PySchedulerCore {
         groups * (std::mem::size_of::<Group>() + 4 + 8 + 16)
             + seqs * (std::mem::size_of::<SeqState>() + std::mem::size_of::<SeqView>() + 16)
     }
+}
+
+/// Whether `dict` (a group's `seqs_dict`) holds the key `key`. The engine's dicts are keyed by
+/// the very int objects the scheduler keeps (`seq.seq_id`), so the keys are compared by
+/// identity first, without hashing (which would read each cold int object); any other
+/// mapping, or a key that is not found that way, is looked up normally.
+fn holds_key(dict: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if let Ok(d) = dict.cast::<PyDict>() {
+        let mut pos: pyo3::ffi::Py_ssize_t = 0;
+        let mut k: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+        let mut v: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+        // SAFETY: `d` is a live dict and the GIL is held for the whole loop; PyDict_Next
+        // hands out borrowed pointers that stay valid while the dict is not modified, and
+        // nothing in the loop runs Python code or modifies it. The pointers are only compared
+        // (never dereferenced, never stored), so aliasing, alignment and lifetimes past the
+        // loop do not arise; the module is not free-threaded (`gil_used`).
+        while unsafe { pyo3::ffi::PyDict_Next(d.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
+            if k == key.as_ptr() {
+                return Ok(true);
+            }
+        }
+    }
+    dict.contains(key)
 }
 
 /// An empty `BlockList` (`cls`), to be filled through the C list API, which its read-only
@@ -364,6 +470,18 @@ fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
 }
 
 impl PySchedulerCore {
+    /// The batch step writes slot numbers in the manager's block units: refused (before
+    /// anything changes) once a sequence in other units was added.
+    pub(crate) fn check_batch_units(&self) -> PyResult<()> {
+        match self.mixed_units {
+            true => Err(invalid(
+                "the batch step needs every sequence in the cache's block size; this scheduler \
+                 was given a sequence with another block_size (only schedule() takes those)",
+            )),
+            false => Ok(()),
+        }
+    }
+
     fn status_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<Status> {
         let st = seq.getattr(intern!(seq.py(), "status"))?;
         for (i, m) in self.statuses.iter().enumerate() {
@@ -416,11 +534,6 @@ impl PySchedulerCore {
             .map_err(|_| busy("a token store"))?
             .inner
             .block_size();
-        if own != block_size {
-            return Err(invalid(format!(
-                "sequence {id} has block size {own}, the cache has {block_size}"
-            )));
-        }
         drop(borrow_adopted(&store, hasher)?); // hashed with the manager's hasher from now on
         let status = self.status_of(seq)?;
         let (decode, num_computed) = self.progress_of(seq)?;
@@ -437,6 +550,7 @@ impl PySchedulerCore {
                 id_obj: seq.getattr(intern!(py, "seq_id"))?.unbind(),
                 store: store.unbind(),
                 table: None,
+                manager_units: own == block_size,
             },
         ))
     }
@@ -450,45 +564,74 @@ impl PySchedulerCore {
     /// them; `free_finished` needs only the statuses). Sequences the engine removed from a
     /// running group's `seqs_dict` (beam search drops parents that way) leave the group.
     fn sync_running_with(&mut self, py: Python<'_>, progress: bool) -> PyResult<()> {
-        let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
-        let mut removed: Vec<SeqId> = Vec::new();
         for i in 0..self.core.running().len() {
             let key = self.core.running()[i];
-            let seqs_dict = self.groups[&key]
-                .obj
-                .bind(py)
-                .getattr(intern!(py, "seqs_dict"))?;
-            let n = seqs_dict.len()?;
-            fresh.clear();
-            removed.clear();
-            for s in &self.core.group(key).expect("live").seqs {
-                let view = &self.seqs[&s.id];
-                if !seqs_dict.contains(view.id_obj.bind(py))? {
-                    removed.push(s.id);
-                    continue;
-                }
-                let obj = view.obj.bind(py);
-                let (decode, computed) = match progress {
-                    true => self.progress_of(obj)?,
-                    false => (s.decode, s.num_computed),
-                };
-                fresh.push((self.status_of(obj)?, decode, computed));
-            }
-            if !removed.is_empty() {
-                self.core.remove_seqs(key, &removed);
-                for id in &removed {
-                    self.seqs.remove(id);
-                }
-            }
-            let g = self.core.group_mut(key).expect("live");
-            g.num_seqs = n;
-            for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
-                s.status = status;
-                s.decode = decode;
-                s.num_computed = computed;
-            }
+            self.sync_group(py, key, progress)?;
         }
         Ok(())
+    }
+
+    /// [`Self::sync_running_with`] for one running group.
+    fn sync_group(&mut self, py: Python<'_>, key: GroupKey, progress: bool) -> PyResult<()> {
+        let seqs_dict = self.groups[&key]
+            .obj
+            .bind(py)
+            .getattr(intern!(py, "seqs_dict"))?;
+        let n = seqs_dict.len()?;
+        let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
+        let mut removed: Vec<SeqId> = Vec::new();
+        for s in &self.core.group(key).expect("live").seqs {
+            let view = &self.seqs[&s.id];
+            if !holds_key(&seqs_dict, view.id_obj.bind(py))? {
+                removed.push(s.id);
+                continue;
+            }
+            let obj = view.obj.bind(py);
+            let (decode, computed) = match progress {
+                true => self.progress_of(obj)?,
+                false => (s.decode, s.num_computed),
+            };
+            fresh.push((self.status_of(obj)?, decode, computed));
+        }
+        if !removed.is_empty() {
+            self.core.remove_seqs(key, &removed);
+            for id in &removed {
+                self.seqs.remove(id);
+            }
+        }
+        let g = self.core.group_mut(key).expect("live");
+        g.num_seqs = n;
+        for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
+            s.status = status;
+            s.decode = decode;
+            s.num_computed = computed;
+        }
+        Ok(())
+    }
+
+    /// Whether every sequence in a running group's `seqs_dict` has a finished status, read
+    /// from the Python objects alone (the engine just wrote them, so they are in the CPU's
+    /// caches; the native state is not touched).
+    fn finished_in_view(&self, py: Python<'_>, key: GroupKey) -> PyResult<bool> {
+        let seqs_dict = self.groups[&key]
+            .obj
+            .bind(py)
+            .getattr(intern!(py, "seqs_dict"))?;
+        if let Ok(d) = seqs_dict.cast::<PyDict>() {
+            for (_, seq) in d.iter() {
+                if !self.status_of(&seq)?.is_finished() {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
+        let values = seqs_dict.call_method0(intern!(py, "values"))?;
+        for seq in values.try_iter()? {
+            if !self.status_of(&seq?)?.is_finished() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The core's step under the manager's lock, then the status write-back: the decisions
@@ -586,24 +729,27 @@ impl PySchedulerCore {
         Ok(list)
     }
 
-    /// The read-only `computed_block_nums` list of a group (cached while equal).
+    /// The read-only `computed_block_nums` list of a group (cached while it names the same
+    /// blocks: comparing the prefix's place reads none of them).
     fn computed_of<'py>(
         &mut self,
         py: Python<'py>,
         m: &Locked<'_>,
         key: GroupKey,
-        computed: &[BlockId],
+        computed: Option<ComputedPrefix>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let view = self.groups.get_mut(&key).expect("live group");
         if let Some((c, list)) = &view.computed {
-            if c.as_slice() == computed {
+            if *c == computed {
                 return Ok(list.bind(py).clone());
             }
         }
         let list = new_block_list(self.block_list.bind(py))?;
-        m.extend_gpu_blocks(&list, computed)?;
+        if let Some(p) = computed {
+            m.extend_gpu_blocks(&list, &m.core().block_table(p.seq).py()?[..p.len])?;
+        }
         let list = list.into_any();
-        view.computed = Some((computed.to_vec(), list.clone().unbind()));
+        view.computed = Some((computed, list.clone().unbind()));
         Ok(list)
     }
 
@@ -621,41 +767,113 @@ impl PySchedulerCore {
         order
     }
 
-    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body), from
-    /// its block lists (taken under the manager's lock).
-    fn metadata<'py>(
+    /// Distinct LoRA adapters among the scheduled groups (`SchedulerOutputs.num_loras`:
+    /// vLLM's LoRARequest compares by `lora_int_id`).
+    fn num_loras(&self, out: &Outputs) -> usize {
+        let mut ids: Vec<u32> = out
+            .scheduled
+            .iter()
+            .map(|s| self.core.group(s.key).expect("live group").lora)
+            .filter(|&l| l > 0)
+            .collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.len()
+    }
+
+    /// What one scheduled group's metadata is built from (vLLM's `schedule()` loop body reads
+    /// the same fields), from its block lists (taken under the manager's lock).
+    fn meta_args<'py>(
         &self,
         py: Python<'py>,
         (s, meta): (&Scheduled, &StepMeta),
         lists: BlockLists<'py>,
         with_mm: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
+    ) -> PyResult<MetaArgs<'py>> {
         let group = self.groups[&s.key].obj.bind(py);
-        let seq_data = PyDict::new(py);
-        let tables = PyDict::new(py);
-        for (id, table) in lists.tables {
-            let obj = self.seqs[&id].obj.bind(py);
-            seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
-            tables.set_item(id, table)?;
-        }
         let mm = match with_mm {
             true => group.getattr(intern!(py, "multi_modal_data"))?,
             false => py.None().into_bound(py),
         };
-        let args = (
-            group.getattr(intern!(py, "request_id"))?,
-            meta.is_prompt,
+        let mut seqs = Vec::with_capacity(lists.tables.len());
+        for (id, table) in lists.tables {
+            let data = self.seqs[&id].obj.bind(py).getattr(intern!(py, "data"))?;
+            seqs.push((id, data, table));
+        }
+        Ok(MetaArgs {
+            is_prompt: meta.is_prompt,
+            do_sample: meta.do_sample,
+            chunk: s.chunk,
+            fields: [
+                group.getattr(intern!(py, "request_id"))?,
+                group.getattr(intern!(py, "sampling_params"))?,
+                group.getattr(intern!(py, "lora_request"))?,
+                group.getattr(intern!(py, "state"))?,
+                mm,
+            ],
+            seqs,
+            computed: lists.computed,
+        })
+    }
+
+    /// One group's `SequenceGroupMetadata` and `ScheduledSequenceGroup`: last step's objects
+    /// when everything they hold is the same (a decode step between block-table changes),
+    /// else new ones, built by the classes' own constructors.
+    fn group_outputs<'py>(
+        &mut self,
+        py: Python<'py>,
+        key: GroupKey,
+        args: MetaArgs<'py>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let view = self.groups.get_mut(&key).expect("live group");
+        if let Some(last) = &view.last {
+            if last.inputs.matches(&args) {
+                return Ok((
+                    last.metadata.bind(py).clone(),
+                    last.scheduled.bind(py).clone(),
+                ));
+            }
+        }
+        let group = view.obj.bind(py);
+        let seq_data = PyDict::new(py);
+        let tables = PyDict::new(py);
+        for (id, data, table) in &args.seqs {
+            seq_data.set_item(id, data)?;
+            tables.set_item(id, table)?;
+        }
+        let [request_id, sampling_params, lora, state, mm] = &args.fields;
+        let metadata = self.metadata_cls.bind(py).call1((
+            request_id,
+            args.is_prompt,
             seq_data,
-            group.getattr(intern!(py, "sampling_params"))?,
+            sampling_params,
             tables,
-            meta.do_sample,
-            s.chunk,
-            group.getattr(intern!(py, "lora_request"))?,
-            lists.computed,
-            group.getattr(intern!(py, "state"))?,
+            args.do_sample,
+            args.chunk,
+            lora,
+            &args.computed,
+            state,
             mm,
-        );
-        self.metadata_cls.bind(py).call1(args)
+        ))?;
+        let scheduled = self.scheduled_cls.bind(py).call1((group, args.chunk))?;
+        let inputs = MetaInputs {
+            is_prompt: args.is_prompt,
+            do_sample: args.do_sample,
+            chunk: args.chunk,
+            fields: args.fields.map(Bound::unbind),
+            seqs: args
+                .seqs
+                .into_iter()
+                .map(|(id, d, t)| (id, d.unbind(), t.unbind()))
+                .collect(),
+            computed: args.computed.unbind(),
+        };
+        view.last = Some(LastOutputs {
+            inputs,
+            metadata: metadata.clone().unbind(),
+            scheduled: scheduled.clone().unbind(),
+        });
+        Ok((metadata, scheduled))
     }
 
     /// The block lists of the scheduled groups, in output order (under the manager's lock;
@@ -677,7 +895,7 @@ impl PySchedulerCore {
             for &id in &meta.running {
                 tables.push((id, self.table_of(py, &mut m, id)?));
             }
-            let computed = self.computed_of(py, &m, out.scheduled[i].key, &meta.computed)?;
+            let computed = self.computed_of(py, &m, out.scheduled[i].key, meta.computed)?;
             lists.push(BlockLists { tables, computed });
         }
         Ok(lists)
@@ -697,12 +915,14 @@ impl PySchedulerCore {
         let with_mm = out.num_prefill_groups > 0;
         for (&i, lists) in order.iter().zip(lists) {
             let (s, meta) = (&out.scheduled[i], &metas[i]);
-            let group = self.groups[&s.key].obj.bind(py).clone();
             if meta.first_time {
+                let group = self.groups[&s.key].obj.bind(py);
                 group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
             }
-            metadata.append(self.metadata(py, (s, meta), lists, with_mm)?)?;
-            scheduled.append(self.scheduled_cls.bind(py).call1((group, s.chunk))?)?;
+            let args = self.meta_args(py, (s, meta), lists, with_mm)?;
+            let (m, sg) = self.group_outputs(py, s.key, args)?;
+            metadata.append(m)?;
+            scheduled.append(sg)?;
         }
         let swap_in = PyDict::new(py);
         for &(a, b) in &out.swap_in {
@@ -717,7 +937,7 @@ impl PySchedulerCore {
             copies.set_item(src, PyList::new(py, dsts)?)?;
         }
         let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].obj.bind(py)))?;
-        let items: [Bound<'py, PyAny>; 10] = [
+        let items: [Bound<'py, PyAny>; 11] = [
             scheduled.into_any(),
             metadata.into_any(),
             out.num_prefill_groups.into_pyobject(py)?.into_any(),
@@ -728,6 +948,7 @@ impl PySchedulerCore {
             ignored.into_any(),
             out.lookahead.into_pyobject(py)?.into_any(),
             out.running_queue_size.into_pyobject(py)?.into_any(),
+            self.num_loras(out).into_pyobject(py)?.into_any(),
         ];
         PyTuple::new(py, items)
     }
