@@ -412,3 +412,24 @@ def test_free_finished_drops_exactly_the_groups_the_engine_finished():
     assert ids(s.running) == ["r2"]
     metas, out = _decode(s, groups)
     assert [m.request_id for m in metas] == ["r2"] and out.num_batched_tokens == 1
+
+
+def test_sliding_window_is_rounded_up_to_whole_blocks_as_vllm():
+    """vLLM 0.4.2's manager uses ceil(sliding_window / block_size) blocks; pagedkv's manager
+    takes whole blocks, so the Scheduler rounds up (a 6-token window on 4-token blocks: 2)."""
+    s = Scheduler(
+        SchedulerConfig(64, 8, 64),
+        CacheConfig(4, sliding_window=6, num_gpu_blocks=32, num_cpu_blocks=4),
+    )
+    assert s.block_manager.block_sliding_window == 2
+    assert s.cache_config.sliding_window == 6  # the caller's config is not changed
+    s.add_seq_group(group(1, 14))  # 4 blocks of tokens, 2 in the window
+    metas, _ = s.schedule()
+    table = metas[0].block_tables[1]
+    assert len(table) == 4 and table[2:] == table[:2] and len(set(table)) == 2
+    for bad in (0, -4, 2.5, True):
+        with pytest.raises(InvalidArgumentError):
+            Scheduler(
+                SchedulerConfig(64, 8, 64),
+                CacheConfig(4, sliding_window=bad, num_gpu_blocks=32, num_cpu_blocks=4),
+            )

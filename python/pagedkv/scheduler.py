@@ -290,7 +290,7 @@ class Scheduler:
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks,
-            sliding_window=getattr(cache_config, "sliding_window", None),
+            sliding_window=_window_in_whole_blocks(cache_config),
             enable_caching=bool(getattr(cache_config, "enable_prefix_caching", False)),
         )
         self._core = SchedulerCore(
@@ -402,6 +402,22 @@ class Scheduler:
         """Bytes of native state the scheduler holds for its requests (excluding the Python
         objects the engine owns and the block manager)."""
         return self._core.state_bytes()
+
+
+def _window_in_whole_blocks(cache_config: Any) -> Optional[int]:
+    """``cache_config.sliding_window`` rounded up to whole blocks, as vLLM 0.4.2's block
+    manager rounds it (``ceil(sliding_window / block_size)`` blocks); pagedkv's
+    BlockSpaceManager takes whole blocks only. The tokens outside the window but inside its
+    last block are the attention kernel's business, not the scheduler's."""
+    window = getattr(cache_config, "sliding_window", None)
+    if window is None:
+        return None
+    bs = cache_config.block_size
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidArgumentError(f"sliding_window must be a positive int, got {window!r}")
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise InvalidArgumentError(f"block_size must be a positive int, got {bs!r}")
+    return -(-window // bs) * bs
 
 
 def _count(obj: Any, name: str, least: int, default: Any = None) -> int:
