@@ -158,3 +158,12 @@ def test_other_block_units_are_scheduled_but_refused_by_the_batch_step():
     assert [m.request_id for m in metas] == ["a"] and out.num_batched_tokens == 10
     assert len(metas[0].block_tables[1]) == 1  # counted in the sequence's own units
     assert sched.block_manager.get_num_free_gpu_blocks() == 15
+
+
+def test_the_pagedkv_scheduler_flavour_is_for_vllm_042_only():
+    import pytest
+
+    with pytest.raises(ValueError, match="0.4.2"):
+        vllm_release.sandbox("0.5.0", "pagedkv_scheduler")
+    with pytest.raises(ValueError, match="flavour"):
+        vllm_release.sandbox("0.4.2", "no-such-flavour")

@@ -2,7 +2,8 @@
 //! `SequenceGroup`/`Sequence` objects (and their native token stores) beside the core
 //! scheduler's state, mirrors the engine's changes to running groups into the core before a
 //! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
-//! all in `pagedkv_core::scheduler`.
+//! all in `pagedkv_core::scheduler`; the compat `schedule()`'s vLLM objects are built in
+//! `metadata.rs`, the batch step's buffers in `batch.rs`.
 
 pub(crate) mod batch;
 mod metadata;
