@@ -78,7 +78,8 @@ struct GroupView {
     computed: Option<(Option<ComputedPrefix>, Py<PyAny>)>,
     /// The `SequenceGroupMetadata` and `ScheduledSequenceGroup` handed out last, reused while
     /// everything they were built from is the same (docs/scheduler.md, "Metadata objects").
-    last: Option<LastOutputs>,
+    /// Boxed: only groups that were scheduled pay for it.
+    last: Option<Box<LastOutputs>>,
 }
 
 /// The token stores of the known sequences, read in place (no Python code runs while the
@@ -371,8 +372,15 @@ impl PySchedulerCore {
     fn state_bytes(&self) -> usize {
         let groups = self.core.num_unfinished_groups();
         let seqs = self.seqs.len();
-        groups * (std::mem::size_of::<Group>() + 4 + 8 + 16)
+        let reused: usize = self
+            .groups
+            .values()
+            .filter_map(|g| g.last.as_ref())
+            .map(|l| l.heap_bytes())
+            .sum();
+        groups * (std::mem::size_of::<Group>() + 4 + std::mem::size_of::<GroupView>() + 16)
             + seqs * (std::mem::size_of::<SeqState>() + std::mem::size_of::<SeqView>() + 16)
+            + reused
     }
 }
 

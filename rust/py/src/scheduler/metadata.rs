@@ -68,6 +68,13 @@ pub(super) struct LastOutputs {
 }
 
 impl LastOutputs {
+    /// Native bytes held for a scheduled group's last outputs (the box and its sequence list;
+    /// the Python objects are the engine's).
+    pub(super) fn heap_bytes(&self) -> usize {
+        std::mem::size_of::<Self>()
+            + self.inputs.seqs.capacity() * std::mem::size_of::<(SeqId, Py<PyAny>, Py<PyAny>)>()
+    }
+
     /// The Python objects held, for the scheduler's `__traverse__`.
     pub(super) fn traverse(&self, visit: &PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.metadata)?;
@@ -258,11 +265,11 @@ impl PySchedulerCore {
                 .collect(),
             computed: args.computed.unbind(),
         };
-        view.last = Some(LastOutputs {
+        view.last = Some(Box::new(LastOutputs {
             inputs,
             metadata: metadata.clone().unbind(),
             scheduled: scheduled.clone().unbind(),
-        });
+        }));
         Ok((metadata, scheduled))
     }
 
