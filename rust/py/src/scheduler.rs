@@ -359,8 +359,9 @@ impl PySchedulerCore {
                 done.push(key);
             }
         }
+        let mut fresh = Vec::new();
         for &key in &done {
-            self.sync_group(py, key, false)?;
+            self.sync_group(py, key, false, &mut fresh)?;
         }
         for k in self.core.free_finished_among(&done) {
             self.release(k);
@@ -508,22 +509,29 @@ impl PySchedulerCore {
     /// them; `free_finished` needs only the statuses). Sequences the engine removed from a
     /// running group's `seqs_dict` (beam search drops parents that way) leave the group.
     fn sync_running_with(&mut self, py: Python<'_>, progress: bool) -> PyResult<()> {
+        let mut fresh = Vec::new(); // one buffer for every group (no allocation per group)
         for i in 0..self.core.running().len() {
             let key = self.core.running()[i];
-            self.sync_group(py, key, progress)?;
+            self.sync_group(py, key, progress, &mut fresh)?;
         }
         Ok(())
     }
 
-    /// [`Self::sync_running_with`] for one running group.
-    fn sync_group(&mut self, py: Python<'_>, key: GroupKey, progress: bool) -> PyResult<()> {
+    /// [`Self::sync_running_with`] for one running group (`fresh`: a scratch buffer).
+    fn sync_group(
+        &mut self,
+        py: Python<'_>,
+        key: GroupKey,
+        progress: bool,
+        fresh: &mut Vec<(Status, bool, usize)>,
+    ) -> PyResult<()> {
         let seqs_dict = self.groups[&key]
             .obj
             .bind(py)
             .getattr(intern!(py, "seqs_dict"))?;
         let n = seqs_dict.len()?;
-        let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
-        let mut removed: Vec<SeqId> = Vec::new();
+        fresh.clear();
+        let mut removed: Vec<SeqId> = Vec::new(); // allocates only when one is removed
         for s in &self.core.group(key).expect("live").seqs {
             let view = &self.seqs[&s.id];
             if !holds_key(&seqs_dict, view.id_obj.bind(py))? {
@@ -545,7 +553,7 @@ impl PySchedulerCore {
         }
         let g = self.core.group_mut(key).expect("live");
         g.num_seqs = n;
-        for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
+        for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(fresh.iter()) {
             s.status = status;
             s.decode = decode;
             s.num_computed = computed;
