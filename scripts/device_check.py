@@ -1,16 +1,21 @@
 #!/usr/bin/env python
 """Short GPU check of the torch side of pagedkv (runs in well under 2 minutes).
 
-1. the end-to-end demo (:mod:`pagedkv.demo`) on the device in fp32 (tolerance 1e-5)
-   and bf16 (2e-2 of the row's largest logit): prefix caching, fork + copy-on-write,
-   swap out/in and recompute, every logits row against ``dense_forward``;
+1. the end-to-end demo (:mod:`pagedkv.demo`: pagedkv.Scheduler through the batch step,
+   and through ``schedule()`` in fp32) on the device in fp32 (tolerance 1e-5) and bf16
+   (2e-2 of the row's largest logit): prefix caching, fork + copy-on-write, swap out/in
+   and recompute, every logits row against ``dense_forward``;
 2. :func:`pagedkv.attention.paged_attention` against per-sequence SDPA on a mixed
    batch (prefill chunks + decodes, GQA, scrambled block tables), fp32 and bf16,
    every backend that can run the inputs;
 3. timing of the per-step host-to-device handoff of
    :class:`pagedkv.attention.StepBuffers` (manager batch API into pinned buffers,
    one non-blocking copy) over 1,000 decode steps of 256 sequences, with a
-   fresh-tensors baseline.
+   fresh-tensors baseline;
+4. the batch engine step (:class:`pagedkv.engine_step.BatchEngine`) into
+   ``BatchBuffers(device=...)``: pinned host arena on CUDA, exactly one host-to-device
+   copy per ``to_device``, and every device tensor equal to the host prefix it came from,
+   over a run with forks (copy-on-write) and preemption.
 
 Prints a compact report; exits 1 if any check fails, 2 if the device is missing.
 
@@ -32,7 +37,7 @@ import torch.nn.functional as F
 
 import pagedkv
 from pagedkv.attention import StepBuffers, flash_attn_unavailable_reason, paged_attention
-from pagedkv.demo import run_demo
+from pagedkv.demo import DemoConfig, run_demo
 
 ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 
@@ -49,11 +54,15 @@ def sync(device: torch.device) -> None:
 
 def check_demo(device: torch.device) -> list[str]:
     failures = []
-    for dtype in (torch.float32, torch.bfloat16):
-        rep = run_demo(device=device, dtype=dtype, verbose=False)
-        name = str(dtype).replace("torch.", "")
+    for path, dtype in (
+        ("batch", torch.float32),
+        ("batch", torch.bfloat16),
+        ("compat", torch.float32),
+    ):
+        rep = run_demo(DemoConfig(path=path), device=device, dtype=dtype, verbose=False)
+        name = f"{path} {str(dtype).replace('torch.', '')}"
         print(
-            f"demo {name:8s}: {'OK ' if rep.ok else 'FAIL'} {rep.checked_rows} rows, "
+            f"demo {name:14s}: {'OK ' if rep.ok else 'FAIL'} {rep.checked_rows} rows, "
             f"max|diff| {rep.max_abs_diff:.2e} (atol {rep.atol:g}), hits "
             f"{rep.prefix_hits}/{rep.prefix_lookups}, skipped {rep.prefix_cached_tokens} tok, "
             f"cow {rep.cow_copies}, swap {rep.swap_outs}/{rep.swap_ins}, "
@@ -228,6 +237,76 @@ def time_handoff(device: torch.device, num_seqs: int = 256, steps: int = 1000) -
     return failures
 
 
+# --------------------------------------------------------------------------- #
+# 4. batch step buffers: pinned arena, one copy
+# --------------------------------------------------------------------------- #
+
+
+def check_batch_buffers(device: torch.device, steps: int = 200) -> list[str]:
+    from pagedkv.engine_step import BatchBuffers, BatchEngine
+    from pagedkv.scheduler import CacheConfig, SchedulerConfig
+
+    bs = 4
+    cc = CacheConfig(bs, 0.9, 1, "auto")
+    cc.num_gpu_blocks, cc.num_cpu_blocks = 40, 64
+    sched = pagedkv.Scheduler(SchedulerConfig(256, 8, 64), cc, None)
+    bufs = BatchBuffers.for_scheduler(sched, incremental=True, device=device)
+    eng = BatchEngine(sched, bufs)
+    for i in range(12):
+        seq = pagedkv.Sequence(i, "", list(range(1, 8 + 3 * i)), bs, None)
+        sp = pagedkv.SamplingParams(n=2, best_of=2, max_tokens=24, temperature=1.0)
+        eng.add_seq_group(pagedkv.SequenceGroup(f"r{i}", [seq], sp, 0.0))
+    failures: list[str] = []
+    if device.type == "cuda" and not bufs.pinned:
+        failures.append("BatchBuffers: host arena not pinned on CUDA")
+    calls = [0]
+    spied = None
+    sampled, rows, copies, swaps = None, 0, 0, 0
+    for _ in range(steps):
+        res = eng.step(sampled, now=1.0)
+        if res.buffers is not spied:  # first step or widened: a new arena
+            spied, real = res.buffers, res.buffers._arena.copy_prefix
+            res.buffers._arena.copy_prefix = lambda *a, _r=real, **k: (
+                calls.__setitem__(0, calls[0] + 1),
+                _r(*a, **k),
+            )[1]
+        calls[0] = 0
+        dev = res.to_device()
+        if calls[0] != 1:
+            failures.append(f"BatchBuffers: {calls[0]} copies in one to_device")
+        b, r, t = res.buffers, res.num_rows, res.num_tokens
+        host = {
+            "input_tokens": b.input_tokens[:t],
+            "positions": b.positions[:t],
+            "slot_mapping": b.slot_mapping[:t],
+            "query_start_loc": b.query_start_loc[: r + 1],
+            "context_lens": b.context_lens[:r],
+            "num_samples": b.num_samples[:r],
+            "cached_tokens": b.cached_tokens[:r],
+            "seq_ids": b.seq_ids[:r],
+            "moved_from": b.moved_from[:r],
+            "block_tables": b.block_tables[:r],
+            "copies": b.copies[: 2 * res.num_copies],
+            "swap_out": b.swap_out[: 2 * res.num_swap_out],
+            "swap_in": b.swap_in[: 2 * res.num_swap_in],
+            "new_blocks": b.new_blocks[: res.num_new_blocks],
+        }
+        for name, ref in host.items():
+            got = getattr(dev, name)
+            if got.device.type != device.type or not np.array_equal(got.cpu().numpy(), ref):
+                failures.append(f"BatchBuffers: device {name} differs from the host prefix")
+        rows, copies, swaps = rows + r, copies + res.num_copies, swaps + res.num_swap_out
+        sampled = np.arange(eng.num_expected_samples, dtype=np.int32) % 5 + 1
+        if not eng.has_unfinished_seqs() and not r:
+            break
+    print(
+        f"batch buffers ({device}, pinned={bufs.pinned}): {rows} rows, {copies} CoW copies, "
+        f"{swaps} swap-outs, one copy per step, device == host: "
+        f"{'OK' if not failures else 'FAIL'}"
+    )
+    return failures[:5]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -246,6 +325,7 @@ def main(argv=None) -> int:
         lambda: check_demo(device),
         lambda: check_attention(device),
         lambda: time_handoff(device, args.seqs, args.steps),
+        lambda: check_batch_buffers(device),
     ):
         try:
             failures += section()

@@ -1,5 +1,6 @@
-"""The bench workloads (W1, W2, the scaling sweep), the driver's schedule (chunked prefill,
-preemption) and the cross-backend schedule check."""
+"""The bench workloads (W1, W2, the scaling sweep), the schedule recorded from
+pagedkv.Scheduler (chunked prefill, preemption), its replay onto every block-manager backend
+and the replay's cross-check against the scheduler."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 import pytest
 
 from pagedkv.bench.backends import BACKEND_NAMES, Backend, resolve_backends
-from pagedkv.bench.driver import run_w1
+from pagedkv.bench.replay import replay
 from pagedkv.bench.report import cross_check
 from pagedkv.bench.scaling import FACTORS, base_config, sweep_configs
+from pagedkv.bench.trace import record
 from pagedkv.bench.workload import (
     W1_FULL,
     W1_QUICK,
@@ -29,8 +31,8 @@ BY_NAME = {b.name: b for b in BACKENDS}
 
 needs_backends = pytest.mark.skipif(not BACKENDS, reason=f"no backend: {SKIP_NOTES}")
 
-# A small, tight W1: few GPU blocks, no watermark and many n=2 requests, so that recompute and
-# swap preemption (and copy-on-write after forks) all happen within a few hundred steps.
+# A small, tight W1: few GPU blocks and many n=2 requests, so that recompute and swap
+# preemption (and copy-on-write after forks) all happen within a few hundred steps.
 TIGHT = W1Config(
     num_requests=32,
     prompt_len_min=512,
@@ -42,8 +44,7 @@ TIGHT = W1Config(
     output_len_max=384,
     n2_share=0.3,
     num_gpu_blocks=600,
-    num_cpu_blocks=200,
-    watermark=0.0,
+    num_cpu_blocks=400,
     max_num_seqs=16,
     prefill_token_budget=4096,
 )
@@ -67,20 +68,26 @@ ONE = WorkloadConfig(
 )
 
 
-# -------------------------------------------------------------------------- chunked prefill
+def run(workload, backend, caching):
+    """The bench's block-manager run: pagedkv.Scheduler's schedule, replayed on ``backend``."""
+    return replay(record(workload, caching), backend)
 
 
-@needs_backends
-@pytest.mark.parametrize("backend", [b.name for b in BACKENDS])
-def test_chunked_prefill_schedule_by_hand(backend):
-    b = BY_NAME[backend]
+def scheduled(cfg):
+    """``(request id, tokens)`` scheduled per step, from pagedkv.Scheduler."""
+    return [list(s.scheduled) for s in record(generate(cfg), False).steps]
+
+
+# ------------------------------------------------------------------ the schedule, by hand
+
+
+def test_chunked_prefill_schedule_by_hand():
     # 100 prompt tokens in chunks of 32, 32, 32, 4 (the 4th also samples the first token),
     # then 4 decode steps
-    r = run_w1(generate(ONE), b, False)
-    assert (r.steps, r.partial_prefills, r.finished) == (8, 3, 1)
+    assert scheduled(ONE) == [[("t-0", n)] for n in (32, 32, 32, 4, 1, 1, 1, 1)]
     # three 40-token prompts sharing a 32-token budget with the decodes (vLLM's chunked
-    # scheduling: running groups first, then new prefills with what is left):
-    # step 0: A 32 | 1: A 8, B 24 | 2: A 1, B 16, C 15 | 3: A, B 1 each, C 25 | 4: B, C | 5: C
+    # scheduling: running groups first, then new prefills with what is left; the outputs list
+    # new prefills, then running prefills, then decodes)
     three = dataclasses.replace(
         ONE,
         num_requests=3,
@@ -89,13 +96,31 @@ def test_chunked_prefill_schedule_by_hand(backend):
         output_len_min=3,
         output_len_max=3,
     )
-    r = run_w1(generate(three), b, False)
-    assert (r.steps, r.partial_prefills, r.finished) == (6, 3, 3)
-    assert r.all_blocks_free
-    # without chunking each prompt is admitted whole: the budget must hold one
+    assert scheduled(three) == [
+        [("t-0", 32)],
+        [("t-1", 24), ("t-0", 8)],
+        [("t-2", 15), ("t-1", 16), ("t-0", 1)],
+        [("t-2", 25), ("t-0", 1), ("t-1", 1)],
+        [("t-1", 1), ("t-2", 1)],
+        [("t-2", 1)],
+    ]
+    # without chunking vLLM's default policy admits whole prompts and never mixes prompts
+    # with decodes: A+B fill the 80-token budget, C waits a step, then all three decode
     whole = dataclasses.replace(three, chunked_prefill=False, prefill_token_budget=80)
-    r = run_w1(generate(whole), b, False)
-    assert r.partial_prefills == 0 and r.steps == 4  # A+B | A,B,C | A,B,C | C
+    assert scheduled(whole) == [
+        [("t-0", 40), ("t-1", 40)],
+        [("t-2", 40)],
+        [("t-0", 1), ("t-1", 1), ("t-2", 1)],
+        [("t-0", 1), ("t-1", 1), ("t-2", 1)],
+    ]
+
+
+@needs_backends
+@pytest.mark.parametrize("backend", [b.name for b in BACKENDS])
+def test_replay_counts_chunks_and_finishes(backend):
+    r = run(generate(ONE), BY_NAME[backend], False)
+    assert (r.steps, r.partial_prefills, r.finished, r.mismatch) == (8, 3, 1, None)
+    assert r.all_blocks_free
 
 
 def test_chunked_budget_must_hold_a_decode_per_sequence():
@@ -105,13 +130,18 @@ def test_chunked_budget_must_hold_a_decode_per_sequence():
         dataclasses.replace(ONE, chunked_prefill=False)
 
 
+def test_the_scheduler_watermark_is_vllms():
+    with pytest.raises(ValueError, match="watermark must be 0.01"):
+        record(generate(dataclasses.replace(ONE, watermark=0.0)), False)
+
+
 # ------------------------------------------------------------------------------ W2 and W1
 
 
 @needs_backends
 def test_w2_preempts_both_ways_with_chunked_prefill_and_backends_agree():
     w = generate(W2_QUICK, seed=0)
-    results = [run_w1(w, b, True) for b in BACKENDS]
+    results = [run(w, b, True) for b in BACKENDS]
     for r in results:
         assert r.finished == W2_QUICK.num_requests and r.all_blocks_free
         assert r.preempt_recompute > 0 and r.preempt_swap > 0
@@ -121,20 +151,24 @@ def test_w2_preempts_both_ways_with_chunked_prefill_and_backends_agree():
     assert cross_check(results)["ok"]
 
 
-@pytest.mark.skipif("native-batch" not in BY_NAME, reason="native-batch backend not available")
+@pytest.mark.slow
 @pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
-def test_w1_never_preempts(caching):
-    """What the README says: W1 (full size) never preempts, W2 (full size) does."""
-    r = run_w1(generate(W1_FULL), BY_NAME["native-batch"], caching)
-    assert r.finished == W1_FULL.num_requests
-    assert r.preempt_recompute == r.preempt_swap == r.partial_prefills == 0
+def test_w1_preempts_once(caching):
+    """What the README says: under vLLM's default policy (whole prompts admitted while the
+    pool's watermark allows, decodes then grow the tables) W1 preempts exactly one group, by
+    recompute, with or without caching; it never swaps and never chunks."""
+    steps = record(generate(W1_FULL), caching).steps
+    victims = [v for s in steps for v in s.victims]
+    assert [mode for _, mode in victims] == ["recompute"]
+    assert all(not s.swapped_in for s in steps)
+    assert all(s.outputs or not s.scheduled for s in steps)  # every scheduled group sampled
 
 
 @pytest.mark.slow
 @pytest.mark.skipif("native-batch" not in BY_NAME, reason="native-batch backend not available")
 def test_w2_full_preempts():
-    r = run_w1(generate(W2_FULL), BY_NAME["native-batch"], True)
-    assert r.finished == W2_FULL.num_requests and r.all_blocks_free
+    r = run(generate(W2_FULL), BY_NAME["native-batch"], True)
+    assert r.finished == W2_FULL.num_requests and r.all_blocks_free and r.mismatch is None
     assert r.preempt_recompute > 10 and r.preempt_swap > 10 and r.partial_prefills > 100
 
 
@@ -165,6 +199,9 @@ def test_scaling_sweep_configs():
         ]
         assert {c.max_num_seqs for c in sweeps["pool"]} == {base.max_num_seqs}
     assert base_config(True).num_requests < base_config(False).num_requests
+    # the issue's x4: 4,096 requests, 1,024 running, 262,144 GPU blocks
+    x4 = sweep_configs(False)["batch"][1]
+    assert (x4.num_requests, x4.max_num_seqs, x4.num_gpu_blocks) == (4096, 1024, 262144)
 
 
 # ------------------------------------------------------------------------------- W1 generator
@@ -222,15 +259,17 @@ def test_quick_config_is_scaled_w1():
     assert (q.prompt_len_min, q.prompt_len_max) == (W1_FULL.prompt_len_min, W1_FULL.prompt_len_max)
 
 
-# -------------------------------------------------------------------------------- cross-check
+# ------------------------------------------------------------------- replay cross-check
 
 
 @needs_backends
 @pytest.mark.parametrize("caching", [False, True], ids=["nocache", "cache"])
 def test_backends_agree_under_preemption(caching):
     w = generate_w1(TIGHT, seed=1)
-    results = [run_w1(w, b, caching) for b in BACKENDS]
+    trace = record(w, caching)
+    results = [replay(trace, b) for b in BACKENDS]
     for r in results:
+        assert r.mismatch is None, r.mismatch
         assert r.finished == TIGHT.num_requests
         assert r.all_blocks_free, r.backend
         assert r.preempt_recompute > 0 and r.preempt_swap > 0
@@ -242,19 +281,85 @@ def test_backends_agree_under_preemption(caching):
 
 
 @needs_backends
-def test_backends_agree_on_ignored_and_aborted():
-    # a GPU pool too small for the longest prompts (NEVER -> ignored) and a CPU pool too small
-    # to swap a forked group out (aborted)
-    cfg = W1Config(
-        **{**TIGHT.to_dict(), "num_gpu_blocks": 120, "num_cpu_blocks": 30, "num_requests": 24}
-    )
-    w = generate_w1(cfg, seed=1)
-    results = [run_w1(w, b, True) for b in BACKENDS]
+def test_backends_agree_on_ignored():
+    # a GPU pool too small for the longest prompts: can_allocate says NEVER -> ignored
+    cfg = W1Config(**{**TIGHT.to_dict(), "num_gpu_blocks": 120, "num_requests": 24})
+    trace = record(generate_w1(cfg, seed=1), True)
+    results = [replay(trace, b) for b in BACKENDS]
     for r in results:
-        assert r.ignored > 0 and r.aborted > 0
-        assert r.finished + r.ignored + r.aborted == cfg.num_requests
+        assert r.mismatch is None and r.ignored > 0
+        assert r.finished + r.ignored == cfg.num_requests
         assert r.all_blocks_free
     assert cross_check(results)["ok"]
+
+
+def _faulty(backend, **overrides):
+    """``backend`` whose managers have some methods replaced (``name=lambda mgr, real: fn``)."""
+
+    def make_manager(*args):
+        mgr = backend.make_manager(*args)
+        methods = {name: getattr(mgr, name) for name in dir(mgr) if not name.startswith("_")}
+        for name, wrap in overrides.items():
+            methods[name] = wrap(mgr, methods[name])
+        return SimpleNamespace(**methods)
+
+    return Backend(**{**backend.__dict__, "name": backend.name, "make_manager": make_manager})
+
+
+@pytest.mark.skipif("native" not in BY_NAME, reason="native backend not available")
+def test_a_manager_that_leaks_a_block_fails_the_cross_check():
+    """A manager whose free() forgets one sequence's blocks diverges in its free count at
+    that step: the replay stops there and the cross-check fails."""
+    nat = BY_NAME["native"]
+    state = {"frees": 0}
+
+    def leaky(mgr, real):
+        def free(seq):
+            state["frees"] += 1
+            if state["frees"] != 3:
+                real(seq)
+
+        return free
+
+    trace = record(generate_w1(TIGHT, seed=1), False)
+    good, bad = replay(trace, nat), replay(trace, _faulty(nat, free=leaky))
+    assert good.mismatch is None
+    assert bad.mismatch is not None and "free GPU/CPU blocks" in bad.mismatch
+    assert bad.steps < good.steps
+    check = cross_check([good, bad])
+    assert not check["ok"]
+    assert check["groups"]["caching_off"]["mismatches"][0]["backend"] == "native"
+
+
+@pytest.mark.skipif("native" not in BY_NAME, reason="native backend not available")
+def test_a_manager_that_refuses_an_append_diverges():
+    """can_append_slots saying no where the scheduler appended (and had no victim left) is a
+    divergence, not a silent preemption."""
+    nat = BY_NAME["native"]
+    calls = {"n": 0}
+
+    def refuse_once(mgr, real):
+        def can_append_slots(group, *a):
+            calls["n"] += 1
+            return False if calls["n"] == 50 else real(group, *a)
+
+        return can_append_slots
+
+    trace = record(generate_w1(TIGHT, seed=1), False)
+    bad = replay(trace, _faulty(nat, can_append_slots=refuse_once))
+    assert bad.mismatch is not None and "cannot append" in bad.mismatch
+
+
+@pytest.mark.skipif("native" not in BY_NAME, reason="native backend not available")
+def test_preemptions_follow_the_managers_answers():
+    """Victims are preempted while the replayed manager says the head group cannot append:
+    a manager that always says yes leaves the recorded victims unpreempted -> divergence."""
+    nat = BY_NAME["native"]
+    trace = record(generate_w1(TIGHT, seed=1), False)
+    assert any(s.victims for s in trace.steps)
+    always = replay(trace, _faulty(nat, can_append_slots=lambda mgr, real: lambda g, *a: True))
+    assert always.mismatch is not None
+    assert "the manager can append, the scheduler preempted" in always.mismatch
 
 
 @pytest.mark.skipif("native-batch" not in BY_NAME, reason="native-batch backend not available")
@@ -264,10 +369,7 @@ def test_batch_buffers_match_block_tables():
     bs = TIGHT.block_size
     checked = {"rows": 0}
 
-    def make_manager(*args):
-        mgr = nb.make_manager(*args)
-        real = mgr.append_slots_batch
-
+    def checking(mgr, real):
         def append_slots_batch(seqs, block_tables, context_lens, slot_mapping, **kw):
             cow = real(seqs, block_tables, context_lens, slot_mapping, **kw)
             for i, s in enumerate(seqs):
@@ -280,29 +382,8 @@ def test_batch_buffers_match_block_tables():
                 checked["rows"] += 1
             return cow
 
-        methods = {name: getattr(mgr, name) for name in dir(mgr) if not name.startswith("_")}
-        methods["append_slots_batch"] = append_slots_batch
-        return SimpleNamespace(**methods)
+        return append_slots_batch
 
-    backend = Backend(**{**nb.__dict__, "make_manager": make_manager})
-    w = generate_w1(TIGHT, seed=2)
-    r = run_w1(w, backend, True)
-    assert r.all_blocks_free and checked["rows"] > 1000
-    if "native" in BY_NAME:
-        assert cross_check([run_w1(w, BY_NAME["native"], True), r])["ok"]
-
-
-def test_chunk_sizes_follow_vllms_get_num_new_tokens():
-    """Chunking cuts a single-sequence group's tokens to the budget (a decode too: with no
-    budget left it waits), never a forked group's."""
-    from pagedkv.bench.driver import _Live
-
-    live = _Live(generate(ONE).requests[0])
-    live.seqs = [object()]
-    assert live.take(32) == 32 and live.take(500) == 100 and live.take(0) == 0
-    live.computed = 96
-    assert live.take(32) == 4
-    live.in_prefill = False
-    assert live.take(32) == 1 and live.take(0) == 0
-    live.seqs = [object(), object()]
-    assert live.take(0) == 2 and live.take(1) == 2
+    trace = record(generate_w1(TIGHT, seed=2), True)
+    r = replay(trace, _faulty(nb, append_slots_batch=checking))
+    assert r.mismatch is None and r.all_blocks_free and checked["rows"] > 1000

@@ -72,7 +72,8 @@ def test_demo_without_torch_says_how_to_get_it():
 def test_building_the_parser_imports_neither_torch_nor_the_bench_drivers():
     code = (
         "import sys; from pagedkv.cli import build_parser; build_parser(); "
-        "heavy = [m for m in ('torch', 'pagedkv.demo', 'pagedkv.bench.driver', 'matplotlib', "
+        "heavy = [m for m in ('torch', 'pagedkv.demo', 'pagedkv.bench.trace', "
+        "'pagedkv.bench.replay', 'pagedkv.bench.wholestep', 'matplotlib', "
         "'tqdm') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -84,6 +85,9 @@ def test_demo_options_match_the_demo_module():
     assert set(demo._DTYPES) == set(cli.DEMO_DTYPES)
     assert demo.DemoConfig().num_requests == cli.DEMO_DEFAULT_REQUESTS
     assert demo.MIN_REQUESTS == cli.DEMO_MIN_REQUESTS
+    from pagedkv.demo_paths import PATHS
+
+    assert tuple(PATHS) == cli.DEMO_PATHS and demo.DemoConfig().path == cli.DEMO_PATHS[0]
 
 
 def test_console_entry_point_subprocess():
@@ -108,6 +112,7 @@ def test_console_entry_point_subprocess():
         (["--set", "num_cpu_blocks=-1"], "num_cpu_blocks must be >= 0"),
         (["--set", "watermark=abc"], "bad value for watermark"),
         (["--set", "watermark=1.5"], "watermark must be in [0, 1)"),
+        (["--set", "watermark=0"], "watermark must be 0.01"),
         (["--set", "block_size=3"], "block_size must be a power of two"),
         (["--set", "chunked_prefill=maybe"], "expected true or false"),
         (["--set", "nope=1"], "bad --set 'nope=1'"),
@@ -155,6 +160,55 @@ def test_requested_backend_that_cannot_run_is_an_error(monkeypatch, capsys):
     # not asked for by name: the default set runs what it can and says what it skipped
     assert cli.main([*TINY, "--no-progress"]) == 0
     assert "reference: skipped" in capsys.readouterr().out
+
+
+def test_a_diverging_manager_is_exit_status_1(monkeypatch, capsys):
+    """A backend whose manager leaks a block: the replay cross-check fails, exit status 1."""
+    import types
+
+    import pagedkv.bench.backends as backends
+
+    real = backends._RESOLVERS["native"]
+
+    def leaky_native():
+        backend, note = real()
+        make = backend.make_manager
+
+        def make_manager(*args):
+            mgr = make(*args)
+            methods = {n: getattr(mgr, n) for n in dir(mgr) if not n.startswith("_")}
+            frees = []
+
+            def free(seq):
+                frees.append(seq)
+                if len(frees) != 2:
+                    mgr.free(seq)
+
+            methods["free"] = free
+            return types.SimpleNamespace(**methods)
+
+        backend.make_manager = make_manager
+        return backend, note
+
+    monkeypatch.setitem(backends._RESOLVERS, "native", leaky_native)
+    assert cli.main([*TINY, "--backends", "reference,native", "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "Schedule cross-check FAILED" in out and "free GPU/CPU blocks" in out
+
+
+def test_a_batch_step_that_decides_otherwise_is_exit_status_1(monkeypatch, capsys):
+    import dataclasses
+
+    from pagedkv.bench import wholestep
+
+    real_add = wholestep.BatchDriver.add
+
+    def add(self, req):
+        real_add(self, dataclasses.replace(req, output_len=max(1, req.output_len - 1)))
+
+    monkeypatch.setattr(wholestep.BatchDriver, "add", add)
+    assert cli.main([*TINY, "--backends", "native", "--no-progress"]) == 1
+    assert "BATCH STEP DIFFERED" in capsys.readouterr().out
 
 
 def test_set_scopes_to_one_workload():
@@ -209,7 +263,7 @@ def test_bench_quick_json(tmp_path, capsys):
     assert rc == 0, text
     assert text.count("Schedule cross-check OK") == 2
     doc = json.loads(out.read_text())
-    assert {"pagedkv_version", "seed", "quick", "micro", "w1", "w2", "scheduler"} <= set(doc)
+    assert {"pagedkv_version", "seed", "quick", "micro", "w1", "w2"} <= set(doc)
     assert doc["quick"] is True and "scaling" not in doc
     assert doc["micro"]["hashing"]["native_list"]["mtok_per_s"] > 0
     assert "cycle" in doc["micro"]["pool"]["native"]
@@ -230,9 +284,19 @@ def test_bench_quick_json(tmp_path, capsys):
             if name == "w2":  # the pressure workload preempts both ways and chunks prompts
                 assert r["preempt_recompute"] > 0 and r["preempt_swap"] > 0
                 assert r["partial_prefills"] > 0
-            else:  # W1 never does
+            else:  # quick W1 never does (full W1 recomputes once: test_w1_preempts_once)
                 assert r["preempt_recompute"] == r["preempt_swap"] == r["partial_prefills"] == 0
+            assert r["mismatch"] is None
         assert section["cross_check"]["ok"] is True
+        # the whole step: the batch step makes the compat step's decisions, every request
+        # finishes, and both are timed per step and per running sequence
+        assert [w["caching"] for w in section["whole_step"]] == [False, True]
+        for w in section["whole_step"]:
+            assert w["ok"] and w["finished"] == cfg.num_requests
+            compat, batch = w["lanes"]["compat"], w["lanes"]["batch"]
+            assert compat["steps"] == w["steps"] == batch["steps"] - 1  # + applying the last
+            assert w["steps"] in {r["steps"] for r in runs}  # the replayed schedule's length
+            assert batch["us_per_row"] > 0 and w["ratios"]["batch_vs_compat"] > 0
     # the output lines: W2 leads
     assert text.index("workload W2") < text.index("workload W1")
 
@@ -338,8 +402,9 @@ def test_plot_and_scaling_sweep(tmp_path, capsys):
     # more running sequences per step at x16 than at x1, and a time for every backend
     assert batch[2]["mean_batch_seqs"] > 4 * batch[0]["mean_batch_seqs"]
     for p in batch + pool:
-        assert set(p["us_per_step"]) == {"native", "native-batch"}
+        assert set(p["us_per_step"]) == {"batch-step", "batch-step-inc", "native", "native-batch"}
         assert all(v > 0 for v in p["us_per_step"].values())
+        assert all(v > 0 for v in p["us_per_row"].values()) and "mismatch" not in p
     assert "Scaling (W1 mix" in text
 
 

@@ -58,6 +58,37 @@ def test_prefill_then_decode_writes_the_model_inputs():
     assert not eng.has_unfinished_seqs()
 
 
+def test_prompt_rows_leave_their_cached_prefix_out():
+    """vLLM 0.4.2's model runner rule: a prompt starts after its computed blocks (all full
+    blocks but the last of a scheduled sequence are marked computed)."""
+    cc = CacheConfig(BS, 0.9, 1, "auto", enable_prefix_caching=True)
+    cc.num_gpu_blocks, cc.num_cpu_blocks = 64, 16
+    sched = pagedkv.Scheduler(SchedulerConfig(64, 8, 32), cc, None)
+    eng = BatchEngine(sched)
+    prompt = list(range(20, 33))  # 13 tokens: blocks 0-2 full, 0-1 marked computed
+    add(eng, "a", 1, prompt, max_tokens=4)
+    res = eng.step(now=1.0)
+    b = res.buffers
+    assert (res.num_tokens, b.cached_tokens[0]) == (13, 0)
+    add(eng, "b", 2, prompt[:12] + [99], max_tokens=4)  # same first 3 blocks
+    res = eng.step([7], now=2.0)
+    assert (res.num_rows, res.num_prefill_groups, res.num_tokens) == (1, 1, 5)
+    assert b.cached_tokens[0] == 8 and b.context_lens[0] == 13
+    assert b.input_tokens[:5].tolist() == prompt[8:12] + [99]
+    assert b.positions[:5].tolist() == list(range(8, 13))
+    table = b.block_tables[0, :4].tolist()
+    assert table[:2] == sched.block_manager.get_block_table(sched.running[0].get_seqs()[0])[:2]
+    assert b.slot_mapping[:5].tolist() == [table[p // BS] * BS + p % BS for p in range(8, 13)]
+    assert b.query_start_loc[:2].tolist() == [0, 5]
+    res = eng.step([8], now=3.0)  # decodes never skip
+    assert res.num_tokens == 2 and not b.cached_tokens[:2].any()
+    short = BatchBuffers.for_scheduler(sched)
+    short.cached_tokens = short.cached_tokens[:1]
+    eng.buffers = short
+    with pytest.raises(InvalidArgumentError, match="cached_tokens"):
+        eng.step([9, 9], now=4.0)
+
+
 def test_stop_checks_follow_vllm_order():
     _, eng = make()
     a = add(eng, "eos", 1, [1, 2], eos=7, max_tokens=9)
@@ -178,3 +209,98 @@ def test_a_bad_seq_counter_changes_nothing():
     assert eng.num_expected_samples == 2
     res = eng.step([5, 6], now=2.0)
     assert res.buffers.seq_ids[: res.num_rows].tolist() == [1, 100]
+
+
+def _table(sched, group):
+    return list(sched.block_manager.get_block_table(group.get_seqs()[0]))
+
+
+def test_incremental_block_tables_are_kept_not_rewritten():
+    """With incremental buffers ``block_tables`` is a persistent buffer: a step writes only
+    the entries that changed, so a mark past every table survives; the rows stay equal to
+    the manager's tables. Without incremental buffers every row is written whole."""
+    sched, eng = make(max_model_len=64)
+    eng.buffers = BatchBuffers.for_scheduler(sched, incremental=True)
+    g = add(eng, "a", 1, [1, 2, 3], max_tokens=40)
+    b = eng.buffers
+    eng.step(now=1.0)
+    b.block_tables[0, -1] = 777  # beyond any table of this run: a whole-row write clears it
+    states = []
+    for t in range(30):
+        eng.step([5], now=2.0 + t)
+        states.append(int(b.row_state[0]))
+        table = _table(sched, g)
+        assert b.block_tables[0, : len(table)].tolist() == table
+        assert not b.block_tables[0, len(table) : -1].any()
+    assert b.block_tables[0, -1] == 777
+    assert states.count(1) >= 6 and states.count(0) >= 20  # appended / same
+    # Plain buffers: the whole row, padded with 0, every step.
+    eng.buffers = plain = BatchBuffers.for_scheduler(sched)
+    eng.step([5], now=40.0)
+    plain.block_tables[0, -1] = 777
+    eng.step([5], now=41.0)
+    assert plain.block_tables[0, -1] == 0
+
+
+def test_new_incremental_buffers_are_written_whole():
+    """A step into buffers other than the last ones (the engine widened them, or the caller
+    swapped them) cannot rely on what they hold: every row is written whole."""
+    sched, eng = make(max_model_len=64)
+    eng.buffers = BatchBuffers.for_scheduler(sched, incremental=True)
+    g = add(eng, "a", 1, [1, 2, 3, 4, 5, 6], max_tokens=20)
+    eng.step(now=1.0)
+    eng.step([5], now=2.0)
+    fresh = BatchBuffers.for_scheduler(sched, incremental=True)
+    fresh.block_tables[:] = 99
+    eng.buffers = fresh
+    res = eng.step([5], now=3.0)
+    table = _table(sched, g)
+    assert res.block_tables[0].tolist() == table + [0] * (fresh.block_tables.shape[1] - len(table))
+    # the increments are relative to what the caller was sent, not to the buffer
+    assert fresh.row_state[0] == 0
+
+
+class _FailingFork(pagedkv.Sequence):
+    fail = True
+
+    def fork(self, new_seq_id):
+        if _FailingFork.fail:
+            raise RuntimeError("fork failed")
+        return super().fork(new_seq_id)
+
+
+def test_a_failing_fork_changes_nothing_and_the_retry_succeeds():
+    """``parent.fork`` is engine code called during the step: when the second group's fork
+    raises, the first group's child must not have been added (all or nothing)."""
+    sched, eng = make(seq_counter=iter(range(100, 200)).__next__)
+    groups = []
+    for i, cls in enumerate((pagedkv.Sequence, _FailingFork)):
+        seq = cls(i + 1, "", [1, 2, 3, 4, 5, 6], BS, None)
+        sp = pagedkv.SamplingParams(n=2, best_of=2, max_tokens=4, temperature=1.0)
+        groups.append(pagedkv.SequenceGroup(f"g{i}", [seq], sp, 0.0))
+        eng.add_seq_group(groups[-1])
+    eng.step(now=1.0)
+    free = sched.block_manager.get_num_free_gpu_blocks()
+
+    def state():
+        eng.sync_views()
+        return (
+            [sorted(s.seq_id for s in g.get_seqs()) for g in groups],
+            [[(s.status.name, s.get_len()) for s in g.get_seqs()] for g in groups],
+            sched.block_manager.get_num_free_gpu_blocks(),
+            eng.num_expected_samples,
+            [g.request_id for g in sched.running],
+        )
+
+    before = state()
+    with pytest.raises(RuntimeError, match="fork failed"):
+        eng.step([20, 21, 30, 31], now=2.0)
+    assert state() == before
+    assert before[0] == [[1], [2]] and before[2] == free
+    _FailingFork.fail = False
+    res = eng.step([20, 21, 30, 31], now=2.0)
+    assert res.num_rows == 4
+    assert [sorted(s.seq_id for s in g.get_seqs()) for g in groups] == [[1, 102], [2, 103]]
+    eng.sync_views()
+    outs = {s.seq_id: list(s.data.output_token_ids) for g in groups for s in g.get_seqs()}
+    assert outs == {102: [20], 1: [21], 103: [30], 2: [31]}

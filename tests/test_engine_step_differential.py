@@ -14,9 +14,11 @@ The compat path is the oracle: it is pagedkv.Scheduler's ``schedule()``, which
 tests/test_scheduler_differential.py holds equal to vLLM 0.4.2's own scheduler, driven by
 Python output processing that does not share the batch step's native code. At every step the
 batch step's written buffers must equal what the compat path's metadata implies (token ids,
-positions, slots, block tables, context lengths, query offsets, samples, copy and swap
-pairs), and after ``sync_views()`` the two worlds' Python objects must agree (statuses,
-computed tokens, stages, output tokens, queues, free blocks, finished groups).
+positions, slots, block tables, context lengths, query offsets, samples, cached-prefix
+lengths, copy and swap pairs; a prompt row leaves out the prefix that ``computed_block_nums``
+covers, as vLLM 0.4.2's model runner ``_prepare_prompt`` does), and after ``sync_views()``
+the two worlds' Python objects must agree (statuses, computed tokens, stages, output tokens,
+queues, free blocks, finished groups).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import pytest
 
 from pagedkv.engine_step import (
     ROW_APPENDED,
+    ROW_MOVED,
     ROW_REWRITTEN,
     ROW_SAME,
     BatchBuffers,
@@ -90,6 +93,18 @@ class _CompatWorld(World):
                 self.sched.free_seq(seq)
 
 
+def cached_prefix(world: World, meta, start: int, chunk: int) -> int:
+    """Leading tokens of a prompt chunk the model runner leaves out: vLLM 0.4.2's
+    ``_prepare_prompt`` starts a prompt at ``len(computed_block_nums) * block_size`` and
+    refuses prefix caching with chunked prefill (the batch step then leaves nothing out)."""
+    if not meta.is_prompt or world.w.chunked or not meta.computed_block_nums:
+        return 0
+    assert start == 0, "whole prompts start at 0"
+    cached = len(meta.computed_block_nums) * world.w.block_size
+    assert cached < chunk, "the computed blocks exclude the prompt's last block"
+    return cached
+
+
 def expected_inputs(world: World, metas, out) -> dict:
     """The model inputs the compat path's metadata implies (before output processing)."""
     bs = world.w.block_size
@@ -102,17 +117,18 @@ def expected_inputs(world: World, metas, out) -> dict:
             start = seq.data.get_num_computed_tokens()
             chunk = sg.token_chunk_size
             table = list(meta.block_tables[seq.seq_id])
-            ids = seq.data.get_token_ids()[start : start + chunk]
+            skip = cached_prefix(world, meta, start, chunk)
+            ids = seq.data.get_token_ids()[start + skip : start + chunk]
             for j, t in enumerate(ids):
-                p = start + j
+                p = start + skip + j
                 toks.append(t)
                 pos.append(p)
                 slots.append(table[p // bs] * bs + p % bs)
-            qsl.append(qsl[-1] + chunk)
+            qsl.append(qsl[-1] + chunk - skip)
             samples = 0
             if meta.do_sample:
                 samples = group.sampling_params.best_of if n_seqs == 1 else 1
-            rows.append((seq.seq_id, start + chunk, samples, table))
+            rows.append((seq.seq_id, start + chunk, samples, skip, table))
 
     def pairs(d: dict) -> list:
         return [(a, b) for a, v in d.items() for b in ([v] if isinstance(v, int) else v)]
@@ -139,6 +155,7 @@ def written_inputs(res) -> dict:
             int(b.seq_ids[i]),
             int(b.context_lens[i]),
             int(b.num_samples[i]),
+            int(b.cached_tokens[i]),
             b.block_tables[i].tolist(),
         )
         for i in range(n)
@@ -195,6 +212,8 @@ class Pair:
         bufs = BatchBuffers.for_scheduler(self.batch.sched, incremental=True)
         self.persistent: list = []  # block tables kept up to date from the increments only
         self.rows_same = 0
+        self.rows_moved = 0
+        self.cached_rows = 0  # prompt rows that left a cached prefix out
         self.engine = BatchEngine(self.batch.sched, bufs, seq_counter=self._new_id)
         self.steps = 0
         self.samples_applied = 0
@@ -211,13 +230,19 @@ class Pair:
             new = b.new_blocks[b.new_block_loc[i] : b.new_block_loc[i + 1]].tolist()
             state = int(b.row_state[i])
             if state == ROW_SAME:
-                assert not new
+                assert not new and b.moved_from[i] == i
                 self.rows_same += 1
                 rows.append(self.persistent[i])
             elif state == ROW_APPENDED:
+                assert b.moved_from[i] == i
                 rows.append(self.persistent[i] + new)
+            elif state == ROW_MOVED:
+                j = int(b.moved_from[i])
+                assert j != i
+                self.rows_moved += 1
+                rows.append(self.persistent[j] + new)
             else:
-                assert state == ROW_REWRITTEN
+                assert state == ROW_REWRITTEN and b.moved_from[i] == -1
                 rows.append(new)
         self.persistent = rows
 
@@ -278,12 +303,13 @@ class Pair:
                     assert got[k] == expect[k], f"seed {self.w.seed} step {step} {k}"
                 assert len(got["rows"]) == len(expect["rows"]), f"seed {self.w.seed} step {step}"
                 for g_row, e_row in zip(got["rows"], expect["rows"]):
-                    assert g_row[:3] == e_row[:3], f"seed {self.w.seed} step {step} rows"
-                    n = len(e_row[3])
-                    assert g_row[3][:n] == e_row[3], f"seed {self.w.seed} step {step} table"
-                    assert not any(g_row[3][n:]), "rows are padded with 0"
+                    assert g_row[:4] == e_row[:4], f"seed {self.w.seed} step {step} rows"
+                    n = len(e_row[4])
+                    assert g_row[4][:n] == e_row[4], f"seed {self.w.seed} step {step} table"
+                    assert not any(g_row[4][n:]), "rows are padded with 0"
+                    self.cached_rows += e_row[3] > 0
                 self.apply_increments(res)
-                assert self.persistent == [e[3] for e in expect["rows"]], f"step {step}"
+                assert self.persistent == [e[4] for e in expect["rows"]], f"step {step}"
                 self.engine.sync_views()
                 assert views(self.batch) == views(self.compat), f"seed {self.w.seed} step {step}"
                 assert finished_b == finished_c
@@ -312,6 +338,12 @@ def test_batch_step_makes_the_compat_decisions(force):
     assert sum(p.steps for p in pairs) >= 300
     assert sum(p.samples_applied for p in pairs) >= 300
     assert sum(p.rows_same for p in pairs) >= 300  # the increments are mostly empty
+    assert sum(p.rows_moved for p in pairs) >= 30  # rows move when earlier ones leave
+    cached_rows = sum(p.cached_rows for p in pairs)
+    if force["caching"] and not force["chunked"]:
+        assert cached_rows >= 20, cached_rows
+    else:
+        assert cached_rows == 0
 
 
 def test_batch_step_with_lora_and_forced_preemption():

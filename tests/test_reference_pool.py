@@ -177,8 +177,9 @@ def test_matches_native_block_pool(caching):
     for _ in range(3000):
         op = rng.choice([0, 0, 1, 1, 1, 1, 2, 3, 3, 4, 4, 5, 6])
         b = rng.randrange(n + 1)  # n is out of range
-        h = rng.randrange(6)
-        t = toks(h if rng.random() < 0.8 else h + 1)
+        low = rng.randrange(6)
+        h = low | rng.choice([0, 0, 1]) << 100  # hashes that share their low 64 bits too
+        t = toks(low if rng.random() < 0.8 else low + 1)
         if op == 0:
             call = ("allocate",)
         elif op == 1:

@@ -353,6 +353,9 @@ class BlockSpaceManager:
         """Move the group's RUNNING sequences to the CPU; returns ``{gpu_block: cpu_block}``."""
     def get_block_table(self, seq: SequenceLike) -> List[int]:
         """The physical block ids of ``seq``'s table, in logical order (a new list)."""
+    def native_bytes(self) -> Tuple[int, int, int]:
+        """Native heap bytes ``(pools, tables, block_ints)``: the pools' per-block state,
+        the sequences' block tables, this binding's references to its per-block ints."""
     def get_num_free_gpu_blocks(self) -> int:
         """Free GPU blocks (evictable cached blocks count as free)."""
     def get_num_free_cpu_blocks(self) -> int:

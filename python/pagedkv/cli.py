@@ -12,13 +12,24 @@ import os
 import sys
 from typing import List, Optional
 
-__all__ = ["DEMO_DTYPES", "TORCH_HINT", "add_demo_arguments", "build_parser", "main"]
+__all__ = [
+    "DEMO_DTYPES",
+    "DEMO_PATHS",
+    "TORCH_HINT",
+    "add_demo_arguments",
+    "build_parser",
+    "main",
+]
 
 #: What to install when a subcommand needs torch.
 TORCH_HINT = "pip install 'pagedkv[torch]'"
 
 #: ``pagedkv demo --dtype`` choices (pagedkv.demo maps each to a torch dtype).
 DEMO_DTYPES = ("bf16", "bfloat16", "float16", "float32", "fp16", "fp32")
+
+#: ``pagedkv demo --path`` choices: how the demo engine drives pagedkv.Scheduler (the batch
+#: step, ``BatchEngine.step``, or the vLLM-compatible ``schedule()`` and its metadata).
+DEMO_PATHS = ("batch", "compat")
 
 #: ``pagedkv demo``: the default and the least number of requests (fewer cannot show both a
 #: swap and a recompute preemption); pagedkv.demo checks its DemoConfig against these.
@@ -40,6 +51,12 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"number of requests (>= {DEMO_MIN_REQUESTS}, default {DEMO_DEFAULT_REQUESTS})",
     )
     parser.add_argument("--seed", type=int, default=0, help="workload and model seed")
+    parser.add_argument(
+        "--path",
+        default="batch",
+        choices=DEMO_PATHS,
+        help="drive pagedkv.Scheduler through the batch step (default) or schedule()",
+    )
     parser.add_argument("--quiet", action="store_true", help="print only failures")
 
 

@@ -1,48 +1,37 @@
 """End-to-end proof: a tiny paged-attention engine whose every logit matches a dense forward.
 
-:func:`run_demo` serves a batch of requests with :class:`~pagedkv.attention.TinyDecoder`
-(random weights, fixed seed, GQA, RoPE) through :class:`pagedkv.BlockSpaceManager`
-(``enable_caching=True``) on a deliberately small GPU block pool plus a CPU swap pool.
-The schedule is deterministic and provably exercises:
+:func:`run_demo` serves requests with :class:`~pagedkv.attention.TinyDecoder` (random weights,
+fixed seed, GQA, RoPE) on :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, prefix caching on)
+over a deliberately small GPU block pool plus a CPU swap pool. The scheduler is the package's
+one scheduler, driven through the batch step (``path="batch"``, the default) or through the
+vLLM-compatible ``schedule()`` (``"compat"``); see :mod:`pagedkv.demo_paths`. Either yields a
+:class:`~pagedkv.demo_paths.StepPlan` per step, which the engine executes in vLLM's order:
+swap out, swap in, copy-on-write (on the real cache tensors), then the paged forward. Sampling
+is greedy: a row that samples ``k`` tokens takes its top ``k``; the runners-up go to new child
+sequences, the best to the row's own sequence.
 
-* **prefix caching** — most prompts share a system prefix and requests arrive staggered;
-  at admission ``get_common_computed_block_ids`` tells how many leading tokens are
-  already in the cache and only the uncached suffix is fed (at least the last token);
-* **parallel sampling / fork** — every third request has ``n=2``: after its prefill the
-  sequence forks (``seq.fork``, ``group.add``, ``manager.fork``); the parent takes the
-  best token and the child the 2nd best, so the next decode step copies the shared
-  partial block (copy-on-write, executed with :func:`~pagedkv.attention.copy_blocks`);
-* **preemption** — FCFS; when a running group cannot get its next slots the latest
-  arrival is preempted: a forked group is swapped out (later swapped back in, both
-  executed with :func:`~pagedkv.attention.swap_blocks`), a single-sequence one is
-  recomputed (freed, ``WAITING``, ``reset_state_for_recompute``, re-prefilled).
+The workload shows, by vLLM's policy alone: **prefix-cache hits** (most prompts share a system
+prefix and arrive staggered; a prompt row leaves out its cached prefix), **n=2 forks** (every
+third request; its next decode copies the shared partial block: copy-on-write) and
+**preemption** (the pool is too small: vLLM swaps out groups with several sequences, swapped
+back in later, and recomputes single-sequence ones; ``preemption_mode`` can force one kind).
+The pool is sized by model-free dry runs of the same engine (:func:`choose_num_gpu_blocks`).
 
-Each step runs, in order: swap out, swap in, copy-on-write, forward.  Prefill steps
-pack per-sequence chunks with :func:`~pagedkv.attention.build_paged_batch`; decode
-steps get their metadata from the manager's batch API through persistent
-:class:`~pagedkv.attention.StepBuffers` (one host-to-device copy per step).
+The check: every logits row (prompt rows and every decode row, including the rows that
+produced each generated token) is compared with ``model.dense_forward`` over the sequence's
+tokens at the same position: ``|paged - dense| <= atol + rtol * max|dense row|`` for every
+element (:data:`TOLERANCES`: fp32 1e-5 and 1e-5; bf16 2e-2 and 2e-2). At the end every request
+must have finished, every GPU and CPU block must be free and every event of :data:`EVENTS`
+must have happened.
 
-The sampler is deterministic (greedy; a forked child takes the 2nd-best token once).
-
-The check: every logits row the engine computes (the prefill rows and each decode
-row, including the rows that produced every generated token) is compared with
-``model.dense_forward(tokens of that sequence)`` at the same position (causal, so the
-row at position ``p`` only depends on tokens ``0..p``): every element must satisfy
-``|paged - dense| <= atol + rtol * max|dense row|`` (:data:`TOLERANCES`: fp32 1e-5 and
-1e-5; bf16 2e-2 and 2e-2, i.e. a few units in the last place of the largest logit).
-At the end every GPU and CPU block must be free again and every event above must have
-happened (the default workload needs at least :data:`MIN_REQUESTS` requests for that).
-The GPU pool is sized by model-free dry runs of the same schedule
-(:func:`choose_num_gpu_blocks`).
-
-CLI: ``pagedkv demo [--device D] [--dtype T] [--requests N] [--seed S] [--quiet]``
+CLI: ``pagedkv demo [--device D] [--dtype T] [--requests N] [--seed S] [--path P] [--quiet]``
 (also ``python -m pagedkv.demo``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import itertools
 import math
 import sys
 import time
@@ -50,29 +39,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
-from pagedkv import (
-    AllocStatus,
-    BlockSpaceManager,
-    Logprob,
-    SamplingParams,
-    Sequence,
-    SequenceGroup,
-    SequenceStatus,
-)
-from pagedkv.attention import (
-    DeviceView,
-    SeqChunk,
-    StepBuffers,
-    TinyConfig,
-    TinyDecoder,
-    allocate_kv_cache,
-    build_paged_batch,
-    copy_blocks,
-    swap_blocks,
-)
-from pagedkv.cli import DEMO_DEFAULT_REQUESTS, DEMO_MIN_REQUESTS, add_demo_arguments
+from pagedkv import SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from pagedkv.attention import TinyConfig, TinyDecoder, allocate_kv_cache, copy_blocks, swap_blocks
+from pagedkv.cli import DEMO_DEFAULT_REQUESTS, DEMO_MIN_REQUESTS, DEMO_PATHS, add_demo_arguments
+from pagedkv.demo_paths import PATHS, StepPlan
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 __all__ = [
     "DemoConfig",
@@ -80,6 +55,7 @@ __all__ = [
     "DemoReport",
     "StepPlan",
     "add_arguments",
+    "choose_num_gpu_blocks",
     "main",
     "run",
     "run_demo",
@@ -102,6 +78,23 @@ TOLERANCES = {
     torch.float16: (5e-3, 5e-3),
 }
 
+#: events every demo run must show (report fields that must be > 0)
+EVENTS = (
+    "prefix_hits",
+    "prefix_cached_tokens",
+    "forks",
+    "cow_copies",
+    "swap_outs",
+    "swap_ins",
+    "recompute_preemptions",
+)
+
+#: the default workload needs this many requests to show every event
+MIN_REQUESTS = DEMO_MIN_REQUESTS
+
+#: fractions of the unconstrained peak GPU usage tried as pool sizes, in order
+_POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
+
 
 @dataclass(frozen=True)
 class DemoConfig:
@@ -121,34 +114,18 @@ class DemoConfig:
     fork_every: int = 3
     #: request ``i`` arrives at step ``i * arrival_gap``
     arrival_gap: int = 2
-    #: GPU pool; ``None``: chosen by :func:`choose_num_gpu_blocks` (a fraction of the
-    #: unconstrained peak usage, small enough to force both kinds of preemption)
+    #: GPU pool; ``None``: chosen by :func:`choose_num_gpu_blocks`
     num_gpu_blocks: Optional[int] = None
     #: CPU swap pool; ``None``: room for every request
     num_cpu_blocks: Optional[int] = None
     max_num_seqs: int = 16
-    #: ``"step_buffers"`` (batch API + StepBuffers) or ``"append_slots"`` (per sequence)
-    decode_path: str = "step_buffers"
+    #: ``"batch"`` (BatchEngine.step) or ``"compat"`` (schedule() + metadata)
+    path: str = "batch"
+    #: ``None`` (vLLM's choice: swap groups with several sequences, recompute the others),
+    #: ``"swap"`` or ``"recompute"``
+    preemption_mode: Optional[str] = None
     max_steps: int = 10_000
     model: TinyConfig = field(default_factory=TinyConfig)
-
-
-@dataclass
-class StepPlan:
-    """What one step runs; a ``hook`` passed to :func:`run_demo` sees (and may alter) it
-    before the cache operations are executed."""
-
-    step: int
-    kind: str  # "prefill" or "decode"
-    #: prefill: (sequence, number of leading tokens already in the cache)
-    prefill: List[Tuple[Sequence, int]] = field(default_factory=list)
-    #: decode: sequences in row order
-    decode: List[Sequence] = field(default_factory=list)
-    groups: List[SequenceGroup] = field(default_factory=list)
-    blocks_to_swap_out: Dict[int, int] = field(default_factory=dict)
-    blocks_to_swap_in: Dict[int, int] = field(default_factory=dict)
-    blocks_to_copy: Dict[int, List[int]] = field(default_factory=dict)
-    device_view: Optional[DeviceView] = None
 
 
 @dataclass
@@ -157,7 +134,7 @@ class DemoReport:
 
     device: str
     dtype: str
-    decode_path: str
+    path: str
     requests: int = 0
     sequences: int = 0
     block_size: int = 0
@@ -191,8 +168,8 @@ class DemoReport:
     def format(self) -> str:
         hit_rate = self.prefix_hits / self.prefix_lookups if self.prefix_lookups else 0.0
         lines = [
-            f"pagedkv demo: {self.device} {self.dtype}, decode path {self.decode_path}, "
-            f"block_size {self.block_size}, {self.num_gpu_blocks} GPU / "
+            f"pagedkv demo: {self.device} {self.dtype}, pagedkv.Scheduler via the {self.path} "
+            f"path, block_size {self.block_size}, {self.num_gpu_blocks} GPU / "
             f"{self.num_cpu_blocks} CPU blocks",
             f"  requests {self.requests} ({self.sequences} sequences), steps {self.steps} "
             f"({self.prefill_steps} prefill, {self.decode_steps} decode), "
@@ -223,18 +200,21 @@ class _Request:
     n: int
 
 
+# --------------------------------------------------------------------------- #
+# the engine
+# --------------------------------------------------------------------------- #
+
 Hook = Callable[["DemoEngine", StepPlan], None]
 
 
 class DemoEngine:
-    """A minimal vLLM-style engine: FCFS scheduler, block manager, paged KV cache, model.
+    """The engine around :class:`pagedkv.Scheduler`: KV caches, model, sampler, the check.
 
-    Built and driven by :func:`run_demo`; exposed for hooks and tests (``manager``,
-    ``gpu_caches``, ``cpu_caches``, ``model``, ``step_buffers``).
-
-    ``model=None`` makes a *dry run*: same scheduler and block manager, no caches and
-    pseudo-random logits instead of the model (used to size the GPU pool, see
-    :func:`choose_num_gpu_blocks`).  ``num_gpu_blocks`` overrides the config.
+    Built and driven by :func:`run_demo`; exposed for hooks and tests (``scheduler``,
+    ``manager``, ``gpu_caches``, ``cpu_caches``, ``model``, ``plans``: a copy of every
+    step's :class:`StepPlan`). ``model=None`` makes a *dry run*: the same scheduler and
+    path, no caches and pseudo-random logits instead of the model (it sizes the GPU pool,
+    see :func:`choose_num_gpu_blocks`). ``num_gpu_blocks`` overrides the config.
     """
 
     def __init__(
@@ -245,421 +225,263 @@ class DemoEngine:
         hook: Optional[Hook] = None,
         num_gpu_blocks: Optional[int] = None,
     ) -> None:
-        if config.decode_path not in ("step_buffers", "append_slots"):
-            raise ValueError(f"unknown decode_path {config.decode_path!r}")
+        if config.path not in DEMO_PATHS:
+            raise InvalidArgumentError(
+                f"unknown path {config.path!r}; expected one of {DEMO_PATHS}"
+            )
         self.config = cfg = config
         self.model = model
         self.dry_run = model is None
         self.device = torch.device("cpu") if model is None else model.device
         self.hook = hook
-        bs = cfg.block_size
         self.requests = _make_requests(cfg)
-        self._order = {r.group.request_id: r.index for r in self.requests}
-        self._max_tokens = {r.group.request_id: r.max_tokens for r in self.requests}
-
-        peak = _peak_blocks(self.requests, bs)
-        max_len = max(len(r.group.prompt_token_ids) + r.max_tokens for r in self.requests)
+        peak = _peak_blocks(self.requests, cfg.block_size)
         # default: room for everything (no preemption); run_demo passes a smaller pool
         self.num_gpu_blocks = num_gpu_blocks or cfg.num_gpu_blocks or sum(peak) + 2
         self.num_cpu_blocks = cfg.num_cpu_blocks or sum(peak) + 2
-        self.manager = BlockSpaceManager(
-            bs, self.num_gpu_blocks, self.num_cpu_blocks, enable_caching=True
+        self.scheduler = _make_scheduler(
+            cfg, self.requests, self.num_gpu_blocks, self.num_cpu_blocks
         )
-        self.gpu_caches: List[torch.Tensor] = []
-        self.cpu_caches: List[torch.Tensor] = []
-        if model is not None:
-            mc = model.config
-            self.gpu_caches = model.allocate_kv_caches(self.num_gpu_blocks, bs)
-            self.cpu_caches = [
-                allocate_kv_cache(
-                    self.num_cpu_blocks,
-                    bs,
-                    mc.num_kv_heads,
-                    mc.head_dim,
-                    dtype=model.dtype,
-                    device="cpu",
-                    pin_memory=self.device.type == "cuda",
-                )
-                for _ in range(mc.num_layers)
-            ]
-        self._fake_gen = torch.Generator().manual_seed(cfg.seed)
-        self.step_buffers = StepBuffers(
-            cfg.max_num_seqs, _ceil_div(max_len, bs), device=self.device
-        )
-
+        self.manager = self.scheduler.block_manager
+        self.gpu_caches, self.cpu_caches = self._allocate_caches()
+        new_seq_id = itertools.count(len(self.requests)).__next__
+        self.path = PATHS[cfg.path](self.scheduler, new_seq_id)
         self._pending = list(self.requests)  # not arrived yet, by arrival step
-        self.waiting: List[SequenceGroup] = []
-        self.running: List[SequenceGroup] = []
-        self.swapped: List[SequenceGroup] = []
-        self.finished: List[SequenceGroup] = []
-        self._forked: set = set()
-        self._next_seq_id = 1 + max(s.seq_id for r in self.requests for s in r.group.get_seqs())
+        self._fake_gen = torch.Generator().manual_seed(cfg.seed)
+        self._status: Dict[str, SequenceStatus] = {}
         self.clock = 0
         self.max_used_gpu_blocks = 0
-        self.all_seqs: Dict[int, Sequence] = {
-            s.seq_id: s for r in self.requests for s in r.group.get_seqs()
-        }
+        self.plans: List[StepPlan] = []
+        self.preemptions: List[Tuple[int, str, str, int]] = []
         #: seq_id -> list of (positions [k] long, logits [k, vocab] float32), on the CPU
         self.records: Dict[int, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
         self.report = DemoReport(
             device=str(self.device),
             dtype="none" if model is None else str(model.dtype).replace("torch.", ""),
-            decode_path=cfg.decode_path,
+            path=cfg.path,
             requests=len(self.requests),
-            block_size=bs,
+            block_size=cfg.block_size,
             num_gpu_blocks=self.num_gpu_blocks,
             num_cpu_blocks=self.num_cpu_blocks,
             prompt_tokens=sum(len(r.group.prompt_token_ids) for r in self.requests),
         )
 
+    def _allocate_caches(self) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
+        if self.model is None:
+            return [], []
+        mc, bs = self.model.config, self.config.block_size
+        gpu = self.model.allocate_kv_caches(self.num_gpu_blocks, bs)
+        cpu = [
+            allocate_kv_cache(
+                self.num_cpu_blocks,
+                bs,
+                mc.num_kv_heads,
+                mc.head_dim,
+                dtype=self.model.dtype,
+                device="cpu",
+                pin_memory=self.device.type == "cuda",
+            )
+            for _ in range(mc.num_layers)
+        ]
+        return gpu, cpu
+
     # ------------------------------------------------------------------ #
     # driver
     # ------------------------------------------------------------------ #
 
-    def has_work(self) -> bool:
-        return bool(self._pending or self.waiting or self.running or self.swapped)
-
     def run(self) -> None:
-        while self.has_work():
+        while self._pending or self.scheduler.has_unfinished_seqs():
             if self.clock >= self.config.max_steps:
                 raise RuntimeError(f"demo did not finish within {self.config.max_steps} steps")
             self.step()
-        self.report.prefix_lookups, self.report.prefix_hits = self.manager.prefix_cache_stats()
 
     def step(self) -> None:
-        """One engine iteration: admit arrivals, schedule, execute, process outputs."""
+        """One engine iteration: arrivals, schedule (and, on the batch path, apply the
+        previous samples), execute, sample (and, on the compat path, process outputs)."""
         while self._pending and self._pending[0].arrival_step <= self.clock:
-            self.waiting.append(self._pending.pop(0).group)
-        plan = self._schedule()
+            self.scheduler.add_seq_group(self._pending.pop(0).group)
+        plan = self.path.plan(self.clock, float(self.clock))
         used = self.num_gpu_blocks - self.manager.get_num_free_gpu_blocks()
         self.max_used_gpu_blocks = max(self.max_used_gpu_blocks, used)
-        if plan is not None:
+        self._count_preemptions()
+        if not plan.is_empty():
+            self._count(plan)
+            self.plans.append(plan.copy())
             if self.hook is not None:
                 self.hook(self, plan)
-            self._execute(plan)
-        elif self.waiting and not self.running and not self.swapped:
-            raise RuntimeError("a waiting request can never be scheduled: GPU pool too small")
+            self.path.finish(plan, self._execute(plan))
         self.clock += 1
 
-    # ------------------------------------------------------------------ #
-    # scheduling
-    # ------------------------------------------------------------------ #
+    def _count(self, plan: StepPlan) -> None:
+        rep, p = self.report, plan.num_prompt_rows
+        rep.steps += 1
+        if plan.num_rows:
+            rep.prefill_steps += p > 0
+            rep.decode_steps += p == 0
+        rep.prefill_tokens_computed += int(plan.query_start_loc[p] - plan.query_start_loc[0])
+        rep.prefix_cached_tokens += int(plan.cached_tokens[:p].sum())
+        rep.cow_copies += len(plan.copies)
+        rep.blocks_swapped_out += len(plan.swap_out)
+        rep.blocks_swapped_in += len(plan.swap_in)
 
-    def _arrival(self, group: SequenceGroup) -> int:
-        return self._order[group.request_id]
-
-    def _schedule(self) -> Optional[StepPlan]:
-        self.waiting.sort(key=self._arrival)
-        self.running.sort(key=self._arrival)
-        self.swapped.sort(key=self._arrival)
-        plan = StepPlan(step=self.clock, kind="prefill")
-        if not self.swapped and self._schedule_prefills(plan):
-            return plan
-        plan.kind = "decode"
-        if self._schedule_decodes(plan):
-            return plan
-        return None
-
-    def _schedule_prefills(self, plan: StepPlan) -> bool:
-        """Admit waiting groups FCFS while they fit (vLLM: prefills first, no swapped ones)."""
-        mgr = self.manager
-        num_seqs = sum(g.num_seqs(SequenceStatus.RUNNING) for g in self.running)
-        while self.waiting:
-            group = self.waiting[0]
-            status = mgr.can_allocate(group)
-            if status == AllocStatus.NEVER:
-                raise RuntimeError(f"request {group.request_id} can never fit in the GPU pool")
-            if status == AllocStatus.LATER:
-                break
-            if num_seqs + group.get_max_num_running_seqs() > self.config.max_num_seqs:
-                break
-            self.waiting.pop(0)
-            mgr.allocate(group)
-            for seq in group.get_seqs(SequenceStatus.WAITING):
-                seq.status = SequenceStatus.RUNNING
-                computed = mgr.get_common_computed_block_ids([seq])
-                num_cached = min(len(computed) * self.config.block_size, seq.get_len() - 1)
-                plan.prefill.append((seq, num_cached))
-                mgr.access_all_blocks_in_seq(seq, float(self.clock))
-            num_seqs += group.get_max_num_running_seqs()
-            plan.groups.append(group)
-            self.running.append(group)
-        return bool(plan.prefill)
-
-    def _schedule_decodes(self, plan: StepPlan) -> bool:
-        """Give every running group its next slots, preempting the latest arrivals if needed;
-        then swap groups back in when nothing was preempted."""
-        mgr = self.manager
-        use_buffers = self.config.decode_path == "step_buffers"
-        if use_buffers:
-            self.step_buffers.begin_step()
-        queue = list(self.running)
-        kept: List[SequenceGroup] = []
-        preempted = False
-        while queue:
-            group = queue.pop(0)
-            while not mgr.can_append_slots(group):
-                preempted = True
-                if queue:
-                    self._preempt(queue.pop(), plan)
-                else:
-                    self._preempt(group, plan)
-                    group = None
-                    break
-            if group is not None:
-                self._append(group, plan, use_buffers)
-                kept.append(group)
-        self.running = kept
-        if not preempted:
-            num_seqs = len(plan.decode)
-            while self.swapped:
-                group = self.swapped[0]
-                if mgr.can_swap_in(group) != AllocStatus.OK:
-                    break
-                if num_seqs + group.num_seqs(SequenceStatus.SWAPPED) > self.config.max_num_seqs:
-                    break
-                num_seqs += group.num_seqs(SequenceStatus.SWAPPED)
-                self.swapped.pop(0)
-                mapping = mgr.swap_in(group)
-                plan.blocks_to_swap_in.update(mapping)
-                self.report.swap_ins += 1
-                self.report.blocks_swapped_in += len(mapping)
-                for seq in group.get_seqs(SequenceStatus.SWAPPED):
-                    seq.status = SequenceStatus.RUNNING
-                self._append(group, plan, use_buffers)
-                self.running.append(group)
-        if use_buffers and plan.decode:
-            plan.device_view = self.step_buffers.to_device()
-        return bool(plan.decode)
-
-    def _append(self, group: SequenceGroup, plan: StepPlan, use_buffers: bool) -> None:
-        mgr = self.manager
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        if use_buffers:
-            cows = [self.step_buffers.append(mgr, seqs)]
-        else:
-            cows = [mgr.append_slots(seq) for seq in seqs]
-        for cow in cows:
-            for src, dsts in cow.items():
-                plan.blocks_to_copy.setdefault(src, []).extend(dsts)
-        for seq in seqs:
-            mgr.access_all_blocks_in_seq(seq, float(self.clock))
-        plan.decode.extend(seqs)
-        plan.groups.append(group)
-
-    def _preempt(self, group: SequenceGroup, plan: StepPlan) -> None:
-        """Forked groups are swapped out, single-sequence groups recomputed."""
-        mgr = self.manager
-        seqs = group.get_seqs(SequenceStatus.RUNNING)
-        if len(seqs) > 1:
-            if not mgr.can_swap_out(group):
-                raise RuntimeError(f"no CPU swap space for request {group.request_id}")
-            mapping = mgr.swap_out(group)
-            plan.blocks_to_swap_out.update(mapping)
-            for seq in seqs:
-                seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
-            self.report.swap_outs += 1
-            self.report.blocks_swapped_out += len(mapping)
-        else:
-            for seq in seqs:
-                mgr.free(seq)
-                seq.status = SequenceStatus.WAITING
-                seq.reset_state_for_recompute()
-            self.waiting.append(group)
-            self.report.recompute_preemptions += 1
+    def _count_preemptions(self) -> None:
+        """Group status changes the scheduler made this step (both paths write them onto
+        the ``Sequence`` objects): RUNNING -> SWAPPED is a swap-out, SWAPPED -> RUNNING a
+        swap-in, RUNNING -> WAITING a recompute preemption. Each is logged in
+        ``self.preemptions`` as ``(step, event, request id, unfinished sequences)``."""
+        events = {
+            (SequenceStatus.RUNNING, SequenceStatus.SWAPPED): "swap_outs",
+            (SequenceStatus.SWAPPED, SequenceStatus.RUNNING): "swap_ins",
+            (SequenceStatus.RUNNING, SequenceStatus.WAITING): "recompute_preemptions",
+        }
+        for req in self.requests:
+            rid, live = req.group.request_id, req.group.get_unfinished_seqs()
+            now = live[0].status if live else SequenceStatus.FINISHED_STOPPED
+            event = events.get((self._status.get(rid, SequenceStatus.WAITING), now))
+            self._status[rid] = now
+            if event is not None:
+                setattr(self.report, event, getattr(self.report, event) + 1)
+                self.preemptions.append((self.clock, event, rid, len(live)))
 
     # ------------------------------------------------------------------ #
     # execution
     # ------------------------------------------------------------------ #
 
-    def _execute(self, plan: StepPlan) -> None:
-        if self.dry_run:
-            self._execute_dry(plan)
-            return
-        # order matters: blocks freed by a swap-out may be the targets of this step's
-        # swap-ins / copies, and a swapped-in block may be the source of a copy
-        if plan.blocks_to_swap_out:
-            swap_blocks(self.gpu_caches, self.cpu_caches, plan.blocks_to_swap_out)
-        if plan.blocks_to_swap_in:
-            swap_blocks(self.cpu_caches, self.gpu_caches, plan.blocks_to_swap_in)
-        if plan.blocks_to_copy:
-            copy_blocks(self.gpu_caches, plan.blocks_to_copy)
-            self.report.cow_copies += sum(len(d) for d in plan.blocks_to_copy.values())
-        if plan.kind == "prefill":
-            logits, rows = self._forward_prefill(plan)
-            self.report.prefill_steps += 1
-        else:
-            logits, rows = self._forward_decode(plan)
-            self.report.decode_steps += 1
-        self.report.steps += 1
-        logits = logits.float().cpu()
-        for seq_id, start, positions in rows:
-            chunk = logits[start : start + positions.shape[0]]
-            self.records.setdefault(seq_id, []).append((positions, chunk))
-        self._process_outputs(plan, logits, rows)
+    def _execute(self, plan: StepPlan) -> np.ndarray:
+        """Cache operations in vLLM's order (blocks a swap-out frees may be this step's
+        swap-in or copy targets; a swapped-in block may be a copy source), the forward,
+        the logits records; returns the sampled tokens in row order."""
+        if not self.dry_run:
+            if len(plan.swap_out):
+                swap_blocks(self.gpu_caches, self.cpu_caches, plan.swap_out)
+            if len(plan.swap_in):
+                swap_blocks(self.cpu_caches, self.gpu_caches, plan.swap_in)
+            if len(plan.copies):
+                copy_blocks(self.gpu_caches, plan.copies)
+        if plan.num_rows == 0:
+            return np.zeros(0, np.int32)
+        logits = self._forward(plan).float().cpu()
+        q = plan.query_start_loc.tolist()
+        positions = torch.from_numpy(plan.positions.astype(np.int64))
+        for i, sid in enumerate(plan.seq_ids.tolist()):
+            rec = (positions[q[i] : q[i + 1]], logits[q[i] : q[i + 1]])
+            self.records.setdefault(sid, []).append(rec)
+        return _sample(plan, logits)
 
-    def _execute_dry(self, plan: StepPlan) -> None:
-        """Bookkeeping of :meth:`_execute` with pseudo-random logits and no cache."""
-        rep = self.report
-        rep.cow_copies += sum(len(d) for d in plan.blocks_to_copy.values())
-        rows, start = [], 0
-        items = (
-            plan.prefill if plan.kind == "prefill" else [(s, s.get_len() - 1) for s in plan.decode]
-        )
-        for seq, num_cached in items:
-            positions = torch.arange(num_cached, seq.get_len())
-            rows.append((seq.seq_id, start, positions))
-            start += positions.shape[0]
-            if plan.kind == "prefill":
-                rep.prefix_cached_tokens += num_cached
-                rep.prefill_tokens_computed += positions.shape[0]
-        if plan.kind == "prefill":
-            rep.prefill_steps += 1
-        else:
-            rep.decode_steps += 1
-        rep.steps += 1
-        logits = torch.rand(start, self.config.model.vocab_size, generator=self._fake_gen)
-        self._process_outputs(plan, logits, rows)
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        n = len(plan.input_tokens)
+        if self.model is None:
+            return torch.rand(n, self.config.model.vocab_size, generator=self._fake_gen)
 
-    def _forward_prefill(self, plan: StepPlan):
-        mgr, bs = self.manager, self.config.block_size
-        chunks = []
-        rows = []
-        start = 0
-        for seq, num_cached in plan.prefill:
-            tokens = seq.get_token_ids()[num_cached:]
-            chunks.append(SeqChunk(tokens, num_cached, mgr.get_block_table(seq)))
-            positions = torch.arange(num_cached, seq.get_len())
-            rows.append((seq.seq_id, start, positions))
-            start += len(tokens)
-            self.report.prefix_cached_tokens += num_cached
-            self.report.prefill_tokens_computed += len(tokens)
-        # Two prompts admitted together may share a cached prefix block that neither has
-        # computed yet: both write identical K/V into the same slots (write_kv allows it).
-        batch = build_paged_batch(chunks, bs)
-        batch = dataclasses.replace(
-            batch,
-            **{f.name: getattr(batch, f.name).to(self.device) for f in dataclasses.fields(batch)},
-        )
-        return self.model.paged_forward_batch(batch, self.gpu_caches), rows
+        def dev(a: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.from_numpy(np.ascontiguousarray(a)).to(self.device, dtype)
 
-    def _forward_decode(self, plan: StepPlan):
-        rows = [
-            (seq.seq_id, i, torch.tensor([seq.get_len() - 1])) for i, seq in enumerate(plan.decode)
-        ]
-        if plan.device_view is not None:
-            v = plan.device_view
-            logits = self.model.paged_forward(
-                v.input_ids,
-                v.positions,
-                v.slot_mapping,
-                self.gpu_caches,
-                v.block_tables,
-                v.context_lens,
-                None,
-            )
-            return logits, rows
-        mgr = self.manager
-        chunks = [
-            SeqChunk([seq.get_last_token_id()], seq.get_len() - 1, mgr.get_block_table(seq))
-            for seq in plan.decode
-        ]
-        batch = build_paged_batch(chunks, self.config.block_size, device=self.device)
-        logits = self.model.paged_forward(
-            batch.input_ids,
-            batch.positions,
-            batch.slot_mapping,
+        return self.model.paged_forward(
+            dev(plan.input_tokens, torch.long),
+            dev(plan.positions, torch.long),
+            dev(plan.slot_mapping, torch.long),
             self.gpu_caches,
-            batch.block_tables,
-            batch.context_lens,
-            None,
+            dev(plan.block_tables),
+            dev(plan.context_lens),
+            dev(plan.query_start_loc),
         )
-        return logits, rows
-
-    def _process_outputs(self, plan: StepPlan, logits: torch.Tensor, rows) -> None:
-        mgr = self.manager
-        last_row = {seq_id: start + pos.shape[0] - 1 for seq_id, start, pos in rows}
-        for group in plan.groups:
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if seq.seq_id not in last_row:
-                    continue  # forked in this very loop
-                row = logits[last_row[seq.seq_id]]
-                logprobs = torch.log_softmax(row, -1)
-                best = torch.topk(row, 2).indices.tolist()
-                seq.data.update_num_computed_tokens(seq.data.get_num_uncomputed_tokens())
-                n = group.sampling_params.n
-                if n > 1 and group.request_id not in self._forked:
-                    # parallel sampling: the parent keeps the best token, a child the 2nd best
-                    self._forked.add(group.request_id)
-                    child = seq.fork(self._next_seq_id)
-                    self._next_seq_id += 1
-                    group.add(child)
-                    mgr.fork(seq, child)
-                    self.all_seqs[child.seq_id] = child
-                    token = best[1]
-                    child.append_token_id(token, {token: Logprob(float(logprobs[token]))})
-                    self.report.forks += 1
-                    self.report.generated_tokens += 1
-                token = best[0]
-                seq.append_token_id(token, {token: Logprob(float(logprobs[token]))})
-                self.report.generated_tokens += 1
-            mgr.mark_blocks_as_computed(group)
-            max_tokens = self._max_tokens[group.request_id]
-            for seq in group.get_seqs(SequenceStatus.RUNNING):
-                if seq.get_output_len() >= max_tokens:
-                    seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                    mgr.free(seq)
-            if group.is_finished():
-                self.running.remove(group)
-                self.finished.append(group)
 
     # ------------------------------------------------------------------ #
     # the check
     # ------------------------------------------------------------------ #
 
+    def all_seqs(self) -> Dict[int, Sequence]:
+        return {s.seq_id: s for r in self.requests for s in r.group.get_seqs()}
+
+    def count_events(self) -> None:
+        """Fill the report's counts that are read at the end of a run."""
+        rep, seqs = self.report, self.all_seqs()
+        rep.sequences = len(seqs)
+        rep.forks = len(seqs) - len(self.requests)
+        rep.generated_tokens = sum(s.get_output_len() for s in seqs.values())
+        rep.prefix_lookups, rep.prefix_hits = self.manager.prefix_cache_stats()
+
     def check(self, atol: float, rtol: float) -> None:
         """Compare every recorded logits row with ``dense_forward``; fill the report."""
         rep = self.report
         rep.atol, rep.rtol = atol, rtol
-        rep.sequences = len(self.all_seqs)
-        examples = []
-        for seq_id, seq in sorted(self.all_seqs.items()):
-            recs = self.records.get(seq_id)
-            if not recs:
-                continue
-            dense = self.model.dense_forward(seq.get_token_ids()).float().cpu()
-            positions = torch.cat([p for p, _ in recs])
-            paged = torch.cat([lg for _, lg in recs])
-            ref = dense[positions]
-            diff = (paged - ref).abs()
-            bound = atol + rtol * ref.abs().amax(-1, keepdim=True)
-            bad = (diff > bound).any(-1) | ~torch.isfinite(paged).all(-1)
-            rep.checked_rows += positions.shape[0]
-            rep.max_abs_diff = max(rep.max_abs_diff, float(diff.max()))
-            rep.mismatches += int(bad.sum())
-            for i in bad.nonzero().flatten().tolist()[:2]:
-                worst = float(diff[i].max())
-                examples.append(f"seq {seq_id} position {int(positions[i])}: |diff| {worst:.3g}")
+        self.count_events()
+        examples: List[str] = []
+        for seq_id, seq in sorted(self.all_seqs().items()):
+            if seq_id in self.records:
+                examples += self._check_seq(seq, self.records[seq_id], atol, rtol)
         if rep.mismatches:
             rep.failures.append(
                 f"{rep.mismatches} of {rep.checked_rows} logits rows differ from dense_forward "
                 f"(e.g. {'; '.join(examples[:3])})"
             )
-        mgr = self.manager
-        if mgr.get_num_free_gpu_blocks() != self.num_gpu_blocks:
-            rep.failures.append(
-                f"{self.num_gpu_blocks - mgr.get_num_free_gpu_blocks()} GPU blocks still in use"
-            )
-        if mgr.get_num_free_cpu_blocks() != self.num_cpu_blocks:
-            rep.failures.append(
-                f"{self.num_cpu_blocks - mgr.get_num_free_cpu_blocks()} CPU blocks still in use"
-            )
-        rep.prefix_lookups, rep.prefix_hits = mgr.prefix_cache_stats()
+        rep.failures += self._state_failures()
         for name in EVENTS:
             if getattr(rep, name) <= 0:
                 rep.failures.append(f"event did not happen: {name} == 0")
         rep.ok = not rep.failures
+
+    def _check_seq(self, seq: Sequence, recs: list, atol: float, rtol: float) -> List[str]:
+        rep = self.report
+        dense = self.model.dense_forward(seq.get_token_ids()).float().cpu()
+        positions = torch.cat([p for p, _ in recs])
+        paged = torch.cat([lg for _, lg in recs])
+        ref = dense[positions]
+        diff = (paged - ref).abs()
+        bound = atol + rtol * ref.abs().amax(-1, keepdim=True)
+        bad = (diff > bound).any(-1) | ~torch.isfinite(paged).all(-1)
+        rep.checked_rows += positions.shape[0]
+        rep.max_abs_diff = max(rep.max_abs_diff, float(diff.max()))
+        rep.mismatches += int(bad.sum())
+        return [
+            f"seq {seq.seq_id} position {int(positions[i])}: |diff| {float(diff[i].max()):.3g}"
+            for i in bad.nonzero().flatten().tolist()[:2]
+        ]
+
+    def _state_failures(self) -> List[str]:
+        """Every request finished by its length limit, every block free."""
+        out = []
+        ignored = [g.request_id for g in self.path.ignored]
+        if ignored:
+            out.append(f"requests ignored by the scheduler: {ignored}")
+        for req in self.requests:
+            if not req.group.is_finished():
+                out.append(f"{req.group.request_id} did not finish")
+        mgr = self.manager
+        for kind, total, free in (
+            ("GPU", self.num_gpu_blocks, mgr.get_num_free_gpu_blocks()),
+            ("CPU", self.num_cpu_blocks, mgr.get_num_free_cpu_blocks()),
+        ):
+            if free != total:
+                out.append(f"{total - free} {kind} blocks still in use")
+        return out
+
+
+def _sample(plan: StepPlan, logits: torch.Tensor) -> np.ndarray:
+    """Greedy: a row with ``k`` samples takes its top ``k`` tokens, the runners-up first
+    (they go to new children) and the best last (the row's own sequence)."""
+    out: List[int] = []
+    last = plan.query_start_loc[1:] - 1
+    for row, k in zip(last.tolist(), plan.num_samples.tolist()):
+        if k:
+            out += reversed(torch.topk(logits[row], k).indices.tolist())
+    return np.array(out, np.int32)
+
+
+def _make_scheduler(
+    cfg: DemoConfig, requests: List[_Request], num_gpu_blocks: int, num_cpu_blocks: int
+) -> Scheduler:
+    max_len = max(len(r.group.prompt_token_ids) + r.max_tokens for r in requests)
+    sched_cfg = SchedulerConfig(
+        None, cfg.max_num_seqs, max_len, preemption_mode=cfg.preemption_mode
+    )
+    cache_cfg = CacheConfig(
+        cfg.block_size,
+        enable_prefix_caching=True,
+        num_gpu_blocks=num_gpu_blocks,
+        num_cpu_blocks=num_cpu_blocks,
+    )
+    return Scheduler(sched_cfg, cache_cfg)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -673,33 +495,16 @@ def _peak_blocks(requests: List[_Request], block_size: int) -> List[int]:
     ]
 
 
-#: events every demo run must show (report fields that must be > 0)
-EVENTS = (
-    "prefix_hits",
-    "prefix_cached_tokens",
-    "cow_copies",
-    "swap_outs",
-    "swap_ins",
-    "recompute_preemptions",
-)
-
-#: the default workload needs this many requests to show every event
-MIN_REQUESTS = DEMO_MIN_REQUESTS
-
-#: fractions of the unconstrained peak GPU usage tried as pool sizes, in order
-_POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
-
-
 def choose_num_gpu_blocks(config: DemoConfig) -> int:
     """A GPU pool size under which the workload of ``config`` shows every event.
 
-    The schedule depends only on lengths and arrival times, not on token values (the
-    requests have no stop tokens), so model-free dry runs of the engine predict it.
-    A first dry run with room for everything measures the peak usage; pools of
-    several fractions of it (:data:`_POOL_FRACTIONS`, never below what the largest
-    request needs alone) are then tried and the first that shows every event of
-    :data:`EVENTS` is returned (if none does, the first candidate: the run will then
-    report the missing events).
+    The decisions depend only on lengths and arrival times, not on token values (no stop
+    tokens; prompts are distinct, so no two sequences' blocks share a hash unless they
+    share a prefix by construction), so model-free dry runs of the same engine predict
+    them. A first dry run with room for everything measures the peak usage; pools of
+    several fractions of it (:data:`_POOL_FRACTIONS`, never below what the largest request
+    needs alone) are then tried and the first that shows every event of :data:`EVENTS` is
+    returned (if none does, the first candidate: the run then reports the missing events).
     """
     if config.num_gpu_blocks is not None:
         return config.num_gpu_blocks
@@ -719,15 +524,17 @@ def choose_num_gpu_blocks(config: DemoConfig) -> int:
             engine.run()
         except RuntimeError:
             continue
+        engine.count_events()
         if all(getattr(engine.report, name) > 0 for name in EVENTS):
             return size
     return candidates[0]
 
 
 def _make_requests(cfg: DemoConfig) -> List[_Request]:
-    """Deterministic requests from ``cfg.seed`` (see :class:`DemoConfig`)."""
+    """Deterministic requests from ``cfg.seed`` (see :class:`DemoConfig`); prompts are
+    distinct."""
     if cfg.num_requests < 1:
-        raise ValueError("num_requests must be >= 1")
+        raise InvalidArgumentError("num_requests must be >= 1")
     gen = torch.Generator().manual_seed(cfg.seed)
     vocab, bs = cfg.model.vocab_size, cfg.block_size
 
@@ -735,8 +542,8 @@ def _make_requests(cfg: DemoConfig) -> List[_Request]:
         return torch.randint(lo, hi + 1, (size,), generator=gen).tolist()
 
     prefix = randint(0, vocab - 1, cfg.shared_prefix_len)
-    requests = []
-    seq_id = 0
+    requests: List[_Request] = []
+    prompts: set = set()
     for i in range(cfg.num_requests):
         n = 2 if i % cfg.fork_every == 1 else 1
         shared = i % cfg.fork_every != 2
@@ -745,10 +552,12 @@ def _make_requests(cfg: DemoConfig) -> List[_Request]:
         if n > 1 and (len(head) + suffix_len) % bs == 0:
             suffix_len += 1  # a forked prompt ends in a partial block: its first decode is CoW
         prompt = head + randint(0, vocab - 1, suffix_len)
+        while tuple(prompt) in prompts:
+            prompt = head + randint(0, vocab - 1, suffix_len)
+        prompts.add(tuple(prompt))
         max_tokens = randint(*cfg.max_tokens)[0]
+        seq = Sequence(i, f"request-{i}", prompt, bs)
         params = SamplingParams(n=n, max_tokens=max_tokens)
-        seq = Sequence(seq_id, f"request-{i}", prompt, bs)
-        seq_id += 1
         group = SequenceGroup(f"request-{i}", [seq], params, arrival_time=float(i))
         requests.append(_Request(i, i * cfg.arrival_gap, group, max_tokens, n))
     return requests
@@ -766,10 +575,10 @@ def run_demo(
 ) -> DemoReport:
     """Run the demo engine and the logits check; returns the :class:`DemoReport`.
 
-    ``hook(engine, plan)`` is called every step after scheduling and before the
-    cache operations (tests use it to inject faults).  ``atol``/``rtol`` default to
-    :data:`TOLERANCES` for ``dtype``.  Never raises on a failed check: see
-    ``report.ok`` and ``report.failures``.
+    ``hook(engine, plan)`` is called every step after scheduling and before the cache
+    operations (tests use it to inject faults). ``atol``/``rtol`` default to
+    :data:`TOLERANCES` for ``dtype``. Never raises on a failed check: see ``report.ok``
+    and ``report.failures``.
     """
     cfg = config or DemoConfig()
     if isinstance(dtype, str):
@@ -828,7 +637,12 @@ def run(args: argparse.Namespace) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("pagedkv demo: CUDA is not available", file=sys.stderr)
         return 2
-    cfg = DemoConfig(num_requests=args.requests, seed=args.seed, model=TinyConfig(seed=args.seed))
+    cfg = DemoConfig(
+        num_requests=args.requests,
+        seed=args.seed,
+        path=args.path,
+        model=TinyConfig(seed=args.seed),
+    )
     report = run_demo(cfg, device=args.device, dtype=_DTYPES[args.dtype], verbose=not args.quiet)
     if not report.ok:
         msg = "; ".join(report.failures)

@@ -19,6 +19,14 @@ of a group with one sequence, else 1); the next ``step`` takes them in row order
 ``k`` samples the first ``k - 1`` go to new child sequences (ids from ``seq_counter``), the
 last to the row's own sequence, as vLLM's output processor does.
 
+Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
+tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
+``input_tokens``, ``positions`` and ``slot_mapping``, as vLLM 0.4.2's model runner leaves
+them out; ``cached_tokens[i]`` says how many, ``positions[q[i]]`` is the first computed
+position and ``context_lens[i]`` still counts the whole context. The model reads the cached
+prefix from the KV cache through the block table; a row's last token is always computed.
+With chunked prefill nothing is left out (vLLM 0.4.2 refuses prefix caching there).
+
 Python views: running sequences' ``Sequence``/``SequenceData`` objects are not written every
 step. Their status is (when it changes), and finished groups come back fully written; call
 :meth:`BatchEngine.sync_views` before reading a running sequence's tokens or progress. The
@@ -43,16 +51,42 @@ from .errors import ArgumentTypeError, InvalidArgumentError
 
 __all__ = [
     "BatchBuffers",
+    "DeviceBatch",
     "BatchEngine",
     "StepResult",
     "ROW_SAME",
     "ROW_APPENDED",
     "ROW_REWRITTEN",
+    "ROW_MOVED",
 ]
 
 _INT32 = np.iinfo(np.int32)
 
-ROW_SAME, ROW_APPENDED, ROW_REWRITTEN = 0, 1, 2
+ROW_SAME, ROW_APPENDED, ROW_REWRITTEN, ROW_MOVED = 0, 1, 2, 3
+
+
+#: The per-step arrays other than ``block_tables``, in the order a device copy packs them.
+_SMALL = (
+    "query_start_loc",
+    "context_lens",
+    "num_samples",
+    "cached_tokens",
+    "seq_ids",
+    "input_tokens",
+    "positions",
+    "slot_mapping",
+    "copies",
+    "swap_in",
+    "swap_out",
+    "row_state",
+    "moved_from",
+    "new_block_loc",
+    "new_blocks",
+)
+
+
+def _align(n: int, to: int = 64) -> int:
+    return -(-n // to) * to
 
 
 class BatchBuffers:
@@ -62,17 +96,31 @@ class BatchBuffers:
     ``positions``, ``slot_mapping``. Per row (``max_rows``): ``context_lens`` (tokens in the
     sequence's context after this step), ``num_samples``, ``seq_ids``, ``block_tables``
     (``[max_rows, max_blocks_per_seq]``, rows padded with 0) and ``query_start_loc``
-    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``). Flattened ``(src, dst)``
+    (``max_rows + 1``: row ``i``'s tokens are ``[q[i], q[i+1])``) and ``cached_tokens``
+    (leading tokens of a prompt row left out because the prefix cache holds them; 0 for
+    other rows). Flattened ``(src, dst)``
     pairs: ``copies`` (copy-on-write), ``swap_in`` (CPU -> GPU), ``swap_out`` (GPU -> CPU).
     A step writes only the prefixes it reports in its :class:`StepResult`.
 
     ``incremental=True`` adds block-table changes since the previous step, the way vLLM v1
     hands its workers only new block ids: ``row_state[i]`` is ``ROW_SAME`` (0: same sequence
     in the same row, table unchanged), ``ROW_APPENDED`` (1: blocks appended; the new ids are
-    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``) or ``ROW_REWRITTEN`` (2: a new or
-    moved row, or blocks replaced by copy-on-write, swap or recompute; that slice is the whole
-    table). A caller keeping its own persistent table applies these and need not read
-    ``block_tables`` (still written whole, for simple callers).
+    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: the sequence
+    was in row ``moved_from[i]`` of the previous batch; its table there plus that slice) or
+    ``ROW_REWRITTEN`` (2: a new row, or blocks replaced by copy-on-write, swap or recompute;
+    that slice is the whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for
+    the first two. A caller keeping its own persistent table applies these (moves read the
+    previous step's rows). ``block_tables`` then
+    becomes a persistent buffer the step keeps: each step writes only what changed (the
+    appended entries; a rewritten row, padded with 0 up to its previous length), so it stays
+    equal to the batch's tables only if nobody else writes it. New buffers (another object,
+    or the engine's widened copy) are written whole once.
+
+    ``device`` / ``pin_memory`` (needs torch): every array is a numpy view of one torch byte
+    arena on the host, pinned when ``device`` is CUDA (``pin_memory`` defaults to that;
+    ``pin_memory=True`` without CUDA is refused), and :meth:`to_device` moves a step's inputs
+    with one host-to-device copy into a persistent device arena. Without them the arrays are
+    plain numpy and torch is not imported.
     """
 
     def __init__(
@@ -82,6 +130,9 @@ class BatchBuffers:
         max_blocks_per_seq: int,
         max_swap_blocks: int,
         incremental: bool = False,
+        *,
+        device: Any = None,
+        pin_memory: Optional[bool] = None,
     ) -> None:
         for name, v in (
             ("max_tokens", max_tokens),
@@ -93,32 +144,150 @@ class BatchBuffers:
                 raise ArgumentTypeError(f"{name} must be an int, got {type(v).__name__}")
             if v < 0:
                 raise InvalidArgumentError(f"{name} must be >= 0, got {v}")
-        i32 = np.int32
-        self.input_tokens = np.zeros(max_tokens, i32)
-        self.positions = np.zeros(max_tokens, i32)
-        self.slot_mapping = np.zeros(max_tokens, i32)
-        self.query_start_loc = np.zeros(max_rows + 1, i32)
-        self.context_lens = np.zeros(max_rows, i32)
-        self.num_samples = np.zeros(max_rows, i32)
-        self.seq_ids = np.zeros(max_rows, np.int64)
-        self.block_tables = np.zeros((max_rows, max_blocks_per_seq), i32)
-        self.copies = np.zeros(2 * max_rows, i32)
-        self.swap_in = np.zeros(2 * max_swap_blocks, i32)
-        self.swap_out = np.zeros(2 * max_swap_blocks, i32)
+        self._dims = (max_tokens, max_rows, max_blocks_per_seq, max_swap_blocks, incremental)
+        shapes = {
+            "input_tokens": (max_tokens,),
+            "positions": (max_tokens,),
+            "slot_mapping": (max_tokens,),
+            "query_start_loc": (max_rows + 1,),
+            "context_lens": (max_rows,),
+            "num_samples": (max_rows,),
+            "cached_tokens": (max_rows,),
+            "seq_ids": (max_rows,),
+            "block_tables": (max_rows, max_blocks_per_seq),
+            "copies": (2 * max_rows,),
+            "swap_in": (2 * max_swap_blocks,),
+            "swap_out": (2 * max_swap_blocks,),
+        }
+        if incremental:
+            shapes["row_state"] = (max_rows,)
+            shapes["moved_from"] = (max_rows,)
+            shapes["new_block_loc"] = (max_rows + 1,)
+            shapes["new_blocks"] = (max_rows * max_blocks_per_seq,)
         self.row_state: Optional[np.ndarray] = None
+        self.moved_from: Optional[np.ndarray] = None
         self.new_block_loc: Optional[np.ndarray] = None
         self.new_blocks: Optional[np.ndarray] = None
-        if incremental:
-            self.row_state = np.zeros(max_rows, i32)
-            self.new_block_loc = np.zeros(max_rows + 1, i32)
-            self.new_blocks = np.zeros(max_rows * max_blocks_per_seq, i32)
+        self._arena: Any = None
+        if device is None and not pin_memory:
+            for name, shape in shapes.items():
+                setattr(self, name, np.zeros(shape, np.int64 if name == "seq_ids" else np.int32))
+        else:
+            self._carve(shapes, device, pin_memory)
+
+    def _carve(self, shapes: dict, device: Any, pin_memory: Optional[bool]) -> None:
+        """Every array as a view of one torch byte arena: ``[arrays | staging | block_tables]``.
+        :meth:`to_device` packs the used prefixes of the arrays into the end of the staging
+        region, right before ``block_tables``, so that they and the used block-table rows are
+        one contiguous host range: one copy, and no host copy of the block tables."""
+        import torch
+
+        from .attention.step_buffers import HostDeviceArena
+
+        offsets, at = {}, 0
+        for name in _SMALL:
+            if name in shapes:
+                offsets[name] = at
+                itemsize = 8 if name == "seq_ids" else 4
+                at = _align(at + itemsize * int(np.prod(shapes[name])))
+        small = at  # arrays region; the staging region is as large (a step may use it all)
+        table_bytes = 4 * int(np.prod(shapes["block_tables"]))
+        arena = HostDeviceArena(
+            2 * small + table_bytes, torch.uint8, device, pin_memory, dev_numel=small + table_bytes
+        )
+        host = arena.host.numpy()
+        for name, off in offsets.items():
+            dtype = np.int64 if name == "seq_ids" else np.int32
+            n = int(np.prod(shapes[name]))
+            setattr(self, name, host[off : off + n * dtype().itemsize].view(dtype))
+        self.block_tables = host[2 * small :].view(np.int32).reshape(shapes["block_tables"])
+        self._arena, self._stage_end = arena, 2 * small
+
+    def wait_copy(self) -> None:
+        """Block until the last :meth:`to_device` copy has read the host memory (the step
+        calls this before it writes: that copy reads ``block_tables`` in place)."""
+        if self._arena is not None:
+            self._arena.wait()
+
+    @property
+    def device(self) -> Any:
+        """The device of :meth:`to_device` (``None``: plain numpy buffers)."""
+        return None if self._arena is None else self._arena.device
+
+    @property
+    def pinned(self) -> bool:
+        """Whether the host arena is pinned (page-locked) memory."""
+        return self._arena is not None and self._arena.pinned
+
+    def to_device(self, res: StepResult, non_blocking: bool = True) -> DeviceBatch:
+        """Move the inputs ``res`` wrote to the device: the used prefix of every array,
+        packed next to the used block-table rows in host memory (small copies, O(used)),
+        then ONE host-to-device copy (``non_blocking``: asynchronous from pinned memory) into
+        the persistent device arena. Returns device tensors with the arrays' names, sized to
+        the step; they stay valid until the next ``to_device`` (whose copy is queued behind
+        the kernels already queued on the stream). Waits first for the previous copy to have
+        read the staging region."""
+        if self._arena is None:
+            raise InvalidArgumentError("to_device needs BatchBuffers(..., device=...)")
+        if res.buffers is not self:
+            raise InvalidArgumentError("res was written into other buffers")
+        import torch
+
+        used = self._used(res)
+        sizes = [(name, used[name] * getattr(self, name).itemsize) for name in used]
+        packed = sum(_align(nb, 8) for _, nb in sizes)
+        base = self._stage_end - packed
+        host = self._arena.host.numpy()
+        self._arena.wait()
+        views, at = {}, base
+        for name, nb in sizes:
+            host[at : at + nb] = getattr(self, name)[: used[name]].view(np.uint8)
+            views[name] = (at - base, nb)
+            at += _align(nb, 8)
+        rows, cols = res.num_rows, self.block_tables.shape[1]
+        self._arena.copy_prefix(packed + 4 * rows * cols, non_blocking, src=base)
+        dev = self._arena.dev
+        out = {}
+        for name, (off, nb) in views.items():
+            dtype = torch.int64 if name == "seq_ids" else torch.int32
+            out[name] = dev[off : off + nb].view(dtype)
+        out["block_tables"] = dev[packed : packed + 4 * rows * cols].view(torch.int32)
+        out["block_tables"] = out["block_tables"].view(rows, cols)
+        return DeviceBatch(**out)
+
+    def _used(self, res: StepResult) -> dict:
+        r, t = res.num_rows, res.num_tokens
+        used = {
+            "query_start_loc": r + 1,
+            "context_lens": r,
+            "num_samples": r,
+            "cached_tokens": r,
+            "seq_ids": r,
+            "input_tokens": t,
+            "positions": t,
+            "slot_mapping": t,
+            "copies": 2 * res.num_copies,
+            "swap_in": 2 * res.num_swap_in,
+            "swap_out": 2 * res.num_swap_out,
+        }
+        if self.row_state is not None:
+            used.update(
+                row_state=r, moved_from=r, new_block_loc=r + 1, new_blocks=res.num_new_blocks
+            )
+        return used
 
     def widened(self, max_blocks_per_seq: int) -> BatchBuffers:
         """A copy with block-table rows of at least ``max_blocks_per_seq`` (doubling)."""
         rows, cols = self.block_tables.shape
+        cols = max(max_blocks_per_seq, 2 * cols)
+        if self._arena is not None:  # a new arena (the step writes everything again)
+            tokens, rows, _, swaps, inc = self._dims
+            return BatchBuffers(
+                tokens, rows, cols, swaps, inc, device=self.device, pin_memory=self.pinned
+            )
         new = BatchBuffers.__new__(BatchBuffers)
         new.__dict__.update(self.__dict__)
-        cols = max(max_blocks_per_seq, 2 * cols)
+        new._dims = self._dims[:2] + (cols,) + self._dims[3:]
         new.block_tables = np.zeros((rows, cols), np.int32)
         if self.new_blocks is not None:
             new.new_blocks = np.zeros(rows * cols, np.int32)
@@ -126,7 +295,13 @@ class BatchBuffers:
 
     @classmethod
     def for_scheduler(
-        cls, scheduler: Any, extra_tokens: int = 0, incremental: bool = False
+        cls,
+        scheduler: Any,
+        extra_tokens: int = 0,
+        incremental: bool = False,
+        *,
+        device: Any = None,
+        pin_memory: Optional[bool] = None,
     ) -> BatchBuffers:
         """Buffers for any step of ``scheduler`` (a :class:`pagedkv.Scheduler`) whose
         sequences stay within ``max_model_len + extra_tokens`` tokens. A sequence can outgrow
@@ -141,7 +316,33 @@ class BatchBuffers:
             blocks,
             int(cc.num_gpu_blocks),
             incremental,
+            device=device,
+            pin_memory=pin_memory,
         )
+
+
+@dataclass
+class DeviceBatch:
+    """One step's inputs on the device (:meth:`BatchBuffers.to_device`): tensors with the
+    names of :class:`BatchBuffers`' arrays, sized to the step (rows, tokens, pairs as flat
+    ``(src, dst)`` lists); the incremental ones only with incremental buffers."""
+
+    query_start_loc: Any
+    context_lens: Any
+    num_samples: Any
+    cached_tokens: Any
+    seq_ids: Any
+    input_tokens: Any
+    positions: Any
+    slot_mapping: Any
+    copies: Any
+    swap_in: Any
+    swap_out: Any
+    block_tables: Any
+    row_state: Any = None
+    moved_from: Any = None
+    new_block_loc: Any = None
+    new_blocks: Any = None
 
 
 @dataclass
@@ -149,6 +350,7 @@ class StepResult:
     """What one :meth:`BatchEngine.step` wrote and decided."""
 
     num_rows: int
+    #: Tokens written (prompt rows without their cached prefix).
     num_tokens: int
     num_prefill_groups: int
     num_copies: int
@@ -172,6 +374,10 @@ class StepResult:
     def block_tables(self) -> np.ndarray:
         """The block-table rows of this step's batch (a view of the buffer)."""
         return self.buffers.block_tables[: self.num_rows]
+
+    def to_device(self, non_blocking: bool = True) -> DeviceBatch:
+        """This step's inputs on the device, in one copy (:meth:`BatchBuffers.to_device`)."""
+        return self.buffers.to_device(self, non_blocking)
 
     def pairs(self, which: str) -> np.ndarray:
         """``copies``, ``swap_in`` or ``swap_out`` as an ``[n, 2]`` view."""
@@ -226,6 +432,7 @@ class BatchEngine:
         write the next batch's inputs. Bad input raises before anything changes."""
         arr = _as_tokens(sampled)
         t = time.time() if now is None else float(now)
+        self.buffers.wait_copy()
         counts, prefills, scheduled, finished, ignored, cols = self._step.step(arr, t, self.buffers)
         if counts is None:  # a sequence outgrew the block-table width: widen, write again
             self.buffers = self.buffers.widened(cols)

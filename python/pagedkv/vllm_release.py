@@ -65,11 +65,13 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 __all__ = [
     "FLAVORS",
+    "PINNED_SDISTS",
     "SUPPORTED",
     "FetchError",
     "cache_dir",
     "describe",
     "fetch",
+    "fetch_file",
     "load",
     "run_own_tests",
     "sandbox",
@@ -230,6 +232,48 @@ def fetch(version: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return root
+
+
+#: Newer releases read one file at a time (measurements against vLLM v1, e.g. its
+#: ``KVCacheBlock``): the sdist's sha256, pinned here and checked against the index's too.
+PINNED_SDISTS = {
+    "0.8.5": "c7e04d1046304397b4580334038b558fe491af155fdea508224f140172cf9a82",
+}
+
+
+def fetch_file(version: str, path: str) -> str:
+    """The text of one file of a pinned vLLM release (``path`` inside its sdist, e.g.
+    ``vllm/v1/core/kv_cache_utils.py``). The sdist is downloaded once (its sha256 checked
+    against :data:`PINNED_SDISTS` and the index) and cached beside the other releases;
+    raises :class:`FetchError` if that fails. Nothing is imported or executed."""
+    pinned = PINNED_SDISTS.get(version)
+    if pinned is None:
+        raise ValueError(f"vLLM {version!r} is not pinned; choose one of {tuple(PINNED_SDISTS)}")
+    rel = Path(path)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"{path!r} is not a path inside the release")
+    archive = cache_dir() / version / f"vllm-{version}.tar.gz"
+    if not archive.exists():
+        url, sha = _sdist_link(version)
+        if sha != pinned:
+            raise FetchError(f"the index lists sha256 {sha} for {url}, pinned {pinned}")
+        archive.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=archive.parent, prefix=".fetch-"))
+        try:
+            _download(url, pinned, tmp / archive.name)
+            os.replace(tmp / archive.name, archive)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    elif hashlib.sha256(archive.read_bytes()).hexdigest() != pinned:
+        raise FetchError(f"the cached {archive} does not match its pinned sha256")
+    with tarfile.open(archive, "r:gz") as tar:
+        try:
+            member = tar.extractfile(f"vllm-{version}/{rel.as_posix()}")
+        except KeyError:
+            member = None
+        if member is None:
+            raise FetchError(f"vLLM {version}'s sdist holds no file {path}")
+        return member.read().decode("utf-8")
 
 
 # --------------------------------------------------------------------------- sandbox building

@@ -56,10 +56,62 @@ import torch
 
 from ..errors import InvalidArgumentError
 
-__all__ = ["DeviceView", "StepBuffers"]
+__all__ = ["DeviceView", "HostDeviceArena", "StepBuffers"]
 
 _NUM_VECTORS = 4  # context_lens, slot_mapping, positions, input_ids
 _CTX, _SLOT, _POS, _IDS = range(_NUM_VECTORS)
+
+
+class HostDeviceArena:
+    """A host buffer (pinned when the device is CUDA) and a device buffer of the same size,
+    allocated once, and one ``non_blocking`` host-to-device copy of a prefix per step.
+
+    The copy is issued on the device's current stream and followed by a CUDA event:
+    :meth:`wait` blocks until it has read the host buffer, so the host side is rewritten only
+    after the copy in flight is done. The device buffer is overwritten by the next copy, which
+    is queued behind the kernels already queued on that stream. Shared by
+    :class:`StepBuffers` and :class:`pagedkv.engine_step.BatchBuffers`.
+
+    ``pin_memory=True`` without CUDA is refused (``InvalidArgumentError``): pinning needs the
+    CUDA driver, and unpinned memory would silently make every copy synchronous.
+    """
+
+    def __init__(
+        self,
+        numel: int,
+        dtype: torch.dtype,
+        device: torch.device | str | None,
+        pin_memory: Optional[bool],
+        dev_numel: Optional[int] = None,
+    ) -> None:
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if pin_memory is None:
+            pin_memory = self.device.type == "cuda"
+        if pin_memory and not torch.cuda.is_available():
+            raise InvalidArgumentError("pin_memory=True needs CUDA (torch.cuda is not available)")
+        self.pinned = bool(pin_memory)
+        self.host = torch.zeros(numel, dtype=dtype, pin_memory=self.pinned)
+        self.dev = torch.zeros(
+            numel if dev_numel is None else dev_numel, dtype=dtype, device=self.device
+        )
+        # recorded after each copy (reused, never reallocated)
+        self._event: Any = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._pending = False
+
+    def wait(self) -> None:
+        """Block until the last copy has read the host buffer."""
+        if self._pending:
+            self._event.synchronize()
+            self._pending = False
+
+    def copy_prefix(self, n: int, non_blocking: bool = True, src: int = 0) -> None:
+        """One copy of host ``[src, src + n)`` into device ``[0, n)``."""
+        self.dev[:n].copy_(self.host[src : src + n], non_blocking=non_blocking)
+        if self._event is not None:
+            self._event.record(torch.cuda.current_stream(self.device))
+            self._pending = True
 
 
 @dataclass(frozen=True)
@@ -90,7 +142,8 @@ class StepBuffers:
         max_blocks_per_seq: block table width (blocks of the longest sequence).
         device: where the model runs; default CUDA if available, else CPU.
         pad_value: block table padding written by the manager (default 0).
-        pin_memory: pin the host buffer; default: when ``device`` is CUDA.
+        pin_memory: pin the host buffer; default: when ``device`` is CUDA (``True``
+            without CUDA is refused).
     """
 
     def __init__(
@@ -105,19 +158,13 @@ class StepBuffers:
         for name, value in (("max_seqs", max_seqs), ("max_blocks_per_seq", max_blocks_per_seq)):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgumentError(f"{name} must be a positive int, got {value!r}")
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
-        if pin_memory is None:
-            pin_memory = self.device.type == "cuda"
         self.max_seqs = max_seqs
         self.max_blocks_per_seq = max_blocks_per_seq
         self.pad_value = int(pad_value)
-        self.pinned = bool(pin_memory)
-
         size = _NUM_VECTORS * max_seqs + max_seqs * max_blocks_per_seq
-        self._host = torch.zeros(size, dtype=torch.int32, pin_memory=self.pinned)
-        self._dev = torch.zeros(size, dtype=torch.int32, device=self.device)
+        self._arena = HostDeviceArena(size, torch.int32, device, pin_memory)
+        self.device, self.pinned = self._arena.device, self._arena.pinned
+        self._host, self._dev = self._arena.host, self._arena.dev
         vec = self._host[: _NUM_VECTORS * max_seqs].view(_NUM_VECTORS, max_seqs)
         tables = self._host[_NUM_VECTORS * max_seqs :].view(max_seqs, max_blocks_per_seq)
         # host tensors (views of self._host) and their zero-copy numpy views
@@ -137,9 +184,6 @@ class StepBuffers:
         self._dev_tables = self._dev[_NUM_VECTORS * max_seqs :].view(max_seqs, max_blocks_per_seq)
 
         self.num_seqs = 0  # rows filled in the current step
-        # CUDA event recorded after each host->device copy (reused, never reallocated)
-        self._event: Any = torch.cuda.Event() if self.device.type == "cuda" else None
-        self._copy_pending = False
 
     # ------------------------------------------------------------------ #
 
@@ -153,9 +197,7 @@ class StepBuffers:
         self.num_seqs = 0
 
     def _wait_copy(self) -> None:
-        if self._copy_pending:
-            self._event.synchronize()
-            self._copy_pending = False
+        self._arena.wait()
 
     def append(
         self, manager: Any, seqs: Seq[Any], input_ids: Optional[Seq[int]] = None
@@ -206,10 +248,7 @@ class StepBuffers:
         """
         n = self.num_seqs
         used = _NUM_VECTORS * self.max_seqs + n * self.max_blocks_per_seq
-        self._dev[:used].copy_(self._host[:used], non_blocking=True)
-        if self._event is not None:
-            self._event.record(torch.cuda.current_stream(self.device))
-            self._copy_pending = True
+        self._arena.copy_prefix(used)
         v = self._dev_vectors
         return DeviceView(
             block_tables=self._dev_tables[:n],

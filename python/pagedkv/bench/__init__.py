@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import os
 import platform
@@ -192,6 +191,7 @@ def _split(text: str) -> List[str]:
 
 
 def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
+    from pagedkv.bench.trace import SCHEDULER_WATERMARK
     from pagedkv.bench.workload import WORKLOADS
 
     wanted = _split(args.workloads)
@@ -210,9 +210,15 @@ def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
         full, quick = WORKLOADS[name]
         mine = [o for o in args.overrides if not _targets_other(o, name)]
         try:
-            out.append((name, apply_overrides(quick if args.quick else full, mine)))
+            cfg = apply_overrides(quick if args.quick else full, mine)
         except ValueError as exc:
             raise UsageError(f"{name}: {exc}") from None
+        if cfg.watermark != SCHEDULER_WATERMARK:
+            raise UsageError(
+                f"{name}: watermark must be {SCHEDULER_WATERMARK}, the block-manager watermark "
+                "vLLM 0.4.2's Scheduler (and pagedkv.Scheduler) always uses"
+            )
+        out.append((name, cfg))
     return out
 
 
@@ -311,7 +317,6 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
             plan.backends, quick=args.quick, seed=args.seed, progress=bars, out=out
         )
         doc["scaling"] = scaling
-    doc["scheduler"] = _scheduler_section(plan, args, out)
     doc["elapsed_s"] = time.time() - started
     if args.plot:
         from pagedkv.bench import plot
@@ -324,7 +329,7 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
             f.write("\n")
         print(f"\nresults written to {args.json}", file=out)
     ok = all(doc[name]["cross_check"]["ok"] for name, _ in plan.workloads)
-    ok = ok and not any("error" in r for r in doc["scheduler"].get("runs", []))
+    ok = ok and all(r["ok"] for name, _ in plan.workloads for r in doc[name]["whole_step"])
     return 0 if ok else 1
 
 
@@ -351,8 +356,9 @@ def _report_vllm(plan: _Plan, out: Any) -> Dict[str, Any]:
 def _run_workload(
     name: str, cfg: Any, plan: _Plan, args: argparse.Namespace, bars: Any, out: Any, part: int
 ) -> Tuple[Dict[str, Any], List[Any]]:
+    """One workload: its schedule recorded from pagedkv.Scheduler and replayed onto every
+    block-manager backend, then the whole-step section."""
     from pagedkv.bench import report
-    from pagedkv.bench.driver import run as run_driver
     from pagedkv.bench.workload import generate
 
     workload = generate(cfg, seed=args.seed)
@@ -363,12 +369,7 @@ def _run_workload(
     print(report.describe_workload(cfg, summary, args.seed), file=out, flush=True)
     for note in plan.notes:
         print(f"  {note}", file=out)
-    results = []
-    for caching in plan.caching:
-        for backend in plan.backends:
-            desc = f"{cfg.name} {backend.name} caching={'on' if caching else 'off'}"
-            with bars.bar(len(workload.requests), desc) as bar:
-                results.append(run_driver(workload, backend, caching, progress=bar.update))
+    results = _replays(workload, plan, bars)
     section: Dict[str, Any] = {
         "config": dataclasses.asdict(cfg),
         "workload": summary,
@@ -382,45 +383,44 @@ def _run_workload(
     print(report.format_cross_check(check), file=out, flush=True)
     section["runs"] = report.run_dicts(results)
     section["cross_check"] = check
+    section["whole_step"] = _whole_step(workload, plan, args, bars, out)
     return section, results
 
 
-def _scheduler_section(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
-    """vLLM's real Scheduler, whole step (``schedule()`` + output processing), with its own
-    classes and with pagedkv's dropped in, and (against 0.4.2) :class:`pagedkv.Scheduler` on the
-    same engine loop, per compared release and caching setting.
+def _replays(workload: Any, plan: _Plan, bars: Any) -> List[Any]:
+    """Per caching setting: record the schedule once, replay it onto every backend."""
+    from pagedkv.bench.replay import replay
+    from pagedkv.bench.trace import record
 
-    The timing is :func:`pagedkv.bench.vllm_scheduler.compare_scheduler_step` (issue 8); this
-    section only calls it and reports. It runs with ``--compare`` unless ``--no-scheduler``.
-    """
-    if not plan.vllm_versions:
-        return {"status": "not run (needs --compare vllm==VERSION)"}
-    if args.no_scheduler:
-        return {"status": "not run (--no-scheduler)"}
+    results = []
+    n = len(workload.requests)
+    for caching in plan.caching:
+        on = "on" if caching else "off"
+        with bars.bar(n, f"{workload.config.name} pagedkv.Scheduler caching={on}") as bar:
+            trace = record(workload, caching, progress=bar.update)
+        for backend in plan.backends:
+            with bars.bar(n, f"{workload.config.name} {backend.name} caching={on}") as bar:
+                results.append(replay(trace, backend, progress=bar.update))
+    return results
+
+
+def _whole_step(
+    workload: Any, plan: _Plan, args: argparse.Namespace, bars: Any, out: Any
+) -> List[Dict[str, Any]]:
+    """The compat step, the batch step and (with --compare, unless --no-scheduler) vLLM's own
+    Scheduler, whole step, in lockstep on the same workload."""
     from pagedkv.bench import report
+    from pagedkv.bench.wholestep import run_whole_step
 
-    try:
-        vllm_scheduler = importlib.import_module("pagedkv.bench.vllm_scheduler")
-    except ImportError:
-        return {"status": "not available (no pagedkv.bench.vllm_scheduler in this install)"}
-    print(file=out)
-    print(
-        "== Whole scheduler step (schedule() + output processing): vLLM's Scheduler with its "
-        "own classes, with pagedkv's dropped in, and pagedkv.Scheduler, same run ==",
-        file=out,
-    )
+    versions = [] if args.no_scheduler else plan.vllm_versions
     runs = []
-    for version in plan.vllm_versions:
-        for caching in plan.caching:
-            backends = ["vllm", "pagedkv-dropin"]
-            if version == "0.4.2":  # pagedkv.Scheduler mirrors 0.4.2
-                backends.append("pagedkv-scheduler")
-            r = vllm_scheduler.compare_scheduler_step(
-                version, caching=caching, quick=args.quick, seed=args.seed, backends=backends
-            )
-            runs.append(r)
-            print(report.format_scheduler_step(r), file=out, flush=True)
-    return {"status": "ok", "runs": runs}
+    for caching in plan.caching:
+        desc = f"{workload.config.name} whole step caching={'on' if caching else 'off'}"
+        with bars.bar(len(workload.requests), desc) as bar:
+            runs.append(run_whole_step(workload, caching, vllm=versions, progress=bar.update))
+    print(file=out)
+    print(report.format_whole_step(runs), file=out, flush=True)
+    return runs
 
 
 def _plot_title(doc: Dict[str, Any]) -> str:

@@ -4,8 +4,9 @@
   backend and caching setting (box: p25-p75 with the median, whiskers: p1-p99; log scale);
 * middle row: the speedup of each backend over the reference (and over each compared vLLM), the
   ratio of mean per-step times measured in the same run;
-* bottom row: the scaling sweep, median per-step time vs running sequences (W1 x1, x4, x16) and vs
-  GPU pool size (x1, x4, x16 blocks, same batch).
+* bottom row: the scaling sweep, median per-step time (the batch step's whole step, the native
+  managers' replay) vs running sequences (W1 x1, x4, x16) and vs GPU pool size (x1, x4, x16
+  blocks, same batch).
 
 The JSON output (``--json``) holds every number drawn here.
 """
@@ -151,6 +152,6 @@ def _scaling(ax: Any, scaling: Dict[str, Any], sweep: str) -> None:
         ax.plot(xs, [p["us_per_step"][b] for p in points], marker="o", label=b)
     ax.set_xscale("log")
     ax.set_yscale("log")
-    ax.set_ylabel("manager time per step, median (us, log)")
+    ax.set_ylabel("us per step, median (batch-step: whole step; others: manager only; log)")
     ax.legend(fontsize=8)
     ax.grid(which="both", alpha=0.3)

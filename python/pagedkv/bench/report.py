@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from pagedkv.bench.driver import RunResult
+from pagedkv.bench.replay import RunResult
 
 __all__ = [
     "cross_check",
@@ -12,7 +12,7 @@ __all__ = [
     "format_cross_check",
     "format_micro",
     "format_runs",
-    "format_scheduler_step",
+    "format_whole_step",
     "format_w1",
     "run_dicts",
     "speedups",
@@ -258,9 +258,12 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
         if r.backend not in CROSS_CHECKED and r.enable_caching in by_caching:
             key, base_key = r.schedule_key(), by_caching[r.enable_caching][0].schedule_key()
             same = all(key[k] == base_key[k] for k in set(key) & set(base_key))
+            verdict = "same calls and free counts" if same else "different results"
+            if r.mismatch:
+                verdict = f"diverged from pagedkv.Scheduler: {r.mismatch}"
             out.setdefault("informational", {}).setdefault(
                 "caching_on" if r.enable_caching else "caching_off", {}
-            )[r.backend] = "same schedule" if same else "different schedule"
+            )[r.backend] = verdict
     for caching, group in by_caching.items():
         base = group[0]
         base_key = base.schedule_key()
@@ -278,6 +281,17 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
                             "against": base.backend,
                         }
                     )
+        for r in group:
+            if r.mismatch:
+                mismatches.append(
+                    {
+                        "backend": r.backend,
+                        "field": "replay",
+                        "expected": "the scheduler's decisions and free counts",
+                        "got": r.mismatch,
+                        "against": "pagedkv.Scheduler",
+                    }
+                )
         not_free = [r.backend for r in group if not r.all_blocks_free]
         ok = not mismatches and not not_free
         out["ok"] = out["ok"] and ok
@@ -324,19 +338,44 @@ def format_cross_check(check: Dict[str, Any]) -> str:
     return line
 
 
-def format_scheduler_step(r: Dict[str, Any]) -> str:
-    """One line per backend of a vllm_scheduler.compare_scheduler_step result."""
-    head = (
-        f"vLLM {r['version']} Scheduler on {r['workload']}, caching "
-        f"{'on' if r['caching'] else 'off'} (speedup = first backend's total step time / "
-        "this one's):"
-    )
-    lines = [head]
-    for name, stats in r["backends"].items():
-        lines.append(
-            f"  {name:<17} {stats['steps']:>6} steps, mean {stats['mean_step_us']:>9.1f} us/step, "
-            f"median {stats['median_step_us']:>9.1f}, speedup {_ratio(r['speedup'].get(name))}"
-        )
-    if r.get("error"):
-        lines.append(f"  DECISIONS DIFFERED: {r['error']}")
+def format_whole_step(runs: List[Dict[str, Any]]) -> str:
+    """The whole-step section: per caching setting, each lane's µs per step and per batch row,
+    and the ratios measured in the same run."""
+    turn = runs[0]["turn"] if runs else 1
+    lines = [
+        "Whole engine step (schedule + applying the sampled tokens + frees), same run, in "
+        f"turns of {turn} steps: compat = pagedkv.Scheduler.schedule() + Python output "
+        "processing, batch = BatchEngine.step(sampled); us per step and per running sequence "
+        "of the batch; batch speedup = that engine's total step time / the batch step's:"
+    ]
+    rows = []
+    for r in runs:
+        for name, st in r["lanes"].items():
+            ratio = r["ratios"].get(f"batch_vs_{name}") if name != "batch" else None
+            note = st.get("error", "")
+            if "decisions_differ_at_step" in st:
+                note = f"decisions differ from step {st['decisions_differ_at_step']}; {note}"
+            rows.append(
+                [
+                    r["workload"],
+                    "on" if r["caching"] else "off",
+                    name,
+                    str(st["steps"]),
+                    _f(st["mean_us"]),
+                    _f(st["p50_us"]),
+                    _f(st["p99_us"]),
+                    _f(st["us_per_row"], "{:.3f}"),
+                    _ratio(ratio),
+                    note.strip("; "),
+                ]
+            )
+    headers = ["workload", "cache", "engine", "steps", "us/step mean", "p50", "p99"]
+    headers += ["us/seq", "batch speedup", "note"]
+    lines.append(_table(headers, rows, [False, False, False] + [True] * 6 + [False]))
+    for r in runs:
+        if not r["ok"]:
+            lines.append(
+                f"  BATCH STEP DIFFERED ({r['workload']}, caching "
+                f"{'on' if r['caching'] else 'off'}): {r['lanes']['batch'].get('error')}"
+            )
     return "\n".join(lines)

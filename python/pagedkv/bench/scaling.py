@@ -1,47 +1,62 @@
-"""The scaling sweep of ``pagedkv bench --scale``: per-step manager cost as the batch and the
-pool grow.
+"""The scaling sweep of ``pagedkv bench --scale``: per-step cost as the batch and the pool grow.
 
-Two sweeps over the factors 1, 4 and 16, every backend on the same runs, prefix caching on:
+Two sweeps over the factors 1, 4 and 16, prefix caching on:
 
-* **batch**: W1's request mix with the running-sequence limit, the GPU and CPU pools and the
-  prefill budget all multiplied by the factor (two waves of requests: ``2 * max_num_seqs``), so
-  the per-step cost is measured at x1, x4 and x16 as many running sequences;
+* **batch**: W1's request mix with the requests, the running-sequence limit, the GPU and CPU
+  pools and the step's token budget multiplied by the factor: x1 is 1,024 requests, 256
+  running and 65,536 GPU blocks; x4 is 4,096 requests, 1,024 running and 262,144 GPU blocks;
+  x16 is 16,384 requests, 4,096 running and 1,048,576 GPU blocks;
 * **pool**: the x1 run with only the GPU pool multiplied, so the batch stays the same and any
-  growth of the per-step cost is a cost of the pool's size (a good manager shows none).
+  growth of the per-step cost is a cost of the pool's size (there should be none).
 
-A point is the median per-step time: a sweep run has a few hundred steps, and on a shared
-machine one descheduled step would move the mean by more than the effect measured.
+Each point runs the first :data:`MAX_STEPS` steps of the workload (the batch is full after a
+few dozen) with the batch step (:class:`pagedkv.engine_step.BatchEngine`, whole step, with
+plain and with incremental :class:`~pagedkv.engine_step.BatchBuffers`) and replays the same
+steps, recorded from :class:`pagedkv.Scheduler`, onto the native block manager backends
+(manager time only). vLLM's default policy does not mix prompts and decodes:
+a prefill step costs what its prompts cost (allocation and hashing of every prompt token, the
+"changed entries"), a decode step what its running sequences cost. A point is the median time
+of the decode-only steps and the median of their time per running sequence (on a shared
+machine one descheduled step would move a mean by more than the effect measured); the JSON
+also has the median over every step and the total time over the total rows.
 
-The base is the quick W1 (24 running sequences, 2,304 blocks); ``--quick`` halves it and
-shortens the outputs so that the whole sweep stays within seconds.
+``--quick`` scales down from W1's quick configuration (24 running sequences) so that the whole
+sweep stays within seconds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Dict, List, Optional, TextIO
+import gc
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
-from pagedkv.bench.workload import W1_QUICK, WorkloadConfig, generate
+import numpy as np
 
-__all__ = ["FACTORS", "base_config", "sweep_configs", "run_scaling", "format_scaling"]
+from pagedkv.bench.workload import W1_FULL, W1_QUICK, WorkloadConfig, generate
+
+__all__ = ["FACTORS", "MAX_STEPS", "base_config", "sweep_configs", "run_scaling", "format_scaling"]
 
 FACTORS = (1, 4, 16)
+
+#: Steps run per point (full, quick).
+MAX_STEPS = {False: 200, True: 60}
+
+#: Buffers the batch step is timed with, and their column names.
+BUFFERS = ("plain", "incremental")
+_BATCH_LANES = {"plain": "batch-step", "incremental": "batch-step-inc"}
+
+#: Backends whose manager replay is part of the sweep (the pure-Python ones are too slow at x16).
+SCALING_BACKENDS = ("native", "native-batch")
 
 
 def base_config(quick: bool) -> WorkloadConfig:
     """The x1 run of the sweep."""
-    base = dataclasses.replace(W1_QUICK, name="W1-scale", num_requests=2 * W1_QUICK.max_num_seqs)
-    if not quick:
-        return base
-    return dataclasses.replace(
-        base,
-        num_requests=24,
-        max_num_seqs=12,
-        num_gpu_blocks=1152,
-        num_cpu_blocks=512,
-        output_len_min=16,
-        output_len_max=48,
-    )
+    if quick:
+        return dataclasses.replace(
+            W1_QUICK, name="W1-scale", num_requests=48, num_gpu_blocks=4096, output_len_max=64
+        )
+    return dataclasses.replace(W1_FULL, name="W1-scale", num_gpu_blocks=65536)
 
 
 def sweep_configs(quick: bool) -> Dict[str, List[WorkloadConfig]]:
@@ -68,64 +83,140 @@ def run_scaling(
     seed: int = 0,
     progress: Optional[Any] = None,
     out: Optional[TextIO] = None,
+    max_steps: Optional[int] = None,
+    buffers: Tuple[str, ...] = BUFFERS,
+    caching: bool = True,
 ) -> Dict[str, Any]:
-    """Run both sweeps on every backend; the JSON section (and the table, to ``out``)."""
-    from pagedkv.bench.driver import run as run_driver
-
-    doc: Dict[str, Any] = {"factors": list(FACTORS), "enable_caching": True}
+    """Run both sweeps (``max_steps`` steps per point, default :data:`MAX_STEPS`; the batch
+    step with each of ``buffers``: ``"plain"``, ``"incremental"``); the JSON section (and the
+    table, to ``out``)."""
+    replayed = [b for b in backends if b.name in SCALING_BACKENDS]
+    steps = MAX_STEPS[quick] if max_steps is None else max_steps
+    doc: Dict[str, Any] = {
+        "factors": list(FACTORS),
+        "enable_caching": caching,
+        "max_steps": steps,
+        "timed": [_BATCH_LANES[b] for b in buffers] + [b.name for b in replayed],
+    }
     for sweep, configs in sweep_configs(quick).items():
-        points = []
-        for k, cfg in zip(FACTORS, configs):
-            workload = generate(cfg, seed=seed)
-            point: Dict[str, Any] = {
-                "factor": k,
-                "max_num_seqs": cfg.max_num_seqs,
-                "num_gpu_blocks": cfg.num_gpu_blocks,
-                "num_requests": cfg.num_requests,
-                "us_per_step": {},  # median: a sweep point has few steps, the median is robust
-                "mean_us": {},
-                "p99_us": {},
-            }
-            for b in backends:
-                desc = f"scale {sweep} x{k} {b.name}"
-                bar = progress.bar(len(workload.requests), desc) if progress else None
-                if bar is not None:
-                    with bar:
-                        r = run_driver(workload, b, True, progress=bar.update)
-                else:
-                    r = run_driver(workload, b, True)
-                stats = r.step_stats()
-                point["us_per_step"][b.name] = stats["p50"]
-                point["mean_us"][b.name] = stats["mean"]
-                point["p99_us"][b.name] = stats["p99"]
-                point["mean_batch_seqs"] = r.mean_batch_seqs
-            points.append(point)
-        doc[sweep] = points
+        doc[sweep] = [
+            _point(k, cfg, replayed, buffers, (steps, seed, caching), progress)
+            for k, cfg in zip(FACTORS, configs)
+        ]
     if out is not None:
         print(file=out)
         print(format_scaling(doc), file=out, flush=True)
     return doc
 
 
+def _point(
+    k: int,
+    cfg: WorkloadConfig,
+    backends: List[Any],
+    buffers: Tuple[str, ...],
+    run: Tuple[int, int, bool],
+    progress: Any,
+) -> Dict[str, Any]:
+    """One point of a sweep: ``run`` is (steps, seed, caching)."""
+    from pagedkv.bench.replay import replay
+    from pagedkv.bench.trace import record
+
+    steps, seed, caching = run
+    workload = generate(cfg, seed=seed)
+    point: Dict[str, Any] = {
+        "factor": k,
+        "max_num_seqs": cfg.max_num_seqs,
+        "num_gpu_blocks": cfg.num_gpu_blocks,
+        "num_requests": cfg.num_requests,
+        "us_per_step": {},  # median over every step
+        "decode_us_per_step": {},  # median over decode-only steps
+        "us_per_row": {},  # median over decode-only steps of us / running sequences
+        "mean_us_per_row": {},  # every step: total us / total running sequences
+    }
+    desc = f"scale x{k}: {cfg.max_num_seqs} seqs, {cfg.num_gpu_blocks} blocks"
+    total = len(buffers) + len(backends)
+    with progress.bar(total, desc) if progress else contextlib.nullcontext() as bar:
+        for kind in buffers:
+            seconds, rows, decode = _batch_steps(workload, steps, caching, kind == "incremental")
+            _store(point, _BATCH_LANES[kind], seconds * 1e6, rows, decode)
+            point["mean_batch_seqs"] = float(rows.mean())
+            point["decode_steps"] = int(decode.sum())
+            if bar is not None:
+                bar.update(1)
+        if not backends:
+            return point
+        trace = record(workload, caching, max_steps=steps)
+        trace_rows = np.asarray([s.rows for s in trace.steps], dtype=float)
+        decode = np.asarray([_decode_only(s) for s in trace.steps])
+        for b in backends:
+            r = replay(trace, b)
+            if r.mismatch:
+                point.setdefault("mismatch", {})[b.name] = r.mismatch
+            _store(point, b.name, r.step_times_us, trace_rows, decode)
+            if bar is not None:
+                bar.update(1)
+    return point
+
+
+def _batch_steps(workload: Any, steps: int, caching: bool, incremental: bool) -> Any:
+    """The first ``steps`` batch steps of ``workload`` (fewer if it ends): seconds and rows per
+    step, and which steps only decode."""
+    from pagedkv.bench.wholestep import BatchDriver
+
+    driver = BatchDriver(workload.config, caching, incremental)
+    for req in workload.requests:
+        driver.add(req)
+    gc.collect()
+    gc.disable()
+    try:
+        while len(driver.seconds) < steps and driver.busy():
+            driver.step()
+    finally:
+        gc.enable()
+    rows = np.asarray(driver.rows, dtype=float)
+    return np.asarray(driver.seconds), rows, (np.asarray(driver.prefills) == 0) & (rows > 0)
+
+
+def _decode_only(step: Any) -> bool:
+    """A step that only decodes: nothing admitted, no prompt chunk."""
+    return step.rows > 0 and not step.admitted and all(c == 1 for _, c in step.scheduled)
+
+
+def _store(
+    point: Dict[str, Any], name: str, us: np.ndarray, rows: np.ndarray, decode: np.ndarray
+) -> None:
+    """Step statistics of one timed engine. Prefill steps cost what their prompts cost
+    (allocation, hashing): the per-sequence figure is taken over decode-only steps."""
+    point["us_per_step"][name] = float(np.median(us))
+    point["mean_us_per_row"][name] = float(us.sum() / max(1.0, rows.sum()))
+    if decode.any():
+        point["decode_us_per_step"][name] = float(np.median(us[decode]))
+        point["us_per_row"][name] = float(np.median(us[decode] / rows[decode]))
+    else:
+        point["decode_us_per_step"][name] = point["us_per_row"][name] = float("nan")
+
+
 def format_scaling(doc: Dict[str, Any]) -> str:
-    """The sweep as a table: mean manager us per step per backend, and per running sequence."""
-    names = list(doc["batch"][0]["us_per_step"]) if doc.get("batch") else []
+    """The sweeps as a table: median µs per step and per batch row, per timed engine."""
+    names = doc.get("timed", [])
     lines = [
-        "== Scaling (W1 mix, caching on): manager us per step, median (and per running sequence) =="
+        f"== Scaling (W1 mix, caching {'on' if doc.get('enable_caching') else 'off'}, at most "
+        f"{doc.get('max_steps')} steps): median us per decode step (and per running sequence); "
+        "batch-step(-inc) = the whole batch step (plain / incremental buffers), the others = "
+        "manager time of the replayed schedule =="
     ]
-    header = f"{'sweep':<6} {'x':>3} {'seqs/step':>9} {'GPU blocks':>10}  " + "  ".join(
-        f"{n:>22}" for n in names
-    )
-    lines.append(header)
+    header = f"{'sweep':<6} {'x':>3} {'running':>7} {'rows/step':>9} {'GPU blocks':>10}  "
+    lines.append(header + "  ".join(f"{n:>24}" for n in names))
     for sweep in ("batch", "pool"):
         for p in doc.get(sweep, []):
-            seqs = p["mean_batch_seqs"] or 1.0
             cells = "  ".join(
-                f"{p['us_per_step'][n]:>10.1f} ({p['us_per_step'][n] / seqs:>6.2f}/seq)"
+                f"{p['decode_us_per_step'][n]:>11.1f} ({p['us_per_row'][n]:>6.3f}/seq)"
                 for n in names
             )
             lines.append(
-                f"{sweep:<6} {p['factor']:>3} {p['mean_batch_seqs']:>9.1f} "
+                f"{sweep:<6} {p['factor']:>3} {p['max_num_seqs']:>7} {p['mean_batch_seqs']:>9.1f} "
                 f"{p['num_gpu_blocks']:>10}  {cells}"
             )
+            for name, why in p.get("mismatch", {}).items():
+                lines.append(f"  MISMATCH {name}: {why}")
     return "\n".join(lines)

@@ -172,6 +172,11 @@ class Engine:
     next_child_id: int = 1 << 40
     step_seconds: List[float] = field(default_factory=list)
     schedule_seconds: List[float] = field(default_factory=list)
+    #: When a list, the output processing appends ``(request_id, (parent, child) or None,
+    #: ((seq_id, token, finished), ...))`` per group that sampled (pagedkv.bench.trace).
+    log: Optional[List[Any]] = None
+    #: The last step's SchedulerOutputs (read outside the timed part).
+    last_out: Any = None
 
     def __post_init__(self) -> None:
         c, ns = self.config, self.backend.release
@@ -223,10 +228,11 @@ class Engine:
         self._process_outputs(out)
         self.step_seconds.append(time.perf_counter() - t0)
         self.schedule_seconds.append(t1 - t0)
+        self.last_out = out
         return self._record(metas, out) if record else None
 
     def _process_outputs(self, out: Any) -> None:
-        sched = self.scheduler
+        sched, log = self.scheduler, self.log
         for sg in out.scheduled_seq_groups:
             group = sg.seq_group
             group.update_num_computed_tokens(sg.token_chunk_size)
@@ -234,19 +240,27 @@ class Engine:
                 continue  # an intermediate chunk of a chunked prefill samples nothing
             req = self.requests[group.request_id]
             running = group.get_seqs(status=self._running)
+            fork = None
             if req.n > 1 and len(group.get_seqs()) == 1:
                 child = running[0].fork(self.next_child_id)
                 self.next_child_id += 1
                 group.add(child)
                 sched.fork_seq(running[0], child)
                 running.append(child)
+                fork = (running[0].seq_id, child.seq_id)
+            tokens = []
             for row, seq in enumerate(running):
                 pos = seq.get_output_len()
                 tok = req.output_token_ids[row % len(req.output_token_ids)][pos]
                 seq.append_token_id(tok, {tok: self._logprob(0.0)})
-                if pos + 1 >= req.output_len:
+                done = pos + 1 >= req.output_len
+                if done:
                     seq.status = self._capped
                     sched.free_seq(seq)
+                if log is not None:
+                    tokens.append((seq.seq_id, tok, done))
+            if log is not None:
+                log.append((group.request_id, fork, tuple(tokens)))
         sched.free_finished_seq_groups()
 
     def _record(self, metas: Any, out: Any) -> Dict[str, Any]:

@@ -36,6 +36,9 @@ from pagedkv.errors import DoubleFreeError, InvalidArgumentError, OutOfBlocksErr
 __all__ = ["BlockPool", "NEVER_ACCESSED"]
 
 _NIL = -1  # end of the eviction list
+# The prefix map is keyed by a hash's low 64 bits (one block per such slot; a hit also needs
+# the whole hash), as the native pool's table is (docs/block_manager.md).
+_SLOT = (1 << 64) - 1
 
 # ``last_accessed`` of a block that was never accessed (vLLM's DEFAULT_LAST_ACCESSED_TIME).
 NEVER_ACCESSED = -1.0
@@ -161,7 +164,7 @@ class BlockPool:
             b = self._free.pop()
         elif self.num_evictable:
             b = self._pop_evictable()
-            del self._map[self._hash[b]]
+            del self._map[self._hash[b] & _SLOT]
             self._hash[b] = None
             self._tokens[b] = None
             self._meta[b] = None
@@ -240,8 +243,8 @@ class BlockPool:
     ) -> Optional[int]:
         """The cached block holding exactly ``token_ids`` (and ``meta``) under ``block_hash``,
         or None. Changes nothing, not even the hit counters."""
-        b = self._map.get(block_hash)
-        if b is None or self._meta[b] != meta:
+        b = self._map.get(block_hash & _SLOT)
+        if b is None or self._hash[b] != block_hash or self._meta[b] != meta:
             return None
         if type(token_ids) is not list:
             token_ids = list(token_ids)
@@ -285,9 +288,9 @@ class BlockPool:
             raise InvalidArgumentError(f"block {block} is not allocated")
         if self._hash[block] is not None:
             raise InvalidArgumentError(f"block {block} is already cached")
-        if block_hash in self._map:
+        if block_hash & _SLOT in self._map:
             return False
-        self._map[block_hash] = block
+        self._map[block_hash & _SLOT] = block
         self._hash[block] = block_hash
         self._tokens[block] = list(token_ids)
         self._meta[block] = meta
@@ -359,7 +362,7 @@ class BlockPool:
                 assert self._ref[b] > 0, f"block {b} is lost: ref 0, not free, not evictable"
             h = self._hash[b]
             if h is not None:
-                assert self._map.get(h) == b, f"block {b}'s hash is not in the prefix map"
+                assert self._map.get(h & _SLOT) == b, f"block {b}'s hash is not in the prefix map"
         assert len(self._map) == sum(h is not None for h in self._hash), "prefix map size"
 
     def __repr__(self) -> str:

@@ -13,6 +13,7 @@ mod evict;
 pub mod hash;
 pub mod limits;
 pub mod manager;
+pub mod mem;
 pub mod pool;
 pub mod scheduler;
 pub mod step_buffers;

@@ -83,6 +83,10 @@ struct SeqEntry {
     /// Changes whenever the table does (unique across the manager's life), so that callers
     /// can cache a view of it.
     version: u64,
+    /// Changes whenever the table changes other than by appending entries (created, an entry
+    /// replaced by copy-on-write or a cached twin, moved to the other device): while it holds,
+    /// the table is an extension of every earlier state with the same `layout`.
+    layout: u64,
     /// The latest `access_all_blocks_in_seq` of this sequence, not yet written to its blocks.
     access: Option<PendingAccess>,
     /// `(version, k)`: while the table is at `version`, its first `k` blocks are known to be
@@ -242,6 +246,23 @@ impl Manager {
     pub fn num_free_cpu_blocks(&self) -> usize {
         self.cpu.num_free()
     }
+    /// Heap bytes of the two pools (per block: `pool.heap_bytes()`) and their access stamps.
+    pub fn pool_heap_bytes(&self) -> usize {
+        use crate::mem::vec_bytes;
+        self.gpu.heap_bytes()
+            + self.cpu.heap_bytes()
+            + vec_bytes(&self.gpu_stamps)
+            + vec_bytes(&self.cpu_stamps)
+    }
+    /// Heap bytes of the sequences' tables: the map's table and every table's entries.
+    pub fn tables_heap_bytes(&self) -> usize {
+        crate::mem::map_bytes(&self.tables)
+            + self
+                .tables
+                .values()
+                .map(|e| crate::mem::vec_bytes(&e.table))
+                .sum::<usize>()
+    }
     pub fn prefix_cache_stats(&self) -> (u64, u64) {
         (self.prefix_lookups, self.prefix_hits)
     }
@@ -257,6 +278,13 @@ impl Manager {
     /// A number that changes whenever the sequence's table (or its device) does.
     pub fn table_version(&self, id: SeqId) -> Result<u64> {
         Ok(self.entry(id)?.version)
+    }
+    /// `(version, layout)`: `layout` changes only when the table changes other than by
+    /// appending (so a caller holding an earlier state with the same layout needs only the
+    /// entries past its length). Both are unique across the manager's life.
+    pub fn table_versions(&self, id: SeqId) -> Result<(u64, u64)> {
+        let e = self.entry(id)?;
+        Ok((e.version, e.layout))
     }
     pub fn device_of(&self, id: SeqId) -> Result<Device> {
         Ok(self.entry(id)?.device)
@@ -408,6 +436,7 @@ impl Manager {
                     reserved,
                     order,
                     version: self.next_version,
+                    layout: self.next_version,
                     access: None,
                     computed_hint: Cell::new((u64::MAX, 0)),
                 },
@@ -624,6 +653,7 @@ impl Manager {
                     gpu.release(old)?;
                     e.table.push(n);
                     set_entry(&mut e.table, i, n, window);
+                    replaced = true; // the earlier periodic copies of entry i changed
                 }
             } else {
                 if let Some(c) = key.as_ref().and_then(|k| gpu.lookup(k)) {
@@ -642,6 +672,9 @@ impl Manager {
         if replaced || e.table.len() != len_before {
             self.next_version += 1;
             e.version = self.next_version;
+            if replaced {
+                e.layout = self.next_version;
+            }
         }
         Ok(())
     }
@@ -671,6 +704,7 @@ impl Manager {
         self.next_order += 1;
         self.next_version += 1;
         ce.version = self.next_version;
+        ce.layout = self.next_version;
         let pool = match ce.device {
             Device::Gpu => &mut self.gpu,
             Device::Cpu => &mut self.cpu,
@@ -732,6 +766,11 @@ impl Manager {
             }
         }
         Ok(seen.len())
+    }
+
+    /// Distinct blocks of one table (O(1)).
+    pub(crate) fn distinct_len(&self, id: SeqId) -> Result<usize> {
+        Ok(distinct(&self.entry(id)?.table, self.window).len())
     }
 
     /// An upper bound of `distinct_blocks(ids)` without hashing: a block at the same position
@@ -842,6 +881,7 @@ impl Manager {
             e.device = to;
             self.next_version += 1;
             e.version = self.next_version;
+            e.layout = self.next_version;
         }
         Ok(mapping)
     }

@@ -27,37 +27,36 @@
 //! In the usual case no operation allocates on the heap after construction: the map is created
 //! with room for every block, and the stack and the eviction run live in preallocated vectors
 //! (only blocks released out of access order take B-tree nodes).
+//!
+//! Memory: 161-165 bytes per block of 16 tokens with caching (64 of them the cached token
+//! ids), 67 without; the layout is chosen for it (a hash array with a separate cached flag,
+//! a table of 4-byte block ids found by 64 hash bits, eviction keys read from the per-block
+//! arrays). `heap_bytes` accounts for it; `docs/scheduler.md` compares it with vLLM v1.
 
 use crate::error::{Error, Result};
-use crate::evict::EvictionOrder;
+use crate::evict::{EvictionOrder, Fields};
 use crate::hash::BlockHash;
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
 
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;
 /// `last_accessed` of a block that was never accessed (vLLM's DEFAULT_LAST_ACCESSED_TIME).
 pub const NEVER_ACCESSED: f64 = -1.0;
 
-/// Block hashes are already uniformly distributed (and keyed), so the map does not hash again.
-#[derive(Default)]
-pub struct FoldHasher(u64);
-impl Hasher for FoldHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut b = [0u8; 8];
-            b[..chunk.len()].copy_from_slice(chunk);
-            self.0 = self.0.rotate_left(17) ^ u64::from_le_bytes(b);
-        }
-    }
-    fn write_u128(&mut self, x: u128) {
-        self.0 = (x as u64) ^ ((x >> 64) as u64);
-    }
+/// The prefix map: a table of the cached blocks' ids, found by the low 64 bits of their hash
+/// ([`map_slot`]; block hashes are uniformly distributed and keyed, so no second hash). It
+/// stores 4-byte block ids only (a `HashMap<u128, u32>` bucket takes 32 bytes): the key is
+/// the block's own `hash` entry. At most one block per 64-bit slot, and a hit is confirmed
+/// against the whole key (hash, parent, extras, tokens): two hashes sharing their low bits
+/// only share a slot (the second one is not cached, as with an equal hash).
+type PrefixMap = hashbrown::HashTable<BlockId>;
+
+fn map_slot(h: BlockHash) -> u64 {
+    h as u64
 }
-type PrefixMap = HashMap<BlockHash, BlockId, BuildHasherDefault<FoldHasher>>;
+
+/// `hash[b]` of a block that is not cached (`cached[b]` says which; an `Option<u128>` array
+/// would take 32 bytes per block instead of 17).
+const NO_HASH: BlockHash = 0;
 
 /// What a cached block is stored under and confirmed against on a hit: its hash, its parent
 /// *block* (the physical block holding the previous block of the sequence; `None` for block 0),
@@ -87,8 +86,9 @@ pub struct BlockPool {
     num_blocks: u32,
     block_size: usize,
     ref_count: Vec<u32>,
-    /// `Some(h)` iff the block is registered in the prefix map under `h`.
-    hash: Vec<Option<BlockHash>>,
+    /// The hash the block is registered under (when `cached`), else [`NO_HASH`].
+    hash: Vec<BlockHash>,
+    cached: Vec<bool>,
     num_hashed_tokens: Vec<u32>,
     last_accessed: Vec<f64>,
     computed: Vec<bool>,
@@ -134,7 +134,8 @@ impl BlockPool {
             num_blocks,
             block_size,
             ref_count: vec![0; n],
-            hash: vec![None; n],
+            hash: vec![NO_HASH; n],
+            cached: vec![false; n],
             num_hashed_tokens: vec![0; n],
             last_accessed: vec![NEVER_ACCESSED; n],
             computed: vec![false; n],
@@ -145,10 +146,7 @@ impl BlockPool {
             extra: vec![0; if caching { n } else { 0 }],
             free_stack,
             evict: EvictionOrder::new(n),
-            map: PrefixMap::with_capacity_and_hasher(
-                if caching { n } else { 0 },
-                Default::default(),
-            ),
+            map: PrefixMap::with_capacity(if caching { n } else { 0 }),
             stats: PoolStats::default(),
         })
     }
@@ -181,6 +179,27 @@ impl BlockPool {
         self.stats
     }
 
+    /// Heap bytes this pool holds: its per-block arrays, the free stack, the eviction order
+    /// and the prefix map's table. All are sized for every block at construction, so this is
+    /// also what a cached block costs (`docs/scheduler.md`, memory).
+    pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{table_bytes, vec_bytes};
+        vec_bytes(&self.ref_count)
+            + vec_bytes(&self.hash)
+            + vec_bytes(&self.cached)
+            + vec_bytes(&self.num_hashed_tokens)
+            + vec_bytes(&self.last_accessed)
+            + vec_bytes(&self.computed)
+            + vec_bytes(&self.tokens)
+            + vec_bytes(&self.parent)
+            + vec_bytes(&self.parent_gen)
+            + vec_bytes(&self.extra)
+            + vec_bytes(&self.generation)
+            + vec_bytes(&self.free_stack)
+            + self.evict.heap_bytes()
+            + table_bytes(self.map.capacity(), std::mem::size_of::<BlockId>())
+    }
+
     // ---- per-block views -----------------------------------------------------------------
 
     pub fn check(&self, id: i64) -> Result<BlockId> {
@@ -196,7 +215,7 @@ impl BlockPool {
         self.ref_count[b as usize]
     }
     pub fn block_hash(&self, b: BlockId) -> Option<BlockHash> {
-        self.hash[b as usize]
+        self.cached[b as usize].then(|| self.hash[b as usize])
     }
     pub fn num_hashed_tokens(&self, b: BlockId) -> u32 {
         self.num_hashed_tokens[b as usize]
@@ -204,8 +223,17 @@ impl BlockPool {
     pub fn last_accessed(&self, b: BlockId) -> f64 {
         self.last_accessed[b as usize]
     }
+    /// (Never on an evictable block: its place in the eviction order is keyed by it.)
     pub fn set_last_accessed(&mut self, b: BlockId, t: f64) {
+        debug_assert!(!self.is_evictable(b), "block {b} is evictable");
         self.last_accessed[b as usize] = t;
+    }
+
+    fn fields(&self) -> Fields<'_> {
+        Fields {
+            time: &self.last_accessed,
+            hashed_tokens: &self.num_hashed_tokens,
+        }
     }
     pub fn is_computed(&self, b: BlockId) -> bool {
         self.computed[b as usize]
@@ -214,17 +242,17 @@ impl BlockPool {
         self.computed[b as usize] = c;
     }
     pub fn is_evictable(&self, b: BlockId) -> bool {
-        self.ref_count[b as usize] == 0 && self.hash[b as usize].is_some()
+        self.ref_count[b as usize] == 0 && self.cached[b as usize]
     }
     /// Stored token ids of a cached block.
     pub fn cached_tokens(&self, b: BlockId) -> Option<&[u32]> {
-        self.hash[b as usize]?;
+        self.block_hash(b)?;
         let s = b as usize * self.block_size;
         Some(&self.tokens[s..s + self.block_size])
     }
     /// Evictable blocks in eviction order (first = next to go). O(n); for tests and introspection.
     pub fn eviction_order(&self) -> Vec<BlockId> {
-        self.evict.order()
+        self.evict.order(self.fields())
     }
 
     // ---- allocation and references -------------------------------------------------------
@@ -233,11 +261,14 @@ impl BlockPool {
     pub fn allocate(&mut self) -> Result<BlockId> {
         let b = if let Some(b) = self.free_stack.pop() {
             b
-        } else if let Some(b) = self.evict.pop_first() {
-            let h = self.hash[b as usize]
-                .take()
-                .expect("evictable block has a hash");
-            self.map.remove(&h);
+        } else if let Some(b) = self.evict.pop_first(Fields {
+            time: &self.last_accessed,
+            hashed_tokens: &self.num_hashed_tokens,
+        }) {
+            debug_assert!(self.cached[b as usize], "an evictable block has a hash");
+            let h = std::mem::replace(&mut self.hash[b as usize], NO_HASH);
+            self.cached[b as usize] = false;
+            self.map_remove(b, h);
             self.num_hashed_tokens[b as usize] = 0;
             self.computed[b as usize] = false;
             self.stats.evictions += 1;
@@ -269,12 +300,16 @@ impl BlockPool {
             return Err(Error::invalid("n must be positive"));
         }
         if self.ref_count[i] == 0 {
-            if self.hash[i].is_none() {
+            if !self.cached[i] {
                 return Err(Error::invalid(format!(
                     "block {b} is free; it cannot be shared"
                 )));
             }
-            self.evict.remove(b);
+            let f = Fields {
+                time: &self.last_accessed,
+                hashed_tokens: &self.num_hashed_tokens,
+            };
+            self.evict.remove(b, f);
         }
         self.ref_count[i] += n;
         Ok(())
@@ -294,9 +329,12 @@ impl BlockPool {
         }
         self.ref_count[i] -= 1;
         if self.ref_count[i] == 0 {
-            if self.hash[i].is_some() {
-                self.evict
-                    .insert(b, self.last_accessed[i], self.num_hashed_tokens[i]);
+            if self.cached[i] {
+                let f = Fields {
+                    time: &self.last_accessed,
+                    hashed_tokens: &self.num_hashed_tokens,
+                };
+                self.evict.insert(b, f);
             } else {
                 self.computed[i] = false;
                 self.free_stack.push(b);
@@ -374,12 +412,28 @@ impl BlockPool {
         let i = b as usize;
         let s = i * self.block_size;
         key.tokens.len() == self.block_size
+            && self.hash[i] == key.hash
             && self.parent[i] == key.parent.unwrap_or(NIL)
             && key
                 .parent
                 .is_none_or(|p| self.generation.get(p as usize) == Some(&self.parent_gen[i]))
             && self.extra[i] == key.extra
             && self.tokens[s..s + self.block_size] == *key.tokens
+    }
+
+    /// The block cached under 64-bit slot `h`.
+    fn map_get(&self, h: u64) -> Option<BlockId> {
+        let hashes = &self.hash;
+        self.map
+            .find(h, |&b| map_slot(hashes[b as usize]) == h)
+            .copied()
+    }
+
+    /// Drop block `b` (cached under `hash`) from the prefix map.
+    fn map_remove(&mut self, b: BlockId, hash: BlockHash) {
+        if let Ok(e) = self.map.find_entry(map_slot(hash), |&x| x == b) {
+            e.remove();
+        }
     }
 
     /// Find the cached block stored under `key` (hash, parent, extras and tokens all equal).
@@ -393,7 +447,7 @@ impl BlockPool {
 
     /// `lookup` without touching the statistics (dry runs, pre-checks).
     pub fn peek(&self, key: &BlockKey<'_>) -> Option<BlockId> {
-        let b = *self.map.get(&key.hash)?;
+        let b = self.map_get(map_slot(key.hash))?;
         // a hash collision never hands out different data
         self.matches(b, key).then_some(b)
     }
@@ -401,7 +455,7 @@ impl BlockPool {
     /// The key a cached block is stored under.
     pub fn key_of(&self, b: BlockId) -> Option<BlockKey<'_>> {
         let i = b as usize;
-        let hash = self.hash[i]?;
+        let hash = self.block_hash(b)?;
         let s = i * self.block_size;
         Some(BlockKey {
             hash,
@@ -439,7 +493,7 @@ impl BlockPool {
         if self.ref_count[i] == 0 {
             return Err(Error::invalid(format!("block {b} is not allocated")));
         }
-        if self.hash[i].is_some() {
+        if self.cached[i] {
             return Err(Error::invalid(format!("block {b} is already cached")));
         }
         if let Some(p) = key.parent {
@@ -449,11 +503,14 @@ impl BlockPool {
                 )));
             }
         }
-        if self.map.contains_key(&key.hash) {
+        if self.map_get(map_slot(key.hash)).is_some() {
             return Ok(false);
         }
-        self.map.insert(key.hash, b);
-        self.hash[i] = Some(key.hash);
+        let hashes = &self.hash;
+        self.map
+            .insert_unique(map_slot(key.hash), b, |&x| map_slot(hashes[x as usize]));
+        self.hash[i] = key.hash;
+        self.cached[i] = true;
         self.parent[i] = key.parent.unwrap_or(NIL);
         self.parent_gen[i] = key.parent.map_or(0, |p| self.generation[p as usize]);
         self.extra[i] = key.extra;
@@ -470,17 +527,12 @@ impl BlockPool {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is on the free stack twice"));
             }
-            if self.ref_count[b as usize] != 0 || self.hash[b as usize].is_some() {
+            if self.ref_count[b as usize] != 0 || self.cached[b as usize] {
                 return Err(format!("free block {b} has refs or a hash"));
             }
             state[b as usize] = 1;
         }
-        self.evict.check(|b| {
-            (
-                self.last_accessed[b as usize],
-                self.num_hashed_tokens[b as usize],
-            )
-        })?;
+        self.evict.check(self.fields())?;
         for &b in &self.eviction_order() {
             if state[b as usize] != 0 {
                 return Err(format!("block {b} is both free and evictable"));
@@ -497,10 +549,8 @@ impl BlockPool {
                 }
                 *st = 3;
             }
-            if let Some(h) = self.hash[b] {
-                if self.map.get(&h) != Some(&(b as u32)) {
-                    return Err(format!("block {b} hash not in the prefix map"));
-                }
+            if self.cached[b] && self.map_get(map_slot(self.hash[b])) != Some(b as u32) {
+                return Err(format!("block {b} hash not in the prefix map"));
             }
         }
         self.check_prefix_map()?;
@@ -517,22 +567,20 @@ impl BlockPool {
         if !self.caching() && !self.map.is_empty() {
             return Err("a pool without caching has prefix map entries".into());
         }
-        for (&h, &b) in &self.map {
+        for &b in &self.map {
             if b >= self.num_blocks {
-                return Err(format!(
-                    "prefix map entry for hash {h:#x} points past the pool"
-                ));
+                return Err(format!("prefix map entry {b} points past the pool"));
             }
-            if self.hash[b as usize] != Some(h) {
-                return Err(format!(
-                    "prefix map entry {h:#x} -> block {b}, registered as {:?}",
-                    self.hash[b as usize]
-                ));
+            if !self.cached[b as usize] {
+                return Err(format!("prefix map names block {b}, which is not cached"));
             }
         }
         for b in 0..self.num_blocks as usize {
-            let Some(h) = self.hash[b] else { continue };
-            if self.map.get(&h) != Some(&(b as u32)) {
+            if !self.cached[b] {
+                continue;
+            }
+            let h = self.hash[b];
+            if self.map_get(map_slot(h)) != Some(b as u32) {
                 return Err(format!("block {b} hash not in the prefix map"));
             }
             let p = self.parent[b];
@@ -540,7 +588,7 @@ impl BlockPool {
                 return Err(format!("cached block {b} has a bad parent {p}"));
             }
         }
-        if self.map.len() != self.hash.iter().filter(|h| h.is_some()).count() {
+        if self.map.len() != self.cached.iter().filter(|&&c| c).count() {
             return Err("prefix map size mismatch".into());
         }
         Ok(())
@@ -579,11 +627,57 @@ mod invariant_tests {
     #[test]
     fn a_map_entry_under_another_hash_is_caught() {
         let (mut p, b) = cached_pool();
-        p.map.insert(8, b); // a second entry for the same block
+        let hashes = p.hash.clone();
+        p.map.insert_unique(8, b, |&x| map_slot(hashes[x as usize])); // twice the same block
         assert!(p.check_invariants().is_err());
-        p.map.remove(&8);
-        p.map.insert(9, 3); // an entry for a block with no hash
-        p.hash[3] = None;
+        p.map.find_entry(8, |&x| x == b).unwrap().remove();
+        p.check_invariants().unwrap();
+        p.map.insert_unique(9, 3, |&x| map_slot(hashes[x as usize])); // a block with no hash
         assert!(p.check_invariants().is_err());
+    }
+}
+
+#[cfg(test)]
+mod slot_tests {
+    //! The prefix map is keyed by 64 of the hash's 128 bits; hits still need the whole key.
+    use super::*;
+
+    fn key(hash: BlockHash, tokens: &[u32]) -> BlockKey<'_> {
+        BlockKey {
+            hash,
+            parent: None,
+            extra: 0,
+            tokens,
+        }
+    }
+
+    #[test]
+    fn hashes_sharing_a_slot_never_hit_each_other() {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let (a, b) = (p.allocate().unwrap(), p.allocate().unwrap());
+        let (h1, h2) = (5 | 1 << 100, 5 | 1 << 90); // same low 64 bits
+        assert!(p.register(a, &key(h1, &[1, 2]), 2).unwrap());
+        assert!(
+            !p.register(b, &key(h2, &[1, 2]), 2).unwrap(),
+            "the slot is taken"
+        );
+        assert_eq!(p.peek(&key(h1, &[1, 2])), Some(a));
+        assert_eq!(
+            p.peek(&key(h2, &[1, 2])),
+            None,
+            "same slot and tokens, other hash"
+        );
+        p.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn a_zero_hash_is_cached_like_any_other() {
+        let mut p = BlockPool::new("gpu", 4, 2, true).unwrap();
+        let a = p.allocate().unwrap();
+        assert_eq!(p.block_hash(a), None);
+        assert!(p.register(a, &key(0, &[1, 2]), 2).unwrap());
+        assert_eq!(p.block_hash(a), Some(0));
+        assert_eq!(p.peek(&key(0, &[1, 2])), Some(a));
+        p.check_invariants().unwrap();
     }
 }

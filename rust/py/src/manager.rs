@@ -555,6 +555,20 @@ impl PyManager {
         guard.table_list(py, id)
     }
 
+    /// Native heap bytes `(pools, tables, block_ints)`: the two pools' per-block state (what
+    /// a cached block costs), the sequences' block tables, and this binding's references to
+    /// its per-block int objects (the int objects are Python's, not counted here).
+    fn native_bytes(&self) -> PyResult<(usize, usize, usize)> {
+        let st = self.lock()?;
+        let ints =
+            (st.gpu_ints.capacity() + st.cpu_ints.capacity()) * std::mem::size_of::<Py<PyAny>>();
+        Ok((
+            st.inner.pool_heap_bytes(),
+            st.inner.tables_heap_bytes(),
+            ints,
+        ))
+    }
+
     /// Free GPU blocks (evictable cached blocks count as free).
     fn get_num_free_gpu_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.inner.num_free_gpu_blocks())

@@ -23,8 +23,8 @@ use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use step::{
-    Applied, Batch, ModelInputs, Row, SentTables, StopRules, TableDelta, TokensMut, Written,
-    ROW_APPENDED, ROW_REWRITTEN, ROW_SAME,
+    cached_skip, Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta,
+    TokensMut, Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,
 };
 
 pub type GroupKey = u32;
@@ -238,6 +238,27 @@ impl Scheduler {
 
     pub fn config(&self) -> &SchedulerConfig {
         &self.cfg
+    }
+
+    /// Heap bytes of the scheduler's state: the group slab (each group's sequences and
+    /// request id), the sequence index and the queues.
+    pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{map_bytes, vec_bytes};
+        let deque = |q: &VecDeque<GroupKey>| q.capacity() * std::mem::size_of::<GroupKey>();
+        let groups: usize = self
+            .groups
+            .iter()
+            .flatten()
+            .map(|g| vec_bytes(&g.seqs) + g.request_id.capacity())
+            .sum();
+        vec_bytes(&self.groups)
+            + groups
+            + vec_bytes(&self.free_keys)
+            + map_bytes(&self.by_seq)
+            + deque(&self.waiting)
+            + deque(&self.running)
+            + deque(&self.swapped)
+            + vec_bytes(&self.changes)
     }
 
     pub fn group(&self, key: GroupKey) -> Option<&Group> {

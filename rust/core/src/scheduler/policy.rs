@@ -183,23 +183,40 @@ impl Scheduler {
 
     /// Whether preempting running groups with several running sequences could run out of CPU
     /// blocks this step: swap-outs are the only CPU allocations before any swap-in, and a
-    /// victim's table does not grow before it is preempted. `distinct_blocks_bound` may
-    /// overcount (then a copy is taken that was not needed), never undercount.
+    /// victim's table does not grow before it is preempted. First bounded by the tables'
+    /// lengths (O(1) per sequence, so a step does not walk every table while the CPU has
+    /// room); only when that bound does not settle it, by `distinct_blocks_bound` (O(table):
+    /// shared prefixes counted once). Both may overcount (then a copy is taken that was not
+    /// needed), never undercount.
     fn swap_out_may_fail(&self, mgr: &Manager) -> Result<bool> {
-        let mut need = 0;
-        for &key in &self.running {
-            let g = self.g(key);
-            if g.ids_with(Status::Running).nth(1).is_some() {
-                let unfinished: Vec<SeqId> = g
-                    .seqs
-                    .iter()
-                    .filter(|s| !s.status.is_finished())
-                    .map(|s| s.id)
-                    .collect();
-                need += mgr.distinct_blocks_bound(&unfinished)?;
+        let free = mgr.num_free_cpu_blocks();
+        let multi = || {
+            self.running
+                .iter()
+                .map(|&k| self.g(k))
+                .filter(|g| g.ids_with(Status::Running).nth(1).is_some())
+        };
+        let unfinished = |g: &super::Group| -> Vec<SeqId> {
+            g.seqs
+                .iter()
+                .filter(|s| !s.status.is_finished())
+                .map(|s| s.id)
+                .collect()
+        };
+        let mut crude = 0;
+        for g in multi() {
+            for s in g.seqs.iter().filter(|s| !s.status.is_finished()) {
+                crude += mgr.distinct_len(s.id)?;
             }
         }
-        Ok(need > mgr.num_free_cpu_blocks())
+        if crude <= free {
+            return Ok(false);
+        }
+        let mut need = 0;
+        for g in multi() {
+            need += mgr.distinct_blocks_bound(&unfinished(g))?;
+        }
+        Ok(need > free)
     }
 
     /// Whether this step could preempt at all. Running groups are the only ones that preempt,
@@ -707,9 +724,10 @@ impl Scheduler {
         self.build_meta(mgr, toks, out, now, true)
     }
 
-    /// `step_meta`, with `computed_block_nums` gathered only when `with_computed`: the batch
-    /// step does without them (an O(table) walk per sequence its caller does not read: the
-    /// model inputs carry whole block tables).
+    /// `step_meta`, with `computed_block_nums` gathered for every group only when
+    /// `with_computed`. The batch step needs them only for prompt groups without chunked
+    /// prefill (its rows skip the cached prefix, as vLLM 0.4.2's model runner does): elsewhere
+    /// they are an O(table) walk per sequence nobody reads.
     pub fn build_meta<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
@@ -724,14 +742,14 @@ impl Scheduler {
             for &id in &running {
                 mgr.access_all_blocks_in_seq(id, now)?;
             }
-            let computed = match with_computed {
+            let is_prompt = self.g(s.key).is_prefill();
+            let computed = match with_computed || (is_prompt && !self.cfg.chunked_prefill) {
                 true => mgr.common_computed_prefix(&running),
                 false => None,
             };
             let g = self.gm(s.key);
             let first_time = !g.scheduled_before;
             g.scheduled_before = true;
-            let is_prompt = self.g(s.key).is_prefill();
             let mut do_sample = true;
             if is_prompt {
                 // fix 2: the unfinished sequence, not "the only sequence" of the group.

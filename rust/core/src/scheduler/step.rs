@@ -8,6 +8,10 @@
 //! row order: the first `samples - 1` go to new children (forked from the row's sequence
 //! before its own token is appended, vLLM's `_process_sequence_group_outputs`), the last to
 //! the row's sequence itself.
+//!
+//! Prefix caching (without chunked prefill): a prompt row's tokens exclude its leading
+//! tokens whose blocks are already computed, as vLLM 0.4.2's model runner skips
+//! `computed_block_nums` (`cached_tokens` says how many; see [`cached_skip`]).
 
 use super::{Change, Finish, Group, GroupKey, IdMap, Outputs, Scheduled, Scheduler, SeqState};
 use super::{Status, StepMeta, Tokens};
@@ -59,6 +63,9 @@ pub struct Row {
     pub seq: SeqId,
     /// Tokens the model samples for this row (0: no sampling this step).
     pub samples: usize,
+    /// vLLM's `len(computed_block_nums)` for a prompt row without chunked prefill (its
+    /// cached prefix, in blocks), else 0.
+    pub cached_blocks: usize,
 }
 
 /// The previous step's batch, as the caller's sampled-token array is laid out.
@@ -237,7 +244,10 @@ impl Scheduler {
     }
 
     /// The rows of this step's batch (scheduled groups in `order`), with their sample counts:
-    /// `best_of` for a sampling group that has one sequence (its first sample), else 1.
+    /// `best_of` for a sampling group that has one sequence (its first sample), else 1; and
+    /// a prompt row's cached prefix (none with chunked prefill: vLLM 0.4.2's model runner
+    /// refuses prefix caching there, and the computed marks, set for the whole prompt when
+    /// its first chunk is scheduled, run ahead of the chunks actually computed).
     pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {
         let mut b = Batch::default();
         for &i in order {
@@ -249,10 +259,15 @@ impl Scheduler {
                 (true, 1) => g.best_of,
                 (true, _) => 1,
             };
+            let cached_blocks = match m.is_prompt && !self.cfg.chunked_prefill {
+                true => m.computed.map_or(0, |p| p.len),
+                false => 0,
+            };
             b.rows.extend(m.running.iter().map(|&seq| Row {
                 key: s.key,
                 seq,
                 samples,
+                cached_blocks,
             }));
         }
         b
@@ -275,14 +290,19 @@ pub struct ModelInputs<'a> {
     pub input_tokens: &'a mut [i32],
     pub positions: &'a mut [i32],
     pub slot_mapping: &'a mut [i32],
-    /// Per row: token offsets (`[rows + 1]`), length after this step, samples.
+    /// Per row: token offsets (`[rows + 1]`), length after this step, samples, and the
+    /// leading tokens of its chunk left out because the prefix cache holds them.
     pub query_start_loc: &'a mut [i32],
     pub context_lens: &'a mut [i32],
     pub num_samples: &'a mut [i32],
+    pub cached_tokens: &'a mut [i32],
     pub seq_ids: &'a mut [i64],
     /// `[rows, cols]` row-major, padded with 0 (vLLM's padding).
     pub block_tables: &'a mut [i32],
     pub cols: usize,
+    /// Incremental mode: `block_tables` is kept across steps from this step's delta
+    /// (`Manager::write_block_tables`); `None`: rows written whole.
+    pub held: Option<(&'a TableDelta, &'a mut HeldTables)>,
     /// Flattened pairs `(src, dst)`.
     pub copies: &'a mut [i32],
     pub swap_in: &'a mut [i32],
@@ -334,6 +354,16 @@ fn put_pairs(name: &str, dst: &mut [i32], pairs: &[(u32, u32)]) -> Result<usize>
     Ok(pairs.len())
 }
 
+/// How many leading tokens of a prompt chunk `[start, start + chunk)` are left out of the
+/// model inputs when the first `cached` tokens of the sequence are in computed blocks.
+/// vLLM 0.4.2's model runner (`_prepare_prompt`) starts at `len(computed_block_nums) *
+/// block_size` (its prompts are whole, `start == 0`, and the computed blocks exclude the
+/// table's last block, so at least one token is left); at least the chunk's last token is
+/// always computed.
+pub fn cached_skip(cached: usize, start: usize, chunk: usize) -> usize {
+    cached.saturating_sub(start).min(chunk.saturating_sub(1))
+}
+
 fn as_i32(x: usize) -> Result<i32> {
     i32::try_from(x).map_err(|_| Error::invalid(format!("{x} does not fit int32")))
 }
@@ -358,40 +388,9 @@ impl Manager {
         out: &Outputs,
         buf: ModelInputs<'_>,
     ) -> Result<Written> {
-        let chunk_of: IdMap<GroupKey, usize> =
-            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
-        let rows = batch.rows.len();
-        let tokens: usize = batch.rows.iter().map(|r| chunk_of[&r.key]).sum();
-        let per_row = [
-            ("context_lens", buf.context_lens.len()),
-            ("num_samples", buf.num_samples.len()),
-            ("seq_ids", buf.seq_ids.len()),
-            (
-                "block_tables rows",
-                buf.block_tables.len().checked_div(buf.cols).unwrap_or(0),
-            ),
-        ];
-        for (name, have) in per_row {
-            if have < rows {
-                return Err(too_small(name, have, rows));
-            }
-        }
-        if buf.query_start_loc.len() < rows + 1 {
-            return Err(too_small(
-                "query_start_loc",
-                buf.query_start_loc.len(),
-                rows + 1,
-            ));
-        }
-        for (name, have) in [
-            ("input_tokens", buf.input_tokens.len()),
-            ("positions", buf.positions.len()),
-            ("slot_mapping", buf.slot_mapping.len()),
-        ] {
-            if have < tokens {
-                return Err(too_small(name, have, tokens));
-            }
-        }
+        let spans = self.row_spans(sched, batch)?;
+        let tokens: usize = spans.iter().map(|s| s.len - s.skip).sum();
+        check_sizes(&buf, batch.rows.len(), tokens)?;
         for r in &batch.rows {
             let need = self.block_table(r.seq)?.len();
             if need > buf.cols {
@@ -404,7 +403,7 @@ impl Manager {
             .flat_map(|(s, ds)| ds.iter().map(move |&d| (*s, d)))
             .collect();
         let written = Written {
-            rows,
+            rows: batch.rows.len(),
             tokens,
             copies: put_pairs("copies", buf.copies, &copies)?,
             swap_in: put_pairs("swap_in", buf.swap_in, &as_mapping(&out.swap_in))?,
@@ -413,39 +412,91 @@ impl Manager {
         let bs = self.config().block_size;
         let mut t = 0;
         buf.query_start_loc[0] = 0;
-        for (i, r) in batch.rows.iter().enumerate() {
-            let chunk = chunk_of[&r.key];
+        for (i, (r, sp)) in batch.rows.iter().zip(&spans).enumerate() {
             let table = self.block_table(r.seq)?;
-            let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
+            let (from, end) = (sp.start + sp.skip, sp.start + sp.len);
             toks.with(r.seq, |ts| -> Result<()> {
-                let ids = ts.tokens().get(start..start + chunk).ok_or_else(|| {
-                    Error::invalid(format!(
-                        "sequence {} has no tokens {start}..{}",
-                        r.seq,
-                        start + chunk
-                    ))
+                let ids = ts.tokens().get(from..end).ok_or_else(|| {
+                    Error::invalid(format!("sequence {} has no tokens {from}..{end}", r.seq))
                 })?;
                 for (j, &id) in ids.iter().enumerate() {
-                    let p = start + j;
+                    let p = from + j;
                     buf.input_tokens[t + j] = as_i32(id as usize)?;
                     buf.positions[t + j] = as_i32(p)?;
                     buf.slot_mapping[t + j] = newest_slot(table, p + 1, bs)?;
                 }
                 Ok(())
             })??;
-            t += chunk;
+            t += end - from;
             buf.query_start_loc[i + 1] = as_i32(t)?;
-            buf.context_lens[i] = as_i32(start + chunk)?;
+            buf.context_lens[i] = as_i32(end)?;
             buf.num_samples[i] = as_i32(r.samples)?;
+            buf.cached_tokens[i] = as_i32(sp.skip)?;
             buf.seq_ids[i] = i64::try_from(r.seq).map_err(|_| Error::invalid("seq id over i64"))?;
-            let row = &mut buf.block_tables[i * buf.cols..(i + 1) * buf.cols];
-            row.fill(0);
-            for (d, &b) in row.iter_mut().zip(table) {
-                *d = b as i32;
-            }
         }
+        self.write_block_tables(batch, buf.block_tables, buf.cols, buf.held)?;
         Ok(written)
     }
+
+    /// Per row: where its chunk starts, its length and the cached tokens it leaves out.
+    fn row_spans(&self, sched: &Scheduler, batch: &Batch) -> Result<Vec<Span>> {
+        let chunk_of: IdMap<GroupKey, usize> =
+            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
+        let bs = self.config().block_size;
+        batch
+            .rows
+            .iter()
+            .map(|r| {
+                let len = chunk_of[&r.key];
+                let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
+                let skip = cached_skip(r.cached_blocks * bs, start, len);
+                Ok(Span { start, len, skip })
+            })
+            .collect()
+    }
+}
+
+/// A row's chunk: tokens `[start, start + len)`, of which the first `skip` are cached.
+struct Span {
+    start: usize,
+    len: usize,
+    skip: usize,
+}
+
+/// Every per-row and per-token output can hold `rows` rows and `tokens` tokens.
+fn check_sizes(buf: &ModelInputs<'_>, rows: usize, tokens: usize) -> Result<()> {
+    let per_row = [
+        ("context_lens", buf.context_lens.len()),
+        ("num_samples", buf.num_samples.len()),
+        ("cached_tokens", buf.cached_tokens.len()),
+        ("seq_ids", buf.seq_ids.len()),
+        (
+            "block_tables rows",
+            buf.block_tables.len().checked_div(buf.cols).unwrap_or(0),
+        ),
+    ];
+    for (name, have) in per_row {
+        if have < rows {
+            return Err(too_small(name, have, rows));
+        }
+    }
+    if buf.query_start_loc.len() < rows + 1 {
+        return Err(too_small(
+            "query_start_loc",
+            buf.query_start_loc.len(),
+            rows + 1,
+        ));
+    }
+    for (name, have) in [
+        ("input_tokens", buf.input_tokens.len()),
+        ("positions", buf.positions.len()),
+        ("slot_mapping", buf.slot_mapping.len()),
+    ] {
+        if have < tokens {
+            return Err(too_small(name, have, tokens));
+        }
+    }
+    Ok(())
 }
 
 /// How a row's block table changed since the last step (incremental updates, the way vLLM
@@ -453,54 +504,196 @@ impl Manager {
 pub const ROW_SAME: u8 = 0;
 /// Same sequence in the same row; blocks were only appended (the new ids follow).
 pub const ROW_APPENDED: u8 = 1;
-/// A new or moved row, or blocks replaced (copy-on-write, swap, recompute): the whole
-/// table follows.
+/// A new row, or blocks replaced (copy-on-write, swap, recompute): the whole table follows.
 pub const ROW_REWRITTEN: u8 = 2;
+/// The sequence was in another row of the last batch (`from`; rows move when an earlier row
+/// leaves or a new one enters before it); its table there, plus the new ids that follow.
+pub const ROW_MOVED: u8 = 3;
+
+/// `TableDelta::from` of a rewritten row (no earlier row to start from).
+pub const NO_ROW: usize = usize::MAX;
 
 /// Per row: its state and the block ids the caller applies (`blocks[loc[i]..loc[i + 1]]`).
 #[derive(Clone, Debug, Default)]
 pub struct TableDelta {
+    /// Which delta this is (`SentTables` counts them): a persistent buffer that reflects delta
+    /// `number - 1` can apply this one.
+    pub number: u64,
     pub state: Vec<u8>,
+    /// Per row: its row in the last batch (`NO_ROW` when rewritten).
+    pub from: Vec<usize>,
     pub loc: Vec<usize>,
     pub blocks: Vec<BlockId>,
 }
 
-/// The tables a caller last received, per sequence: `(row, table version, table)`.
-pub type SentTables = IdMap<SeqId, (usize, u64, Vec<BlockId>)>;
+/// What the caller was last sent for one sequence.
+#[derive(Clone, Copy, Debug)]
+struct SentRow {
+    row: usize,
+    version: u64,
+    layout: u64,
+    len: usize,
+    /// The delta that last named the sequence (sequences not in the last batch are dropped).
+    seen: u64,
+}
+
+/// The tables a caller last received, per sequence, and how many deltas were made.
+#[derive(Clone, Debug, Default)]
+pub struct SentTables {
+    rows: IdMap<SeqId, SentRow>,
+    deltas: u64,
+}
+
+impl SentTables {
+    /// Forget what was sent: the next delta rewrites every row, and a persistent buffer that
+    /// reflects an earlier delta is written whole.
+    pub fn clear(&mut self) {
+        self.rows.clear();
+        self.deltas += 1;
+    }
+}
 
 impl Manager {
-    /// The block-table changes of `batch` relative to `sent` (updated). Work per row is O(1)
-    /// unless its table changed (once per `block_size` decode steps), then O(table).
+    /// The block-table changes of `batch` relative to `sent` (updated). O(1) per row plus
+    /// the entries written: a table that only grew (its `layout` unchanged) sends its new
+    /// entries, in its old row or moved from another; one created, moved to the other
+    /// device or with entries replaced sends all of them.
     pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
+        sent.deltas += 1;
+        let number = sent.deltas;
         let mut d = TableDelta {
+            number,
             state: Vec::with_capacity(batch.rows.len()),
+            from: Vec::with_capacity(batch.rows.len()),
             loc: Vec::with_capacity(batch.rows.len() + 1),
             blocks: Vec::new(),
         };
         d.loc.push(0);
-        let mut live = IdMap::default();
         for (i, r) in batch.rows.iter().enumerate() {
-            let (table, version) = (self.block_table(r.seq)?, self.table_version(r.seq)?);
-            live.insert(r.seq, ());
-            let state = match sent.get(&r.seq) {
-                Some((row, v, _)) if *row == i && *v == version => ROW_SAME,
-                Some((row, _, old)) if *row == i && table.starts_with(old) => {
-                    d.blocks.extend_from_slice(&table[old.len()..]);
-                    ROW_APPENDED
+            let table = self.block_table(r.seq)?;
+            let (version, layout) = self.table_versions(r.seq)?;
+            let (state, from) = match sent.rows.get(&r.seq) {
+                Some(s) if s.row == i && s.version == version => (ROW_SAME, i),
+                Some(s) if s.layout == layout && s.len <= table.len() => {
+                    d.blocks.extend_from_slice(&table[s.len..]);
+                    (if s.row == i { ROW_APPENDED } else { ROW_MOVED }, s.row)
                 }
                 _ => {
                     d.blocks.extend_from_slice(table);
-                    ROW_REWRITTEN
+                    (ROW_REWRITTEN, NO_ROW)
                 }
             };
-            if state != ROW_SAME {
-                sent.insert(r.seq, (i, version, table.to_vec()));
-            }
+            let row = SentRow {
+                row: i,
+                version,
+                layout,
+                len: table.len(),
+                seen: number,
+            };
+            sent.rows.insert(r.seq, row);
             d.state.push(state);
+            d.from.push(from);
             d.loc.push(d.blocks.len());
         }
-        sent.retain(|id, _| live.contains_key(id));
+        sent.rows.retain(|_, s| s.seen == number);
         Ok(d)
+    }
+}
+
+/// A `block_tables` buffer kept up to date across steps from the deltas (incremental mode):
+/// which delta it reflects, and per buffer row how far it may hold non-zero entries (so a
+/// rewritten row is padded up to its previous length, not to the full width).
+#[derive(Clone, Debug, Default)]
+pub struct HeldTables {
+    synced: Option<u64>,
+    filled: Vec<usize>,
+}
+
+impl HeldTables {
+    /// The buffer is another one (or was changed by someone else): write it whole next time.
+    pub fn forget(&mut self) {
+        self.synced = None;
+    }
+}
+
+impl Manager {
+    /// Write the block-table rows of `batch` into `bt` (`[rows, cols]` row-major, padded
+    /// with 0). Without `held`: every row whole, padded to `cols`. With `held = (delta,
+    /// state)` for a buffer that reflects the previous delta: only what changed (appended
+    /// entries; rewritten and moved rows, padded up to their previous length), so the step
+    /// costs the changed entries and moved rows, not the rows' width; otherwise the rows are
+    /// written whole. A moved row is written from its table (as cheap as moving it, and a
+    /// batch's moves can form cycles). Row widths are checked by the caller
+    /// (`write_model_inputs`).
+    pub fn write_block_tables(
+        &self,
+        batch: &Batch,
+        bt: &mut [i32],
+        cols: usize,
+        held: Option<(&TableDelta, &mut HeldTables)>,
+    ) -> Result<()> {
+        let rows = bt.len().checked_div(cols).unwrap_or(0);
+        let Some((d, h)) = held else {
+            return self.write_whole_rows(batch, bt, cols, None);
+        };
+        let in_step = h.synced.is_some_and(|n| n + 1 == d.number)
+            && h.filled.len() == rows
+            && d.state.len() == batch.rows.len();
+        h.synced = None; // until this write is done
+        if !in_step {
+            h.filled = vec![cols; rows]; // unknown contents
+            self.write_whole_rows(batch, bt, cols, Some(&mut h.filled))?;
+            h.synced = Some(d.number);
+            return Ok(());
+        }
+        for (i, r) in batch.rows.iter().enumerate() {
+            let table = self.block_table(r.seq)?;
+            let row = &mut bt[i * cols..(i + 1) * cols];
+            let from = match d.state[i] {
+                ROW_SAME => continue,
+                ROW_APPENDED => table
+                    .len()
+                    .checked_sub(d.loc[i + 1] - d.loc[i])
+                    .ok_or_else(|| Error::invalid("the table delta is stale"))?,
+                _ => 0,
+            };
+            for (dst, &b) in row[from..table.len()].iter_mut().zip(&table[from..]) {
+                *dst = b as i32;
+            }
+            let filled = &mut h.filled[i];
+            if d.state[i] != ROW_APPENDED && *filled > table.len() {
+                row[table.len()..*filled].fill(0);
+            }
+            *filled = table.len().max(if d.state[i] == ROW_APPENDED {
+                *filled
+            } else {
+                0
+            });
+        }
+        h.synced = Some(d.number);
+        Ok(())
+    }
+
+    /// Every row of `batch` whole, padded with 0 to `cols` (`filled[i]`: the table length).
+    fn write_whole_rows(
+        &self,
+        batch: &Batch,
+        bt: &mut [i32],
+        cols: usize,
+        mut filled: Option<&mut Vec<usize>>,
+    ) -> Result<()> {
+        for (i, r) in batch.rows.iter().enumerate() {
+            let table = self.block_table(r.seq)?;
+            let row = &mut bt[i * cols..(i + 1) * cols];
+            for (d, &b) in row.iter_mut().zip(table) {
+                *d = b as i32;
+            }
+            row[table.len()..].fill(0);
+            if let Some(f) = filled.as_deref_mut() {
+                f[i] = table.len();
+            }
+        }
+        Ok(())
     }
 }
 
@@ -536,6 +729,106 @@ mod tests {
             ..rules()
         };
         assert_eq!(ignore.check(6, 7, 100), None);
+    }
+
+    fn manager() -> (Manager, crate::hash::Hasher) {
+        use crate::hash::{HashAlgo, Hasher};
+        let h = Hasher {
+            algo: HashAlgo::Xxh3,
+            seed: 1,
+        };
+        let cfg = crate::manager::ManagerConfig {
+            block_size: 2,
+            num_gpu_blocks: 32,
+            num_cpu_blocks: 0,
+            watermark: 0.0,
+            sliding_window: None,
+            enable_caching: false,
+            strict: false,
+            hasher: h,
+        };
+        (Manager::new(cfg).unwrap(), h)
+    }
+
+    fn batch(ids: &[SeqId]) -> Batch {
+        let rows = ids.iter().map(|&seq| Row {
+            key: 0,
+            seq,
+            samples: 1,
+            cached_blocks: 0,
+        });
+        Batch {
+            groups: Vec::new(),
+            rows: rows.collect(),
+        }
+    }
+
+    /// Rows equal the tables, zero-padded up to `upto` (or the width).
+    fn rows_hold(m: &Manager, bt: &[i32], cols: usize, ids: &[SeqId], upto: usize) {
+        for (i, &id) in ids.iter().enumerate() {
+            let t: Vec<i32> = m
+                .block_table(id)
+                .unwrap()
+                .iter()
+                .map(|&b| b as i32)
+                .collect();
+            let row = &bt[i * cols..(i + 1) * cols];
+            assert_eq!(&row[..t.len()], &t[..], "row {i}");
+            assert!(
+                row[t.len()..upto.max(t.len())].iter().all(|&x| x == 0),
+                "row {i} pad"
+            );
+        }
+    }
+
+    #[test]
+    fn persistent_tables_take_appends_moves_and_rewrites() {
+        use crate::hash::HashExtra;
+        let (mut m, h) = manager();
+        let mut a = TokenSeq::new(2, &[1, 2, 3], HashExtra::default(), h).unwrap();
+        let b = TokenSeq::new(2, &[4, 5, 6, 7, 8], HashExtra::default(), h).unwrap();
+        m.allocate(&[(1, &a)]).unwrap();
+        m.allocate(&[(2, &b)]).unwrap();
+        let cols = 8;
+        let mut bt = vec![-9; 3 * cols]; // unknown contents: the first write is whole
+        let (mut sent, mut held) = (SentTables::default(), HeldTables::default());
+        let mut step = |m: &Manager, bt: &mut Vec<i32>, ids: &[SeqId]| {
+            let d = m.table_delta(&batch(ids), &mut sent).unwrap();
+            m.write_block_tables(&batch(ids), bt, cols, Some((&d, &mut held)))
+                .unwrap();
+            d
+        };
+        step(&m, &mut bt, &[1, 2]);
+        rows_hold(&m, &bt, cols, &[1, 2], cols);
+        bt[cols - 1] = 77; // past every table: only a whole-row write would clear it
+        for t in [9, 10] {
+            a.push(t);
+        }
+        m.append_slots(1, &a, 0, &mut Vec::new()).unwrap();
+        let d = step(&m, &mut bt, &[1, 2]);
+        assert_eq!(
+            (d.state.as_slice(), d.from.as_slice()),
+            (&[ROW_APPENDED, ROW_SAME][..], &[0, 1][..])
+        );
+        assert_eq!(d.blocks, &m.block_table(1).unwrap()[2..]);
+        rows_hold(&m, &bt, cols, &[1, 2], 3);
+        assert_eq!(bt[cols - 1], 77);
+        let d = step(&m, &mut bt, &[2, 1]); // both moved, no new ids to send
+        assert_eq!(
+            (d.state.as_slice(), d.from.as_slice()),
+            (&[ROW_MOVED, ROW_MOVED][..], &[1, 0][..])
+        );
+        assert!(d.blocks.is_empty());
+        rows_hold(&m, &bt, cols, &[2, 1], 3);
+        // sequence 1 recomputed: a new table (new layout), sent whole; its row is padded
+        // up to what the row held before
+        m.free(1).unwrap();
+        let short = TokenSeq::new(2, &[1], HashExtra::default(), h).unwrap();
+        m.allocate(&[(1, &short)]).unwrap();
+        let d = step(&m, &mut bt, &[2, 1]);
+        assert_eq!((d.state[1], d.from[1]), (ROW_REWRITTEN, NO_ROW));
+        rows_hold(&m, &bt, cols, &[2, 1], 3);
+        assert_eq!(bt[cols - 1], 77, "padding stops at a row's previous length");
     }
 
     #[test]

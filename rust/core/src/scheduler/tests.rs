@@ -506,3 +506,121 @@ fn bad_step_time_changes_nothing_and_waiting_groups_stay_valid() {
     assert_eq!(s.group(b).unwrap().seqs.len(), 1);
     assert!(s.check_waiting().is_ok());
 }
+
+fn caching_mgr(gpu: u32) -> Manager {
+    let cfg = ManagerConfig {
+        enable_caching: true,
+        ..*mgr(gpu, 4).config()
+    };
+    Manager::new(cfg).unwrap()
+}
+
+/// The model inputs of the scheduled batch (batch step), written into fresh buffers.
+fn batch_inputs(s: &mut Scheduler, m: &mut Manager, st: &Store, now: f64) -> (Written, Vec<i32>) {
+    let out = s.schedule(m, st, now).unwrap();
+    let metas = s.build_meta(m, st, &out, now, false).unwrap();
+    let order: Vec<usize> = (0..out.scheduled.len()).collect();
+    let batch = s.batch_rows(&out, &metas, &order);
+    let (rows, tokens, cols) = (8, 64, 8);
+    let (mut it, mut pos, mut slot) = (vec![0; tokens], vec![0; tokens], vec![0; tokens]);
+    let (mut qs, mut cl, mut ns, mut ct) = (
+        vec![0; rows + 1],
+        vec![0; rows],
+        vec![0; rows],
+        vec![0; rows],
+    );
+    let (mut ids, mut bt) = (vec![0i64; rows], vec![0; rows * cols]);
+    let (mut cp, mut si, mut so) = (vec![0; 2 * rows], vec![0; 16], vec![0; 16]);
+    let buf = ModelInputs {
+        input_tokens: &mut it,
+        positions: &mut pos,
+        slot_mapping: &mut slot,
+        query_start_loc: &mut qs,
+        context_lens: &mut cl,
+        num_samples: &mut ns,
+        cached_tokens: &mut ct,
+        seq_ids: &mut ids,
+        block_tables: &mut bt,
+        cols,
+        held: None,
+        copies: &mut cp,
+        swap_in: &mut si,
+        swap_out: &mut so,
+    };
+    let w = m.write_model_inputs(s, st, &batch, &out, buf).unwrap();
+    engine_step(s, st, &out);
+    let mut summary = ct[..w.rows].to_vec();
+    summary.extend_from_slice(&pos[..w.tokens]);
+    summary.extend_from_slice(&cl[..w.rows]);
+    (w, summary)
+}
+
+#[test]
+fn cached_skip_follows_vllm_model_runner() {
+    // Whole prompts (vLLM 0.4.2): start 0, the computed blocks exclude the last one.
+    assert_eq!(cached_skip(8, 0, 10), 8);
+    assert_eq!(cached_skip(0, 0, 10), 0);
+    // A chunk past the cached prefix, partly inside it, or wholly inside it (its last
+    // token is still computed).
+    assert_eq!(cached_skip(8, 8, 4), 0);
+    assert_eq!(cached_skip(8, 4, 8), 4);
+    assert_eq!(cached_skip(12, 4, 4), 3);
+}
+
+#[test]
+fn batch_step_leaves_the_cached_prefix_out_of_prompt_rows() {
+    let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), caching_mgr(32));
+    let prompt: Vec<u32> = (0..10).collect();
+    for id in [1, 2] {
+        let seq = TokenSeq::new(BS, &prompt, HashExtra::default(), H).unwrap();
+        st.0.borrow_mut().insert(id, seq);
+    }
+    add_waiting(&mut s, 1, 1.0);
+    let (w, got) = batch_inputs(&mut s, &mut m, &st, 1.0);
+    // Nothing cached yet: the whole prompt, positions 0..10, context 10.
+    assert_eq!((w.rows, w.tokens), (1, 10));
+    let want: Vec<i32> = [vec![0], (0..10).collect(), vec![10]].concat();
+    assert_eq!(got, want);
+    // Same prompt next step: vLLM marks a scheduled sequence's full blocks but the last
+    // full one computed, so block 0 is: its 4 tokens are left out, positions start at 4,
+    // the context is still the whole prompt.
+    add_waiting(&mut s, 2, 2.0);
+    let (w, got) = batch_inputs(&mut s, &mut m, &st, 2.0);
+    assert_eq!((w.rows, w.tokens), (1, 6));
+    assert_eq!(got, [vec![4], (4..10).collect(), vec![10]].concat());
+    // Decode rows never skip.
+    let (w, got) = batch_inputs(&mut s, &mut m, &st, 3.0);
+    assert_eq!((w.rows, w.tokens), (2, 2));
+    assert_eq!(got, vec![0, 0, 10, 10, 11, 11]);
+}
+
+#[test]
+fn chunked_prefill_rows_keep_their_cached_prefix() {
+    // vLLM 0.4.2's model runner refuses prefix caching with chunked prefill: the whole
+    // prompt's blocks are marked computed when its first chunk is scheduled.
+    let (mut s, st, mut m) = (sched(6, 8, 100, true), Store::default(), caching_mgr(32));
+    let prompt: Vec<u32> = (0..10).collect();
+    for id in [1, 2] {
+        let seq = TokenSeq::new(BS, &prompt, HashExtra::default(), H).unwrap();
+        st.0.borrow_mut().insert(id, seq);
+    }
+    add_waiting(&mut s, 1, 1.0);
+    let (w, got) = batch_inputs(&mut s, &mut m, &st, 1.0);
+    assert_eq!((w.rows, w.tokens), (1, 6));
+    assert_eq!(got, [vec![0], (0..6).collect(), vec![6]].concat());
+    add_waiting(&mut s, 2, 2.0);
+    let (_, got) = batch_inputs(&mut s, &mut m, &st, 2.0);
+    assert!(got.iter().take(2).all(|&c| c == 0), "no row skips: {got:?}");
+}
+
+fn add_waiting(s: &mut Scheduler, id: SeqId, arrival: f64) {
+    let mut g = Group::new(&format!("r{id}"), arrival, 0, 1, false);
+    g.seqs.push(SeqState {
+        id,
+        status: Status::Waiting,
+        decode: false,
+        num_computed: 0,
+    });
+    g.num_seqs = 1;
+    s.add_group(g).unwrap();
+}

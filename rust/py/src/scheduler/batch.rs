@@ -11,7 +11,8 @@ use crate::errors::{busy, invalid, IntoPyResult};
 use crate::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
 use pagedkv_core::scheduler::{
-    Batch, GroupKey, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta, TokensMut,
+    Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta,
+    TokensMut, NO_ROW,
 };
 use pagedkv_core::{Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
@@ -47,12 +48,17 @@ pub struct PyBatchStep {
     /// sent, and the last step's changes.
     sent: SentTables,
     last_delta: Option<TableDelta>,
+    /// Incremental mode keeps `block_tables` as a persistent buffer: what it holds, and the
+    /// array it is (held, so that its memory cannot be reused by another array while we
+    /// compare identities).
+    held: HeldTables,
+    held_array: Option<Py<PyAny>>,
     rules: IdMap<GroupKey, StopRules>,
     prefill: Py<PyAny>,
 }
 
 /// The output arrays of one step, by keyword.
-const OUTPUTS: [&str; 11] = [
+const OUTPUTS: [&str; 12] = [
     "input_tokens",
     "positions",
     "slot_mapping",
@@ -64,6 +70,7 @@ const OUTPUTS: [&str; 11] = [
     "copies",
     "swap_in",
     "swap_out",
+    "cached_tokens",
 ];
 
 #[pymethods]
@@ -91,6 +98,8 @@ impl PyBatchStep {
             last_out: Outputs::default(),
             sent: SentTables::default(),
             last_delta: None,
+            held: HeldTables::default(),
+            held_array: None,
             rules: IdMap::default(),
             prefill,
         })
@@ -99,6 +108,7 @@ impl PyBatchStep {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         visit.call(&self.core)?;
         visit.call(&self.new_seq_id)?;
+        visit.call(&self.held_array)?;
         visit.call(&self.prefill)
     }
 
@@ -184,12 +194,12 @@ impl PyBatchStep {
     /// outgrow `max_model_len` (vLLM's `min_tokens`, and chunked prefill does not limit the
     /// prompt length), so callers widen their buffers and call this again.
     fn rewrite<'py>(
-        &self,
+        &mut self,
         py: Python<'py>,
         buffers: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let c = self
-            .core
+        let core = self.core.clone_ref(py);
+        let c = core
             .bind(py)
             .try_borrow()
             .map_err(|_| busy("the scheduler"))?;
@@ -207,7 +217,7 @@ impl PyBatchStep {
                 None => return Ok(py.None().into_bound(py)),
             }
         }
-        let w = self.write(py, &c, &self.last_out, buffers)?;
+        let w = self.write(py, &c, buffers)?;
         Ok((w.rows, w.tokens, w.copies, w.swap_in, w.swap_out, n_new)
             .into_pyobject(py)?
             .into_any())
@@ -264,9 +274,11 @@ impl PyBatchStep {
     }
 
     /// Python half of the forks: a child `Sequence` per extra sample, added to its group.
+    /// All or nothing: every id is drawn and checked and every child made (`parent.fork`,
+    /// engine code that may raise) before any group or view changes; a failing
+    /// `group.add` takes back the children already added.
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
         let live = || self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX);
-        // Every id first, checked, so that a bad counter changes nothing.
         let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
         for _ in live().flat_map(|r| 1..r.samples) {
             let id: SeqId = self
@@ -280,19 +292,38 @@ impl PyBatchStep {
             }
             children.push(id);
         }
+        let mut made = Vec::with_capacity(children.len());
         let mut ids = children.iter();
         for r in live() {
             for _ in 1..r.samples {
                 let id = *ids.next().expect("one id per child");
-                let parent = c.seqs[&r.seq].obj.bind(py).clone();
+                let parent = c.seqs[&r.seq].obj.bind(py);
                 let child = parent.call_method1(intern!(py, "fork"), (id,))?;
-                let (_, view) = c.read_new_seq(&child)?;
-                c.groups[&r.key]
-                    .obj
-                    .bind(py)
-                    .call_method1(intern!(py, "add"), (&child,))?;
-                c.seqs.insert(id, view);
+                let (state, view) = c.read_new_seq(&child)?;
+                if state.id != id {
+                    return Err(invalid(format!(
+                        "fork({id}) returned a sequence with id {}",
+                        state.id
+                    )));
+                }
+                made.push((r.key, id, child, view));
             }
+        }
+        for (i, (key, _, child, _)) in made.iter().enumerate() {
+            let group = c.groups[key].obj.bind(py);
+            if let Err(e) = group.call_method1(intern!(py, "add"), (child,)) {
+                for (key, id, _, _) in &made[..i] {
+                    // best effort: the group accepted it a moment ago
+                    let _ = c.groups[key]
+                        .obj
+                        .bind(py)
+                        .call_method1(intern!(py, "remove"), (*id,));
+                }
+                return Err(e);
+            }
+        }
+        for (_, id, _, view) in made {
+            c.seqs.insert(id, view);
         }
         Ok(children)
     }
@@ -425,15 +456,17 @@ impl PyBatchStep {
         if !b.getattr(intern!(py, "row_state"))?.is_none() {
             let rows = c.core.config().max_num_seqs;
             let st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+            let from = writable_1d::<i32>(&b.getattr("moved_from")?, "moved_from")?;
             let loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
             let nb = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
-            if st.len() < rows || loc.len() < rows + 1 {
+            if st.len() < rows || from.len() < rows || loc.len() < rows + 1 {
                 return Err(invalid(format!(
-                    "buffers.row_state / new_block_loc must hold {rows} / {} entries",
+                    "buffers.row_state / moved_from / new_block_loc must hold {rows} / {rows} / \
+                     {} entries",
                     rows + 1
                 )));
             }
-            drop((st, loc, nb));
+            drop((st, from, loc, nb));
         }
         let cfg = c.core.config();
         let mgr = c.manager.bind(py).get().locked()?;
@@ -455,6 +488,7 @@ impl PyBatchStep {
             2 * rows,
             2 * gpu,
             2 * gpu,
+            rows,
         ];
         drop(mgr);
         for (name, need) in OUTPUTS.iter().zip(need) {
@@ -477,12 +511,29 @@ impl PyBatchStep {
     }
 
     fn write(
-        &self,
+        &mut self,
         py: Python<'_>,
         c: &PySchedulerCore,
-        out: &pagedkv_core::scheduler::Outputs,
         b: &Bound<'_, PyAny>,
     ) -> PyResult<pagedkv_core::scheduler::Written> {
+        let held = match &self.last_delta {
+            Some(d) => {
+                let arr = b.getattr(intern!(py, "block_tables"))?;
+                if !self
+                    .held_array
+                    .as_ref()
+                    .is_some_and(|h| h.bind(py).is(&arr))
+                {
+                    self.held.forget();
+                    self.held_array = Some(arr.unbind());
+                }
+                Some((d, &mut self.held))
+            }
+            None => {
+                self.held_array = None;
+                None
+            }
+        };
         let (mut v, mut ids, mut bt) = take_views(b)?;
         let cols = bt.shape()[1];
         let nc = |_| invalid("an output buffer is not contiguous");
@@ -491,7 +542,7 @@ impl PyBatchStep {
             .map(|a| a.as_slice_mut())
             .collect::<Result<Vec<_>, _>>()
             .map_err(nc)?;
-        let [it, pos, slot, qs, cl, ns, cp, si, so]: [&mut [i32]; 9] = std::mem::take(&mut sl)
+        let [it, pos, slot, qs, cl, ns, cp, si, so, ct]: [&mut [i32]; 10] = std::mem::take(&mut sl)
             .try_into()
             .map_err(|_| invalid("outputs"))?;
         let buf = ModelInputs {
@@ -501,36 +552,40 @@ impl PyBatchStep {
             query_start_loc: qs,
             context_lens: cl,
             num_samples: ns,
+            cached_tokens: ct,
             seq_ids: ids.as_slice_mut().map_err(nc)?,
             block_tables: bt.as_slice_mut().map_err(nc)?,
             cols,
             copies: cp,
             swap_in: si,
             swap_out: so,
+            held,
         };
         let mgr = c.manager.bind(py).get().locked()?;
         let stores = Stores { py, seqs: &c.seqs };
         mgr.core()
-            .write_model_inputs(&c.core, &stores, &self.prev, out, buf)
+            .write_model_inputs(&c.core, &stores, &self.prev, &self.last_out, buf)
             .py()
     }
 }
 
-/// Write the incremental block-table changes into `row_state`, `new_block_loc` and
-/// `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
+/// Write the incremental block-table changes into `row_state`, `moved_from`,
+/// `new_block_loc` and `new_blocks`; `None` (nothing written) when `new_blocks` is too short.
 fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> {
     let mut st = writable_1d::<i32>(&b.getattr("row_state")?, "row_state")?;
+    let mut from = writable_1d::<i32>(&b.getattr("moved_from")?, "moved_from")?;
     let mut loc = writable_1d::<i32>(&b.getattr("new_block_loc")?, "new_block_loc")?;
     let mut blocks = writable_1d::<i32>(&b.getattr("new_blocks")?, "new_blocks")?;
     let nc = |_| invalid("an output buffer is not contiguous");
-    let (st, loc, blocks) = (
+    let (st, from, loc, blocks) = (
         st.as_slice_mut().map_err(nc)?,
+        from.as_slice_mut().map_err(nc)?,
         loc.as_slice_mut().map_err(nc)?,
         blocks.as_slice_mut().map_err(nc)?,
     );
-    if st.len() < d.state.len() || loc.len() < d.loc.len() {
+    if st.len() < d.state.len() || from.len() < d.from.len() || loc.len() < d.loc.len() {
         return Err(invalid(
-            "row_state / new_block_loc are shorter than the batch",
+            "row_state / moved_from / new_block_loc are shorter than the batch",
         ));
     }
     if blocks.len() < d.blocks.len() {
@@ -539,6 +594,9 @@ fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> 
     for (dst, &x) in st.iter_mut().zip(&d.state) {
         *dst = i32::from(x);
     }
+    for (dst, &x) in from.iter_mut().zip(&d.from) {
+        *dst = if x == NO_ROW { -1 } else { as_row(x)? };
+    }
     for (dst, &x) in loc.iter_mut().zip(&d.loc) {
         *dst = i32::try_from(x).map_err(|_| invalid("new_block_loc overflows int32"))?;
     }
@@ -546,6 +604,10 @@ fn write_delta(b: &Bound<'_, PyAny>, d: &TableDelta) -> PyResult<Option<usize>> 
         *dst = x as i32;
     }
     Ok(Some(d.blocks.len()))
+}
+
+fn as_row(x: usize) -> PyResult<i32> {
+    i32::try_from(x).map_err(|_| invalid("a row index overflows int32"))
 }
 
 type Views<'py> = (
@@ -562,7 +624,7 @@ fn take_views<'py>(b: &Bound<'py, PyAny>) -> PyResult<Views<'py>> {
         .iter()
         .map(|n| b.getattr(*n))
         .collect::<PyResult<_>>()?;
-    let mut v = Vec::with_capacity(9);
+    let mut v = Vec::with_capacity(OUTPUTS.len() - 2);
     for (i, name) in OUTPUTS.iter().enumerate() {
         if i != 6 && i != 7 {
             v.push(writable_1d::<i32>(&objs[i], name)?);

@@ -1,0 +1,27 @@
+//! Heap accounting: the bytes a structure holds, from its containers' capacities (checked
+//! against a counting allocator in `tests/memory.rs`).
+
+use std::collections::HashMap;
+
+/// Heap bytes of a `Vec`'s buffer.
+pub fn vec_bytes<T>(v: &Vec<T>) -> usize {
+    v.capacity() * std::mem::size_of::<T>()
+}
+
+/// Heap bytes of a `HashMap`'s table (hashbrown: per bucket one `(K, V)` slot and one control
+/// byte, plus a group of trailing control bytes). `capacity()` is `buckets - 1` below 8
+/// buckets and `buckets / 8 * 7` from 8 on, which gives the bucket count back.
+pub fn map_bytes<K, V, S>(m: &HashMap<K, V, S>) -> usize {
+    table_bytes(m.capacity(), std::mem::size_of::<(K, V)>())
+}
+
+/// Heap bytes of a hashbrown table of `capacity()` `cap` holding `slot`-byte entries.
+pub fn table_bytes(cap: usize, slot: usize) -> usize {
+    let buckets = match cap {
+        0 => return 0,
+        c if c < 7 => c + 1,
+        c => c / 7 * 8,
+    };
+    const GROUP: usize = 16;
+    (buckets * slot).next_multiple_of(GROUP) + buckets + GROUP
+}
