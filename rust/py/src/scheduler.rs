@@ -391,18 +391,10 @@ impl PySchedulerCore {
 /// mapping, or a key that is not found that way, is looked up normally.
 fn holds_key(dict: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
     if let Ok(d) = dict.cast::<PyDict>() {
-        let mut pos: pyo3::ffi::Py_ssize_t = 0;
-        let mut k: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
-        let mut v: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
-        // SAFETY: `d` is a live dict and the GIL is held for the whole loop; PyDict_Next
-        // hands out borrowed pointers that stay valid while the dict is not modified, and
-        // nothing in the loop runs Python code or modifies it. The pointers are only compared
-        // (never dereferenced, never stored), so aliasing, alignment and lifetimes past the
-        // loop do not arise; the module is not free-threaded (`gil_used`).
-        while unsafe { pyo3::ffi::PyDict_Next(d.as_ptr(), &mut pos, &mut k, &mut v) } != 0 {
-            if k == key.as_ptr() {
-                return Ok(true);
-            }
+        // PyO3's checked iterator (it refuses a dict resized under it); the keys are only
+        // compared by address, so no Python code runs in the loop.
+        if d.iter().any(|(k, _)| k.is(key)) {
+            return Ok(true);
         }
     }
     dict.contains(key)
