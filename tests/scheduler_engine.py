@@ -45,6 +45,8 @@ class Workload:
     preemption_mode: Optional[str] = None
     #: Every request with best_of > 1 uses beam search (vLLM's single-step beam processing).
     beam: bool = False
+    #: CacheConfig.sliding_window in tokens (vLLM's v1 manager: without prefix caching).
+    sliding_window: Optional[int] = None
     steps: int = 120
     eos: int = 3
     vocab: int = 40
@@ -150,7 +152,14 @@ class World:
             delay_factor=w.delay_factor,
             enable_chunked_prefill=w.chunked,
         )
-        ccfg = cfg_mod.CacheConfig(w.block_size, 0.9, 1, "auto", enable_prefix_caching=w.caching)
+        ccfg = cfg_mod.CacheConfig(
+            w.block_size,
+            0.9,
+            1,
+            "auto",
+            sliding_window=w.sliding_window,
+            enable_prefix_caching=w.caching,
+        )
         ccfg.num_gpu_blocks, ccfg.num_cpu_blocks = w.gpu_blocks, w.cpu_blocks
         lcfg = None
         if w.max_loras:

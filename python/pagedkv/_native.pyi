@@ -428,8 +428,9 @@ class SchedulerCore:
         """The groups of ``"waiting"``, ``"running"`` or ``"swapped"``, in order."""
     def schedule(self, now: float) -> Tuple[Any, ...]:
         """``(scheduled, metadata, num_prefill_groups, num_batched_tokens, swap_in,
-        swap_out, copies, ignored, num_lookahead_slots, running_queue_size)``: the
-        ``ScheduledSequenceGroup`` and ``SequenceGroupMetadata`` lists in vLLM's order."""
+        swap_out, copies, ignored, num_lookahead_slots, running_queue_size, num_loras)``: the
+        ``ScheduledSequenceGroup`` and ``SequenceGroupMetadata`` lists in vLLM's order (a group's
+        objects are last step's while nothing they hold changed)."""
     def fork(self, parent: Any, child: Any) -> None:
         """Register ``child`` in ``parent``'s group and share its blocks (copy-on-write)."""
     def free_finished(self) -> None:

@@ -214,6 +214,18 @@ class SchedulerOutputs:
                 key=lambda g: (g.seq_group.lora_int_id, g.seq_group.request_id),
             )
 
+    @classmethod
+    def _decided(cls, num_loras: int, **fields: Any) -> SchedulerOutputs:
+        """The outputs of :meth:`Scheduler.schedule`, whose groups are already in vLLM's order
+        and whose ``num_loras`` the native step counted: the same object the constructor
+        builds, without ``__post_init__``'s pass over the groups."""
+        if fields["blocks_to_swap_in"] and fields["blocks_to_swap_out"]:
+            raise AssertionError("a step cannot both swap in and swap out")
+        out = cls.__new__(cls)
+        out.__dict__.update(fields)
+        out.num_loras = num_loras
+        return out
+
     def is_empty(self) -> bool:
         """Whether nothing was scheduled and nothing is to be swapped or copied."""
         return not (
@@ -278,7 +290,7 @@ class Scheduler:
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
             num_cpu_blocks=cache_config.num_cpu_blocks,
-            sliding_window=getattr(cache_config, "sliding_window", None),
+            sliding_window=_window_in_whole_blocks(cache_config),
             enable_caching=bool(getattr(cache_config, "enable_prefix_caching", False)),
         )
         self._core = SchedulerCore(
@@ -352,10 +364,12 @@ class Scheduler:
             ignored,
             num_lookahead_slots,
             running_queue_size,
+            num_loras,
         ) = self._core.schedule(now)
         # `scheduled` and `metadata` are built natively, already in vLLM's order (sorted by
         # LoRA when any group has one, as SchedulerOutputs.__post_init__ does).
-        outputs = SchedulerOutputs(
+        outputs = SchedulerOutputs._decided(
+            num_loras,
             scheduled_seq_groups=scheduled,
             num_prefill_groups=num_prefill_groups,
             num_batched_tokens=num_batched_tokens,
@@ -388,6 +402,22 @@ class Scheduler:
         """Bytes of native state the scheduler holds for its requests (excluding the Python
         objects the engine owns and the block manager)."""
         return self._core.state_bytes()
+
+
+def _window_in_whole_blocks(cache_config: Any) -> Optional[int]:
+    """``cache_config.sliding_window`` rounded up to whole blocks, as vLLM 0.4.2's block
+    manager rounds it (``ceil(sliding_window / block_size)`` blocks); pagedkv's
+    BlockSpaceManager takes whole blocks only. The tokens outside the window but inside its
+    last block are the attention kernel's business, not the scheduler's."""
+    window = getattr(cache_config, "sliding_window", None)
+    if window is None:
+        return None
+    bs = cache_config.block_size
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InvalidArgumentError(f"sliding_window must be a positive int, got {window!r}")
+    if isinstance(bs, bool) or not isinstance(bs, int) or bs < 1:
+        raise InvalidArgumentError(f"block_size must be a positive int, got {bs!r}")
+    return -(-window // bs) * bs
 
 
 def _count(obj: Any, name: str, least: int, default: Any = None) -> int:

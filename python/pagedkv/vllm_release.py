@@ -29,7 +29,10 @@ check: ``sequence`` re-exports :mod:`pagedkv.sequence`, ``block`` re-exports
 :mod:`pagedkv.block`, ``sampling_params.SamplingParams`` and ``lora.request.LoRARequest`` are
 pagedkv's, and ``core.block_manager_v1.BlockSpaceManagerV1`` is
 :class:`pagedkv.BlockSpaceManager` (vLLM's allocator classes in that module stay). vLLM's
-scheduler, interfaces and policy run unchanged over them.
+scheduler, interfaces and policy run unchanged over them. ``"pagedkv_scheduler"`` (0.4.2 only)
+is the ``"pagedkv"`` flavour with ``core.scheduler.Scheduler`` replaced by
+:class:`pagedkv.Scheduler` (the rest of vLLM's scheduler module, ``SchedulingBudget`` and the
+output classes, stays), so that vLLM's own scheduler tests run against pagedkv's scheduler.
 
 Usage::
 
@@ -75,7 +78,7 @@ __all__ = [
 ]
 
 SUPPORTED = ("0.4.2", "0.5.0")
-FLAVORS = ("vllm", "pagedkv")
+FLAVORS = ("vllm", "pagedkv", "pagedkv_scheduler")
 
 # Copied from the release (import lines rewritten as described above), per version.
 _COMMON_FILES = (
@@ -386,6 +389,9 @@ _PAGEDKV_OVERRIDES = {
     "lora/request.py": "from pagedkv.types import LoRARequest",
     "core/block_manager_v1.py": "from pagedkv import BlockSpaceManager as BlockSpaceManagerV1",
 }
+# The "pagedkv_scheduler" flavour: the "pagedkv" flavour, plus pagedkv's Scheduler in place of
+# vLLM's (0.4.2: the release pagedkv.Scheduler mirrors).
+_PAGEDKV_SCHEDULER_OVERRIDE = ("core/scheduler.py", "from pagedkv.scheduler import Scheduler")
 # vLLM 0.5's scheduler extends lists with the block manager's results: pagedkv's manager in
 # its documented mapping_format="pairs".
 _PAGEDKV_VERSION_OVERRIDES = {
@@ -432,14 +438,18 @@ def _build_package(src: Path, version: str, flavor: str, dest: Path, pkg: str) -
     vsrc = src / "vllm"
     for rel in _COMMON_FILES + _VERSION_FILES[version]:
         text = _rewrite_imports((vsrc / rel).read_text(), pkg)
-        if flavor == "pagedkv" and rel in _PAGEDKV_SWAPS:
+        pagedkv = flavor != "vllm"
+        if pagedkv and rel in _PAGEDKV_SWAPS:
             module, keep = _PAGEDKV_SWAPS[rel]
             text = text if keep else f'"""pagedkv\'s {module}, in place of vLLM\'s {rel}."""\n'
             text += _REEXPORT.format(module=module)
-        elif flavor == "pagedkv" and rel in _PAGEDKV_OVERRIDES:
+        elif pagedkv and rel in _PAGEDKV_OVERRIDES:
             text += '\n# --- pagedkv.vllm_release, flavour "pagedkv" ---\n'
             override = _PAGEDKV_VERSION_OVERRIDES.get((version, rel), _PAGEDKV_OVERRIDES[rel])
             text += override + "  # noqa: E402,F811\n"
+        elif flavor == "pagedkv_scheduler" and rel == _PAGEDKV_SCHEDULER_OVERRIDE[0]:
+            text += '\n# --- pagedkv.vllm_release, flavour "pagedkv_scheduler" ---\n'
+            text += _PAGEDKV_SCHEDULER_OVERRIDE[1] + "  # noqa: E402,F811\n"
         _write(dest / rel, text)
     for rel, names in _EXTRACTED.items():
         header = _CONFIG_HEADER if rel == "config.py" else _UTILS_HEADER
@@ -450,9 +460,11 @@ def _build_package(src: Path, version: str, flavor: str, dest: Path, pkg: str) -
     _write(dest / "__init__.py", _INIT.format(version=version, flavor=flavor, pkg=pkg))
 
 
-def _check_flavor(flavor: str) -> None:
+def _check_flavor(flavor: str, version: str) -> None:
     if flavor not in FLAVORS:
         raise ValueError(f"flavour {flavor!r} is not one of {FLAVORS}")
+    if flavor == "pagedkv_scheduler" and version != "0.4.2":
+        raise ValueError("flavour 'pagedkv_scheduler' is vLLM 0.4.2 only (pagedkv.Scheduler's)")
 
 
 def _package_name(version: str, flavor: str) -> str:
@@ -462,7 +474,7 @@ def _package_name(version: str, flavor: str) -> str:
 def _built(version: str, flavor: str, pkg: str) -> Path:
     """Directory holding package ``pkg``; rebuilt when this module changes (stamped by hash)."""
     _check_version(version)
-    _check_flavor(flavor)
+    _check_flavor(flavor, version)
     src = fetch(version)
     stamp = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
     base = cache_dir() / version / f"{flavor}-{pkg}-{stamp}"

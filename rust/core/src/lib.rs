@@ -31,7 +31,7 @@ mod rng;
 pub use error::{Error, Result};
 pub use hash::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher};
 pub use limits::{check_block_size, check_gpu_slots, MAX_BLOCK_SIZE};
-pub use manager::{AllocStatus, Copies, Device, Manager, ManagerConfig, SeqId};
+pub use manager::{AllocStatus, ComputedPrefix, Copies, Device, Manager, ManagerConfig, SeqId};
 pub use pool::{BlockId, BlockKey, BlockPool, PoolStats};
 pub use step_buffers::{newest_slot, StepRows, PAD_SLOT};
 pub use token_seq::TokenSeq;

@@ -63,6 +63,15 @@ pub enum AllocStatus {
     Never,
 }
 
+/// Where a common computed-block prefix lies: the first `len` blocks of `seq`'s table at
+/// table `version` (`Manager::common_computed_prefix`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ComputedPrefix {
+    pub seq: SeqId,
+    pub version: u64,
+    pub len: usize,
+}
+
 #[derive(Clone, Debug)]
 struct SeqEntry {
     table: Vec<BlockId>,
@@ -983,24 +992,43 @@ impl Manager {
 
     /// Longest common prefix of the non-empty computed-block lists of `ids`.
     pub fn get_common_computed_block_ids(&self, ids: &[SeqId]) -> Vec<BlockId> {
-        if !self.cfg.enable_caching {
-            return Vec::new();
+        match self.common_computed_prefix(ids) {
+            Some(p) => self.tables[&p.seq].table[..p.len].to_vec(),
+            None => Vec::new(),
         }
-        let mut common: Option<&[BlockId]> = None;
+    }
+
+    /// [`Self::get_common_computed_block_ids`] without the copy: the prefix is the first `len`
+    /// blocks of `seq`'s table at `version` (None: empty). Table versions are never reused,
+    /// so an equal `ComputedPrefix` names the same blocks.
+    pub fn common_computed_prefix(&self, ids: &[SeqId]) -> Option<ComputedPrefix> {
+        if !self.cfg.enable_caching {
+            return None;
+        }
+        let mut common: Option<(SeqId, &SeqEntry, usize)> = None;
         for &id in ids {
             let Some(e) = self.tables.get(&id) else {
                 continue;
             };
-            let blocks = &e.table[..self.computed_prefix_len(e)];
-            if blocks.is_empty() {
+            let n = self.computed_prefix_len(e);
+            if n == 0 {
                 continue;
             }
             common = Some(match common {
-                None => blocks,
-                Some(c) => &c[..c.iter().zip(blocks).take_while(|(a, b)| a == b).count()],
+                None => (id, e, n),
+                Some((cid, c, k)) => {
+                    let (a, b) = (&c.table[..k], &e.table[..n]);
+                    (cid, c, a.iter().zip(b).take_while(|(x, y)| x == y).count())
+                }
             });
         }
-        common.unwrap_or_default().to_vec()
+        common
+            .filter(|&(_, _, n)| n > 0)
+            .map(|(seq, e, len)| ComputedPrefix {
+                seq,
+                version: e.version,
+                len,
+            })
     }
 
     /// Check pool invariants and that ref counts equal the references the tables hold.

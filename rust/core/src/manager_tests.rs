@@ -212,6 +212,38 @@ fn computed_prefix_query_follows_later_marks_and_table_changes() {
     m.check_invariants().unwrap();
 }
 
+#[test]
+fn common_computed_prefix_names_the_blocks_and_changes_with_the_table() {
+    // Where the common computed blocks lie (seq, table version, length): the same place means
+    // the same blocks; a table change gives a new version, never one seen before.
+    let mut m = Manager::new(cfg(4, 16, 1, true, None)).unwrap();
+    assert_eq!(m.common_computed_prefix(&[1]), None); // unknown: empty
+    let mut s = seq(&(0..13).collect::<Vec<u32>>(), 4); // 3 full blocks + 1 token
+    m.allocate(&[(1, &s)]).unwrap();
+    assert_eq!(m.common_computed_prefix(&[1]), None);
+    m.compute_full_blocks_in_seq(1, s.len());
+    let p = m.common_computed_prefix(&[1]).unwrap();
+    assert_eq!((p.seq, p.len), (1, 2));
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!(m.get_common_computed_block_ids(&[1]), t[..p.len].to_vec());
+    assert_eq!(m.common_computed_prefix(&[1]), Some(p)); // unchanged: the same place
+    m.fork(1, 2).unwrap();
+    let both = m.common_computed_prefix(&[2, 1]).unwrap();
+    assert_eq!(both.len, 2);
+    for tok in 13..17 {
+        s.push(tok);
+    }
+    let mut cows = Vec::new();
+    m.append_slots(1, &s, 0, &mut cows).unwrap(); // copy-on-write: seq 1's table changes
+    let q = m.common_computed_prefix(&[1]).unwrap();
+    assert!(q.version > p.version && q.seq == 1);
+    let t = m.block_table(1).unwrap().to_vec();
+    assert_eq!(m.get_common_computed_block_ids(&[1]), t[..q.len].to_vec());
+    m.free(1).unwrap();
+    m.free(2).unwrap();
+    m.check_invariants().unwrap();
+}
+
 /// Seeded random operations; invariants after every one; everything free at the end.
 fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
     let bs = 4;

@@ -2,19 +2,23 @@
 //! `SequenceGroup`/`Sequence` objects (and their native token stores) beside the core
 //! scheduler's state, mirrors the engine's changes to running groups into the core before a
 //! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
-//! all in `pagedkv_core::scheduler`.
+//! all in `pagedkv_core::scheduler`; the compat `schedule()`'s vLLM objects are built in
+//! `metadata.rs`, the batch step's buffers in `batch.rs`.
 
 pub(crate) mod batch;
+mod metadata;
+
+use metadata::LastOutputs;
 
 use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
 use crate::hashing::PyTokenSeq;
-use crate::manager::{Locked, PyManager};
+use crate::manager::PyManager;
 use crate::registry::borrow_adopted;
 use pagedkv_core::scheduler::{
-    Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduled, Scheduler,
-    SchedulerConfig, SeqState, Status, StepMeta, Tokens,
+    Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduler, SchedulerConfig,
+    SeqState, Status, StepMeta, Tokens,
 };
-use pagedkv_core::{BlockId, Device, Error, SeqId, TokenSeq};
+use pagedkv_core::{ComputedPrefix, Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -61,18 +65,21 @@ struct SeqView {
     /// The read-only block-table list handed out in metadata, with the table version it
     /// shows: reused until the table changes (once per `block_size` decode steps).
     table: Option<(u64, Py<PyAny>)>,
-}
-
-/// One scheduled group's block-table lists and `computed_block_nums` list.
-struct BlockLists<'py> {
-    tables: Vec<(SeqId, Bound<'py, PyAny>)>,
-    computed: Bound<'py, PyAny>,
+    /// Whether the sequence counts blocks in the manager's block size (vLLM's own tests use
+    /// other sizes; the compat `schedule()` takes them as the manager does, the batch step
+    /// does not).
+    manager_units: bool,
 }
 
 struct GroupView {
     obj: Py<PyAny>,
-    /// The read-only `computed_block_nums` list last handed out, reused while equal.
-    computed: Option<(Vec<BlockId>, Py<PyAny>)>,
+    /// The read-only `computed_block_nums` list last handed out, reused while it names the
+    /// same blocks (same prefix of the same table version).
+    computed: Option<(Option<ComputedPrefix>, Py<PyAny>)>,
+    /// The `SequenceGroupMetadata` and `ScheduledSequenceGroup` handed out last, reused while
+    /// everything they were built from is the same (docs/scheduler.md, "Metadata objects").
+    /// Boxed: only groups that were scheduled pay for it.
+    last: Option<Box<LastOutputs>>,
 }
 
 /// The token stores of the known sequences, read in place (no Python code runs while the
@@ -107,6 +114,9 @@ pub struct PySchedulerCore {
     /// `SequenceStatus` members in `STATUS_NAMES` order, and `SequenceStage.DECODE`.
     statuses: Vec<Py<PyAny>>,
     decode: Py<PyAny>,
+    /// Set once a sequence in other block units than the manager's was added: the batch step,
+    /// whose slot numbers are in the manager's units, refuses to run from then on.
+    mixed_units: bool,
 }
 
 fn preemption_mode(s: Option<&str>) -> PyResult<Option<PreemptionMode>> {
@@ -185,6 +195,7 @@ impl PySchedulerCore {
             block_list,
             metadata_cls,
             scheduled_cls,
+            mixed_units: false,
         })
     }
 
@@ -197,6 +208,9 @@ impl PySchedulerCore {
             visit.call(&g.obj)?;
             if let Some((_, l)) = &g.computed {
                 visit.call(l)?;
+            }
+            if let Some(last) = &g.last {
+                last.traverse(&visit)?;
             }
         }
         for s in self.seqs.values() {
@@ -253,12 +267,14 @@ impl PySchedulerCore {
         g.num_seqs = g.seqs.len();
         let ids: Vec<SeqId> = g.seqs.iter().map(|s| s.id).collect();
         let key = self.core.add_group(g).py()?;
+        self.mixed_units |= views.iter().any(|v| !v.manager_units);
         for (id, v) in ids.into_iter().zip(views) {
             self.seqs.insert(id, v);
         }
         let view = GroupView {
             obj: group.clone().unbind(),
             computed: None,
+            last: None,
         };
         self.groups.insert(key, view);
         Ok(())
@@ -295,10 +311,9 @@ impl PySchedulerCore {
         PyList::new(py, q.iter().map(|k| self.groups[k].obj.bind(py)))
     }
 
-    /// One step. Returns `(scheduled, num_prefill_groups, num_batched_tokens, swap_in,
-    /// swap_out, copies, ignored, num_lookahead_slots, running_queue_size)` where each
-    /// scheduled entry is `(group, chunk, is_prompt, do_sample, seq_data, block_tables,
-    /// computed_block_nums)`.
+    /// One step. Returns `(scheduled, metadata, num_prefill_groups, num_batched_tokens,
+    /// swap_in, swap_out, copies, ignored, num_lookahead_slots, running_queue_size,
+    /// num_loras)`: `ScheduledSequenceGroup`s and `SequenceGroupMetadata`s in vLLM's order.
     fn schedule<'py>(&mut self, py: Python<'py>, now: f64) -> PyResult<Bound<'py, PyTuple>> {
         self.sync_running(py)?;
         let (out, metas) = self.schedule_step(py, now, true)?;
@@ -329,14 +344,26 @@ impl PySchedulerCore {
         let g = self.core.group_mut(key).expect("live group");
         state.status = g.seqs.last().expect("child").status;
         *g.seqs.last_mut().expect("child") = state.clone();
+        self.mixed_units |= !view.manager_units;
         self.seqs.insert(state.id, view);
         Ok(())
     }
 
-    /// vLLM's `free_finished_seq_groups`.
+    /// vLLM's `free_finished_seq_groups`: the groups whose sequences (in their `seqs_dict`)
+    /// all finished leave. Only those are read back here; the next `schedule()` reads every
+    /// running group back anyway.
     fn free_finished(&mut self, py: Python<'_>) -> PyResult<()> {
-        self.sync_running_with(py, false)?;
-        for k in self.core.free_finished() {
+        let mut done = Vec::new();
+        for &key in self.core.running() {
+            if self.finished_in_view(py, key)? {
+                done.push(key);
+            }
+        }
+        let mut fresh = Vec::new();
+        for &key in &done {
+            self.sync_group(py, key, false, &mut fresh)?;
+        }
+        for k in self.core.free_finished_among(&done) {
             self.release(k);
         }
         Ok(())
@@ -346,15 +373,31 @@ impl PySchedulerCore {
     fn state_bytes(&self) -> usize {
         let groups = self.core.num_unfinished_groups();
         let seqs = self.seqs.len();
-        groups * (std::mem::size_of::<Group>() + 4 + 8 + 16)
+        let reused: usize = self
+            .groups
+            .values()
+            .filter_map(|g| g.last.as_ref())
+            .map(|l| l.heap_bytes())
+            .sum();
+        groups * (std::mem::size_of::<Group>() + 4 + std::mem::size_of::<GroupView>() + 16)
             + seqs * (std::mem::size_of::<SeqState>() + std::mem::size_of::<SeqView>() + 16)
+            + reused
     }
 }
 
-/// An empty `BlockList` (`cls`), to be filled through the C list API, which its read-only
-/// Python methods do not intercept.
-fn new_block_list<'py>(cls: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyList>> {
-    Ok(cls.call0()?.cast_into::<PyList>()?)
+/// Whether `dict` (a group's `seqs_dict`) holds the key `key`. The engine's dicts are keyed by
+/// the very int objects the scheduler keeps (`seq.seq_id`), so the keys are compared by
+/// identity first, without hashing (which would read each cold int object); any other
+/// mapping, or a key that is not found that way, is looked up normally.
+fn holds_key(dict: &Bound<'_, PyAny>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+    if let Ok(d) = dict.cast::<PyDict>() {
+        // PyO3's checked iterator (it refuses a dict resized under it); the keys are only
+        // compared by address, so no Python code runs in the loop.
+        if d.iter().any(|(k, _)| k.is(key)) {
+            return Ok(true);
+        }
+    }
+    dict.contains(key)
 }
 
 fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
@@ -364,6 +407,18 @@ fn seq_id(seq: &Bound<'_, PyAny>) -> PyResult<SeqId> {
 }
 
 impl PySchedulerCore {
+    /// The batch step writes slot numbers in the manager's block units: refused (before
+    /// anything changes) once a sequence in other units was added.
+    pub(crate) fn check_batch_units(&self) -> PyResult<()> {
+        match self.mixed_units {
+            true => Err(invalid(
+                "the batch step needs every sequence in the cache's block size; this scheduler \
+                 was given a sequence with another block_size (only schedule() takes those)",
+            )),
+            false => Ok(()),
+        }
+    }
+
     fn status_of(&self, seq: &Bound<'_, PyAny>) -> PyResult<Status> {
         let st = seq.getattr(intern!(seq.py(), "status"))?;
         for (i, m) in self.statuses.iter().enumerate() {
@@ -416,11 +471,6 @@ impl PySchedulerCore {
             .map_err(|_| busy("a token store"))?
             .inner
             .block_size();
-        if own != block_size {
-            return Err(invalid(format!(
-                "sequence {id} has block size {own}, the cache has {block_size}"
-            )));
-        }
         drop(borrow_adopted(&store, hasher)?); // hashed with the manager's hasher from now on
         let status = self.status_of(seq)?;
         let (decode, num_computed) = self.progress_of(seq)?;
@@ -437,6 +487,7 @@ impl PySchedulerCore {
                 id_obj: seq.getattr(intern!(py, "seq_id"))?.unbind(),
                 store: store.unbind(),
                 table: None,
+                manager_units: own == block_size,
             },
         ))
     }
@@ -450,45 +501,81 @@ impl PySchedulerCore {
     /// them; `free_finished` needs only the statuses). Sequences the engine removed from a
     /// running group's `seqs_dict` (beam search drops parents that way) leave the group.
     fn sync_running_with(&mut self, py: Python<'_>, progress: bool) -> PyResult<()> {
-        let mut fresh: Vec<(Status, bool, usize)> = Vec::new();
-        let mut removed: Vec<SeqId> = Vec::new();
+        let mut fresh = Vec::new(); // one buffer for every group (no allocation per group)
         for i in 0..self.core.running().len() {
             let key = self.core.running()[i];
-            let seqs_dict = self.groups[&key]
-                .obj
-                .bind(py)
-                .getattr(intern!(py, "seqs_dict"))?;
-            let n = seqs_dict.len()?;
-            fresh.clear();
-            removed.clear();
-            for s in &self.core.group(key).expect("live").seqs {
-                let view = &self.seqs[&s.id];
-                if !seqs_dict.contains(view.id_obj.bind(py))? {
-                    removed.push(s.id);
-                    continue;
-                }
-                let obj = view.obj.bind(py);
-                let (decode, computed) = match progress {
-                    true => self.progress_of(obj)?,
-                    false => (s.decode, s.num_computed),
-                };
-                fresh.push((self.status_of(obj)?, decode, computed));
-            }
-            if !removed.is_empty() {
-                self.core.remove_seqs(key, &removed);
-                for id in &removed {
-                    self.seqs.remove(id);
-                }
-            }
-            let g = self.core.group_mut(key).expect("live");
-            g.num_seqs = n;
-            for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(&fresh) {
-                s.status = status;
-                s.decode = decode;
-                s.num_computed = computed;
-            }
+            self.sync_group(py, key, progress, &mut fresh)?;
         }
         Ok(())
+    }
+
+    /// [`Self::sync_running_with`] for one running group (`fresh`: a scratch buffer).
+    fn sync_group(
+        &mut self,
+        py: Python<'_>,
+        key: GroupKey,
+        progress: bool,
+        fresh: &mut Vec<(Status, bool, usize)>,
+    ) -> PyResult<()> {
+        let seqs_dict = self.groups[&key]
+            .obj
+            .bind(py)
+            .getattr(intern!(py, "seqs_dict"))?;
+        let n = seqs_dict.len()?;
+        fresh.clear();
+        let mut removed: Vec<SeqId> = Vec::new(); // allocates only when one is removed
+        for s in &self.core.group(key).expect("live").seqs {
+            let view = &self.seqs[&s.id];
+            if !holds_key(&seqs_dict, view.id_obj.bind(py))? {
+                removed.push(s.id);
+                continue;
+            }
+            let obj = view.obj.bind(py);
+            let (decode, computed) = match progress {
+                true => self.progress_of(obj)?,
+                false => (s.decode, s.num_computed),
+            };
+            fresh.push((self.status_of(obj)?, decode, computed));
+        }
+        if !removed.is_empty() {
+            self.core.remove_seqs(key, &removed);
+            for id in &removed {
+                self.seqs.remove(id);
+            }
+        }
+        let g = self.core.group_mut(key).expect("live");
+        g.num_seqs = n;
+        for (s, &(status, decode, computed)) in g.seqs.iter_mut().zip(fresh.iter()) {
+            s.status = status;
+            s.decode = decode;
+            s.num_computed = computed;
+        }
+        Ok(())
+    }
+
+    /// Whether every sequence in a running group's `seqs_dict` has a finished status, read
+    /// from the Python objects alone (the engine just wrote them, so they are in the CPU's
+    /// caches; the native state is not touched).
+    fn finished_in_view(&self, py: Python<'_>, key: GroupKey) -> PyResult<bool> {
+        let seqs_dict = self.groups[&key]
+            .obj
+            .bind(py)
+            .getattr(intern!(py, "seqs_dict"))?;
+        if let Ok(d) = seqs_dict.cast::<PyDict>() {
+            for (_, seq) in d.iter() {
+                if !self.status_of(&seq)?.is_finished() {
+                    return Ok(false);
+                }
+            }
+            return Ok(true);
+        }
+        let values = seqs_dict.call_method0(intern!(py, "values"))?;
+        for seq in values.try_iter()? {
+            if !self.status_of(&seq?)?.is_finished() {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// The core's step under the manager's lock, then the status write-back: the decisions
@@ -556,179 +643,5 @@ impl PySchedulerCore {
             }
         }
         self.groups.remove(&key);
-    }
-
-    /// The read-only block-table list of `id` (cached while its table is unchanged).
-    fn table_of<'py>(
-        &mut self,
-        py: Python<'py>,
-        m: &mut Locked<'_>,
-        id: SeqId,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let version = m.core().table_version(id).py()?;
-        let view = self.seqs.get_mut(&id).expect("known sequence");
-        if let Some((v, list)) = &view.table {
-            if *v == version {
-                return Ok(list.bind(py).clone());
-            }
-        }
-        // A scheduled sequence's table is on the GPU: its BlockList is filled in place from the
-        // cached block ints, without an intermediate list.
-        let list = match m.core().device_of(id).py()? {
-            Device::Gpu => {
-                let list = new_block_list(self.block_list.bind(py))?;
-                m.extend_gpu_blocks(&list, m.core().block_table(id).py()?)?;
-                list.into_any()
-            }
-            Device::Cpu => self.block_list.bind(py).call1((m.table_list(py, id)?,))?,
-        };
-        view.table = Some((version, list.clone().unbind()));
-        Ok(list)
-    }
-
-    /// The read-only `computed_block_nums` list of a group (cached while equal).
-    fn computed_of<'py>(
-        &mut self,
-        py: Python<'py>,
-        m: &Locked<'_>,
-        key: GroupKey,
-        computed: &[BlockId],
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let view = self.groups.get_mut(&key).expect("live group");
-        if let Some((c, list)) = &view.computed {
-            if c.as_slice() == computed {
-                return Ok(list.bind(py).clone());
-            }
-        }
-        let list = new_block_list(self.block_list.bind(py))?;
-        m.extend_gpu_blocks(&list, computed)?;
-        let list = list.into_any();
-        view.computed = Some((computed.to_vec(), list.clone().unbind()));
-        Ok(list)
-    }
-
-    /// The order vLLM hands scheduled groups out in: as scheduled, or by (LoRA id, request
-    /// id) when any of them has a LoRA (`SchedulerOutputs.__post_init__`).
-    fn output_order(&self, out: &Outputs) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..out.scheduled.len()).collect();
-        let group = |i: usize| self.core.group(out.scheduled[i].key).expect("live group");
-        if order.iter().any(|&i| group(i).lora > 0) {
-            order.sort_by(|&a, &b| {
-                let (ga, gb) = (group(a), group(b));
-                (ga.lora, &ga.request_id).cmp(&(gb.lora, &gb.request_id))
-            });
-        }
-        order
-    }
-
-    /// `SequenceGroupMetadata` for one scheduled group (vLLM's `schedule()` loop body), from
-    /// its block lists (taken under the manager's lock).
-    fn metadata<'py>(
-        &self,
-        py: Python<'py>,
-        (s, meta): (&Scheduled, &StepMeta),
-        lists: BlockLists<'py>,
-        with_mm: bool,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let group = self.groups[&s.key].obj.bind(py);
-        let seq_data = PyDict::new(py);
-        let tables = PyDict::new(py);
-        for (id, table) in lists.tables {
-            let obj = self.seqs[&id].obj.bind(py);
-            seq_data.set_item(id, obj.getattr(intern!(py, "data"))?)?;
-            tables.set_item(id, table)?;
-        }
-        let mm = match with_mm {
-            true => group.getattr(intern!(py, "multi_modal_data"))?,
-            false => py.None().into_bound(py),
-        };
-        let args = (
-            group.getattr(intern!(py, "request_id"))?,
-            meta.is_prompt,
-            seq_data,
-            group.getattr(intern!(py, "sampling_params"))?,
-            tables,
-            meta.do_sample,
-            s.chunk,
-            group.getattr(intern!(py, "lora_request"))?,
-            lists.computed,
-            group.getattr(intern!(py, "state"))?,
-            mm,
-        );
-        self.metadata_cls.bind(py).call1(args)
-    }
-
-    /// The block lists of the scheduled groups, in output order (under the manager's lock;
-    /// no Python code runs while it is held).
-    fn block_lists<'py>(
-        &mut self,
-        py: Python<'py>,
-        out: &Outputs,
-        metas: &[StepMeta],
-        order: &[usize],
-    ) -> PyResult<Vec<BlockLists<'py>>> {
-        let manager = self.manager.clone_ref(py);
-        let mgr = manager.bind(py).get();
-        let mut m = mgr.locked()?;
-        let mut lists = Vec::with_capacity(order.len());
-        for &i in order {
-            let meta = &metas[i];
-            let mut tables = Vec::with_capacity(meta.running.len());
-            for &id in &meta.running {
-                tables.push((id, self.table_of(py, &mut m, id)?));
-            }
-            let computed = self.computed_of(py, &m, out.scheduled[i].key, &meta.computed)?;
-            lists.push(BlockLists { tables, computed });
-        }
-        Ok(lists)
-    }
-
-    fn outputs_tuple<'py>(
-        &mut self,
-        py: Python<'py>,
-        out: &Outputs,
-        metas: &[StepMeta],
-        now: f64,
-    ) -> PyResult<Bound<'py, PyTuple>> {
-        let order = self.output_order(out);
-        let lists = self.block_lists(py, out, metas, &order)?;
-        let scheduled = PyList::empty(py);
-        let metadata = PyList::empty(py);
-        let with_mm = out.num_prefill_groups > 0;
-        for (&i, lists) in order.iter().zip(lists) {
-            let (s, meta) = (&out.scheduled[i], &metas[i]);
-            let group = self.groups[&s.key].obj.bind(py).clone();
-            if meta.first_time {
-                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
-            }
-            metadata.append(self.metadata(py, (s, meta), lists, with_mm)?)?;
-            scheduled.append(self.scheduled_cls.bind(py).call1((group, s.chunk))?)?;
-        }
-        let swap_in = PyDict::new(py);
-        for &(a, b) in &out.swap_in {
-            swap_in.set_item(a, b)?;
-        }
-        let swap_out = PyDict::new(py);
-        for &(a, b) in &out.swap_out {
-            swap_out.set_item(a, b)?;
-        }
-        let copies = PyDict::new(py);
-        for (src, dsts) in &out.copies {
-            copies.set_item(src, PyList::new(py, dsts)?)?;
-        }
-        let ignored = PyList::new(py, out.ignored.iter().map(|k| self.groups[k].obj.bind(py)))?;
-        let items: [Bound<'py, PyAny>; 10] = [
-            scheduled.into_any(),
-            metadata.into_any(),
-            out.num_prefill_groups.into_pyobject(py)?.into_any(),
-            out.num_batched_tokens.into_pyobject(py)?.into_any(),
-            swap_in.into_any(),
-            swap_out.into_any(),
-            copies.into_any(),
-            ignored.into_any(),
-            out.lookahead.into_pyobject(py)?.into_any(),
-            out.running_queue_size.into_pyobject(py)?.into_any(),
-        ];
-        PyTuple::new(py, items)
     }
 }

@@ -476,6 +476,27 @@ impl Scheduler {
         Ok(())
     }
 
+    /// [`Self::free_finished`] for the running groups among `keys` only (the bindings read
+    /// back just the groups the engine finished). Returns the keys dropped.
+    pub fn free_finished_among(&mut self, keys: &[GroupKey]) -> Vec<GroupKey> {
+        if keys.is_empty() {
+            return Vec::new();
+        }
+        let mut wanted = keys.to_vec();
+        wanted.sort_unstable();
+        let mut done = Vec::new();
+        let groups = &self.groups;
+        self.running.retain(|&k| {
+            let fin = wanted.binary_search(&k).is_ok()
+                && groups[k as usize].as_ref().is_none_or(|g| g.is_finished());
+            if fin {
+                done.push(k);
+            }
+            !fin
+        });
+        done
+    }
+
     /// vLLM's `free_finished_seq_groups`: drop finished groups from the running queue.
     /// Returns their keys (the caller releases them).
     pub fn free_finished(&mut self) -> Vec<GroupKey> {

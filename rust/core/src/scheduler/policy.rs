@@ -6,7 +6,7 @@
 
 use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, SeqIds, Status, Tokens};
 use crate::error::{Error, Result};
-use crate::manager::{AllocStatus, Copies, Device, Manager, SeqId};
+use crate::manager::{AllocStatus, ComputedPrefix, Copies, Device, Manager, SeqId};
 use crate::pool::BlockId;
 use std::collections::VecDeque;
 
@@ -42,7 +42,9 @@ pub struct StepMeta {
     pub is_prompt: bool,
     pub do_sample: bool,
     pub running: SeqIds,
-    pub computed: Vec<BlockId>,
+    /// Where `computed_block_nums` lies (vLLM's common computed block ids; None: empty, and
+    /// always None without `with_computed`).
+    pub computed: Option<ComputedPrefix>,
     /// First time this group is scheduled (the caller sets its first-scheduled time).
     pub first_time: bool,
 }
@@ -742,8 +744,8 @@ impl Scheduler {
             }
             let is_prompt = self.g(s.key).is_prefill();
             let computed = match with_computed || (is_prompt && !self.cfg.chunked_prefill) {
-                true => mgr.get_common_computed_block_ids(&running),
-                false => Vec::new(),
+                true => mgr.common_computed_prefix(&running),
+                false => None,
             };
             let g = self.gm(s.key);
             let first_time = !g.scheduled_before;

@@ -286,7 +286,7 @@ impl Scheduler {
                 (true, _) => 1,
             };
             let cached_blocks = match m.is_prompt && !self.cfg.chunked_prefill {
-                true => m.computed.len(),
+                true => m.computed.map_or(0, |p| p.len),
                 false => 0,
             };
             b.rows.extend(m.running.iter().map(|&seq| Row {

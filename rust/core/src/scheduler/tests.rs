@@ -202,7 +202,13 @@ fn multi_sequence_group_is_swapped_and_swapped_in_first() {
     engine_step(&mut s, &st, &out);
     s.group_mut(a).unwrap().seqs[0].status = Status::Finished(Finish::Stopped);
     m.free(1).unwrap();
-    assert_eq!(s.free_finished(), vec![a]);
+    assert_eq!(
+        s.free_finished_among(&[b]),
+        vec![],
+        "b is swapped, not running"
+    );
+    assert_eq!(s.free_finished_among(&[]), vec![]);
+    assert_eq!(s.free_finished_among(&[c, a]), vec![a]);
     let out = s.schedule(&mut m, &st, 8.0).unwrap();
     assert_eq!(keys(&out.scheduled), vec![(b, 1)]);
     assert_eq!(out.swap_in.len(), 1);

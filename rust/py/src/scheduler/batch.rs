@@ -153,6 +153,7 @@ impl PyBatchStep {
             .try_borrow_mut()
             .map_err(|_| busy("the scheduler"))?;
         self.check_buffers(py, &c, buffers)?;
+        c.check_batch_units()?;
         c.core
             .check_sampled(&self.prev, &self.rules, &sampled)
             .py()?;
