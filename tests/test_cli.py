@@ -402,7 +402,13 @@ def test_plot_and_scaling_sweep(tmp_path, capsys):
     # more running sequences per step at x16 than at x1, and a time for every backend
     assert batch[2]["mean_batch_seqs"] > 4 * batch[0]["mean_batch_seqs"]
     for p in batch + pool:
-        assert set(p["us_per_step"]) == {"batch-step", "batch-step-inc", "native", "native-batch"}
+        assert set(p["us_per_step"]) == {
+            "batch-step",
+            "batch-step-inc",
+            "batch-step-stable",
+            "native",
+            "native-batch",
+        }
         assert all(v > 0 for v in p["us_per_step"].values())
         assert all(v > 0 for v in p["us_per_row"].values()) and "mismatch" not in p
     assert "Scaling (W1 mix" in text

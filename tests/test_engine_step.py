@@ -304,3 +304,45 @@ def test_a_failing_fork_changes_nothing_and_the_retry_succeeds():
     eng.sync_views()
     outs = {s.seq_id: list(s.data.output_token_ids) for g in groups for s in g.get_seqs()}
     assert outs == {102: [20], 1: [21], 103: [30], 2: [31]}
+
+
+def test_stable_rows_keep_their_rows_and_samples_follow_them():
+    """With stable rows a finished request's row is taken by the last row; the others keep
+    theirs, and the sampled array follows the rows, not schedule order."""
+    from pagedkv.engine_step import ROW_APPENDED, ROW_MOVED
+
+    runs = {}
+    for stable in (False, True):
+        sched, _ = make()
+        eng = BatchEngine(
+            sched, BatchBuffers.for_scheduler(sched, incremental=True), stable_rows=stable
+        )
+        assert eng.stable_rows is stable
+        reqs = [("a", 2), ("b", 5), ("c", 5)]
+        groups = [add(eng, r, i, [1, 2, 3], max_tokens=t) for i, (r, t) in enumerate(reqs)]
+        res = eng.step(now=1.0)
+        assert res.buffers.seq_ids[:3].tolist() == [0, 1, 2]
+        res = eng.step([10, 20, 30], now=2.0)
+        res = eng.step([11, 21, 31], now=3.0)  # a's second token: a finishes
+        b = res.buffers
+        assert res.finished == [groups[0]] and res.num_rows == 2
+        assert [g.request_id for g in res.scheduled] == ["b", "c"]  # schedule order
+        runs[stable] = (b.seq_ids[:2].tolist(), b.row_state[:2].tolist(), b.moved_from[:2].tolist())
+        tables = {int(b.seq_ids[i]): b.block_tables[i, :2].tolist() for i in range(2)}
+        by_id = {s.seq_id: s for g in groups[1:] for s in g.get_seqs()}
+        for sid, row in tables.items():
+            assert row == sched.block_manager.get_block_table(by_id[sid])
+        toks = [20 + 2 * int(sid) for sid in b.seq_ids[:2]]  # one token per row, row order
+        eng.step(toks, now=4.0)
+        eng.sync_views()
+        for sid, tok in zip(b.seq_ids[:2].tolist(), toks):
+            assert by_id[sid].get_last_token_id() == tok
+    assert runs[False] == ([1, 2], [ROW_MOVED, ROW_MOVED], [1, 2])
+    # c fills a's row 0; b keeps row 1 (its table grew a block this step)
+    assert runs[True] == ([2, 1], [ROW_MOVED, ROW_APPENDED], [2, 1])
+
+
+def test_stable_rows_must_be_a_bool():
+    sched, _ = make()
+    with pytest.raises(ArgumentTypeError):
+        BatchEngine(sched, stable_rows=1)

@@ -443,8 +443,12 @@ class BatchStep:
     """Native half of :class:`pagedkv.engine_step.BatchEngine`: issue 10's one-call engine
     step over a ``SchedulerCore`` (see ``docs/scheduler.md``)."""
 
-    def __new__(cls, core: SchedulerCore, new_seq_id: Any) -> BatchStep:
-        """``new_seq_id``: a callable returning a fresh sequence id per call (forks)."""
+    def __new__(cls, core: SchedulerCore, new_seq_id: Any, stable_rows: bool = False) -> BatchStep:
+        """``new_seq_id``: a callable returning a fresh sequence id per call (forks);
+        ``stable_rows``: a running sequence keeps its row (``docs/scheduler.md``)."""
+    @property
+    def stable_rows(self) -> bool:
+        """Whether rows are stable rather than in schedule order."""
     @property
     def num_expected_samples(self) -> int:
         """Tokens the next ``step`` takes (the previous batch's samples)."""

@@ -19,6 +19,21 @@ of a group with one sequence, else 1); the next ``step`` takes them in row order
 ``k`` samples the first ``k - 1`` go to new child sequences (ids from ``seq_counter``), the
 last to the row's own sequence, as vLLM's output processor does.
 
+Stable rows (``BatchEngine(..., stable_rows=True)``): the decisions are the same, only the
+rows are placed differently, the way vLLM v1's persistent batch keeps them. A sequence keeps
+its row; a row belongs to its sequence until another one takes it, so a sequence that sits a
+step out (vLLM 0.4.2's default policy runs prompts in steps of their own; a chunked prefill can
+run out of token budget) finds its row again when the batch reaches it. Rows stay dense
+``0..n-1``: rows whose sequence left (finished, preempted, or not in this step) are filled
+first by the sequences whose rows lie past the batch (the last rows first: they move,
+``ROW_MOVED`` with incremental buffers; at most as many as rows were left free), then by
+sequences new to the buffer (admitted, swapped in, forked, or whose row was taken), in schedule
+order. A group's rows need not be adjacent; ``seq_ids`` names each row's sequence,
+``query_start_loc`` its token span (any row order is valid), ``StepResult.scheduled`` stays in
+schedule order, and the sampled array still follows the rows. Samples are applied in schedule
+order: children's ids are drawn from ``seq_counter`` group by group as vLLM draws them, not
+in row order.
+
 Prefix caching: a prompt row holds only the tokens the model must compute. Its leading
 tokens whose blocks are already computed (vLLM's ``computed_block_nums``) are left out of
 ``input_tokens``, ``positions`` and ``slot_mapping``, as vLLM 0.4.2's model runner leaves
@@ -103,14 +118,17 @@ class BatchBuffers:
     A step writes only the prefixes it reports in its :class:`StepResult`.
 
     ``incremental=True`` adds block-table changes since the previous step, the way vLLM v1
-    hands its workers only new block ids: ``row_state[i]`` is ``ROW_SAME`` (0: same sequence
-    in the same row, table unchanged), ``ROW_APPENDED`` (1: blocks appended; the new ids are
-    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: the sequence
-    was in row ``moved_from[i]`` of the previous batch; its table there plus that slice) or
-    ``ROW_REWRITTEN`` (2: a new row, or blocks replaced by copy-on-write, swap or recompute;
-    that slice is the whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for
-    the first two. A caller keeping its own persistent table applies these (moves read the
-    previous step's rows). ``block_tables`` then
+    hands its workers only new block ids. They are relative to a persistent table of
+    ``max_rows`` rows in which a row keeps what it was last sent, also while it lies past the
+    batch (a sequence may sit some steps out and come back to its row): ``row_state[i]`` is
+    ``ROW_SAME`` (0: row ``i`` holds this sequence's table, unchanged), ``ROW_APPENDED`` (1:
+    row ``i`` holds it, blocks appended; the new ids are
+    ``new_blocks[new_block_loc[i]:new_block_loc[i + 1]]``), ``ROW_MOVED`` (3: row
+    ``moved_from[i]`` holds it; that row plus the slice) or ``ROW_REWRITTEN`` (2: no row
+    holds it, or blocks were replaced by copy-on-write, swap or recompute; the slice is the
+    whole table, ``moved_from[i]`` is -1). ``moved_from[i]`` is ``i`` for the first two. A
+    caller keeping its own persistent table applies these to rows ``0..num_rows`` and leaves
+    the others alone (moves read the rows as they were before the step). ``block_tables`` then
     becomes a persistent buffer the step keeps: each step writes only what changed (the
     appended entries; a rewritten row, padded with 0 up to its previous length), so it stays
     equal to the batch's tables only if nobody else writes it. New buffers (another object,
@@ -358,7 +376,8 @@ class StepResult:
     num_swap_out: int
     #: Entries of ``new_blocks`` written (incremental buffers only).
     num_new_blocks: int
-    #: The scheduled groups, in row order (a group has one row per running sequence).
+    #: The scheduled groups, in schedule order (a group has one row per running sequence;
+    #: the rows follow this order unless the engine has stable rows).
     scheduled: List[Any]
     #: Groups that finished applying the sampled tokens (views fully written back).
     finished: List[Any]
@@ -388,14 +407,21 @@ class StepResult:
 
 
 class BatchEngine:
-    """Drive a :class:`pagedkv.Scheduler` with the one-call batch step (module docstring)."""
+    """Drive a :class:`pagedkv.Scheduler` with the one-call batch step (module docstring).
+
+    ``stable_rows=True``: a running sequence keeps its row while it stays in the batch (the
+    module docstring, "Stable rows"); with ``incremental`` buffers a step then costs the
+    running sequences and the changed entries, not the tables' length."""
 
     def __init__(
         self,
         scheduler: Any,
         buffers: Optional[BatchBuffers] = None,
         seq_counter: Optional[Callable[[], int]] = None,
+        stable_rows: bool = False,
     ) -> None:
+        if not isinstance(stable_rows, bool):
+            raise ArgumentTypeError("stable_rows must be a bool")
         core = getattr(scheduler, "_core", None)
         if core is None:
             raise ArgumentTypeError("BatchEngine drives a pagedkv.Scheduler")
@@ -403,7 +429,13 @@ class BatchEngine:
         self.buffers = buffers if buffers is not None else BatchBuffers.for_scheduler(scheduler)
         if seq_counter is None:
             seq_counter = itertools.count(1 << 40).__next__
-        self._step = BatchStep(core, seq_counter)
+        self._step = BatchStep(core, seq_counter, stable_rows)
+
+    @property
+    def stable_rows(self) -> bool:
+        """Whether a running sequence keeps its row from step to step (see the module
+        docstring) rather than rows following :meth:`Scheduler.schedule`'s order."""
+        return self._step.stable_rows
 
     @property
     def num_expected_samples(self) -> int:

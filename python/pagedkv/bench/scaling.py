@@ -11,7 +11,8 @@ Two sweeps over the factors 1, 4 and 16, prefix caching on:
 
 Each point runs the first :data:`MAX_STEPS` steps of the workload (the batch is full after a
 few dozen) with the batch step (:class:`pagedkv.engine_step.BatchEngine`, whole step, with
-plain and with incremental :class:`~pagedkv.engine_step.BatchBuffers`) and replays the same
+plain and with incremental :class:`~pagedkv.engine_step.BatchBuffers`, the latter with rows in
+schedule order and with stable rows) and replays the same
 steps, recorded from :class:`pagedkv.Scheduler`, onto the native block manager backends
 (manager time only). vLLM's default policy does not mix prompts and decodes:
 a prefill step costs what its prompts cost (allocation and hashing of every prompt token, the
@@ -42,9 +43,15 @@ FACTORS = (1, 4, 16)
 #: Steps run per point (full, quick).
 MAX_STEPS = {False: 200, True: 60}
 
-#: Buffers the batch step is timed with, and their column names.
-BUFFERS = ("plain", "incremental")
-_BATCH_LANES = {"plain": "batch-step", "incremental": "batch-step-inc"}
+#: Buffers the batch step is timed with, and their column names: plain (every row whole),
+#: incremental (block-table increments; rows in schedule order) and stable (incremental
+#: buffers with stable rows: a running sequence keeps its row).
+BUFFERS = ("plain", "incremental", "stable")
+_BATCH_LANES = {
+    "plain": "batch-step",
+    "incremental": "batch-step-inc",
+    "stable": "batch-step-stable",
+}
 
 #: Backends whose manager replay is part of the sweep (the pure-Python ones are too slow at x16).
 SCALING_BACKENDS = ("native", "native-batch")
@@ -88,8 +95,8 @@ def run_scaling(
     caching: bool = True,
 ) -> Dict[str, Any]:
     """Run both sweeps (``max_steps`` steps per point, default :data:`MAX_STEPS`; the batch
-    step with each of ``buffers``: ``"plain"``, ``"incremental"``); the JSON section (and the
-    table, to ``out``)."""
+    step with each of ``buffers``: ``"plain"``, ``"incremental"``, ``"stable"``); the JSON
+    section (and the table, to ``out``)."""
     replayed = [b for b in backends if b.name in SCALING_BACKENDS]
     steps = MAX_STEPS[quick] if max_steps is None else max_steps
     doc: Dict[str, Any] = {
@@ -137,7 +144,7 @@ def _point(
     total = len(buffers) + len(backends)
     with progress.bar(total, desc) if progress else contextlib.nullcontext() as bar:
         for kind in buffers:
-            seconds, rows, decode = _batch_steps(workload, steps, caching, kind == "incremental")
+            seconds, rows, decode = _batch_steps(workload, steps, caching, kind)
             _store(point, _BATCH_LANES[kind], seconds * 1e6, rows, decode)
             point["mean_batch_seqs"] = float(rows.mean())
             point["decode_steps"] = int(decode.sum())
@@ -158,12 +165,12 @@ def _point(
     return point
 
 
-def _batch_steps(workload: Any, steps: int, caching: bool, incremental: bool) -> Any:
-    """The first ``steps`` batch steps of ``workload`` (fewer if it ends): seconds and rows per
-    step, and which steps only decode."""
+def _batch_steps(workload: Any, steps: int, caching: bool, kind: str) -> Any:
+    """The first ``steps`` batch steps of ``workload`` (fewer if it ends) with ``kind`` of
+    :data:`BUFFERS`: seconds and rows per step, and which steps only decode."""
     from pagedkv.bench.wholestep import BatchDriver
 
-    driver = BatchDriver(workload.config, caching, incremental)
+    driver = BatchDriver(workload.config, caching, kind != "plain", kind == "stable")
     for req in workload.requests:
         driver.add(req)
     gc.collect()
@@ -202,7 +209,8 @@ def format_scaling(doc: Dict[str, Any]) -> str:
     lines = [
         f"== Scaling (W1 mix, caching {'on' if doc.get('enable_caching') else 'off'}, at most "
         f"{doc.get('max_steps')} steps): median us per decode step (and per running sequence); "
-        "batch-step(-inc) = the whole batch step (plain / incremental buffers), the others = "
+        "batch-step(-inc/-stable) = the whole batch step (plain / incremental buffers / "
+        "incremental with stable rows), the others = "
         "manager time of the replayed schedule =="
     ]
     header = f"{'sweep':<6} {'x':>3} {'running':>7} {'rows/step':>9} {'GPU blocks':>10}  "

@@ -46,9 +46,16 @@ TURN = 16
 class BatchDriver:
     """A workload's requests through :class:`~pagedkv.engine_step.BatchEngine`, with the
     model's sampled tokens taken from the workload (``incremental``: buffers that also carry
-    the block-table increments, :class:`~pagedkv.engine_step.BatchBuffers`)."""
+    the block-table increments, :class:`~pagedkv.engine_step.BatchBuffers`; ``stable_rows``:
+    a running sequence keeps its row, :class:`~pagedkv.engine_step.BatchEngine`)."""
 
-    def __init__(self, cfg: WorkloadConfig, caching: bool, incremental: bool = False) -> None:
+    def __init__(
+        self,
+        cfg: WorkloadConfig,
+        caching: bool,
+        incremental: bool = False,
+        stable_rows: bool = False,
+    ) -> None:
         import pagedkv
         from pagedkv import scheduler as conf
         from pagedkv.engine_step import BatchBuffers, BatchEngine
@@ -66,7 +73,9 @@ class BatchDriver:
         self.scheduler = pagedkv.Scheduler(sched_cfg, cache_cfg, None)
         self.next_child = 1 << 40  # the compat loop's child ids
         buffers = BatchBuffers.for_scheduler(self.scheduler, incremental=incremental)
-        self.engine = BatchEngine(self.scheduler, buffers, seq_counter=self._new_id)
+        self.engine = BatchEngine(
+            self.scheduler, buffers, seq_counter=self._new_id, stable_rows=stable_rows
+        )
         self.pagedkv = pagedkv
         self.block_size = cfg.block_size
         # seq id -> (request, row of its output_token_ids, prompt length)
@@ -100,8 +109,10 @@ class BatchDriver:
         return res
 
     def _model(self, res: Any) -> np.ndarray:
-        """The tokens the compat loop appends, for ``res``'s rows (children take rows 1..)."""
-        b, out, child = res.buffers, [], self.next_child
+        """The tokens the compat loop appends, for ``res``'s rows (children take rows 1..).
+        The engine draws children's ids in schedule order (with stable rows that is not the
+        rows' order): a group forks from at most one row, its first."""
+        b, out, forking = res.buffers, [], []
         for i in range(res.num_rows):
             k = int(b.num_samples[i])
             if not k:
@@ -110,10 +121,18 @@ class BatchDriver:
             pos = int(b.context_lens[i]) - plen
             rows = req.output_token_ids
             for _ in range(k - 1):
-                self.owner[child] = (req, row + 1, plen)
                 out.append(rows[(row + 1) % len(rows)][pos])
-                child += 1
+            if k > 1:
+                forking.append((req, row, plen, k - 1))
             out.append(rows[row % len(rows)][pos])
+        if forking:
+            at = {g.request_id: j for j, g in enumerate(res.scheduled)}
+            forking.sort(key=lambda f: at[f[0].request_id])
+            child = self.next_child
+            for req, row, plen, kids in forking:
+                for _ in range(kids):
+                    self.owner[child] = (req, row + 1, plen)
+                    child += 1
         return np.array(out, dtype=np.int32)
 
 
@@ -149,13 +168,13 @@ def _batch_lane(driver: BatchDriver) -> _Lane:
 
 
 def _engines(
-    workload: Workload, caching: bool, vllm: Sequence[str]
+    workload: Workload, caching: bool, vllm: Sequence[str], batch: Tuple[bool, bool]
 ) -> Tuple[List[_Lane], BatchDriver]:
     from pagedkv.bench.vllm_scheduler import Engine, make_backend
 
     ec = engine_config(workload.config, caching)
     compat = Engine(scheduler_backend(), ec)
-    driver = BatchDriver(workload.config, caching)
+    driver = BatchDriver(workload.config, caching, *batch)
     lanes = [_compat_lane("compat", compat), _batch_lane(driver)]
     adders = [compat.add, driver.add]
     for version in vllm:
@@ -175,18 +194,22 @@ def run_whole_step(
     max_steps: Optional[int] = None,
     progress: Optional[Callable[[int], None]] = None,
     turn: int = TURN,
+    incremental: bool = False,
+    stable_rows: bool = False,
 ) -> Dict[str, Any]:
     """Step the engines in lockstep over ``workload`` (all of it, or ``max_steps``), with a
     lane of vLLM's own Scheduler for each release in ``vllm``; the section's JSON: per lane
     step statistics (``lanes``), the ratios of total step time measured in this run
     (``ratios``: ``batch_vs_compat``, ``batch_vs_vllm-0.4.2``, ...), and ``ok`` (the batch
-    step made the compat step's decisions). The lanes take turns of ``turn`` steps."""
+    step made the compat step's decisions). The lanes take turns of ``turn`` steps. The
+    batch step writes plain buffers unless ``incremental``, rows in schedule order unless
+    ``stable_rows``."""
     if turn < 1:
         raise ValueError(f"turn must be >= 1, got {turn}")
     import logging
 
     logging.disable(logging.WARNING)  # vLLM's preemption warnings
-    lanes, driver = _engines(workload, caching, vllm)
+    lanes, driver = _engines(workload, caching, vllm, (incremental, stable_rows))
     compat, batch = lanes[0], lanes[1]
     gc.collect()
     gc.disable()

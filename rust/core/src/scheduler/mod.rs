@@ -11,6 +11,8 @@
 //! SWAPPED (or finished but not yet freed by the engine).
 
 mod policy;
+mod rows;
+mod seq_ids;
 mod step;
 #[cfg(test)]
 mod tests;
@@ -22,6 +24,8 @@ use std::collections::{HashMap, HashSet, VecDeque};
 use std::hash::BuildHasherDefault;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
+pub use rows::StableRows;
+pub use seq_ids::SeqIds;
 pub use step::{
     cached_skip, Applied, Batch, HeldTables, ModelInputs, Row, SentTables, StopRules, TableDelta,
     TokensMut, Written, NO_ROW, ROW_APPENDED, ROW_MOVED, ROW_REWRITTEN, ROW_SAME,

@@ -4,7 +4,7 @@
 //! Every decision mirrors vLLM's code path for path; the places where we deliberately differ
 //! are the vLLM failures listed in `docs/scheduler.md` and are marked `fix N` below.
 
-use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, Status, Tokens};
+use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, SeqIds, Status, Tokens};
 use crate::error::{Error, Result};
 use crate::manager::{AllocStatus, ComputedPrefix, Copies, Device, Manager, SeqId};
 use crate::pool::BlockId;
@@ -41,7 +41,7 @@ pub struct StepMeta {
     pub key: GroupKey,
     pub is_prompt: bool,
     pub do_sample: bool,
-    pub running: Vec<SeqId>,
+    pub running: SeqIds,
     /// Where `computed_block_nums` lies (vLLM's common computed block ids; None: empty, and
     /// always None without `with_computed`).
     pub computed: Option<ComputedPrefix>,
@@ -464,7 +464,7 @@ impl Scheduler {
         Ok((queue, part))
     }
 
-    fn running_ids(&self, key: GroupKey) -> Vec<SeqId> {
+    fn running_ids(&self, key: GroupKey) -> SeqIds {
         self.g(key).ids_with(Status::Running).collect()
     }
 

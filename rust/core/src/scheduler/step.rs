@@ -66,16 +66,43 @@ pub struct Row {
     /// vLLM's `len(computed_block_nums)` for a prompt row without chunked prefill (its
     /// cached prefix, in blocks), else 0.
     pub cached_blocks: usize,
+    /// The group's token chunk this step (its `Scheduled::chunk`).
+    pub chunk: usize,
 }
 
 /// The previous step's batch, as the caller's sampled-token array is laid out.
+///
+/// `rows` are in buffer-row order. By default that is `schedule()`'s order (`place` empty);
+/// with stable rows ([`StableRows`](super::StableRows)) `place[j]` is the buffer row of the
+/// `j`-th row in schedule order. Samples are applied in schedule order (children drawn,
+/// forked and parents freed as vLLM's output processor does, so block ids and sequence ids
+/// match the compat path), each row taking its samples from its buffer row's span.
 #[derive(Clone, Debug, Default)]
 pub struct Batch {
     pub groups: Vec<Scheduled>,
     pub rows: Vec<Row>,
+    pub place: Vec<usize>,
 }
 
 impl Batch {
+    /// The rows in schedule order, each with where its samples start in the sampled array
+    /// (laid out in buffer-row order).
+    pub fn rows_by_schedule(&self) -> Vec<(&Row, usize)> {
+        let mut start = Vec::with_capacity(self.rows.len());
+        let mut at = 0;
+        for r in &self.rows {
+            start.push(at);
+            at += r.samples;
+        }
+        if self.place.is_empty() {
+            return self.rows.iter().zip(start).collect();
+        }
+        self.place
+            .iter()
+            .map(|&i| (&self.rows[i], start[i]))
+            .collect()
+    }
+
     pub fn num_samples(&self) -> usize {
         self.rows.iter().map(|r| r.samples).sum()
     }
@@ -126,12 +153,11 @@ impl Scheduler {
         for s in &prev.groups {
             self.add_computed(toks, s.key, s.chunk)?;
         }
-        let (mut next_tok, mut next_child) = (0, 0);
+        let mut next_child = 0;
         let mut forks = Vec::new();
         let mut freed = Vec::new();
-        for r in &prev.rows {
-            let toks_of_row = &sampled[next_tok..next_tok + r.samples];
-            next_tok += r.samples;
+        for (r, at) in prev.rows_by_schedule() {
+            let toks_of_row = &sampled[at..at + r.samples];
             if r.key == GroupKey::MAX || r.samples == 0 {
                 continue;
             }
@@ -268,6 +294,7 @@ impl Scheduler {
                 seq,
                 samples,
                 cached_blocks,
+                chunk: s.chunk,
             }));
         }
         b
@@ -440,14 +467,12 @@ impl Manager {
 
     /// Per row: where its chunk starts, its length and the cached tokens it leaves out.
     fn row_spans(&self, sched: &Scheduler, batch: &Batch) -> Result<Vec<Span>> {
-        let chunk_of: IdMap<GroupKey, usize> =
-            batch.groups.iter().map(|s| (s.key, s.chunk)).collect();
         let bs = self.config().block_size;
         batch
             .rows
             .iter()
             .map(|r| {
-                let len = chunk_of[&r.key];
+                let len = r.chunk;
                 let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
                 let skip = cached_skip(r.cached_blocks * bs, start, len);
                 Ok(Span { start, len, skip })
@@ -526,21 +551,25 @@ pub struct TableDelta {
     pub blocks: Vec<BlockId>,
 }
 
-/// What the caller was last sent for one sequence.
+/// What the caller was last sent for one sequence, in the buffer row that still holds it.
 #[derive(Clone, Copy, Debug)]
 struct SentRow {
     row: usize,
     version: u64,
     layout: u64,
     len: usize,
-    /// The delta that last named the sequence (sequences not in the last batch are dropped).
-    seen: u64,
 }
 
-/// The tables a caller last received, per sequence, and how many deltas were made.
+/// The tables a caller's persistent buffer holds, and how many deltas were made. A buffer
+/// row keeps what it was last sent until another sequence's table is written there, so a
+/// sequence that sat out some steps (vLLM 0.4.2 runs prompts in steps of their own) still
+/// finds its table in its row, or moves it from there.
 #[derive(Clone, Debug, Default)]
 pub struct SentTables {
+    /// Per sequence whose table a buffer row still holds.
     rows: IdMap<SeqId, SentRow>,
+    /// Per buffer row: the sequence last sent there (`SeqId::MAX`: none).
+    occupant: Vec<SeqId>,
     deltas: u64,
 }
 
@@ -549,26 +578,42 @@ impl SentTables {
     /// reflects an earlier delta is written whole.
     pub fn clear(&mut self) {
         self.rows.clear();
+        self.occupant.clear();
         self.deltas += 1;
+    }
+
+    /// Row `i` was sent `row`'s sequence's table: the sequence it held loses it.
+    fn record(&mut self, seq: SeqId, row: SentRow) {
+        let i = row.row;
+        if self.occupant.len() <= i {
+            self.occupant.resize(i + 1, SeqId::MAX);
+        }
+        let old = std::mem::replace(&mut self.occupant[i], seq);
+        if old != seq && self.rows.get(&old).is_some_and(|s| s.row == i) {
+            self.rows.remove(&old);
+        }
+        self.rows.insert(seq, row);
     }
 }
 
 impl Manager {
     /// The block-table changes of `batch` relative to `sent` (updated). O(1) per row plus
     /// the entries written: a table that only grew (its `layout` unchanged) sends its new
-    /// entries, in its old row or moved from another; one created, moved to the other
-    /// device or with entries replaced sends all of them.
+    /// entries, in the row that holds it or moved from the row that holds it (as the
+    /// buffer was before this delta); one created, moved to the other device, with entries
+    /// replaced, or whose row another sequence took sends all of them.
     pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
         sent.deltas += 1;
-        let number = sent.deltas;
+        let n = batch.rows.len();
         let mut d = TableDelta {
-            number,
-            state: Vec::with_capacity(batch.rows.len()),
-            from: Vec::with_capacity(batch.rows.len()),
-            loc: Vec::with_capacity(batch.rows.len() + 1),
+            number: sent.deltas,
+            state: Vec::with_capacity(n),
+            from: Vec::with_capacity(n),
+            loc: Vec::with_capacity(n + 1),
             blocks: Vec::new(),
         };
         d.loc.push(0);
+        let mut now = Vec::with_capacity(n);
         for (i, r) in batch.rows.iter().enumerate() {
             let table = self.block_table(r.seq)?;
             let (version, layout) = self.table_versions(r.seq)?;
@@ -583,19 +628,21 @@ impl Manager {
                     (ROW_REWRITTEN, NO_ROW)
                 }
             };
-            let row = SentRow {
-                row: i,
-                version,
-                layout,
-                len: table.len(),
-                seen: number,
-            };
-            sent.rows.insert(r.seq, row);
             d.state.push(state);
             d.from.push(from);
             d.loc.push(d.blocks.len());
+            let len = table.len();
+            now.push(SentRow {
+                row: i,
+                version,
+                layout,
+                len,
+            });
         }
-        sent.rows.retain(|_, s| s.seen == number);
+        // recorded after every row was read against the buffer as it was before the delta
+        for (r, row) in batch.rows.iter().zip(now) {
+            sent.record(r.seq, row);
+        }
         Ok(d)
     }
 }
@@ -756,10 +803,12 @@ mod tests {
             seq,
             samples: 1,
             cached_blocks: 0,
+            chunk: 1,
         });
         Batch {
             groups: Vec::new(),
             rows: rows.collect(),
+            place: Vec::new(),
         }
     }
 
@@ -829,6 +878,37 @@ mod tests {
         assert_eq!((d.state[1], d.from[1]), (ROW_REWRITTEN, NO_ROW));
         rows_hold(&m, &bt, cols, &[2, 1], 3);
         assert_eq!(bt[cols - 1], 77, "padding stops at a row's previous length");
+    }
+
+    #[test]
+    fn a_row_keeps_its_table_while_its_sequence_sits_out() {
+        use crate::hash::HashExtra;
+        let (mut m, h) = manager();
+        for (id, n) in [(1, 3), (2, 5), (3, 1)] {
+            let t = TokenSeq::new(2, &vec![1; n], HashExtra::default(), h).unwrap();
+            m.allocate(&[(id, &t)]).unwrap();
+        }
+        let cols = 4;
+        let mut bt = vec![0; 3 * cols];
+        let (mut sent, mut held) = (SentTables::default(), HeldTables::default());
+        let mut step = |m: &Manager, bt: &mut Vec<i32>, ids: &[SeqId]| {
+            let d = m.table_delta(&batch(ids), &mut sent).unwrap();
+            m.write_block_tables(&batch(ids), bt, cols, Some((&d, &mut held)))
+                .unwrap();
+            rows_hold(m, bt, cols, ids, cols);
+            (d.state, d.from)
+        };
+        step(&m, &mut bt, &[1, 2]);
+        // a step of its own for sequence 3 (a prompt): it takes row 0; row 1 keeps 2's table
+        assert_eq!(step(&m, &mut bt, &[3]), (vec![ROW_REWRITTEN], vec![NO_ROW]));
+        // 2 is back in row 1: nothing to send; 1 lost its row; 3 moves from row 0
+        let (state, from) = step(&m, &mut bt, &[1, 2, 3]);
+        assert_eq!(state, [ROW_REWRITTEN, ROW_SAME, ROW_MOVED]);
+        assert_eq!(from, [NO_ROW, 1, 0]);
+        // 2 and 3 sit out; back, 2 finds row 1 again and 3 moves from row 2 to row 0
+        step(&m, &mut bt, &[1]);
+        let (state, from) = step(&m, &mut bt, &[3, 2]);
+        assert_eq!((state, from), (vec![ROW_MOVED, ROW_SAME], vec![2, 1]));
     }
 
     #[test]

@@ -11,8 +11,8 @@ use crate::errors::{busy, invalid, IntoPyResult};
 use crate::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
 use pagedkv_core::scheduler::{
-    Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StopRules, TableDelta,
-    TokensMut, NO_ROW,
+    Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StableRows, StopRules,
+    TableDelta, TokensMut, NO_ROW,
 };
 use pagedkv_core::{Error, SeqId, TokenSeq};
 use pyo3::gc::PyVisit;
@@ -55,6 +55,8 @@ pub struct PyBatchStep {
     held_array: Option<Py<PyAny>>,
     rules: IdMap<GroupKey, StopRules>,
     prefill: Py<PyAny>,
+    /// Stable rows (opt-in): where each running sequence's row is kept.
+    stable: Option<StableRows>,
 }
 
 /// The output arrays of one step, by keyword.
@@ -76,7 +78,12 @@ const OUTPUTS: [&str; 12] = [
 #[pymethods]
 impl PyBatchStep {
     #[new]
-    fn new(core: &Bound<'_, PyAny>, new_seq_id: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (core, new_seq_id, stable_rows = false))]
+    fn new(
+        core: &Bound<'_, PyAny>,
+        new_seq_id: &Bound<'_, PyAny>,
+        stable_rows: bool,
+    ) -> PyResult<Self> {
         let py = core.py();
         let core = core
             .cast::<PySchedulerCore>()
@@ -102,6 +109,7 @@ impl PyBatchStep {
             held_array: None,
             rules: IdMap::default(),
             prefill,
+            stable: stable_rows.then(StableRows::default),
         })
     }
 
@@ -110,6 +118,12 @@ impl PyBatchStep {
         visit.call(&self.new_seq_id)?;
         visit.call(&self.held_array)?;
         visit.call(&self.prefill)
+    }
+
+    /// Whether rows are stable (a running sequence keeps its row) rather than in schedule order.
+    #[getter]
+    fn stable_rows(&self) -> bool {
+        self.stable.is_some()
     }
 
     /// Tokens the caller must pass to the next `step` (the previous batch's samples).
@@ -147,7 +161,10 @@ impl PyBatchStep {
         let finished = self.apply(py, &mut c, &sampled, &children)?;
         let (out, metas) = c.schedule_step(py, now, false)?;
         let order = c.output_order(&out);
-        let batch = c.core.batch_rows(&out, &metas, &order);
+        let mut batch = c.core.batch_rows(&out, &metas, &order);
+        if let Some(stable) = &mut self.stable {
+            stable.arrange(&mut batch);
+        }
         for (s, m) in batch.groups.iter().zip(order.iter().map(|&i| &metas[i])) {
             let group = c.groups[&s.key].obj.bind(py).clone();
             if m.first_time {
@@ -278,7 +295,13 @@ impl PyBatchStep {
     /// engine code that may raise) before any group or view changes; a failing
     /// `group.add` takes back the children already added.
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
-        let live = || self.prev.rows.iter().filter(|r| r.key != GroupKey::MAX);
+        // children are drawn in schedule order, as vLLM's output processor draws them
+        let rows = self.prev.rows_by_schedule();
+        let live = || {
+            rows.iter()
+                .map(|(r, _)| *r)
+                .filter(|r| r.key != GroupKey::MAX)
+        };
         let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
         for _ in live().flat_map(|r| 1..r.samples) {
             let id: SeqId = self
