@@ -197,6 +197,50 @@ pub struct Change {
     pub reset: bool,
 }
 
+/// Buffers a step needs and that are kept across steps so that a steady step does not
+/// allocate (their contents mean nothing between steps).
+#[derive(Clone, Default)]
+struct StepScratch {
+    /// Per row of the previous batch, where its samples start (`apply_sampled`).
+    sample_starts: Vec<usize>,
+    /// The budget's sets of groups counted for tokens and for sequences.
+    token_keys: IdSet<GroupKey>,
+    seq_keys: IdSet<GroupKey>,
+    /// Emptied queues from earlier steps, refilled as this step's working queues.
+    spare_queues: Vec<VecDeque<GroupKey>>,
+}
+
+/// A step makes at most this many working queues at once; more spares are dropped.
+const SPARE_QUEUES: usize = 4;
+
+impl StepScratch {
+    fn heap_bytes(&self) -> usize {
+        use crate::mem::{table_bytes, vec_bytes};
+        let key = std::mem::size_of::<GroupKey>();
+        let queues: usize = self.spare_queues.iter().map(|q| q.capacity() * key).sum();
+        vec_bytes(&self.sample_starts)
+            + table_bytes(self.token_keys.capacity(), key)
+            + table_bytes(self.seq_keys.capacity(), key)
+            + vec_bytes(&self.spare_queues)
+            + queues
+    }
+
+    /// An empty queue holding `q`'s keys, from a spare one when there is one.
+    fn copy_queue(&mut self, q: &VecDeque<GroupKey>) -> VecDeque<GroupKey> {
+        let mut copy = self.spare_queues.pop().unwrap_or_default();
+        copy.extend(q.iter().copied());
+        copy
+    }
+
+    /// Keep `q`'s buffer for a later step.
+    fn recycle(&mut self, mut q: VecDeque<GroupKey>) {
+        if self.spare_queues.len() < SPARE_QUEUES {
+            q.clear();
+            self.spare_queues.push(q);
+        }
+    }
+}
+
 #[derive(Clone)]
 pub struct Scheduler {
     cfg: SchedulerConfig,
@@ -210,6 +254,7 @@ pub struct Scheduler {
     prev_prompt: bool,
     last_prompt_latency: f64,
     changes: Vec<Change>,
+    scratch: StepScratch,
 }
 
 impl Scheduler {
@@ -237,6 +282,7 @@ impl Scheduler {
             prev_prompt: false,
             last_prompt_latency: 0.0,
             changes: Vec::new(),
+            scratch: StepScratch::default(),
         })
     }
 
@@ -263,6 +309,7 @@ impl Scheduler {
             + deque(&self.running)
             + deque(&self.swapped)
             + vec_bytes(&self.changes)
+            + self.scratch.heap_bytes()
     }
 
     pub fn group(&self, key: GroupKey) -> Option<&Group> {

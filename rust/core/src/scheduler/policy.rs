@@ -60,16 +60,26 @@ struct Budget {
 }
 
 impl Budget {
-    /// `groups`: about how many groups the step will count (sizes the sets once).
-    fn new(token_budget: usize, max_num_seqs: usize, groups: usize) -> Self {
-        let set = || IdSet::with_capacity_and_hasher(groups, Default::default());
+    /// `groups`: about how many groups the step will count (sizes the sets, which are
+    /// emptied: the scheduler keeps them across steps).
+    fn new(
+        token_budget: usize,
+        max_num_seqs: usize,
+        groups: usize,
+        sets: [IdSet<GroupKey>; 2],
+    ) -> Self {
+        let [mut token_keys, mut seq_keys] = sets;
+        for set in [&mut token_keys, &mut seq_keys] {
+            set.clear();
+            set.reserve(groups);
+        }
         Budget {
             token_budget,
             max_num_seqs,
             tokens: 0,
             seqs: 0,
-            token_keys: set(),
-            seq_keys: set(),
+            token_keys,
+            seq_keys,
         }
     }
     fn can_schedule(&self, tokens: usize, seqs: usize) -> bool {
@@ -108,6 +118,24 @@ type Loras = Option<IdSet<u32>>;
 struct Part {
     prefill: Vec<Scheduled>,
     decode: Vec<Scheduled>,
+}
+
+/// The parts in order, as one list (a lone non-empty part is moved, not copied).
+fn join<const N: usize>(parts: [Vec<Scheduled>; N]) -> Vec<Scheduled> {
+    if parts.iter().filter(|p| !p.is_empty()).count() <= 1 {
+        return parts
+            .into_iter()
+            .find(|p| !p.is_empty())
+            .unwrap_or_default();
+    }
+    parts.concat()
+}
+
+/// A queue of the scheduler that a step works on in arrival order.
+#[derive(Clone, Copy)]
+enum Queue {
+    Running,
+    Swapped,
 }
 
 struct Step<'a, T: Tokens> {
@@ -272,19 +300,23 @@ impl Scheduler {
             .max_loras
             .map(|_| self.running.iter().map(|&k| self.g(k).lora).collect());
         let (mut prefills, mut ignored) = (Vec::new(), Vec::new());
-        let mut waiting = self.waiting.clone();
+        // each queue a step leaves alone is copied as it is (once the step is decided)
+        let mut waiting = None;
         if self.swapped.is_empty() {
-            (waiting, prefills, ignored) =
-                self.schedule_prefills(st, &mut budget, &mut loras, false, now)?;
+            let (w, p, i) = self.schedule_prefills(st, &mut budget, &mut loras, false, now)?;
+            (waiting, prefills, ignored) = (Some(w), p, i);
         }
         let mut out = Outputs::default();
-        let (mut running, mut swapped) = (self.running.clone(), self.swapped.clone());
+        let (mut running, mut swapped) = (None, None);
         let (mut run, mut swap) = (Part::default(), Part::default());
         if prefills.is_empty() {
-            (running, run) = self.schedule_running(st, &mut budget, &mut loras, false, &mut out)?;
+            let r;
+            (r, run) = self.schedule_running(st, &mut budget, &mut loras, false, &mut out)?;
+            running = Some(r);
             out.lookahead = self.cfg.num_lookahead_slots;
             if out.preempted.is_empty() && out.swapped_out.is_empty() {
-                (swapped, swap) = self.schedule_swapped(
+                let s;
+                (s, swap) = self.schedule_swapped(
                     st,
                     &mut budget,
                     &mut loras,
@@ -292,9 +324,13 @@ impl Scheduler {
                     &mut out,
                     &mut ignored,
                 )?;
+                swapped = Some(s);
             }
         }
         debug_assert!(run.prefill.is_empty() && swap.prefill.is_empty());
+        let waiting = waiting.unwrap_or_else(|| self.scratch.copy_queue(&self.waiting));
+        let running = running.unwrap_or_else(|| self.scratch.copy_queue(&self.running));
+        let swapped = swapped.unwrap_or_else(|| self.scratch.copy_queue(&self.swapped));
         self.finish_queues(
             waiting,
             running,
@@ -303,9 +339,10 @@ impl Scheduler {
             [&prefills, &run.decode, &swap.decode],
         );
         out.num_prefill_groups = prefills.len();
-        out.scheduled = [prefills, run.decode, swap.decode].concat();
+        out.scheduled = join([prefills, run.decode, swap.decode]);
         out.num_batched_tokens = budget.tokens;
         out.ignored = ignored;
+        self.keep_budget(budget);
         Ok(out)
     }
 
@@ -316,12 +353,15 @@ impl Scheduler {
         let mut ignored = Vec::new();
         let (running, run) = self.schedule_running(st, &mut budget, &mut loras, true, &mut out)?;
         out.lookahead = self.cfg.num_lookahead_slots;
-        let (mut swapped, mut swap) = (self.swapped.clone(), Part::default());
+        let (mut swapped, mut swap) = (None, Part::default());
         if out.preempted.is_empty() && out.swapped_out.is_empty() {
             // fix 3: swapped-in prefills are chunked like running ones.
-            (swapped, swap) =
+            let s;
+            (s, swap) =
                 self.schedule_swapped(st, &mut budget, &mut loras, true, &mut out, &mut ignored)?;
+            swapped = Some(s);
         }
+        let swapped = swapped.unwrap_or_else(|| self.scratch.copy_queue(&self.swapped));
         let (waiting, prefills, mut prefill_ignored) =
             self.schedule_prefills(st, &mut budget, &mut loras, true, now)?;
         let new_running = [
@@ -333,20 +373,32 @@ impl Scheduler {
         ];
         self.finish_queues(waiting, running, swapped, &out, new_running);
         out.num_prefill_groups = prefills.len() + run.prefill.len() + swap.prefill.len();
-        out.scheduled = [prefills, run.prefill, swap.prefill, run.decode, swap.decode].concat();
+        out.scheduled = join([prefills, run.prefill, swap.prefill, run.decode, swap.decode]);
         out.num_batched_tokens = budget.tokens;
         prefill_ignored.extend(ignored);
         out.ignored = prefill_ignored;
+        self.keep_budget(budget);
         Ok(out)
     }
 
-    fn budget(&self) -> Budget {
+    fn budget(&mut self) -> Budget {
         let groups = self.running.len() + self.swapped.len() + 16;
+        let sets = [
+            std::mem::take(&mut self.scratch.token_keys),
+            std::mem::take(&mut self.scratch.seq_keys),
+        ];
         Budget::new(
             self.cfg.max_num_batched_tokens,
             self.cfg.max_num_seqs,
             groups,
+            sets,
         )
+    }
+
+    /// Keep the budget's sets for the next step.
+    fn keep_budget(&mut self, budget: Budget) {
+        self.scratch.token_keys = budget.token_keys;
+        self.scratch.seq_keys = budget.seq_keys;
     }
 
     /// Install the queues after a step, in vLLM's order.
@@ -365,22 +417,35 @@ impl Scheduler {
             running.extend(part.iter().map(|s| s.key));
         }
         swapped.extend(out.swapped_out.iter().copied());
-        self.waiting = waiting;
-        self.running = running;
-        self.swapped = swapped;
+        let old = [
+            std::mem::replace(&mut self.waiting, waiting),
+            std::mem::replace(&mut self.running, running),
+            std::mem::replace(&mut self.swapped, swapped),
+        ];
+        for q in old {
+            self.scratch.recycle(q);
+        }
     }
 
     /// FCFS: vLLM sorts by `now - arrival`, descending, stably.
     /// The queue is usually in order already (one pass to check instead of a sort).
-    fn by_arrival(&self, q: &VecDeque<GroupKey>) -> VecDeque<GroupKey> {
-        let mut v: Vec<GroupKey> = q.iter().copied().collect();
-        let arrival: Vec<f64> = v.iter().map(|&k| self.g(k).arrival).collect();
-        if !arrival.is_sorted_by(|a, b| a.total_cmp(b).is_le()) {
-            let mut keyed: Vec<(f64, GroupKey)> = arrival.into_iter().zip(v).collect();
-            keyed.sort_by(|a, b| a.0.total_cmp(&b.0)); // stable, like Python's sort
-            v = keyed.into_iter().map(|(_, k)| k).collect();
+    fn by_arrival(&mut self, which: Queue) -> VecDeque<GroupKey> {
+        let q = match which {
+            Queue::Running => &self.running,
+            Queue::Swapped => &self.swapped,
+        };
+        let mut v = self.scratch.copy_queue(q);
+        let arrival = |k: &GroupKey| self.g(*k).arrival;
+        if !v
+            .iter()
+            .map(arrival)
+            .is_sorted_by(|a, b| a.total_cmp(b).is_le())
+        {
+            // stable, like Python's sort
+            v.make_contiguous()
+                .sort_by(|a, b| arrival(a).total_cmp(&arrival(b)));
         }
-        v.into()
+        v
     }
 
     fn seq_len<T: Tokens>(&self, st: &Step<T>, id: SeqId) -> Result<usize> {
@@ -420,8 +485,11 @@ impl Scheduler {
         chunking: bool,
         out: &mut Outputs,
     ) -> Result<(VecDeque<GroupKey>, Part)> {
-        let mut queue = self.by_arrival(&self.running);
-        let mut part = Part::default();
+        let mut queue = self.by_arrival(Queue::Running);
+        let mut part = Part {
+            prefill: Vec::new(),
+            decode: Vec::with_capacity(queue.len()),
+        };
         while let Some(&key) = queue.front() {
             let n = self.num_new_tokens(st, key, Status::Running, chunking, budget)?;
             // fix 1: a group that cannot be chunked (several sequences) must fit the budget.
@@ -563,7 +631,7 @@ impl Scheduler {
         out: &mut Outputs,
         ignored: &mut Vec<GroupKey>,
     ) -> Result<(VecDeque<GroupKey>, Part)> {
-        let mut queue = self.by_arrival(&self.swapped);
+        let mut queue = self.by_arrival(Queue::Swapped);
         let mut part = Part::default();
         let mut leftover = Vec::new();
         while let Some(&key) = queue.front() {
@@ -657,7 +725,7 @@ impl Scheduler {
         chunking: bool,
         now: f64,
     ) -> Result<(VecDeque<GroupKey>, Vec<Scheduled>, Vec<GroupKey>)> {
-        let mut queue = self.waiting.clone();
+        let mut queue = self.scratch.copy_queue(&self.waiting);
         let (mut scheduled, mut ignored, mut leftover) = (Vec::new(), Vec::new(), Vec::new());
         while self.passed_delay(now) {
             let Some(&key) = queue.front() else { break };

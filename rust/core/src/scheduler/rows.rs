@@ -33,8 +33,13 @@ pub struct StableRows {
     /// Row -> the sequence it was last written for (`NONE`: none, or it moved elsewhere).
     seqs: Vec<SeqId>,
     row_of: IdMap<SeqId, usize>,
-    /// Scratch: rows below `n` kept by their sequence this step.
+    /// Scratch, kept across steps: rows below `n` kept by their sequence this step; the
+    /// sequences past `n` (their row, schedule index) and those new to the buffer (schedule
+    /// index); the rows in their new order.
     taken: Vec<bool>,
+    displaced: Vec<(usize, usize)>,
+    fresh: Vec<usize>,
+    rows: Vec<Row>,
 }
 
 impl StableRows {
@@ -47,16 +52,22 @@ impl StableRows {
         if self.seqs.len() < n {
             self.seqs.resize(n, NONE);
         }
-        self.taken.clear();
-        self.taken.resize(n, false);
-        let mut place = vec![UNPLACED; n];
-        let mut displaced: Vec<(usize, usize)> = Vec::new(); // (its row, schedule index)
-        let mut fresh: Vec<usize> = Vec::new();
+        let mut taken = std::mem::take(&mut self.taken);
+        taken.clear();
+        taken.resize(n, false);
+        let mut place = std::mem::take(&mut batch.place);
+        place.resize(n, UNPLACED);
+        let (mut displaced, mut fresh) = (
+            std::mem::take(&mut self.displaced),
+            std::mem::take(&mut self.fresh),
+        );
+        displaced.clear();
+        fresh.clear();
         for (j, r) in batch.rows.iter().enumerate() {
             match self.row_of.get(&r.seq) {
                 Some(&i) if i < n => {
                     place[j] = i;
-                    self.taken[i] = true;
+                    taken[i] = true;
                 }
                 Some(&i) => displaced.push((i, j)),
                 None => fresh.push(j),
@@ -64,17 +75,23 @@ impl StableRows {
         }
         displaced.sort_unstable_by_key(|d| std::cmp::Reverse(d.0)); // the last rows first
         let moved = displaced.len();
-        let holes: Vec<usize> = (0..n).filter(|&h| !self.taken[h]).collect();
-        let movers = displaced.iter().map(|&(_, j)| j).chain(fresh);
-        for (h, j) in holes.into_iter().zip(movers) {
+        let holes = (0..n).filter(|&h| !taken[h]);
+        let movers = displaced
+            .iter()
+            .map(|&(_, j)| j)
+            .chain(fresh.iter().copied());
+        for (h, j) in holes.zip(movers) {
             place[j] = h;
             self.assign(h, batch.rows[j].seq);
         }
-        let mut rows: Vec<Row> = batch.rows.clone(); // every entry is overwritten: a permutation
+        // every entry is overwritten: a permutation
+        let mut rows = std::mem::take(&mut self.rows);
+        rows.clone_from(&batch.rows);
         for (j, r) in batch.rows.iter().enumerate() {
             rows[place[j]] = *r;
         }
-        batch.rows = rows;
+        std::mem::swap(&mut batch.rows, &mut rows);
+        (self.rows, self.displaced, self.fresh, self.taken) = (rows, displaced, fresh, taken);
         batch.place = place;
         moved
     }

@@ -88,19 +88,32 @@ impl Batch {
     /// The rows in schedule order, each with where its samples start in the sampled array
     /// (laid out in buffer-row order).
     pub fn rows_by_schedule(&self) -> Vec<(&Row, usize)> {
-        let mut start = Vec::with_capacity(self.rows.len());
-        let mut at = 0;
-        for r in &self.rows {
-            start.push(at);
-            at += r.samples;
-        }
-        if self.place.is_empty() {
-            return self.rows.iter().zip(start).collect();
-        }
-        self.place
-            .iter()
-            .map(|&i| (&self.rows[i], start[i]))
+        let mut starts = Vec::new();
+        self.sample_starts(&mut starts);
+        self.schedule_order()
+            .map(|i| (&self.rows[i], starts[i]))
             .collect()
+    }
+
+    /// The buffer rows in schedule order.
+    pub fn schedule_order(&self) -> impl Iterator<Item = usize> + '_ {
+        let n = if self.place.is_empty() {
+            self.rows.len()
+        } else {
+            0
+        };
+        (0..n).chain(self.place.iter().copied())
+    }
+
+    /// Per buffer row, where its samples start in the sampled array, into `starts` (a
+    /// scratch buffer the caller keeps across steps).
+    pub fn sample_starts(&self, starts: &mut Vec<usize>) {
+        starts.clear();
+        let mut at = 0;
+        starts.extend(self.rows.iter().map(|r| {
+            at += r.samples;
+            at - r.samples
+        }));
     }
 
     pub fn num_samples(&self) -> usize {
@@ -156,7 +169,10 @@ impl Scheduler {
         let mut next_child = 0;
         let mut forks = Vec::new();
         let mut freed = Vec::new();
-        for (r, at) in prev.rows_by_schedule() {
+        let mut starts = std::mem::take(&mut self.scratch.sample_starts);
+        prev.sample_starts(&mut starts);
+        for i in prev.schedule_order() {
+            let (r, at) = (&prev.rows[i], starts[i]);
             let toks_of_row = &sampled[at..at + r.samples];
             if r.key == GroupKey::MAX || r.samples == 0 {
                 continue;
@@ -175,6 +191,7 @@ impl Scheduler {
                 freed.push(r.seq);
             }
         }
+        self.scratch.sample_starts = starts;
         for &(parent, child) in &forks {
             mgr.fork(parent, child)?;
         }
@@ -276,6 +293,24 @@ impl Scheduler {
     /// its first chunk is scheduled, run ahead of the chunks actually computed).
     pub fn batch_rows(&self, out: &Outputs, metas: &[StepMeta], order: &[usize]) -> Batch {
         let mut b = Batch::default();
+        self.batch_rows_into(out, metas, order, &mut b);
+        b
+    }
+
+    /// [`Self::batch_rows`] into `b` (cleared first), reusing its buffers across steps.
+    pub fn batch_rows_into(
+        &self,
+        out: &Outputs,
+        metas: &[StepMeta],
+        order: &[usize],
+        b: &mut Batch,
+    ) {
+        b.groups.clear();
+        b.rows.clear();
+        b.place.clear();
+        b.groups.reserve(order.len());
+        b.rows
+            .reserve(order.iter().map(|&i| metas[i].running.len()).sum());
         for &i in order {
             let (s, m) = (out.scheduled[i], &metas[i]);
             b.groups.push(s);
@@ -297,7 +332,6 @@ impl Scheduler {
                 chunk: s.chunk,
             }));
         }
-        b
     }
 
     /// The progress of a sequence (computed tokens, decode stage).
@@ -415,8 +449,11 @@ impl Manager {
         out: &Outputs,
         buf: ModelInputs<'_>,
     ) -> Result<Written> {
-        let spans = self.row_spans(sched, batch)?;
-        let tokens: usize = spans.iter().map(|s| s.len - s.skip).sum();
+        let mut tokens = 0;
+        for r in &batch.rows {
+            let sp = self.row_span(sched, r)?;
+            tokens += sp.len - sp.skip;
+        }
         check_sizes(&buf, batch.rows.len(), tokens)?;
         for r in &batch.rows {
             let need = self.block_table(r.seq)?.len();
@@ -439,7 +476,8 @@ impl Manager {
         let bs = self.config().block_size;
         let mut t = 0;
         buf.query_start_loc[0] = 0;
-        for (i, (r, sp)) in batch.rows.iter().zip(&spans).enumerate() {
+        for (i, r) in batch.rows.iter().enumerate() {
+            let sp = self.row_span(sched, r)?;
             let table = self.block_table(r.seq)?;
             let (from, end) = (sp.start + sp.skip, sp.start + sp.len);
             toks.with(r.seq, |ts| -> Result<()> {
@@ -465,19 +503,14 @@ impl Manager {
         Ok(written)
     }
 
-    /// Per row: where its chunk starts, its length and the cached tokens it leaves out.
-    fn row_spans(&self, sched: &Scheduler, batch: &Batch) -> Result<Vec<Span>> {
+    /// A row's chunk: where it starts, its length and the cached tokens it leaves out
+    /// (computed twice per step, to size and to write, rather than kept in a list).
+    fn row_span(&self, sched: &Scheduler, r: &Row) -> Result<Span> {
         let bs = self.config().block_size;
-        batch
-            .rows
-            .iter()
-            .map(|r| {
-                let len = r.chunk;
-                let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
-                let skip = cached_skip(r.cached_blocks * bs, start, len);
-                Ok(Span { start, len, skip })
-            })
-            .collect()
+        let len = r.chunk;
+        let (start, _) = sched.progress(r.seq).ok_or(Error::UnknownSequence(r.seq))?;
+        let skip = cached_skip(r.cached_blocks * bs, start, len);
+        Ok(Span { start, len, skip })
     }
 }
 
@@ -571,6 +604,8 @@ pub struct SentTables {
     /// Per buffer row: the sequence last sent there (`SeqId::MAX`: none).
     occupant: Vec<SeqId>,
     deltas: u64,
+    /// Scratch: this delta's rows, recorded once every row was read.
+    pending: Vec<(SeqId, SentRow)>,
 }
 
 impl SentTables {
@@ -603,17 +638,27 @@ impl Manager {
     /// buffer was before this delta); one created, moved to the other device, with entries
     /// replaced, or whose row another sequence took sends all of them.
     pub fn table_delta(&self, batch: &Batch, sent: &mut SentTables) -> Result<TableDelta> {
+        let mut d = TableDelta::default();
+        self.table_delta_into(batch, sent, &mut d)?;
+        Ok(d)
+    }
+
+    /// [`Self::table_delta`] into `d` (overwritten), reusing its buffers across steps.
+    pub fn table_delta_into(
+        &self,
+        batch: &Batch,
+        sent: &mut SentTables,
+        d: &mut TableDelta,
+    ) -> Result<()> {
         sent.deltas += 1;
-        let n = batch.rows.len();
-        let mut d = TableDelta {
-            number: sent.deltas,
-            state: Vec::with_capacity(n),
-            from: Vec::with_capacity(n),
-            loc: Vec::with_capacity(n + 1),
-            blocks: Vec::new(),
-        };
+        d.number = sent.deltas;
+        d.state.clear();
+        d.from.clear();
+        d.loc.clear();
+        d.blocks.clear();
         d.loc.push(0);
-        let mut now = Vec::with_capacity(n);
+        let mut now = std::mem::take(&mut sent.pending);
+        now.clear();
         for (i, r) in batch.rows.iter().enumerate() {
             let table = self.block_table(r.seq)?;
             let (version, layout) = self.table_versions(r.seq)?;
@@ -632,18 +677,20 @@ impl Manager {
             d.from.push(from);
             d.loc.push(d.blocks.len());
             let len = table.len();
-            now.push(SentRow {
+            let row = SentRow {
                 row: i,
                 version,
                 layout,
                 len,
-            });
+            };
+            now.push((r.seq, row));
         }
         // recorded after every row was read against the buffer as it was before the delta
-        for (r, row) in batch.rows.iter().zip(now) {
-            sent.record(r.seq, row);
+        for &(seq, row) in &now {
+            sent.record(seq, row);
         }
-        Ok(d)
+        sent.pending = now;
+        Ok(())
     }
 }
 

@@ -42,6 +42,10 @@ pub struct PyBatchStep {
     /// Returns a fresh sequence id per call (the engine's counter), for forks.
     new_seq_id: Py<PyAny>,
     prev: Batch,
+    /// Buffers kept across steps: the batch consumed by the last step (refilled as the next
+    /// one) and a copy of the sampled tokens (taken before any Python callback runs).
+    spare_batch: Batch,
+    sampled: Vec<i32>,
     /// The last step's decisions (copy and swap lists), for `rewrite`.
     last_out: Outputs,
     /// Incremental block tables (when the buffers have `row_state`): what the caller was
@@ -102,6 +106,8 @@ impl PyBatchStep {
             core,
             new_seq_id: new_seq_id.clone().unbind(),
             prev: Batch::default(),
+            spare_batch: Batch::default(),
+            sampled: Vec::new(),
             last_out: Outputs::default(),
             sent: SentTables::default(),
             last_delta: None,
@@ -143,66 +149,16 @@ impl PyBatchStep {
         now: f64,
         buffers: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let sampled: Vec<i32> = sampled
-            .as_slice()
-            .map_err(|_| invalid("sampled must be C-contiguous"))?
-            .to_vec();
-        let core = self.core.clone_ref(py);
-        let mut c = core
-            .bind(py)
-            .try_borrow_mut()
-            .map_err(|_| busy("the scheduler"))?;
-        self.check_buffers(py, &c, buffers)?;
-        c.check_batch_units()?;
-        c.core
-            .check_sampled(&self.prev, &self.rules, &sampled)
-            .py()?;
-        let children = self.fork_views(py, &mut c)?;
-        let finished = self.apply(py, &mut c, &sampled, &children)?;
-        let (out, metas) = c.schedule_step(py, now, false)?;
-        let order = c.output_order(&out);
-        let mut batch = c.core.batch_rows(&out, &metas, &order);
-        if let Some(stable) = &mut self.stable {
-            stable.arrange(&mut batch);
-        }
-        for (s, m) in batch.groups.iter().zip(order.iter().map(|&i| &metas[i])) {
-            let group = c.groups[&s.key].obj.bind(py).clone();
-            if m.first_time {
-                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
-            }
-            if !self.rules.contains_key(&s.key) {
-                let rules = self.read_rules(py, &c, s.key)?;
-                self.rules.insert(s.key, rules);
-            }
-        }
-        let scheduled = PyList::new(
-            py,
-            batch.groups.iter().map(|s| c.groups[&s.key].obj.bind(py)),
-        )?;
-        let ignored = self.finish_groups(py, &mut c, &out.ignored)?;
-        self.prev = batch;
-        self.last_out = out;
-        self.last_delta = None;
-        if buffers.getattr(intern!(py, "row_state"))?.is_none() {
-            self.sent.clear();
-        } else {
-            let m = c.manager.bind(py).get().locked()?;
-            self.last_delta = Some(m.core().table_delta(&self.prev, &mut self.sent).py()?);
-        }
-        drop(c);
-        let counts = self.rewrite(py, buffers)?;
-        let items: [Bound<'py, PyAny>; 6] = [
-            counts.into_any(),
-            self.last_out
-                .num_prefill_groups
-                .into_pyobject(py)?
-                .into_any(),
-            scheduled.into_any(),
-            finished.into_any(),
-            ignored.into_any(),
-            self.needed_cols(py)?.into_pyobject(py)?.into_any(),
-        ];
-        PyTuple::new(py, items)
+        let mut sampled_copy = std::mem::take(&mut self.sampled);
+        sampled_copy.clear();
+        sampled_copy.extend_from_slice(
+            sampled
+                .as_slice()
+                .map_err(|_| invalid("sampled must be C-contiguous"))?,
+        );
+        let res = self.step_with(py, &sampled_copy, now, buffers);
+        self.sampled = sampled_copy;
+        res
     }
 
     /// (Re)write the model inputs of the last step into `buffers`: `(rows, tokens, copies,
@@ -279,6 +235,76 @@ impl PyBatchStep {
 }
 
 impl PyBatchStep {
+    /// The body of `step`, with the sampled tokens copied out of the caller's array.
+    fn step_with<'py>(
+        &mut self,
+        py: Python<'py>,
+        sampled: &[i32],
+        now: f64,
+        buffers: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let core = self.core.clone_ref(py);
+        let mut c = core
+            .bind(py)
+            .try_borrow_mut()
+            .map_err(|_| busy("the scheduler"))?;
+        self.check_buffers(py, &c, buffers)?;
+        c.check_batch_units()?;
+        c.core
+            .check_sampled(&self.prev, &self.rules, sampled)
+            .py()?;
+        let children = self.fork_views(py, &mut c)?;
+        let finished = self.apply(py, &mut c, sampled, &children)?;
+        let (out, metas) = c.schedule_step(py, now, false)?;
+        let order = c.output_order(&out);
+        let mut batch = std::mem::take(&mut self.spare_batch);
+        c.core.batch_rows_into(&out, &metas, &order, &mut batch);
+        if let Some(stable) = &mut self.stable {
+            stable.arrange(&mut batch);
+        }
+        for (s, m) in batch.groups.iter().zip(order.iter().map(|&i| &metas[i])) {
+            let group = c.groups[&s.key].obj.bind(py).clone();
+            if m.first_time {
+                group.call_method1(intern!(py, "maybe_set_first_scheduled_time"), (now,))?;
+            }
+            if !self.rules.contains_key(&s.key) {
+                let rules = self.read_rules(py, &c, s.key)?;
+                self.rules.insert(s.key, rules);
+            }
+        }
+        let scheduled = PyList::new(
+            py,
+            batch.groups.iter().map(|s| c.groups[&s.key].obj.bind(py)),
+        )?;
+        let ignored = self.finish_groups(py, &mut c, &out.ignored)?;
+        self.prev = batch;
+        self.last_out = out;
+        let mut delta = self.last_delta.take().unwrap_or_default();
+        if buffers.getattr(intern!(py, "row_state"))?.is_none() {
+            self.sent.clear();
+        } else {
+            let m = c.manager.bind(py).get().locked()?;
+            m.core()
+                .table_delta_into(&self.prev, &mut self.sent, &mut delta)
+                .py()?;
+            self.last_delta = Some(delta);
+        }
+        drop(c);
+        let counts = self.rewrite(py, buffers)?;
+        let items: [Bound<'py, PyAny>; 6] = [
+            counts.into_any(),
+            self.last_out
+                .num_prefill_groups
+                .into_pyobject(py)?
+                .into_any(),
+            scheduled.into_any(),
+            finished.into_any(),
+            ignored.into_any(),
+            self.needed_cols(py)?.into_pyobject(py)?.into_any(),
+        ];
+        PyTuple::new(py, items)
+    }
+
     /// Block-table columns the last step's batch needs.
     fn needed_cols(&self, py: Python<'_>) -> PyResult<usize> {
         let c = self
@@ -296,10 +322,10 @@ impl PyBatchStep {
     /// `group.add` takes back the children already added.
     fn fork_views(&self, py: Python<'_>, c: &mut PySchedulerCore) -> PyResult<Vec<SeqId>> {
         // children are drawn in schedule order, as vLLM's output processor draws them
-        let rows = self.prev.rows_by_schedule();
+        let prev = &self.prev;
         let live = || {
-            rows.iter()
-                .map(|(r, _)| *r)
+            prev.schedule_order()
+                .map(|i| &prev.rows[i])
                 .filter(|r| r.key != GroupKey::MAX)
         };
         let mut children: Vec<SeqId> = Vec::with_capacity(self.prev.num_children());
@@ -380,7 +406,7 @@ impl PyBatchStep {
         drop(m);
         c.write_back(py)?;
         let applied = res.py()?;
-        self.prev = Batch::default();
+        self.spare_batch = std::mem::take(&mut self.prev);
         self.finish_groups(py, c, &applied.finished)
     }
 
