@@ -7,45 +7,11 @@
 use pagedkv_core::hash::{HashAlgo, HashExtra, Hasher};
 use pagedkv_core::scheduler::{Group, Scheduler, SchedulerConfig, SeqState, Status};
 use pagedkv_core::{Manager, ManagerConfig, TokenSeq};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-struct Counting;
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call forwards to the system allocator with the caller's own arguments, so
-// each of `GlobalAlloc`'s contracts is the system allocator's; the counter is an atomic
-// updated on the side (no aliasing, no allocation, safe from any thread).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        LIVE.fetch_add(l.size(), Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        LIVE.fetch_sub(l.size(), Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        LIVE.fetch_add(new, Ordering::SeqCst);
-        LIVE.fetch_sub(l.size(), Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+mod common;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn live() -> usize {
-    LIVE.load(Ordering::SeqCst)
-}
+static ALLOC: common::Counting = common::Counting;
 
 const H: Hasher = Hasher {
     algo: HashAlgo::Xxh3,
@@ -78,9 +44,9 @@ fn bytes_per_cached_block_and_per_running_sequence() {
         (262_144, true),
         (65_536, false),
     ] {
-        let before = live();
+        let before = common::live_bytes();
         let m = manager(gpu, caching);
-        let measured = live() - before;
+        let measured = common::live_bytes() - before;
         let accounted = m.pool_heap_bytes();
         println!(
             "pool of {gpu} blocks, caching {caching}: {:.1} B/block measured, {:.1} accounted",
@@ -112,17 +78,17 @@ fn bytes_per_cached_block_and_per_running_sequence() {
         preemption_mode: None,
     })
     .unwrap();
-    let before = live();
+    let before = common::live_bytes();
     for (i, seq) in seqs.iter().enumerate() {
         m.allocate(&[(i as u64, seq)]).unwrap();
     }
-    let tables = live() - before;
+    let tables = common::live_bytes() - before;
     assert!(
         close(tables, m.tables_heap_bytes()),
         "{tables} vs {}",
         m.tables_heap_bytes()
     );
-    let before = live();
+    let before = common::live_bytes();
     for i in 0..n {
         let mut g = Group::new(&format!("request-{i}"), i as f64, 0, 1, false);
         g.seqs.push(SeqState {
@@ -134,7 +100,7 @@ fn bytes_per_cached_block_and_per_running_sequence() {
         g.num_seqs = 1;
         s.add_group(g).unwrap();
     }
-    let sched = live() - before;
+    let sched = common::live_bytes() - before;
     println!(
         "per running sequence: manager table {:.1} B ({} blocks of 4 B + entry), scheduler {:.1} B \
          (accounted {:.1})",

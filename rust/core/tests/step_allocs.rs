@@ -11,44 +11,12 @@ use pagedkv_core::scheduler::{
 };
 use pagedkv_core::scheduler::{Group, SeqState, Status};
 use pagedkv_core::{Manager, ManagerConfig, Result, SeqId, TokenSeq};
-use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::RefCell;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
-struct Counting;
-static ALLOCS: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call forwards to the system allocator with the caller's own arguments, so
-// each of `GlobalAlloc`'s contracts is the system allocator's; the counter is an atomic
-// updated on the side (no aliasing, no allocation, safe from any thread).
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn alloc_zeroed(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.alloc_zeroed(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, new: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::SeqCst);
-        // SAFETY: forwarded as received (see the impl).
-        unsafe { System.realloc(p, l, new) }
-    }
-}
+mod common;
 
 #[global_allocator]
-static ALLOC: Counting = Counting;
-
-fn allocs() -> usize {
-    ALLOCS.load(Ordering::SeqCst)
-}
+static ALLOC: common::Counting = common::Counting;
 
 const H: Hasher = Hasher {
     algo: HashAlgo::Xxh3,
@@ -238,9 +206,9 @@ fn decode_allocs(running: usize, stable: bool) -> Vec<usize> {
     }
     (0..12)
         .map(|_| {
-            let before = allocs();
+            let before = common::allocations();
             assert_eq!(e.step(), running);
-            allocs() - before
+            common::allocations() - before
         })
         .collect()
 }

@@ -85,16 +85,6 @@ pub struct Batch {
 }
 
 impl Batch {
-    /// The rows in schedule order, each with where its samples start in the sampled array
-    /// (laid out in buffer-row order).
-    pub fn rows_by_schedule(&self) -> Vec<(&Row, usize)> {
-        let mut starts = Vec::new();
-        self.sample_starts(&mut starts);
-        self.schedule_order()
-            .map(|i| (&self.rows[i], starts[i]))
-            .collect()
-    }
-
     /// The buffer rows in schedule order.
     pub fn schedule_order(&self) -> impl Iterator<Item = usize> + '_ {
         let n = if self.place.is_empty() {
