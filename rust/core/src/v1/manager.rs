@@ -276,19 +276,22 @@ impl Manager {
             .expect("planned allocation fits");
         let new = r.blocks[start..].to_vec();
         if plan.cache_upto.is_some() {
-            Self::cache_new_full(&mut self.pool, r, plan.cache_first, &self.keys);
+            Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, plan.cache_first, &self.keys);
         }
         new
     }
 
     /// Cache blocks `first..first + keys.len()` of `r` (vLLM's `cache_full_blocks`).
-    fn cache_new_full(pool: &mut Pool, r: &mut ReqBlocks, first: u32, keys: &[HashKey]) {
+    fn cache_new_full(pool: &mut Pool, bs: u32, r: &mut ReqBlocks, first: u32, keys: &[HashKey]) {
         if keys.is_empty() {
             return;
         }
         for (i, k) in keys.iter().enumerate() {
-            let b = r.blocks[first as usize + i];
-            pool.insert_hash(b, *k).expect("a newly full block has no hash yet");
+            let idx = first + i as u32;
+            let b = r.blocks[idx as usize];
+            // A newly full block was handed out uncached (get_new_blocks evicts) and is past
+            // the request's cached prefix, so it has no hash yet: this cannot fail.
+            pool.insert_hash(b, *k, (idx + 1) * bs).expect("a newly full block has no hash yet");
         }
         let end = first + keys.len() as u32;
         pool.push_event(Event::Stored { first, end });
@@ -321,8 +324,18 @@ impl Manager {
                 first as usize + self.keys.len()
             )));
         }
-        Self::cache_new_full(&mut self.pool, r, first, &self.keys);
+        Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, first, &self.keys);
         Ok(())
+    }
+
+    /// vLLM's `estimate_cached_tokens`: the most tokens any of the request's blocks' hashes
+    /// covers.
+    pub fn estimate_cached_tokens(&self, req: &str) -> u32 {
+        self.blocks(req)
+            .iter()
+            .filter_map(|&b| self.pool.hashed_tokens(b))
+            .max()
+            .unwrap_or(0)
     }
 
     /// Forget the request and hand back its blocks (allocation order), without freeing them.

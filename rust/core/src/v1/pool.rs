@@ -15,8 +15,8 @@
 //! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
 //! `Some(k)` iff the map lists `b` under `k`.
 //!
-//! Costs: every operation O(1) per block touched; 4 B (ref count) + 34 B (hash slot) + 8 B
-//! (queue links) per block, plus one map entry per cached block.
+//! Costs: every operation O(1) per block touched; 4 B (ref count) + 33 B (hash slot) + 4 B (hashed
+//! tokens) + 8 B (queue links) per block, plus one map entry per cached block.
 
 use std::collections::HashMap;
 
@@ -96,6 +96,9 @@ impl Holders {
 pub struct Pool {
     ref_cnt: Vec<u32>,
     hash: Vec<Option<HashKey>>,
+    /// Tokens covered by a cached block's hash (its position in the caching request + 1, in
+    /// tokens); 0 while uncached.
+    hashed_tokens: Vec<u32>,
     queue: FreeQueue,
     cached: HashMap<HashKey, Holders>,
     caching: bool,
@@ -119,6 +122,7 @@ impl Pool {
         Ok(Pool {
             ref_cnt: vec![0; num_blocks as usize],
             hash: vec![None; num_blocks as usize],
+            hashed_tokens: vec![0; num_blocks as usize],
             queue,
             cached: HashMap::new(),
             caching,
@@ -155,6 +159,11 @@ impl Pool {
 
     pub fn hash_of(&self, b: u32) -> Option<&HashKey> {
         self.hash[b as usize].as_ref()
+    }
+
+    /// vLLM's `block_hash_num_tokens` (`None` while the block is not cached).
+    pub fn hashed_tokens(&self, b: u32) -> Option<u32> {
+        self.hash[b as usize].map(|_| self.hashed_tokens[b as usize])
     }
 
     pub fn is_free(&self, b: u32) -> bool {
@@ -282,8 +291,9 @@ impl Pool {
         failed.map_or(Ok(()), Err)
     }
 
-    /// Cache `b` under `key` (vLLM's `_insert_block_hash` for a block without a hash).
-    pub fn insert_hash(&mut self, b: u32, key: HashKey) -> Result<()> {
+    /// Cache `b` under `key`, its hash covering `num_tokens` tokens (vLLM's
+    /// `_insert_block_hash` for a block without a hash).
+    pub fn insert_hash(&mut self, b: u32, key: HashKey, num_tokens: u32) -> Result<()> {
         match self.hash[b as usize] {
             Some(k) if k == key => return Ok(()),
             Some(_) => {
@@ -294,6 +304,7 @@ impl Pool {
             None => {}
         }
         self.hash[b as usize] = Some(key);
+        self.hashed_tokens[b as usize] = num_tokens;
         match self.cached.get_mut(&key) {
             None => {
                 self.cached.insert(key, Holders::One(b));
@@ -313,6 +324,7 @@ impl Pool {
         let Some(key) = self.hash[b as usize].take() else {
             return false;
         };
+        self.hashed_tokens[b as usize] = 0;
         let popped = self.pop_holder(&key, b);
         if popped {
             self.push_event(Event::Removed(key));
@@ -350,6 +362,7 @@ impl Pool {
         }
         self.cached.clear();
         self.hash.iter_mut().for_each(|h| *h = None);
+        self.hashed_tokens.iter_mut().for_each(|t| *t = 0);
         self.push_event(Event::Cleared);
         true
     }
@@ -372,7 +385,7 @@ impl Pool {
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
         let n = self.ref_cnt.capacity();
-        n * (4 + std::mem::size_of::<Option<HashKey>>() + 8)
+        n * (4 + std::mem::size_of::<Option<HashKey>>() + 4 + 8)
             + self.cached.capacity()
                 * (std::mem::size_of::<(HashKey, Holders)>() + 1)
     }

@@ -61,8 +61,8 @@ fn freed_uncached_blocks_go_first_cached_ones_last() {
     let mut p = Pool::new(6, true, false).unwrap();
     let mut out = vec![];
     p.get_new_blocks(4, &mut out).unwrap(); // 1 2 3 4; queue: 5
-    p.insert_hash(1, key(1)).unwrap();
-    p.insert_hash(2, key(2)).unwrap();
+    p.insert_hash(1, key(1), 4).unwrap();
+    p.insert_hash(2, key(2), 4).unwrap();
     p.free_blocks([4, 3, 2, 1].into_iter()).unwrap();
     assert_eq!(p.free_queue(), [4, 3, 5, 2, 1]);
     p.check().unwrap();
@@ -94,7 +94,7 @@ fn eviction_on_reuse_emits_removed() {
     let mut p = Pool::new(3, true, true).unwrap();
     let mut out = vec![];
     p.get_new_blocks(2, &mut out).unwrap();
-    p.insert_hash(1, key(1)).unwrap();
+    p.insert_hash(1, key(1), 4).unwrap();
     p.free_blocks([1].into_iter()).unwrap();
     p.free_blocks([2].into_iter()).unwrap();
     assert_eq!(p.free_queue(), [2, 1]);
@@ -110,8 +110,8 @@ fn duplicate_hashes_keep_insertion_order() {
     let mut p = Pool::new(4, true, true).unwrap();
     let mut out = vec![];
     p.get_new_blocks(3, &mut out).unwrap();
-    p.insert_hash(2, key(9)).unwrap();
-    p.insert_hash(1, key(9)).unwrap();
+    p.insert_hash(2, key(9), 4).unwrap();
+    p.insert_hash(1, key(9), 4).unwrap();
     assert_eq!(p.get_cached(&key(9)), Some(2));
     assert!(p.evict(2));
     assert_eq!(p.get_cached(&key(9)), Some(1));
