@@ -64,6 +64,13 @@ case "${PAGEDKV_VLLM_ENVS_ONLY:-both}" in
   *) build_033; build_032 ;;
 esac
 
+# Packages the tests need beyond vLLM's requirements (the xxhash prefix-caching algorithms).
+for v in 0.33 0.32; do
+  env=$root/vllm-$v
+  [ -f "$env/.ready" ] || continue
+  "$env/bin/python" -c "import xxhash" 2>/dev/null || "$env/bin/pip" install --quiet xxhash
+done
+
 if [ $# -ge 1 ]; then
   for v in 0.33 0.32; do
     [ -x "$root/vllm-$v/bin/python" ] || continue

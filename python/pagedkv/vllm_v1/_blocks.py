@@ -60,17 +60,17 @@ def block_ids_of(blocks: Iterable[Any]) -> List[int]:
     return [b.block_id for b in blocks]
 
 
-def make_blocks_class(kv_cache_blocks_cls: type) -> type:
-    """A subclass of vLLM's ``KVCacheBlocks`` over one group of native block ids."""
+def make_blocks_class(kv_cache_blocks_cls: type, native: Any) -> type:
+    """A subclass of vLLM's ``KVCacheBlocks`` over one group of ``native``'s block ids."""
 
     class NativeKVCacheBlocks(kv_cache_blocks_cls):  # type: ignore[misc, valid-type]
         """vLLM's ``KVCacheBlocks`` for one group, holding block ids; views made when read."""
 
-        __slots__ = ("_ids", "_native")
+        __slots__ = ("_ids",)
+        _native = native
 
-        def __init__(self, native: Any, ids: List[int]) -> None:
-            object.__setattr__(self, "_native", native)
-            object.__setattr__(self, "_ids", ids)
+        def __init__(self, ids: List[int]) -> None:
+            self._ids = ids
 
         @property
         def blocks(self) -> Tuple[Sequence[BlockView], ...]:  # type: ignore[override]
@@ -90,8 +90,8 @@ def make_blocks_class(kv_cache_blocks_cls: type) -> type:
             return [b for b in self._ids if n.block_hash(b) is None]
 
         def __add__(self, other: Any) -> Any:
-            if isinstance(other, NativeKVCacheBlocks) and other._native is self._native:
-                return NativeKVCacheBlocks(self._native, self._ids + other._ids)
+            if isinstance(other, NativeKVCacheBlocks):
+                return NativeKVCacheBlocks(self._ids + other._ids)
             return super().__add__(other)
 
         def __repr__(self) -> str:

@@ -146,8 +146,15 @@ class KVCacheManager:
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, spec)
         self.empty_kv_cache_blocks = KVCacheBlocks(((),))
-        self._Blocks = _blocks.make_blocks_class(KVCacheBlocks)
+        self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
         self._events: List[Any] = []
+        on_events = self._drain_events if self._builder is not None else None
+        self._native.bind_vllm(
+            self.empty_kv_cache_blocks, self._Blocks, *self._admitting, on_events
+        )
+        # The scheduler's hottest call goes straight to Rust (same signature and result as
+        # the method below, which stays for class-level access).
+        self.allocate_slots = self._native.vllm_allocate_slots
 
     def _init_metadata(self, spec: Any) -> None:
         from vllm.v1.kv_cache_interface import (
@@ -214,42 +221,11 @@ class KVCacheManager:
     ) -> Tuple[Any, int, int, bool]:
         return (*self.get_computed_blocks(request, max_cache_hit_length), False)
 
-    def allocate_slots(
-        self,
-        request: Any,
-        num_new_tokens: int,
-        num_new_computed_tokens: int = 0,
-        new_computed_blocks: Any = None,
-        num_lookahead_tokens: int = 0,
-        num_external_computed_tokens: int = 0,
-        delay_cache_blocks: bool = False,
-        num_encoder_tokens: int = 0,
-        full_sequence_must_fit: bool = False,
-        reserved_blocks: int = 0,
-        has_scheduled_reqs: bool = True,
-        skip_zeroing_group_ids: Tuple[int, ...] = (),
-    ) -> Any:
-        if num_external_computed_tokens or num_encoder_tokens:
-            raise InvalidArgumentError(
-                "external (connector) and encoder tokens are outside pagedkv's manager"
-            )
-        ids = self._native.allocate_slots(
-            request.request_id,
-            request.num_computed_tokens,
-            request.num_tokens,
-            request.status in self._admitting,
-            num_new_tokens,
-            num_new_computed_tokens,
-            self._computed_ids(new_computed_blocks),
-            num_lookahead_tokens,
-            delay_cache_blocks,
-            full_sequence_must_fit,
-            reserved_blocks,
-            has_scheduled_reqs,
-            request.block_hashes,
-        )
-        self._drain_events(request)
-        return None if ids is None else self._wrap(ids)
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``allocate_slots`` (same arguments and result), in Rust: the new blocks as
+        ``KVCacheBlocks`` (vLLM's shared empty one when none is new), ``None`` when they do not
+        fit. Connector (external) and encoder tokens are outside the scope: 0 or an error."""
+        return self._native.vllm_allocate_slots(request, num_new_tokens, *args, **kwargs)
 
     def _computed_ids(self, blocks: Any) -> Optional[List[int]]:
         """The adopted hit's ids; ``None`` for vLLM's shared empty ``KVCacheBlocks``."""
@@ -263,7 +239,7 @@ class KVCacheManager:
         return _blocks.block_ids_of(groups[0])
 
     def _wrap(self, ids: List[int]) -> Any:
-        return self._Blocks(self._native, ids) if ids else self.empty_kv_cache_blocks
+        return self._Blocks(ids) if ids else self.empty_kv_cache_blocks
 
     def _drain_events(self, request: Any = None) -> None:
         if self._builder is not None:

@@ -8,12 +8,28 @@
 use crate::errors::{busy, IntoPyResult};
 use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::intern;
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 #[pyclass(module = "pagedkv._native", name = "V1Manager", frozen)]
 pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
+    /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
+    vllm: std::sync::OnceLock<VllmBinding>,
+}
+
+/// The Python objects `vllm_allocate_slots` answers with or compares against.
+struct VllmBinding {
+    /// vLLM's shared empty `KVCacheBlocks` (returned when no block is new).
+    empty: Py<PyAny>,
+    /// `NativeKVCacheBlocks(native, ids)`, the class built for this manager.
+    blocks_cls: Py<PyAny>,
+    /// `RequestStatus.WAITING`, `RequestStatus.PREEMPTED` (the watermark applies to these).
+    waiting: Py<PyAny>,
+    preempted: Py<PyAny>,
+    /// Called with the request after a call that logged KV events (`None`: events off).
+    on_events: Option<Py<PyAny>>,
 }
 
 /// `request.block_hashes`, read item by item (no Python code runs for a list of bytes).
@@ -63,6 +79,33 @@ impl PyV1Manager {
     }
 }
 
+/// The block ids of an adopted prefix-cache hit; `None` for vLLM's shared empty blocks.
+fn computed_ids(
+    py: Python<'_>,
+    b: &VllmBinding,
+    blocks: Option<&Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<u32>>> {
+    let Some(blocks) = blocks else {
+        return Ok(None);
+    };
+    if blocks.is_none() || blocks.is(b.empty.bind(py)) {
+        return Ok(None);
+    }
+    if let Ok(ids) = blocks.getattr(intern!(py, "_ids")) {
+        return Ok(Some(ids.extract()?));
+    }
+    let groups = blocks.getattr(intern!(py, "blocks"))?;
+    if groups.is(b.empty.bind(py).getattr(intern!(py, "blocks"))?) {
+        return Ok(None);
+    }
+    let first = groups.get_item(0)?;
+    let mut ids = Vec::new();
+    for blk in first.try_iter()? {
+        ids.push(blk?.getattr(intern!(py, "block_id"))?.extract()?);
+    }
+    Ok(Some(ids))
+}
+
 fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
     match e {
         Event::Stored { first, end } => ("stored", *first, *end).into_pyobject(py),
@@ -93,7 +136,100 @@ impl PyV1Manager {
         };
         Ok(PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
+            vllm: std::sync::OnceLock::new(),
         })
+    }
+
+    /// Give `vllm_allocate_slots` its Python objects (once).
+    fn bind_vllm(
+        &self,
+        empty: Py<PyAny>,
+        blocks_cls: Py<PyAny>,
+        waiting: Py<PyAny>,
+        preempted: Py<PyAny>,
+        on_events: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let b = VllmBinding {
+            empty,
+            blocks_cls,
+            waiting,
+            preempted,
+            on_events,
+        };
+        self.vllm
+            .set(b)
+            .map_err(|_| crate::errors::invalid("bind_vllm was already called"))
+    }
+
+    /// vLLM's `KVCacheManager.allocate_slots`, signature and result included: reads the
+    /// request's fields itself, so the scheduler's call crosses into Rust once and runs no
+    /// pagedkv Python code unless blocks are new (a `KVCacheBlocks` is built) or events were
+    /// logged. Connector and encoder arguments must be 0 (outside the manager's scope).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
+        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
+        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false,
+        reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    fn vllm_allocate_slots<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        num_new_tokens: u64,
+        num_new_computed_tokens: u64,
+        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        num_lookahead_tokens: u64,
+        num_external_computed_tokens: u64,
+        delay_cache_blocks: bool,
+        num_encoder_tokens: u64,
+        full_sequence_must_fit: bool,
+        reserved_blocks: u64,
+        has_scheduled_reqs: bool,
+        skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let _ = skip_zeroing_group_ids;
+        let b = self
+            .vllm
+            .get()
+            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
+        if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
+            return Err(crate::errors::invalid(
+                "external (connector) and encoder tokens are outside pagedkv's manager",
+            ));
+        }
+        let computed = computed_ids(py, b, new_computed_blocks)?;
+        let status = request.getattr(intern!(py, "status"))?;
+        let a = SlotRequest {
+            num_computed_tokens: request.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
+            waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed: computed.as_deref(),
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+        };
+        let rid_obj = request.getattr(intern!(py, "request_id"))?;
+        let rid = rid_obj.cast::<PyString>()?.to_cow()?;
+        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
+        let mut hashes = PyHashes::new(&hashes_obj)?;
+        let (ids, logged) = {
+            let mut m = self.lock()?;
+            let ids = m.allocate_slots(&rid, &a, &mut hashes).py()?;
+            (ids, m.pool().has_events())
+        };
+        if logged {
+            if let Some(cb) = &b.on_events {
+                cb.bind(py).call1((request,))?;
+            }
+        }
+        match ids {
+            None => Ok(py.None().into_bound(py)),
+            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
+            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
+        }
     }
 
     /// vLLM's `allocate_slots` with the request's fields spelled out: the new block ids, or

@@ -261,7 +261,10 @@ impl Manager {
     }
 
     fn apply(&mut self, req: &str, a: &SlotRequest, plan: &Plan) -> Vec<u32> {
-        let r = self.reqs.entry(req.into()).or_default();
+        if !self.reqs.contains_key(req) {
+            self.reqs.insert(req.into(), ReqBlocks::default());
+        }
+        let r = self.reqs.get_mut(req).expect("inserted above");
         if plan.adopt {
             let nc = a.new_computed.unwrap_or(&[]);
             self.pool.touch(nc);

@@ -367,6 +367,11 @@ impl Pool {
         true
     }
 
+    /// Whether events were logged since the last `take_events`.
+    pub fn has_events(&self) -> bool {
+        self.events.as_ref().is_some_and(|e| !e.is_empty())
+    }
+
     pub fn events_enabled(&self) -> bool {
         self.events.is_some()
     }
