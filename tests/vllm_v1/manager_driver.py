@@ -111,6 +111,7 @@ class Driver:
             prompt_token_ids=prompt,
             sampling_params=SamplingParams(max_tokens=64),
             pooling_params=None,
+            cache_salt=self.rng.choice([None, None, None, "tenant-a"]),
             block_hasher=self.hasher,
         )
 

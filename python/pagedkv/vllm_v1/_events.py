@@ -28,6 +28,10 @@ class EventBuilder:
         self._spec = (spec_kind, sliding_window)
         fields = getattr(kv_events.BlockStored, "__struct_fields__", ())
         self._has_lookahead = "lookahead_token_ids" in fields
+        # vLLM reads this variable on every conversion; it is read once here (per manager).
+        from vllm import envs
+
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
 
     def build(self, native_events: List[Tuple[str, Any, Any]], request: Any) -> List[Any]:
         out = []
@@ -47,10 +51,22 @@ class EventBuilder:
             group_idx=0,
         )
 
-    def stored(self, request: Any, first: int, end: int, parent_known: bool = True) -> Any:
-        """``BlockStored`` for the request's blocks ``first..end``."""
-        convert = self._utils.maybe_convert_block_hash
-        hashes = request.block_hashes
+    def _hashes(self, hashes: Any) -> List[Any]:
+        if not self._int_hashes:
+            return list(hashes)
+        return [self._utils.maybe_convert_block_hash(h) for h in hashes]
+
+    def _extra_keys(self, request: Any, first: int, end: int) -> Any:
+        """vLLM's per-block extra keys, untagged for events. A request with no multimodal
+        input, LoRA, cache salt or prompt embeddings has none for any block: vLLM's helper
+        would return ``None`` for each, so the list is written directly."""
+        if not (
+            request.mm_features
+            or request.lora_request
+            or request.cache_salt
+            or request.prompt_embeds is not None
+        ):
+            return [None] * (end - first) or None
         bs = self._block_size
         extra, mm_idx = [], 0
         for i in range(first, end):
@@ -58,16 +74,23 @@ class EventBuilder:
                 request, i * bs, (i + 1) * bs, mm_idx
             )
             extra.append(keys)
+        return self._utils.to_event_extra_keys(extra)
+
+    def stored(self, request: Any, first: int, end: int) -> Any:
+        """``BlockStored`` for the request's blocks ``first..end``."""
+        hashes = request.block_hashes
+        bs = self._block_size
         lora = request.lora_request
+        parent = self._hashes(hashes[first - 1 : first])[0] if first else None
         kwargs = dict(
-            block_hashes=[convert(hashes[i]) for i in range(first, end)],
-            parent_block_hash=convert(hashes[first - 1]) if first and parent_known else None,
+            block_hashes=self._hashes(hashes[first:end]),
+            parent_block_hash=parent,
             token_ids=request.all_token_ids[first * bs : end * bs],
             block_size=bs,
             lora_id=lora.adapter_id if lora else None,
             medium=self._medium,
             lora_name=lora.name if lora else None,
-            extra_keys=self._utils.to_event_extra_keys(extra),
+            extra_keys=self._extra_keys(request, first, end),
             group_idx=0,
             session_id=request.session_id,
         )
