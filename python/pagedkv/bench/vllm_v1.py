@@ -65,8 +65,10 @@ class EngineSpec:
     hash_algo: str = "sha256"
 
 
-def build_scheduler(spec: EngineSpec, model_dir: str, native: bool) -> Any:
-    """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration."""
+def build_scheduler(spec: EngineSpec, model_dir: str, native: bool, cls: Any = None) -> Any:
+    """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration
+    (``cls`` overrides the class). ``async_scheduling`` picks the async variant explicitly:
+    vLLM's CPU platform turns the config's flag off, and the bench measures both variants."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -110,9 +112,11 @@ def build_scheduler(spec: EngineSpec, model_dir: str, native: bool) -> Any:
     )
     cache.num_gpu_blocks = w.num_gpu_blocks
     register_all_kvcache_specs(vllm_config)
-    if native:
-        from pagedkv.vllm_v1 import Scheduler as cls
-    else:
+    if cls is None and native:
+        from pagedkv import vllm_v1
+
+        cls = vllm_v1.AsyncScheduler if spec.async_scheduling else vllm_v1.Scheduler
+    elif cls is None:
         cls = AsyncScheduler if spec.async_scheduling else Scheduler
     return cls(
         vllm_config=vllm_config,
@@ -253,7 +257,17 @@ def run(spec: EngineSpec, seed: int = 0, max_steps: Optional[int] = None) -> Dic
     }
 
 
+def use_cpu_platform_without_gpu() -> None:
+    """vLLM's CUDA build finds no platform on a machine without a GPU; the scheduler runs on
+    any, so point it at vLLM's CPU platform unless the caller chose one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    use_cpu_platform_without_gpu()
     import vllm
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
