@@ -201,12 +201,12 @@ def test_a_batch_step_that_decides_otherwise_is_exit_status_1(monkeypatch, capsy
 
     from pagedkv.bench import wholestep
 
-    real_add = wholestep.BatchDriver.add
+    real_add = wholestep.BatchStepEngine.add
 
     def add(self, req):
         real_add(self, dataclasses.replace(req, output_len=max(1, req.output_len - 1)))
 
-    monkeypatch.setattr(wholestep.BatchDriver, "add", add)
+    monkeypatch.setattr(wholestep.BatchStepEngine, "add", add)
     assert cli.main([*TINY, "--backends", "native", "--no-progress"]) == 1
     assert "BATCH STEP DIFFERED" in capsys.readouterr().out
 
