@@ -19,7 +19,7 @@ from pagedkv.bench.harness import (
 )
 from pagedkv.bench.workload import W1_QUICK, Request, generate
 
-CONFIG = EngineConfig(max_num_seqs=2)
+CONFIG = EngineConfig(16, 64, 16, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
 
 
 def _requests(n: int = 5) -> List[Request]:
@@ -166,8 +166,10 @@ def test_compat_and_batch_paths_agree_through_the_harness(caching):
     compat, batch = run.lanes
     assert len(compat.seconds) == run.steps and len(batch.seconds) == run.steps + 1
     assert len(compat.schedule_seconds) == run.steps and not batch.schedule_seconds
-    assert sorted(batch.finished) == sorted(compat.finished) == sorted(
-        r.request_id for r in workload.requests
+    assert (
+        sorted(batch.finished)
+        == sorted(compat.finished)
+        == sorted(r.request_id for r in workload.requests)
     )
     assert all(s > 0 for s in compat.seconds + batch.seconds)
 
@@ -183,7 +185,9 @@ def test_the_detail_cross_check_catches_a_wrong_decision():
                 request = dataclasses.replace(request, output_len=request.output_len - 1)
             super().add(request)
 
-    config = EngineConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=48, max_model_len=1024)
+    config = EngineConfig(
+        4, 64, 48, max_num_seqs=24, max_num_batched_tokens=1024, max_model_len=1024
+    )
     reqs = random_requests(20, seed=3, caching=False, block_size=4)
     good = [V0Engine(scheduler_backend(), name=n, detail=True) for n in ("a", "b")]
     assert run_lockstep(good, config, reqs, per_step=1).ok

@@ -74,12 +74,12 @@ class EngineConfig:
     """The engine limits every engine under test is built with (vLLM's ``SchedulerConfig``
     and ``CacheConfig`` fields)."""
 
-    block_size: int = 16
-    num_gpu_blocks: int = 2304
-    num_cpu_blocks: int = 1024
-    max_num_seqs: int = 24
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4352
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
     caching: bool = False
     chunked_prefill: bool = False
 
@@ -169,6 +169,7 @@ class Lane:
     prefills: List[int] = field(default_factory=list)
     finished: List[str] = field(default_factory=list)
     error: Optional[str] = None
+    failed_at: Optional[int] = None  # the step whose call raised
     differs_at: Optional[int] = None
     difference: Optional[str] = None
     added: int = 0  # arrivals handed to the engine so far
@@ -176,6 +177,9 @@ class Lane:
     @property
     def name(self) -> str:
         return self.engine.name
+
+    def fail(self, step: int, exc: Exception) -> None:
+        self.error, self.failed_at = f"step {step}: {type(exc).__name__}: {exc}", step
 
     def keep(self, rec: StepRecord) -> None:
         self.seconds.append(rec.seconds)
@@ -204,20 +208,16 @@ class Lockstep:
         return next(lane for lane in self.lanes if lane.name == name)
 
     def first_difference(self) -> Optional[Tuple[int, str]]:
-        """``(step, description)`` of the earliest difference or failure of any lane."""
-        found = [(lane.differs_at, lane.difference) for lane in self.lanes if lane.difference]
-        found += [
-            (_step_of(lane.error), f"{lane.name}: {lane.error}")
-            for lane in self.lanes
-            if lane.error
-        ]
-        return min(found, key=lambda f: f[0]) if found else None  # type: ignore[arg-type,return-value]
-
-
-def _step_of(error: str) -> int:
-    """The step an error message starts with (``step 12: ...``); after every step if none."""
-    head = error[5:].split(":", 1)[0] if error.startswith("step ") else ""
-    return int(head) if head.isdigit() else 1 << 62
+        """``(step, description)`` of the earliest difference or failure of any lane (a lane
+        that did not end as the leader did counts after the last step)."""
+        found: List[Tuple[int, str]] = []
+        for lane in self.lanes:
+            if lane.differs_at is not None and lane.difference:
+                found.append((lane.differs_at, lane.difference))
+            if lane.error:
+                at = self.steps if lane.failed_at is None else lane.failed_at
+                found.append((at, f"{lane.name}: {lane.error}"))
+        return min(found, key=lambda f: f[0]) if found else None
 
 
 def run_lockstep(
@@ -312,7 +312,7 @@ def _turn(
         try:
             out.append(engine.step())
         except Exception as exc:
-            lane.error = f"step {step}: {type(exc).__name__}: {exc}"
+            lane.fail(step, exc)
     return out
 
 
@@ -361,7 +361,7 @@ def _finish(
         try:
             rec = lane.engine.finish()
         except Exception as exc:
-            lane.error = f"step {steps}: {type(exc).__name__}: {exc}"
+            lane.fail(steps, exc)
             continue
         if rec is not None:
             lane.keep(rec)

@@ -95,26 +95,54 @@ def whole_step_bars(sections: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str
                 label += f"\n(decides otherwise from step {st['decisions_differ_at_step']})"
             groups.append(label)
             for path in paths:
-                ratio = sec["ratios"].get(f"{path}_vs_{vllm}") or 0.0
-                row = bars.setdefault(path, [])
-                row += [0.0] * (len(groups) - 1 - len(row)) + [ratio]
+                _put(bars, len(groups), path, sec["ratios"].get(f"{path}_vs_{vllm}") or 0.0)
+    return groups, _pad(bars, len(groups))
+
+
+def _put(bars: Dict[str, List[float]], groups: int, name: str, value: float) -> None:
+    """``name``'s bar in the last of ``groups`` groups (0 in the groups it has none)."""
+    row = bars.setdefault(name, [])
+    row += [0.0] * (groups - 1 - len(row)) + [value]
+
+
+def _pad(bars: Dict[str, List[float]], groups: int) -> Dict[str, List[float]]:
     for row in bars.values():
-        row += [0.0] * (len(groups) - len(row))
-    return groups, bars
+        row += [0.0] * (groups - len(row))
+    return bars
 
 
 def _whole_step_panel(ax: Any, name: str, sections: List[Dict[str, Any]]) -> None:
-    groups, bars = whole_step_bars(sections)
     where = f"{name.upper()}: " if name else ""
+    steps = sections[0]["steps"] if sections else 0
+    _ratio_panel(
+        ax,
+        *whole_step_bars(sections),
+        f"{where}whole engine step vs vLLM ({steps} steps, same run; >1: pagedkv faster)",
+        "vLLM step time / pagedkv step time",
+        f"{where}whole step vs vLLM: no vLLM in this run (--compare vllm==0.4.2)",
+    )
+
+
+def _ratio_panel(
+    ax: Any,
+    groups: List[str],
+    bars: Dict[str, List[float]],
+    title: str,
+    ylabel: str,
+    empty: str,
+    log: bool = False,
+) -> None:
+    """Grouped bars of ratios around a line at 1 (``empty``: the title when there are none)."""
     if not groups:
         ax.axis("off")
-        ax.set_title(f"{where}whole step vs vLLM: no vLLM in this run (--compare vllm==0.4.2)")
+        ax.set_title(empty)
         return
     _grouped_bars(ax, groups, bars)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_ylabel("vLLM step time / pagedkv step time")
-    steps = sections[0]["steps"]
-    ax.set_title(f"{where}whole engine step vs vLLM ({steps} steps, same run; >1: pagedkv faster)")
+    if log:
+        ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
 
 
 def _label(r: Any) -> str:
@@ -164,26 +192,20 @@ def _speedup_bars(
                 for i, r in enumerate(subset):
                     if r.backend == base or _is_vllm(r.backend) and _is_vllm(base):
                         continue
-                    row = bars.setdefault(r.backend, [])
-                    row += [0.0] * (len(groups) - 1 - len(row))
-                    row.append(sp[i] or 0.0)
-    for row in bars.values():
-        row += [0.0] * (len(groups) - len(row))
-    return groups, bars
+                    _put(bars, len(groups), r.backend, sp[i] or 0.0)
+    return groups, _pad(bars, len(groups))
 
 
 def _speedups(ax: Any, groups: List[str], bars: Dict[str, List[float]], against: str) -> None:
-    if not groups:
-        ax.axis("off")
-        ax.set_title(f"Block manager alone: no {against} in this run")
-        return
-    _grouped_bars(ax, groups, bars)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_yscale("log")
-    ax.set_ylabel("speedup (baseline mean / mean, log)")
-    ax.set_title(
+    _ratio_panel(
+        ax,
+        groups,
+        bars,
         f"Block manager alone (replayed schedule): speedup over {against} (mean per-step "
-        "time, same run)"
+        "time, same run)",
+        "speedup (baseline mean / mean, log)",
+        f"Block manager alone: no {against} in this run",
+        log=True,
     )
 
 

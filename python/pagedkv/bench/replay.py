@@ -340,15 +340,9 @@ class ManagerReplay(EngineUnderTest):
 
     def _swap_in(self, step: Step) -> float:
         spent = 0.0
-        mgr = self.mgr
         for rid in step.swapped_in:
             group = self.groups[rid]
-            status, dt = self._timed(mgr.can_swap_in, group)
-            if _name(status) != "OK":
-                raise Divergence(
-                    f"{rid}: can_swap_in says {_name(status)}, the scheduler swapped in"
-                )
-            spent += dt + self._timed(mgr.swap_in, group)[1]
+            spent += self._move(rid, group, "can_swap_in", "swap_in", "swapped in")
             for s in group.get_seqs(status=self.SWAPPED):
                 s.status = self.RUNNING
             spent += self._append(rid)
@@ -370,18 +364,20 @@ class ManagerReplay(EngineUnderTest):
 
     def _admit(self, step: Step) -> float:
         spent = 0.0
-        mgr = self.mgr
         for rid in step.admitted:
             group = self._group(rid)
-            status, dt = self._timed(mgr.can_allocate, group)
-            if _name(status) != "OK":
-                raise Divergence(
-                    f"{rid}: can_allocate says {_name(status)}, the scheduler admitted"
-                )
-            spent += dt + self._timed(mgr.allocate, group)[1]
+            spent += self._move(rid, group, "can_allocate", "allocate", "admitted")
             for s in group.get_seqs(status=self.WAITING):
                 s.status = self.RUNNING
         return spent
+
+    def _move(self, rid: str, group: Any, can: str, do: str, done: str) -> float:
+        """The manager's ``can`` must say OK for ``group`` (the scheduler ``done`` it); then
+        its ``do``. Both calls are timed."""
+        status, dt = self._timed(getattr(self.mgr, can), group)
+        if _name(status) != "OK":
+            raise Divergence(f"{rid}: {can} says {_name(status)}, the scheduler {done}")
+        return dt + self._timed(getattr(self.mgr, do), group)[1]
 
     def _prepare(self, step: Step, now: float) -> float:
         """Block tables, access times and common computed blocks of the scheduled groups,
