@@ -89,10 +89,10 @@ def whole_step_bars(sections: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str
             if not st.get("baseline"):
                 continue
             label = f"vLLM {st.get('release') or vllm}\ncache {'on' if sec['caching'] else 'off'}"
-            if "error" in st:
-                label += f"\n(vLLM stopped after {st['steps']} steps)"
-            elif "decisions_differ_at_step" in st:
+            if "decisions_differ_at_step" in st:
                 label += f"\n(decides otherwise from step {st['decisions_differ_at_step']})"
+            if "error" in st:
+                label += f"\n(vLLM failed after {st['steps']} steps: ratio over those)"
             groups.append(label)
             for path in paths:
                 _put(bars, len(groups), path, sec["ratios"].get(f"{path}_vs_{vllm}") or 0.0)
