@@ -125,9 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         metavar="PNG",
-        help="draw the whole step against vLLM (with --compare), the block manager's speedups, "
-        "its step-time distributions and the scaling sweep (implies --scale) into PNG (needs "
-        "matplotlib: pip install 'pagedkv[plot]')",
+        help="draw the whole step vs vLLM (--compare), the managers' speedups and step times "
+        "and the scaling sweep (implies --scale) into PNG (pip install 'pagedkv[plot]')",
     )
     parser.add_argument("--no-micro", action="store_true", help="skip the micro benchmarks")
     parser.add_argument(
