@@ -28,6 +28,7 @@ __all__ = [
     "VLLM_GENERATIONS",
     "EngineConfig",
     "EngineUnderTest",
+    "InOwnProcess",
     "Lane",
     "Lockstep",
     "StepRecord",
@@ -105,9 +106,10 @@ class StepRecord:
     tokens), timed by the adapter; ``schedule_seconds``: the scheduling call alone, where the
     engine has one. ``scheduled``: the request ids scheduled, in the engine's order (compared
     with the leader's every step). ``finished``: requests that finished in this step (compared
-    as a set at the end: an engine may apply a step's tokens at its next call). ``rows``: the
-    batch rows, where the engine knows them. ``detail``: fuller decisions (chunks, block
-    tables, swaps, free blocks), compared step by step when both engines give it.
+    as a set at the end: an engine may apply a step's tokens at its next call). ``rows`` and
+    ``prefills``: the batch rows and the prompt groups of the step, where the engine knows
+    them. ``detail``: fuller decisions (chunks, block tables, swaps, free blocks), compared
+    step by step when both engines give it.
     """
 
     seconds: float

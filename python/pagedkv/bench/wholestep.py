@@ -218,7 +218,10 @@ def _section(workload: Workload, caching: bool, run: Lockstep, turn: int) -> Dic
     }
     for lane in run.lanes:
         stats = step_stats(lane.seconds, sum(rows[: len(lane.seconds)]))
-        stats.update(release=lane.engine.release, baseline=lane.engine.baseline)
+        engine = lane.engine
+        stats.update(
+            release=engine.release, baseline=engine.baseline, description=engine.description
+        )
         if lane.error:
             stats["error"] = lane.error
         if lane.differs_at is not None and lane.engine.baseline:
