@@ -86,6 +86,7 @@ class EngineConfig:
 
     @classmethod
     def from_workload(cls, cfg: WorkloadConfig, caching: bool) -> EngineConfig:
+        """The engine limits of a bench workload, with prefix caching ``caching``."""
         return cls(
             block_size=cfg.block_size,
             num_gpu_blocks=cfg.num_gpu_blocks,
@@ -181,9 +182,11 @@ class Lane:
         return self.engine.name
 
     def fail(self, step: int, exc: Exception) -> None:
+        """The engine raised ``exc`` at ``step``: its lane stops there."""
         self.error, self.failed_at = f"step {step}: {type(exc).__name__}: {exc}", step
 
     def keep(self, rec: StepRecord) -> None:
+        """Add one step's measurements and finished requests to the lane."""
         self.seconds.append(rec.seconds)
         if rec.schedule_seconds is not None:
             self.schedule_seconds.append(rec.schedule_seconds)
@@ -207,6 +210,7 @@ class Lockstep:
         return all(lane.error is None for lane in self.lanes if not lane.engine.baseline)
 
     def lane(self, name: str) -> Lane:
+        """The lane of the engine named ``name``."""
         return next(lane for lane in self.lanes if lane.name == name)
 
     def first_difference(self) -> Optional[Tuple[int, str]]:
