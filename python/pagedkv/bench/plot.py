@@ -90,9 +90,9 @@ def whole_step_bars(sections: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str
                 continue
             label = f"vLLM {st.get('release') or vllm}\ncache {'on' if sec['caching'] else 'off'}"
             if "decisions_differ_at_step" in st:
-                label += f"\n(decides otherwise from step {st['decisions_differ_at_step']})"
-            if "error" in st:
-                label += f"\n(vLLM failed after {st['steps']} steps: ratio over those)"
+                label += f"\ndiffers from step {st['decisions_differ_at_step']}"
+            if "error" in st:  # the ratio is over the steps it ran
+                label += f"\nfailed at step {st['steps']}"
             groups.append(label)
             for path in paths:
                 _put(bars, len(groups), path, sec["ratios"].get(f"{path}_vs_{vllm}") or 0.0)
@@ -118,7 +118,7 @@ def _whole_step_panel(ax: Any, name: str, sections: List[Dict[str, Any]]) -> Non
         ax,
         *whole_step_bars(sections),
         f"{where}whole engine step vs vLLM ({steps} steps, same run; >1: pagedkv faster)",
-        "vLLM step time / pagedkv step time",
+        "vLLM step time / pagedkv step time\n(a vLLM that failed: over the steps it ran)",
         f"{where}whole step vs vLLM: no vLLM in this run (--compare vllm==0.4.2)",
     )
 
@@ -204,7 +204,7 @@ def _speedups(ax: Any, groups: List[str], bars: Dict[str, List[float]], against:
         f"Block manager alone (replayed schedule): speedup over {against} (mean per-step "
         "time, same run)",
         "speedup (baseline mean / mean, log)",
-        f"Block manager alone: no {against} in this run",
+        f"Block manager alone: {against} is not in this run",
         log=True,
     )
 
