@@ -23,10 +23,11 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from pagedkv.bench.workload import WORKLOADS, Workload, WorkloadConfig, generate
+from pagedkv.bench.harness import EngineConfig, EngineUnderTest, StepRecord, run_lockstep
+from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -56,16 +57,18 @@ def write_model_dir(path: str, max_len: int, **overrides: Any) -> str:
 
 @dataclass
 class EngineSpec:
-    """What both engines share: the workload and vLLM's configuration knobs."""
+    """vLLM v1's knobs both engines share (the engine limits come from ``EngineConfig``)."""
 
-    workload: WorkloadConfig
     caching: bool = True
     kv_events: bool = False
     async_scheduling: bool = False
     hash_algo: str = "sha256"
+    watermark: float = 0.01
 
 
-def build_scheduler(spec: EngineSpec, model_dir: str, native: bool, cls: Any = None) -> Any:
+def build_scheduler(
+    spec: EngineSpec, config: EngineConfig, model_dir: str, native: bool, cls: Any = None
+) -> Any:
     """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration
     (``cls`` overrides the class). ``async_scheduling`` picks the async variant explicitly:
     vLLM's CPU platform turns the config's flag off, and the bench measures both variants."""
@@ -83,20 +86,19 @@ def build_scheduler(spec: EngineSpec, model_dir: str, native: bool, cls: Any = N
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    w = spec.workload
-    max_len = w.prompt_len_max + w.output_len_max
+    max_len = config.max_model_len
     model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, seed=0)
     sched = SchedulerConfig(
-        max_num_seqs=w.max_num_seqs,
-        max_num_batched_tokens=w.prefill_token_budget,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
         enable_chunked_prefill=True,
         async_scheduling=spec.async_scheduling,
         is_encoder_decoder=False,
-        watermark=w.watermark,
+        watermark=spec.watermark,
     )
     cache = CacheConfig(
-        block_size=w.block_size,
+        block_size=config.block_size,
         enable_prefix_caching=spec.caching,
         prefix_caching_hash_algo=spec.hash_algo,
     )
@@ -104,13 +106,15 @@ def build_scheduler(spec: EngineSpec, model_dir: str, native: bool, cls: Any = N
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=sched, cache_config=cache, kv_events_config=events
     )
-    kv_spec = FullAttentionSpec(block_size=w.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32)
+    kv_spec = FullAttentionSpec(
+        block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
     kv_cache_config = KVCacheConfig(
-        num_blocks=w.num_gpu_blocks,
+        num_blocks=config.num_gpu_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)],
     )
-    cache.num_gpu_blocks = w.num_gpu_blocks
+    cache.num_gpu_blocks = config.num_gpu_blocks
     register_all_kvcache_specs(vllm_config)
     if cls is None and native:
         from pagedkv import vllm_v1
@@ -121,57 +125,76 @@ def build_scheduler(spec: EngineSpec, model_dir: str, native: bool, cls: Any = N
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
-        block_size=w.block_size,
+        block_size=config.block_size,
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
     )
 
 
-def make_requests(workload: Workload, block_size: int, hash_algo: str) -> List[Tuple[Any, List[int]]]:
-    """vLLM ``Request`` objects for the workload, each with its predetermined output tokens."""
+def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
+    """vLLM ``Request`` objects for one workload request (``n=2`` fans out into two, as
+    vLLM's front end does), each with its predetermined output tokens."""
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.request import Request
+    from vllm.v1.request import Request as VRequest
 
-    hash_fn = get_hash_fn_by_name(hash_algo)
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(block_size, hash_fn)
     out = []
-    for r in workload.requests:
-        for j in range(r.n):
-            params = SamplingParams(max_tokens=r.output_len, ignore_eos=True)
-            req = Request(
-                request_id=f"{r.request_id}-{j}",
-                prompt_token_ids=list(r.prompt_token_ids),
-                sampling_params=params,
-                pooling_params=None,
-                arrival_time=0.0,
-                block_hasher=hasher,
-            )
-            out.append((req, r.output_token_ids[j]))
+    for j in range(r.n):
+        req = VRequest(
+            request_id=f"{r.request_id}-{j}",
+            prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
+        )
+        out.append((req, r.output_token_ids[j]))
     return out
 
 
-@dataclass
-class Engine:
-    """One scheduler under test and its requests."""
+class V1Engine(EngineUnderTest):
+    """vLLM v1's real scheduler as an engine under test: vLLM's own (``native=False``, the
+    baseline) or pagedkv's (``pagedkv.vllm_v1``, differing only by its KV cache manager).
 
-    name: str
-    scheduler: Any
-    outputs: Dict[str, List[int]] = field(default_factory=dict)
-    requests: Dict[str, Any] = field(default_factory=dict)
-    seconds: float = 0.0
-    steps: int = 0
+    ``step()`` times ``schedule()`` and ``update_from_output()``; the model stand-in between
+    them (the workload's predetermined token for each request that finished its prompt) is
+    not timed. ``detail`` carries the step's decisions with block ids (:func:`decisions`), so
+    the harness compares them step by step."""
 
-    def add(self, reqs: List[Tuple[Any, List[int]]]) -> None:
-        for req, toks in reqs:
+    def __init__(self, release: str, native: bool, spec: EngineSpec) -> None:
+        self.release = release
+        self.native = native
+        self.spec = spec
+        self.baseline = not native
+        self.name = f"pagedkv-v1-{release}" if native else f"vllm-{release}"
+        self.description = (
+            f"vLLM {release}'s Scheduler with pagedkv's native KV cache manager"
+            if native
+            else f"vLLM {release}'s own Scheduler and KVCacheManager"
+        )
+        self.outputs: Dict[str, List[int]] = {}
+        self.requests: Dict[str, Any] = {}
+
+    def setup(self, config: EngineConfig) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        model_dir = write_model_dir(self._tmp.name, config.max_model_len)
+        self.scheduler = build_scheduler(self.spec, config, model_dir, self.native)
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(self.spec.hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(config.block_size, hash_fn)
+
+    def add(self, request: Request) -> None:
+        for req, toks in make_requests(request, self._hasher):
             self.requests[req.request_id] = req
             self.outputs[req.request_id] = toks
             self.scheduler.add_request(req)
 
-    def step(self) -> Any:
-        """One engine step; returns the ``SchedulerOutput`` (timing excludes the model)."""
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepRecord:
         t0 = time.perf_counter()
         so = self.scheduler.schedule()
         t1 = time.perf_counter()
@@ -179,9 +202,15 @@ class Engine:
         t2 = time.perf_counter()
         self.scheduler.update_from_output(so, mro)
         t3 = time.perf_counter()
-        self.seconds += (t1 - t0) + (t3 - t2)
-        self.steps += 1
-        return so
+        d = decisions(so)
+        return StepRecord(
+            seconds=(t1 - t0) + (t3 - t2),
+            scheduled=tuple(so.num_scheduled_tokens),
+            finished=d[-1],
+            rows=len(so.num_scheduled_tokens),
+            schedule_seconds=t1 - t0,
+            detail={"decisions": d},
+        )
 
     def model_output(self, so: Any) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -190,9 +219,8 @@ class Engine:
         sampled = []
         for rid in ids:
             req = self.requests[rid]
-            done = req.num_computed_tokens + so.num_scheduled_tokens[rid] >= req.num_tokens
-            pos = len(req.output_token_ids)
-            sampled.append([self.outputs[rid][pos]] if done else [])
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([self.outputs[rid][len(req.output_token_ids)]] if done else [])
         return ModelRunnerOutput(
             req_ids=ids,
             req_id_to_index={r: i for i, r in enumerate(ids)},
@@ -202,12 +230,13 @@ class Engine:
             pooler_output=[],
         )
 
-    def unfinished(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+    def close(self) -> None:
+        self._tmp.cleanup()
 
 
 def decisions(so: Any) -> tuple:
-    """What both engines must agree on each step."""
+    """What both engines must agree on each step: scheduled tokens, new requests' block ids,
+    running requests' new block ids, preemptions, finished requests."""
     new = tuple((r.req_id, tuple(map(tuple, r.block_ids))) for r in so.scheduled_new_reqs)
     cached = so.scheduled_cached_reqs
     cached_ids = tuple(
@@ -215,7 +244,7 @@ def decisions(so: Any) -> tuple:
         for rid, b in zip(cached.req_ids, cached.new_block_ids)
     )
     return (
-        tuple(sorted(so.num_scheduled_tokens.items())),
+        tuple(so.num_scheduled_tokens.items()),
         new,
         cached_ids,
         tuple(sorted(getattr(so, "preempted_req_ids", None) or ())),
@@ -223,38 +252,28 @@ def decisions(so: Any) -> tuple:
     )
 
 
-def run(spec: EngineSpec, seed: int = 0, max_steps: Optional[int] = None) -> Dict[str, Any]:
-    """Both engines through the workload in lockstep; per-engine seconds and the ratio."""
-    workload = generate(spec.workload, seed=seed)
-    w = spec.workload
-    with tempfile.TemporaryDirectory() as d:
-        model_dir = write_model_dir(d, w.prompt_len_max + w.output_len_max)
-        engines = [
-            Engine("vllm", build_scheduler(spec, model_dir, native=False)),
-            Engine("pagedkv", build_scheduler(spec, model_dir, native=True)),
-        ]
-    for e in engines:
-        e.add(make_requests(workload, w.block_size, spec.hash_algo))
-    steps = 0
-    while any(e.unfinished() for e in engines):
-        outs = [decisions(e.step()) for e in engines]
-        if outs[0] != outs[1]:
-            raise AssertionError(f"step {steps}: the engines' decisions differ")
-        steps += 1
-        if max_steps is not None and steps >= max_steps:
-            break
-    base, ours = engines
-    return {
-        "workload": w.name,
-        "caching": spec.caching,
-        "kv_events": spec.kv_events,
-        "async": spec.async_scheduling,
-        "steps": steps,
-        "vllm_us_per_step": 1e6 * base.seconds / steps,
-        "pagedkv_us_per_step": 1e6 * ours.seconds / steps,
-        "ratio": base.seconds / ours.seconds,
-        "manager": type(ours.scheduler.kv_cache_manager).__module__,
-    }
+def run_section(
+    workload: Workload,
+    spec: EngineSpec,
+    release: str,
+    max_steps: Optional[int] = None,
+    progress: Any = None,
+) -> Dict[str, Any]:
+    """vLLM's own v1 engine and pagedkv's in lockstep: the whole-step section's JSON (the
+    shape of :func:`pagedkv.bench.wholestep.run_whole_step`'s), ``ok`` only if every step's
+    decisions were equal."""
+    from pagedkv.bench.wholestep import _section
+
+    engines = [V1Engine(release, True, spec), V1Engine(release, False, spec)]
+    config = EngineConfig.from_workload(workload.config, spec.caching)
+    run = run_lockstep(engines, config, workload.requests, max_steps=max_steps, progress=progress)
+    section = _section(workload, spec.caching, run, 1)
+    vllm_lane = run.lanes[1]
+    section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
+    section["ok"] = run.ok and vllm_lane.error is None and vllm_lane.differs_at is None
+    if vllm_lane.differs_at is not None:
+        section["difference"] = vllm_lane.difference
+    return section
 
 
 def use_cpu_platform_without_gpu() -> None:
@@ -266,39 +285,83 @@ def use_cpu_platform_without_gpu() -> None:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+#: The engine modes a release is measured in: (label, caching, KV events).
+MODES = {"on": (True, False), "off": (False, False), "events": (True, True)}
+
+
+def measure(
+    release: str,
+    workloads: List[Tuple[str, Any]],
+    modes: List[str],
+    seed: int = 0,
+    async_scheduling: bool = False,
+    max_steps: Optional[int] = None,
+) -> Dict[str, List[Dict[str, Any]]]:
+    """Every (workload, mode) section for ``release`` (the installed vLLM): workload name ->
+    sections, each labelled with its ``mode``."""
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for name, cfg in workloads:
+        workload = generate(cfg, seed=seed)
+        for mode in modes:
+            caching, events = MODES[mode]
+            spec = EngineSpec(
+                caching=caching,
+                kv_events=events,
+                async_scheduling=async_scheduling,
+                watermark=cfg.watermark,
+            )
+            section = run_section(workload, spec, release, max_steps=max_steps)
+            section["mode"] = mode
+            out.setdefault(name, []).append(section)
+    return out
+
+
+def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> str:
+    """One line per section: both engines' mean step and the ratio."""
+    lines = [f"== vLLM {release} (v1 engine): vLLM's KV cache manager vs pagedkv's, whole step =="]
+    for name, secs in sections.items():
+        for sec in secs:
+            lanes = sec["lanes"]
+            ours = lanes[f"pagedkv-v1-{release}"]
+            theirs = lanes[f"vllm-{release}"]
+            ratio = sec["ratios"].get(f"pagedkv-v1-{release}_vs_vllm-{release}") or 0.0
+            check = "decisions equal" if sec["ok"] else f"DIFFER: {sec.get('difference')}"
+            lines.append(
+                f"{name.upper():3} {sec['mode']:>6}: vLLM {theirs['mean_us']:8.0f} us/step,"
+                f" pagedkv {ours['mean_us']:8.0f} us/step -> {ratio:5.2f}x"
+                f"  ({sec['steps']} steps, {check})"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m pagedkv.bench.vllm_v1``: the sections for the installed vLLM (what
+    ``pagedkv bench --compare vllm==0.33.0`` runs inside that release's virtualenv)."""
     use_cpu_platform_without_gpu()
     import vllm
 
+    from pagedkv.vllm_v1._version import release_of
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="w1")
+    p.add_argument("--workloads", default="w1,w2")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--modes", default="on,off,events", help="caching on/off, events (on+events)")
+    p.add_argument("--modes", default="on,off,events", help="on, off, events (caching on + events)")
     p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    config = WORKLOADS[a.workload][1 if a.quick else 0]
-    results = []
-    for mode in a.modes.split(","):
-        spec = EngineSpec(
-            config,
-            caching=mode != "off",
-            kv_events=mode == "events",
-            async_scheduling=a.async_scheduling,
-        )
-        r = run(spec, max_steps=a.max_steps)
-        r["vllm_version"] = vllm.__version__
-        results.append(r)
-        print(
-            f"vLLM {vllm.__version__} {r['workload']} {mode:>6}: vLLM {r['vllm_us_per_step']:8.0f} us/step,"
-            f" pagedkv {r['pagedkv_us_per_step']:8.0f} us/step -> {r['ratio']:.2f}x  ({r['steps']} steps)",
-            flush=True,
-        )
+    workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
+    release = release_of(vllm.__version__)
+    sections = measure(
+        release, workloads, a.modes.split(","), a.seed, a.async_scheduling, a.max_steps
+    )
+    print(format_sections(release, sections), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+            json.dump({"release": release, "sections": sections}, f, indent=2)
+    ok = all(sec["ok"] for secs in sections.values() for sec in secs)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
