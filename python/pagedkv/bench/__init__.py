@@ -196,9 +196,13 @@ def _plan(args: argparse.Namespace) -> _Plan:
             plot.require_matplotlib()
         except ImportError as exc:
             raise UsageError(str(exc)) from None
+    from pagedkv.bench.vllm_v1 import RELEASES as V1_RELEASES
+
     for version in dict.fromkeys(versions):  # last: this may download a release
+        if version in V1_RELEASES:
+            continue  # vLLM's v1 engine: its own section (pagedkv.bench.vllm_v1)
         if version not in VLLM_GENERATIONS:
-            choices = ", ".join(VLLM_GENERATIONS)
+            choices = ", ".join([*VLLM_GENERATIONS, *V1_RELEASES])
             raise UsageError(f"vllm=={version} is not supported; choose from {choices}")
         if version not in vllm_release.SUPPORTED:
             continue  # a generation without a V0 block manager: whole step only
@@ -338,6 +342,12 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
         doc[name] = section
         results[name] = runs
     whole_step = {name: doc[name]["whole_step"] for name, _ in plan.workloads}
+    v1 = _vllm_v1(plan, args, out)
+    if v1:
+        doc["vllm_v1"] = v1
+        for sections in v1.values():
+            for name, secs in sections.items():
+                whole_step.setdefault(name, []).extend(secs)
     scaling = None
     if args.scale or args.plot:
         from pagedkv.bench import scaling as scaling_mod
@@ -359,7 +369,23 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
         print(f"\nresults written to {args.json}", file=out)
     ok = all(doc[name]["cross_check"]["ok"] for name, _ in plan.workloads)
     ok = ok and all(r["ok"] for name, _ in plan.workloads for r in doc[name]["whole_step"])
+    ok = ok and all(s["ok"] for secs in v1.values() for ss in secs.values() for s in ss)
     return 0 if ok else 1
+
+
+def _vllm_v1(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
+    """Part C: for each ``--compare`` release of vLLM's v1 engine, its whole step with vLLM's
+    own KV cache manager against pagedkv's (in that release's virtualenv if need be)."""
+    from pagedkv.bench.vllm_v1 import RELEASES, run_release
+
+    results: Dict[str, Any] = {}
+    for release in (v for v in plan.vllm_versions if v in RELEASES):
+        print(file=out)
+        try:
+            results[release] = run_release(release, plan.workloads, args.quick, args.seed, out)
+        except (OSError, RuntimeError) as exc:
+            raise UsageError(f"vllm=={release}: {exc}") from None
+    return results
 
 
 def _report_vllm(plan: _Plan, out: Any) -> Dict[str, Any]:
@@ -441,7 +467,10 @@ def _whole_step(
     from pagedkv.bench import report
     from pagedkv.bench.wholestep import run_whole_step
 
-    versions = [] if args.no_scheduler else plan.vllm_versions
+    from pagedkv.bench.harness import VLLM_GENERATIONS
+
+    v0 = [v for v in plan.vllm_versions if v in VLLM_GENERATIONS]  # v1's: its own section
+    versions = [] if args.no_scheduler else v0
     runs = []
     for caching in plan.caching:
         desc = f"{workload.config.name} whole step caching={'on' if caching else 'off'}"

@@ -89,6 +89,8 @@ def whole_step_bars(sections: List[Dict[str, Any]]) -> Tuple[List[str], Dict[str
             if not st.get("baseline"):
                 continue
             label = f"vLLM {st.get('release') or vllm}\ncache {'on' if sec['caching'] else 'off'}"
+            if sec.get("kv_events"):
+                label += " + KV events"
             if "decisions_differ_at_step" in st:
                 label += f"\ndiffers from step {st['decisions_differ_at_step']}"
             if "error" in st:  # the ratio is over the steps it ran

