@@ -134,8 +134,6 @@ pub struct ManagerConfig {
 /// Copy-on-write pairs `(src, dst)` in the order they were made.
 pub type Copies = Vec<(BlockId, BlockId)>;
 
-/// `Clone` lets a scheduler step that may fail part-way keep a copy to restore (a failed
-/// call changes nothing).
 #[derive(Clone)]
 pub struct Manager {
     cfg: ManagerConfig,
@@ -768,30 +766,12 @@ impl Manager {
         Ok(seen.len())
     }
 
-    /// Distinct blocks of one table (O(1)).
-    pub(crate) fn distinct_len(&self, id: SeqId) -> Result<usize> {
-        Ok(distinct(&self.entry(id)?.table, self.window).len())
-    }
-
-    /// An upper bound of `distinct_blocks(ids)` without hashing: a block at the same position
-    /// as in the first table is counted once (forks share their common prefix that way).
-    pub(crate) fn distinct_blocks_bound(&self, ids: &[SeqId]) -> Result<usize> {
-        let Some((&first, rest)) = ids.split_first() else {
-            return Ok(0);
-        };
-        let base = distinct(&self.entry(first)?.table, self.window);
-        let mut n = base.len();
-        for &id in rest {
-            let t = distinct(&self.entry(id)?.table, self.window);
-            n += t.len().saturating_sub(base.len());
-            n += t.iter().zip(base).filter(|(a, b)| a != b).count();
-        }
-        Ok(n)
-    }
-
-    /// `unfinished`: every unfinished sequence of the group.
-    pub fn can_swap_out(&self, unfinished: &[SeqId]) -> Result<bool> {
-        Ok(self.distinct_blocks(unfinished)? <= self.cpu.num_free())
+    /// Whether `swap(ids, Device::Gpu)` fits the CPU pool: its distinct blocks (shared ones
+    /// once) against the free CPU blocks (cached free blocks count as free). vLLM passes the
+    /// group's unfinished sequences, which for a running group are its running ones. A cached
+    /// twin on the CPU can make the swap take fewer blocks, never more.
+    pub fn can_swap_out(&self, ids: &[SeqId]) -> Result<bool> {
+        Ok(self.distinct_blocks(ids)? <= self.cpu.num_free())
     }
 
     /// `unfinished`: every unfinished sequence of the group; `num_swapped`: how many are SWAPPED.
