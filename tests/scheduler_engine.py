@@ -466,7 +466,25 @@ def vllm_hazard(world: World) -> Optional[str]:
         for g in world.sched.swapped:
             if g.is_prefill():
                 return "a group swapped out mid-prefill in chunked mode (fix 3)"
+        if _running_group_over_budget(world):
+            return "a running group with several sequences over the token budget (fix 1)"
     return None
+
+
+def _running_group_over_budget(world: World) -> bool:
+    """Chunked mode: does the running pass reach a group with several running sequences whose
+    tokens exceed what is left of the budget? vLLM takes it anyway (and may preempt for it);
+    we stop taking running groups there (fix 1). The pass is replayed in arrival order: the
+    groups before it are each scheduled (victims are taken from the back), so this is exact
+    unless the group is itself taken as a victim first (then it stops a run needlessly)."""
+    left = world.w.max_num_batched_tokens
+    for g in sorted(world.sched.running, key=lambda g: g.metrics.arrival_time):
+        seqs = g.get_seqs(status=world.Status.RUNNING)
+        n = sum(s.get_num_new_tokens() for s in seqs)
+        if len(seqs) > 1 and n > left:
+            return True
+        left -= min(n, left)
+    return False
 
 
 def vllm_output_failure(world: World, before_swapped: List[str], out) -> Optional[str]:
