@@ -766,6 +766,35 @@ impl Manager {
         Ok(seen.len())
     }
 
+    /// Free GPU blocks that swapping the tables of `seqs` in and then appending each one's
+    /// slots (`append_slots`, in order) takes at most. `seqs`: `(id, target, block_size)`
+    /// with `target` the sequence's length plus the lookahead slots. The swap takes the
+    /// distinct blocks; each append visits the table positions from its reserved tokens to
+    /// `target` and takes one block for a position past its table and one for a block still
+    /// shared when it is visited (copy on write: the last holder writes in place). A cached
+    /// identical block can make either take none, never more. Those visited blocks are not
+    /// full, so they are shared only within `seqs` (forks), with the CPU's reference counts.
+    pub fn swap_in_need(&self, seqs: &[(SeqId, usize, usize)]) -> Result<usize> {
+        let ids: Vec<SeqId> = seqs.iter().map(|s| s.0).collect();
+        let mut need = self.distinct_blocks(&ids)?;
+        let mut holders: HashMap<BlockId, u32> = HashMap::new();
+        for &(id, target, bs) in seqs {
+            let e = self.entry(id)?;
+            for i in e.reserved / bs..target.div_ceil(bs) {
+                let Some(&b) = e.table.get(i) else {
+                    need += 1;
+                    continue;
+                };
+                let left = holders.entry(b).or_insert_with(|| self.cpu.ref_count(b));
+                if *left > 1 {
+                    need += 1;
+                    *left -= 1;
+                }
+            }
+        }
+        Ok(need)
+    }
+
     /// Whether `swap(ids, Device::Gpu)` fits the CPU pool: its distinct blocks (shared ones
     /// once) against the free CPU blocks (cached free blocks count as free). vLLM passes the
     /// group's unfinished sequences, which for a running group are its running ones. A cached

@@ -581,8 +581,18 @@ impl Scheduler {
                 .filter(|s| !s.status.is_finished())
                 .map(|s| s.id)
                 .collect();
-            let nswapped = g.ids_with(Status::Swapped).count();
-            match st.mgr.can_swap_in(&unfinished, nswapped, 0)? {
+            let ids: Vec<SeqId> = g.ids_with(Status::Swapped).collect();
+            let mut status = st.mgr.can_swap_in(&unfinished, ids.len(), 0)?;
+            if status == AllocStatus::Ok {
+                // only with lookahead slots can this need more than vLLM's check reserves
+                let need = self.swap_in_need(st, &ids)?;
+                if need > st.mgr.config().num_gpu_blocks as usize {
+                    status = AllocStatus::Never;
+                } else if need > st.mgr.num_free_gpu_blocks() {
+                    status = AllocStatus::Later;
+                }
+            }
+            match status {
                 AllocStatus::Later => break,
                 AllocStatus::Never => {
                     // vLLM marks every sequence ignored but never frees their CPU blocks.
@@ -611,7 +621,6 @@ impl Scheduler {
                 l.insert(lora);
             }
             queue.pop_front();
-            let ids: Vec<SeqId> = self.g(key).ids_with(Status::Swapped).collect();
             out.swap_in.extend(st.mgr.swap(&ids, Device::Cpu)?);
             self.move_seqs(key, Some(Status::Swapped), Status::Running, false);
             self.append_slots(st, key)?;
@@ -627,6 +636,20 @@ impl Scheduler {
             queue.push_front(k);
         }
         Ok((queue, part))
+    }
+
+    /// The free GPU blocks swapping `ids` in and appending their slots takes at most
+    /// (`Manager::swap_in_need`). vLLM's `can_swap_in` reserves one block per sequence for
+    /// the appends, which covers them without lookahead slots (an append then visits one
+    /// table position); with them, forks that share their lookahead blocks can need more
+    /// (vLLM 0.4.2's v1 manager refuses lookahead slots).
+    fn swap_in_need<T: Tokens>(&self, st: &Step<T>, ids: &[SeqId]) -> Result<usize> {
+        let la = self.cfg.num_lookahead_slots;
+        let mut seqs = Vec::with_capacity(ids.len());
+        for &id in ids {
+            seqs.push(st.toks.with(id, |t| (id, t.len() + la, t.block_size()))?);
+        }
+        st.mgr.swap_in_need(&seqs)
     }
 
     fn move_seqs_all(&mut self, key: GroupKey, to: Status) {

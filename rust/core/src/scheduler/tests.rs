@@ -476,7 +476,10 @@ fn fix7_forked_group_without_swap_space_is_aborted() {
         s.take_changes();
         let out = s.schedule(&mut m, &st, 6.0).unwrap();
         assert_eq!(keys(&out.scheduled), vec![(a, 1)], "chunked={chunked}");
-        assert_eq!((out.aborted.clone(), out.ignored.clone()), (vec![b], vec![b]));
+        assert_eq!(
+            (out.aborted.clone(), out.ignored.clone()),
+            (vec![b], vec![b])
+        );
         assert!(out.preempted.is_empty() && out.swapped_out.is_empty() && out.swap_out.is_empty());
         let aborted = Status::Finished(Finish::Aborted);
         assert!(s.group(b).unwrap().seqs.iter().all(|q| q.status == aborted));
@@ -484,7 +487,10 @@ fn fix7_forked_group_without_swap_space_is_aborted() {
         assert_eq!(changed, vec![2, 3]);
         assert!(!m.has_table(2) && !m.has_table(3));
         assert_eq!(s.running().iter().copied().collect::<Vec<_>>(), vec![a]);
-        assert_eq!((m.num_free_gpu_blocks(), m.num_free_cpu_blocks()), (3, cpu as usize));
+        assert_eq!(
+            (m.num_free_gpu_blocks(), m.num_free_cpu_blocks()),
+            (3, cpu as usize)
+        );
         m.check_invariants().unwrap();
         assert!(s.release(b).is_some());
     }
@@ -500,6 +506,47 @@ fn fix7_forked_group_swaps_out_when_the_cpu_holds_its_distinct_blocks() {
     assert_eq!(out.swap_out.len(), 3, "a shared block moves once");
     assert!(out.aborted.is_empty() && out.ignored.is_empty());
     assert_eq!(m.num_free_cpu_blocks(), 0);
+}
+
+/// Lookahead 3 on a `gpu`-block pool: a (4 tokens) and b (two forks of 5 tokens sharing a
+/// partly filled block) decode; b is swapped out for a's lookahead, then a finishes.
+fn forks_swapped_with_lookahead(gpu: u32) -> (Scheduler, Store, Manager, GroupKey) {
+    let mut cfg = sched(100, 8, 100, false).cfg;
+    cfg.num_lookahead_slots = 3;
+    let (mut s, st, mut m) = (Scheduler::new(cfg).unwrap(), Store::default(), mgr(gpu, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 5, 2.0, 2);
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    st.fork(2, 3);
+    s.fork(2, 3, &mut m).unwrap();
+    let out = s.schedule(&mut m, &st, 6.0).unwrap();
+    assert_eq!(
+        (keys(&out.scheduled), out.swapped_out),
+        (vec![(a, 1)], vec![b])
+    );
+    finish(&mut s, &mut m, a, 1);
+    s.free_finished();
+    (s, st, m, b)
+}
+
+#[test]
+fn swap_in_reserves_what_the_lookahead_appends_take() {
+    // After the swap-in (2 blocks) each fork's append visits 2 positions: the shared block
+    // (copied once: the second fork writes in place) and a new one, 5 blocks in all; vLLM's
+    // check reserves one per sequence (4).
+    let (mut s, st, mut m, b) = forks_swapped_with_lookahead(5);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!(keys(&out.scheduled), vec![(b, 1)]);
+    assert_eq!((out.swap_in.len(), out.copies.len()), (2, 1));
+    assert_eq!(m.num_free_gpu_blocks(), 0);
+    // With 4 blocks it can never run (vLLM's check says yes, then the append fails): it is
+    // ignored and its CPU blocks freed, as a group that can never swap in (fix 6).
+    let (mut s, st, mut m, b) = forks_swapped_with_lookahead(4);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!((out.ignored, out.swap_in.len()), (vec![b], 0));
+    assert_eq!((m.num_free_gpu_blocks(), m.num_free_cpu_blocks()), (4, 8));
+    m.check_invariants().unwrap();
 }
 
 #[test]
