@@ -595,11 +595,13 @@ impl Scheduler {
             match status {
                 AllocStatus::Later => break,
                 AllocStatus::Never => {
-                    // vLLM marks every sequence ignored but never frees their CPU blocks.
+                    // fix 6: vLLM marks every sequence ignored (finished ones too) but never
+                    // frees their CPU blocks. A finished sequence keeps its finish (the
+                    // engine may not even have forked it into the scheduler).
                     for &id in &unfinished {
                         st.mgr.free(id)?;
                     }
-                    self.move_seqs_all(key, Status::Finished(Finish::Ignored));
+                    self.move_seqs(key, None, Status::Finished(Finish::Ignored), false);
                     ignored.push(key);
                     queue.pop_front();
                     continue;
@@ -650,12 +652,6 @@ impl Scheduler {
             seqs.push(st.toks.with(id, |t| (id, t.len() + la, t.block_size()))?);
         }
         st.mgr.swap_in_need(&seqs)
-    }
-
-    fn move_seqs_all(&mut self, key: GroupKey, to: Status) {
-        for i in 0..self.g(key).seqs.len() {
-            self.set_status(key, i, to, false);
-        }
     }
 
     /// vLLM's `_passed_delay` (called once per loop turn, as vLLM does).
