@@ -322,6 +322,31 @@ impl Manager {
         Ok(())
     }
 
+    /// Strict mode refuses a sequence counted in other units than the manager's (the default
+    /// mode counts its blocks in its own units, as vLLM does; docs/block_manager.md, "Strict
+    /// mode").
+    fn check_strict_units(&self, seq: &TokenSeq) -> Result<()> {
+        if self.cfg.strict && !self.same_units(seq) {
+            return Err(Error::invalid(format!(
+                "sequence block_size {} does not match the manager's {} (strict mode)",
+                seq.block_size(),
+                self.cfg.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Strict mode refuses to give a table to a sequence id that already holds one (the
+    /// default mode releases the old table and replaces it; vLLM leaks it).
+    fn check_strict_fresh(&self, id: SeqId) -> Result<()> {
+        if self.cfg.strict && self.tables.contains_key(&id) {
+            return Err(Error::invalid(format!(
+                "sequence {id} already holds a block table (strict mode)"
+            )));
+        }
+        Ok(())
+    }
+
     fn out_of(&self, device: Device, needed: usize) -> Error {
         Error::OutOfBlocks {
             device: device.name(),
@@ -339,6 +364,7 @@ impl Manager {
     }
 
     pub fn can_allocate(&self, first_waiting: &TokenSeq) -> Result<AllocStatus> {
+        self.check_strict_units(first_waiting)?;
         let n = self.prompt_blocks(first_waiting);
         let total = self.cfg.num_gpu_blocks as usize;
         Ok(if total < n + self.watermark_blocks {
@@ -351,11 +377,16 @@ impl Manager {
     }
 
     /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
-    /// A sequence that already holds a table gets the new one (the old one is released).
+    /// A sequence that already holds a table gets the new one (the old one is released; strict
+    /// mode refuses it).
     pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
         let Some(&(_, seq)) = waiting.first() else {
             return Err(Error::invalid("the sequence group has no WAITING sequence"));
         };
+        for &(id, s) in waiting {
+            self.check_strict_units(s)?;
+            self.check_strict_fresh(id)?;
+        }
         let k = waiting.len() as u32;
         let n = seq.num_blocks();
         let caching = self.caches(seq);
@@ -455,6 +486,7 @@ impl Manager {
 
     /// Upper bound on the free GPU blocks `append_slots` takes for this sequence.
     pub fn append_need(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> Result<usize> {
+        self.check_strict_units(seq)?;
         let e = self.entry(id)?;
         Ok(self.need_of(e, seq.len() + lookahead, seq.block_size()))
     }
@@ -496,6 +528,7 @@ impl Manager {
     }
 
     fn check_appendable(&self, id: SeqId, seq: &TokenSeq) -> Result<&SeqEntry> {
+        self.check_strict_units(seq)?;
         let e = self.entry(id)?;
         if e.device != Device::Gpu {
             return Err(Error::invalid(format!(
@@ -681,7 +714,8 @@ impl Manager {
 
     /// The child gets a copy of the parent's table (one more reference on each distinct block).
     /// A parent without a table is `UnknownSequence` (vLLM's `KeyError`); a child that already
-    /// holds a table has it released first (vLLM overwrites it, leaking its references).
+    /// holds a table has it released first (vLLM overwrites it, leaking its references; strict
+    /// mode refuses it).
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         if parent == child {
             return Err(Error::invalid(format!(
@@ -691,6 +725,7 @@ impl Manager {
         let Some(pe) = self.tables.get(&parent) else {
             return Err(Error::UnknownSequence(parent));
         };
+        self.check_strict_fresh(child)?;
         let mut ce = pe.clone();
         ce.order = self.next_order;
         ce.access = None; // the parent's pending access covers the shared blocks
