@@ -1,7 +1,7 @@
 """Resident memory over millions of random manager operations with prefix caching on.
 
     python benches/rss_growth.py [--ops 3000000] [--every 250000] [--gpu-blocks 2048]
-        [--backend native|foreign|vllm|vllm-seqs]
+        [--backend native|foreign|vllm|vllm-seqs] [--seed 12345]
 
 Prints, every ``--every`` operations, the resident memory (MiB) and what it is made of, and the
 growth after warm-up (from the first report after 1M operations, or the first report, to the
@@ -105,10 +105,10 @@ def backend(name: str):
     return Manager, AllocStatus, Logprob, Sequence, SequenceGroup, SequenceStatus, SamplingParams
 
 
-def run(ops_total: int, every: int, name: str, gpu: int) -> list:
+def run(ops_total: int, every: int, name: str, gpu: int, seed: int = 12345) -> list:
     Manager, AllocStatus, Logprob, Sequence, SequenceGroup, Status, SamplingParams = backend(name)
     bs, cpu = 16, gpu // 4
-    rng = random.Random(12345)
+    rng = random.Random(seed)
     m = Manager(bs, gpu, cpu, watermark=0.01, enable_caching=True)
     prefixes = [[rng.randrange(32000) for _ in range(rng.randrange(16, 400))] for _ in range(8)]
     groups: list = []
@@ -191,8 +191,9 @@ def main() -> None:
         "--backend", choices=["native", "foreign", "vllm", "vllm-seqs"], default="native"
     )
     p.add_argument("--gpu-blocks", type=int, default=2048)
+    p.add_argument("--seed", type=int, default=12345, help="the operation stream's seed")
     a = p.parse_args()
-    samples = run(a.ops, a.every, a.backend, a.gpu_blocks)
+    samples = run(a.ops, a.every, a.backend, a.gpu_blocks, a.seed)
     base = next((s for s in samples if s[0] >= 1_000_000), samples[0])
     last = samples[-1]
     growth = 100 * (last[1] - base[1]) / base[1]

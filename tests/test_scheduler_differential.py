@@ -350,4 +350,6 @@ def test_starved_pool_budget_case_is_known():
     """Seed 10, chunked: a forked group's decode tokens exceed the budget left; vLLM takes it
     (and swaps it out to make room), we stop taking running groups (fix 1)."""
     run = Run(Workload.starved(10, chunked=True, caching=False)).run()
-    assert run.stopped == "step 25: a running group with several sequences over the token budget (fix 1)"
+    assert run.stopped == (
+        "step 25: a running group with several sequences over the token budget (fix 1)"
+    )
