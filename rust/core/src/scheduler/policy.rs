@@ -582,17 +582,7 @@ impl Scheduler {
                 .map(|s| s.id)
                 .collect();
             let ids: Vec<SeqId> = g.ids_with(Status::Swapped).collect();
-            let mut status = st.mgr.can_swap_in(&unfinished, ids.len(), 0)?;
-            if status == AllocStatus::Ok {
-                // only with lookahead slots can this need more than vLLM's check reserves
-                let need = self.swap_in_need(st, &ids)?;
-                if need > st.mgr.config().num_gpu_blocks as usize {
-                    status = AllocStatus::Never;
-                } else if need > st.mgr.num_free_gpu_blocks() {
-                    status = AllocStatus::Later;
-                }
-            }
-            match status {
+            match self.can_swap_in(st, &unfinished, &ids)? {
                 AllocStatus::Later => break,
                 AllocStatus::Never => {
                     // fix 6: vLLM marks every sequence ignored (finished ones too) but never
@@ -638,6 +628,29 @@ impl Scheduler {
             queue.push_front(k);
         }
         Ok((queue, part))
+    }
+
+    /// vLLM's `can_swap_in` for a swapped group (`unfinished`: its unfinished sequences,
+    /// `ids`: its swapped ones), then the bound of what the swap-in and the appends after it
+    /// take (`swap_in_need`), which only lookahead slots can raise above vLLM's reserve.
+    fn can_swap_in<T: Tokens>(
+        &self,
+        st: &Step<T>,
+        unfinished: &[SeqId],
+        ids: &[SeqId],
+    ) -> Result<AllocStatus> {
+        let status = st.mgr.can_swap_in(unfinished, ids.len(), 0)?;
+        if status != AllocStatus::Ok {
+            return Ok(status);
+        }
+        let need = self.swap_in_need(st, ids)?;
+        Ok(if need > st.mgr.config().num_gpu_blocks as usize {
+            AllocStatus::Never
+        } else if need > st.mgr.num_free_gpu_blocks() {
+            AllocStatus::Later
+        } else {
+            AllocStatus::Ok
+        })
     }
 
     /// The free GPU blocks swapping `ids` in and appending their slots takes at most
