@@ -46,15 +46,17 @@ class EventBuilder:
 
     def removed(self, block_hash: bytes) -> Any:
         return self._ev.BlockRemoved(
-            block_hashes=[self._utils.maybe_convert_block_hash(block_hash)],
+            block_hashes=self._hashes((block_hash,)),
             medium=self._medium,
             group_idx=0,
         )
 
     def _hashes(self, hashes: Any) -> List[Any]:
+        """The hashes as events publish them: the bytes, or (vLLM's integer mode) the hash's
+        last 8 bytes read as a big-endian unsigned integer, as vLLM's converter gives."""
         if not self._int_hashes:
             return list(hashes)
-        return [self._utils.maybe_convert_block_hash(h) for h in hashes]
+        return [int.from_bytes(h[-8:], "big") for h in hashes]
 
     def _extra_keys(self, request: Any, first: int, end: int) -> Any:
         """vLLM's per-block extra keys, untagged for events. A request with no multimodal
