@@ -102,7 +102,9 @@ def build_scheduler(
         enable_prefix_caching=spec.caching,
         prefix_caching_hash_algo=spec.hash_algo,
     )
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
+    events = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
+    )
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=sched, cache_config=cache, kv_events_config=events
     )

@@ -24,6 +24,9 @@ use crate::error::{Error, Result};
 pub trait HashSource {
     fn len(&self) -> usize;
     fn key(&mut self, i: usize) -> Result<HashKey>;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl HashSource for &[HashKey] {
@@ -129,7 +132,11 @@ impl Manager {
     }
 
     /// The longest run of cached blocks from the start, at most `max_blocks` long.
-    pub fn longest_cache_hit(&self, hashes: &mut dyn HashSource, max_blocks: usize) -> Result<Vec<u32>> {
+    pub fn longest_cache_hit(
+        &self,
+        hashes: &mut dyn HashSource,
+        max_blocks: usize,
+    ) -> Result<Vec<u32>> {
         let mut hit = Vec::new();
         for i in 0..max_blocks.min(hashes.len()) {
             match self.pool.get_cached(&hashes.key(i)?) {
@@ -141,7 +148,12 @@ impl Manager {
     }
 
     /// vLLM's `get_num_blocks_to_allocate` for this group.
-    pub fn num_blocks_to_allocate(&self, req: &str, num_tokens: u64, new_computed: &[u32]) -> Result<u64> {
+    pub fn num_blocks_to_allocate(
+        &self,
+        req: &str,
+        num_tokens: u64,
+        new_computed: &[u32],
+    ) -> Result<u64> {
         let required = cdiv(num_tokens, self.cfg.block_size as u64);
         let r = self.reqs.get(req);
         let have = r.map_or(0, |r| r.blocks.len()) as u64;
@@ -154,13 +166,21 @@ impl Manager {
             return Ok(required.saturating_sub(have));
         }
         let local = new_computed.len() as u64 + have;
-        let evictable = new_computed.iter().filter(|&&b| self.pool.is_evictable(b)).count() as u64;
+        let evictable = new_computed
+            .iter()
+            .filter(|&&b| self.pool.is_evictable(b))
+            .count() as u64;
         Ok(required.saturating_sub(local) + evictable)
     }
 
     /// vLLM's `allocate_slots`: `Ok(None)` when the blocks do not fit (nothing changes),
     /// else the newly allocated block ids. Caches the request's newly full blocks.
-    pub fn allocate_slots(&mut self, req: &str, a: &SlotRequest, hashes: &mut dyn HashSource) -> Result<Option<Vec<u32>>> {
+    pub fn allocate_slots(
+        &mut self,
+        req: &str,
+        a: &SlotRequest,
+        hashes: &mut dyn HashSource,
+    ) -> Result<Option<Vec<u32>>> {
         let Some(plan) = self.plan(req, a)? else {
             return Ok(None);
         };
@@ -185,7 +205,8 @@ impl Manager {
             }
             for &b in nc {
                 self.pool.check_block(b as i64)?;
-                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none()) {
+                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none())
+                {
                     return Err(Error::invalid(format!("block {b} is not a cached block")));
                 }
             }
@@ -220,7 +241,8 @@ impl Manager {
                 return Ok(None);
             }
         }
-        let need_slots = (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
+        let need_slots =
+            (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
         let needed = self.num_blocks_to_allocate(req, need_slots, new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
@@ -279,7 +301,13 @@ impl Manager {
             .expect("planned allocation fits");
         let new = r.blocks[start..].to_vec();
         if plan.cache_upto.is_some() {
-            Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, plan.cache_first, &self.keys);
+            Self::cache_new_full(
+                &mut self.pool,
+                self.cfg.block_size,
+                r,
+                plan.cache_first,
+                &self.keys,
+            );
         }
         new
     }
@@ -294,7 +322,8 @@ impl Manager {
             let b = r.blocks[idx as usize];
             // A newly full block was handed out uncached (get_new_blocks evicts) and is past
             // the request's cached prefix, so it has no hash yet: this cannot fail.
-            pool.insert_hash(b, *k, (idx + 1) * bs).expect("a newly full block has no hash yet");
+            pool.insert_hash(b, *k, (idx + 1) * bs)
+                .expect("a newly full block has no hash yet");
         }
         let end = first + keys.len() as u32;
         pool.push_event(Event::Stored { first, end });
@@ -302,7 +331,12 @@ impl Manager {
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)` (a no-op with caching off).
-    pub fn cache_blocks(&mut self, req: &str, num_tokens: u64, hashes: &mut dyn HashSource) -> Result<()> {
+    pub fn cache_blocks(
+        &mut self,
+        req: &str,
+        num_tokens: u64,
+        hashes: &mut dyn HashSource,
+    ) -> Result<()> {
         if !self.cfg.enable_caching {
             return Ok(());
         }
@@ -318,7 +352,9 @@ impl Manager {
             return Ok(());
         }
         let Some(r) = self.reqs.get_mut(req) else {
-            return Err(Error::invalid(format!("request {req} holds no blocks to cache")));
+            return Err(Error::invalid(format!(
+                "request {req} holds no blocks to cache"
+            )));
         };
         if first as usize + self.keys.len() > r.blocks.len() {
             return Err(Error::invalid(format!(
@@ -392,7 +428,10 @@ impl Manager {
         for b in 1..self.pool.num_blocks() {
             let want = holders[b as usize] + extra(b);
             if self.pool.ref_cnt(b) != want {
-                return Err(format!("block {b}: ref {} but {want} holders", self.pool.ref_cnt(b)));
+                return Err(format!(
+                    "block {b}: ref {} but {want} holders",
+                    self.pool.ref_cnt(b)
+                ));
             }
         }
         Ok(())

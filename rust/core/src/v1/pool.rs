@@ -224,8 +224,7 @@ impl Pool {
         }
         let start = out.len();
         self.queue.popleft_n(n, out);
-        for i in start..out.len() {
-            let b = out[i];
+        for &b in &out[start..] {
             if self.caching {
                 self.evict(b);
             }
@@ -238,7 +237,10 @@ impl Pool {
     /// Drop one reference per listed block (in eviction-priority order), all or nothing.
     pub fn free_blocks(&mut self, order: impl Iterator<Item = u32> + Clone) -> Result<()> {
         self.check_free(order.clone())?;
-        let (mut head, mut tail) = (std::mem::take(&mut self.to_head), std::mem::take(&mut self.to_tail));
+        let (mut head, mut tail) = (
+            std::mem::take(&mut self.to_head),
+            std::mem::take(&mut self.to_tail),
+        );
         for b in order {
             if b == NULL_BLOCK {
                 continue;
@@ -391,8 +393,7 @@ impl Pool {
     pub fn heap_bytes(&self) -> usize {
         let n = self.ref_cnt.capacity();
         n * (4 + std::mem::size_of::<Option<HashKey>>() + 4 + 8)
-            + self.cached.capacity()
-                * (std::mem::size_of::<(HashKey, Holders)>() + 1)
+            + self.cached.capacity() * (std::mem::size_of::<(HashKey, Holders)>() + 1)
     }
 
     /// Check every invariant (tests).
@@ -404,7 +405,10 @@ impl Pool {
         for b in 1..self.num_blocks() {
             let free = self.queue.contains(b);
             if free != (self.ref_cnt[b as usize] == 0) {
-                return Err(format!("block {b}: in queue {free}, ref {}", self.ref_cnt(b)));
+                return Err(format!(
+                    "block {b}: in queue {free}, ref {}",
+                    self.ref_cnt(b)
+                ));
             }
             if let Some(k) = &self.hash[b as usize] {
                 if !self.cached.get(k).is_some_and(|h| h.contains(b)) {
