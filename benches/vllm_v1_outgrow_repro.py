@@ -119,7 +119,12 @@ def run_case(
                 "preempted": sorted(so.preempted_req_ids or ()),
                 "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
                 "reqs": {
-                    rid: (r.status.name, r.num_computed_tokens, r.num_output_tokens, r.num_preemptions)
+                    rid: (
+                        r.status.name,
+                        r.num_computed_tokens,
+                        r.num_output_tokens,
+                        r.num_preemptions,
+                    )
                     for rid, r in requests.items()
                 },
             }
@@ -139,7 +144,9 @@ def run_case(
         "reserve_full_isl": reserve_full_isl,
         "caching": caching,
         "pool_blocks": pool,
-        "requests": [{"prompt": p, "max_tokens": m, "blocks_at_end": -(-(p + m) // BLOCK)} for p, m in reqs],
+        "requests": [
+            {"prompt": p, "max_tokens": m, "blocks_at_end": -(-(p + m) // BLOCK)} for p, m in reqs
+        ],
         "steps": len(trace),
         "verdict": verdict,
         "finished_at": finished,
