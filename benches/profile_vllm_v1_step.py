@@ -597,6 +597,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             )
             summary["manager_wrapper_overhead_us_per_step"] = ncalls * overhead / n * 1e6
             summary["instrumented_step_us"] = _summ(msteps)["step_us"]
+            # The share within the instrumented pass itself (load moves between passes).
+            own = summary["instrumented_step_us"] - summary["manager_wrapper_overhead_us_per_step"]
+            summary["manager_share_of_instrumented_step"] = (
+                summary["manager_in_schedule_us"] + summary["manager_in_update_us"]
+            ) / max(1e-9, own)
             if not a.no_profile and native:
                 summary["profile"] = _profile(workload, caching, native, release, win, a.top)
             if not a.no_floor and native:
@@ -624,7 +629,8 @@ def _format(key: str, s: Dict[str, Any]) -> str:
         f" {s['update_median_us']:.0f})",
         f"   manager (wrapped, overhead subtracted): {s['manager_in_schedule_us']:.0f} us in"
         f" schedule, {s['manager_in_update_us']:.0f} us in update; instrumented step"
-        f" {s['instrumented_step_us']:.0f} us",
+        f" {s['instrumented_step_us']:.0f} us (manager"
+        f" {100 * s['manager_share_of_instrumented_step']:.0f}% of it)",
         "   manager per step: "
         + ", ".join(
             f"{k} {v:.0f}us/{s['manager_calls_per_step'][k]:.1f}"
