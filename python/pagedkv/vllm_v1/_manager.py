@@ -145,7 +145,7 @@ class KVCacheManager:
         self._init_metadata(spec)
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, spec)
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.empty_kv_cache_blocks = _blocks.make_empty_blocks(KVCacheBlocks)
         self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
         self._events: List[Any] = []
         on_events = self._drain_events if self._builder is not None else None
