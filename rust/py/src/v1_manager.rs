@@ -7,8 +7,8 @@
 
 use crate::errors::{busy, IntoPyResult};
 use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
-use pyo3::prelude::*;
 use pyo3::intern;
+use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
@@ -199,7 +199,9 @@ impl PyV1Manager {
         let computed = computed_ids(py, b, new_computed_blocks)?;
         let status = request.getattr(intern!(py, "status"))?;
         let a = SlotRequest {
-            num_computed_tokens: request.getattr(intern!(py, "num_computed_tokens"))?.extract()?,
+            num_computed_tokens: request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?,
             num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
             waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
             num_new_tokens,
@@ -269,22 +271,42 @@ impl PyV1Manager {
             reserved_blocks,
             has_scheduled_reqs,
         };
-        self.lock()?.allocate_slots(request_id, &a, &mut hashes).py()
+        self.lock()?
+            .allocate_slots(request_id, &a, &mut hashes)
+            .py()
     }
 
     /// The longest cached prefix of `block_hashes`, at most `max_blocks` blocks.
-    fn longest_cache_hit(&self, block_hashes: &Bound<'_, PyAny>, max_blocks: usize) -> PyResult<Vec<u32>> {
+    fn longest_cache_hit(
+        &self,
+        block_hashes: &Bound<'_, PyAny>,
+        max_blocks: usize,
+    ) -> PyResult<Vec<u32>> {
         let mut hashes = PyHashes::new(block_hashes)?;
         self.lock()?.longest_cache_hit(&mut hashes, max_blocks).py()
     }
 
-    fn num_blocks_to_allocate(&self, request_id: &str, num_tokens: u64, new_computed: Vec<u32>) -> PyResult<u64> {
-        self.lock()?.num_blocks_to_allocate(request_id, num_tokens, &new_computed).py()
+    fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: u64,
+        new_computed: Vec<u32>,
+    ) -> PyResult<u64> {
+        self.lock()?
+            .num_blocks_to_allocate(request_id, num_tokens, &new_computed)
+            .py()
     }
 
-    fn cache_blocks(&self, request_id: &str, num_tokens: u64, block_hashes: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn cache_blocks(
+        &self,
+        request_id: &str,
+        num_tokens: u64,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let mut hashes = PyHashes::new(block_hashes)?;
-        self.lock()?.cache_blocks(request_id, num_tokens, &mut hashes).py()
+        self.lock()?
+            .cache_blocks(request_id, num_tokens, &mut hashes)
+            .py()
     }
 
     fn free(&self, request_id: &str) -> PyResult<()> {
@@ -297,7 +319,10 @@ impl PyV1Manager {
 
     /// Drop one reference per block, in eviction-priority order (all or nothing).
     fn free_blocks(&self, block_ids: Vec<u32>) -> PyResult<()> {
-        self.lock()?.pool_mut().free_blocks(block_ids.iter().copied()).py()
+        self.lock()?
+            .pool_mut()
+            .free_blocks(block_ids.iter().copied())
+            .py()
     }
 
     fn evict_blocks(&self, block_ids: Vec<i64>) -> PyResult<()> {
@@ -331,7 +356,11 @@ impl PyV1Manager {
     }
 
     /// The hash block `block_id` is cached under (`None` when it is not cached).
-    fn block_hash<'py>(&self, py: Python<'py>, block_id: i64) -> PyResult<Option<Bound<'py, PyBytes>>> {
+    fn block_hash<'py>(
+        &self,
+        py: Python<'py>,
+        block_id: i64,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id).py()?;
         Ok(m.pool().hash_of(b).map(|k| PyBytes::new(py, k.as_bytes())))

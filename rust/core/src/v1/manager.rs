@@ -15,7 +15,9 @@
 //! `allocate_slots` is planned first (every check, every hash read) and applied after, so a
 //! call that fails changes nothing.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+
+use hashbrown::HashMap;
 
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use crate::error::{Error, Result};
@@ -82,7 +84,9 @@ struct Plan {
 pub struct Manager {
     pool: Pool,
     cfg: Config,
-    reqs: HashMap<Box<str>, ReqBlocks>,
+    /// Keyed by request id (SipHash: ids come from clients). hashbrown's map for `entry_ref`,
+    /// which copies the id only when the request is new.
+    reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
     keys: Vec<HashKey>,
 }
 
@@ -98,7 +102,7 @@ impl Manager {
         Ok(Manager {
             pool: Pool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_events)?,
             cfg,
-            reqs: HashMap::new(),
+            reqs: HashMap::with_hasher(RandomState::new()),
             keys: Vec::new(),
         })
     }
@@ -129,7 +133,11 @@ impl Manager {
     }
 
     /// The longest run of cached blocks from the start, at most `max_blocks` long.
-    pub fn longest_cache_hit(&self, hashes: &mut dyn HashSource, max_blocks: usize) -> Result<Vec<u32>> {
+    pub fn longest_cache_hit(
+        &self,
+        hashes: &mut dyn HashSource,
+        max_blocks: usize,
+    ) -> Result<Vec<u32>> {
         let mut hit = Vec::new();
         for i in 0..max_blocks.min(hashes.len()) {
             match self.pool.get_cached(&hashes.key(i)?) {
@@ -141,9 +149,24 @@ impl Manager {
     }
 
     /// vLLM's `get_num_blocks_to_allocate` for this group.
-    pub fn num_blocks_to_allocate(&self, req: &str, num_tokens: u64, new_computed: &[u32]) -> Result<u64> {
+    pub fn num_blocks_to_allocate(
+        &self,
+        req: &str,
+        num_tokens: u64,
+        new_computed: &[u32],
+    ) -> Result<u64> {
+        self.blocks_to_allocate(req, self.reqs.get(req), num_tokens, new_computed)
+    }
+
+    /// [`Self::num_blocks_to_allocate`] for the request's entry `r`, already looked up.
+    fn blocks_to_allocate(
+        &self,
+        req: &str,
+        r: Option<&ReqBlocks>,
+        num_tokens: u64,
+        new_computed: &[u32],
+    ) -> Result<u64> {
         let required = cdiv(num_tokens, self.cfg.block_size as u64);
-        let r = self.reqs.get(req);
         let have = r.map_or(0, |r| r.blocks.len()) as u64;
         if r.is_some_and(|r| r.num_cached.is_some()) {
             if !new_computed.is_empty() {
@@ -154,13 +177,21 @@ impl Manager {
             return Ok(required.saturating_sub(have));
         }
         let local = new_computed.len() as u64 + have;
-        let evictable = new_computed.iter().filter(|&&b| self.pool.is_evictable(b)).count() as u64;
+        let evictable = new_computed
+            .iter()
+            .filter(|&&b| self.pool.is_evictable(b))
+            .count() as u64;
         Ok(required.saturating_sub(local) + evictable)
     }
 
     /// vLLM's `allocate_slots`: `Ok(None)` when the blocks do not fit (nothing changes),
     /// else the newly allocated block ids. Caches the request's newly full blocks.
-    pub fn allocate_slots(&mut self, req: &str, a: &SlotRequest, hashes: &mut dyn HashSource) -> Result<Option<Vec<u32>>> {
+    pub fn allocate_slots(
+        &mut self,
+        req: &str,
+        a: &SlotRequest,
+        hashes: &mut dyn HashSource,
+    ) -> Result<Option<Vec<u32>>> {
         let Some(plan) = self.plan(req, a)? else {
             return Ok(None);
         };
@@ -168,7 +199,7 @@ impl Manager {
         Ok(Some(self.apply(req, a, &plan)))
     }
 
-    fn check_args(&self, req: &str, a: &SlotRequest) -> Result<()> {
+    fn check_args(&self, req: &str, r: Option<&ReqBlocks>, a: &SlotRequest) -> Result<()> {
         if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
@@ -185,11 +216,11 @@ impl Manager {
             }
             for &b in nc {
                 self.pool.check_block(b as i64)?;
-                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none()) {
+                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none())
+                {
                     return Err(Error::invalid(format!("block {b} is not a cached block")));
                 }
             }
-            let r = self.reqs.get(req);
             let tracked = r.is_some_and(|r| r.num_cached.is_some());
             if !tracked && r.is_some_and(|r| !r.blocks.is_empty()) {
                 return Err(Error::invalid(format!(
@@ -204,7 +235,8 @@ impl Manager {
     }
 
     fn plan(&self, req: &str, a: &SlotRequest) -> Result<Option<Plan>> {
-        self.check_args(req, a)?;
+        let r = self.reqs.get(req);
+        self.check_args(req, r, a)?;
         let new_computed = a.new_computed.unwrap_or(&[]);
         let local = a.num_computed_tokens + a.num_new_computed_tokens;
         let total = local.min(self.cfg.max_model_len);
@@ -216,17 +248,17 @@ impl Manager {
         let free = self.pool.num_free() as u64;
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(self.cfg.max_model_len);
-            if self.num_blocks_to_allocate(req, full, new_computed)? + watermark > free {
+            if self.blocks_to_allocate(req, r, full, new_computed)? + watermark > free {
                 return Ok(None);
             }
         }
-        let need_slots = (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
-        let needed = self.num_blocks_to_allocate(req, need_slots, new_computed)?;
+        let need_slots =
+            (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
+        let needed = self.blocks_to_allocate(req, r, need_slots, new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
             return Ok(None);
         }
-        let r = self.reqs.get(req);
         let tracked = r.and_then(|r| r.num_cached);
         let adopt = a.new_computed.is_some() && tracked.is_none();
         let cache_first = match (tracked, adopt) {
@@ -261,10 +293,7 @@ impl Manager {
     }
 
     fn apply(&mut self, req: &str, a: &SlotRequest, plan: &Plan) -> Vec<u32> {
-        if !self.reqs.contains_key(req) {
-            self.reqs.insert(req.into(), ReqBlocks::default());
-        }
-        let r = self.reqs.get_mut(req).expect("inserted above");
+        let r = self.reqs.entry_ref(req).or_default();
         if plan.adopt {
             let nc = a.new_computed.unwrap_or(&[]);
             self.pool.touch(nc);
@@ -279,7 +308,13 @@ impl Manager {
             .expect("planned allocation fits");
         let new = r.blocks[start..].to_vec();
         if plan.cache_upto.is_some() {
-            Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, plan.cache_first, &self.keys);
+            Self::cache_new_full(
+                &mut self.pool,
+                self.cfg.block_size,
+                r,
+                plan.cache_first,
+                &self.keys,
+            );
         }
         new
     }
@@ -294,7 +329,8 @@ impl Manager {
             let b = r.blocks[idx as usize];
             // A newly full block was handed out uncached (get_new_blocks evicts) and is past
             // the request's cached prefix, so it has no hash yet: this cannot fail.
-            pool.insert_hash(b, *k, (idx + 1) * bs).expect("a newly full block has no hash yet");
+            pool.insert_hash(b, *k, (idx + 1) * bs)
+                .expect("a newly full block has no hash yet");
         }
         let end = first + keys.len() as u32;
         pool.push_event(Event::Stored { first, end });
@@ -302,7 +338,12 @@ impl Manager {
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)` (a no-op with caching off).
-    pub fn cache_blocks(&mut self, req: &str, num_tokens: u64, hashes: &mut dyn HashSource) -> Result<()> {
+    pub fn cache_blocks(
+        &mut self,
+        req: &str,
+        num_tokens: u64,
+        hashes: &mut dyn HashSource,
+    ) -> Result<()> {
         if !self.cfg.enable_caching {
             return Ok(());
         }
@@ -318,7 +359,9 @@ impl Manager {
             return Ok(());
         }
         let Some(r) = self.reqs.get_mut(req) else {
-            return Err(Error::invalid(format!("request {req} holds no blocks to cache")));
+            return Err(Error::invalid(format!(
+                "request {req} holds no blocks to cache"
+            )));
         };
         if first as usize + self.keys.len() > r.blocks.len() {
             return Err(Error::invalid(format!(
@@ -369,14 +412,17 @@ impl Manager {
 
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{table_bytes, vec_bytes};
         let per_req: usize = self
             .reqs
             .iter()
-            .map(|(k, r)| k.len() + r.blocks.capacity() * 4)
+            .map(|(k, r)| k.len() + vec_bytes(&r.blocks))
             .sum();
-        self.pool.heap_bytes()
-            + per_req
-            + self.reqs.capacity() * (std::mem::size_of::<(Box<str>, ReqBlocks)>() + 1)
+        let table = table_bytes(
+            self.reqs.capacity(),
+            std::mem::size_of::<(Box<str>, ReqBlocks)>(),
+        );
+        self.pool.heap_bytes() + per_req + table + vec_bytes(&self.keys)
     }
 
     /// Every invariant, tests only: the pool's, and each block's ref count equals the number
@@ -392,7 +438,10 @@ impl Manager {
         for b in 1..self.pool.num_blocks() {
             let want = holders[b as usize] + extra(b);
             if self.pool.ref_cnt(b) != want {
-                return Err(format!("block {b}: ref {} but {want} holders", self.pool.ref_cnt(b)));
+                return Err(format!(
+                    "block {b}: ref {} but {want} holders",
+                    self.pool.ref_cnt(b)
+                ));
             }
         }
         Ok(())

@@ -6,7 +6,17 @@ use crate::error::Error;
 use crate::rng::Rng;
 
 fn key(i: u32) -> HashKey {
-    HashKey::new(&[(i >> 24) as u8, (i >> 16) as u8, (i >> 8) as u8, i as u8, 7, 7, 7, 7]).unwrap()
+    HashKey::new(&[
+        (i >> 24) as u8,
+        (i >> 16) as u8,
+        (i >> 8) as u8,
+        i as u8,
+        7,
+        7,
+        7,
+        7,
+    ])
+    .unwrap()
 }
 
 fn mgr(num_blocks: u32, caching: bool) -> Manager {
@@ -52,7 +62,10 @@ fn null_block_is_never_handed_out() {
     let mut out = vec![];
     p.get_new_blocks(2, &mut out).unwrap();
     assert_eq!(out, [1, 2]);
-    assert!(matches!(p.get_new_blocks(1, &mut out), Err(Error::OutOfBlocks { .. })));
+    assert!(matches!(
+        p.get_new_blocks(1, &mut out),
+        Err(Error::OutOfBlocks { .. })
+    ));
     assert_eq!(p.usage(), 1.0);
 }
 
@@ -83,8 +96,14 @@ fn a_failed_free_changes_nothing() {
     let mut out = vec![];
     p.get_new_blocks(2, &mut out).unwrap();
     let before = (p.free_queue(), p.ref_cnt(1), p.ref_cnt(2));
-    assert_eq!(p.free_blocks([1, 2, 2].into_iter()), Err(Error::DoubleFree(2)));
-    assert!(matches!(p.free_blocks([1, 9].into_iter()), Err(Error::BlockOutOfRange { .. })));
+    assert_eq!(
+        p.free_blocks([1, 2, 2].into_iter()),
+        Err(Error::DoubleFree(2))
+    );
+    assert!(matches!(
+        p.free_blocks([1, 9].into_iter()),
+        Err(Error::BlockOutOfRange { .. })
+    ));
     assert_eq!(before, (p.free_queue(), p.ref_cnt(1), p.ref_cnt(2)));
     p.check().unwrap();
 }
@@ -122,10 +141,16 @@ fn duplicate_hashes_keep_insertion_order() {
 fn allocate_caches_full_blocks_and_hits_them() {
     let mut m = mgr(10, true);
     let keys: Vec<HashKey> = (0..3).map(key).collect();
-    let new = m.allocate_slots("a", &prefill(10), &mut &keys[..2]).unwrap().unwrap();
+    let new = m
+        .allocate_slots("a", &prefill(10), &mut &keys[..2])
+        .unwrap()
+        .unwrap();
     assert_eq!(new, [1, 2, 3]);
     assert_eq!(m.num_cached_blocks("a"), Some(2));
-    assert_eq!(m.pool_mut().take_events(), [Event::Stored { first: 0, end: 2 }]);
+    assert_eq!(
+        m.pool_mut().take_events(),
+        [Event::Stored { first: 0, end: 2 }]
+    );
     let hit = m.longest_cache_hit(&mut &keys[..], 3).unwrap();
     assert_eq!(hit, [1, 2]);
     let b = SlotRequest {
@@ -151,7 +176,9 @@ fn allocate_caches_full_blocks_and_hits_them() {
 fn adopting_evictable_blocks_counts_them() {
     let mut m = mgr(5, true);
     let keys: Vec<HashKey> = (0..2).map(key).collect();
-    m.allocate_slots("a", &prefill(8), &mut &keys[..]).unwrap().unwrap();
+    m.allocate_slots("a", &prefill(8), &mut &keys[..])
+        .unwrap()
+        .unwrap();
     m.free("a").unwrap(); // 1, 2 cached and evictable; queue 3 4 2 1
     let hit = m.longest_cache_hit(&mut &keys[..], 1).unwrap();
     assert_eq!(hit, [1]);
@@ -162,14 +189,20 @@ fn adopting_evictable_blocks_counts_them() {
 fn a_refused_allocation_changes_nothing() {
     let mut m = mgr(3, true);
     let before = m.pool().free_queue();
-    assert_eq!(m.allocate_slots("a", &prefill(12), &mut &[][..]).unwrap(), None);
+    assert_eq!(
+        m.allocate_slots("a", &prefill(12), &mut &[][..]).unwrap(),
+        None
+    );
     assert_eq!(m.pool().free_queue(), before);
     assert_eq!(m.num_requests(), 0);
     let bad = SlotRequest {
         num_new_tokens: 0,
         ..prefill(4)
     };
-    assert!(matches!(m.allocate_slots("a", &bad, &mut &[][..]), Err(Error::InvalidArgument(_))));
+    assert!(matches!(
+        m.allocate_slots("a", &bad, &mut &[][..]),
+        Err(Error::InvalidArgument(_))
+    ));
     let stale = SlotRequest {
         num_new_computed_tokens: 4,
         new_computed: Some(&[2]),
@@ -205,13 +238,18 @@ fn watermark_and_reserved_blocks_gate_admission() {
 fn reset_prefix_cache_needs_every_block_free() {
     let mut m = mgr(4, true);
     let keys = [key(1)];
-    m.allocate_slots("a", &prefill(4), &mut &keys[..]).unwrap().unwrap();
+    m.allocate_slots("a", &prefill(4), &mut &keys[..])
+        .unwrap()
+        .unwrap();
     assert!(!m.reset_prefix_cache());
     m.free("a").unwrap();
     m.pool_mut().take_events();
     assert!(m.reset_prefix_cache());
     assert_eq!(m.pool_mut().take_events(), [Event::Cleared]);
-    assert_eq!(m.longest_cache_hit(&mut &keys[..], 1).unwrap(), Vec::<u32>::new());
+    assert_eq!(
+        m.longest_cache_hit(&mut &keys[..], 1).unwrap(),
+        Vec::<u32>::new()
+    );
 }
 
 /// Random requests through allocate/free/hit/evict; invariants after every operation.
@@ -227,9 +265,11 @@ fn randomized_invariants() {
                     let id = format!("r{step}");
                     let n = 1 + rng.below(30) as u64;
                     let prefix = rng.below(3) as u32;
-                    let keys: Vec<HashKey> = (0..n / 4).map(|i| key(prefix * 1000 + i as u32)).collect();
+                    let keys: Vec<HashKey> =
+                        (0..n / 4).map(|i| key(prefix * 1000 + i as u32)).collect();
                     let hit = if caching {
-                        m.longest_cache_hit(&mut &keys[..], ((n - 1) / 4) as usize).unwrap()
+                        m.longest_cache_hit(&mut &keys[..], ((n - 1) / 4) as usize)
+                            .unwrap()
                     } else {
                         vec![]
                     };
@@ -275,7 +315,8 @@ fn randomized_invariants() {
                 }
                 _ => {}
             }
-            m.check(|_| 0).unwrap_or_else(|e| panic!("step {step}: {e}"));
+            m.check(|_| 0)
+                .unwrap_or_else(|e| panic!("step {step}: {e}"));
         }
         for (id, _, _) in live.drain(..) {
             m.free(&id).unwrap();
