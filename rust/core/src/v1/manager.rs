@@ -26,6 +26,9 @@ use crate::error::{Error, Result};
 pub trait HashSource {
     fn len(&self) -> usize;
     fn key(&mut self, i: usize) -> Result<HashKey>;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
 }
 
 impl HashSource for &[HashKey] {

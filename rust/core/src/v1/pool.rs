@@ -245,8 +245,7 @@ impl Pool {
         }
         let start = out.len();
         self.queue.popleft_n(n, out);
-        for i in start..out.len() {
-            let b = out[i];
+        for &b in &out[start..] {
             if self.caching {
                 self.evict(b);
             }

@@ -286,7 +286,7 @@ fn randomized_invariants() {
                     }
                 }
                 2 if !live.is_empty() => {
-                    let i = rng.below(live.len()) as usize;
+                    let i = rng.below(live.len());
                     let (id, n, keys) = &mut live[i];
                     let a = SlotRequest {
                         num_computed_tokens: *n,
@@ -306,7 +306,7 @@ fn randomized_invariants() {
                     }
                 }
                 3 if !live.is_empty() => {
-                    let i = rng.below(live.len()) as usize;
+                    let i = rng.below(live.len());
                     m.free(&live.swap_remove(i).0).unwrap();
                 }
                 4 => {
