@@ -102,7 +102,9 @@ def build_scheduler(
         enable_prefix_caching=spec.caching,
         prefix_caching_hash_algo=spec.hash_algo,
     )
-    events = KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
+    events = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
+    )
     vllm_config = VllmConfig(
         model_config=model, scheduler_config=sched, cache_config=cache, kv_events_config=events
     )
@@ -379,6 +381,98 @@ def measure(
     return out
 
 
+def _cached_fill_requests(num_blocks: int, block_size: int, per_request: int) -> List[Any]:
+    """Requests whose prompts fill every block but the null block (and a partial request's
+    worth) with distinct full blocks."""
+    import random
+
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request as VRequest
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    hasher = kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
+    rng = random.Random(0)
+    return [
+        VRequest(
+            request_id=f"fill-{i}",
+            prompt_token_ids=[rng.randrange(32000) for _ in range(per_request * block_size)],
+            sampling_params=SamplingParams(max_tokens=1),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for i in range((num_blocks - 1) // per_request)
+    ]
+
+
+def memory_per_cached_block(
+    num_blocks: int = 24_576, block_size: int = 16, per_request: int = 256
+) -> Dict[str, float]:
+    """Bytes per block of a KV cache manager whose pool is full of cached (free, evictable)
+    blocks, vLLM's and pagedkv's, after the same calls (each request allocated, its full blocks
+    cached, then freed). vLLM's: everything its manager allocated, by ``tracemalloc`` (per block
+    a ``KVCacheBlock``, its ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry,
+    the block list). pagedkv's: ``V1Manager.heap_bytes()`` (every buffer's capacity; checked
+    against a counting allocator in rust/core/tests/v1_memory.rs)."""
+    import gc
+    import tracemalloc
+
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
+
+    from pagedkv.vllm_v1 import KVCacheManager as PagedManager
+
+    requests = _cached_fill_requests(num_blocks, block_size, per_request)
+    args = dict(max_model_len=per_request * block_size + 1, scheduler_block_size=block_size)
+    args.update(hash_block_size=block_size, enable_caching=True)
+
+    def build_and_fill(cls: Any) -> Any:
+        import torch
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+        cfg = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
+        m = cls(cfg, **args)
+        for r in requests:
+            if m.allocate_slots(r, r.num_tokens) is None:
+                raise RuntimeError("the fill does not fit")
+            m.free(r)
+        return m
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        theirs = build_and_fill(VLLMManager)
+        gc.collect()
+        vllm_bytes = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    del theirs
+    ours = build_and_fill(PagedManager)
+    cached = len(requests) * per_request
+    if ours._native.num_cached_hashes() != cached:
+        raise RuntimeError("pagedkv's pool is not full of cached blocks")
+    return {
+        "num_blocks": num_blocks,
+        "cached_blocks": cached,
+        "vllm_bytes_per_block": vllm_bytes / num_blocks,
+        "pagedkv_bytes_per_block": ours._native.heap_bytes() / num_blocks,
+    }
+
+
+def format_memory(mem: Dict[str, float]) -> str:
+    ratio = mem["pagedkv_bytes_per_block"] / mem["vllm_bytes_per_block"]
+    return (
+        f"memory, pool of {mem['num_blocks']} blocks ({mem['cached_blocks']} cached): "
+        f"vLLM {mem['vllm_bytes_per_block']:.0f} B/block, pagedkv "
+        f"{mem['pagedkv_bytes_per_block']:.0f} B/block -> {ratio:.2f} of vLLM's"
+    )
+
+
 def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> str:
     """One line per section: both engines' mean step and the ratio."""
     lines = [f"== vLLM {release} (v1 engine): vLLM's KV cache manager vs pagedkv's, whole step =="]
@@ -413,7 +507,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--memory", action="store_true", help="also bytes per cached block")
     a = p.parse_args(argv)
+    if a.memory:
+        print(format_memory(memory_per_cached_block()), flush=True)
     workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
     release = release_of(vllm.__version__)
     sections = measure(
