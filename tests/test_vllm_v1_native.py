@@ -26,7 +26,19 @@ def manager(num_blocks: int = 10, caching: bool = True, events: bool = True) -> 
 
 def alloc(m: _native.V1Manager, rid: str, n: int, hashes=(), computed=None, n_computed=0):
     return m.allocate_slots(
-        rid, 0, n + n_computed, True, n, n_computed, computed, 0, False, False, 0, False, list(hashes)
+        rid,
+        0,
+        n + n_computed,
+        True,
+        n,
+        n_computed,
+        computed,
+        0,
+        False,
+        False,
+        0,
+        False,
+        list(hashes),
     )
 
 

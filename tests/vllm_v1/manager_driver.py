@@ -32,7 +32,9 @@ HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
 def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -55,9 +57,13 @@ def manager_pair(num_blocks: int, block_size: int, **kw: Any) -> tuple:
 
 def event_repr(e: Any) -> tuple:
     fields = getattr(type(e), "__struct_fields__", ())
-    return (type(e).__name__,) + tuple((f, repr(getattr(e, f))) for f in fields) + (
-        ("kind", getattr(e, "kv_cache_spec_kind", None)),
-        ("window", getattr(e, "kv_cache_spec_sliding_window", None)),
+    return (
+        (type(e).__name__,)
+        + tuple((f, repr(getattr(e, f))) for f in fields)
+        + (
+            ("kind", getattr(e, "kv_cache_spec_kind", None)),
+            ("window", getattr(e, "kv_cache_spec_sliding_window", None)),
+        )
     )
 
 
@@ -104,7 +110,9 @@ class Driver:
     def new_request(self) -> Request:
         self.counter += 1
         prompt = list(self.rng.choice(self.prefixes)) if self.rng.random() < 0.7 else []
-        prompt += [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))]
+        prompt += [
+            self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))
+        ]
         prompt = prompt[: self.max_model_len - 8]
         return Request(
             request_id=f"r{self.counter}",
@@ -196,15 +204,22 @@ class Driver:
             assert v.get_block_ids(rid) == o.get_block_ids(rid), f"table of {rid}"
             assert v.get_blocks(rid).get_block_ids() == o.get_blocks(rid).get_block_ids()
             assert v.estimate_cached_tokens(req) == o.estimate_cached_tokens(req)
-        ev_a, ev_b = [event_repr(e) for e in v.take_events()], [event_repr(e) for e in o.take_events()]
+        ev_a, ev_b = (
+            [event_repr(e) for e in v.take_events()],
+            [event_repr(e) for e in o.take_events()],
+        )
         assert ev_a == ev_b, f"events differ:\n{ev_a}\n{ev_b}"
         if self.rng.random() < 0.1:
-            assert stats_repr(v.make_prefix_cache_stats()) == stats_repr(o.make_prefix_cache_stats())
+            assert stats_repr(v.make_prefix_cache_stats()) == stats_repr(
+                o.make_prefix_cache_stats()
+            )
 
     def check_views(self) -> None:
         """Blocks read through ``get_blocks`` show vLLM's ref counts and hashes."""
         for rid in list(self.live)[:3]:
-            for x, y in zip(self.vllm.get_blocks(rid).blocks[0], self.ours.get_blocks(rid).blocks[0]):
+            for x, y in zip(
+                self.vllm.get_blocks(rid).blocks[0], self.ours.get_blocks(rid).blocks[0]
+            ):
                 assert (x.block_id, x.ref_cnt, x.block_hash, x.block_hash_num_tokens) == (
                     y.block_id,
                     y.ref_cnt,

@@ -465,9 +465,8 @@ def _whole_step(
     """The compat step, the batch step and (with --compare, unless --no-scheduler) vLLM's own
     Scheduler, whole step, in lockstep on the same workload."""
     from pagedkv.bench import report
-    from pagedkv.bench.wholestep import run_whole_step
-
     from pagedkv.bench.harness import VLLM_GENERATIONS
+    from pagedkv.bench.wholestep import run_whole_step
 
     v0 = [v for v in plan.vllm_versions if v in VLLM_GENERATIONS]  # v1's: its own section
     versions = [] if args.no_scheduler else v0

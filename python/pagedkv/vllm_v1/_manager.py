@@ -33,7 +33,7 @@ def log_once(message: str, *args: Any) -> None:
 class _PoolView:
     """What vLLM's scheduler reaches through ``kv_cache_manager.block_pool``."""
 
-    def __init__(self, manager: "KVCacheManager") -> None:
+    def __init__(self, manager: KVCacheManager) -> None:
         self._native = manager._native
         self.num_gpu_blocks = self._native.num_blocks
         self.enable_caching = manager.enable_caching
@@ -56,7 +56,7 @@ class _PoolView:
 class _GroupView:
     """The one single-type manager vLLM's engine inspects (block size and spec)."""
 
-    def __init__(self, manager: "KVCacheManager", spec: Any) -> None:
+    def __init__(self, manager: KVCacheManager, spec: Any) -> None:
         self.kv_cache_spec = spec
         self.block_size = manager.block_size
         self.kv_cache_group_id = 0
@@ -69,7 +69,7 @@ class _CoordinatorView:
 
     enable_partial_hash_hits = False
 
-    def __init__(self, manager: "KVCacheManager", spec: Any) -> None:
+    def __init__(self, manager: KVCacheManager, spec: Any) -> None:
         self._manager = manager
         self.block_pool = manager.block_pool
         self.single_type_managers = (_GroupView(manager, spec),)
@@ -257,7 +257,9 @@ class KVCacheManager:
 
     def pop_blocks_for_free(self, request: Any) -> List[_blocks.BlockView]:
         native = self._native
-        return [_blocks.BlockView(native, b) for b in native.pop_blocks_for_free(request.request_id)]
+        return [
+            _blocks.BlockView(native, b) for b in native.pop_blocks_for_free(request.request_id)
+        ]
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         self._native.evict_blocks(list(block_ids))
@@ -303,7 +305,11 @@ class KVCacheManager:
             self._drain_events(request)
 
     def create_kv_cache_blocks(self, blocks: Tuple[Any, ...]) -> Any:
-        return self._wrap(_blocks.block_ids_of(blocks[0])) if any(blocks) else self.empty_kv_cache_blocks
+        return (
+            self._wrap(_blocks.block_ids_of(blocks[0]))
+            if any(blocks)
+            else self.empty_kv_cache_blocks
+        )
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
         if num_computed_tokens % self.block_size:
