@@ -17,6 +17,42 @@ pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
     /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
     vllm: std::sync::OnceLock<VllmBinding>,
+    /// Request ids `vllm_allocate_slots` has read, by object identity (see [`RequestIds`]).
+    ids: Mutex<RequestIds>,
+}
+
+/// The text of request-id `str` objects seen before, keyed by object identity: the scheduler
+/// passes the same `request.request_id` object every step, and copying a `str`'s text out
+/// costs an allocation under the stable ABI for Python 3.9. Each entry holds a reference to
+/// its `str`, so its address cannot be reused by another object while the entry exists; a
+/// `str` is immutable, so the text stays its text. Entries go when the manager frees the
+/// request through the same object, and all at once when the cache outgrows the live
+/// requests (a request freed through an equal but distinct `str` leaves a stale entry, which
+/// is still correct: it maps that object to its own text).
+#[derive(Default)]
+struct RequestIds {
+    by_ptr: std::collections::HashMap<usize, (Py<PyString>, Box<str>)>,
+}
+
+impl RequestIds {
+    /// Entries beyond the live requests before the cache is emptied.
+    const SLACK: usize = 1024;
+
+    fn text(&mut self, id: &Bound<'_, PyString>, live: usize) -> PyResult<&str> {
+        let key = id.as_ptr() as usize;
+        if !self.by_ptr.contains_key(&key) {
+            if self.by_ptr.len() > 2 * live + Self::SLACK {
+                self.by_ptr.clear();
+            }
+            let text: Box<str> = id.to_cow()?.into();
+            self.by_ptr.insert(key, (id.clone().unbind(), text));
+        }
+        Ok(&self.by_ptr[&key].1)
+    }
+
+    fn forget(&mut self, id: &Bound<'_, PyString>) {
+        self.by_ptr.remove(&(id.as_ptr() as usize));
+    }
 }
 
 /// The Python objects `vllm_allocate_slots` answers with or compares against.
@@ -30,6 +66,21 @@ struct VllmBinding {
     preempted: Py<PyAny>,
     /// Called with the request after a call that logged KV events (`None`: events off).
     on_events: Option<Py<PyAny>>,
+    /// vLLM's `Request` class when its `num_tokens` property is `len(self._all_token_ids)`
+    /// (checked by the caller): requests of exactly this class are read without running it.
+    request_cls: Option<Py<PyAny>>,
+}
+
+impl VllmBinding {
+    /// `request.num_tokens`, without running the property where its body is known.
+    fn num_tokens(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if let Some(cls) = &self.request_cls {
+            if request.get_type().is(cls.bind(py)) {
+                return Ok(request.getattr(intern!(py, "_all_token_ids"))?.len()? as u64);
+            }
+        }
+        request.getattr(intern!(py, "num_tokens"))?.extract()
+    }
 }
 
 /// `request.block_hashes`, read item by item (no Python code runs for a list of bytes).
@@ -70,6 +121,15 @@ impl HashSource for PyHashes<'_> {
 }
 
 impl PyV1Manager {
+    /// Drop the identity-cache entry of a request the manager is about to forget.
+    fn forget(&self, request_id: &Bound<'_, PyString>) {
+        // try_lock: never wait on a call in progress (a callback from it would deadlock); a
+        // stale entry left behind is still correct (see `RequestIds`).
+        if let Ok(mut known) = self.ids.try_lock() {
+            known.forget(request_id);
+        }
+    }
+
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
@@ -137,10 +197,12 @@ impl PyV1Manager {
         Ok(PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
             vllm: std::sync::OnceLock::new(),
+            ids: Mutex::new(RequestIds::default()),
         })
     }
 
     /// Give `vllm_allocate_slots` its Python objects (once).
+    #[pyo3(signature = (empty, blocks_cls, waiting, preempted, on_events, request_cls=None))]
     fn bind_vllm(
         &self,
         empty: Py<PyAny>,
@@ -148,6 +210,7 @@ impl PyV1Manager {
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
         on_events: Option<Py<PyAny>>,
+        request_cls: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let b = VllmBinding {
             empty,
@@ -155,6 +218,7 @@ impl PyV1Manager {
             waiting,
             preempted,
             on_events,
+            request_cls,
         };
         self.vllm
             .set(b)
@@ -202,7 +266,7 @@ impl PyV1Manager {
             num_computed_tokens: request
                 .getattr(intern!(py, "num_computed_tokens"))?
                 .extract()?,
-            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
+            num_tokens: b.num_tokens(py, request)?,
             waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
             num_new_tokens,
             num_new_computed_tokens,
@@ -214,12 +278,14 @@ impl PyV1Manager {
             has_scheduled_reqs,
         };
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        let rid = rid_obj.cast::<PyString>()?.to_cow()?;
+        let rid = rid_obj.cast::<PyString>()?;
         let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
         let mut hashes = PyHashes::new(&hashes_obj)?;
         let (ids, logged) = {
             let mut m = self.lock()?;
-            let ids = m.allocate_slots(&rid, &a, &mut hashes).py()?;
+            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+            let rid = known.text(rid, m.num_requests())?;
+            let ids = m.allocate_slots(rid, &a, &mut hashes).py()?;
             (ids, m.pool().has_events())
         };
         if logged {
@@ -309,12 +375,14 @@ impl PyV1Manager {
             .py()
     }
 
-    fn free(&self, request_id: &str) -> PyResult<()> {
-        self.lock()?.free(request_id).py()
+    fn free(&self, request_id: &Bound<'_, PyString>) -> PyResult<()> {
+        self.forget(request_id);
+        self.lock()?.free(&request_id.to_cow()?).py()
     }
 
-    fn pop_blocks_for_free(&self, request_id: &str) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.pop_blocks_for_free(request_id))
+    fn pop_blocks_for_free(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+        self.forget(request_id);
+        Ok(self.lock()?.pop_blocks_for_free(&request_id.to_cow()?))
     }
 
     /// Drop one reference per block, in eviction-priority order (all or nothing).
