@@ -6,10 +6,11 @@
 //! `InUseError`.
 
 use crate::errors::{busy, IntoPyResult};
+use crate::v1_call::{self, ParamNames, SlotArgs};
 use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyCFunction, PyDict, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 #[pyclass(module = "pagedkv._native", name = "V1Manager", frozen)]
@@ -130,6 +131,62 @@ impl PyV1Manager {
         }
     }
 
+    /// vLLM's `allocate_slots` for `request` (both entry points above end here).
+    fn allocate_for_vllm<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        a: &SlotArgs<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let b = self
+            .vllm
+            .get()
+            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
+        if a.num_external_computed_tokens != 0 || a.num_encoder_tokens != 0 {
+            return Err(crate::errors::invalid(
+                "external (connector) and encoder tokens are outside pagedkv's manager",
+            ));
+        }
+        let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
+        let status = request.getattr(intern!(py, "status"))?;
+        let slots = SlotRequest {
+            num_computed_tokens: request
+                .getattr(intern!(py, "num_computed_tokens"))?
+                .extract()?,
+            num_tokens: b.num_tokens(py, request)?,
+            waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+            num_new_tokens: a.num_new_tokens,
+            num_new_computed_tokens: a.num_new_computed_tokens,
+            new_computed: computed.as_deref(),
+            num_lookahead_tokens: a.num_lookahead_tokens,
+            delay_cache_blocks: a.delay_cache_blocks,
+            full_sequence_must_fit: a.full_sequence_must_fit,
+            reserved_blocks: a.reserved_blocks,
+            has_scheduled_reqs: a.has_scheduled_reqs,
+        };
+        let rid_obj = request.getattr(intern!(py, "request_id"))?;
+        let rid = rid_obj.cast::<PyString>()?;
+        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
+        let mut hashes = PyHashes::new(&hashes_obj)?;
+        let (ids, logged) = {
+            let mut m = self.lock()?;
+            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+            let rid = known.text(rid, m.num_requests())?;
+            let ids = m.allocate_slots(rid, &slots, &mut hashes).py()?;
+            (ids, m.pool().has_events())
+        };
+        if logged {
+            if let Some(cb) = &b.on_events {
+                cb.bind(py).call1((request,))?;
+            }
+        }
+        match ids {
+            None => Ok(py.None().into_bound(py)),
+            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
+            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
+        }
+    }
+
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
@@ -240,7 +297,7 @@ impl PyV1Manager {
         request: &Bound<'py, PyAny>,
         num_new_tokens: u64,
         num_new_computed_tokens: u64,
-        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        new_computed_blocks: Option<Bound<'py, PyAny>>,
         num_lookahead_tokens: u64,
         num_external_computed_tokens: u64,
         delay_cache_blocks: bool,
@@ -251,53 +308,34 @@ impl PyV1Manager {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = skip_zeroing_group_ids;
-        let b = self
-            .vllm
-            .get()
-            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
-        if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
-            return Err(crate::errors::invalid(
-                "external (connector) and encoder tokens are outside pagedkv's manager",
-            ));
-        }
-        let computed = computed_ids(py, b, new_computed_blocks)?;
-        let status = request.getattr(intern!(py, "status"))?;
-        let a = SlotRequest {
-            num_computed_tokens: request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?,
-            num_tokens: b.num_tokens(py, request)?,
-            waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+        let a = SlotArgs {
             num_new_tokens,
             num_new_computed_tokens,
-            new_computed: computed.as_deref(),
+            new_computed_blocks,
             num_lookahead_tokens,
+            num_external_computed_tokens,
             delay_cache_blocks,
+            num_encoder_tokens,
             full_sequence_must_fit,
             reserved_blocks,
             has_scheduled_reqs,
         };
-        let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        let rid = rid_obj.cast::<PyString>()?;
-        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
-        let mut hashes = PyHashes::new(&hashes_obj)?;
-        let (ids, logged) = {
-            let mut m = self.lock()?;
-            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
-            let rid = known.text(rid, m.num_requests())?;
-            let ids = m.allocate_slots(rid, &a, &mut hashes).py()?;
-            (ids, m.pool().has_events())
+        self.allocate_for_vllm(py, request, &a)
+    }
+
+    /// `vllm_allocate_slots` as a callable that parses its arguments itself (see
+    /// [`crate::v1_call`]; no text copy per keyword): what `KVCacheManager.allocate_slots`
+    /// is set to.
+    fn vllm_allocate_slots_function<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let manager = slf.clone().unbind();
+        let names = ParamNames::new(py);
+        let f = move |args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>| {
+            let (request, a) = v1_call::parse(&names, args, kwargs)?;
+            let out = manager.get().allocate_for_vllm(args.py(), &request, &a)?;
+            PyResult::Ok(out.unbind())
         };
-        if logged {
-            if let Some(cb) = &b.on_events {
-                cb.bind(py).call1((request,))?;
-            }
-        }
-        match ids {
-            None => Ok(py.None().into_bound(py)),
-            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
-            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
-        }
+        Ok(PyCFunction::new_closure(py, Some(c"allocate_slots"), None, f)?.into_any())
     }
 
     /// vLLM's `allocate_slots` with the request's fields spelled out: the new block ids, or
