@@ -32,7 +32,30 @@ pub struct PyV1Manager {
 /// is still correct: it maps that object to its own text).
 #[derive(Default)]
 struct RequestIds {
-    by_ptr: std::collections::HashMap<usize, (Py<PyString>, Box<str>)>,
+    by_ptr: std::collections::HashMap<usize, (Py<PyString>, Box<str>), PtrHash>,
+}
+
+/// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
+type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
+
+#[derive(Default)]
+struct PtrHasher(u64);
+
+impl std::hash::Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        // Fibonacci hashing; the high bits carry the low bits' entropy (objects are aligned).
+        self.0 = (n as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(32);
+    }
 }
 
 impl RequestIds {
@@ -41,14 +64,16 @@ impl RequestIds {
 
     fn text(&mut self, id: &Bound<'_, PyString>, live: usize) -> PyResult<&str> {
         let key = id.as_ptr() as usize;
-        if !self.by_ptr.contains_key(&key) {
-            if self.by_ptr.len() > 2 * live + Self::SLACK {
-                self.by_ptr.clear();
-            }
-            let text: Box<str> = id.to_cow()?.into();
-            self.by_ptr.insert(key, (id.clone().unbind(), text));
+        if self.by_ptr.len() > 2 * live + Self::SLACK && !self.by_ptr.contains_key(&key) {
+            self.by_ptr.clear();
         }
-        Ok(&self.by_ptr[&key].1)
+        let entry = match self.by_ptr.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert((id.clone().unbind(), id.to_cow()?.into()))
+            }
+        };
+        Ok(&entry.1)
     }
 
     fn forget(&mut self, id: &Bound<'_, PyString>) {
@@ -131,7 +156,8 @@ impl PyV1Manager {
         }
     }
 
-    /// vLLM's `allocate_slots` for `request` (both entry points above end here).
+    /// vLLM's `allocate_slots` for `request` (`vllm_allocate_slots` and the callable from
+    /// `vllm_allocate_slots_function` both end here).
     fn allocate_for_vllm<'py>(
         &self,
         py: Python<'py>,
@@ -148,22 +174,7 @@ impl PyV1Manager {
             ));
         }
         let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
-        let status = request.getattr(intern!(py, "status"))?;
-        let slots = SlotRequest {
-            num_computed_tokens: request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?,
-            num_tokens: b.num_tokens(py, request)?,
-            waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
-            num_new_tokens: a.num_new_tokens,
-            num_new_computed_tokens: a.num_new_computed_tokens,
-            new_computed: computed.as_deref(),
-            num_lookahead_tokens: a.num_lookahead_tokens,
-            delay_cache_blocks: a.delay_cache_blocks,
-            full_sequence_must_fit: a.full_sequence_must_fit,
-            reserved_blocks: a.reserved_blocks,
-            has_scheduled_reqs: a.has_scheduled_reqs,
-        };
+        let slots = slot_request(py, b, request, a, computed.as_deref())?;
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
         let rid = rid_obj.cast::<PyString>()?;
         let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
@@ -221,6 +232,32 @@ fn computed_ids(
         ids.push(blk?.getattr(intern!(py, "block_id"))?.extract()?);
     }
     Ok(Some(ids))
+}
+
+/// The core's view of one vLLM `allocate_slots` call: its arguments and the request's fields.
+fn slot_request<'a>(
+    py: Python<'_>,
+    b: &VllmBinding,
+    request: &Bound<'_, PyAny>,
+    a: &SlotArgs<'_>,
+    computed: Option<&'a [u32]>,
+) -> PyResult<SlotRequest<'a>> {
+    let status = request.getattr(intern!(py, "status"))?;
+    Ok(SlotRequest {
+        num_computed_tokens: request
+            .getattr(intern!(py, "num_computed_tokens"))?
+            .extract()?,
+        num_tokens: b.num_tokens(py, request)?,
+        waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+        num_new_tokens: a.num_new_tokens,
+        num_new_computed_tokens: a.num_new_computed_tokens,
+        new_computed: computed,
+        num_lookahead_tokens: a.num_lookahead_tokens,
+        delay_cache_blocks: a.delay_cache_blocks,
+        full_sequence_must_fit: a.full_sequence_must_fit,
+        reserved_blocks: a.reserved_blocks,
+        has_scheduled_reqs: a.has_scheduled_reqs,
+    })
 }
 
 fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
