@@ -42,13 +42,21 @@ class EventBuilder:
         out = []
         append, removed = out.append, self.removed
         for kind, a, b in native_events:
-            if kind == "removed":  # the most frequent: one per evicted block
+            if kind == "event":  # built natively (see bind_native)
+                append(a)
+            elif kind == "removed":
                 append(removed(a))
             elif kind == "stored":
                 append(self.stored(request, a, b))
             else:
                 append(self._cleared_cls())
         return out
+
+    def bind_native(self, native: Any) -> None:
+        """Have ``native`` build the most frequent event, ``BlockRemoved`` (one per evicted
+        block), itself where the struct's fields start as this module writes them."""
+        if self._removed_positional:
+            native.bind_removed_events(self._removed_cls, self._medium, self._int_hashes)
 
     def removed(self, block_hash: bytes) -> Any:
         h = int.from_bytes(block_hash[-8:], "big") if self._int_hashes else block_hash

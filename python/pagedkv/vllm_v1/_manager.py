@@ -149,6 +149,8 @@ class KVCacheManager:
         self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
         self._events: List[Any] = []
         on_events = self._drain_events if self._builder is not None else None
+        if self._builder is not None:
+            self._builder.bind_native(self._native)
         self._native.bind_vllm(
             self.empty_kv_cache_blocks,
             self._Blocks,

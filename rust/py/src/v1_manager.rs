@@ -20,6 +20,8 @@ pub struct PyV1Manager {
     vllm: std::sync::OnceLock<VllmBinding>,
     /// Request ids `vllm_allocate_slots` has read, by object identity (see [`RequestIds`]).
     ids: Mutex<RequestIds>,
+    /// Set once by `bind_removed_events`.
+    removed_events: std::sync::OnceLock<RemovedEvents>,
 }
 
 /// The text of request-id `str` objects seen before, keyed by object identity: the scheduler
@@ -260,11 +262,46 @@ fn slot_request<'a>(
     })
 }
 
-fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
-    match e {
-        Event::Stored { first, end } => ("stored", *first, *end).into_pyobject(py),
-        Event::Removed(k) => ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py),
-        Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
+/// How `take_events` builds vLLM's `BlockRemoved` itself (set by `bind_removed_events`).
+struct RemovedEvents {
+    /// vLLM's `BlockRemoved`, whose first fields are `block_hashes`, `medium`, `group_idx`.
+    cls: Py<PyAny>,
+    medium: Py<PyAny>,
+    /// Publish a hash as its last 8 bytes read as a big-endian unsigned integer (vLLM's
+    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` conversion), else as the bytes.
+    int_hashes: bool,
+}
+
+impl RemovedEvents {
+    fn build<'py>(&self, py: Python<'py>, k: &HashKey) -> PyResult<Bound<'py, PyAny>> {
+        let bytes = k.as_bytes();
+        let hash = if self.int_hashes {
+            let mut last = [0u8; 8];
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            last[8 - tail.len()..].copy_from_slice(tail);
+            u64::from_be_bytes(last).into_pyobject(py)?.into_any()
+        } else {
+            PyBytes::new(py, bytes).into_any()
+        };
+        let hashes = PyList::new(py, [hash])?;
+        self.cls
+            .bind(py)
+            .call1((hashes, self.medium.bind(py), 0u32))
+    }
+}
+
+fn event_tuple<'py>(
+    py: Python<'py>,
+    e: &Event,
+    removed: Option<&RemovedEvents>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    match (e, removed) {
+        (Event::Stored { first, end }, _) => ("stored", *first, *end).into_pyobject(py),
+        (Event::Removed(k), Some(r)) => ("event", r.build(py, k)?, 0u32).into_pyobject(py),
+        (Event::Removed(k), None) => {
+            ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
+        }
+        (Event::Cleared, _) => ("cleared", 0u32, 0u32).into_pyobject(py),
     }
 }
 
@@ -292,6 +329,7 @@ impl PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
             vllm: std::sync::OnceLock::new(),
             ids: Mutex::new(RequestIds::default()),
+            removed_events: std::sync::OnceLock::new(),
         })
     }
 
@@ -536,10 +574,29 @@ impl PyV1Manager {
     }
 
     /// Events since the last call: `("stored", first, end)` (blocks of the request the last
-    /// call concerned), `("removed", hash, 0)`, `("cleared", 0, 0)`.
+    /// call concerned), `("removed", hash, 0)` (or, after `bind_removed_events`,
+    /// `("event", BlockRemoved(...), 0)`), `("cleared", 0, 0)`.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.lock()?.pool_mut().take_events();
-        events.iter().map(|e| event_tuple(py, e)).collect()
+        let removed = self.removed_events.get();
+        events.iter().map(|e| event_tuple(py, e, removed)).collect()
+    }
+
+    /// Have `take_events` build vLLM's `BlockRemoved(block_hashes=[hash], medium, 0)` itself
+    /// (`cls`'s first fields must be those three, in that order; the caller checks).
+    fn bind_removed_events(
+        &self,
+        cls: Py<PyAny>,
+        medium: Py<PyAny>,
+        int_hashes: bool,
+    ) -> PyResult<()> {
+        self.removed_events
+            .set(RemovedEvents {
+                cls,
+                medium,
+                int_hashes,
+            })
+            .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
     }
 
     #[getter]
