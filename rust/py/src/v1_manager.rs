@@ -111,18 +111,32 @@ impl VllmBinding {
     }
 }
 
-/// `request.block_hashes`, read item by item (no Python code runs for a list of bytes).
-struct PyHashes<'py> {
-    seq: Bound<'py, PyAny>,
-    len: usize,
+/// `request.block_hashes`, read item by item (no Python code runs for a list of bytes); from
+/// a request, the attribute is read only when the core asks for a hash or the count.
+enum PyHashes<'py> {
+    Seq(Bound<'py, PyAny>),
+    Of(Bound<'py, PyAny>),
 }
 
 impl<'py> PyHashes<'py> {
     fn new(seq: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Ok(PyHashes {
-            seq: seq.clone(),
-            len: seq.len()?,
-        })
+        Ok(PyHashes::Seq(seq.clone()))
+    }
+
+    fn of_request(request: &Bound<'py, PyAny>) -> Self {
+        PyHashes::Of(request.clone())
+    }
+
+    fn seq(&mut self) -> pagedkv_core::Result<&Bound<'py, PyAny>> {
+        if let PyHashes::Of(request) = self {
+            let seq = request
+                .getattr(intern!(request.py(), "block_hashes"))
+                .map_err(|e| pagedkv_core::Error::invalid(format!("request.block_hashes: {e}")))?;
+            *self = PyHashes::Seq(seq);
+        }
+        // `Of` was replaced above (never a panic: the or-pattern covers both).
+        let (PyHashes::Seq(seq) | PyHashes::Of(seq)) = self;
+        Ok(seq)
     }
 }
 
@@ -131,14 +145,17 @@ fn hash_error(i: usize, what: &str) -> pagedkv_core::Error {
 }
 
 impl HashSource for PyHashes<'_> {
-    fn len(&self) -> usize {
-        self.len
+    fn count(&mut self) -> pagedkv_core::Result<usize> {
+        let seq = self.seq()?;
+        seq.len()
+            .map_err(|e| pagedkv_core::Error::invalid(format!("block_hashes: {e}")))
     }
 
     fn key(&mut self, i: usize) -> pagedkv_core::Result<HashKey> {
-        let item = match self.seq.cast::<PyList>() {
+        let seq = self.seq()?;
+        let item = match seq.cast::<PyList>() {
             Ok(list) => list.get_item(i),
-            Err(_) => self.seq.get_item(i),
+            Err(_) => seq.get_item(i),
         }
         .map_err(|e| hash_error(i, &e.to_string()))?;
         let bytes = item
@@ -179,8 +196,7 @@ impl PyV1Manager {
         let slots = slot_request(py, b, request, a, computed.as_deref())?;
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
         let rid = rid_obj.cast::<PyString>()?;
-        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
-        let mut hashes = PyHashes::new(&hashes_obj)?;
+        let mut hashes = PyHashes::of_request(request);
         let (ids, logged) = {
             let mut m = self.lock()?;
             let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;

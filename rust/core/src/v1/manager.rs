@@ -22,18 +22,17 @@ use hashbrown::HashMap;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use crate::error::{Error, Result};
 
-/// A request's block hashes, read on demand (`request.block_hashes` in vLLM).
+/// A request's block hashes, read on demand (`request.block_hashes` in vLLM): a call that
+/// caches nothing never asks.
 pub trait HashSource {
-    fn len(&self) -> usize;
+    /// How many hashes the request has.
+    fn count(&mut self) -> Result<usize>;
     fn key(&mut self, i: usize) -> Result<HashKey>;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl HashSource for &[HashKey] {
-    fn len(&self) -> usize {
-        <[HashKey]>::len(self)
+    fn count(&mut self) -> Result<usize> {
+        Ok(<[HashKey]>::len(self))
     }
     fn key(&mut self, i: usize) -> Result<HashKey> {
         Ok(self[i])
@@ -142,7 +141,7 @@ impl Manager {
         max_blocks: usize,
     ) -> Result<Vec<u32>> {
         let mut hit = Vec::new();
-        for i in 0..max_blocks.min(hashes.len()) {
+        for i in 0..max_blocks.min(hashes.count()?) {
             match self.pool.get_cached(&hashes.key(i)?) {
                 Some(b) => hit.push(b),
                 None => break,
@@ -286,8 +285,11 @@ impl Manager {
         let Some(upto) = plan.cache_upto else {
             return Ok(());
         };
-        let bs = self.cfg.block_size as u64;
-        let num_full = (upto.min(hashes.len() as u64 * bs) / bs) as usize;
+        let full_by_tokens = (upto / self.cfg.block_size as u64) as usize;
+        if full_by_tokens <= plan.cache_first as usize {
+            return Ok(()); // no block became full: the hashes are not read
+        }
+        let num_full = full_by_tokens.min(hashes.count()?);
         for i in plan.cache_first as usize..num_full {
             let k = hashes.key(i)?;
             self.keys.push(k);
