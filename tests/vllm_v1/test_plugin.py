@@ -15,6 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
 
 import pagedkv.vllm_v1 as pv
 from pagedkv.bench import vllm_v1 as bench
+from pagedkv.bench.harness import EngineConfig
 from pagedkv.bench.workload import W1_QUICK
 from pagedkv.errors import UnsupportedVLLMError
 from pagedkv.vllm_v1 import _manager, plugin
@@ -25,7 +26,9 @@ SMALL = dataclasses.replace(W1_QUICK, num_requests=4, num_gpu_blocks=64, max_num
 def scheduler(native: bool, **spec) -> object:
     with tempfile.TemporaryDirectory() as d:
         model = bench.write_model_dir(d, SMALL.prompt_len_max + SMALL.output_len_max)
-        return bench.build_scheduler(bench.EngineSpec(SMALL, **spec), model, native=native)
+        engine = bench.EngineSpec(**spec)
+        config = EngineConfig.from_workload(SMALL, engine.caching)
+        return bench.build_scheduler(engine, config, model, native=native)
 
 
 def test_scheduler_gets_the_native_manager() -> None:
