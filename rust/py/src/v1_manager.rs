@@ -481,6 +481,7 @@ impl PyV1Manager {
         self.lock()?.longest_cache_hit(&mut hashes, max_blocks).py()
     }
 
+    /// vLLM's `get_num_blocks_to_allocate` for the request (adopting `new_computed`).
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
@@ -492,6 +493,7 @@ impl PyV1Manager {
             .py()
     }
 
+    /// vLLM's `cache_blocks`: cache the request's blocks that are full within `num_tokens`.
     fn cache_blocks(
         &self,
         request_id: &str,
@@ -504,11 +506,13 @@ impl PyV1Manager {
             .py()
     }
 
+    /// vLLM's `free(request)`: the request's blocks go back, tail first.
     fn free(&self, request_id: &Bound<'_, PyString>) -> PyResult<()> {
         self.forget(request_id);
         self.lock()?.free(&request_id.to_cow()?).py()
     }
 
+    /// Forget the request; its block ids (allocation order), still referenced.
     fn pop_blocks_for_free(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
         self.forget(request_id);
         Ok(self.lock()?.pop_blocks_for_free(&request_id.to_cow()?))
@@ -522,30 +526,37 @@ impl PyV1Manager {
             .py()
     }
 
+    /// Drop the cached hash of each listed block (all ids checked first).
     fn evict_blocks(&self, block_ids: Vec<i64>) -> PyResult<()> {
         self.lock()?.evict_blocks(&block_ids).py()
     }
 
+    /// The request's block table (empty for an unknown request).
     fn block_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
         Ok(self.lock()?.blocks(request_id).to_vec())
     }
 
+    /// How many leading blocks of the request are cached (`None`: not tracked).
     fn num_cached_blocks(&self, request_id: &str) -> PyResult<Option<u32>> {
         Ok(self.lock()?.num_cached_blocks(request_id))
     }
 
+    /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
     }
 
+    /// Free blocks (evictable cached ones included), the null block excluded.
     fn num_free_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.pool().num_free())
     }
 
+    /// vLLM's KV cache usage: the used share of the blocks other than the null block.
     fn usage(&self) -> PyResult<f64> {
         Ok(self.lock()?.pool().usage())
     }
 
+    /// The block's reference count.
     fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id).py()?;
@@ -570,10 +581,12 @@ impl PyV1Manager {
         Ok(m.pool().hashed_tokens(b))
     }
 
+    /// vLLM's `estimate_cached_tokens`: the most tokens a hash of the request's blocks covers.
     fn estimate_cached_tokens(&self, request_id: &str) -> PyResult<u32> {
         Ok(self.lock()?.estimate_cached_tokens(request_id))
     }
 
+    /// Whether the block is in the free-block queue.
     fn is_free(&self, block_id: i64) -> PyResult<bool> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id).py()?;
@@ -585,6 +598,7 @@ impl PyV1Manager {
         Ok(self.lock()?.pool().free_queue())
     }
 
+    /// Hashes in the prefix-cache map.
     fn num_cached_hashes(&self) -> PyResult<usize> {
         Ok(self.lock()?.pool().num_cached_hashes())
     }
@@ -615,16 +629,19 @@ impl PyV1Manager {
             .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
     }
 
+    /// Blocks in the pool, the null block included.
     #[getter]
     fn num_blocks(&self) -> PyResult<u32> {
         Ok(self.lock()?.pool().num_blocks())
     }
 
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> PyResult<u32> {
         Ok(self.lock()?.config().block_size)
     }
 
+    /// Requests holding a block table.
     #[getter]
     fn num_requests(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_requests())
