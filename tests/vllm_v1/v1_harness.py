@@ -260,6 +260,25 @@ def scheduler_class_under_test(manager_cls: type, async_scheduling: bool) -> typ
     return injected_scheduler_class(base, manager_cls)
 
 
+class InjectingScheduler(Scheduler):
+    """vLLM's Scheduler over :func:`manager_under_test`, importable by name for vLLM's
+    ``scheduler_cls`` (``"v1_harness.InjectingScheduler"``, the e2e test)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.manager_kwargs: dict = {}
+        with building_manager(manager_under_test(), self.manager_kwargs):
+            super().__init__(*args, **kwargs)
+
+
+def scheduler_under_test_name() -> str:
+    """What to give vLLM as ``scheduler_cls``: the manager module's own ``Scheduler`` if it has
+    one (``pagedkv.vllm_v1.Scheduler``), else :class:`InjectingScheduler`."""
+    module = manager_under_test_name().rpartition(".")[0]
+    if isinstance(getattr(importlib.import_module(module), "Scheduler", None), type):
+        return f"{module}.Scheduler"
+    return f"{__name__}.InjectingScheduler"
+
+
 def make_scheduler(
     cfg: SchedConfig, model_dir: Path, manager_cls: Optional[type] = None
 ) -> Scheduler:
