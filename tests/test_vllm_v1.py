@@ -28,6 +28,8 @@ WHEEL_VAR = "PAGEDKV_WHEEL"
 INNER_TIMEOUT_S = 3600
 #: The e2e test runs on vLLM's CPU build only (tests/vllm_v1/conftest.py).
 E2E_VERSIONS = ("0.32",)
+#: Written by scripts/vllm_envs.sh when an environment, and then its test extras, are complete.
+READY_FILES = (".ready", ".ready-test-extras")
 
 
 class MissingVllmEnv(RuntimeError):
@@ -43,9 +45,11 @@ def locate_env(version: str, root: Path | None = None) -> Path:
     """The python of the finished vLLM ``version`` virtualenv, else :class:`MissingVllmEnv`."""
     env = (root or envs_root()) / f"vllm-{version}"
     python = env / "bin" / "python"
-    if (env / ".ready").is_file() and python.exists():
+    if all((env / f).is_file() for f in READY_FILES) and python.exists():
         return python
     state = "half-built (no .ready)" if env.exists() else "missing"
+    if (env / ".ready").is_file():
+        state = "without its test extras (no .ready-test-extras)"
     raise MissingVllmEnv(
         f"the vLLM {version} virtualenv {env} is {state}: build it with scripts/vllm_envs.sh "
         f"(~10 GB once, cached; ${ENVS_VAR} moves it)"
@@ -87,8 +91,8 @@ def install(python: Path, wheel: Path) -> None:
 def run_inner_suite(python: Path, junit: Path, runslow: bool) -> tuple[int, str]:
     cmd = [str(python), "-m", "pytest", "tests/vllm_v1", "-p", "no:cacheprovider", "-q"]
     cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
-    if runslow:
-        cmd.append("--runslow")
+    # Without --runslow the slow tests are deselected, not skipped: any skip fails the run.
+    cmd += ["--runslow"] if runslow else ["-m", "not slow"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=INNER_TIMEOUT_S)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -136,6 +140,9 @@ def test_a_missing_env_fails_naming_the_build_script(tmp_path: Path) -> None:
     with pytest.raises(MissingVllmEnv, match=r"half-built .*scripts/vllm_envs\.sh"):
         locate_env("0.32", tmp_path)
     (tmp_path / "vllm-0.32" / ".ready").write_text("stamp\n")
+    with pytest.raises(MissingVllmEnv, match=r"test extras.*scripts/vllm_envs\.sh"):
+        locate_env("0.32", tmp_path)
+    (tmp_path / "vllm-0.32" / ".ready-test-extras").write_text("stamp\n")
     assert locate_env("0.32", tmp_path) == half / "python"
 
 

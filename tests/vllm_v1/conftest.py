@@ -5,10 +5,15 @@ test_e2e_cpu.py runs a model, so it is collected only under vLLM's CPU build (th
 
 from __future__ import annotations
 
+import os
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+
+# No GPU here: vLLM's platform detection must pick its CPU platform (the 0.33 environment is
+# the CUDA build); set before anything imports vllm.platforms.
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 
 def _is_cpu_build() -> bool:

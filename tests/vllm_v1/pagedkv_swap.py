@@ -55,15 +55,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> str:
+    return f"pagedkv_swap: KVCacheManager = {_name()}"
+
+
+def _name() -> str:
     cls = _state["cls"]
-    return f"pagedkv_swap: KVCacheManager = {cls.__module__}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    print(f"\npagedkv_swap: KVCacheManager = {_name()}")
     if not _state["counted"]:
-        print("\npagedkv_swap: the manager under test is not patchable; instances not counted")
+        print("pagedkv_swap: the manager under test is not patchable; instances not counted")
         return
     if session.testscollected and _state["built"] == 0 and exitstatus == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print("\npagedkv_swap: no test built the manager under test; the swap did not take")
-    print(f"\npagedkv_swap: {_state['built']} managers under test built")
+        print("pagedkv_swap: no test built the manager under test; the swap did not take")
+    print(f"pagedkv_swap: {_state['built']} managers under test built")

@@ -13,8 +13,8 @@ import pytest
 import v1_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-FAST_SEEDS = range(60)
-SLOW_SEEDS = range(60, 1060)
+FAST_SEEDS = range(80)
+SLOW_SEEDS = range(80, 480)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)

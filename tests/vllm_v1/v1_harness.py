@@ -127,7 +127,7 @@ def random_config(rng: random.Random) -> SchedConfig:
     max_model_len = 256
     # From "barely fits one long request" (heavy preemption) to roomy.
     min_blocks = max_model_len // block_size + 2
-    num_blocks = rng.randint(min_blocks, min_blocks * 3)
+    num_blocks = rng.randint(min_blocks, min_blocks * 2)
     return SchedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -330,14 +330,14 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
     prefixes = [_tokens(rng, rng.randint(1, 6 * bs)) for _ in range(3)]
     specs: list[RequestSpec] = []
     step = 0
-    for i in range(rng.randint(3, 20)):
-        step += rng.choice((0, 0, 1, 2, 5))
+    for i in range(rng.randint(3, 40)):
+        step += rng.choice((0, 0, 0, 1, 2, 5))
         if specs and rng.random() < 0.1:
             prompt = list(rng.choice(specs).prompt)  # an exact repeat: a full hit
         else:
             prefix = rng.choice(prefixes) if rng.random() < 0.6 else []
             prompt = prefix + _tokens(rng, rng.randint(1, 4 * bs))
-        max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 64)))
+        max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
         prompt = prompt[: cfg.max_model_len - max_tokens]
         abort = step + rng.randint(0, 12) if rng.random() < 0.15 else None
         specs.append(
@@ -437,6 +437,12 @@ def _normalize_container(obj: Any, seen: set) -> Any:
 
 def first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
     """The path of the first place where two normalized values differ, with both values."""
+    if _is_node(a) and _is_node(b):
+        if a[0] != b[0]:
+            return f"{path}: {a[0]} != {b[0]}"
+        if a[0] == "dict":
+            return _first_dict_difference(a[1], b[1], path)
+        return first_difference(a[1], b[1], path)
     if type(a) is not type(b):
         return f"{path}: {_short(a)} != {_short(b)}"
     if isinstance(a, dict):
@@ -447,7 +453,7 @@ def first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
             if diff:
                 return diff
         return None
-    if isinstance(a, (list, tuple)):
+    if isinstance(a, list):
         for i, (x, y) in enumerate(zip(a, b)):
             diff = first_difference(x, y, f"{path}[{i}]")
             if diff:
@@ -456,6 +462,21 @@ def first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
             return f"{path}: length {len(a)} != {len(b)}: {_short(a)} != {_short(b)}"
         return None
     return None if a == b else f"{path}: {_short(a)} != {_short(b)}"
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+
+def _first_dict_difference(a: list, b: list, path: str) -> Optional[str]:
+    """Dicts are normalized to their (key, value) pairs in order: keys first, then values."""
+    if [k for k, _ in a] != [k for k, _ in b]:
+        return f"{path}: keys {_short([k for k, _ in a])} != {_short([k for k, _ in b])}"
+    for (key, x), (_, y) in zip(a, b):
+        diff = first_difference(x, y, f"{path}[{key!r}]")
+        if diff:
+            return diff
+    return None
 
 
 def _short(x: Any, limit: int = 400) -> str:
@@ -564,9 +585,11 @@ class Lockstep:
         self.stats["preemptions"] += len(ref_out.preempted_req_ids or ())
         self.pending.append(Pending(ref_out, test_out, req_ids, samples))
         self._check_state("after schedule")
-        # Async scheduling: one step in flight while the next is scheduled.
+        # Async scheduling: one step in flight while the next is scheduled; an empty step
+        # waits for everything in flight.
         depth = 2 if self.cfg.async_scheduling else 1
-        if len(self.pending) >= depth or ref_out.total_num_scheduled_tokens == 0:
+        drain = ref_out.total_num_scheduled_tokens == 0
+        while self.pending and (drain or len(self.pending) >= depth):
             self._update(self.pending.popleft())
 
     def _update(self, p: Pending) -> None:

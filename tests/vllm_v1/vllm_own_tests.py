@@ -6,9 +6,10 @@ publishes no sdist, so the 0.32 environment runs vllm 0.32.0's tests. Only ``tes
 sdist's ``pyproject.toml`` (its pytest markers) are unpacked; ``vllm`` itself is the installed
 one. The run loads :mod:`pagedkv_swap`, which puts the manager under test in place of vLLM's.
 
-vLLM's tests build ``facebook/opt-125m`` configs from the Hugging Face hub; the run is offline
-(``HF_HUB_OFFLINE=1``) over a private hub cache holding only that model's ``config.json``
-(:data:`OPT_125M_CONFIG`, the public model card's values; no weights, no tokenizer).
+vLLM's tests build model configs (``facebook/opt-125m`` mostly) from the Hugging Face hub; the
+run is offline (``HF_HUB_OFFLINE=1``) over a private hub cache holding only the ``config.json``
+of :data:`HUB_MODELS` (the public models' values; no weights, no tokenizer). Tests that need
+other hub files (llava's processor) are in the NOT_RUN table.
 
 Usage (inside a vLLM virtualenv): ``python tests/vllm_v1/vllm_own_tests.py [pytest args]``.
 """
@@ -55,7 +56,57 @@ OPT_125M_CONFIG = {
     "use_cache": True,
     "prefix": "</s>",
 }
-HUB_MODELS = {"facebook/opt-125m": OPT_125M_CONFIG}
+QWEN3_06B_CONFIG = {  # vLLM's ModelConfig() default model
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "num_hidden_layers": 28,
+    "max_window_layers": 28,
+    "vocab_size": 151936,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000,
+    "hidden_act": "silu",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "use_sliding_window": False,
+    "sliding_window": None,
+    "rope_scaling": None,
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+}
+QWEN15_7B_CONFIG = {
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 32,
+    "num_hidden_layers": 32,
+    "max_window_layers": 28,
+    "vocab_size": 151936,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1000000.0,
+    "hidden_act": "silu",
+    "use_sliding_window": False,
+    "sliding_window": 32768,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 151643,
+    "eos_token_id": 151643,
+}
+HUB_MODELS = {
+    "facebook/opt-125m": OPT_125M_CONFIG,
+    "Qwen/Qwen3-0.6B": QWEN3_06B_CONFIG,
+    "Qwen/Qwen1.5-7B": QWEN15_7B_CONFIG,
+}
 _HUB_REVISION = "0" * 40
 
 
@@ -142,6 +193,7 @@ def run(
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
+        run_env.setdefault("VLLM_TARGET_DEVICE", "cpu")  # no GPU: vLLM's CPU platform
         proc = subprocess.run(
             cmd, cwd=tree, env=run_env, capture_output=True, text=True, timeout=3600
         )
