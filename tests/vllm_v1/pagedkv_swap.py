@@ -5,8 +5,9 @@ Before collection it replaces ``vllm.v1.core.kv_cache_manager.KVCacheManager`` a
 scheduler module builds its manager from (``vllm.v1.core.sched.scheduler.KVCacheManager``) with
 the class named by ``$PAGEDKV_V1_MANAGER_UNDER_TEST`` (default
 ``pagedkv.vllm_v1.KVCacheManager``), so both the tests that build a manager themselves and
-every scheduler they build get it. The header of the run names the class, and the run fails if
-no test built one (a swap that did not take).
+every scheduler they build get it. The header and the end of the run name the class, and the
+run fails if no test built one (a swap that did not take). It also skips vLLM's per-test
+global GPU/distributed cleanup (see :func:`pytest_collection_modifyitems`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,46 @@ def pytest_configure(config: pytest.Config) -> None:
     manager_module.KVCacheManager = cls
     scheduler_module.KVCacheManager = cls
     _state["cls"] = cls
+
+
+DESELECT_ENV = "PAGEDKV_DESELECT_FILE"
+
+
+def _deselected_names() -> set[str]:
+    """``file::test`` names (relative to tests/v1/core) from the file named by
+    ``$PAGEDKV_DESELECT_FILE``, one a line."""
+    path = os.environ.get(DESELECT_ENV)
+    if not path:
+        return set()
+    with open(path) as f:
+        return {line.strip() for line in f if line.strip()}
+
+
+def _base_name(item: pytest.Item) -> str:
+    """``file::test`` of an item, without its parameters."""
+    return f"{item.path.name}::{item.originalname}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Deselects exactly the named tests (all parametrizations; unlike ``--deselect``, never a
+    test whose name merely starts with a listed one), refusing names that match nothing.
+
+    And: vLLM's tests/conftest.py tears torch.distributed and accelerator memory down after
+    every test unless it is marked ``skip_global_cleanup`` ("a ~10x speedup for non-GPU unit
+    tests", its docstring says). These run on the CPU and start nothing distributed: all are
+    marked."""
+    names = _deselected_names()
+    keep = [item for item in items if _base_name(item) not in names]
+    dropped = [item for item in items if _base_name(item) in names]
+    files = {item.path.name for item in items}
+    stale = {n for n in names if n.partition("::")[0] in files} - {_base_name(i) for i in dropped}
+    if stale:
+        raise pytest.UsageError(f"pagedkv_swap: deselected names match no test: {sorted(stale)}")
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+    for item in items:
+        item.add_marker(pytest.mark.skip_global_cleanup)
 
 
 def pytest_report_header(config: pytest.Config) -> str:

@@ -11,7 +11,8 @@ run is offline (``HF_HUB_OFFLINE=1``) over a private hub cache holding only the 
 of :data:`HUB_MODELS` (the public models' values; no weights, no tokenizer). Tests that need
 other hub files (llava's processor) are in the NOT_RUN table.
 
-Usage (inside a vLLM virtualenv): ``python tests/vllm_v1/vllm_own_tests.py [pytest args]``.
+Usage (inside a vLLM virtualenv, no table applied):
+``python tests/vllm_v1/vllm_own_tests.py test_scheduler.py [pytest args]``.
 """
 
 from __future__ import annotations
@@ -177,19 +178,19 @@ def run(
     series: Optional[str] = None,
 ) -> tuple[int, str]:
     """Run vLLM's ``tests/v1/core/<file>`` tests with the swap plugin; (exit code, output).
-    ``deselect`` entries are ``file::test`` (parametrized ids too), relative to tests/v1/core."""
+    ``deselect``: ``file::test`` names (all parametrizations; see pagedkv_swap)."""
     tree = tests_tree(series or installed_series())
-    core = "tests/v1/core/"
     cmd = [sys.executable, "-m", "pytest", "-p", "pagedkv_swap", "-p", "no:cacheprovider"]
-    cmd += [core + f for f in files]
-    for name in deselect:
-        cmd += ["--deselect", core + name]
+    cmd += ["tests/v1/core/" + f for f in files]
     cmd += list(extra_args)
-    with tempfile.TemporaryDirectory(prefix="pagedkv-hf-") as hf_home:
+    with tempfile.TemporaryDirectory(prefix="pagedkv-vllm-tests-") as tmp:
+        deselect_file = Path(tmp) / "deselect.txt"
+        deselect_file.write_text("".join(f"{name}\n" for name in deselect))
         run_env = {**os.environ, **(env or {})}
         run_env.update(
             PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), run_env.get("PYTHONPATH")])),
-            HF_HOME=str(offline_hub(Path(hf_home))),
+            PAGEDKV_DESELECT_FILE=str(deselect_file),
+            HF_HOME=str(offline_hub(Path(tmp) / "hf")),
             HF_HUB_OFFLINE="1",
             TRANSFORMERS_OFFLINE="1",
         )
@@ -201,7 +202,8 @@ def run(
 
 
 if __name__ == "__main__":
-    args = sys.argv[1:]
-    rc, out = run(files=[], extra_args=args)
+    # python tests/vllm_v1/vllm_own_tests.py test_scheduler.py [-k ...]: files, then pytest args
+    files = [a for a in sys.argv[1:] if a.endswith(".py")]
+    rc, out = run(files, extra_args=[a for a in sys.argv[1:] if not a.endswith(".py")])
     print(out)
     sys.exit(rc)
