@@ -5,6 +5,7 @@ KV events, usage, free blocks, block tables)."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import Counter
 from pathlib import Path
@@ -37,6 +38,7 @@ def test_fast_seeds_cover_every_configuration_axis() -> None:
     for axis in ("enable_caching", "async_scheduling", "kv_events"):
         assert Counter(getattr(c, axis) for c in cfgs).keys() == {True, False}, axis
     assert {c.block_size for c in cfgs} == {4, 8, 16}
+    assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
 
 
 PRESSURE = h.SchedConfig(
@@ -54,16 +56,21 @@ def pressure_workload() -> list[h.RequestSpec]:
     ]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(
+    ("async_scheduling", "num_spec_tokens"), [(False, 0), (True, 0), (False, 3)]
+)
 def test_pressure_workload_preempts_hits_and_evicts(
-    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+    async_scheduling: bool, num_spec_tokens: int, tiny_model_dir: Path, manager_cls: type
 ) -> None:
-    """The paths that matter are really taken: preemption, prefix hits, KV events."""
-    cfg = h.SchedConfig(**{**PRESSURE.__dict__, "async_scheduling": async_scheduling})
+    """The paths that matter are really taken: preemption, prefix hits, KV events (and draft
+    tokens in lookahead slots)."""
+    changes = {"async_scheduling": async_scheduling, "num_spec_tokens": num_spec_tokens}
+    cfg = dataclasses.replace(PRESSURE, **changes)
     stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
     assert stats["preemptions"] > 0, stats
     assert stats["hits"] > 0, stats
     assert stats["events"] > 0, stats
+    assert (stats["drafts"] > 0) == (num_spec_tokens > 0), stats
 
 
 # --------------------------------------------------------------------------- planted bugs
@@ -133,8 +140,17 @@ def test_the_scheduler_under_test_runs_the_manager_under_test(
             assert type(sched).__module__ == manager_cls.__module__
 
 
+@dataclasses.dataclass
+class Stamped:
+    value: int
+    timestamp: float
+
+
 def test_normalize_keeps_order_and_drops_timestamps() -> None:
     a = h.normalize({"x": [1, 2], "y": {3, 1}})
     assert a == h.normalize({"x": [1, 2], "y": {1, 3}})
     assert a != h.normalize({"y": {1, 3}, "x": [1, 2]})
-    assert h.first_difference(h.normalize([1, (2, 3)]), h.normalize([1, (2, 4)])) is not None
+    assert h.normalize(Stamped(1, 2.0)) == h.normalize(Stamped(1, 3.0))
+    assert h.normalize(Stamped(1, 2.0)) != h.normalize(Stamped(2, 2.0))
+    diff = h.first_difference(h.normalize([Stamped(1, 0.0)]), h.normalize([Stamped(2, 0.0)]))
+    assert diff == "[0].value: 1 != 2"

@@ -33,6 +33,7 @@ from vllm.config import (
     KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.config.cache import PrefixCachingHashAlgo
@@ -45,7 +46,7 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
@@ -120,6 +121,8 @@ class SchedConfig:
     long_prefill_token_threshold: int = 0
     watermark: float = 0.0
     kv_events: bool = True
+    # ngram speculative decoding (synchronous scheduling only): draft slots as lookahead
+    num_spec_tokens: int = 0
 
 
 def random_config(rng: random.Random) -> SchedConfig:
@@ -128,6 +131,7 @@ def random_config(rng: random.Random) -> SchedConfig:
     # From "barely fits one long request" (heavy preemption) to roomy.
     min_blocks = max_model_len // block_size + 2
     num_blocks = rng.randint(min_blocks, min_blocks * 2)
+    async_scheduling = rng.random() < 0.4
     return SchedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
@@ -135,11 +139,12 @@ def random_config(rng: random.Random) -> SchedConfig:
         max_num_batched_tokens=rng.choice((64, 128, 512)),
         max_model_len=max_model_len,
         enable_caching=rng.random() < 0.75,
-        async_scheduling=rng.random() < 0.4,
+        async_scheduling=async_scheduling,
         hash_algo=rng.choice(HASH_ALGOS),
         long_prefill_token_threshold=rng.choice((0, 0, 24)),
         watermark=rng.choice((0.0, 0.0, 0.05)),
         kv_events=rng.random() < 0.8,
+        num_spec_tokens=0 if async_scheduling else rng.choice((0, 0, 0, 2, 4)),
     )
 
 
@@ -185,6 +190,11 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         scheduler_config=scheduler_config,
         cache_config=cache_config,
         kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.kv_events, publisher="null"),
+        speculative_config=SpeculativeConfig(
+            model="ngram", num_speculative_tokens=cfg.num_spec_tokens
+        )
+        if cfg.num_spec_tokens
+        else None,
     )
     spec = FullAttentionSpec(
         block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
@@ -531,7 +541,7 @@ class Lockstep:
         self.step = 0
         self.pending: deque[Pending] = deque()
         self.finished: set[str] = set()
-        self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0}
+        self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0, "drafts": 0}
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
@@ -583,6 +593,7 @@ class Lockstep:
         test_samples = [not self.test.requests[r].is_prefill_chunk for r in req_ids]
         self.check("prefill-chunk flags", samples, test_samples)
         self.stats["preemptions"] += len(ref_out.preempted_req_ids or ())
+        self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
         self.pending.append(Pending(ref_out, test_out, req_ids, samples))
         self._check_state("after schedule")
         # Async scheduling: one step in flight while the next is scheduled; an empty step
@@ -593,10 +604,13 @@ class Lockstep:
             self._update(self.pending.popleft())
 
     def _update(self, p: Pending) -> None:
-        tokens = [[self._sample()] if s else [] for s in p.samples]
+        drafts = p.ref_out.scheduled_spec_decode_tokens
+        tokens = [self._sampled(s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
         test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
         self.check("EngineCoreOutputs", ref, test)
+        if self.cfg.num_spec_tokens:
+            self._propose_drafts(p)
         ref_events = self.ref.kv_event_publisher.take()
         self.check("KV events", ref_events, self.test.kv_event_publisher.take())
         self.stats["events"] += sum(len(b.events) for b in ref_events)
@@ -606,6 +620,22 @@ class Lockstep:
                 self.stats["hits"] += stats.prefix_cache_stats.hits
         self.stats["steps"] += 1
         self._check_state("after update_from_output")
+
+    def _sampled(self, samples: bool, num_drafts: int) -> list[int]:
+        """The tokens one request gets from a step: none for a prefill chunk, else one plus
+        the accepted part of its drafts."""
+        if not samples:
+            return []
+        return [self._sample() for _ in range(1 + self.rng.randint(0, num_drafts))]
+
+    def _propose_drafts(self, p: Pending) -> None:
+        """What the engine does after a synchronous step with a drafter: new draft tokens for
+        the step's requests (sometimes fewer than the maximum, as ngram proposes)."""
+        req_ids = [r for r, s in zip(p.req_ids, p.samples) if s]
+        k = self.cfg.num_spec_tokens
+        drafts = [[self._sample() for _ in range(self.rng.randint(0, k))] for _ in req_ids]
+        self.ref.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
+        self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
 
     def _sample(self) -> int:
         if self.rng.random() < 0.05:
