@@ -56,6 +56,15 @@ def locate_env(version: str, root: Path | None = None) -> Path:
     )
 
 
+def env_or_fail(version: str) -> Path:
+    """:func:`locate_env`, or a failed test (never a skip) that names scripts/vllm_envs.sh."""
+    try:
+        return locate_env(version)
+    except MissingVllmEnv as e:
+        message = str(e)
+    pytest.fail(message, pytrace=False)
+
+
 def build_wheel(out_dir: Path) -> Path:
     """This checkout's pagedkv as a wheel (dev-opt profile: optimized, no LTO, incremental)."""
     maturin = [sys.executable, "-m", "maturin"] if _has_module("maturin") else ["maturin"]
@@ -114,13 +123,10 @@ def junit_summary(junit: Path) -> tuple[dict, list[str], list[str]]:
 
 @pytest.mark.parametrize("version", VERSIONS)
 def test_vllm_v1_suite_in_vllm_env(
-    version: str, pagedkv_wheel: Path, tmp_path: Path, request: pytest.FixtureRequest
+    version: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
-    try:
-        python = locate_env(version)
-    except MissingVllmEnv as e:
-        pytest.fail(str(e), pytrace=False)
-    install(python, pagedkv_wheel)
+    python = env_or_fail(version)
+    install(python, request.getfixturevalue("pagedkv_wheel"))  # built once, after the check
     junit = tmp_path / "junit.xml"
     rc, out = run_inner_suite(python, junit, request.config.getoption("--runslow"))
     assert rc == 0, f"tests/vllm_v1 under vLLM {version} failed (rc {rc}):\n{out[-8000:]}"
@@ -129,6 +135,12 @@ def test_vllm_v1_suite_in_vllm_env(
     assert counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, counts
     has_e2e = any("test_e2e_cpu" in n for n in names)
     assert has_e2e == (version in E2E_VERSIONS), f"e2e collected: {has_e2e}"
+    for name, value in junit_properties(junit):  # the e2e's tokens/s, reported, not asserted
+        print(f"vLLM {version}: {name} = {value}")
+
+
+def junit_properties(junit: Path) -> list[tuple[str, str]]:
+    return [(p.get("name", ""), p.get("value", "")) for p in ET.parse(junit).iter("property")]
 
 
 def test_a_missing_env_fails_naming_the_build_script(tmp_path: Path) -> None:
@@ -157,3 +169,9 @@ def test_junit_summary_reports_skips(tmp_path: Path) -> None:
     counts, skipped, names = junit_summary(junit)
     assert counts == {"tests": 2, "failures": 0, "errors": 0, "skipped": 1}
     assert skipped == ["a::sk"] and names == ["a::ok", "a::sk"]
+
+
+def test_a_missing_env_fails_the_suite_test_not_skips(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(ENVS_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(pytest.fail.Exception, match=r"scripts/vllm_envs\.sh"):
+        env_or_fail("0.33")
