@@ -10,11 +10,13 @@ in turn, so that machine noise falls on all three alike):
 * ``pagedkv-scheduler``: :class:`pagedkv.Scheduler` with pagedkv's Sequence family.
 
 It reports the mean time of a whole step (schedule + output processing) and of ``schedule()``
-alone, in microseconds, and the ratios to ``vllm``. Every backend must take the same number of
-steps (a cheap check that they made the same decisions; tests/test_scheduler_differential.py
-checks them step by step). GC is disabled while stepping, for all three alike.
-(``pagedkv bench --compare vllm==0.4.2`` runs the same loop with each engine in a process of
-its own: ``vllm_scheduler.compare_scheduler_step``.)
+alone, in microseconds, and the ratios to ``vllm``. The engines are
+:class:`pagedkv.bench.vllm_scheduler.V0Engine` adapters stepped by
+:func:`pagedkv.bench.harness.run_lockstep`, one step of each in turn, which checks that every
+step schedules the same groups (tests/test_scheduler_differential.py checks the decisions in
+full). GC is disabled while stepping, for all three alike.
+``vllm_scheduler.compare_scheduler_step`` runs the same loop with each engine in a process of
+its own.
 
 Run: ``python benches/bench_scheduler_step.py [--quick] [--caching on|off|both] [--steps N]``.
 """
@@ -22,12 +24,12 @@ Run: ``python benches/bench_scheduler_step.py [--quick] [--caching on|off|both] 
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 from typing import Any, Dict
 
-from pagedkv.bench.vllm_scheduler import Engine, EngineConfig, make_backend
-from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate_w1
+from pagedkv.bench.harness import EngineConfig, run_lockstep
+from pagedkv.bench.vllm_scheduler import V0Engine, make_backend
+from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate
 
 BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-scheduler")
 
@@ -35,33 +37,18 @@ BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-scheduler")
 def compare(cfg: Any, caching: bool, max_steps: int) -> Dict[str, Dict[str, float]]:
     """Step the three engines in lockstep (one step of each in turn), so that machine noise
     falls on all of them alike."""
-    engines = {
-        b: Engine(make_backend("0.4.2", b), EngineConfig.from_w1(cfg, caching)) for b in BACKENDS
-    }
-    requests = generate_w1(cfg).requests
-    for e in engines.values():
-        for req in requests:
-            e.add(req)
-    gc.collect()
-    gc.disable()
-    try:
-        steps = 0
-        while steps < max_steps and any(e.busy() for e in engines.values()):
-            for e in engines.values():
-                e.step()
-            steps += 1
-    finally:
-        gc.enable()
-    busy = {b: e.busy() for b, e in engines.items()}
-    if len(set(busy.values())) != 1:
-        raise AssertionError(f"backends finished at different steps: {busy}")
+    engines = [V0Engine(make_backend("0.4.2", b)) for b in BACKENDS]
+    config = EngineConfig.from_workload(cfg, caching)
+    run = run_lockstep(engines, config, generate(cfg).requests, max_steps=max_steps)
+    if not run.ok:
+        raise AssertionError(f"the backends decided otherwise: {run.first_difference()}")
     return {
-        b: {
-            "steps": len(e.step_seconds),
-            "step_us": statistics.fmean(e.step_seconds) * 1e6,
-            "schedule_us": statistics.fmean(e.schedule_seconds) * 1e6,
+        lane.name: {
+            "steps": len(lane.seconds),
+            "step_us": statistics.fmean(lane.seconds) * 1e6,
+            "schedule_us": statistics.fmean(lane.schedule_seconds) * 1e6,
         }
-        for b, e in engines.items()
+        for lane in run.lanes
     }
 
 

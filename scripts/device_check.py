@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 import pagedkv
 from pagedkv.attention import StepBuffers, flash_attn_unavailable_reason, paged_attention
-from pagedkv.demo import DemoConfig, run_demo
+from pagedkv.demo.engine import DemoConfig, run_demo
 
 ATTN_TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2)}
 

@@ -48,6 +48,9 @@ class Workload:
     #: CacheConfig.sliding_window in tokens (vLLM's v1 manager: without prefix caching).
     sliding_window: Optional[int] = None
     steps: int = 120
+    #: Per step, the chance of aborting one group drawn from a non-empty queue (waiting,
+    #: running or swapped; ``queue_aborts``), on top of the requests' own ``abort_at``.
+    queue_abort_rate: float = 0.0
     eos: int = 3
     vocab: int = 40
     requests: List[dict] = field(default_factory=list)
@@ -79,11 +82,46 @@ class Workload:
         w.requests = w._make_requests(r)
         return w
 
-    def _make_requests(self, r: random.Random) -> List[dict]:
+    @classmethod
+    def starved(cls, seed: int, **force: Any) -> Workload:
+        """The starved-pool corner (issue 18): a GPU pool of 1-3 max-length sequences, a CPU
+        pool 4-8x the GPU pool or (30% of seeds) only 1/2-1x of it, n 1-3 with best_of n or
+        n+1 (so swap and recompute preemption together), many aborts, block size 8 or 16,
+        chunked prefill and prefix caching drawn unless forced."""
+        r = random.Random(f"starved/{seed}")
+        bs = r.choice([8, 16])
+        max_len = bs * r.randint(3, 6)
+        gpu = max_len // bs * r.randint(1, 3)
+        scale = r.uniform(0.5, 1.0) if r.random() < 0.3 else r.uniform(4.0, 8.0)
+        chunked = force.get("chunked", r.random() < 0.5)
+        w = cls(
+            seed=seed,
+            block_size=bs,
+            gpu_blocks=gpu,
+            cpu_blocks=max(1, round(gpu * scale)),
+            max_num_seqs=r.randint(2, 8),
+            max_model_len=max_len,
+            chunked=chunked,
+            caching=force.get("caching", r.random() < 0.5),
+            delay_factor=r.choice([0.0, 0.0, 0.5]),
+            steps=160,
+            queue_abort_rate=0.08,
+        )
+        w.max_num_batched_tokens = (
+            r.randint(max(w.max_num_seqs, 8), max_len)
+            if chunked
+            else r.randint(max_len, max_len * 2)
+        )
+        for k, v in force.items():
+            setattr(w, k, v)
+        w.requests = w._make_requests(r, starved=True)
+        return w
+
+    def _make_requests(self, r: random.Random, starved: bool = False) -> List[dict]:
         bs = self.block_size
         prefixes = [[r.randrange(self.vocab) for _ in range(bs * 3)] for _ in range(3)]
         reqs = []
-        for i in range(r.randint(8, 30)):
+        for i in range(r.randint(6, 16) if starved else r.randint(8, 30)):
             n = r.randint(1, self.max_model_len + 16)
             if self.caching:
                 # Whole-block prompts: vLLM 0.4.2 shares a partially filled prompt block
@@ -93,12 +131,18 @@ class Workload:
                 prompt = (pre + [r.randrange(self.vocab) for _ in range(n)])[:n]
             else:
                 prompt = [r.randrange(self.vocab) for _ in range(n)]
+            if starved:
+                samples = r.choice([1, 1, 2, 3])
+                best_of = samples + int(r.random() < 0.5)
+            else:
+                samples, best_of = 1, r.choice([1, 1, 1, 2, 3])
             reqs.append(
                 dict(
                     rid=f"r{i}",
                     seq_id=i,
                     prompt=prompt,
-                    best_of=r.choice([1, 1, 1, 2, 3]),
+                    n=samples,
+                    best_of=best_of,
                     max_tokens=r.randint(1, 24),
                     lora=r.choice([0, 1, 2, 3]) if self.max_loras else 0,
                     at_step=r.randint(0, self.steps // 2),
@@ -106,6 +150,17 @@ class Workload:
                 )
             )
         return reqs
+
+
+def queue_aborts(w: Workload, step: int, sched: Any) -> List[str]:
+    """The request ids to abort before ``step``, aimed at the queues of ``sched`` (the worlds
+    agree on them while they agree on decisions): with ``w.queue_abort_rate``, one group of a
+    non-empty queue drawn at random."""
+    r = random.Random(f"abort/{w.seed}/{step}")
+    if r.random() >= w.queue_abort_rate:
+        return []
+    queues = [q for q in (sched.waiting, sched.running, sched.swapped) if q]
+    return [r.choice(list(r.choice(queues))).request_id] if queues else []
 
 
 def token_for(rid: str, seq_id: int, pos: int, vocab: int) -> int:
@@ -195,7 +250,7 @@ class World:
         )
         beam = self.w.beam and req["best_of"] > 1
         params = self.SamplingParams(
-            n=1,
+            n=1 if beam else req.get("n", 1),
             best_of=req["best_of"],
             max_tokens=req["max_tokens"],
             temperature=0.0 if beam else 1.0,
@@ -411,7 +466,25 @@ def vllm_hazard(world: World) -> Optional[str]:
         for g in world.sched.swapped:
             if g.is_prefill():
                 return "a group swapped out mid-prefill in chunked mode (fix 3)"
+        if _running_group_over_budget(world):
+            return "a running group with several sequences over the token budget (fix 1)"
     return None
+
+
+def _running_group_over_budget(world: World) -> bool:
+    """Chunked mode: does the running pass reach a group with several running sequences whose
+    tokens exceed what is left of the budget? vLLM takes it anyway (and may preempt for it);
+    we stop taking running groups there (fix 1). The pass is replayed in arrival order: the
+    groups before it are each scheduled (victims are taken from the back), so this is exact
+    unless the group is itself taken as a victim first (then it stops a run needlessly)."""
+    left = world.w.max_num_batched_tokens
+    for g in sorted(world.sched.running, key=lambda g: g.metrics.arrival_time):
+        seqs = g.get_seqs(status=world.Status.RUNNING)
+        n = sum(s.get_num_new_tokens() for s in seqs)
+        if len(seqs) > 1 and n > left:
+            return True
+        left -= min(n, left)
+    return False
 
 
 def vllm_output_failure(world: World, before_swapped: List[str], out) -> Optional[str]:

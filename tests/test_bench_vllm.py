@@ -72,7 +72,9 @@ def test_provenance_is_checked_not_declared(tmp_path):
 def test_unsupported_version_is_an_error(capsys):
     assert cli.main([*QUICK, "--compare", "vllm==0.3.0"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err == "pagedkv bench: vllm==0.3.0 is not supported; choose from 0.4.2, 0.5.0"
+    assert err == (
+        "pagedkv bench: vllm==0.3.0 is not supported; choose from 0.4.2, 0.5.0, 0.32.0, 0.33.0"
+    )
 
 
 def test_a_release_that_cannot_be_fetched_is_a_one_line_error(tmp_path):

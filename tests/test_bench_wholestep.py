@@ -36,14 +36,14 @@ def test_batch_step_makes_the_compat_steps_decisions(cfg, caching):
 def test_a_batch_step_that_decides_otherwise_is_caught(monkeypatch, turn):
     """One request given one token less in the batch engine finishes a step early: the next
     step's groups differ from the compat step's, and the section says so (exit status 1)."""
-    real_add = wholestep.BatchDriver.add
+    real_add = wholestep.BatchStepEngine.add
 
     def add(self, req):
         if req.index == 3:
             req = dataclasses.replace(req, output_len=req.output_len - 1)
         real_add(self, req)
 
-    monkeypatch.setattr(wholestep.BatchDriver, "add", add)
+    monkeypatch.setattr(wholestep.BatchStepEngine, "add", add)
     run = wholestep.run_whole_step(generate(W1_QUICK, seed=0), False, turn=turn)
     assert not run["ok"] and run["turn"] == turn
     assert "scheduled other groups" in run["lanes"]["batch"]["error"]

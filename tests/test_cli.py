@@ -72,22 +72,32 @@ def test_demo_without_torch_says_how_to_get_it():
 def test_building_the_parser_imports_neither_torch_nor_the_bench_drivers():
     code = (
         "import sys; from pagedkv.cli import build_parser; build_parser(); "
-        "heavy = [m for m in ('torch', 'pagedkv.demo', 'pagedkv.bench.trace', "
-        "'pagedkv.bench.replay', 'pagedkv.bench.wholestep', 'matplotlib', "
+        "heavy = [m for m in ('torch', 'pagedkv.demo.engine', 'pagedkv.bench.trace', "
+        "'pagedkv.bench.replay', 'pagedkv.bench.wholestep', 'pagedkv.bench.harness', 'matplotlib', "
         "'tqdm') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-def test_demo_options_match_the_demo_module():
-    demo = pytest.importorskip("pagedkv.demo")  # needs torch
-    assert set(demo._DTYPES) == set(cli.DEMO_DTYPES)
-    assert demo.DemoConfig().num_requests == cli.DEMO_DEFAULT_REQUESTS
-    assert demo.MIN_REQUESTS == cli.DEMO_MIN_REQUESTS
+def test_demo_options_match_the_demo_engine():
+    """The torch-free options of pagedkv.demo name what its engine (torch) accepts."""
+    from pagedkv import demo
+
+    engine = pytest.importorskip("pagedkv.demo.engine")  # needs torch
+    assert set(engine._DTYPES) == set(demo.DTYPES)
+    assert engine.DemoConfig().num_requests == demo.DEFAULT_REQUESTS
     from pagedkv.demo_paths import PATHS
 
-    assert tuple(PATHS) == cli.DEMO_PATHS and demo.DemoConfig().path == cli.DEMO_PATHS[0]
+    assert tuple(PATHS) == demo.PATHS and engine.DemoConfig().path == demo.PATHS[0]
+
+
+def test_cli_and_demo_do_not_import_each_other():
+    """cli owns the command tree and imports pagedkv.demo only to build it; the demo package
+    never imports cli (no cycle)."""
+    code = "import sys; import pagedkv.demo; sys.exit(1 if 'pagedkv.cli' in sys.modules else 0)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
 def test_console_entry_point_subprocess():
@@ -201,12 +211,12 @@ def test_a_batch_step_that_decides_otherwise_is_exit_status_1(monkeypatch, capsy
 
     from pagedkv.bench import wholestep
 
-    real_add = wholestep.BatchDriver.add
+    real_add = wholestep.BatchStepEngine.add
 
     def add(self, req):
         real_add(self, dataclasses.replace(req, output_len=max(1, req.output_len - 1)))
 
-    monkeypatch.setattr(wholestep.BatchDriver, "add", add)
+    monkeypatch.setattr(wholestep.BatchStepEngine, "add", add)
     assert cli.main([*TINY, "--backends", "native", "--no-progress"]) == 1
     assert "BATCH STEP DIFFERED" in capsys.readouterr().out
 

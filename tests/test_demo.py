@@ -10,7 +10,8 @@ torch = pytest.importorskip("torch")
 
 from pagedkv import SamplingParams, Sequence, SequenceGroup, demo  # noqa: E402
 from pagedkv.attention import TinyDecoder  # noqa: E402
-from pagedkv.demo import (  # noqa: E402
+from pagedkv.demo import engine as demo_engine  # noqa: E402
+from pagedkv.demo.engine import (  # noqa: E402
     EVENTS,
     DemoConfig,
     DemoEngine,
@@ -70,7 +71,7 @@ def test_demo_passes_and_shows_every_event(report):
     assert report.forks == 2  # requests 1 and 4 have n=2
     assert report.blocks_swapped_out == report.blocks_swapped_in > 0
     assert report.swap_outs == report.swap_ins
-    requests = demo._make_requests(CONFIG)
+    requests = demo_engine._make_requests(CONFIG)
     assert report.generated_tokens == sum(r.n * r.max_tokens for r in requests)
     assert report.sequences == sum(r.n for r in requests)
     # every generated token's logits row was checked (a fork's first token shares its
@@ -345,7 +346,7 @@ def test_bad_config_is_refused():
 
 
 def test_main_reports_a_failed_check(capsys, monkeypatch):
-    monkeypatch.setitem(demo.TOLERANCES, torch.float32, (0.0, 0.0))
+    monkeypatch.setitem(demo_engine.TOLERANCES, torch.float32, (0.0, 0.0))
     assert demo.main(["--quiet"]) == 1
     assert "FAILED" in capsys.readouterr().err
 

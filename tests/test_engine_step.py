@@ -196,6 +196,21 @@ def test_abort_between_steps_skips_the_rows():
     assert list(b.get_seqs()[0].data.output_token_ids) == [5]
 
 
+def test_abort_of_a_group_whose_row_forks():
+    """The aborted group's prompt row took best_of samples (a fork per extra sample): its
+    samples are passed and ignored, and no child id is drawn for it."""
+    ids = iter(range(100, 200))
+    _, eng = make(seq_counter=lambda: next(ids))
+    add(eng, "a", 1, [1, 2, 3], n=2, best_of=3, max_tokens=5, temperature=1.0)
+    b = add(eng, "b", 2, [1, 2, 3], max_tokens=5)
+    eng.step(now=1.0)
+    eng.abort_seq_group("a")
+    res = eng.step([4, 5, 6, 7], now=2.0)  # a's 3 samples, then b's
+    assert res.scheduled == [b] and next(ids) == 100
+    eng.sync_views()
+    assert list(b.get_seqs()[0].data.output_token_ids) == [7]
+
+
 def test_a_bad_seq_counter_changes_nothing():
     ids = iter([1, 100, 100])  # 1 is taken by the parent; then a good one
     sched, eng = make(seq_counter=lambda: next(ids))

@@ -97,7 +97,13 @@ def test_fork_from_a_parent_without_a_table(strict):
 def test_fork_onto_a_child_with_a_table_replaces_it(strict):
     mgr = _mgr(strict)
     parent, _ = _running(mgr, 0)
-    child, _ = _running(mgr, 1)
+    child, _ = _running(mgr, 1, num_tokens=5)
+    if strict:
+        before = (_unchanged(mgr), mgr.get_block_table(child))
+        with pytest.raises(InvalidArgumentError, match="already holds a block table"):
+            mgr.fork(parent, child)
+        assert (_unchanged(mgr), mgr.get_block_table(child)) == before
+        return
     mgr.fork(parent, child)
     assert mgr.get_block_table(child) == mgr.get_block_table(parent)
     assert mgr.get_num_free_gpu_blocks() == 8 - 2  # the child's old blocks came back
@@ -137,8 +143,37 @@ def test_allocate_onto_a_sequence_with_a_table_replaces_it(strict):
     mgr = _mgr(strict)
     seq, group = _running(mgr, 0)
     seq.status = SequenceStatus.WAITING
+    if strict:
+        before = (_unchanged(mgr), mgr.get_block_table(seq))
+        with pytest.raises(InvalidArgumentError, match="already holds a block table"):
+            mgr.allocate(group)
+        assert (_unchanged(mgr), mgr.get_block_table(seq)) == before
+        return
     mgr.allocate(group)
     assert mgr.get_num_free_gpu_blocks() == 8 - 2
+
+
+def test_a_sequence_in_other_block_units(strict):
+    """The default mode counts a sequence's blocks in its own block_size, as vLLM does;
+    strict mode refuses it in every call that takes its tokens."""
+    mgr = _mgr(strict)
+    seq = Sequence(0, "p", list(range(6)), block_size=2)
+    group = SequenceGroup("r0", [seq], SamplingParams(), arrival_time=0.0)
+    if not strict:
+        mgr.allocate(group)
+        assert len(mgr.get_block_table(seq)) == 3  # 6 tokens in blocks of 2
+        return
+    for call in (mgr.can_allocate, mgr.allocate):
+        with pytest.raises(InvalidArgumentError, match="does not match the manager's 4"):
+            call(group)
+    assert _unchanged(mgr) == (8, 4) and not mgr.has_table(seq)
+    # one allocated by a default-mode manager's rules cannot reach a strict one; a running
+    # sequence of the manager's units appends, one in other units is refused
+    ok, ok_group = _running(mgr, 1)
+    seq.status = SequenceStatus.RUNNING
+    with pytest.raises(InvalidArgumentError):
+        mgr.can_append_slots(SequenceGroup("r", [ok, seq], SamplingParams(), arrival_time=0.0))
+    mgr.can_append_slots(ok_group)
 
 
 # ---- append -----------------------------------------------------------------------------------

@@ -403,6 +403,33 @@ def test_window_and_caching_cannot_be_combined():
 # ---- fork and free -------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("caching", [False, True])
+def test_strict_refuses_a_second_table_and_other_units(caching):
+    """docs/block_manager.md, "Strict mode": what the default mode replaces or counts in the
+    sequence's own units, strict mode refuses, changing nothing."""
+    strict = BlockSpaceManager(BS, 8, 2, watermark=0, enable_caching=caching, strict=True)
+    a, b = FakeSeq(1, toks(6)), FakeSeq(2, toks(5))
+    run(strict, a)
+    run(strict, b)
+    a.status = Status.WAITING
+    unchanged(strict, InvalidArgumentError, strict.allocate, group(a))
+    unchanged(strict, InvalidArgumentError, strict.fork, b, a)
+    a.status = Status.RUNNING
+    other = FakeSeq(3, toks(6), block_size=2)
+    unchanged(strict, InvalidArgumentError, strict.can_allocate, group(other))
+    unchanged(strict, InvalidArgumentError, strict.allocate, group(other))
+    other.status = Status.RUNNING
+    unchanged(strict, InvalidArgumentError, strict.can_append_slots, group(a, other))
+    unchanged(strict, InvalidArgumentError, strict.append_slots, other)
+    default = BlockSpaceManager(BS, 8, 2, watermark=0, enable_caching=caching)
+    run(default, FakeSeq(1, toks(6)))
+    run(default, FakeSeq(2, toks(5)))
+    run(default, FakeSeq(1, toks(6)))  # replaces seq 1's table
+    default.fork(FakeSeq(2, []), FakeSeq(1, []))  # replaces it again
+    run(default, FakeSeq(3, toks(6), block_size=2))
+    assert len(default.get_block_table(FakeSeq(3, []))) == 3
+
+
 def test_free_unknown_is_noop_unless_strict_fork_unknown_raises_and_double_free():
     bm = BlockSpaceManager(BS, 4, 0)
     s = FakeSeq(1, toks(4))

@@ -252,27 +252,10 @@ def test_metadata_block_lists_are_read_only_and_follow_table_changes():
     assert grown == s.block_manager.get_block_table(seq)
 
 
-def _snapshot(s, groups):
-    mgr = s.block_manager
-    return (
-        [ids(q) for q in (s.waiting, s.running, s.swapped)],
-        mgr.get_num_free_gpu_blocks(),
-        mgr.get_num_free_cpu_blocks(),
-        {
-            seq.seq_id: (
-                seq.status,
-                seq.data.get_num_computed_tokens(),
-                mgr.get_block_table(seq) if mgr.has_table(seq) else None,
-            )
-            for g in groups
-            for seq in g.get_seqs()
-        },
-    )
-
-
-def test_failed_schedule_changes_nothing():
-    # r2 runs two forks, the CPU has no swap space and a forked group cannot be recomputed:
-    # preempting it fails after r1 already got its new block. The whole step is undone.
+def test_forked_group_without_swap_space_is_aborted():
+    # r2 runs two forks, the CPU has no swap space and forks cannot be recomputed: vLLM raises
+    # RuntimeError (the engine dies); the step aborts r2 alone and reports it ignored
+    # (docs/scheduler.md, fix 7), and r1 gets its new block.
     s = make(gpu=4, cpu=0)
     a, b = group(1, 4), group(2, 3, best_of=2)
     s.add_seq_group(a)
@@ -285,14 +268,17 @@ def test_failed_schedule_changes_nothing():
     child = parent.fork(20)
     b.add(child)
     s.fork_seq(parent, child)
-    before = _snapshot(s, [a, b])
-    with pytest.raises(pagedkv.OutOfBlocksError):
-        s.schedule()
-    assert _snapshot(s, [a, b]) == before
-    s.block_manager.check_invariants()
-    # The engine can recover: abort r2 and r1 is scheduled as vLLM would.
-    s.abort_seq_group("r2")
-    _, out = s.schedule()
+    metas, out = s.schedule()
+    assert ids(g.seq_group for g in out.scheduled_seq_groups) == ["r1"]
+    assert out.ignored_seq_groups == [b] and not out.blocks_to_swap_out
+    assert [q.status for q in b.get_seqs()] == [SequenceStatus.FINISHED_ABORTED] * 2
+    assert b.is_finished()
+    assert (ids(s.waiting), ids(s.running), ids(s.swapped)) == ([], ["r1"], [])
+    mgr = s.block_manager
+    assert not mgr.has_table(parent) and not mgr.has_table(child)
+    assert (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()) == (2, 0)
+    mgr.check_invariants()
+    _, out = s.schedule()  # the next step goes on without it
     assert ids(g.seq_group for g in out.scheduled_seq_groups) == ["r1"]
 
 

@@ -21,6 +21,7 @@ import pytest
 import pagedkv.sequence
 from pagedkv import vllm_release
 from pagedkv.bench import vllm_scheduler
+from pagedkv.bench.harness import EngineConfig
 from pagedkv.bench.vllm_sequence_cases import CASES, build_pair, interleaved_ratio
 
 VERSIONS = vllm_release.SUPPORTED
@@ -99,7 +100,7 @@ def test_negative_chunks_under_chunked_prefill_behave_as_vllm(seed, monkeypatch)
         return original(self, n)
 
     monkeypatch.setattr(pagedkv.sequence.SequenceData, "update_num_computed_tokens", spy)
-    config = vllm_scheduler.EngineConfig(
+    config = EngineConfig(
         block_size=4,
         num_gpu_blocks=24,
         num_cpu_blocks=512,

@@ -119,9 +119,12 @@ class BlockSpaceManager(_NativeBlockManager):
     * ``hash_algo`` (``"xxh3"`` or ``"sha256"``) and ``hash_seed`` choose the block hash; by
       default the process default (:func:`pagedkv.set_default_hasher`). A sequence hashed with
       another function is rehashed once when the manager first sees it.
-    * ``strict=True`` makes ``free`` of a sequence without a table raise
-      :class:`~pagedkv.errors.UnknownSequenceError` instead of doing nothing (vLLM's
-      behaviour). ``fork`` from a parent without a table always raises it (as vLLM).
+    * ``strict=True`` refuses what the default mode accepts for vLLM's sake: ``free`` of a
+      sequence without a table (:class:`~pagedkv.errors.UnknownSequenceError`; by default a
+      no-op, as vLLM), ``allocate``/``fork`` onto a sequence id that already holds a table and a
+      sequence whose ``block_size`` differs from the manager's
+      (:class:`~pagedkv.errors.InvalidArgumentError`). The rules: docs/block_manager.md,
+      "Strict mode". ``fork`` from a parent without a table always raises (as vLLM).
     * ``mapping_format``: what ``append_slots``/``swap_in``/``swap_out`` return. ``"dict"``
       (default): a read-only :class:`BlockMapping` dict, as vLLM 0.4.2 (``Dict``);
       ``"pairs"``: a ``list`` of ``(src, dst)`` tuples, as vLLM 0.5

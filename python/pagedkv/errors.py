@@ -12,6 +12,7 @@ DoubleFreeError        ValueError
 OutOfBlocksError       ValueError (what vLLM raises) and MemoryError
 ArgumentTypeError      InvalidArgumentError and TypeError
 InUseError             RuntimeError
+UnsupportedVLLMError   ImportError
 ====================== ==========================================
 
 An operation that raises one of these has changed nothing.
@@ -27,6 +28,7 @@ __all__ = [
     "OutOfBlocksError",
     "ArgumentTypeError",
     "InUseError",
+    "UnsupportedVLLMError",
 ]
 
 
@@ -62,3 +64,7 @@ class InUseError(PagedKVError, RuntimeError):
     second thread called it concurrently, or a Python callback it made (a foreign sequence's
     ``get_token_ids``, say) called back into it. Nothing was changed; each object serves one
     call at a time and never blocks waiting for another."""
+
+
+class UnsupportedVLLMError(PagedKVError, ImportError):
+    """``pagedkv.vllm_v1`` was used with a vLLM release it does not support (or without vLLM)."""

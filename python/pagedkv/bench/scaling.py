@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 import numpy as np
@@ -168,20 +167,17 @@ def _point(
 def _batch_steps(workload: Any, steps: int, caching: bool, kind: str) -> Any:
     """The first ``steps`` batch steps of ``workload`` (fewer if it ends) with ``kind`` of
     :data:`BUFFERS`: seconds and rows per step, and which steps only decode."""
-    from pagedkv.bench.wholestep import BatchDriver
+    from pagedkv.bench.harness import EngineConfig, run_lockstep
+    from pagedkv.bench.wholestep import batch_engine
 
-    driver = BatchDriver(workload.config, caching, kind != "plain", kind == "stable")
-    for req in workload.requests:
-        driver.add(req)
-    gc.collect()
-    gc.disable()
-    try:
-        while len(driver.seconds) < steps and driver.busy():
-            driver.step()
-    finally:
-        gc.enable()
-    rows = np.asarray(driver.rows, dtype=float)
-    return np.asarray(driver.seconds), rows, (np.asarray(driver.prefills) == 0) & (rows > 0)
+    engine = batch_engine(incremental=kind != "plain", stable_rows=kind == "stable")
+    cfg = EngineConfig.from_workload(workload.config, caching)
+    run = run_lockstep([engine], cfg, workload.requests, turn=None, max_steps=steps)
+    lane = run.lanes[0]
+    n = run.steps  # the lane's last call (applying the last tokens) is not one of the steps
+    rows = np.asarray(lane.rows[:n], dtype=float)
+    decode = (np.asarray(lane.prefills[:n]) == 0) & (rows > 0)
+    return np.asarray(lane.seconds[:n]), rows, decode
 
 
 def _decode_only(step: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 
 from pagedkv.bench.workload import Workload, WorkloadConfig
 
-__all__ = ["Step", "Trace", "engine_config", "record", "scheduler_backend"]
+__all__ = ["SCHEDULER_WATERMARK", "Step", "Trace", "record"]
 
 #: vLLM 0.4.2's block-manager watermark (its Scheduler builds the manager with the default).
 SCHEDULER_WATERMARK = 0.01
@@ -85,39 +85,6 @@ class Trace:
         return self._digest[1]
 
 
-def engine_config(cfg: WorkloadConfig, caching: bool) -> Any:
-    """The vLLM SchedulerConfig/CacheConfig fields of a workload, as an ``EngineConfig``."""
-    from pagedkv.bench.vllm_scheduler import EngineConfig
-
-    return EngineConfig(
-        block_size=cfg.block_size,
-        num_gpu_blocks=cfg.num_gpu_blocks,
-        num_cpu_blocks=cfg.num_cpu_blocks,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=cfg.prefill_token_budget,
-        max_model_len=cfg.prompt_len_max + cfg.output_len_max,
-        caching=caching,
-        chunked_prefill=cfg.chunked_prefill,
-    )
-
-
-def scheduler_backend() -> Any:
-    """:class:`pagedkv.Scheduler` over pagedkv's Sequence family, configured with the config
-    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
-    import types
-
-    import pagedkv
-    from pagedkv import scheduler as config
-    from pagedkv import sequence
-    from pagedkv.bench.vllm_scheduler import Backend
-
-    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
-        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
-
-    ns = types.SimpleNamespace(config=config)
-    return Backend("pagedkv-scheduler", "0.4.2", ns, sequence, pagedkv.SamplingParams, make)
-
-
 def record(
     workload: Workload,
     caching: bool,
@@ -125,16 +92,19 @@ def record(
     max_steps: Optional[int] = None,
     progress: Any = None,
 ) -> Trace:
-    """Run ``workload`` on ``backend``'s scheduler (default :func:`scheduler_backend`) and
-    record every step. Every request arrives at step 0, as in W1 and W2."""
-    from pagedkv.bench.vllm_scheduler import Engine
+    """Run ``workload`` on ``backend``'s scheduler (default: :class:`pagedkv.Scheduler`,
+    :func:`~pagedkv.bench.vllm_scheduler.scheduler_backend`) and record every step. Every
+    request arrives at step 0, as in W1 and W2."""
+    from pagedkv.bench.harness import EngineConfig
+    from pagedkv.bench.vllm_scheduler import V0Engine, scheduler_backend
 
     if workload.config.watermark != SCHEDULER_WATERMARK:
         raise ValueError(
             f"watermark must be {SCHEDULER_WATERMARK}: vLLM 0.4.2's Scheduler builds its block "
             "manager with the default watermark"
         )
-    engine = Engine(backend or scheduler_backend(), engine_config(workload.config, caching))
+    engine = V0Engine(backend or scheduler_backend())
+    engine.setup(EngineConfig.from_workload(workload.config, caching))
     for req in workload.requests:
         engine.add(req)
     recorder = _Recorder(engine)
@@ -178,7 +148,7 @@ class _Recorder:
             (sg.seq_group.request_id, sg.token_chunk_size) for sg in out.scheduled_seq_groups
         ]
         log.clear()
-        self.engine._process_outputs(out)
+        self.engine.process_outputs(out)
         chosen = {rid for rid, _ in scheduled}
         running_ids = {g.request_id for g in order}
         swapped_ids = {g.request_id for g in swapped}

@@ -1,4 +1,4 @@
-"""vLLM's own Scheduler, driven by a model-free engine loop over interchangeable backends.
+"""The adapters of vLLM V0's scheduler API (vLLM 0.4.2 and 0.5.0): a model-free engine loop.
 
 The scheduler code is vLLM's real ``vllm/core/scheduler.py`` of a release, loaded by
 :mod:`pagedkv.vllm_release` (nothing of vLLM needs to be installed). What changes between
@@ -12,40 +12,49 @@ backends is the classes it drives:
 * ``"pagedkv-scheduler"``: :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, its loop in Rust)
   over pagedkv's Sequence family, built from the same vLLM config objects (0.4.2 only).
 
-:class:`Engine` is what vLLM's LLMEngine does around the scheduler, minus the model: each step
-it calls ``schedule()``, then processes the outputs (advance the computed tokens, fork ``n > 1``
-requests after their prefill, append one sampled token per running sequence, finish and free
-sequences at their output length, free finished groups). The sampled tokens are fixed in
-advance per request and sequence, so every backend replays the same run. Backends plug in
-through :class:`Backend`.
+:class:`V0Engine` is what vLLM's LLMEngine does around the scheduler, minus the model, as an
+:class:`~pagedkv.bench.harness.EngineUnderTest`: each step it calls ``schedule()``, then
+processes the outputs (advance the computed tokens, fork ``n > 1`` requests after their
+prefill, append one sampled token per running sequence, finish and free sequences at their
+output length, free finished groups). The sampled tokens are fixed in advance per request and
+sequence, so every backend replays the same run. :func:`compat_engine` (the ``compat`` path of
+the whole step: :class:`pagedkv.Scheduler` on pagedkv's own config classes) and
+:func:`vllm_engine` (vLLM's own, a baseline) are registered in :mod:`pagedkv.bench.harness`.
 
-:func:`compare_decisions` checks that two backends make identical decisions at every step;
-:func:`compare_scheduler_step` times the whole step (``schedule()`` + output processing) of
-any of these backends on W1 in the same run.
+:func:`compare_decisions` checks that backends make identical decisions at every step;
+:func:`compare_scheduler_step` times the whole step of any of them on W1, each engine in a
+process of its own. Both run :func:`pagedkv.bench.harness.run_lockstep`.
 """
 
 from __future__ import annotations
 
-import gc
 import inspect
 import random
 import time
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, W1Config, generate_w1
+from pagedkv.bench.harness import (
+    EngineConfig,
+    EngineUnderTest,
+    InOwnProcess,
+    StepRecord,
+    run_lockstep,
+)
+from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, generate
 
 __all__ = [
     "BACKENDS",
     "Backend",
-    "Engine",
-    "EngineConfig",
+    "V0Engine",
     "compare_decisions",
     "compare_scheduler_step",
+    "compat_engine",
     "make_backend",
     "random_requests",
-    "run_engines",
+    "scheduler_backend",
+    "vllm_engine",
 ]
 
 BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
@@ -72,7 +81,7 @@ def make_backend(version: str, name: str) -> Backend:
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
     if name == "pagedkv-scheduler":
-        return _native_scheduler_backend(version)
+        return scheduler_backend(version)
     ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
 
     def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
@@ -84,20 +93,22 @@ def make_backend(version: str, name: str) -> Backend:
     return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
 
 
-def _native_scheduler_backend(version: str) -> Backend:
-    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2), configured with that release's own
-    config objects, driving pagedkv's Sequence family."""
+def scheduler_backend(version: Optional[str] = None) -> Backend:
+    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2) over pagedkv's Sequence family,
+    configured with vLLM ``version``'s own config objects, or without one with the config
+    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
     import pagedkv
+    from pagedkv import scheduler as config
     from pagedkv import sequence, vllm_release
 
-    if version != "0.4.2":
+    if version not in (None, "0.4.2"):
         raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
-    ns = vllm_release.load(version, "pagedkv")
+    ns = vllm_release.load(version, "pagedkv") if version else types.SimpleNamespace(config=config)
 
     def make(sched_cfg: Any, cache_cfg: Any) -> Any:
         return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
 
-    return Backend("pagedkv-scheduler", version, ns, sequence, pagedkv.SamplingParams, make)
+    return Backend("pagedkv-scheduler", "0.4.2", ns, sequence, pagedkv.SamplingParams, make)
 
 
 def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
@@ -137,49 +148,32 @@ def _pair_count(mapping: Any) -> int:
     return len(mapping)
 
 
-@dataclass
-class EngineConfig:
-    block_size: int = 16
-    num_gpu_blocks: int = 2304
-    num_cpu_blocks: int = 1024
-    max_num_seqs: int = 24
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4352
-    caching: bool = False
-    chunked_prefill: bool = False
+class V0Engine(EngineUnderTest):
+    """A model-free LLMEngine loop around ``backend``'s scheduler (the module docstring).
 
-    @classmethod
-    def from_w1(cls, cfg: W1Config, caching: bool) -> EngineConfig:
-        return cls(
-            block_size=cfg.block_size,
-            num_gpu_blocks=cfg.num_gpu_blocks,
-            num_cpu_blocks=cfg.num_cpu_blocks,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.prefill_token_budget,
-            max_model_len=cfg.prompt_len_max + cfg.output_len_max,
-            caching=caching,
-        )
+    ``name``: the lane (default: the backend's); ``baseline``: vLLM's own classes;
+    ``detail``: every step also reports its chunks, block tables, computed blocks, swaps,
+    copies, ignored requests and free blocks (built outside the timed part)."""
 
+    def __init__(
+        self,
+        backend: Backend,
+        name: Optional[str] = None,
+        baseline: bool = False,
+        detail: bool = False,
+    ) -> None:
+        self.backend, self.detail = backend, detail
+        self.name, self.release, self.baseline = name or backend.name, backend.version, baseline
+        self.description = f"{backend.name} on vLLM {backend.version}'s scheduler API"
+        self.scheduler: Any = None
+        self.requests: Dict[str, Request] = {}
+        self.next_child_id = 1 << 40
+        #: When a list, the output processing appends ``(request_id, (parent, child) or None,
+        #: ((seq_id, token, finished), ...))`` per group that sampled (pagedkv.bench.trace).
+        self.log: Optional[List[Any]] = None
 
-@dataclass
-class Engine:
-    """A model-free LLMEngine loop around ``backend``'s scheduler (see the module docstring)."""
-
-    backend: Backend
-    config: EngineConfig
-    scheduler: Any = None
-    requests: Dict[str, Request] = field(default_factory=dict)
-    next_child_id: int = 1 << 40
-    step_seconds: List[float] = field(default_factory=list)
-    schedule_seconds: List[float] = field(default_factory=list)
-    #: When a list, the output processing appends ``(request_id, (parent, child) or None,
-    #: ((seq_id, token, finished), ...))`` per group that sampled (pagedkv.bench.trace).
-    log: Optional[List[Any]] = None
-    #: The last step's SchedulerOutputs (read outside the timed part).
-    last_out: Any = None
-
-    def __post_init__(self) -> None:
-        c, ns = self.config, self.backend.release
+    def setup(self, config: EngineConfig) -> None:
+        c, ns = config, self.backend.release
         sched_cfg = ns.config.SchedulerConfig(
             c.max_num_batched_tokens,
             c.max_num_seqs,
@@ -191,6 +185,7 @@ class Engine:
         )
         cache_cfg.num_gpu_blocks = c.num_gpu_blocks
         cache_cfg.num_cpu_blocks = c.num_cpu_blocks
+        self.block_size = c.block_size
         self.scheduler = self.backend.make_scheduler(sched_cfg, cache_cfg)
         seq_params = list(inspect.signature(self.backend.sequence.Sequence.__init__).parameters)
         self._inputs_dict = len(seq_params) > 2 and seq_params[2] == "inputs"  # vLLM 0.5
@@ -198,8 +193,8 @@ class Engine:
         self._capped = self.backend.sequence.SequenceStatus.FINISHED_LENGTH_CAPPED
         self._logprob = self.backend.sequence.Logprob
 
-    def add(self, req: Request) -> None:
-        mod, bs = self.backend.sequence, self.config.block_size
+    def add(self, request: Request) -> None:
+        mod, bs, req = self.backend.sequence, self.block_size, request
         tokens = list(req.prompt_token_ids)
         if self._inputs_dict:
             inputs = {"prompt": "", "prompt_token_ids": tokens, "multi_modal_data": None}
@@ -219,19 +214,25 @@ class Engine:
     def busy(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
 
-    def step(self, record: bool = False) -> Optional[Dict[str, Any]]:
-        """One engine step; its time is appended to ``step_seconds``. With ``record``, returns
-        the step's decisions (built outside the timed part)."""
+    def step(self) -> StepRecord:
+        """``schedule()`` and the output processing (timed); the record is built after."""
         t0 = time.perf_counter()
         metas, out = self.scheduler.schedule()
         t1 = time.perf_counter()
-        self._process_outputs(out)
-        self.step_seconds.append(time.perf_counter() - t0)
-        self.schedule_seconds.append(t1 - t0)
-        self.last_out = out
-        return self._record(metas, out) if record else None
+        self.process_outputs(out)
+        t2 = time.perf_counter()
+        groups = [sg.seq_group for sg in out.scheduled_seq_groups]
+        return StepRecord(
+            seconds=t2 - t0,
+            schedule_seconds=t1 - t0,
+            scheduled=tuple(g.request_id for g in groups),
+            finished=tuple(g.request_id for g in groups if g.is_finished()),
+            detail=self._detail(metas, out) if self.detail else None,
+        )
 
-    def _process_outputs(self, out: Any) -> None:
+    def process_outputs(self, out: Any) -> None:
+        """vLLM's output processing of one step's ``SchedulerOutputs``, with the requests'
+        predetermined tokens."""
         sched, log = self.scheduler, self.log
         for sg in out.scheduled_seq_groups:
             group = sg.seq_group
@@ -263,7 +264,7 @@ class Engine:
                 log.append((group.request_id, fork, tuple(tokens)))
         sched.free_finished_seq_groups()
 
-    def _record(self, metas: Any, out: Any) -> Dict[str, Any]:
+    def _detail(self, metas: Any, out: Any) -> Dict[str, Any]:
         mgr = self.scheduler.block_manager
         return {
             "requests": [(m.request_id, m.is_prompt, m.token_chunk_size) for m in metas],
@@ -276,45 +277,19 @@ class Engine:
         }
 
 
-def _arrivals(requests: Sequence[Request], per_step: int) -> List[Tuple[int, Request]]:
-    """(step, request): ``per_step`` requests arrive each step (0: all at step 0)."""
-    if per_step <= 0:
-        return [(0, r) for r in requests]
-    return [(i // per_step, r) for i, r in enumerate(requests)]
+def compat_engine() -> V0Engine:
+    """The whole step's ``compat`` path: :class:`pagedkv.Scheduler` through vLLM 0.4.2's API
+    (``schedule()`` + vLLM's output processing in Python)."""
+    engine = V0Engine(scheduler_backend(), name="compat")
+    engine.description = "pagedkv.Scheduler.schedule() + vLLM's output processing in Python"
+    return engine
 
 
-def run_engines(
-    engines: Sequence[Engine],
-    requests: Sequence[Request],
-    per_step: int = 0,
-    record: bool = False,
-    max_steps: int = 200_000,
-    between_steps: Optional[Callable[[], Any]] = None,
-    every: int = 50,
-) -> Tuple[int, Optional[str]]:
-    """Drive every engine through the same arrivals, step by step. With ``record``, stops at
-    the first step whose decisions differ and returns ``(steps, description)``.
-    ``between_steps`` runs every ``every`` steps, outside the timed part."""
-    arrivals = _arrivals(requests, per_step)
-    step, k = 0, 0
-    while k < len(arrivals) or any(e.busy() for e in engines):
-        while k < len(arrivals) and arrivals[k][0] <= step:
-            for e in engines:
-                e.add(arrivals[k][1])
-            k += 1
-        records = [e.step(record) for e in engines]
-        if record and any(r != records[0] for r in records[1:]):
-            diff = [key for key in records[0] if any(r[key] != records[0][key] for r in records)]
-            lines = [f"step {step}: {key} differs:" for key in diff]
-            for e, r in zip(engines, records):
-                lines += [f"  {e.backend.name}: {r[key]}" for key in diff]
-            return step, "\n".join(lines)
-        step += 1
-        if between_steps is not None and step % every == 0:
-            between_steps()
-        if step > max_steps:
-            return step, "did not finish"
-    return step, None
+def vllm_engine(release: str) -> V0Engine:
+    """vLLM ``release``'s own Scheduler and Sequence family (a baseline)."""
+    engine = V0Engine(make_backend(release, "vllm"), name=f"vllm-{release}", baseline=True)
+    engine.description = f"vLLM {release}'s Scheduler + Sequence family, its own files"
+    return engine
 
 
 # ---- decisions ---------------------------------------------------------------------------------
@@ -361,12 +336,13 @@ def compare_decisions(
     config: Optional[EngineConfig] = None,
     max_n: int = 2,
     prompt_blocks: Tuple[int, int] = (1, 15),
+    max_steps: int = 200_000,
 ) -> Tuple[int, Optional[str]]:
     """Run vLLM ``version``'s Scheduler over ``backends`` on the same random requests and
-    compare every step's decisions. Returns ``(steps, None)`` when they agree at every step,
-    else ``(step, description of the difference)``. Without caching the pool is small (so
-    requests are preempted by recompute and swapped); with caching it is large and prompts
-    share whole-block prefixes."""
+    compare every step's decisions (the first backend leads). Returns ``(steps, None)`` when
+    they agree at every step, else ``(step, description of the difference)``. Without caching
+    the pool is small (so requests are preempted by recompute and swapped); with caching it is
+    large and prompts share whole-block prefixes."""
     if config is None:
         config = EngineConfig(
             block_size=4,
@@ -379,8 +355,14 @@ def compare_decisions(
             chunked_prefill=chunked_prefill,
         )
     reqs = random_requests(requests, seed, caching, config.block_size, prompt_blocks, max_n)
-    engines = [Engine(make_backend(version, b), config) for b in backends]
-    return run_engines(engines, reqs, per_step=per_step, record=True)
+    engines = [V0Engine(make_backend(version, b), detail=True) for b in backends]
+    run = run_lockstep(
+        engines, config, reqs, per_step, max_steps=max_steps, stop_at_difference=True
+    )
+    problem = run.first_difference()
+    if problem is not None:
+        return problem
+    return (run.steps, "did not finish") if run.steps >= max_steps else (run.steps, None)
 
 
 # ---- timing ------------------------------------------------------------------------------------
@@ -397,27 +379,6 @@ def _summary(seconds: List[float]) -> Dict[str, float]:
     }
 
 
-def _step_worker(conn: Any, version: str, name: str, quick: bool, caching: bool, seed: int) -> None:
-    """A process holding one engine: steps it on request, replies whether it is still busy;
-    finally sends its step times. Cyclic GC runs between steps, outside the timed part."""
-    import logging
-
-    logging.disable(logging.WARNING)  # vLLM's preemption warnings
-    cfg = W1_QUICK if quick else W1_FULL
-    engine = Engine(make_backend(version, name), EngineConfig.from_w1(cfg, caching))
-    for req in generate_w1(cfg, seed).requests:  # W1: every request arrives at step 0
-        engine.add(req)
-    gc.collect()
-    gc.disable()
-    conn.send("ready")
-    while conn.recv() == "step":
-        engine.step()
-        if len(engine.step_seconds) % 50 == 0:
-            gc.collect()
-        conn.send(engine.busy())
-    conn.send(engine.step_seconds)
-
-
 def compare_scheduler_step(
     version: str = "0.4.2",
     caching: bool = True,
@@ -429,45 +390,21 @@ def compare_scheduler_step(
     """Time the whole engine step (``schedule()`` + output processing) of vLLM ``version``'s
     real Scheduler on W1 (``quick``: W1_QUICK) with each backend, in the same run.
 
-    Each backend's engine lives in a process of its own (in production one engine runs: a
-    second one's objects in the same heap would slow the first), and the engines step in
-    lockstep, one step each in turn (the order alternating), so the machine's noise hits them
-    alike. Returns per-backend step statistics, ``speedup`` (the first backend's total step
-    time over each backend's) and ``median_step_ratio`` (the median over steps of the same
-    ratio, step by step); ``error`` is set if the backends took different numbers of steps
-    (they make the same decisions, so they must not)."""
-    import multiprocessing
-
-    ctx = multiprocessing.get_context("fork")
-    workers = []
-    for name in backends:
-        parent, child = ctx.Pipe()
-        proc = ctx.Process(
-            target=_step_worker, args=(child, version, name, quick, caching, seed), daemon=True
-        )
-        proc.start()
-        workers.append((name, parent, proc))
-    try:
-        for _, conn, _ in workers:
-            conn.recv()  # ready
-        busy = {name: True for name, _, _ in workers}
-        step = 0
-        while any(busy.values()) and step < max_steps:
-            order = workers if step % 2 == 0 else workers[::-1]
-            for name, conn, _ in order:
-                if busy[name]:
-                    conn.send("step")
-                    busy[name] = conn.recv()
-            step += 1
-        times = {}
-        for name, conn, _ in workers:
-            conn.send("stop")
-            times[name] = conn.recv()
-    finally:
-        for _, _, proc in workers:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+    Each backend's engine lives in a process of its own (:class:`InOwnProcess`) and the
+    engines step in lockstep, one step each in turn, so the machine's noise hits them alike.
+    Returns per-backend step statistics, ``speedup`` (the first backend's total step time over
+    each backend's) and ``median_step_ratio`` (the median over steps of the same ratio, step
+    by step); ``error`` is set if a backend failed, decided otherwise or took another number
+    of steps."""
+    cfg = W1_QUICK if quick else W1_FULL
+    engines = [InOwnProcess(V0Engine(make_backend(version, name))) for name in backends]
+    run = run_lockstep(
+        engines,
+        EngineConfig.from_workload(cfg, caching),
+        generate(cfg, seed).requests,
+        max_steps=max_steps,
+    )
+    times = {lane.name: lane.seconds for lane in run.lanes}
     stats = {name: _summary(times[name]) for name in backends}
     result: Dict[str, Any] = {
         "version": version,
@@ -475,7 +412,10 @@ def compare_scheduler_step(
         "workload": "W1_QUICK" if quick else "W1",
         "backends": stats,
     }
-    if len({s["steps"] for s in stats.values()}) != 1:
+    problem = run.first_difference()
+    if problem is not None:
+        result["error"] = problem[1]
+    elif len({s["steps"] for s in stats.values()}) != 1:
         result["error"] = "the backends took different numbers of steps"
     base = stats[backends[0]]["total_s"]
     result["speedup"] = {name: base / st["total_s"] for name, st in stats.items()}

@@ -181,6 +181,21 @@ class BlockSpaceManager:
                 seen.add((t.device, b))
         return len(seen)
 
+    def _check_strict_units(self, seq) -> None:
+        """Strict mode refuses a sequence counted in other units than the manager's."""
+        if self.strict and seq.block_size != self.block_size:
+            raise InvalidArgumentError(
+                f"sequence block_size {seq.block_size} does not match the manager's "
+                f"{self.block_size} (strict mode)"
+            )
+
+    def _check_strict_fresh(self, seq) -> None:
+        """Strict mode refuses a table for a sequence id that already holds one."""
+        if self.strict and seq.seq_id in self._tables:
+            raise InvalidArgumentError(
+                f"sequence {seq.seq_id} already holds a block table (strict mode)"
+            )
+
     def _fresh_gpu_block(self, refs: int) -> int:
         b = self.gpu.allocate()
         if refs > 1:
@@ -196,6 +211,7 @@ class BlockSpaceManager:
                 f"sequence group {seq_group.request_id!r} has no WAITING sequence"
             )
         seq = waiting[0]
+        self._check_strict_units(seq)
         n = _ceil_div(seq.get_len(), seq.block_size)
         if self.block_sliding_window is not None:
             n = min(n, self.block_sliding_window)
@@ -207,12 +223,16 @@ class BlockSpaceManager:
 
     def allocate(self, seq_group) -> None:
         """Give every WAITING sequence of the group one shared prompt table (ref count k); a
-        sequence that already holds a table gets the new one (the old one is released)."""
+        sequence that already holds a table gets the new one (the old one is released; strict
+        mode refuses it)."""
         waiting = self._with_status(seq_group, "WAITING")
         if not waiting:
             raise InvalidArgumentError(
                 f"sequence group {seq_group.request_id!r} has no WAITING sequence"
             )
+        for s in waiting:
+            self._check_strict_units(s)
+            self._check_strict_fresh(s)
         seq = waiting[0]
         k = len(waiting)
         bs = seq.block_size
@@ -269,6 +289,7 @@ class BlockSpaceManager:
     def _appendable(self, seq, num_lookahead_slots: int) -> _Table:
         if num_lookahead_slots < 0:
             raise InvalidArgumentError("num_lookahead_slots must be non-negative")
+        self._check_strict_units(seq)
         t = self._table(seq)
         if t.device != "gpu":
             raise InvalidArgumentError(
@@ -306,6 +327,7 @@ class BlockSpaceManager:
         running = self._with_status(seq_group, "RUNNING")
         need = 0
         for seq in running:  # a question, not an action: only the table must exist
+            self._check_strict_units(seq)
             t = self._table(seq)
             need += self._append_need(t, seq.get_len() + num_lookahead_slots, seq.block_size)
         return self.gpu.num_free >= max(len(running), need)
@@ -389,12 +411,14 @@ class BlockSpaceManager:
 
     def fork(self, parent_seq, child_seq) -> None:
         """The child's table becomes a copy of the parent's. A parent without a table is an
-        ``UnknownSequenceError`` (vLLM's KeyError); a child's old table is released first."""
+        ``UnknownSequenceError`` (vLLM's KeyError); a child's old table is released first
+        (strict mode refuses it)."""
         if parent_seq.seq_id == child_seq.seq_id:
             raise InvalidArgumentError(f"cannot fork sequence {parent_seq.seq_id} into itself")
         parent = self._tables.get(parent_seq.seq_id)
         if parent is None:
             raise UnknownSequenceError(f"unknown sequence id {parent_seq.seq_id}")
+        self._check_strict_fresh(child_seq)
         old = self._tables.pop(child_seq.seq_id, None)
         if old is not None:  # the parent keeps its references: nothing shared is freed here
             self._release(old)

@@ -18,6 +18,7 @@ pub mod pool;
 pub mod scheduler;
 pub mod step_buffers;
 pub mod token_seq;
+pub mod v1;
 
 #[cfg(test)]
 mod manager_tests;

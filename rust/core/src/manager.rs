@@ -134,8 +134,6 @@ pub struct ManagerConfig {
 /// Copy-on-write pairs `(src, dst)` in the order they were made.
 pub type Copies = Vec<(BlockId, BlockId)>;
 
-/// `Clone` lets a scheduler step that may fail part-way keep a copy to restore (a failed
-/// call changes nothing).
 #[derive(Clone)]
 pub struct Manager {
     cfg: ManagerConfig,
@@ -324,6 +322,31 @@ impl Manager {
         Ok(())
     }
 
+    /// Strict mode refuses a sequence counted in other units than the manager's (the default
+    /// mode counts its blocks in its own units, as vLLM does; docs/block_manager.md, "Strict
+    /// mode").
+    fn check_strict_units(&self, seq: &TokenSeq) -> Result<()> {
+        if self.cfg.strict && !self.same_units(seq) {
+            return Err(Error::invalid(format!(
+                "sequence block_size {} does not match the manager's {} (strict mode)",
+                seq.block_size(),
+                self.cfg.block_size
+            )));
+        }
+        Ok(())
+    }
+
+    /// Strict mode refuses to give a table to a sequence id that already holds one (the
+    /// default mode releases the old table and replaces it; vLLM leaks it).
+    fn check_strict_fresh(&self, id: SeqId) -> Result<()> {
+        if self.cfg.strict && self.tables.contains_key(&id) {
+            return Err(Error::invalid(format!(
+                "sequence {id} already holds a block table (strict mode)"
+            )));
+        }
+        Ok(())
+    }
+
     fn out_of(&self, device: Device, needed: usize) -> Error {
         Error::OutOfBlocks {
             device: device.name(),
@@ -341,6 +364,7 @@ impl Manager {
     }
 
     pub fn can_allocate(&self, first_waiting: &TokenSeq) -> Result<AllocStatus> {
+        self.check_strict_units(first_waiting)?;
         let n = self.prompt_blocks(first_waiting);
         let total = self.cfg.num_gpu_blocks as usize;
         Ok(if total < n + self.watermark_blocks {
@@ -353,11 +377,16 @@ impl Manager {
     }
 
     /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
-    /// A sequence that already holds a table gets the new one (the old one is released).
+    /// A sequence that already holds a table gets the new one (the old one is released; strict
+    /// mode refuses it).
     pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
         let Some(&(_, seq)) = waiting.first() else {
             return Err(Error::invalid("the sequence group has no WAITING sequence"));
         };
+        for &(id, s) in waiting {
+            self.check_strict_units(s)?;
+            self.check_strict_fresh(id)?;
+        }
         let k = waiting.len() as u32;
         let n = seq.num_blocks();
         let caching = self.caches(seq);
@@ -457,6 +486,7 @@ impl Manager {
 
     /// Upper bound on the free GPU blocks `append_slots` takes for this sequence.
     pub fn append_need(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> Result<usize> {
+        self.check_strict_units(seq)?;
         let e = self.entry(id)?;
         Ok(self.need_of(e, seq.len() + lookahead, seq.block_size()))
     }
@@ -498,6 +528,7 @@ impl Manager {
     }
 
     fn check_appendable(&self, id: SeqId, seq: &TokenSeq) -> Result<&SeqEntry> {
+        self.check_strict_units(seq)?;
         let e = self.entry(id)?;
         if e.device != Device::Gpu {
             return Err(Error::invalid(format!(
@@ -683,7 +714,8 @@ impl Manager {
 
     /// The child gets a copy of the parent's table (one more reference on each distinct block).
     /// A parent without a table is `UnknownSequence` (vLLM's `KeyError`); a child that already
-    /// holds a table has it released first (vLLM overwrites it, leaking its references).
+    /// holds a table has it released first (vLLM overwrites it, leaking its references; strict
+    /// mode refuses it).
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         if parent == child {
             return Err(Error::invalid(format!(
@@ -693,6 +725,7 @@ impl Manager {
         let Some(pe) = self.tables.get(&parent) else {
             return Err(Error::UnknownSequence(parent));
         };
+        self.check_strict_fresh(child)?;
         let mut ce = pe.clone();
         ce.order = self.next_order;
         ce.access = None; // the parent's pending access covers the shared blocks
@@ -768,30 +801,41 @@ impl Manager {
         Ok(seen.len())
     }
 
-    /// Distinct blocks of one table (O(1)).
-    pub(crate) fn distinct_len(&self, id: SeqId) -> Result<usize> {
-        Ok(distinct(&self.entry(id)?.table, self.window).len())
-    }
-
-    /// An upper bound of `distinct_blocks(ids)` without hashing: a block at the same position
-    /// as in the first table is counted once (forks share their common prefix that way).
-    pub(crate) fn distinct_blocks_bound(&self, ids: &[SeqId]) -> Result<usize> {
-        let Some((&first, rest)) = ids.split_first() else {
-            return Ok(0);
-        };
-        let base = distinct(&self.entry(first)?.table, self.window);
-        let mut n = base.len();
-        for &id in rest {
-            let t = distinct(&self.entry(id)?.table, self.window);
-            n += t.len().saturating_sub(base.len());
-            n += t.iter().zip(base).filter(|(a, b)| a != b).count();
+    /// Free GPU blocks that swapping the tables of `seqs` in and then appending each one's
+    /// slots (`append_slots`, in order) takes at most. `seqs`: `(id, target, block_size)`
+    /// with `target` the sequence's length plus the lookahead slots. The swap takes the
+    /// distinct blocks; each append visits the table positions from its reserved tokens to
+    /// `target` and takes one block for a position past its table and one for a block still
+    /// shared when it is visited (copy on write: the last holder writes in place). A cached
+    /// identical block can make either take none, never more. Those visited blocks are not
+    /// full, so they are shared only within `seqs` (forks), with the CPU's reference counts.
+    pub fn swap_in_need(&self, seqs: &[(SeqId, usize, usize)]) -> Result<usize> {
+        let ids: Vec<SeqId> = seqs.iter().map(|s| s.0).collect();
+        let mut need = self.distinct_blocks(&ids)?;
+        let mut holders: HashMap<BlockId, u32> = HashMap::new();
+        for &(id, target, bs) in seqs {
+            let e = self.entry(id)?;
+            for i in e.reserved / bs..target.div_ceil(bs) {
+                let Some(&b) = e.table.get(i) else {
+                    need += 1;
+                    continue;
+                };
+                let left = holders.entry(b).or_insert_with(|| self.cpu.ref_count(b));
+                if *left > 1 {
+                    need += 1;
+                    *left -= 1;
+                }
+            }
         }
-        Ok(n)
+        Ok(need)
     }
 
-    /// `unfinished`: every unfinished sequence of the group.
-    pub fn can_swap_out(&self, unfinished: &[SeqId]) -> Result<bool> {
-        Ok(self.distinct_blocks(unfinished)? <= self.cpu.num_free())
+    /// Whether `swap(ids, Device::Gpu)` fits the CPU pool: its distinct blocks (shared ones
+    /// once) against the free CPU blocks (cached free blocks count as free). vLLM passes the
+    /// group's unfinished sequences, which for a running group are its running ones. A cached
+    /// twin on the CPU can make the swap take fewer blocks, never more.
+    pub fn can_swap_out(&self, ids: &[SeqId]) -> Result<bool> {
+        Ok(self.distinct_blocks(ids)? <= self.cpu.num_free())
     }
 
     /// `unfinished`: every unfinished sequence of the group; `num_swapped`: how many are SWAPPED.

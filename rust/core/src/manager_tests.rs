@@ -94,6 +94,50 @@ fn out_of_blocks_changes_nothing() {
 }
 
 #[test]
+fn strict_mode_refuses_what_the_default_replaces_and_changes_nothing() {
+    let strict = |caching| ManagerConfig {
+        strict: true,
+        ..cfg(4, 8, 4, caching, None)
+    };
+    for caching in [false, true] {
+        let mut m = Manager::new(strict(caching)).unwrap();
+        let s = seq(&[1, 2, 3, 4, 5], 4);
+        m.allocate(&[(1, &s)]).unwrap();
+        m.allocate(&[(2, &s)]).unwrap();
+        let before = (m.num_free_gpu_blocks(), m.block_table(1).unwrap().to_vec());
+        let refused = |r: crate::Result<()>| matches!(r, Err(Error::InvalidArgument(_)));
+        // allocate onto an id that holds a table (in any position of the group)
+        assert!(refused(m.allocate(&[(1, &s)])));
+        assert!(refused(m.allocate(&[(3, &s), (2, &s)])));
+        assert!(!m.has_table(3));
+        // fork onto a child that holds a table
+        assert!(refused(m.fork(1, 2)));
+        // a sequence counted in other units, in every call that takes one
+        let other = seq(&[1, 2, 3, 4, 5], 2);
+        assert!(m.can_allocate(&other).is_err());
+        assert!(refused(m.allocate(&[(4, &other)])));
+        assert!(m.append_need(1, &other, 0).is_err());
+        assert!(m.can_append_slots(&[(1, &other)], 0).is_err());
+        assert!(refused(m.append_slots(1, &other, 0, &mut vec![])));
+        assert_eq!(
+            (m.num_free_gpu_blocks(), m.block_table(1).unwrap().to_vec()),
+            before
+        );
+        assert!(!m.has_table(4));
+        m.check_invariants().unwrap();
+        // the same calls in the default mode: replaced / counted in the sequence's units
+        let mut d = Manager::new(cfg(4, 8, 4, caching, None)).unwrap();
+        d.allocate(&[(1, &s)]).unwrap();
+        d.allocate(&[(2, &s)]).unwrap();
+        d.allocate(&[(1, &s)]).unwrap();
+        d.fork(1, 2).unwrap();
+        d.allocate(&[(4, &other)]).unwrap();
+        assert_eq!(d.block_table(4).unwrap().len(), 3);
+        d.check_invariants().unwrap();
+    }
+}
+
+#[test]
 fn prefix_is_shared_and_revived_from_cache() {
     let mut m = Manager::new(cfg(4, 16, 4, true, None)).unwrap();
     let prefix: Vec<u32> = (0..12).collect();

@@ -485,19 +485,26 @@ impl Scheduler {
             };
             queue.retain(|k| !hits.contains(k));
             for &key in &hits {
-                for i in 0..self.g(key).seqs.len() {
-                    let s = &self.g(key).seqs[i];
-                    if s.status.is_finished() {
-                        continue;
-                    }
-                    let id = s.id;
-                    self.set_status(key, i, Status::Finished(Finish::Aborted), false);
-                    mgr.free(id)?;
-                }
+                self.abort_group(key, mgr)?;
             }
             out.extend(hits);
         }
         Ok(out)
+    }
+
+    /// The unfinished sequences of `key` become FINISHED_ABORTED and are freed (the group
+    /// stays live and queued: the caller takes it out).
+    fn abort_group(&mut self, key: GroupKey, mgr: &mut Manager) -> Result<()> {
+        for i in 0..self.g(key).seqs.len() {
+            let s = &self.g(key).seqs[i];
+            if s.status.is_finished() {
+                continue;
+            }
+            let id = s.id;
+            self.set_status(key, i, Status::Finished(Finish::Aborted), false);
+            mgr.free(id)?;
+        }
+        Ok(())
     }
 
     /// vLLM's `fork_seq`: the child joins the parent's group with the parent's state and

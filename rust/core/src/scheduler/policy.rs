@@ -33,6 +33,16 @@ pub struct Outputs {
     /// Preempted this step by recomputation / by swapping (for metrics and tests).
     pub preempted: Vec<GroupKey>,
     pub swapped_out: Vec<GroupKey>,
+    /// Running groups with several running sequences that had to be preempted when the CPU
+    /// could not hold them (fix 7): finished as aborted, their blocks freed; also in `ignored`.
+    pub aborted: Vec<GroupKey>,
+}
+
+impl Outputs {
+    /// Whether the running groups' pass preempted any group (by recompute, swap or abort).
+    fn any_preempted(&self) -> bool {
+        !(self.preempted.is_empty() && self.swapped_out.is_empty() && self.aborted.is_empty())
+    }
 }
 
 /// What `SequenceGroupMetadata` needs for one scheduled group.
@@ -164,13 +174,10 @@ impl<T: Tokens> Step<'_, T> {
 impl Scheduler {
     /// Decide one step (vLLM's `_schedule`). `now` is the wall-clock time vLLM would read.
     ///
-    /// All or nothing: an error leaves the scheduler and the manager as they were. The one
-    /// failure a consistent state can meet part-way (a group with several running sequences
-    /// to preempt and no CPU swap space for it, docs/scheduler.md fix 7) is possible only when
-    /// the running multi-sequence groups together hold more blocks than the CPU has free and
-    /// the GPU cannot give every running group its slots; only then is a copy of the state
-    /// taken to restore. The other errors are checked up front or are excluded by the
-    /// invariants (`check_waiting`).
+    /// A step never fails for lack of blocks: every allocation it makes is preceded by the
+    /// `can_*` check that bounds it (docs/scheduler.md, fixes 4 and 7 for preemption). The
+    /// errors left (a non-finite time; a sequence without its token store) are checked before
+    /// anything changes or excluded by the invariants (`check_waiting`).
     pub fn schedule<T: Tokens>(
         &mut self,
         mgr: &mut Manager,
@@ -181,16 +188,7 @@ impl Scheduler {
             return Err(Error::invalid("the step time must be a finite number"));
         }
         debug_assert!(self.check_waiting().is_ok());
-        let risky = self.swap_out_may_fail(mgr)? && self.may_preempt(mgr, toks)?;
-        let saved = match risky {
-            true => Some((self.clone(), mgr.clone())),
-            false => None,
-        };
-        let res = self.schedule_step(mgr, toks, now);
-        if let (Err(_), Some((s, m))) = (&res, saved) {
-            (*self, *mgr) = (s, m);
-        }
-        res
+        self.schedule_step(mgr, toks, now)
     }
 
     /// Every waiting request has exactly one WAITING sequence: `add_group` admits only such
@@ -207,63 +205,6 @@ impl Scheduler {
             }
         }
         Ok(())
-    }
-
-    /// Whether preempting running groups with several running sequences could run out of CPU
-    /// blocks this step: swap-outs are the only CPU allocations before any swap-in, and a
-    /// victim's table does not grow before it is preempted. First bounded by the tables'
-    /// lengths (O(1) per sequence, so a step does not walk every table while the CPU has
-    /// room); only when that bound does not settle it, by `distinct_blocks_bound` (O(table):
-    /// shared prefixes counted once). Both may overcount (then a copy is taken that was not
-    /// needed), never undercount.
-    fn swap_out_may_fail(&self, mgr: &Manager) -> Result<bool> {
-        let free = mgr.num_free_cpu_blocks();
-        let multi = || {
-            self.running
-                .iter()
-                .map(|&k| self.g(k))
-                .filter(|g| g.ids_with(Status::Running).nth(1).is_some())
-        };
-        let unfinished = |g: &super::Group| -> Vec<SeqId> {
-            g.seqs
-                .iter()
-                .filter(|s| !s.status.is_finished())
-                .map(|s| s.id)
-                .collect()
-        };
-        let mut crude = 0;
-        for g in multi() {
-            for s in g.seqs.iter().filter(|s| !s.status.is_finished()) {
-                crude += mgr.distinct_len(s.id)?;
-            }
-        }
-        if crude <= free {
-            return Ok(false);
-        }
-        let mut need = 0;
-        for g in multi() {
-            need += mgr.distinct_blocks_bound(&unfinished(g))?;
-        }
-        Ok(need > free)
-    }
-
-    /// Whether this step could preempt at all. Running groups are the only ones that preempt,
-    /// and group g is appended to when the free blocks left after the groups before it cover
-    /// `max(need_g, running_g)` (`can_append_slots`); appends take at most their need. So if
-    /// the free blocks cover every running group's need plus the largest running count, no
-    /// group is preempted. (A step that schedules new prefills runs no running groups.)
-    fn may_preempt<T: Tokens>(&self, mgr: &Manager, toks: &T) -> Result<bool> {
-        let la = self.cfg.num_lookahead_slots;
-        let (mut need, mut most) = (0, 0);
-        for &key in &self.running {
-            let mut count = 0;
-            for id in self.g(key).ids_with(Status::Running) {
-                need += toks.with(id, |t| mgr.append_need(id, t, la))??;
-                count += 1;
-            }
-            most = usize::max(most, count);
-        }
-        Ok(need + most > mgr.num_free_gpu_blocks())
     }
 
     fn schedule_step<T: Tokens>(
@@ -314,7 +255,7 @@ impl Scheduler {
             (r, run) = self.schedule_running(st, &mut budget, &mut loras, false, &mut out)?;
             running = Some(r);
             out.lookahead = self.cfg.num_lookahead_slots;
-            if out.preempted.is_empty() && out.swapped_out.is_empty() {
+            if !out.any_preempted() {
                 let s;
                 (s, swap) = self.schedule_swapped(
                     st,
@@ -341,6 +282,7 @@ impl Scheduler {
         out.num_prefill_groups = prefills.len();
         out.scheduled = join([prefills, run.decode, swap.decode]);
         out.num_batched_tokens = budget.tokens;
+        ignored.extend_from_slice(&out.aborted);
         out.ignored = ignored;
         self.keep_budget(budget);
         Ok(out)
@@ -354,7 +296,7 @@ impl Scheduler {
         let (running, run) = self.schedule_running(st, &mut budget, &mut loras, true, &mut out)?;
         out.lookahead = self.cfg.num_lookahead_slots;
         let (mut swapped, mut swap) = (None, Part::default());
-        if out.preempted.is_empty() && out.swapped_out.is_empty() {
+        if !out.any_preempted() {
             // fix 3: swapped-in prefills are chunked like running ones.
             let s;
             (s, swap) =
@@ -376,6 +318,7 @@ impl Scheduler {
         out.scheduled = join([prefills, run.prefill, swap.prefill, run.decode, swap.decode]);
         out.num_batched_tokens = budget.tokens;
         prefill_ignored.extend(ignored);
+        prefill_ignored.extend_from_slice(&out.aborted);
         out.ignored = prefill_ignored;
         self.keep_budget(budget);
         Ok(out)
@@ -561,7 +504,9 @@ impl Scheduler {
     }
 
     /// Preempt `key` (vLLM's `_preempt`): recompute single-sequence groups, swap others,
-    /// unless the config forces a mode.
+    /// unless the config forces a mode. When the CPU cannot hold the group's blocks, a group
+    /// with one running sequence is recomputed instead (fix 4) and one with several, which
+    /// cannot be recomputed, is aborted (fix 7).
     fn preempt<T: Tokens>(
         &mut self,
         st: &mut Step<T>,
@@ -580,19 +525,13 @@ impl Scheduler {
             // Forked sequences cannot be re-prefilled from one shared prompt table.
             mode = PreemptionMode::Swap;
         }
-        let unfinished: Vec<SeqId> = g
-            .seqs
-            .iter()
-            .filter(|s| !s.status.is_finished())
-            .map(|s| s.id)
-            .collect();
-        if mode == PreemptionMode::Swap && !st.mgr.can_swap_out(&unfinished)? {
+        // The blocks `swap` moves: those of the running sequences (a running group's
+        // unfinished sequences, which vLLM's `can_swap_out` counts, are its running ones).
+        if mode == PreemptionMode::Swap && !st.mgr.can_swap_out(&running)? {
             if running.len() > 1 {
-                return Err(Error::OutOfBlocks {
-                    device: "cpu",
-                    needed: unfinished.len(),
-                    free: st.mgr.num_free_cpu_blocks(),
-                });
+                self.abort_group(key, st.mgr)?; // fix 7: vLLM raises RuntimeError
+                out.aborted.push(key);
+                return Ok(());
             }
             mode = PreemptionMode::Recompute; // fix 4: no swap space -> recompute
         }
@@ -642,15 +581,17 @@ impl Scheduler {
                 .filter(|s| !s.status.is_finished())
                 .map(|s| s.id)
                 .collect();
-            let nswapped = g.ids_with(Status::Swapped).count();
-            match st.mgr.can_swap_in(&unfinished, nswapped, 0)? {
+            let ids: Vec<SeqId> = g.ids_with(Status::Swapped).collect();
+            match self.can_swap_in(st, &unfinished, &ids)? {
                 AllocStatus::Later => break,
                 AllocStatus::Never => {
-                    // vLLM marks every sequence ignored but never frees their CPU blocks.
+                    // fix 6: vLLM marks every sequence ignored (finished ones too) but never
+                    // frees their CPU blocks. A finished sequence keeps its finish (the
+                    // engine may not even have forked it into the scheduler).
                     for &id in &unfinished {
                         st.mgr.free(id)?;
                     }
-                    self.move_seqs_all(key, Status::Finished(Finish::Ignored));
+                    self.move_seqs(key, None, Status::Finished(Finish::Ignored), false);
                     ignored.push(key);
                     queue.pop_front();
                     continue;
@@ -672,7 +613,6 @@ impl Scheduler {
                 l.insert(lora);
             }
             queue.pop_front();
-            let ids: Vec<SeqId> = self.g(key).ids_with(Status::Swapped).collect();
             out.swap_in.extend(st.mgr.swap(&ids, Device::Cpu)?);
             self.move_seqs(key, Some(Status::Swapped), Status::Running, false);
             self.append_slots(st, key)?;
@@ -690,10 +630,41 @@ impl Scheduler {
         Ok((queue, part))
     }
 
-    fn move_seqs_all(&mut self, key: GroupKey, to: Status) {
-        for i in 0..self.g(key).seqs.len() {
-            self.set_status(key, i, to, false);
+    /// vLLM's `can_swap_in` for a swapped group (`unfinished`: its unfinished sequences,
+    /// `ids`: its swapped ones), then the bound of what the swap-in and the appends after it
+    /// take (`swap_in_need`), which only lookahead slots can raise above vLLM's reserve.
+    fn can_swap_in<T: Tokens>(
+        &self,
+        st: &Step<T>,
+        unfinished: &[SeqId],
+        ids: &[SeqId],
+    ) -> Result<AllocStatus> {
+        let status = st.mgr.can_swap_in(unfinished, ids.len(), 0)?;
+        if status != AllocStatus::Ok {
+            return Ok(status);
         }
+        let need = self.swap_in_need(st, ids)?;
+        Ok(if need > st.mgr.config().num_gpu_blocks as usize {
+            AllocStatus::Never
+        } else if need > st.mgr.num_free_gpu_blocks() {
+            AllocStatus::Later
+        } else {
+            AllocStatus::Ok
+        })
+    }
+
+    /// The free GPU blocks swapping `ids` in and appending their slots takes at most
+    /// (`Manager::swap_in_need`). vLLM's `can_swap_in` reserves one block per sequence for
+    /// the appends, which covers them without lookahead slots (an append then visits one
+    /// table position); with them, forks that share their lookahead blocks can need more
+    /// (vLLM 0.4.2's v1 manager refuses lookahead slots).
+    fn swap_in_need<T: Tokens>(&self, st: &Step<T>, ids: &[SeqId]) -> Result<usize> {
+        let la = self.cfg.num_lookahead_slots;
+        let mut seqs = Vec::with_capacity(ids.len());
+        for &id in ids {
+            seqs.push(st.toks.with(id, |t| (id, t.len() + la, t.block_size()))?);
+        }
+        st.mgr.swap_in_need(&seqs)
     }
 
     /// vLLM's `_passed_delay` (called once per loop turn, as vLLM does).

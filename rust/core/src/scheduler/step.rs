@@ -109,8 +109,14 @@ impl Batch {
     pub fn num_samples(&self) -> usize {
         self.rows.iter().map(|r| r.samples).sum()
     }
+    /// Children the samples fork: one per extra sample of a row whose group is still here
+    /// (the rows of groups aborted since the batch fork nothing, `drop_groups`).
     pub fn num_children(&self) -> usize {
-        self.rows.iter().map(|r| r.samples.saturating_sub(1)).sum()
+        self.rows
+            .iter()
+            .filter(|r| r.key != GroupKey::MAX)
+            .map(|r| r.samples.saturating_sub(1))
+            .sum()
     }
     /// Forget groups that left the scheduler between steps (aborted): their rows still take
     /// their samples (the caller's array has them) but nothing is applied.

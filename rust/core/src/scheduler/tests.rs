@@ -452,42 +452,101 @@ fn fix6_group_that_can_never_swap_in_is_ignored_and_freed() {
     }
 }
 
-#[test]
-fn fix7_failed_step_changes_nothing() {
-    // b has two running sequences, no CPU swap space and cannot be recomputed: preempting it
-    // fails after a was already given its slot; the step must be undone as a whole.
-    let (mut s, st, mut m) = (sched(100, 8, 100, false), Store::default(), mgr(4, 0));
+/// a (one sequence, 4 tokens) and b (two forks of 11 tokens, 3 shared blocks) on a 5-block
+/// GPU with `cpu` CPU blocks, all decoding: the next step needs a new block for a and a copy
+/// on write for b's forks, with 1 block free.
+fn forked_group_to_preempt(chunked: bool, cpu: u32) -> (Scheduler, Store, Manager, [GroupKey; 2]) {
+    let (mut s, st, mut m) = (sched(100, 8, 100, chunked), Store::default(), mgr(5, cpu));
     let a = add(&mut s, &st, 1, 4, 1.0, 1);
-    let b = add(&mut s, &st, 2, 3, 2.0, 2);
+    let b = add(&mut s, &st, 2, 11, 2.0, 2);
     let out = s.schedule(&mut m, &st, 5.0).unwrap();
     engine_step(&mut s, &st, &out);
     st.fork(2, 3);
     s.fork(2, 3, &mut m).unwrap();
-    let tables = |m: &Manager| [1, 2, 3].map(|id| m.block_table(id).unwrap().to_vec());
-    let before = (m.num_free_gpu_blocks(), tables(&m), s.running.clone());
-    let statuses = |s: &Scheduler| {
-        let g = |k| s.group(k).unwrap().seqs.clone();
-        format!("{:?}{:?}", g(a), g(b))
-    };
-    let seqs_before = statuses(&s);
-    s.take_changes(); // the binding takes them after every call
-    let err = s.schedule(&mut m, &st, 6.0).unwrap_err();
-    assert!(
-        matches!(err, Error::OutOfBlocks { device: "cpu", .. }),
-        "{err:?}"
-    );
-    assert_eq!(
-        (m.num_free_gpu_blocks(), tables(&m), s.running.clone()),
-        before
-    );
-    assert_eq!(statuses(&s), seqs_before);
-    assert!(s.take_changes().is_empty());
-    m.check_invariants().unwrap();
-    // Once b is gone, the same step goes through for a.
-    let gone = s.abort(&["r2"], &mut m).unwrap();
-    assert_eq!(gone, vec![b]);
-    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    (s, st, m, [a, b])
+}
+
+#[test]
+fn fix7_forked_group_without_swap_space_is_aborted() {
+    // b has two running sequences, so it is swapped; the CPU cannot hold its 3 blocks (2 free
+    // is enough for one per sequence, not for the group) and forks cannot be recomputed.
+    // vLLM raises RuntimeError (the engine dies); we abort b alone.
+    for (chunked, cpu) in [(false, 0), (true, 0), (false, 2), (true, 2)] {
+        let (mut s, st, mut m, [a, b]) = forked_group_to_preempt(chunked, cpu);
+        s.take_changes();
+        let out = s.schedule(&mut m, &st, 6.0).unwrap();
+        assert_eq!(keys(&out.scheduled), vec![(a, 1)], "chunked={chunked}");
+        assert_eq!(
+            (out.aborted.clone(), out.ignored.clone()),
+            (vec![b], vec![b])
+        );
+        assert!(out.preempted.is_empty() && out.swapped_out.is_empty() && out.swap_out.is_empty());
+        let aborted = Status::Finished(Finish::Aborted);
+        assert!(s.group(b).unwrap().seqs.iter().all(|q| q.status == aborted));
+        let changed: Vec<SeqId> = s.take_changes().iter().map(|c| c.seq).collect();
+        assert_eq!(changed, vec![2, 3]);
+        assert!(!m.has_table(2) && !m.has_table(3));
+        assert_eq!(s.running().iter().copied().collect::<Vec<_>>(), vec![a]);
+        assert_eq!(
+            (m.num_free_gpu_blocks(), m.num_free_cpu_blocks()),
+            (3, cpu as usize)
+        );
+        m.check_invariants().unwrap();
+        assert!(s.release(b).is_some());
+    }
+}
+
+#[test]
+fn fix7_forked_group_swaps_out_when_the_cpu_holds_its_distinct_blocks() {
+    // The forks share their 3 blocks: 3 CPU blocks hold the group (not 3 per fork).
+    let (mut s, st, mut m, [a, b]) = forked_group_to_preempt(false, 3);
+    let out = s.schedule(&mut m, &st, 6.0).unwrap();
     assert_eq!(keys(&out.scheduled), vec![(a, 1)]);
+    assert_eq!(out.swapped_out, vec![b]);
+    assert_eq!(out.swap_out.len(), 3, "a shared block moves once");
+    assert!(out.aborted.is_empty() && out.ignored.is_empty());
+    assert_eq!(m.num_free_cpu_blocks(), 0);
+}
+
+/// Lookahead 3 on a `gpu`-block pool: a (4 tokens) and b (two forks of 5 tokens sharing a
+/// partly filled block) decode; b is swapped out for a's lookahead, then a finishes.
+fn forks_swapped_with_lookahead(gpu: u32) -> (Scheduler, Store, Manager, GroupKey) {
+    let mut cfg = sched(100, 8, 100, false).cfg;
+    cfg.num_lookahead_slots = 3;
+    let (mut s, st, mut m) = (Scheduler::new(cfg).unwrap(), Store::default(), mgr(gpu, 8));
+    let a = add(&mut s, &st, 1, 4, 1.0, 1);
+    let b = add(&mut s, &st, 2, 5, 2.0, 2);
+    let out = s.schedule(&mut m, &st, 5.0).unwrap();
+    engine_step(&mut s, &st, &out);
+    st.fork(2, 3);
+    s.fork(2, 3, &mut m).unwrap();
+    let out = s.schedule(&mut m, &st, 6.0).unwrap();
+    assert_eq!(
+        (keys(&out.scheduled), out.swapped_out),
+        (vec![(a, 1)], vec![b])
+    );
+    finish(&mut s, &mut m, a, 1);
+    s.free_finished();
+    (s, st, m, b)
+}
+
+#[test]
+fn swap_in_reserves_what_the_lookahead_appends_take() {
+    // After the swap-in (2 blocks) each fork's append visits 2 positions: the shared block
+    // (copied once: the second fork writes in place) and a new one, 5 blocks in all; vLLM's
+    // check reserves one per sequence (4).
+    let (mut s, st, mut m, b) = forks_swapped_with_lookahead(5);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!(keys(&out.scheduled), vec![(b, 1)]);
+    assert_eq!((out.swap_in.len(), out.copies.len()), (2, 1));
+    assert_eq!(m.num_free_gpu_blocks(), 0);
+    // With 4 blocks it can never run (vLLM's check says yes, then the append fails): it is
+    // ignored and its CPU blocks freed, as a group that can never swap in (fix 6).
+    let (mut s, st, mut m, b) = forks_swapped_with_lookahead(4);
+    let out = s.schedule(&mut m, &st, 7.0).unwrap();
+    assert_eq!((out.ignored, out.swap_in.len()), (vec![b], 0));
+    assert_eq!((m.num_free_gpu_blocks(), m.num_free_cpu_blocks()), (4, 8));
+    m.check_invariants().unwrap();
 }
 
 #[test]

@@ -1,4 +1,4 @@
-"""End-to-end proof: a tiny paged-attention engine whose every logit matches a dense forward.
+"""The engine and the check of ``pagedkv demo`` (the command: :mod:`pagedkv.demo`; needs torch).
 
 :func:`run_demo` serves requests with :class:`~pagedkv.attention.TinyDecoder` (random weights,
 fixed seed, GQA, RoPE) on :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, prefix caching on)
@@ -24,8 +24,8 @@ element (:data:`TOLERANCES`: fp32 1e-5 and 1e-5; bf16 2e-2 and 2e-2). At the end
 must have finished, every GPU and CPU block must be free and every event of :data:`EVENTS`
 must have happened.
 
-CLI: ``pagedkv demo [--device D] [--dtype T] [--requests N] [--seed S] [--path P] [--quiet]``
-(also ``python -m pagedkv.demo``).
+The command line (``pagedkv demo``, ``python -m pagedkv.demo``) is :mod:`pagedkv.demo`, which
+calls :func:`run_command`.
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ import torch
 
 from pagedkv import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from pagedkv.attention import TinyConfig, TinyDecoder, allocate_kv_cache, copy_blocks, swap_blocks
-from pagedkv.cli import DEMO_DEFAULT_REQUESTS, DEMO_MIN_REQUESTS, DEMO_PATHS, add_demo_arguments
-from pagedkv.demo_paths import PATHS, StepPlan
+from pagedkv.demo import DEFAULT_REQUESTS, PATHS
+from pagedkv.demo_paths import PATHS as STEP_PATHS
+from pagedkv.demo_paths import StepPlan
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
@@ -54,14 +55,10 @@ __all__ = [
     "DemoEngine",
     "DemoReport",
     "StepPlan",
-    "add_arguments",
     "choose_num_gpu_blocks",
-    "main",
-    "run",
+    "run_command",
     "run_demo",
 ]
-
-HELP = "serve requests through the paged engine and check every logit against a dense forward"
 
 _DTYPES = {
     "float32": torch.float32,
@@ -89,9 +86,6 @@ EVENTS = (
     "recompute_preemptions",
 )
 
-#: the default workload needs this many requests to show every event
-MIN_REQUESTS = DEMO_MIN_REQUESTS
-
 #: fractions of the unconstrained peak GPU usage tried as pool sizes, in order
 _POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
 
@@ -100,7 +94,7 @@ _POOL_FRACTIONS = (0.7, 0.6, 0.8, 0.5, 0.9, 0.4, 0.3)
 class DemoConfig:
     """Workload and engine sizes of the demo (the defaults exercise every event)."""
 
-    num_requests: int = DEMO_DEFAULT_REQUESTS
+    num_requests: int = DEFAULT_REQUESTS
     seed: int = 0
     block_size: int = 4
     #: tokens of the system prompt shared by most requests
@@ -225,10 +219,8 @@ class DemoEngine:
         hook: Optional[Hook] = None,
         num_gpu_blocks: Optional[int] = None,
     ) -> None:
-        if config.path not in DEMO_PATHS:
-            raise InvalidArgumentError(
-                f"unknown path {config.path!r}; expected one of {DEMO_PATHS}"
-            )
+        if config.path not in PATHS:
+            raise InvalidArgumentError(f"unknown path {config.path!r}; expected one of {PATHS}")
         self.config = cfg = config
         self.model = model
         self.dry_run = model is None
@@ -245,7 +237,7 @@ class DemoEngine:
         self.manager = self.scheduler.block_manager
         self.gpu_caches, self.cpu_caches = self._allocate_caches()
         new_seq_id = itertools.count(len(self.requests)).__next__
-        self.path = PATHS[cfg.path](self.scheduler, new_seq_id)
+        self.path = STEP_PATHS[cfg.path](self.scheduler, new_seq_id)
         self._pending = list(self.requests)  # not arrived yet, by arrival step
         self._fake_gen = torch.Generator().manual_seed(cfg.seed)
         self._status: Dict[str, SequenceStatus] = {}
@@ -615,20 +607,9 @@ def run_demo(
 # --------------------------------------------------------------------------- #
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Options of ``pagedkv demo`` (defined torch-free in :mod:`pagedkv.cli`)."""
-    add_demo_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Run the demo from parsed arguments; 0 if every check passed."""
-    if args.requests < MIN_REQUESTS:
-        print(
-            f"pagedkv demo: --requests must be >= {MIN_REQUESTS} "
-            "(fewer cannot show a swap and a recompute preemption)",
-            file=sys.stderr,
-        )
-        return 2
+def run_command(args: argparse.Namespace) -> int:
+    """``pagedkv demo`` with parsed arguments (:func:`pagedkv.demo.run` checked the request
+    count); 0 if every check passed."""
     try:
         device = torch.device(args.device)
     except RuntimeError as exc:
@@ -649,13 +630,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"pagedkv demo FAILED: {msg}", file=sys.stderr)
         return 1
     return 0
-
-
-def main(argv: Optional[List[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="pagedkv demo", description=HELP)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

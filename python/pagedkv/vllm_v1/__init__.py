@@ -1,0 +1,45 @@
+"""pagedkv inside vLLM's v1 engine (vLLM 0.32 and 0.33): a native KV cache manager.
+
+Use it with vLLM's own option, no change to vLLM::
+
+    vllm serve MODEL --scheduler-cls pagedkv.vllm_v1.Scheduler
+    LLM(model=..., scheduler_cls="pagedkv.vllm_v1.Scheduler")
+
+or set ``PAGEDKV_VLLM=1`` with pagedkv installed (its ``vllm.general_plugins`` entry point
+then makes it the default). ``Scheduler`` becomes vLLM's ``AsyncScheduler`` variant when vLLM
+runs with async scheduling. Configurations outside the native manager's scope (hybrid or
+sliding-window models, KV connectors, EAGLE, context parallelism) run vLLM's own manager, with
+one log line saying why.
+
+Names (imported on first use; ``import pagedkv`` never imports vLLM): ``Scheduler``,
+``AsyncScheduler``, ``KVCacheManager``, ``SUPPORTED_VLLM``, ``out_of_scope``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._version import SUPPORTED_VLLM
+
+__all__ = ["SUPPORTED_VLLM", "AsyncScheduler", "KVCacheManager", "Scheduler", "out_of_scope"]
+
+_LAZY = {
+    "Scheduler": "_scheduler",
+    "AsyncScheduler": "_scheduler",
+    "KVCacheManager": "_manager",
+    "out_of_scope": "_scope",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'pagedkv.vllm_v1' has no attribute {name!r}")
+    from importlib import import_module
+
+    from ._version import require_supported_vllm
+
+    require_supported_vllm()
+    value = getattr(import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

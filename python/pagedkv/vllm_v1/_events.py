@@ -1,0 +1,103 @@
+"""vLLM's KV cache events from the native manager's event log.
+
+The native pool logs what it does, in order: ``("stored", first, end)`` when blocks
+``first..end`` of the request at hand were cached, ``("removed", hash, 0)`` when a hash left
+the prefix cache, ``("cleared", 0, 0)`` after a prefix-cache reset. :class:`EventBuilder` turns
+them into vLLM's own ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects with the
+fields vLLM's ``BlockPool`` fills (vLLM's helpers for extra keys and hash conversion are called,
+so the content is vLLM's by construction), right after each native call, while the request is
+at hand; the order is the pool's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Tuple
+
+
+class EventBuilder:
+    """Builds vLLM event objects for one group-0 full-attention cache of ``block_size``."""
+
+    def __init__(self, block_size: int, spec_kind: Any, sliding_window: Any) -> None:
+        from vllm.distributed import kv_events
+        from vllm.v1.core import kv_cache_utils
+
+        self._ev = kv_events
+        self._utils = kv_cache_utils
+        self._block_size = block_size
+        self._medium = kv_events.MEDIUM_GPU
+        self._spec = (spec_kind, sliding_window)
+        fields = getattr(kv_events.BlockStored, "__struct_fields__", ())
+        self._has_lookahead = "lookahead_token_ids" in fields
+        # vLLM reads this variable on every conversion; it is read once here (per manager).
+        from vllm import envs
+
+        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+
+    def build(self, native_events: List[Tuple[str, Any, Any]], request: Any) -> List[Any]:
+        out = []
+        for kind, a, b in native_events:
+            if kind == "stored":
+                out.append(self.stored(request, a, b))
+            elif kind == "removed":
+                out.append(self.removed(a))
+            else:
+                out.append(self._ev.AllBlocksCleared())
+        return out
+
+    def removed(self, block_hash: bytes) -> Any:
+        return self._ev.BlockRemoved(
+            block_hashes=self._hashes((block_hash,)),
+            medium=self._medium,
+            group_idx=0,
+        )
+
+    def _hashes(self, hashes: Any) -> List[Any]:
+        """The hashes as events publish them: the bytes, or (vLLM's integer mode) the hash's
+        last 8 bytes read as a big-endian unsigned integer, as vLLM's converter gives."""
+        if not self._int_hashes:
+            return list(hashes)
+        return [int.from_bytes(h[-8:], "big") for h in hashes]
+
+    def _extra_keys(self, request: Any, first: int, end: int) -> Any:
+        """vLLM's per-block extra keys, untagged for events. A request with no multimodal
+        input, LoRA, cache salt or prompt embeddings has none for any block: vLLM's helper
+        would return ``None`` for each, so the list is written directly."""
+        if not (
+            request.mm_features
+            or request.lora_request
+            or request.cache_salt
+            or request.prompt_embeds is not None
+        ):
+            return [None] * (end - first) or None
+        bs = self._block_size
+        extra, mm_idx = [], 0
+        for i in range(first, end):
+            keys, mm_idx = self._utils.generate_block_hash_extra_keys(
+                request, i * bs, (i + 1) * bs, mm_idx
+            )
+            extra.append(keys)
+        return self._utils.to_event_extra_keys(extra)
+
+    def stored(self, request: Any, first: int, end: int) -> Any:
+        """``BlockStored`` for the request's blocks ``first..end``."""
+        hashes = request.block_hashes
+        bs = self._block_size
+        lora = request.lora_request
+        parent = self._hashes(hashes[first - 1 : first])[0] if first else None
+        kwargs = dict(
+            block_hashes=self._hashes(hashes[first:end]),
+            parent_block_hash=parent,
+            token_ids=request.all_token_ids[first * bs : end * bs],
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            medium=self._medium,
+            lora_name=lora.name if lora else None,
+            extra_keys=self._extra_keys(request, first, end),
+            group_idx=0,
+            session_id=request.session_id,
+        )
+        if self._has_lookahead:
+            kwargs["lookahead_token_ids"] = None
+        event = self._ev.BlockStored(**kwargs)
+        event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = self._spec
+        return event

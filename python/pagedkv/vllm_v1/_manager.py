@@ -1,0 +1,395 @@
+"""``KVCacheManager``: vLLM v1's KV cache manager API on pagedkv's native core.
+
+Constructed with vLLM's own arguments. In scope (see :mod:`pagedkv.vllm_v1._scope`) it is the
+native manager; out of scope ``KVCacheManager(...)`` returns vLLM's own manager instead and
+logs why, once per reason. What the scheduler, connectors and tests read back behaves as vLLM's:
+``KVCacheBlocks`` (a subclass, answering ``get_block_ids`` from ids), blocks with ``block_id``,
+``ref_cnt``, ``block_hash``, the same block ids in the same order, the same KV events and
+prefix-cache stats. The manager crosses into Rust once per call, never per block.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from pagedkv.errors import InvalidArgumentError
+
+from . import _blocks, _events, _scope
+from ._version import require_supported_vllm
+
+logger = logging.getLogger("pagedkv.vllm_v1")
+_LOGGED: set = set()
+
+
+def log_once(message: str, *args: Any) -> None:
+    """Log a line once per distinct text (the fallback reasons, which manager runs)."""
+    key = message % args
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info(message, *args)
+
+
+class _PoolView:
+    """What vLLM's scheduler reaches through ``kv_cache_manager.block_pool``."""
+
+    def __init__(self, manager: KVCacheManager) -> None:
+        self._native = manager._native
+        self.num_gpu_blocks = self._native.num_blocks
+        self.enable_caching = manager.enable_caching
+        self.hash_block_size = manager.block_size
+        self.null_block = _blocks.BlockView(self._native, 0)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        self._native.free_blocks(_blocks.block_ids_of(ordered_blocks))
+
+    def get_num_free_blocks(self) -> int:
+        return self._native.num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self._native.usage()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._native.evict_blocks(list(block_ids))
+
+
+class _GroupView:
+    """The one single-type manager vLLM's engine inspects (block size and spec)."""
+
+    def __init__(self, manager: KVCacheManager, spec: Any) -> None:
+        self.kv_cache_spec = spec
+        self.block_size = manager.block_size
+        self.kv_cache_group_id = 0
+        self.enable_caching = manager.enable_caching
+        self.block_pool = manager.block_pool
+
+
+class _CoordinatorView:
+    """What vLLM's scheduler reaches through ``kv_cache_manager.coordinator``."""
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, manager: KVCacheManager, spec: Any) -> None:
+        self._manager = manager
+        self.block_pool = manager.block_pool
+        self.single_type_managers = (_GroupView(manager, spec),)
+        self.eagle_group_ids: set = set()
+        self.num_reprefillable_tokens = 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Tuple[Any, ...],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        ids = _blocks.block_ids_of(new_computed_blocks[0])
+        return self._manager._native.num_blocks_to_allocate(request_id, num_tokens, ids)
+
+
+class KVCacheManager:
+    """vLLM v1's ``KVCacheManager`` (same constructor), native when the config is in scope."""
+
+    def __new__(cls, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
+        release = require_supported_vllm()
+        named = _named_args(args, kwargs)
+        reason = _scope.out_of_scope(kv_cache_config, **named)
+        if reason is None:
+            log_once("pagedkv: native KV cache manager (vLLM %s)", release)
+            return super().__new__(cls)
+        log_once("pagedkv: vLLM's own KV cache manager runs: %s", reason)
+        from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
+
+        return VLLMManager(kv_cache_config, *args, **kwargs)
+
+    def __init__(self, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        a = _named_args(args, kwargs)
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        from pagedkv import _native
+
+        self._PrefixCacheStats = PrefixCacheStats
+        self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.kv_cache_config = kv_cache_config
+        self.max_model_len = a["max_model_len"]
+        self.block_size = a["scheduler_block_size"]
+        self.enable_caching = a["enable_caching"]
+        self.enable_kv_cache_events = a["enable_kv_cache_events"]
+        self.use_eagle = False
+        self.log_stats = a["log_stats"]
+        self.metrics_collector = None
+        self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
+        self.num_kv_cache_groups = 1
+        self.retained_hit_group_ids: Tuple[int, ...] = ()
+        self.mamba_shared_prefix_checkpoint = False
+        watermark = a["watermark"]
+        if watermark < 0:
+            raise InvalidArgumentError("watermark must be non-negative")
+        self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        self._native = _native.V1Manager(
+            kv_cache_config.num_blocks,
+            self.block_size,
+            self.max_model_len,
+            self.enable_caching,
+            self.enable_kv_cache_events,
+            self.watermark_blocks,
+        )
+        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        self._init_metadata(spec)
+        self.block_pool = _PoolView(self)
+        self.coordinator = _CoordinatorView(self, spec)
+        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
+        self._events: List[Any] = []
+        on_events = self._drain_events if self._builder is not None else None
+        self._native.bind_vllm(
+            self.empty_kv_cache_blocks, self._Blocks, *self._admitting, on_events
+        )
+        # The scheduler's hottest call goes straight to Rust (same signature and result as
+        # the method below, which stays for class-level access).
+        self.allocate_slots = self._native.vllm_allocate_slots
+
+    def _init_metadata(self, spec: Any) -> None:
+        from vllm.v1.kv_cache_interface import (
+            get_kv_cache_spec_kind,
+            get_kv_cache_spec_sliding_window,
+        )
+
+        kind = get_kv_cache_spec_kind(spec).value
+        window = get_kv_cache_spec_sliding_window(spec)
+        self.kv_cache_event_metadata = ((kind, window),)
+        self._builder = (
+            _events.EventBuilder(self.block_size, kind, window)
+            if self.enable_kv_cache_events
+            else None
+        )
+
+    # --- stats -------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self._native.usage()
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # --- the scheduler's calls ---------------------------------------------------------------
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> Tuple[Any, int, int]:
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        if max_cache_hit_length < 0:
+            raise InvalidArgumentError("max_cache_hit_length must be non-negative")
+        ids = self._native.longest_cache_hit(
+            request.block_hashes, max_cache_hit_length // self.block_size
+        )
+        if (
+            ids
+            and self._builder is not None
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            self._events.append(self._builder.stored(request, 0, len(ids)))
+        return self._wrap(ids), len(ids) * self.block_size, 0
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> Tuple[Any, int, int, bool]:
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
+        """vLLM's ``allocate_slots`` (same arguments and result), in Rust: the new blocks as
+        ``KVCacheBlocks`` (vLLM's shared empty one when none is new), ``None`` when they do not
+        fit. Connector (external) and encoder tokens are outside the scope: 0 or an error."""
+        return self._native.vllm_allocate_slots(request, num_new_tokens, *args, **kwargs)
+
+    def _computed_ids(self, blocks: Any) -> Optional[List[int]]:
+        """The adopted hit's ids; ``None`` for vLLM's shared empty ``KVCacheBlocks``."""
+        if blocks is None or blocks is self.empty_kv_cache_blocks:
+            return None
+        if isinstance(blocks, self._Blocks):
+            return blocks._ids
+        groups = blocks.blocks
+        if groups is self.empty_kv_cache_blocks.blocks:
+            return None
+        return _blocks.block_ids_of(groups[0])
+
+    def _wrap(self, ids: List[int]) -> Any:
+        return self._Blocks(ids) if ids else self.empty_kv_cache_blocks
+
+    def _drain_events(self, request: Any = None) -> None:
+        if self._builder is not None:
+            native = self._native.take_events()
+            if native:
+                self._events.extend(self._builder.build(native, request))
+
+    def free(self, request: Any) -> None:
+        self._native.free(request.request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: Any = None
+    ) -> None:
+        """Full attention skips no tokens: nothing to remove."""
+
+    def pop_blocks_for_free(self, request: Any) -> List[_blocks.BlockView]:
+        native = self._native
+        return [
+            _blocks.BlockView(native, b) for b in native.pop_blocks_for_free(request.request_id)
+        ]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._native.evict_blocks(list(block_ids))
+        self._drain_events()
+
+    def reset_prefix_cache(self) -> bool:
+        if not self._native.reset_prefix_cache():
+            logger.warning(
+                "Failed to reset prefix cache because some blocks (%d) are not freed yet",
+                self._native.num_blocks - self._native.num_free_blocks() - 1,
+            )
+            return False
+        self._drain_events()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> List[int]:
+        return [0]
+
+    def take_events(self) -> List[Any]:
+        events, self._events = self._events, []
+        return events
+
+    def get_blocks(self, request_id: str) -> Any:
+        return self._wrap(self._native.block_ids(request_id))
+
+    def get_block_ids(self, request_id: str) -> Tuple[List[int], ...]:
+        return (self._native.block_ids(request_id),)
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Tuple[List[int], ...]:
+        ids = self._native.block_ids(request_id)
+        return (ids[: -(-num_computed_tokens // self.block_size)],)
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        return self._native.estimate_cached_tokens(request.request_id)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self._native.cache_blocks(request.request_id, num_computed_tokens, request.block_hashes)
+            self._drain_events(request)
+
+    def create_kv_cache_blocks(self, blocks: Tuple[Any, ...]) -> Any:
+        return (
+            self._wrap(_blocks.block_ids_of(blocks[0]))
+            if any(blocks)
+            else self.empty_kv_cache_blocks
+        )
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        if num_computed_tokens % self.block_size:
+            raise InvalidArgumentError("num_computed_tokens must be block-aligned")
+        ids = self._computed_ids(blocks) or []
+        n = num_computed_tokens // self.block_size
+        if n > len(ids):
+            raise InvalidArgumentError("cannot truncate past the hit")
+        return self._wrap(ids[:n])
+
+    # --- features outside the scope: nothing to hand out ------------------------------------
+    def take_new_block_ids(self) -> List[int]:
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No zeroing in scope (no Mamba, uniform precision)."""
+
+    def take_kv_cache_block_copies(self) -> Tuple[List[Any], List[Any]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> Dict[str, List[Tuple[int, int, int]]]:
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> List[Tuple[int, int, int]]:
+        return []
+
+    def new_step_starts(self) -> None:
+        """Nothing per step for full attention."""
+
+
+_PARAMS = (
+    "max_model_len",
+    "scheduler_block_size",
+    "hash_block_size",
+    "max_in_flight_tokens",
+    "enable_caching",
+    "use_eagle",
+    "num_hash_lookahead_tokens",
+    "num_prefill_lookahead",
+    "log_stats",
+    "enable_kv_cache_events",
+    "dcp_world_size",
+    "pcp_world_size",
+    "metrics_collector",
+    "watermark",
+    "enable_mamba_shared_prefix_checkpoint",
+)
+_DEFAULTS = dict(
+    max_in_flight_tokens=None,
+    enable_caching=True,
+    use_eagle=False,
+    num_hash_lookahead_tokens=0,
+    num_prefill_lookahead=0,
+    log_stats=False,
+    enable_kv_cache_events=False,
+    dcp_world_size=1,
+    pcp_world_size=1,
+    metrics_collector=None,
+    watermark=0.0,
+    enable_mamba_shared_prefix_checkpoint=False,
+)
+
+
+def _named_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """vLLM's constructor arguments (after ``kv_cache_config``) by name, defaults filled in.
+
+    vLLM 0.32 has no ``num_hash_lookahead_tokens``; its positional order is 0.33's without it.
+    """
+    names = _PARAMS
+    if require_supported_vllm() == "0.32.0":
+        names = tuple(n for n in _PARAMS if n != "num_hash_lookahead_tokens")
+    if len(args) > len(names):
+        raise InvalidArgumentError("too many positional arguments for KVCacheManager")
+    named = dict(_DEFAULTS)
+    named.update(zip(names, args))
+    unknown = set(kwargs) - set(_PARAMS)
+    if unknown:
+        raise InvalidArgumentError(f"unexpected KVCacheManager arguments: {sorted(unknown)}")
+    named.update(kwargs)
+    for required in ("max_model_len", "scheduler_block_size", "hash_block_size"):
+        if required not in named:
+            raise InvalidArgumentError(f"KVCacheManager needs {required}")
+    return named

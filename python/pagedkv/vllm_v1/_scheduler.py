@@ -1,0 +1,84 @@
+"""``Scheduler`` and ``AsyncScheduler``: vLLM's own v1 schedulers over pagedkv's KV manager.
+
+Each subclasses vLLM's class and changes one thing: after vLLM's constructor has run, the
+scheduler's ``kv_cache_manager`` is pagedkv's native one, built from the same arguments, when
+the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; also: no KV connector). Out of
+scope vLLM's manager stays and a log line says why. The choice is made once, at construction.
+
+``Scheduler`` is the class to name (``--scheduler-cls pagedkv.vllm_v1.Scheduler``): when vLLM
+runs with async scheduling (its default where the executor supports it), constructing it gives
+an ``AsyncScheduler``, the variant vLLM itself would have built, so turning pagedkv on never
+turns async scheduling off.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VLLMAsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler as _VLLMScheduler
+
+from ._manager import KVCacheManager, log_once
+
+
+def _manager_args(sched: Any, vllm_config: Any) -> Dict[str, Any]:
+    """The arguments vLLM's scheduler gave its own manager (vLLM 0.32 and 0.33 alike)."""
+    args = dict(
+        max_model_len=sched.max_model_len,
+        max_in_flight_tokens=vllm_config.max_in_flight_tokens,
+        enable_caching=sched.cache_config.enable_prefix_caching,
+        use_eagle=sched.use_eagle_block_drop,
+        num_prefill_lookahead=sched.num_prefill_lookahead,
+        log_stats=sched.log_stats,
+        enable_kv_cache_events=sched.enable_kv_cache_events,
+        dcp_world_size=sched.dcp_world_size,
+        pcp_world_size=1,
+        scheduler_block_size=sched.block_size,
+        hash_block_size=sched.hash_block_size,
+        metrics_collector=sched.kv_metrics_collector,
+        watermark=sched.scheduler_config.watermark,
+        enable_mamba_shared_prefix_checkpoint=(
+            sched.cache_config.enable_mamba_shared_prefix_checkpoint
+        ),
+    )
+    lookahead = getattr(sched, "num_hash_lookahead_tokens", 0)
+    if lookahead:
+        args["num_hash_lookahead_tokens"] = lookahead
+    return args
+
+
+def install_native_manager(sched: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """Give ``sched`` pagedkv's manager when in scope (else keep vLLM's and log why)."""
+    if sched.connector is not None:
+        log_once("pagedkv: vLLM's own KV cache manager runs: a KV connector is configured")
+        return
+    manager = KVCacheManager(kv_cache_config, **_manager_args(sched, vllm_config))
+    if isinstance(manager, KVCacheManager):
+        sched.kv_cache_manager = manager
+
+
+class AsyncScheduler(_VLLMAsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager."""
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        install_native_manager(self, vllm_config, kv_cache_config)
+
+
+class Scheduler(_VLLMScheduler):
+    """vLLM's ``Scheduler`` with pagedkv's KV cache manager; an ``AsyncScheduler`` when vLLM
+    runs with async scheduling."""
+
+    def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if cls is Scheduler and _async_scheduling(vllm_config):
+            return AsyncScheduler(vllm_config, *args, **kwargs)
+        return super().__new__(cls)
+
+    def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
+        super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
+        install_native_manager(self, vllm_config, kv_cache_config)
+
+
+def _async_scheduling(vllm_config: Any) -> bool:
+    sched_config = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(sched_config, "async_scheduling", False))

@@ -1,0 +1,439 @@
+//! vLLM v1's KV cache manager for one full-attention group, on [`Pool`].
+//!
+//! This is the whole path vLLM runs through `KVCacheManager` -> `UnitaryKVCacheCoordinator` /
+//! `KVCacheCoordinatorNoPrefixCache` -> `FullAttentionManager` -> `BlockPool` when the cache has
+//! one full-attention group, no KV connector, no EAGLE and no context parallelism (the scope
+//! `pagedkv.vllm_v1` checks before it builds this). In that scope vLLM's sliding-window
+//! removal, partial-hit copy-on-write, external (connector) blocks and block zeroing are all
+//! inactive, and the hash block size equals the block size.
+//!
+//! Per request: its block table (block ids, allocation order) and, once any of its blocks was
+//! cached or adopted from the cache, the number of its leading blocks already cached (vLLM's
+//! `num_cached_block`; absent means "not tracked", which decides how a first allocation counts
+//! prefix hits).
+//!
+//! `allocate_slots` is planned first (every check, every hash read) and applied after, so a
+//! call that fails changes nothing.
+
+use std::collections::HashMap;
+
+use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
+use crate::error::{Error, Result};
+
+/// A request's block hashes, read on demand (`request.block_hashes` in vLLM).
+pub trait HashSource {
+    fn len(&self) -> usize;
+    fn key(&mut self, i: usize) -> Result<HashKey>;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl HashSource for &[HashKey] {
+    fn len(&self) -> usize {
+        <[HashKey]>::len(self)
+    }
+    fn key(&mut self, i: usize) -> Result<HashKey> {
+        Ok(self[i])
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    pub num_blocks: u32,
+    pub block_size: u32,
+    pub max_model_len: u64,
+    pub enable_caching: bool,
+    pub enable_events: bool,
+    /// `int(watermark * num_blocks)`, as vLLM computes it.
+    pub watermark_blocks: u64,
+}
+
+/// One `allocate_slots` call's arguments (vLLM's names), the request's fields included.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SlotRequest<'a> {
+    pub num_computed_tokens: u64,
+    pub num_tokens: u64,
+    /// `request.status` is WAITING or PREEMPTED (the watermark applies to those).
+    pub waiting_or_preempted: bool,
+    pub num_new_tokens: u64,
+    pub num_new_computed_tokens: u64,
+    /// The prefix-cache hit to adopt; `None` is vLLM's shared empty `KVCacheBlocks`.
+    pub new_computed: Option<&'a [u32]>,
+    pub num_lookahead_tokens: u64,
+    pub delay_cache_blocks: bool,
+    pub full_sequence_must_fit: bool,
+    pub reserved_blocks: u64,
+    pub has_scheduled_reqs: bool,
+}
+
+#[derive(Clone, Debug, Default)]
+struct ReqBlocks {
+    blocks: Vec<u32>,
+    num_cached: Option<u32>,
+}
+
+/// What an accepted `allocate_slots` will do, computed before anything changes.
+struct Plan {
+    adopt: bool,
+    need_slots: u64,
+    cache_upto: Option<u64>,
+    cache_first: u32,
+}
+
+#[derive(Clone, Debug)]
+pub struct Manager {
+    pool: Pool,
+    cfg: Config,
+    reqs: HashMap<Box<str>, ReqBlocks>,
+    keys: Vec<HashKey>,
+}
+
+fn cdiv(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+impl Manager {
+    pub fn new(cfg: Config) -> Result<Self> {
+        if cfg.block_size == 0 {
+            return Err(Error::invalid("block_size must be positive"));
+        }
+        Ok(Manager {
+            pool: Pool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_events)?,
+            cfg,
+            reqs: HashMap::new(),
+            keys: Vec::new(),
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.cfg
+    }
+
+    /// The request's blocks (empty for an unknown request).
+    pub fn blocks(&self, req: &str) -> &[u32] {
+        self.reqs.get(req).map_or(&[], |r| &r.blocks)
+    }
+
+    pub fn num_cached_blocks(&self, req: &str) -> Option<u32> {
+        self.reqs.get(req).and_then(|r| r.num_cached)
+    }
+
+    pub fn num_requests(&self) -> usize {
+        self.reqs.len()
+    }
+
+    /// The longest run of cached blocks from the start, at most `max_blocks` long.
+    pub fn longest_cache_hit(
+        &self,
+        hashes: &mut dyn HashSource,
+        max_blocks: usize,
+    ) -> Result<Vec<u32>> {
+        let mut hit = Vec::new();
+        for i in 0..max_blocks.min(hashes.len()) {
+            match self.pool.get_cached(&hashes.key(i)?) {
+                Some(b) => hit.push(b),
+                None => break,
+            }
+        }
+        Ok(hit)
+    }
+
+    /// vLLM's `get_num_blocks_to_allocate` for this group.
+    pub fn num_blocks_to_allocate(
+        &self,
+        req: &str,
+        num_tokens: u64,
+        new_computed: &[u32],
+    ) -> Result<u64> {
+        let required = cdiv(num_tokens, self.cfg.block_size as u64);
+        let r = self.reqs.get(req);
+        let have = r.map_or(0, |r| r.blocks.len()) as u64;
+        if r.is_some_and(|r| r.num_cached.is_some()) {
+            if !new_computed.is_empty() {
+                return Err(Error::invalid(format!(
+                    "request {req} is running: it cannot adopt prefix-cache blocks"
+                )));
+            }
+            return Ok(required.saturating_sub(have));
+        }
+        let local = new_computed.len() as u64 + have;
+        let evictable = new_computed
+            .iter()
+            .filter(|&&b| self.pool.is_evictable(b))
+            .count() as u64;
+        Ok(required.saturating_sub(local) + evictable)
+    }
+
+    /// vLLM's `allocate_slots`: `Ok(None)` when the blocks do not fit (nothing changes),
+    /// else the newly allocated block ids. Caches the request's newly full blocks.
+    pub fn allocate_slots(
+        &mut self,
+        req: &str,
+        a: &SlotRequest,
+        hashes: &mut dyn HashSource,
+    ) -> Result<Option<Vec<u32>>> {
+        let Some(plan) = self.plan(req, a)? else {
+            return Ok(None);
+        };
+        self.read_cache_keys(&plan, hashes)?;
+        Ok(Some(self.apply(req, a, &plan)))
+    }
+
+    fn check_args(&self, req: &str, a: &SlotRequest) -> Result<()> {
+        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
+            return Err(Error::invalid(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        let bs = self.cfg.block_size as u64;
+        if let Some(nc) = a.new_computed {
+            if !nc.is_empty() && a.num_new_computed_tokens != nc.len() as u64 * bs {
+                return Err(Error::invalid(format!(
+                    "num_new_computed_tokens ({}) must cover the {} adopted blocks exactly",
+                    a.num_new_computed_tokens,
+                    nc.len()
+                )));
+            }
+            for &b in nc {
+                self.pool.check_block(b as i64)?;
+                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none())
+                {
+                    return Err(Error::invalid(format!("block {b} is not a cached block")));
+                }
+            }
+            let r = self.reqs.get(req);
+            let tracked = r.is_some_and(|r| r.num_cached.is_some());
+            if !tracked && r.is_some_and(|r| !r.blocks.is_empty()) {
+                return Err(Error::invalid(format!(
+                    "request {req} holds blocks: it cannot adopt prefix-cache blocks"
+                )));
+            }
+            if !self.cfg.enable_caching && !nc.is_empty() {
+                return Err(Error::invalid("computed blocks without prefix caching"));
+            }
+        }
+        Ok(())
+    }
+
+    fn plan(&self, req: &str, a: &SlotRequest) -> Result<Option<Plan>> {
+        self.check_args(req, a)?;
+        let new_computed = a.new_computed.unwrap_or(&[]);
+        let local = a.num_computed_tokens + a.num_new_computed_tokens;
+        let total = local.min(self.cfg.max_model_len);
+        let watermark = if a.has_scheduled_reqs && a.waiting_or_preempted {
+            self.cfg.watermark_blocks
+        } else {
+            0
+        };
+        let free = self.pool.num_free() as u64;
+        if a.full_sequence_must_fit {
+            let full = a.num_tokens.min(self.cfg.max_model_len);
+            if self.num_blocks_to_allocate(req, full, new_computed)? + watermark > free {
+                return Ok(None);
+            }
+        }
+        let need_slots =
+            (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
+        let needed = self.num_blocks_to_allocate(req, need_slots, new_computed)?;
+        // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
+        if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
+            return Ok(None);
+        }
+        let r = self.reqs.get(req);
+        let tracked = r.and_then(|r| r.num_cached);
+        let adopt = a.new_computed.is_some() && tracked.is_none();
+        let cache_first = match (tracked, adopt) {
+            (Some(c), _) => c,
+            (None, true) => new_computed.len() as u32,
+            (None, false) => 0,
+        };
+        let cache_upto = (self.cfg.enable_caching && !a.delay_cache_blocks)
+            .then(|| (total + a.num_new_tokens).min(a.num_tokens));
+        Ok(Some(Plan {
+            adopt,
+            need_slots,
+            cache_upto,
+            cache_first,
+        }))
+    }
+
+    /// Read the hashes of the blocks the call will cache into `self.keys` (may fail; nothing
+    /// has changed yet).
+    fn read_cache_keys(&mut self, plan: &Plan, hashes: &mut dyn HashSource) -> Result<()> {
+        self.keys.clear();
+        let Some(upto) = plan.cache_upto else {
+            return Ok(());
+        };
+        let bs = self.cfg.block_size as u64;
+        let num_full = (upto.min(hashes.len() as u64 * bs) / bs) as usize;
+        for i in plan.cache_first as usize..num_full {
+            let k = hashes.key(i)?;
+            self.keys.push(k);
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, req: &str, a: &SlotRequest, plan: &Plan) -> Vec<u32> {
+        if !self.reqs.contains_key(req) {
+            self.reqs.insert(req.into(), ReqBlocks::default());
+        }
+        let r = self.reqs.get_mut(req).expect("inserted above");
+        if plan.adopt {
+            let nc = a.new_computed.unwrap_or(&[]);
+            self.pool.touch(nc);
+            r.blocks.extend_from_slice(nc);
+            r.num_cached = Some(r.blocks.len() as u32);
+        }
+        let required = cdiv(plan.need_slots, self.cfg.block_size as u64) as usize;
+        let n_new = required.saturating_sub(r.blocks.len());
+        let start = r.blocks.len();
+        self.pool
+            .get_new_blocks(n_new, &mut r.blocks)
+            .expect("planned allocation fits");
+        let new = r.blocks[start..].to_vec();
+        if plan.cache_upto.is_some() {
+            Self::cache_new_full(
+                &mut self.pool,
+                self.cfg.block_size,
+                r,
+                plan.cache_first,
+                &self.keys,
+            );
+        }
+        new
+    }
+
+    /// Cache blocks `first..first + keys.len()` of `r` (vLLM's `cache_full_blocks`).
+    fn cache_new_full(pool: &mut Pool, bs: u32, r: &mut ReqBlocks, first: u32, keys: &[HashKey]) {
+        if keys.is_empty() {
+            return;
+        }
+        for (i, k) in keys.iter().enumerate() {
+            let idx = first + i as u32;
+            let b = r.blocks[idx as usize];
+            // A newly full block was handed out uncached (get_new_blocks evicts) and is past
+            // the request's cached prefix, so it has no hash yet: this cannot fail.
+            pool.insert_hash(b, *k, (idx + 1) * bs)
+                .expect("a newly full block has no hash yet");
+        }
+        let end = first + keys.len() as u32;
+        pool.push_event(Event::Stored { first, end });
+        r.num_cached = Some(end);
+    }
+
+    /// vLLM's `cache_blocks(request, num_computed_tokens)` (a no-op with caching off).
+    pub fn cache_blocks(
+        &mut self,
+        req: &str,
+        num_tokens: u64,
+        hashes: &mut dyn HashSource,
+    ) -> Result<()> {
+        if !self.cfg.enable_caching {
+            return Ok(());
+        }
+        let first = self.num_cached_blocks(req).unwrap_or(0);
+        let plan = Plan {
+            adopt: false,
+            need_slots: 0,
+            cache_upto: Some(num_tokens),
+            cache_first: first,
+        };
+        self.read_cache_keys(&plan, hashes)?;
+        if self.keys.is_empty() {
+            return Ok(());
+        }
+        let Some(r) = self.reqs.get_mut(req) else {
+            return Err(Error::invalid(format!(
+                "request {req} holds no blocks to cache"
+            )));
+        };
+        if first as usize + self.keys.len() > r.blocks.len() {
+            return Err(Error::invalid(format!(
+                "request {req} has {} blocks, fewer than the {} full ones to cache",
+                r.blocks.len(),
+                first as usize + self.keys.len()
+            )));
+        }
+        Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, first, &self.keys);
+        Ok(())
+    }
+
+    /// vLLM's `estimate_cached_tokens`: the most tokens any of the request's blocks' hashes
+    /// covers.
+    pub fn estimate_cached_tokens(&self, req: &str) -> u32 {
+        self.blocks(req)
+            .iter()
+            .filter_map(|&b| self.pool.hashed_tokens(b))
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Forget the request and hand back its blocks (allocation order), without freeing them.
+    pub fn pop_blocks_for_free(&mut self, req: &str) -> Vec<u32> {
+        self.reqs.remove(req).map(|r| r.blocks).unwrap_or_default()
+    }
+
+    /// vLLM's `free(request)`: the blocks go back tail first.
+    pub fn free(&mut self, req: &str) -> Result<()> {
+        let blocks = self.pop_blocks_for_free(req);
+        self.pool.free_blocks(blocks.iter().rev().copied())
+    }
+
+    /// vLLM's `evict_blocks(ids)`: drop each block's cached hash (in use or not).
+    pub fn evict_blocks(&mut self, ids: &[i64]) -> Result<()> {
+        for &b in ids {
+            self.pool.check_block(b)?;
+        }
+        for &b in ids {
+            self.pool.evict(b as u32);
+        }
+        Ok(())
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Heap bytes held (memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        let per_req: usize = self
+            .reqs
+            .iter()
+            .map(|(k, r)| k.len() + r.blocks.capacity() * 4)
+            .sum();
+        self.pool.heap_bytes()
+            + per_req
+            + self.reqs.capacity() * (std::mem::size_of::<(Box<str>, ReqBlocks)>() + 1)
+    }
+
+    /// Every invariant, tests only: the pool's, and each block's ref count equals the number
+    /// of tables holding it plus `extra(b)` (references held outside, e.g. deferred frees).
+    pub fn check(&self, extra: impl Fn(u32) -> u32) -> std::result::Result<(), String> {
+        self.pool.check()?;
+        let mut holders = vec![0u32; self.pool.num_blocks() as usize];
+        for r in self.reqs.values() {
+            for &b in &r.blocks {
+                holders[b as usize] += 1;
+            }
+        }
+        for b in 1..self.pool.num_blocks() {
+            let want = holders[b as usize] + extra(b);
+            if self.pool.ref_cnt(b) != want {
+                return Err(format!(
+                    "block {b}: ref {} but {want} holders",
+                    self.pool.ref_cnt(b)
+                ));
+            }
+        }
+        Ok(())
+    }
+}

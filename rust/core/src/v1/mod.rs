@@ -1,0 +1,17 @@
+//! vLLM v1 (0.32, 0.33) KV-cache semantics, separate from the 0.4.2-era [`crate::manager`]:
+//! v1 has no swap, a deterministic free-block order (block ids are part of what vLLM's model
+//! runner and KV-event consumers see), and caches by the hashes vLLM computes itself.
+//!
+//! * [`free_queue`]: the free-block queue (intrusive doubly linked list, vLLM's order);
+//! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
+//! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group.
+
+pub mod free_queue;
+pub mod manager;
+pub mod pool;
+
+#[cfg(test)]
+mod tests;
+
+pub use manager::{Config, HashSource, Manager, SlotRequest};
+pub use pool::{Event, HashKey, Pool, NULL_BLOCK};

@@ -1,0 +1,436 @@
+//! vLLM v1's block pool: ref counts, the free-block queue and the prefix-cache map.
+//!
+//! Semantics are vLLM v1's `BlockPool` (0.32 and 0.33 agree on everything below):
+//! * Block 0 is the *null block*: taken out of the queue at construction, never handed out,
+//!   never freed, its ref count not kept.
+//! * `get_new_blocks(n)` pops the queue's head `n` times; a popped block that still holds a
+//!   cached hash is evicted from the map first (a `Removed` event), then gets ref count 1.
+//! * `free_blocks(order)` drops one reference per listed block; blocks that reach 0 rejoin the
+//!   queue: uncached ones (or all, with caching off) at the head, in list order (reused first,
+//!   for locality), cached ones at the tail, in list order (LRU eviction).
+//! * `touch(blocks)` adds a reference, taking an evictable block (ref count 0) out of the queue.
+//! * The map sends a hash to the blocks cached under it, in insertion order; a lookup returns
+//!   the first. Identical blocks are not de-duplicated (block tables stay append-only).
+//!
+//! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
+//! `Some(k)` iff the map lists `b` under `k`.
+//!
+//! Costs: every operation O(1) per block touched; 4 B (ref count) + 33 B (hash slot) + 4 B (hashed
+//! tokens) + 8 B (queue links) per block, plus one map entry per cached block.
+
+use std::collections::HashMap;
+
+use super::free_queue::FreeQueue;
+use crate::error::{Error, Result};
+
+/// The null block's id.
+pub const NULL_BLOCK: u32 = 0;
+
+/// A vLLM block hash (the bytes of `request.block_hashes[i]`), stored inline. Every hash
+/// function vLLM offers yields at most 32 bytes (SHA-256; xxh3-128 gives 16).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
+pub struct HashKey {
+    len: u8,
+    bytes: [u8; 32],
+}
+
+impl HashKey {
+    pub const MAX_LEN: usize = 32;
+
+    pub fn new(b: &[u8]) -> Result<Self> {
+        if b.is_empty() || b.len() > Self::MAX_LEN {
+            return Err(Error::invalid(format!(
+                "a block hash must be 1 to {} bytes, got {}",
+                Self::MAX_LEN,
+                b.len()
+            )));
+        }
+        let mut bytes = [0u8; 32];
+        bytes[..b.len()].copy_from_slice(b);
+        Ok(HashKey {
+            len: b.len() as u8,
+            bytes,
+        })
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+}
+
+/// What the pool (and the manager on top of it) did, in order, for KV cache events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Event {
+    /// Blocks `first..end` of the request at hand were cached (one `BlockStored`).
+    Stored { first: u32, end: u32 },
+    /// A cached hash left the map (one `BlockRemoved`).
+    Removed(HashKey),
+    /// `reset_prefix_cache` succeeded (`AllBlocksCleared`).
+    Cleared,
+}
+
+/// The blocks cached under one hash, in insertion order.
+#[derive(Clone, Debug)]
+enum Holders {
+    One(u32),
+    Many(Vec<u32>),
+}
+
+impl Holders {
+    fn first(&self) -> u32 {
+        match self {
+            Holders::One(b) => *b,
+            Holders::Many(v) => v[0],
+        }
+    }
+
+    fn contains(&self, b: u32) -> bool {
+        match self {
+            Holders::One(x) => *x == b,
+            Holders::Many(v) => v.contains(&b),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Pool {
+    ref_cnt: Vec<u32>,
+    hash: Vec<Option<HashKey>>,
+    /// Tokens covered by a cached block's hash (its position in the caching request + 1, in
+    /// tokens); 0 while uncached.
+    hashed_tokens: Vec<u32>,
+    queue: FreeQueue,
+    cached: HashMap<HashKey, Holders>,
+    caching: bool,
+    events: Option<Vec<Event>>,
+    /// Scratch lists of `free_blocks` (kept to avoid allocating per call).
+    to_head: Vec<u32>,
+    to_tail: Vec<u32>,
+}
+
+impl Pool {
+    pub fn new(num_blocks: u32, caching: bool, events: bool) -> Result<Self> {
+        if num_blocks == 0 || num_blocks >= u32::MAX - 2 {
+            return Err(Error::invalid(format!(
+                "num_blocks must be in 1..{}, got {num_blocks}",
+                u32::MAX - 2
+            )));
+        }
+        let mut queue = FreeQueue::new(num_blocks);
+        let null = queue.popleft();
+        debug_assert_eq!(null, Some(NULL_BLOCK));
+        Ok(Pool {
+            ref_cnt: vec![0; num_blocks as usize],
+            hash: vec![None; num_blocks as usize],
+            hashed_tokens: vec![0; num_blocks as usize],
+            queue,
+            cached: HashMap::new(),
+            caching,
+            events: events.then(Vec::new),
+            to_head: Vec::new(),
+            to_tail: Vec::new(),
+        })
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.ref_cnt.len() as u32
+    }
+
+    pub fn num_free(&self) -> usize {
+        self.queue.len()
+    }
+
+    pub fn caching(&self) -> bool {
+        self.caching
+    }
+
+    /// vLLM's `get_usage`: the used share of the blocks other than the null block.
+    pub fn usage(&self) -> f64 {
+        let total = self.num_blocks() as usize - 1;
+        if total == 0 {
+            return 0.0;
+        }
+        1.0 - self.num_free() as f64 / total as f64
+    }
+
+    pub fn ref_cnt(&self, b: u32) -> u32 {
+        self.ref_cnt[b as usize]
+    }
+
+    pub fn hash_of(&self, b: u32) -> Option<&HashKey> {
+        self.hash[b as usize].as_ref()
+    }
+
+    /// vLLM's `block_hash_num_tokens` (`None` while the block is not cached).
+    pub fn hashed_tokens(&self, b: u32) -> Option<u32> {
+        self.hash[b as usize].map(|_| self.hashed_tokens[b as usize])
+    }
+
+    pub fn is_free(&self, b: u32) -> bool {
+        self.queue.contains(b)
+    }
+
+    /// The queue from head (next handed out) to tail.
+    pub fn free_queue(&self) -> Vec<u32> {
+        self.queue.to_vec()
+    }
+
+    pub fn num_cached_hashes(&self) -> usize {
+        self.cached.len()
+    }
+
+    /// `Ok` when `b` names a block of this pool.
+    pub fn check_block(&self, b: i64) -> Result<u32> {
+        if b < 0 || b >= self.num_blocks() as i64 {
+            return Err(Error::BlockOutOfRange {
+                block: b,
+                num_blocks: self.num_blocks(),
+            });
+        }
+        Ok(b as u32)
+    }
+
+    /// The first block cached under `key`.
+    pub fn get_cached(&self, key: &HashKey) -> Option<u32> {
+        self.cached.get(key).map(Holders::first)
+    }
+
+    /// Whether `b` holds no reference and no other owner (evictable or plain free).
+    pub fn is_evictable(&self, b: u32) -> bool {
+        b != NULL_BLOCK && self.ref_cnt[b as usize] == 0
+    }
+
+    /// One more reference to each block; evictable ones leave the queue.
+    pub fn touch(&mut self, blocks: &[u32]) {
+        for &b in blocks {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            if self.ref_cnt[b as usize] == 0 {
+                self.queue.remove(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+    }
+
+    /// `n` blocks from the queue's head, appended to `out`, each with ref count 1.
+    pub fn get_new_blocks(&mut self, n: usize, out: &mut Vec<u32>) -> Result<()> {
+        if n > self.num_free() {
+            return Err(Error::OutOfBlocks {
+                device: "gpu",
+                needed: n,
+                free: self.num_free(),
+            });
+        }
+        let start = out.len();
+        self.queue.popleft_n(n, out);
+        for &b in &out[start..] {
+            if self.caching {
+                self.evict(b);
+            }
+            debug_assert_eq!(self.ref_cnt[b as usize], 0);
+            self.ref_cnt[b as usize] = 1;
+        }
+        Ok(())
+    }
+
+    /// Drop one reference per listed block (in eviction-priority order), all or nothing.
+    pub fn free_blocks(&mut self, order: impl Iterator<Item = u32> + Clone) -> Result<()> {
+        self.check_free(order.clone())?;
+        let (mut head, mut tail) = (
+            std::mem::take(&mut self.to_head),
+            std::mem::take(&mut self.to_tail),
+        );
+        for b in order {
+            if b == NULL_BLOCK {
+                continue;
+            }
+            let rc = &mut self.ref_cnt[b as usize];
+            *rc -= 1;
+            if *rc == 0 {
+                if self.hash[b as usize].is_none() || !self.caching {
+                    head.push(b);
+                } else {
+                    tail.push(b);
+                }
+            }
+        }
+        self.queue.prepend_n(&head);
+        self.queue.append_n(&tail);
+        head.clear();
+        tail.clear();
+        (self.to_head, self.to_tail) = (head, tail);
+        Ok(())
+    }
+
+    /// Every listed block is in range and holds as many references as the list drops (a
+    /// trial decrement, undone before returning, so duplicates in one list count).
+    fn check_free(&mut self, order: impl Iterator<Item = u32> + Clone) -> Result<()> {
+        let mut done = 0usize;
+        let mut failed = None;
+        for b in order.clone() {
+            if b as usize >= self.ref_cnt.len() {
+                failed = Some(Error::BlockOutOfRange {
+                    block: b as i64,
+                    num_blocks: self.num_blocks(),
+                });
+                break;
+            }
+            if b != NULL_BLOCK {
+                if self.ref_cnt[b as usize] == 0 {
+                    failed = Some(Error::DoubleFree(b));
+                    break;
+                }
+                self.ref_cnt[b as usize] -= 1;
+            }
+            done += 1;
+        }
+        for b in order.take(done) {
+            if b != NULL_BLOCK {
+                self.ref_cnt[b as usize] += 1;
+            }
+        }
+        failed.map_or(Ok(()), Err)
+    }
+
+    /// Cache `b` under `key`, its hash covering `num_tokens` tokens (vLLM's
+    /// `_insert_block_hash` for a block without a hash).
+    pub fn insert_hash(&mut self, b: u32, key: HashKey, num_tokens: u32) -> Result<()> {
+        match self.hash[b as usize] {
+            Some(k) if k == key => return Ok(()),
+            Some(_) => {
+                return Err(Error::invalid(format!(
+                    "block {b} is already cached under another hash"
+                )))
+            }
+            None => {}
+        }
+        self.hash[b as usize] = Some(key);
+        self.hashed_tokens[b as usize] = num_tokens;
+        match self.cached.get_mut(&key) {
+            None => {
+                self.cached.insert(key, Holders::One(b));
+            }
+            Some(h) if h.contains(b) => {}
+            Some(Holders::One(x)) => {
+                let x = *x;
+                self.cached.insert(key, Holders::Many(vec![x, b]));
+            }
+            Some(Holders::Many(v)) => v.push(b),
+        }
+        Ok(())
+    }
+
+    /// Take `b`'s hash out of the map (vLLM's `_maybe_evict_cached_block`).
+    pub fn evict(&mut self, b: u32) -> bool {
+        let Some(key) = self.hash[b as usize].take() else {
+            return false;
+        };
+        self.hashed_tokens[b as usize] = 0;
+        let popped = self.pop_holder(&key, b);
+        if popped {
+            self.push_event(Event::Removed(key));
+        }
+        popped
+    }
+
+    fn pop_holder(&mut self, key: &HashKey, b: u32) -> bool {
+        let Some(h) = self.cached.get_mut(key) else {
+            return false;
+        };
+        match h {
+            Holders::One(x) if *x == b => {
+                self.cached.remove(key);
+                true
+            }
+            Holders::One(_) => false,
+            Holders::Many(v) => match v.iter().position(|&x| x == b) {
+                None => false,
+                Some(i) => {
+                    v.remove(i);
+                    if v.is_empty() {
+                        self.cached.remove(key);
+                    }
+                    true
+                }
+            },
+        }
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_blocks() as usize - self.num_free() != 1 {
+            return false;
+        }
+        self.cached.clear();
+        self.hash.iter_mut().for_each(|h| *h = None);
+        self.hashed_tokens.iter_mut().for_each(|t| *t = 0);
+        self.push_event(Event::Cleared);
+        true
+    }
+
+    /// Whether events were logged since the last `take_events`.
+    pub fn has_events(&self) -> bool {
+        self.events.as_ref().is_some_and(|e| !e.is_empty())
+    }
+
+    pub fn events_enabled(&self) -> bool {
+        self.events.is_some()
+    }
+
+    pub fn push_event(&mut self, e: Event) {
+        if let Some(ev) = self.events.as_mut() {
+            ev.push(e);
+        }
+    }
+
+    /// The events since the last call, oldest first.
+    pub fn take_events(&mut self) -> Vec<Event> {
+        self.events.as_mut().map(std::mem::take).unwrap_or_default()
+    }
+
+    /// Heap bytes held (memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        let n = self.ref_cnt.capacity();
+        n * (4 + std::mem::size_of::<Option<HashKey>>() + 4 + 8)
+            + self.cached.capacity() * (std::mem::size_of::<(HashKey, Holders)>() + 1)
+    }
+
+    /// Check every invariant (tests).
+    pub fn check(&self) -> std::result::Result<(), String> {
+        let queue = self.queue.to_vec();
+        if queue.len() != self.queue.len() {
+            return Err("queue length disagrees with its links".into());
+        }
+        for b in 1..self.num_blocks() {
+            let free = self.queue.contains(b);
+            if free != (self.ref_cnt[b as usize] == 0) {
+                return Err(format!(
+                    "block {b}: in queue {free}, ref {}",
+                    self.ref_cnt(b)
+                ));
+            }
+            if let Some(k) = &self.hash[b as usize] {
+                if !self.cached.get(k).is_some_and(|h| h.contains(b)) {
+                    return Err(format!("block {b}'s hash is not mapped to it"));
+                }
+            }
+        }
+        if self.queue.contains(NULL_BLOCK) {
+            return Err("the null block is in the free queue".into());
+        }
+        let mapped: usize = self
+            .cached
+            .values()
+            .map(|h| match h {
+                Holders::One(_) => 1,
+                Holders::Many(v) => v.len(),
+            })
+            .sum();
+        let hashed = self.hash.iter().filter(|h| h.is_some()).count();
+        if mapped != hashed {
+            return Err(format!("{mapped} mapped blocks, {hashed} hashed"));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,266 @@
+"""Drives vLLM's own v1 ``KVCacheManager`` and pagedkv's side by side with the same calls.
+
+The managers only *read* requests (the scheduler is what mutates them), so both get the same
+``Request`` objects; this driver plays the scheduler's part: admissions with prefix-cache hits
+and chunked prefill, decode steps with lookahead slots, preemption, finishing (direct and
+deferred frees), connector-style evictions and prefix-cache resets. After every operation it
+compares everything either manager shows: the returned block ids, every live request's table,
+free-block counts, usage, KV events, prefix-cache stats and cached-token estimates.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Dict, List
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+)
+from vllm.v1.request import Request, RequestStatus
+
+from pagedkv.vllm_v1 import KVCacheManager as PagedManager
+
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
+
+
+def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+    )
+
+
+def manager_pair(num_blocks: int, block_size: int, **kw: Any) -> tuple:
+    args = dict(
+        max_model_len=kw.pop("max_model_len", 4096),
+        scheduler_block_size=block_size,
+        hash_block_size=block_size,
+        **kw,
+    )
+    cfg = kv_cache_config(num_blocks, block_size)
+    ours = PagedManager(cfg, **args)
+    assert type(ours) is PagedManager, "expected the native manager in scope"
+    return VLLMManager(kv_cache_config(num_blocks, block_size), **args), ours
+
+
+def event_repr(e: Any) -> tuple:
+    fields = getattr(type(e), "__struct_fields__", ())
+    return (
+        (type(e).__name__,)
+        + tuple((f, repr(getattr(e, f))) for f in fields)
+        + (
+            ("kind", getattr(e, "kv_cache_spec_kind", None)),
+            ("window", getattr(e, "kv_cache_spec_sliding_window", None)),
+        )
+    )
+
+
+def stats_repr(s: Any) -> Any:
+    return None if s is None else repr(vars(s))
+
+
+@dataclass
+class Driver:
+    seed: int
+    num_blocks: int
+    block_size: int
+    caching: bool
+    events: bool
+    hash_algo: str = "sha256"
+    watermark: float = 0.0
+    max_model_len: int = 4096
+    rng: random.Random = field(init=False)
+    live: Dict[str, Request] = field(default_factory=dict)
+    deferred: List[tuple] = field(default_factory=list)
+    counter: int = 0
+    ops: List[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+        hash_fn = get_hash_fn_by_name(self.hash_algo)
+        kv_cache_utils.init_none_hash(hash_fn)
+        self.hasher = kv_cache_utils.get_request_block_hasher(self.block_size, hash_fn)
+        self.vllm, self.ours = manager_pair(
+            self.num_blocks,
+            self.block_size,
+            enable_caching=self.caching,
+            enable_kv_cache_events=self.events,
+            log_stats=True,
+            watermark=self.watermark,
+            max_model_len=self.max_model_len,
+        )
+        self.prefixes = [
+            [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 4 * self.block_size))]
+            for _ in range(3)
+        ]
+
+    # --- operations ------------------------------------------------------------------------
+    def new_request(self) -> Request:
+        self.counter += 1
+        prompt = list(self.rng.choice(self.prefixes)) if self.rng.random() < 0.7 else []
+        prompt += [
+            self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))
+        ]
+        prompt = prompt[: self.max_model_len - 8]
+        return Request(
+            request_id=f"r{self.counter}",
+            prompt_token_ids=prompt,
+            sampling_params=SamplingParams(max_tokens=64),
+            pooling_params=None,
+            cache_salt=self.rng.choice([None, None, None, "tenant-a"]),
+            block_hasher=self.hasher,
+        )
+
+    def both(self, name: str, *args: Any, **kw: Any) -> Any:
+        a = getattr(self.vllm, name)(*args, **kw)
+        b = getattr(self.ours, name)(*args, **kw)
+        return a, b
+
+    def admit(self, req: Request) -> None:
+        (hit_a, n_a, _), (hit_b, n_b, _) = self.both("get_computed_blocks", req)
+        assert hit_a.get_block_ids() == hit_b.get_block_ids(), "prefix-cache hits differ"
+        assert n_a == n_b
+        remaining = req.num_tokens - req.num_computed_tokens - n_a
+        chunk = max(1, min(remaining, self.rng.choice([remaining, self.block_size, 7, 1])))
+        kw = dict(
+            num_new_computed_tokens=n_a,
+            num_lookahead_tokens=self.rng.choice([0, 0, 2]),
+            full_sequence_must_fit=self.rng.random() < 0.2,
+            reserved_blocks=self.rng.choice([0, 0, 0, 1, 3]),
+            has_scheduled_reqs=bool(self.live) or self.rng.random() < 0.3,
+        )
+        a = self.vllm.allocate_slots(req, chunk, new_computed_blocks=hit_a, **kw)
+        b = self.ours.allocate_slots(req, chunk, new_computed_blocks=hit_b, **kw)
+        self.same_result(a, b)
+        if a is not None:
+            for m in (self.vllm, self.ours):
+                m.record_prefix_cache_stats(req, n_a)
+            req.num_computed_tokens += n_a + chunk
+            req.status = RequestStatus.RUNNING
+            self.live[req.request_id] = req
+
+    def step(self, req: Request) -> None:
+        """One scheduled step of a running request: the rest of its prefill or one decode."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= 0:
+            req.append_output_token_ids(self.rng.randrange(50))
+            remaining = 1
+        n = min(remaining, self.rng.choice([remaining, self.block_size, 1]))
+        look = self.rng.choice([0, 0, 1, 3])
+        a, b = self.both("allocate_slots", req, n, num_lookahead_tokens=look)
+        self.same_result(a, b)
+        if a is None:
+            self.preempt(req)
+        else:
+            req.num_computed_tokens += n
+
+    def preempt(self, req: Request) -> None:
+        self.both("free", req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        del self.live[req.request_id]
+        self.waiting.append(req)
+
+    def finish(self, req: Request) -> None:
+        del self.live[req.request_id]
+        if self.rng.random() < 0.3:
+            pa, pb = self.both("pop_blocks_for_free", req)
+            assert [x.block_id for x in pa] == [x.block_id for x in pb]
+            self.deferred.append((pa, pb))
+        else:
+            self.both("free", req)
+
+    def drain_deferred(self) -> None:
+        for pa, pb in self.deferred:
+            self.vllm.block_pool.free_blocks(reversed(pa))
+            self.ours.block_pool.free_blocks(reversed(pb))
+        self.deferred.clear()
+
+    # --- checks ----------------------------------------------------------------------------
+    def same_result(self, a: Any, b: Any) -> None:
+        assert (a is None) == (b is None), f"allocate_slots: vLLM {a!r}, pagedkv {b!r}"
+        if a is not None:
+            assert a.get_block_ids() == b.get_block_ids(), "new blocks differ"
+            assert (a is self.vllm.empty_kv_cache_blocks) == (b is self.ours.empty_kv_cache_blocks)
+
+    def compare(self) -> None:
+        v, o = self.vllm, self.ours
+        assert v.block_pool.get_num_free_blocks() == o.block_pool.get_num_free_blocks()
+        assert v.usage == o.usage
+        for rid, req in self.live.items():
+            assert v.get_block_ids(rid) == o.get_block_ids(rid), f"table of {rid}"
+            assert v.get_blocks(rid).get_block_ids() == o.get_blocks(rid).get_block_ids()
+            assert v.estimate_cached_tokens(req) == o.estimate_cached_tokens(req)
+        ev_a, ev_b = (
+            [event_repr(e) for e in v.take_events()],
+            [event_repr(e) for e in o.take_events()],
+        )
+        assert ev_a == ev_b, f"events differ:\n{ev_a}\n{ev_b}"
+        if self.rng.random() < 0.1:
+            assert stats_repr(v.make_prefix_cache_stats()) == stats_repr(
+                o.make_prefix_cache_stats()
+            )
+
+    def check_views(self) -> None:
+        """Blocks read through ``get_blocks`` show vLLM's ref counts and hashes."""
+        for rid in list(self.live)[:3]:
+            for x, y in zip(
+                self.vllm.get_blocks(rid).blocks[0], self.ours.get_blocks(rid).blocks[0]
+            ):
+                assert (x.block_id, x.ref_cnt, x.block_hash, x.block_hash_num_tokens) == (
+                    y.block_id,
+                    y.ref_cnt,
+                    y.block_hash,
+                    y.block_hash_num_tokens,
+                )
+
+    def run(self, n_ops: int) -> None:
+        self.waiting: List[Request] = []
+        for _ in range(n_ops):
+            self.one_op()
+            self.compare()
+        self.check_views()
+        for req in list(self.live.values()):
+            self.finish(req)
+        self.drain_deferred()
+        self.compare()
+        assert self.vllm.block_pool.get_num_free_blocks() == self.num_blocks - 1
+
+    def one_op(self) -> None:
+        r = self.rng.random()
+        if r < 0.3 or not self.live:
+            if self.waiting and self.rng.random() < 0.5:
+                req = self.waiting.pop(0)
+                self.admit(req)
+                if req.request_id not in self.live:
+                    self.waiting.insert(0, req)
+            else:
+                req = self.new_request()
+                self.admit(req)
+                if req.request_id not in self.live:
+                    self.waiting.append(req)
+        elif r < 0.75:
+            self.step(self.rng.choice(list(self.live.values())))
+        elif r < 0.88:
+            self.finish(self.rng.choice(list(self.live.values())))
+        elif r < 0.93:
+            self.drain_deferred()
+        elif r < 0.97:
+            ids = {self.rng.randrange(self.num_blocks) for _ in range(3)}
+            self.both("evict_blocks", ids)
+        else:
+            a, b = self.both("reset_prefix_cache")
+            assert a == b
