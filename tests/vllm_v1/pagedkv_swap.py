@@ -14,13 +14,21 @@ from __future__ import annotations
 
 import importlib
 import os
+import sys
+import types
 
 import pytest
 
 MANAGER_ENV = "PAGEDKV_V1_MANAGER_UNDER_TEST"
 DEFAULT_MANAGER = "pagedkv.vllm_v1.KVCacheManager"
 
-_state: dict = {"cls": None, "built": 0, "counted": False}
+_state: dict = {
+    "cls": None,
+    "original": None,
+    "own_package": None,
+    "built": 0,
+    "counted": False,
+}
 
 
 def _resolve(dotted: str) -> type:
@@ -43,16 +51,32 @@ def _counting(cls: type) -> bool:
     return True
 
 
+class _SwappedManagerModule(types.ModuleType):
+    """``vllm.v1.core.kv_cache_manager`` with ``KVCacheManager`` read through a property: the
+    manager under test for everyone but the manager's own package, which gets vLLM's class
+    (pagedkv's manager hands an out-of-scope configuration to vLLM's own manager, imported
+    from this module by name at that moment)."""
+
+    @property
+    def KVCacheManager(self) -> type:  # noqa: N802 - the attribute vLLM's module has
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith(_state["own_package"]):
+            return _state["original"]
+        return _state["cls"]
+
+
 def pytest_configure(config: pytest.Config) -> None:
     import vllm.v1.core.kv_cache_manager as manager_module
     import vllm.v1.core.sched.scheduler as scheduler_module
 
     name = os.environ.get(MANAGER_ENV) or DEFAULT_MANAGER
     cls = _resolve(name)
+    _state["original"] = manager_module.KVCacheManager
+    _state["own_package"] = name.rpartition(".")[0] + "."
     _state["counted"] = _counting(cls)
-    manager_module.KVCacheManager = cls
-    scheduler_module.KVCacheManager = cls
     _state["cls"] = cls
+    manager_module.__class__ = _SwappedManagerModule
+    scheduler_module.KVCacheManager = cls  # a module global there: read from its __dict__
 
 
 DESELECT_ENV = "PAGEDKV_DESELECT_FILE"

@@ -137,7 +137,8 @@ def test_the_scheduler_under_test_runs_the_manager_under_test(
             assert sched.manager_kwargs["kv_cache_config"] is sched.kv_cache_config
             assert sched.manager_kwargs["enable_caching"] is True
         else:  # the module's own Scheduler classes (pagedkv.vllm_v1)
-            assert type(sched).__module__ == manager_cls.__module__
+            name = "AsyncScheduler" if async_scheduling else "Scheduler"
+            assert isinstance(sched, getattr(h.scheduler_module(manager_cls), name))
 
 
 @dataclasses.dataclass

@@ -259,9 +259,18 @@ def injected_scheduler_class(base: type, manager_cls: type) -> type:
     return ManagerUnderTestScheduler
 
 
+def scheduler_module(manager_cls: type) -> Any:
+    """Where the manager's own scheduler classes would be: the module the manager under test is
+    named from (``pagedkv.vllm_v1``), else the module that defines the class."""
+    module, _, _ = manager_under_test_name().rpartition(".")
+    if manager_cls is manager_under_test():
+        return importlib.import_module(module)
+    return sys.modules[manager_cls.__module__]
+
+
 def scheduler_class_under_test(manager_cls: type, async_scheduling: bool) -> type:
     """The module's own Scheduler/AsyncScheduler if it has them, else an injecting subclass."""
-    module = sys.modules[manager_cls.__module__]
+    module = scheduler_module(manager_cls)
     name = "AsyncScheduler" if async_scheduling else "Scheduler"
     own = getattr(module, name, None)
     base = AsyncScheduler if async_scheduling else Scheduler
