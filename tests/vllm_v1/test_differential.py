@@ -24,6 +24,16 @@ def test_lockstep(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
     assert stats["steps"] > 0
 
 
+@pytest.mark.parametrize("seed", range(12))
+def test_lockstep_under_vllms_scheduler_class(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The manager alone, built by vLLM's own Scheduler/AsyncScheduler from vLLM's
+    constructor arguments (where its package brings its own scheduler classes too)."""
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls, own_scheduler=False)
+    assert stats["steps"] > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_lockstep_slow(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:

@@ -268,11 +268,14 @@ def scheduler_module(manager_cls: type) -> Any:
     return sys.modules[manager_cls.__module__]
 
 
-def scheduler_class_under_test(manager_cls: type, async_scheduling: bool) -> type:
-    """The module's own Scheduler/AsyncScheduler if it has them, else an injecting subclass."""
+def scheduler_class_under_test(
+    manager_cls: type, async_scheduling: bool, own_scheduler: bool = True
+) -> type:
+    """The module's own Scheduler/AsyncScheduler if it has them (and ``own_scheduler``), else
+    an injecting subclass of vLLM's."""
     module = scheduler_module(manager_cls)
     name = "AsyncScheduler" if async_scheduling else "Scheduler"
-    own = getattr(module, name, None)
+    own = getattr(module, name, None) if own_scheduler else None
     base = AsyncScheduler if async_scheduling else Scheduler
     if isinstance(own, type) and issubclass(own, base):
         return own
@@ -299,7 +302,10 @@ def scheduler_under_test_name() -> str:
 
 
 def make_scheduler(
-    cfg: SchedConfig, model_dir: Path, manager_cls: Optional[type] = None
+    cfg: SchedConfig,
+    model_dir: Path,
+    manager_cls: Optional[type] = None,
+    own_scheduler: bool = True,
 ) -> Scheduler:
     """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``."""
     vllm_config, kv_cache_config = build_vllm_config(cfg, model_dir)
@@ -307,7 +313,7 @@ def make_scheduler(
     cls = (
         base
         if manager_cls is None
-        else scheduler_class_under_test(manager_cls, cfg.async_scheduling)
+        else scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
     )
     sched = cls(
         vllm_config=vllm_config,
@@ -539,12 +545,13 @@ class Lockstep:
         model_dir: Path,
         manager_cls: type,
         max_steps: int = 3000,
+        own_scheduler: bool = True,
     ) -> None:
         self.cfg = cfg
         self.specs = specs
         self.rng = random.Random(seed * 7919 + 1)
         self.ref = make_scheduler(cfg, model_dir)
-        self.test = make_scheduler(cfg, model_dir, manager_cls)
+        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler)
         self.hasher = request_block_hasher(cfg)
         self.max_steps = max_steps
         self.step = 0
@@ -679,9 +686,10 @@ def _ids(requests: Any) -> Any:
     return [getattr(r, "request_id", r) for r in requests]
 
 
-def run_seed(seed: int, model_dir: Path, manager_cls: type) -> dict:
-    """One seeded differential run: a random configuration and workload."""
+def run_seed(seed: int, model_dir: Path, manager_cls: type, own_scheduler: bool = True) -> dict:
+    """One seeded differential run: a random configuration and workload. ``own_scheduler``
+    False: vLLM's scheduler class over the manager even where its package has its own."""
     rng = random.Random(seed)
     cfg = random_config(rng)
     specs = random_workload(rng, cfg)
-    return Lockstep(cfg, specs, seed, model_dir, manager_cls).run()
+    return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
