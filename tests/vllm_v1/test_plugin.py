@@ -15,6 +15,7 @@ from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
 
 import pagedkv.vllm_v1 as pv
 from pagedkv.bench import vllm_v1 as bench
+from pagedkv.bench.harness import EngineConfig
 from pagedkv.bench.workload import W1_QUICK
 from pagedkv.errors import UnsupportedVLLMError
 from pagedkv.vllm_v1 import _manager, plugin
@@ -23,9 +24,11 @@ SMALL = dataclasses.replace(W1_QUICK, num_requests=4, num_gpu_blocks=64, max_num
 
 
 def scheduler(native: bool, **spec) -> object:
+    engine_spec = bench.EngineSpec(**spec)
+    config = EngineConfig.from_workload(SMALL, engine_spec.caching)
     with tempfile.TemporaryDirectory() as d:
-        model = bench.write_model_dir(d, SMALL.prompt_len_max + SMALL.output_len_max)
-        return bench.build_scheduler(bench.EngineSpec(SMALL, **spec), model, native=native)
+        model = bench.write_model_dir(d, config.max_model_len)
+        return bench.build_scheduler(engine_spec, config, model, native)
 
 
 def test_scheduler_gets_the_native_manager() -> None:
