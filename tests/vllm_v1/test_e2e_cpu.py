@@ -3,7 +3,8 @@
 prompts, once with vLLM's own scheduler and once with ``scheduler_cls`` naming the scheduler
 under test (``pagedkv.vllm_v1.Scheduler`` when the manager under test's module has one, else
 v1_harness.InjectingScheduler over the manager under test). The tokens must be identical.
-Throughput of both is recorded (junit properties and the output), never asserted."""
+Throughput of both (after one untimed warm-up batch each) is recorded (junit properties and
+the output), never asserted."""
 
 from __future__ import annotations
 
@@ -68,6 +69,7 @@ def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
         params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
         params.detokenize = False
         batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+        llm.generate(batch[-2:], params, use_tqdm=False)  # warm-up: not timed, not compared
         start = time.perf_counter()
         outs = llm.generate(batch, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
