@@ -19,10 +19,12 @@ BENCHES = ROOT / "benches"
 def _run(argv: list) -> subprocess.CompletedProcess:
     env = dict(
         os.environ,
-        PYTHONPATH=str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""),
         VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"),
         OPENBLAS_NUM_THREADS="1",
     )
+    built = [*(ROOT / "python" / "pagedkv").glob("_native*.so")]  # `maturin develop`
+    if built:
+        env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run(
         [sys.executable, str(BENCHES / argv[0]), *argv[1:]],
         capture_output=True,
