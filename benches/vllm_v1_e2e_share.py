@@ -26,7 +26,12 @@ import time
 from typing import Any, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "python"))
+_CHECKOUT = os.path.join(os.path.dirname(HERE), "python")
+# The checkout's pagedkv when it is built in place (`maturin develop`), else the installed one
+# (tests/test_vllm_v1.py installs this checkout's wheel into the vLLM virtualenvs).
+_BUILT = (".so", ".pyd")
+if any(n.endswith(_BUILT) for n in os.listdir(os.path.join(_CHECKOUT, "pagedkv"))):
+    sys.path.insert(0, _CHECKOUT)
 
 
 def _wrap(obj: Any, name: str, acc: Dict[str, float], key: str) -> None:

@@ -58,18 +58,22 @@ PY
   echo "$stamp" >"$env/.ready"
 }
 
-case "${PAGEDKV_VLLM_ENVS_ONLY:-both}" in
-  0.33) build_033 ;;
-  0.32) build_032 ;;
-  *) build_033; build_032 ;;
-esac
+# Test-only packages that tests/vllm_v1 needs beyond vLLM's requirements: xxhash (vLLM's
+# "xxhash"/"xxhash_cbor" prefix_caching_hash_algo, an optional vLLM dependency) and tblib (vLLM's
+# own tests/conftest.py). Their own stamp: changing this list never rebuilds an environment.
+test_extras() {
+  local env=$1 stamp="xxhash tblib v1"
+  [ -x "$env/bin/pip" ] || return 0
+  if [ "$(cat "$env/.ready-test-extras" 2>/dev/null)" = "$stamp" ]; then return; fi
+  "$env/bin/pip" install --quiet xxhash tblib
+  echo "$stamp" >"$env/.ready-test-extras"
+}
 
-# Packages the tests need beyond vLLM's requirements (the xxhash prefix-caching algorithms).
-for v in 0.33 0.32; do
-  env=$root/vllm-$v
-  [ -f "$env/.ready" ] || continue
-  "$env/bin/python" -c "import xxhash" 2>/dev/null || "$env/bin/pip" install --quiet xxhash
-done
+case "${PAGEDKV_VLLM_ENVS_ONLY:-both}" in
+  0.33) build_033; test_extras "$root/vllm-0.33" ;;
+  0.32) build_032; test_extras "$root/vllm-0.32" ;;
+  *) build_033; build_032; test_extras "$root/vllm-0.33"; test_extras "$root/vllm-0.32" ;;
+esac
 
 if [ $# -ge 1 ]; then
   for v in 0.33 0.32; do

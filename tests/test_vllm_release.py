@@ -79,3 +79,20 @@ def test_unknown_version_and_flavour_are_refused():
         vllm_release.fetch("0.3.0")
     with pytest.raises(ValueError):
         vllm_release.load("0.4.2", "other")
+
+
+def test_fetch_sdist_refuses_unpinned_versions_and_tampered_archives(tmp_path, monkeypatch):
+    """tests/vllm_v1 takes vLLM's own tests from these sdists: only pinned releases, and a
+    cached archive whose sha256 no longer matches the pin is refused (never re-used)."""
+    import pytest
+
+    with pytest.raises(ValueError, match="not pinned"):
+        vllm_release.fetch_sdist("0.0.1")
+    monkeypatch.setenv("PAGEDKV_VLLM_CACHE", str(tmp_path))
+    archive = tmp_path / "0.33.0" / "vllm-0.33.0.tar.gz"
+    archive.parent.mkdir()
+    archive.write_bytes(b"not the release")
+    with pytest.raises(vllm_release.FetchError, match="pinned sha256"):
+        vllm_release.fetch_sdist("0.33.0")
+    with pytest.raises(vllm_release.FetchError, match="pinned sha256"):
+        vllm_release.fetch_file("0.33.0", "vllm/__init__.py")

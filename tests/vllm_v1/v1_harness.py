@@ -1,0 +1,695 @@
+"""Lockstep differential harness: vLLM's v1 scheduler over vLLM's KVCacheManager vs the same
+scheduler over the manager under test, driven by one seeded workload.
+
+Runs inside a vLLM virtualenv (scripts/vllm_envs.sh). The manager under test is a dotted name:
+``$PAGEDKV_V1_MANAGER_UNDER_TEST``, default ``pagedkv.vllm_v1.KVCacheManager``. Set it to
+``vllm.v1.core.kv_cache_manager.KVCacheManager`` to check the harness itself (both sides equal).
+
+How the manager under test gets into vLLM's scheduler: if its module also exports ``Scheduler``
+and ``AsyncScheduler`` (``pagedkv.vllm_v1`` does), those classes are used as they are and the
+harness checks that they really run the manager under test. Otherwise vLLM's own scheduler class
+is subclassed so that its ``__init__`` builds the manager under test, with exactly the keyword
+arguments vLLM passes to its own ``KVCacheManager`` (recorded in ``manager_kwargs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+import os
+import random
+import sys
+import typing
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+from vllm.config import (
+    CacheConfig,
+    KVEventsConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    VllmConfig,
+)
+from vllm.config.cache import PrefixCachingHashAlgo
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched import scheduler as vllm_scheduler_module
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+MANAGER_ENV = "PAGEDKV_V1_MANAGER_UNDER_TEST"
+DEFAULT_MANAGER = "pagedkv.vllm_v1.KVCacheManager"
+VLLM_MANAGER = "vllm.v1.core.kv_cache_manager.KVCacheManager"
+
+HASH_ALGOS: tuple[str, ...] = typing.get_args(PrefixCachingHashAlgo)
+EOS_TOKEN_ID = 2
+VOCAB_SIZE = 512
+FIRST_PROMPT_TOKEN = 3  # 0..2: pad, bos, eos
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": VOCAB_SIZE,
+    "max_position_embeddings": 1024,
+    "rms_norm_eps": 1e-5,
+    "bos_token_id": 1,
+    "eos_token_id": EOS_TOKEN_ID,
+    "tie_word_embeddings": False,
+    "torch_dtype": "float32",
+}
+
+
+class Divergence(AssertionError):
+    """The two schedulers disagreed; the message names the step and the first differing path."""
+
+
+def write_tiny_model(directory: Path) -> Path:
+    """A one-layer Llama ``config.json`` (no weights: ``load_format="dummy"``)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    return directory
+
+
+def resolve(dotted: str) -> Any:
+    module, _, name = dotted.rpartition(".")
+    if not module:
+        raise ValueError(f"{dotted!r} is not a dotted name (module.attribute)")
+    return getattr(importlib.import_module(module), name)
+
+
+def manager_under_test_name() -> str:
+    return os.environ.get(MANAGER_ENV) or DEFAULT_MANAGER
+
+
+def manager_under_test() -> type:
+    return resolve(manager_under_test_name())
+
+
+# --------------------------------------------------------------------------- configuration
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedConfig:
+    """Everything that shapes both schedulers; drawn at random per seed by :func:`random_config`."""
+
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 128
+    max_model_len: int = 256
+    enable_caching: bool = True
+    async_scheduling: bool = False
+    hash_algo: str = "sha256"
+    long_prefill_token_threshold: int = 0
+    watermark: float = 0.0
+    kv_events: bool = True
+    # ngram speculative decoding (synchronous scheduling only): draft slots as lookahead
+    num_spec_tokens: int = 0
+
+
+def random_config(rng: random.Random) -> SchedConfig:
+    block_size = rng.choice((4, 8, 16))
+    max_model_len = 256
+    # From "barely fits one long request" (heavy preemption) to roomy.
+    min_blocks = max_model_len // block_size + 2
+    num_blocks = rng.randint(min_blocks, min_blocks * 2)
+    async_scheduling = rng.random() < 0.4
+    return SchedConfig(
+        block_size=block_size,
+        num_blocks=num_blocks,
+        max_num_seqs=rng.choice((2, 4, 8, 16)),
+        max_num_batched_tokens=rng.choice((64, 128, 512)),
+        max_model_len=max_model_len,
+        enable_caching=rng.random() < 0.75,
+        async_scheduling=async_scheduling,
+        hash_algo=rng.choice(HASH_ALGOS),
+        long_prefill_token_threshold=rng.choice((0, 0, 24)),
+        watermark=rng.choice((0.0, 0.0, 0.05)),
+        kv_events=rng.random() < 0.8,
+        num_spec_tokens=0 if async_scheduling else rng.choice((0, 0, 0, 2, 4)),
+    )
+
+
+_MODEL_CONFIGS: dict[tuple[str, int], ModelConfig] = {}
+
+
+def model_config(model_dir: Path, max_model_len: int) -> ModelConfig:
+    """One ModelConfig per (model, length): building one reads the HF config (slow-ish)."""
+    key = (str(model_dir), max_model_len)
+    if key not in _MODEL_CONFIGS:
+        _MODEL_CONFIGS[key] = ModelConfig(
+            model=str(model_dir),
+            dtype="float32",
+            seed=0,
+            skip_tokenizer_init=True,
+            max_model_len=max_model_len,
+        )
+    return _MODEL_CONFIGS[key]
+
+
+def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
+    """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model."""
+    mc = model_config(model_dir, cfg.max_model_len)
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        enable_chunked_prefill=True,
+        async_scheduling=cfg.async_scheduling,
+        is_encoder_decoder=False,
+        watermark=cfg.watermark,
+    )
+    cache_config = CacheConfig(
+        block_size=cfg.block_size,
+        gpu_memory_utilization=0.9,
+        cache_dtype="auto",
+        enable_prefix_caching=cfg.enable_caching,
+        prefix_caching_hash_algo=cfg.hash_algo,
+    )
+    vllm_config = VllmConfig(
+        model_config=mc,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.kv_events, publisher="null"),
+        speculative_config=SpeculativeConfig(
+            model="ngram", num_speculative_tokens=cfg.num_spec_tokens
+        )
+        if cfg.num_spec_tokens
+        else None,
+    )
+    spec = FullAttentionSpec(
+        block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    kv_cache_config = KVCacheConfig(
+        num_blocks=cfg.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+    cache_config.num_gpu_blocks = cfg.num_blocks
+    register_all_kvcache_specs(vllm_config)
+    return vllm_config, kv_cache_config
+
+
+# --------------------------------------------------------------------------- schedulers
+
+
+class RecordingPublisher:
+    """Stands in for vLLM's KV event publisher: keeps every published batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(batch)
+
+    def take(self) -> list[Any]:
+        out, self.batches = self.batches, []
+        return out
+
+    def shutdown(self) -> None:
+        pass
+
+
+@contextmanager
+def building_manager(manager_cls: type, record: dict) -> Iterator[None]:
+    """While vLLM's Scheduler.__init__ runs, its ``KVCacheManager(...)`` builds ``manager_cls``
+    from the same keyword arguments (kept in ``record``)."""
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("vLLM's scheduler is expected to build its manager by keyword")
+        record.update(kwargs)
+        return manager_cls(**kwargs)
+
+    original = vllm_scheduler_module.KVCacheManager
+    vllm_scheduler_module.KVCacheManager = factory
+    try:
+        yield
+    finally:
+        vllm_scheduler_module.KVCacheManager = original
+
+
+def injected_scheduler_class(base: type, manager_cls: type) -> type:
+    class ManagerUnderTestScheduler(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.manager_kwargs: dict = {}
+            with building_manager(manager_cls, self.manager_kwargs):
+                super().__init__(*args, **kwargs)
+
+    ManagerUnderTestScheduler.__name__ = f"{base.__name__}Over{manager_cls.__name__}"
+    return ManagerUnderTestScheduler
+
+
+def scheduler_module(manager_cls: type) -> Any:
+    """Where the manager's own scheduler classes would be: the module the manager under test is
+    named from (``pagedkv.vllm_v1``), else the module that defines the class."""
+    module, _, _ = manager_under_test_name().rpartition(".")
+    if manager_cls is manager_under_test():
+        return importlib.import_module(module)
+    return sys.modules[manager_cls.__module__]
+
+
+def scheduler_class_under_test(
+    manager_cls: type, async_scheduling: bool, own_scheduler: bool = True
+) -> type:
+    """The module's own Scheduler/AsyncScheduler if it has them (and ``own_scheduler``), else
+    an injecting subclass of vLLM's."""
+    module = scheduler_module(manager_cls)
+    name = "AsyncScheduler" if async_scheduling else "Scheduler"
+    own = getattr(module, name, None) if own_scheduler else None
+    base = AsyncScheduler if async_scheduling else Scheduler
+    if isinstance(own, type) and issubclass(own, base):
+        return own
+    return injected_scheduler_class(base, manager_cls)
+
+
+class InjectingScheduler(Scheduler):
+    """vLLM's Scheduler over :func:`manager_under_test`, importable by name for vLLM's
+    ``scheduler_cls`` (``"v1_harness.InjectingScheduler"``, the e2e test)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.manager_kwargs: dict = {}
+        with building_manager(manager_under_test(), self.manager_kwargs):
+            super().__init__(*args, **kwargs)
+
+
+def scheduler_under_test_name() -> str:
+    """What to give vLLM as ``scheduler_cls``: the manager module's own ``Scheduler`` if it has
+    one (``pagedkv.vllm_v1.Scheduler``), else :class:`InjectingScheduler`."""
+    module = manager_under_test_name().rpartition(".")[0]
+    if isinstance(getattr(importlib.import_module(module), "Scheduler", None), type):
+        return f"{module}.Scheduler"
+    return f"{__name__}.InjectingScheduler"
+
+
+def make_scheduler(
+    cfg: SchedConfig,
+    model_dir: Path,
+    manager_cls: Optional[type] = None,
+    own_scheduler: bool = True,
+) -> Scheduler:
+    """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``."""
+    vllm_config, kv_cache_config = build_vllm_config(cfg, model_dir)
+    base = AsyncScheduler if cfg.async_scheduling else Scheduler
+    cls = (
+        base
+        if manager_cls is None
+        else scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
+    )
+    sched = cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=cfg.block_size,
+        log_stats=True,
+    )
+    if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
+        raise Divergence(
+            f"{cls.__qualname__} runs {type(sched.kv_cache_manager).__qualname__}, "
+            f"not the manager under test {manager_cls.__qualname__}"
+        )
+    sched.kv_event_publisher.shutdown()
+    sched.kv_event_publisher = RecordingPublisher()
+    return sched
+
+
+# --------------------------------------------------------------------------- workload
+
+
+@dataclasses.dataclass(frozen=True)
+class RequestSpec:
+    req_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    ignore_eos: bool
+    arrival_step: int
+    abort_step: Optional[int] = None
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE) for _ in range(n)]
+
+
+def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
+    """Requests over time: shared prefixes, exact repeats, long and short, some aborted."""
+    bs = cfg.block_size
+    prefixes = [_tokens(rng, rng.randint(1, 6 * bs)) for _ in range(3)]
+    specs: list[RequestSpec] = []
+    step = 0
+    for i in range(rng.randint(3, 40)):
+        step += rng.choice((0, 0, 0, 1, 2, 5))
+        if specs and rng.random() < 0.1:
+            prompt = list(rng.choice(specs).prompt)  # an exact repeat: a full hit
+        else:
+            prefix = rng.choice(prefixes) if rng.random() < 0.6 else []
+            prompt = prefix + _tokens(rng, rng.randint(1, 4 * bs))
+        max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
+        prompt = prompt[: cfg.max_model_len - max_tokens]
+        abort = step + rng.randint(0, 12) if rng.random() < 0.15 else None
+        specs.append(
+            RequestSpec(
+                req_id=f"r{i}",
+                prompt=tuple(prompt),
+                max_tokens=max_tokens,
+                ignore_eos=rng.random() < 0.5,
+                arrival_step=step,
+                abort_step=abort,
+            )
+        )
+    return specs
+
+
+def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
+    params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+    params.update_from_generation_config({}, EOS_TOKEN_ID)
+    return Request(
+        request_id=spec.req_id,
+        prompt_token_ids=list(spec.prompt),
+        sampling_params=params,
+        pooling_params=None,
+        arrival_time=float(spec.arrival_step),
+        block_hasher=block_hasher,
+    )
+
+
+def request_block_hasher(cfg: SchedConfig) -> Callable:
+    """What vLLM's EngineCore sets up for the configured ``prefix_caching_hash_algo``."""
+    hash_fn = get_hash_fn_by_name(cfg.hash_algo)
+    init_none_hash(hash_fn)
+    assert kv_cache_utils.NONE_HASH is not None
+    return get_request_block_hasher(cfg.block_size, hash_fn)
+
+
+# --------------------------------------------------------------------------- normalization
+
+_VOLATILE_FIELDS = frozenset(
+    {"timestamp", "ts", "arrival_time", "queued_ts", "scheduled_ts", "first_token_ts"}
+    | {"last_token_ts", "time"}
+)
+
+
+def normalize(obj: Any, _seen: Optional[set] = None) -> Any:
+    """A plain, comparable form: dataclasses, msgspec structs and objects become
+    ``(TypeName, {field: value})``, dicts keep their order, sets are sorted, timestamps dropped,
+    callables become ``"<callable>"``."""
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
+    if isinstance(obj, enum.Enum):
+        return f"{type(obj).__name__}.{obj.name}"
+    seen = _seen if _seen is not None else set()
+    if id(obj) in seen:
+        return "<cycle>"
+    seen.add(id(obj))
+    try:
+        return _normalize_container(obj, seen)
+    finally:
+        seen.discard(id(obj))
+
+
+def _fields_of(obj: Any) -> Optional[list[str]]:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [f.name for f in dataclasses.fields(obj)]
+    struct_fields = getattr(type(obj), "__struct_fields__", None)
+    if struct_fields is not None:
+        return list(struct_fields)
+    if hasattr(obj, "__dict__") and not callable(obj):
+        return list(vars(obj))
+    return None
+
+
+def _normalize_container(obj: Any, seen: set) -> Any:
+    if isinstance(obj, dict):
+        return ("dict", [(normalize(k, seen), normalize(v, seen)) for k, v in obj.items()])
+    if isinstance(obj, (set, frozenset)):
+        return ("set", sorted((normalize(x, seen) for x in obj), key=repr))
+    if isinstance(obj, list):
+        return [normalize(x, seen) for x in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return ("tuple", [normalize(x, seen) for x in obj])
+    if isinstance(obj, torch.Tensor) or type(obj).__module__ == "numpy":
+        return (type(obj).__name__, obj.tolist())
+    if callable(obj) and not dataclasses.is_dataclass(obj):
+        return "<callable>"
+    if isinstance(obj, tuple):  # a NamedTuple
+        return (type(obj).__name__, [normalize(x, seen) for x in obj])
+    names = _fields_of(obj)
+    if names is None:
+        return (type(obj).__name__, repr(obj))
+    return (
+        type(obj).__name__,
+        {n: normalize(getattr(obj, n, None), seen) for n in names if n not in _VOLATILE_FIELDS},
+    )
+
+
+def first_difference(a: Any, b: Any, path: str = "") -> Optional[str]:
+    """The path of the first place where two normalized values differ, with both values."""
+    if _is_node(a) and _is_node(b):
+        if a[0] != b[0]:
+            return f"{path}: {a[0]} != {b[0]}"
+        if a[0] == "dict":
+            return _first_dict_difference(a[1], b[1], path)
+        return first_difference(a[1], b[1], path)
+    if type(a) is not type(b):
+        return f"{path}: {_short(a)} != {_short(b)}"
+    if isinstance(a, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if key not in a or key not in b:
+                return f"{path}.{key}: only on one side"
+            diff = first_difference(a[key], b[key], f"{path}.{key}")
+            if diff:
+                return diff
+        return None
+    if isinstance(a, list):
+        for i, (x, y) in enumerate(zip(a, b)):
+            diff = first_difference(x, y, f"{path}[{i}]")
+            if diff:
+                return diff
+        if len(a) != len(b):
+            return f"{path}: length {len(a)} != {len(b)}: {_short(a)} != {_short(b)}"
+        return None
+    return None if a == b else f"{path}: {_short(a)} != {_short(b)}"
+
+
+def _is_node(x: Any) -> bool:
+    return isinstance(x, tuple) and len(x) == 2 and isinstance(x[0], str)
+
+
+def _first_dict_difference(a: list, b: list, path: str) -> Optional[str]:
+    """Dicts are normalized to their (key, value) pairs in order: keys first, then values."""
+    if [k for k, _ in a] != [k for k, _ in b]:
+        return f"{path}: keys {_short([k for k, _ in a])} != {_short([k for k, _ in b])}"
+    for (key, x), (_, y) in zip(a, b):
+        diff = first_difference(x, y, f"{path}[{key!r}]")
+        if diff:
+            return diff
+    return None
+
+
+def _short(x: Any, limit: int = 400) -> str:
+    text = repr(x)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# --------------------------------------------------------------------------- lockstep driver
+
+
+def model_runner_output(req_ids: list[str], tokens: list[list[int]]) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        req_ids=list(req_ids),
+        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+        sampled_token_ids=[list(t) for t in tokens],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+@dataclasses.dataclass
+class Pending:
+    """One scheduled step of both sides, waiting for its (fabricated) model output."""
+
+    ref_out: Any
+    test_out: Any
+    req_ids: list[str]
+    samples: list[bool]  # False: a prefill chunk, whose sampled token is discarded
+
+
+class Lockstep:
+    """Two schedulers, one workload; :meth:`run` raises :class:`Divergence` at the first
+    difference in anything the scheduler or the engine would see."""
+
+    def __init__(
+        self,
+        cfg: SchedConfig,
+        specs: list[RequestSpec],
+        seed: int,
+        model_dir: Path,
+        manager_cls: type,
+        max_steps: int = 3000,
+        own_scheduler: bool = True,
+    ) -> None:
+        self.cfg = cfg
+        self.specs = specs
+        self.rng = random.Random(seed * 7919 + 1)
+        self.ref = make_scheduler(cfg, model_dir)
+        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler)
+        self.hasher = request_block_hasher(cfg)
+        self.max_steps = max_steps
+        self.step = 0
+        self.pending: deque[Pending] = deque()
+        self.finished: set[str] = set()
+        self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0, "drafts": 0}
+
+    def check(self, what: str, ref: Any, test: Any) -> None:
+        a, b = normalize(ref), normalize(test)
+        if a != b:
+            diff = first_difference(a, b) or "(no path found)"
+            raise Divergence(f"step {self.step}: {what} differs ({self.cfg}):\n  {diff}")
+
+    def run(self) -> dict:
+        while self.step < self.max_steps:
+            if self._done():
+                return self.stats
+            self._arrivals_and_aborts()
+            self._maybe_reset_prefix_cache()
+            self._schedule()
+            self.step += 1
+        raise Divergence(f"workload not finished after {self.max_steps} steps ({self.cfg})")
+
+    def _done(self) -> bool:
+        all_arrived = all(s.arrival_step < self.step for s in self.specs)
+        idle = not self.ref.has_requests() and not self.test.has_requests()
+        return all_arrived and idle and not self.pending
+
+    def _arrivals_and_aborts(self) -> None:
+        for spec in self.specs:
+            if spec.arrival_step == self.step:
+                self.ref.add_request(build_request(spec, self.hasher))
+                self.test.add_request(build_request(spec, self.hasher))
+        aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
+        if aborts:
+            ref = self.ref.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            test = self.test.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
+            self.check("finish_requests", _ids(ref), _ids(test))
+
+    def _maybe_reset_prefix_cache(self) -> None:
+        if self.rng.random() >= 0.01:
+            return
+        preempt_running = self.rng.random() < 0.5
+        self.check(
+            "reset_prefix_cache",
+            self.ref.reset_prefix_cache(preempt_running),
+            self.test.reset_prefix_cache(preempt_running),
+        )
+
+    def _schedule(self) -> None:
+        ref_out, test_out = self.ref.schedule(), self.test.schedule()
+        self.check("SchedulerOutput", ref_out, test_out)
+        req_ids = list(ref_out.num_scheduled_tokens)
+        samples = [not self.ref.requests[r].is_prefill_chunk for r in req_ids]
+        test_samples = [not self.test.requests[r].is_prefill_chunk for r in req_ids]
+        self.check("prefill-chunk flags", samples, test_samples)
+        self.stats["preemptions"] += len(ref_out.preempted_req_ids or ())
+        self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
+        self.pending.append(Pending(ref_out, test_out, req_ids, samples))
+        self._check_state("after schedule")
+        # Async scheduling: one step in flight while the next is scheduled; an empty step
+        # waits for everything in flight.
+        depth = 2 if self.cfg.async_scheduling else 1
+        drain = ref_out.total_num_scheduled_tokens == 0
+        while self.pending and (drain or len(self.pending) >= depth):
+            self._update(self.pending.popleft())
+
+    def _update(self, p: Pending) -> None:
+        drafts = p.ref_out.scheduled_spec_decode_tokens
+        tokens = [self._sampled(s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
+        ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
+        test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
+        self.check("EngineCoreOutputs", ref, test)
+        if self.cfg.num_spec_tokens:
+            self._propose_drafts(p)
+        ref_events = self.ref.kv_event_publisher.take()
+        self.check("KV events", ref_events, self.test.kv_event_publisher.take())
+        self.stats["events"] += sum(len(b.events) for b in ref_events)
+        for outs in ref.values():
+            stats = outs.scheduler_stats
+            if stats is not None:
+                self.stats["hits"] += stats.prefix_cache_stats.hits
+        self.stats["steps"] += 1
+        self._check_state("after update_from_output")
+
+    def _sampled(self, samples: bool, num_drafts: int) -> list[int]:
+        """The tokens one request gets from a step: none for a prefill chunk, else one plus
+        the accepted part of its drafts."""
+        if not samples:
+            return []
+        return [self._sample() for _ in range(1 + self.rng.randint(0, num_drafts))]
+
+    def _propose_drafts(self, p: Pending) -> None:
+        """What the engine does after a synchronous step with a drafter: new draft tokens for
+        the step's requests (sometimes fewer than the maximum, as ngram proposes)."""
+        req_ids = [r for r, s in zip(p.req_ids, p.samples) if s]
+        k = self.cfg.num_spec_tokens
+        drafts = [[self._sample() for _ in range(self.rng.randint(0, k))] for _ in req_ids]
+        self.ref.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
+        self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
+
+    def _sample(self) -> int:
+        if self.rng.random() < 0.05:
+            return EOS_TOKEN_ID
+        return self.rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE)
+
+    def _check_state(self, when: str) -> None:
+        self.check(f"{when}: manager state", manager_state(self.ref), manager_state(self.test))
+
+
+def manager_state(sched: Scheduler) -> dict:
+    """What the engine and the metrics read of the manager, and the queues it shapes."""
+    kv = sched.kv_cache_manager
+    running = [r.request_id for r in sched.running]
+    return {
+        "usage": kv.usage,
+        "kv_cache_usage": sched.get_kv_cache_usage()
+        if hasattr(sched, "get_kv_cache_usage")
+        else None,
+        "free_blocks": kv.block_pool.get_num_free_blocks(),
+        "running": running,
+        "waiting": sorted(r.request_id for r in sched.waiting),
+        "num_unfinished": sched.get_num_unfinished_requests(),
+        "block_ids": {rid: kv.get_block_ids(rid) for rid in running},
+        "num_computed": {rid: sched.requests[rid].num_computed_tokens for rid in running},
+    }
+
+
+def _ids(requests: Any) -> Any:
+    if requests is None:
+        return None
+    return [getattr(r, "request_id", r) for r in requests]
+
+
+def run_seed(seed: int, model_dir: Path, manager_cls: type, own_scheduler: bool = True) -> dict:
+    """One seeded differential run: a random configuration and workload. ``own_scheduler``
+    False: vLLM's scheduler class over the manager even where its package has its own."""
+    rng = random.Random(seed)
+    cfg = random_config(rng)
+    specs = random_workload(rng, cfg)
+    return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
