@@ -29,6 +29,11 @@ def out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
         (args.get("metrics_collector") is not None, "KV cache residency metrics"),
         (getattr(kv_cache_config, "needs_kv_cache_zeroing", False), "KV block zeroing"),
         (
+            (getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0) > 0,
+            "a positive prefix-cache retention interval (vLLM's manager refuses it for full "
+            "attention)",
+        ),
+        (
             args.get("hash_block_size") != args.get("scheduler_block_size"),
             "a hash block size other than the block size",
         ),
