@@ -23,6 +23,7 @@ __all__ = [
     "CompatEnumBase",
     "SchedulerCore",
     "BatchStep",
+    "V1Manager",
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
@@ -462,3 +463,123 @@ class BatchStep:
         """Write native tokens and progress back to every scheduled ``Sequence``."""
     def abort(self, request_ids: List[str]) -> None:
         """vLLM's ``abort_seq_group``, keeping the previous batch consistent."""
+
+@final
+class V1Manager:
+    """vLLM v1's KV cache manager for one full-attention group (``pagedkv.vllm_v1`` wraps it):
+    a pool with vLLM's free-block order, ref counts, a prefix-cache map keyed by vLLM's own
+    block hashes, per-request block tables and a KV-event log. Block 0 is the null block. A
+    failed call changes nothing; one call at a time (``InUseError``)."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool,
+        enable_events: bool,
+        watermark_blocks: int,
+    ) -> Self: ...
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+    @property
+    def num_requests(self) -> int:
+        """Requests holding a block table."""
+    def bind_vllm(
+        self,
+        empty: Any,
+        blocks_cls: Any,
+        waiting: Any,
+        preempted: Any,
+        on_events: Any,
+        request_cls: Any = None,
+    ) -> None:
+        """Give ``vllm_allocate_slots`` its Python objects (once)."""
+    def bind_removed_events(self, cls: Any, medium: Any, int_hashes: bool) -> None:
+        """Have ``take_events`` build vLLM's ``BlockRemoved`` itself."""
+    def vllm_allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Any = None,
+    ) -> Any:
+        """vLLM's ``KVCacheManager.allocate_slots``, signature and result included."""
+    def vllm_allocate_slots_function(self) -> Any:
+        """``vllm_allocate_slots`` as a callable that parses its own arguments."""
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        waiting_or_preempted: bool,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed: Optional[List[int]],
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+        block_hashes: Sequence[bytes],
+    ) -> Optional[List[int]]:
+        """``allocate_slots`` with the request's fields spelled out: the new block ids, or
+        ``None`` when they do not fit."""
+    def longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> List[int]:
+        """The longest cached prefix of ``block_hashes``, at most ``max_blocks`` blocks."""
+    def num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed: List[int]
+    ) -> int:
+        """vLLM's ``get_num_blocks_to_allocate`` for the request."""
+    def cache_blocks(self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> None:
+        """Cache the request's blocks that are full within ``num_tokens``."""
+    def free(self, request_id: str) -> None:
+        """The request's blocks go back, tail first."""
+    def pop_blocks_for_free(self, request_id: str) -> List[int]:
+        """Forget the request; its block ids (allocation order), still referenced."""
+    def free_blocks(self, block_ids: List[int]) -> None:
+        """Drop one reference per block, in eviction-priority order (all or nothing)."""
+    def evict_blocks(self, block_ids: List[int]) -> None:
+        """Drop the cached hash of each listed block."""
+    def block_ids(self, request_id: str) -> List[int]:
+        """The request's block table (empty for an unknown request)."""
+    def num_cached_blocks(self, request_id: str) -> Optional[int]:
+        """Leading blocks of the request that are cached (``None``: not tracked)."""
+    def reset_prefix_cache(self) -> bool:
+        """Only when every block but the null block is free."""
+    def num_free_blocks(self) -> int:
+        """Free blocks (evictable cached ones included)."""
+    def usage(self) -> float:
+        """The used share of the blocks other than the null block."""
+    def ref_cnt(self, block_id: int) -> int:
+        """The block's reference count."""
+    def block_hash(self, block_id: int) -> Optional[bytes]:
+        """The hash the block is cached under (``None`` when it is not cached)."""
+    def hashed_tokens(self, block_id: int) -> Optional[int]:
+        """Tokens the block's hash covers; ``None`` if uncached."""
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """The most tokens a hash of the request's blocks covers."""
+    def is_free(self, block_id: int) -> bool:
+        """Whether the block is in the free-block queue."""
+    def free_queue(self) -> List[int]:
+        """The free-block queue, head (handed out next) first."""
+    def num_cached_hashes(self) -> int:
+        """Hashes in the prefix-cache map."""
+    def take_events(self) -> List[Tuple[str, Any, int]]:
+        """Events since the last call, oldest first."""
+    def heap_bytes(self) -> int:
+        """Heap bytes the manager holds."""
+    def check(self, extra_refs: Optional[Dict[int, int]] = None) -> None:
+        """Check every invariant (``InvalidArgumentError`` naming the first broken one)."""

@@ -60,6 +60,26 @@ def block_ids_of(blocks: Iterable[Any]) -> List[int]:
     return [b.block_id for b in blocks]
 
 
+def make_empty_blocks(kv_cache_blocks_cls: type) -> Any:
+    """vLLM's shared empty ``KVCacheBlocks`` (one group, no blocks), a plain instance of vLLM's
+    class whose ``get_block_ids`` answers without vLLM's per-call generator: the scheduler asks
+    it once per running request per step (``allow_none=True``: ``None``)."""
+    empty = kv_cache_blocks_cls(((),))
+    slow = empty.get_block_ids
+
+    def get_block_ids(
+        allow_none: bool = False, *, group_ids: Optional[Sequence[int]] = None
+    ) -> Optional[Tuple[List[int], ...]]:
+        if group_ids is not None:
+            return slow(allow_none, group_ids=group_ids)
+        return None if allow_none else ([],)
+
+    # An instance attribute shadows the method; the dataclass's fields, equality and repr
+    # are vLLM's.
+    empty.get_block_ids = get_block_ids
+    return empty
+
+
 def make_blocks_class(kv_cache_blocks_cls: type, native: Any) -> type:
     """A subclass of vLLM's ``KVCacheBlocks`` over one group of ``native``'s block ids."""
 

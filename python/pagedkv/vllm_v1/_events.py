@@ -22,6 +22,11 @@ class EventBuilder:
         from vllm.v1.core import kv_cache_utils
 
         self._ev = kv_events
+        self._removed_cls = kv_events.BlockRemoved
+        removed_fields = getattr(kv_events.BlockRemoved, "__struct_fields__", ())
+        # Positional construction (cheaper) where the fields start as in 0.32 and 0.33.
+        self._removed_positional = removed_fields[:3] == ("block_hashes", "medium", "group_idx")
+        self._cleared_cls = kv_events.AllBlocksCleared
         self._utils = kv_cache_utils
         self._block_size = block_size
         self._medium = kv_events.MEDIUM_GPU
@@ -35,21 +40,29 @@ class EventBuilder:
 
     def build(self, native_events: List[Tuple[str, Any, Any]], request: Any) -> List[Any]:
         out = []
+        append, removed = out.append, self.removed
         for kind, a, b in native_events:
-            if kind == "stored":
-                out.append(self.stored(request, a, b))
+            if kind == "event":  # built natively (see bind_native)
+                append(a)
             elif kind == "removed":
-                out.append(self.removed(a))
+                append(removed(a))
+            elif kind == "stored":
+                append(self.stored(request, a, b))
             else:
-                out.append(self._ev.AllBlocksCleared())
+                append(self._cleared_cls())
         return out
 
+    def bind_native(self, native: Any) -> None:
+        """Have ``native`` build the most frequent event, ``BlockRemoved`` (one per evicted
+        block), itself where the struct's fields start as this module writes them."""
+        if self._removed_positional:
+            native.bind_removed_events(self._removed_cls, self._medium, self._int_hashes)
+
     def removed(self, block_hash: bytes) -> Any:
-        return self._ev.BlockRemoved(
-            block_hashes=self._hashes((block_hash,)),
-            medium=self._medium,
-            group_idx=0,
-        )
+        h = int.from_bytes(block_hash[-8:], "big") if self._int_hashes else block_hash
+        if self._removed_positional:
+            return self._removed_cls([h], self._medium, 0)
+        return self._removed_cls(block_hashes=[h], medium=self._medium, group_idx=0)
 
     def _hashes(self, hashes: Any) -> List[Any]:
         """The hashes as events publish them: the bytes, or (vLLM's integer mode) the hash's

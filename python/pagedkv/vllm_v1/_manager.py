@@ -145,16 +145,22 @@ class KVCacheManager:
         self._init_metadata(spec)
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, spec)
-        self.empty_kv_cache_blocks = KVCacheBlocks(((),))
+        self.empty_kv_cache_blocks = _blocks.make_empty_blocks(KVCacheBlocks)
         self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
         self._events: List[Any] = []
         on_events = self._drain_events if self._builder is not None else None
+        if self._builder is not None:
+            self._builder.bind_native(self._native)
         self._native.bind_vllm(
-            self.empty_kv_cache_blocks, self._Blocks, *self._admitting, on_events
+            self.empty_kv_cache_blocks,
+            self._Blocks,
+            *self._admitting,
+            on_events,
+            _request_cls_with_plain_num_tokens(),
         )
         # The scheduler's hottest call goes straight to Rust (same signature and result as
         # the method below, which stays for class-level access).
-        self.allocate_slots = self._native.vllm_allocate_slots
+        self.allocate_slots = self._native.vllm_allocate_slots_function()
 
     def _init_metadata(self, spec: Any) -> None:
         from vllm.v1.kv_cache_interface import (
@@ -338,6 +344,22 @@ class KVCacheManager:
 
     def new_step_starts(self) -> None:
         """Nothing per step for full attention."""
+
+
+def _request_cls_with_plain_num_tokens() -> Any:
+    """vLLM's ``Request`` when its ``num_tokens`` property is ``len(self._all_token_ids)`` (as
+    in 0.32 and 0.33), so the native ``allocate_slots`` may read that length itself; else
+    ``None`` (the property is called)."""
+    from vllm.v1.request import Request
+
+    def plain(self: Any) -> int:
+        return len(self._all_token_ids)
+
+    code = getattr(getattr(Request.__dict__.get("num_tokens"), "fget", None), "__code__", None)
+    ref = plain.__code__
+    if code is None or (code.co_code, code.co_names) != (ref.co_code, ref.co_names):
+        return None
+    return Request
 
 
 _PARAMS = (

@@ -30,6 +30,7 @@ mod results;
 mod scheduler;
 mod seqs;
 mod tokens;
+mod v1_call;
 mod v1_manager;
 
 #[pymodule(gil_used = true)]

@@ -6,10 +6,11 @@
 //! `InUseError`.
 
 use crate::errors::{busy, IntoPyResult};
+use crate::v1_call::{self, ParamNames, SlotArgs};
 use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyCFunction, PyDict, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 #[pyclass(module = "pagedkv._native", name = "V1Manager", frozen)]
@@ -17,6 +18,69 @@ pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
     /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
     vllm: std::sync::OnceLock<VllmBinding>,
+    /// Request ids `vllm_allocate_slots` has read, by object identity (see [`RequestIds`]).
+    ids: Mutex<RequestIds>,
+    /// Set once by `bind_removed_events`.
+    removed_events: std::sync::OnceLock<RemovedEvents>,
+}
+
+/// The text of request-id `str` objects seen before, keyed by object identity: the scheduler
+/// passes the same `request.request_id` object every step, and copying a `str`'s text out
+/// costs an allocation under the stable ABI for Python 3.9. Each entry holds a reference to
+/// its `str`, so its address cannot be reused by another object while the entry exists; a
+/// `str` is immutable, so the text stays its text. Entries go when the manager frees the
+/// request through the same object, and all at once when the cache outgrows the live
+/// requests (a request freed through an equal but distinct `str` leaves a stale entry, which
+/// is still correct: it maps that object to its own text).
+#[derive(Default)]
+struct RequestIds {
+    by_ptr: std::collections::HashMap<usize, (Py<PyString>, Box<str>), PtrHash>,
+}
+
+/// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
+type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
+
+#[derive(Default)]
+struct PtrHasher(u64);
+
+impl std::hash::Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        // Fibonacci hashing; the high bits carry the low bits' entropy (objects are aligned).
+        self.0 = (n as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(32);
+    }
+}
+
+impl RequestIds {
+    /// Entries beyond the live requests before the cache is emptied.
+    const SLACK: usize = 1024;
+
+    fn text(&mut self, id: &Bound<'_, PyString>, live: usize) -> PyResult<&str> {
+        let key = id.as_ptr() as usize;
+        if self.by_ptr.len() > 2 * live + Self::SLACK && !self.by_ptr.contains_key(&key) {
+            self.by_ptr.clear();
+        }
+        let entry = match self.by_ptr.entry(key) {
+            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+            std::collections::hash_map::Entry::Vacant(e) => {
+                e.insert((id.clone().unbind(), id.to_cow()?.into()))
+            }
+        };
+        Ok(&entry.1)
+    }
+
+    fn forget(&mut self, id: &Bound<'_, PyString>) {
+        self.by_ptr.remove(&(id.as_ptr() as usize));
+    }
 }
 
 /// The Python objects `vllm_allocate_slots` answers with or compares against.
@@ -30,20 +94,49 @@ struct VllmBinding {
     preempted: Py<PyAny>,
     /// Called with the request after a call that logged KV events (`None`: events off).
     on_events: Option<Py<PyAny>>,
+    /// vLLM's `Request` class when its `num_tokens` property is `len(self._all_token_ids)`
+    /// (checked by the caller): requests of exactly this class are read without running it.
+    request_cls: Option<Py<PyAny>>,
 }
 
-/// `request.block_hashes`, read item by item (no Python code runs for a list of bytes).
-struct PyHashes<'py> {
-    seq: Bound<'py, PyAny>,
-    len: usize,
+impl VllmBinding {
+    /// `request.num_tokens`, without running the property where its body is known.
+    fn num_tokens(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if let Some(cls) = &self.request_cls {
+            if request.get_type().is(cls.bind(py)) {
+                return Ok(request.getattr(intern!(py, "_all_token_ids"))?.len()? as u64);
+            }
+        }
+        request.getattr(intern!(py, "num_tokens"))?.extract()
+    }
+}
+
+/// `request.block_hashes`, read item by item (no Python code runs for a list of bytes); from
+/// a request, the attribute is read only when the core asks for a hash or the count.
+enum PyHashes<'py> {
+    Seq(Bound<'py, PyAny>),
+    Of(Bound<'py, PyAny>),
 }
 
 impl<'py> PyHashes<'py> {
     fn new(seq: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Ok(PyHashes {
-            seq: seq.clone(),
-            len: seq.len()?,
-        })
+        Ok(PyHashes::Seq(seq.clone()))
+    }
+
+    fn of_request(request: &Bound<'py, PyAny>) -> Self {
+        PyHashes::Of(request.clone())
+    }
+
+    fn seq(&mut self) -> pagedkv_core::Result<&Bound<'py, PyAny>> {
+        if let PyHashes::Of(request) = self {
+            let seq = request
+                .getattr(intern!(request.py(), "block_hashes"))
+                .map_err(|e| pagedkv_core::Error::invalid(format!("request.block_hashes: {e}")))?;
+            *self = PyHashes::Seq(seq);
+        }
+        // `Of` was replaced above (never a panic: the or-pattern covers both).
+        let (PyHashes::Seq(seq) | PyHashes::Of(seq)) = self;
+        Ok(seq)
     }
 }
 
@@ -52,14 +145,17 @@ fn hash_error(i: usize, what: &str) -> pagedkv_core::Error {
 }
 
 impl HashSource for PyHashes<'_> {
-    fn len(&self) -> usize {
-        self.len
+    fn count(&mut self) -> pagedkv_core::Result<usize> {
+        let seq = self.seq()?;
+        seq.len()
+            .map_err(|e| pagedkv_core::Error::invalid(format!("block_hashes: {e}")))
     }
 
     fn key(&mut self, i: usize) -> pagedkv_core::Result<HashKey> {
-        let item = match self.seq.cast::<PyList>() {
+        let seq = self.seq()?;
+        let item = match seq.cast::<PyList>() {
             Ok(list) => list.get_item(i),
-            Err(_) => self.seq.get_item(i),
+            Err(_) => seq.get_item(i),
         }
         .map_err(|e| hash_error(i, &e.to_string()))?;
         let bytes = item
@@ -70,6 +166,56 @@ impl HashSource for PyHashes<'_> {
 }
 
 impl PyV1Manager {
+    /// Drop the identity-cache entry of a request the manager is about to forget.
+    fn forget(&self, request_id: &Bound<'_, PyString>) {
+        // try_lock: never wait on a call in progress (a callback from it would deadlock); a
+        // stale entry left behind is still correct (see `RequestIds`).
+        if let Ok(mut known) = self.ids.try_lock() {
+            known.forget(request_id);
+        }
+    }
+
+    /// vLLM's `allocate_slots` for `request` (`vllm_allocate_slots` and the callable from
+    /// `vllm_allocate_slots_function` both end here).
+    fn allocate_for_vllm<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        a: &SlotArgs<'py>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let b = self
+            .vllm
+            .get()
+            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
+        if a.num_external_computed_tokens != 0 || a.num_encoder_tokens != 0 {
+            return Err(crate::errors::invalid(
+                "external (connector) and encoder tokens are outside pagedkv's manager",
+            ));
+        }
+        let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
+        let slots = slot_request(py, b, request, a, computed.as_deref())?;
+        let rid_obj = request.getattr(intern!(py, "request_id"))?;
+        let rid = rid_obj.cast::<PyString>()?;
+        let mut hashes = PyHashes::of_request(request);
+        let (ids, logged) = {
+            let mut m = self.lock()?;
+            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+            let rid = known.text(rid, m.num_requests())?;
+            let ids = m.allocate_slots(rid, &slots, &mut hashes).py()?;
+            (ids, m.pool().has_events())
+        };
+        if logged {
+            if let Some(cb) = &b.on_events {
+                cb.bind(py).call1((request,))?;
+            }
+        }
+        match ids {
+            None => Ok(py.None().into_bound(py)),
+            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
+            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
+        }
+    }
+
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
@@ -106,11 +252,72 @@ fn computed_ids(
     Ok(Some(ids))
 }
 
-fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
-    match e {
-        Event::Stored { first, end } => ("stored", *first, *end).into_pyobject(py),
-        Event::Removed(k) => ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py),
-        Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
+/// The core's view of one vLLM `allocate_slots` call: its arguments and the request's fields.
+fn slot_request<'a>(
+    py: Python<'_>,
+    b: &VllmBinding,
+    request: &Bound<'_, PyAny>,
+    a: &SlotArgs<'_>,
+    computed: Option<&'a [u32]>,
+) -> PyResult<SlotRequest<'a>> {
+    let status = request.getattr(intern!(py, "status"))?;
+    Ok(SlotRequest {
+        num_computed_tokens: request
+            .getattr(intern!(py, "num_computed_tokens"))?
+            .extract()?,
+        num_tokens: b.num_tokens(py, request)?,
+        waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+        num_new_tokens: a.num_new_tokens,
+        num_new_computed_tokens: a.num_new_computed_tokens,
+        new_computed: computed,
+        num_lookahead_tokens: a.num_lookahead_tokens,
+        delay_cache_blocks: a.delay_cache_blocks,
+        full_sequence_must_fit: a.full_sequence_must_fit,
+        reserved_blocks: a.reserved_blocks,
+        has_scheduled_reqs: a.has_scheduled_reqs,
+    })
+}
+
+/// How `take_events` builds vLLM's `BlockRemoved` itself (set by `bind_removed_events`).
+struct RemovedEvents {
+    /// vLLM's `BlockRemoved`, whose first fields are `block_hashes`, `medium`, `group_idx`.
+    cls: Py<PyAny>,
+    medium: Py<PyAny>,
+    /// Publish a hash as its last 8 bytes read as a big-endian unsigned integer (vLLM's
+    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` conversion), else as the bytes.
+    int_hashes: bool,
+}
+
+impl RemovedEvents {
+    fn build<'py>(&self, py: Python<'py>, k: &HashKey) -> PyResult<Bound<'py, PyAny>> {
+        let bytes = k.as_bytes();
+        let hash = if self.int_hashes {
+            let mut last = [0u8; 8];
+            let tail = &bytes[bytes.len().saturating_sub(8)..];
+            last[8 - tail.len()..].copy_from_slice(tail);
+            u64::from_be_bytes(last).into_pyobject(py)?.into_any()
+        } else {
+            PyBytes::new(py, bytes).into_any()
+        };
+        let hashes = PyList::new(py, [hash])?;
+        self.cls
+            .bind(py)
+            .call1((hashes, self.medium.bind(py), 0u32))
+    }
+}
+
+fn event_tuple<'py>(
+    py: Python<'py>,
+    e: &Event,
+    removed: Option<&RemovedEvents>,
+) -> PyResult<Bound<'py, PyTuple>> {
+    match (e, removed) {
+        (Event::Stored { first, end }, _) => ("stored", *first, *end).into_pyobject(py),
+        (Event::Removed(k), Some(r)) => ("event", r.build(py, k)?, 0u32).into_pyobject(py),
+        (Event::Removed(k), None) => {
+            ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
+        }
+        (Event::Cleared, _) => ("cleared", 0u32, 0u32).into_pyobject(py),
     }
 }
 
@@ -137,10 +344,13 @@ impl PyV1Manager {
         Ok(PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
             vllm: std::sync::OnceLock::new(),
+            ids: Mutex::new(RequestIds::default()),
+            removed_events: std::sync::OnceLock::new(),
         })
     }
 
     /// Give `vllm_allocate_slots` its Python objects (once).
+    #[pyo3(signature = (empty, blocks_cls, waiting, preempted, on_events, request_cls=None))]
     fn bind_vllm(
         &self,
         empty: Py<PyAny>,
@@ -148,6 +358,7 @@ impl PyV1Manager {
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
         on_events: Option<Py<PyAny>>,
+        request_cls: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let b = VllmBinding {
             empty,
@@ -155,6 +366,7 @@ impl PyV1Manager {
             waiting,
             preempted,
             on_events,
+            request_cls,
         };
         self.vllm
             .set(b)
@@ -176,7 +388,7 @@ impl PyV1Manager {
         request: &Bound<'py, PyAny>,
         num_new_tokens: u64,
         num_new_computed_tokens: u64,
-        new_computed_blocks: Option<&Bound<'py, PyAny>>,
+        new_computed_blocks: Option<Bound<'py, PyAny>>,
         num_lookahead_tokens: u64,
         num_external_computed_tokens: u64,
         delay_cache_blocks: bool,
@@ -187,51 +399,34 @@ impl PyV1Manager {
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = skip_zeroing_group_ids;
-        let b = self
-            .vllm
-            .get()
-            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
-        if num_external_computed_tokens != 0 || num_encoder_tokens != 0 {
-            return Err(crate::errors::invalid(
-                "external (connector) and encoder tokens are outside pagedkv's manager",
-            ));
-        }
-        let computed = computed_ids(py, b, new_computed_blocks)?;
-        let status = request.getattr(intern!(py, "status"))?;
-        let a = SlotRequest {
-            num_computed_tokens: request
-                .getattr(intern!(py, "num_computed_tokens"))?
-                .extract()?,
-            num_tokens: request.getattr(intern!(py, "num_tokens"))?.extract()?,
-            waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
+        let a = SlotArgs {
             num_new_tokens,
             num_new_computed_tokens,
-            new_computed: computed.as_deref(),
+            new_computed_blocks,
             num_lookahead_tokens,
+            num_external_computed_tokens,
             delay_cache_blocks,
+            num_encoder_tokens,
             full_sequence_must_fit,
             reserved_blocks,
             has_scheduled_reqs,
         };
-        let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        let rid = rid_obj.cast::<PyString>()?.to_cow()?;
-        let hashes_obj = request.getattr(intern!(py, "block_hashes"))?;
-        let mut hashes = PyHashes::new(&hashes_obj)?;
-        let (ids, logged) = {
-            let mut m = self.lock()?;
-            let ids = m.allocate_slots(&rid, &a, &mut hashes).py()?;
-            (ids, m.pool().has_events())
+        self.allocate_for_vllm(py, request, &a)
+    }
+
+    /// `vllm_allocate_slots` as a callable that parses its arguments itself (see
+    /// [`crate::v1_call`]; no text copy per keyword): what `KVCacheManager.allocate_slots`
+    /// is set to.
+    fn vllm_allocate_slots_function<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let manager = slf.clone().unbind();
+        let names = ParamNames::new(py);
+        let f = move |args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>| {
+            let (request, a) = v1_call::parse(&names, args, kwargs)?;
+            let out = manager.get().allocate_for_vllm(args.py(), &request, &a)?;
+            PyResult::Ok(out.unbind())
         };
-        if logged {
-            if let Some(cb) = &b.on_events {
-                cb.bind(py).call1((request,))?;
-            }
-        }
-        match ids {
-            None => Ok(py.None().into_bound(py)),
-            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
-            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
-        }
+        Ok(PyCFunction::new_closure(py, Some(c"allocate_slots"), None, f)?.into_any())
     }
 
     /// vLLM's `allocate_slots` with the request's fields spelled out: the new block ids, or
@@ -286,6 +481,7 @@ impl PyV1Manager {
         self.lock()?.longest_cache_hit(&mut hashes, max_blocks).py()
     }
 
+    /// vLLM's `get_num_blocks_to_allocate` for the request (adopting `new_computed`).
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
@@ -297,6 +493,7 @@ impl PyV1Manager {
             .py()
     }
 
+    /// vLLM's `cache_blocks`: cache the request's blocks that are full within `num_tokens`.
     fn cache_blocks(
         &self,
         request_id: &str,
@@ -309,12 +506,16 @@ impl PyV1Manager {
             .py()
     }
 
-    fn free(&self, request_id: &str) -> PyResult<()> {
-        self.lock()?.free(request_id).py()
+    /// vLLM's `free(request)`: the request's blocks go back, tail first.
+    fn free(&self, request_id: &Bound<'_, PyString>) -> PyResult<()> {
+        self.forget(request_id);
+        self.lock()?.free(&request_id.to_cow()?).py()
     }
 
-    fn pop_blocks_for_free(&self, request_id: &str) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.pop_blocks_for_free(request_id))
+    /// Forget the request; its block ids (allocation order), still referenced.
+    fn pop_blocks_for_free(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+        self.forget(request_id);
+        Ok(self.lock()?.pop_blocks_for_free(&request_id.to_cow()?))
     }
 
     /// Drop one reference per block, in eviction-priority order (all or nothing).
@@ -325,30 +526,37 @@ impl PyV1Manager {
             .py()
     }
 
+    /// Drop the cached hash of each listed block (all ids checked first).
     fn evict_blocks(&self, block_ids: Vec<i64>) -> PyResult<()> {
         self.lock()?.evict_blocks(&block_ids).py()
     }
 
+    /// The request's block table (empty for an unknown request).
     fn block_ids(&self, request_id: &str) -> PyResult<Vec<u32>> {
         Ok(self.lock()?.blocks(request_id).to_vec())
     }
 
+    /// How many leading blocks of the request are cached (`None`: not tracked).
     fn num_cached_blocks(&self, request_id: &str) -> PyResult<Option<u32>> {
         Ok(self.lock()?.num_cached_blocks(request_id))
     }
 
+    /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
     }
 
+    /// Free blocks (evictable cached ones included), the null block excluded.
     fn num_free_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.pool().num_free())
     }
 
+    /// vLLM's KV cache usage: the used share of the blocks other than the null block.
     fn usage(&self) -> PyResult<f64> {
         Ok(self.lock()?.pool().usage())
     }
 
+    /// The block's reference count.
     fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id).py()?;
@@ -373,10 +581,12 @@ impl PyV1Manager {
         Ok(m.pool().hashed_tokens(b))
     }
 
+    /// vLLM's `estimate_cached_tokens`: the most tokens a hash of the request's blocks covers.
     fn estimate_cached_tokens(&self, request_id: &str) -> PyResult<u32> {
         Ok(self.lock()?.estimate_cached_tokens(request_id))
     }
 
+    /// Whether the block is in the free-block queue.
     fn is_free(&self, block_id: i64) -> PyResult<bool> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id).py()?;
@@ -388,27 +598,50 @@ impl PyV1Manager {
         Ok(self.lock()?.pool().free_queue())
     }
 
+    /// Hashes in the prefix-cache map.
     fn num_cached_hashes(&self) -> PyResult<usize> {
         Ok(self.lock()?.pool().num_cached_hashes())
     }
 
     /// Events since the last call: `("stored", first, end)` (blocks of the request the last
-    /// call concerned), `("removed", hash, 0)`, `("cleared", 0, 0)`.
+    /// call concerned), `("removed", hash, 0)` (or, after `bind_removed_events`,
+    /// `("event", BlockRemoved(...), 0)`), `("cleared", 0, 0)`.
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.lock()?.pool_mut().take_events();
-        events.iter().map(|e| event_tuple(py, e)).collect()
+        let removed = self.removed_events.get();
+        events.iter().map(|e| event_tuple(py, e, removed)).collect()
     }
 
+    /// Have `take_events` build vLLM's `BlockRemoved(block_hashes=[hash], medium, 0)` itself
+    /// (`cls`'s first fields must be those three, in that order; the caller checks).
+    fn bind_removed_events(
+        &self,
+        cls: Py<PyAny>,
+        medium: Py<PyAny>,
+        int_hashes: bool,
+    ) -> PyResult<()> {
+        self.removed_events
+            .set(RemovedEvents {
+                cls,
+                medium,
+                int_hashes,
+            })
+            .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
+    }
+
+    /// Blocks in the pool, the null block included.
     #[getter]
     fn num_blocks(&self) -> PyResult<u32> {
         Ok(self.lock()?.pool().num_blocks())
     }
 
+    /// Tokens per block.
     #[getter]
     fn block_size(&self) -> PyResult<u32> {
         Ok(self.lock()?.config().block_size)
     }
 
+    /// Requests holding a block table.
     #[getter]
     fn num_requests(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_requests())

@@ -126,6 +126,11 @@ impl FreeQueue {
         self.len += blocks.len();
     }
 
+    /// Heap bytes held (the link arrays).
+    pub fn heap_bytes(&self) -> usize {
+        crate::mem::vec_bytes(&self.prev) + crate::mem::vec_bytes(&self.next)
+    }
+
     /// The queue from head to tail (tests and introspection).
     pub fn to_vec(&self) -> Vec<u32> {
         let mut out = Vec::with_capacity(self.len);

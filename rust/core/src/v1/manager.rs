@@ -15,23 +15,24 @@
 //! `allocate_slots` is planned first (every check, every hash read) and applied after, so a
 //! call that fails changes nothing.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+
+use hashbrown::HashMap;
 
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use crate::error::{Error, Result};
 
-/// A request's block hashes, read on demand (`request.block_hashes` in vLLM).
+/// A request's block hashes, read on demand (`request.block_hashes` in vLLM): a call that
+/// caches nothing never asks.
 pub trait HashSource {
-    fn len(&self) -> usize;
+    /// How many hashes the request has.
+    fn count(&mut self) -> Result<usize>;
     fn key(&mut self, i: usize) -> Result<HashKey>;
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }
 
 impl HashSource for &[HashKey] {
-    fn len(&self) -> usize {
-        <[HashKey]>::len(self)
+    fn count(&mut self) -> Result<usize> {
+        Ok(<[HashKey]>::len(self))
     }
     fn key(&mut self, i: usize) -> Result<HashKey> {
         Ok(self[i])
@@ -85,7 +86,9 @@ struct Plan {
 pub struct Manager {
     pool: Pool,
     cfg: Config,
-    reqs: HashMap<Box<str>, ReqBlocks>,
+    /// Keyed by request id (SipHash: ids come from clients). hashbrown's map for `entry_ref`,
+    /// which copies the id only when the request is new.
+    reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
     keys: Vec<HashKey>,
 }
 
@@ -101,7 +104,7 @@ impl Manager {
         Ok(Manager {
             pool: Pool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_events)?,
             cfg,
-            reqs: HashMap::new(),
+            reqs: HashMap::with_hasher(RandomState::new()),
             keys: Vec::new(),
         })
     }
@@ -138,7 +141,7 @@ impl Manager {
         max_blocks: usize,
     ) -> Result<Vec<u32>> {
         let mut hit = Vec::new();
-        for i in 0..max_blocks.min(hashes.len()) {
+        for i in 0..max_blocks.min(hashes.count()?) {
             match self.pool.get_cached(&hashes.key(i)?) {
                 Some(b) => hit.push(b),
                 None => break,
@@ -154,8 +157,18 @@ impl Manager {
         num_tokens: u64,
         new_computed: &[u32],
     ) -> Result<u64> {
+        self.blocks_to_allocate(req, self.reqs.get(req), num_tokens, new_computed)
+    }
+
+    /// [`Self::num_blocks_to_allocate`] for the request's entry `r`, already looked up.
+    fn blocks_to_allocate(
+        &self,
+        req: &str,
+        r: Option<&ReqBlocks>,
+        num_tokens: u64,
+        new_computed: &[u32],
+    ) -> Result<u64> {
         let required = cdiv(num_tokens, self.cfg.block_size as u64);
-        let r = self.reqs.get(req);
         let have = r.map_or(0, |r| r.blocks.len()) as u64;
         if r.is_some_and(|r| r.num_cached.is_some()) {
             if !new_computed.is_empty() {
@@ -188,7 +201,7 @@ impl Manager {
         Ok(Some(self.apply(req, a, &plan)))
     }
 
-    fn check_args(&self, req: &str, a: &SlotRequest) -> Result<()> {
+    fn check_args(&self, req: &str, r: Option<&ReqBlocks>, a: &SlotRequest) -> Result<()> {
         if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
@@ -210,7 +223,6 @@ impl Manager {
                     return Err(Error::invalid(format!("block {b} is not a cached block")));
                 }
             }
-            let r = self.reqs.get(req);
             let tracked = r.is_some_and(|r| r.num_cached.is_some());
             if !tracked && r.is_some_and(|r| !r.blocks.is_empty()) {
                 return Err(Error::invalid(format!(
@@ -225,7 +237,8 @@ impl Manager {
     }
 
     fn plan(&self, req: &str, a: &SlotRequest) -> Result<Option<Plan>> {
-        self.check_args(req, a)?;
+        let r = self.reqs.get(req);
+        self.check_args(req, r, a)?;
         let new_computed = a.new_computed.unwrap_or(&[]);
         let local = a.num_computed_tokens + a.num_new_computed_tokens;
         let total = local.min(self.cfg.max_model_len);
@@ -237,18 +250,17 @@ impl Manager {
         let free = self.pool.num_free() as u64;
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(self.cfg.max_model_len);
-            if self.num_blocks_to_allocate(req, full, new_computed)? + watermark > free {
+            if self.blocks_to_allocate(req, r, full, new_computed)? + watermark > free {
                 return Ok(None);
             }
         }
         let need_slots =
             (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
-        let needed = self.num_blocks_to_allocate(req, need_slots, new_computed)?;
+        let needed = self.blocks_to_allocate(req, r, need_slots, new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
             return Ok(None);
         }
-        let r = self.reqs.get(req);
         let tracked = r.and_then(|r| r.num_cached);
         let adopt = a.new_computed.is_some() && tracked.is_none();
         let cache_first = match (tracked, adopt) {
@@ -273,8 +285,11 @@ impl Manager {
         let Some(upto) = plan.cache_upto else {
             return Ok(());
         };
-        let bs = self.cfg.block_size as u64;
-        let num_full = (upto.min(hashes.len() as u64 * bs) / bs) as usize;
+        let full_by_tokens = (upto / self.cfg.block_size as u64) as usize;
+        if full_by_tokens <= plan.cache_first as usize {
+            return Ok(()); // no block became full: the hashes are not read
+        }
+        let num_full = full_by_tokens.min(hashes.count()?);
         for i in plan.cache_first as usize..num_full {
             let k = hashes.key(i)?;
             self.keys.push(k);
@@ -283,10 +298,7 @@ impl Manager {
     }
 
     fn apply(&mut self, req: &str, a: &SlotRequest, plan: &Plan) -> Vec<u32> {
-        if !self.reqs.contains_key(req) {
-            self.reqs.insert(req.into(), ReqBlocks::default());
-        }
-        let r = self.reqs.get_mut(req).expect("inserted above");
+        let r = self.reqs.entry_ref(req).or_default();
         if plan.adopt {
             let nc = a.new_computed.unwrap_or(&[]);
             self.pool.touch(nc);
@@ -405,14 +417,17 @@ impl Manager {
 
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
+        use crate::mem::{table_bytes, vec_bytes};
         let per_req: usize = self
             .reqs
             .iter()
-            .map(|(k, r)| k.len() + r.blocks.capacity() * 4)
+            .map(|(k, r)| k.len() + vec_bytes(&r.blocks))
             .sum();
-        self.pool.heap_bytes()
-            + per_req
-            + self.reqs.capacity() * (std::mem::size_of::<(Box<str>, ReqBlocks)>() + 1)
+        let table = table_bytes(
+            self.reqs.capacity(),
+            std::mem::size_of::<(Box<str>, ReqBlocks)>(),
+        );
+        self.pool.heap_bytes() + per_req + table + vec_bytes(&self.keys)
     }
 
     /// Every invariant, tests only: the pool's, and each block's ref count equals the number

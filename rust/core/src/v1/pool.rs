@@ -12,19 +12,32 @@
 //! * The map sends a hash to the blocks cached under it, in insertion order; a lookup returns
 //!   the first. Identical blocks are not de-duplicated (block tables stay append-only).
 //!
-//! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
-//! `Some(k)` iff the map lists `b` under `k`.
+//! Layout: per block, a ref count, queue links, its hash slot (empty while uncached), the tokens
+//! the hash covers and the link to the next block cached under the same hash. The map is a
+//! table of block ids (the first block cached under each hash; later ones chain through
+//! `next_holder`), compared through the blocks' hash slots, so a hash is stored once.
 //!
-//! Costs: every operation O(1) per block touched; 4 B (ref count) + 33 B (hash slot) + 4 B (hashed
-//! tokens) + 8 B (queue links) per block, plus one map entry per cached block.
+//! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
+//! set iff `b` is on the chain the table keeps for that hash.
+//!
+//! Costs: every operation O(1) per block touched (a chain is as long as the number of identical
+//! blocks cached, almost always 1); 53 B per block (4 ref count, 8 queue links, 33 hash slot,
+//! 4 hashed tokens, 4 chain link) plus, with caching on, a table of 4-byte ids sized for every
+//! block (about 5 to 7 B per block): about 60 B per block, cached or not.
 
-use std::collections::HashMap;
+use std::collections::hash_map::RandomState;
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
 
 use super::free_queue::FreeQueue;
 use crate::error::{Error, Result};
 
 /// The null block's id.
 pub const NULL_BLOCK: u32 = 0;
+
+/// No block (the end of a holder chain).
+const NIL: u32 = u32::MAX;
 
 /// A vLLM block hash (the bytes of `request.block_hashes[i]`), stored inline. Every hash
 /// function vLLM offers yields at most 32 bytes (SHA-256; xxh3-128 gives 16).
@@ -36,6 +49,16 @@ pub struct HashKey {
 
 impl HashKey {
     pub const MAX_LEN: usize = 32;
+
+    /// An empty hash slot (no valid key is empty).
+    const NONE: HashKey = HashKey {
+        len: 0,
+        bytes: [0; 32],
+    };
+
+    fn is_none(&self) -> bool {
+        self.len == 0
+    }
 
     pub fn new(b: &[u8]) -> Result<Self> {
         if b.is_empty() || b.len() > Self::MAX_LEN {
@@ -69,38 +92,21 @@ pub enum Event {
     Cleared,
 }
 
-/// The blocks cached under one hash, in insertion order.
-#[derive(Clone, Debug)]
-enum Holders {
-    One(u32),
-    Many(Vec<u32>),
-}
-
-impl Holders {
-    fn first(&self) -> u32 {
-        match self {
-            Holders::One(b) => *b,
-            Holders::Many(v) => v[0],
-        }
-    }
-
-    fn contains(&self, b: u32) -> bool {
-        match self {
-            Holders::One(x) => *x == b,
-            Holders::Many(v) => v.contains(&b),
-        }
-    }
-}
-
 #[derive(Clone, Debug)]
 pub struct Pool {
     ref_cnt: Vec<u32>,
-    hash: Vec<Option<HashKey>>,
+    /// The hash each block is cached under ([`HashKey::NONE`] while uncached).
+    hash: Vec<HashKey>,
     /// Tokens covered by a cached block's hash (its position in the caching request + 1, in
     /// tokens); 0 while uncached.
     hashed_tokens: Vec<u32>,
+    /// The next block cached under the same hash, in insertion order ([`NIL`]: the last).
+    next_holder: Vec<u32>,
     queue: FreeQueue,
-    cached: HashMap<HashKey, Holders>,
+    /// The first block cached under each hash, found through `hash[b]`.
+    cached: HashTable<u32>,
+    /// SipHash with a random key: block hashes can be chosen by clients (their tokens).
+    hasher: RandomState,
     caching: bool,
     events: Option<Vec<Event>>,
     /// Scratch lists of `free_blocks` (kept to avoid allocating per call).
@@ -119,12 +125,16 @@ impl Pool {
         let mut queue = FreeQueue::new(num_blocks);
         let null = queue.popleft();
         debug_assert_eq!(null, Some(NULL_BLOCK));
+        let n = num_blocks as usize;
         Ok(Pool {
-            ref_cnt: vec![0; num_blocks as usize],
-            hash: vec![None; num_blocks as usize],
-            hashed_tokens: vec![0; num_blocks as usize],
+            ref_cnt: vec![0; n],
+            hash: vec![HashKey::NONE; n],
+            hashed_tokens: vec![0; n],
+            next_holder: vec![NIL; n],
             queue,
-            cached: HashMap::new(),
+            // Sized for every block up front: no rehash while serving.
+            cached: HashTable::with_capacity(if caching { n - 1 } else { 0 }),
+            hasher: RandomState::new(),
             caching,
             events: events.then(Vec::new),
             to_head: Vec::new(),
@@ -158,12 +168,13 @@ impl Pool {
     }
 
     pub fn hash_of(&self, b: u32) -> Option<&HashKey> {
-        self.hash[b as usize].as_ref()
+        let k = &self.hash[b as usize];
+        (!k.is_none()).then_some(k)
     }
 
     /// vLLM's `block_hash_num_tokens` (`None` while the block is not cached).
     pub fn hashed_tokens(&self, b: u32) -> Option<u32> {
-        self.hash[b as usize].map(|_| self.hashed_tokens[b as usize])
+        self.hash_of(b).map(|_| self.hashed_tokens[b as usize])
     }
 
     pub fn is_free(&self, b: u32) -> bool {
@@ -192,7 +203,17 @@ impl Pool {
 
     /// The first block cached under `key`.
     pub fn get_cached(&self, key: &HashKey) -> Option<u32> {
-        self.cached.get(key).map(Holders::first)
+        let hash = &self.hash;
+        self.cached
+            .find(self.hasher.hash_one(key), |&b| hash[b as usize] == *key)
+            .copied()
+    }
+
+    /// The blocks cached under the hash whose chain starts at `first`, in insertion order.
+    fn holders(&self, first: u32) -> impl Iterator<Item = u32> + '_ {
+        std::iter::successors(Some(first), |&b| {
+            Some(self.next_holder[b as usize]).filter(|&n| n != NIL)
+        })
     }
 
     /// Whether `b` holds no reference and no other owner (evictable or plain free).
@@ -296,8 +317,8 @@ impl Pool {
     /// Cache `b` under `key`, its hash covering `num_tokens` tokens (vLLM's
     /// `_insert_block_hash` for a block without a hash).
     pub fn insert_hash(&mut self, b: u32, key: HashKey, num_tokens: u32) -> Result<()> {
-        match self.hash[b as usize] {
-            Some(k) if k == key => return Ok(()),
+        match self.hash_of(b) {
+            Some(k) if *k == key => return Ok(()),
             Some(_) => {
                 return Err(Error::invalid(format!(
                     "block {b} is already cached under another hash"
@@ -305,56 +326,64 @@ impl Pool {
             }
             None => {}
         }
-        self.hash[b as usize] = Some(key);
-        self.hashed_tokens[b as usize] = num_tokens;
-        match self.cached.get_mut(&key) {
+        match self.get_cached(&key) {
+            Some(first) => {
+                let last = self.holders(first).last().unwrap_or(first);
+                self.next_holder[last as usize] = b;
+            }
             None => {
-                self.cached.insert(key, Holders::One(b));
+                let (hash, hasher) = (&self.hash, &self.hasher);
+                let h = hasher.hash_one(key);
+                self.cached
+                    .insert_unique(h, b, |&x| hasher.hash_one(hash[x as usize]));
             }
-            Some(h) if h.contains(b) => {}
-            Some(Holders::One(x)) => {
-                let x = *x;
-                self.cached.insert(key, Holders::Many(vec![x, b]));
-            }
-            Some(Holders::Many(v)) => v.push(b),
         }
+        self.hash[b as usize] = key;
+        self.hashed_tokens[b as usize] = num_tokens;
+        self.next_holder[b as usize] = NIL;
         Ok(())
     }
 
     /// Take `b`'s hash out of the map (vLLM's `_maybe_evict_cached_block`).
     pub fn evict(&mut self, b: u32) -> bool {
-        let Some(key) = self.hash[b as usize].take() else {
+        let Some(&key) = self.hash_of(b) else {
             return false;
         };
-        self.hashed_tokens[b as usize] = 0;
         let popped = self.pop_holder(&key, b);
+        self.hash[b as usize] = HashKey::NONE;
+        self.hashed_tokens[b as usize] = 0;
+        self.next_holder[b as usize] = NIL;
         if popped {
             self.push_event(Event::Removed(key));
         }
         popped
     }
 
+    /// Take `b` off the chain of `key` (its hash slot still set: the table compares through it).
     fn pop_holder(&mut self, key: &HashKey, b: u32) -> bool {
-        let Some(h) = self.cached.get_mut(key) else {
+        let h = self.hasher.hash_one(key);
+        let hash = &self.hash;
+        let Ok(entry) = self.cached.find_entry(h, |&x| hash[x as usize] == *key) else {
             return false;
         };
-        match h {
-            Holders::One(x) if *x == b => {
-                self.cached.remove(key);
-                true
+        let first = *entry.get();
+        let next = self.next_holder[b as usize];
+        if first == b {
+            if next == NIL {
+                entry.remove();
+            } else {
+                *entry.into_mut() = next;
             }
-            Holders::One(_) => false,
-            Holders::Many(v) => match v.iter().position(|&x| x == b) {
-                None => false,
-                Some(i) => {
-                    v.remove(i);
-                    if v.is_empty() {
-                        self.cached.remove(key);
-                    }
-                    true
-                }
-            },
+            return true;
         }
+        let Some(prev) = self
+            .holders(first)
+            .find(|&x| self.next_holder[x as usize] == b)
+        else {
+            return false;
+        };
+        self.next_holder[prev as usize] = next;
+        true
     }
 
     /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
@@ -363,8 +392,9 @@ impl Pool {
             return false;
         }
         self.cached.clear();
-        self.hash.iter_mut().for_each(|h| *h = None);
-        self.hashed_tokens.iter_mut().for_each(|t| *t = 0);
+        self.hash.fill(HashKey::NONE);
+        self.hashed_tokens.fill(0);
+        self.next_holder.fill(NIL);
         self.push_event(Event::Cleared);
         true
     }
@@ -389,11 +419,19 @@ impl Pool {
         self.events.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
-    /// Heap bytes held (memory accounting).
+    /// Heap bytes held (memory accounting: every buffer's capacity).
     pub fn heap_bytes(&self) -> usize {
-        let n = self.ref_cnt.capacity();
-        n * (4 + std::mem::size_of::<Option<HashKey>>() + 4 + 8)
-            + self.cached.capacity() * (std::mem::size_of::<(HashKey, Holders)>() + 1)
+        use crate::mem::{table_bytes, vec_bytes};
+        let events = self.events.as_ref().map_or(0, vec_bytes);
+        vec_bytes(&self.ref_cnt)
+            + vec_bytes(&self.hash)
+            + vec_bytes(&self.hashed_tokens)
+            + vec_bytes(&self.next_holder)
+            + self.queue.heap_bytes()
+            + table_bytes(self.cached.capacity(), std::mem::size_of::<u32>())
+            + events
+            + vec_bytes(&self.to_head)
+            + vec_bytes(&self.to_tail)
     }
 
     /// Check every invariant (tests).
@@ -410,8 +448,11 @@ impl Pool {
                     self.ref_cnt(b)
                 ));
             }
-            if let Some(k) = &self.hash[b as usize] {
-                if !self.cached.get(k).is_some_and(|h| h.contains(b)) {
+            if let Some(k) = self.hash_of(b) {
+                if !self
+                    .get_cached(k)
+                    .is_some_and(|f| self.holders(f).any(|x| x == b))
+                {
                     return Err(format!("block {b}'s hash is not mapped to it"));
                 }
             }
@@ -419,15 +460,8 @@ impl Pool {
         if self.queue.contains(NULL_BLOCK) {
             return Err("the null block is in the free queue".into());
         }
-        let mapped: usize = self
-            .cached
-            .values()
-            .map(|h| match h {
-                Holders::One(_) => 1,
-                Holders::Many(v) => v.len(),
-            })
-            .sum();
-        let hashed = self.hash.iter().filter(|h| h.is_some()).count();
+        let mapped: usize = self.cached.iter().map(|&f| self.holders(f).count()).sum();
+        let hashed = self.hash.iter().filter(|h| !h.is_none()).count();
         if mapped != hashed {
             return Err(format!("{mapped} mapped blocks, {hashed} hashed"));
         }
