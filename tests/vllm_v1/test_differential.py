@@ -14,8 +14,8 @@ import pytest
 import v1_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-FAST_SEEDS = range(80)
-SLOW_SEEDS = range(80, 280)
+FAST_SEEDS = range(100)
+SLOW_SEEDS = range(100, 1100)
 
 
 @pytest.mark.parametrize("seed", FAST_SEEDS)
