@@ -54,11 +54,15 @@ def run_case(
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-    from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
     from pagedkv.bench.harness import EngineConfig
-    from pagedkv.bench.vllm_v1 import EngineSpec, build_scheduler, write_model_dir
+    from pagedkv.bench.vllm_v1 import (
+        EngineSpec,
+        build_scheduler,
+        model_runner_output,
+        write_model_dir,
+    )
 
     pool, reqs, budget = CASES[name]
     max_len = max(p + m for p, m in reqs) + BLOCK
@@ -103,17 +107,7 @@ def run_case(
         for rid in ids:
             req = requests[rid]
             sampled.append([5] if req.num_computed_tokens >= req.num_tokens else [])
-        sched.update_from_output(
-            so,
-            ModelRunnerOutput(
-                req_ids=ids,
-                req_id_to_index={r: i for i, r in enumerate(ids)},
-                sampled_token_ids=sampled,
-                logprobs=None,
-                prompt_logprobs_dict={},
-                pooler_output=[],
-            ),
-        )
+        sched.update_from_output(so, model_runner_output(ids, sampled))
         for rid, req in requests.items():
             if req.is_finished() and rid not in finished:
                 finished[rid] = step

@@ -12,11 +12,15 @@ import pytest
 import vllm
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from pagedkv.bench.harness import EngineConfig
-from pagedkv.bench.vllm_v1 import EngineSpec, build_scheduler, write_model_dir
+from pagedkv.bench.vllm_v1 import (
+    EngineSpec,
+    build_scheduler,
+    model_runner_output,
+    write_model_dir,
+)
 from pagedkv.vllm_v1._version import release_of
 
 RELEASE = release_of(vllm.__version__)
@@ -48,17 +52,7 @@ def _step(sched: Any, reqs: Dict[str, Request]) -> Any:
     so = sched.schedule()
     ids = list(so.num_scheduled_tokens)
     sampled = [[7] if reqs[i].num_computed_tokens >= reqs[i].num_tokens else [] for i in ids]
-    sched.update_from_output(
-        so,
-        ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        ),
-    )
+    sched.update_from_output(so, model_runner_output(ids, sampled))
     return so
 
 

@@ -215,25 +215,31 @@ class V1Engine(EngineUnderTest):
         )
 
     def model_output(self, so: Any) -> Any:
-        from vllm.v1.outputs import ModelRunnerOutput
-
         ids = list(so.num_scheduled_tokens)
         sampled = []
         for rid in ids:
             req = self.requests[rid]
             done = req.num_computed_tokens >= req.num_tokens
             sampled.append([self.outputs[rid][len(req.output_token_ids)]] if done else [])
-        return ModelRunnerOutput(
-            req_ids=ids,
-            req_id_to_index={r: i for i, r in enumerate(ids)},
-            sampled_token_ids=sampled,
-            logprobs=None,
-            prompt_logprobs_dict={},
-            pooler_output=[],
-        )
+        return model_runner_output(ids, sampled)
 
     def close(self) -> None:
         self._tmp.cleanup()
+
+
+def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` giving request ``ids[i]`` the tokens ``sampled[i]`` (the
+    model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=sampled,
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
 
 
 def decisions(so: Any) -> tuple:
