@@ -11,10 +11,10 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   leaves to vLLM's manager (the swap forces pagedkv's manager under vLLM's Scheduler, and it
   refuses external tokens). Deselected when the manager under test is not vLLM's own. Measured:
   every other test of the four files passes against pagedkv's manager (0.33 and 0.32; out of
-  scope configurations run vLLM's manager through pagedkv's fallback), except
-  ``test_prefix_caching.py::test_positive_retention_rejects_full_attention``, a behaviour
-  difference, deliberately not listed (vLLM refuses a positive
-  ``prefix_cache_retention_interval`` on full attention with ValueError; pagedkv accepts it).
+  scope configurations run vLLM's manager through pagedkv's fallback). The one behaviour
+  difference this found, ``test_prefix_caching.py::test_positive_retention_rejects_full_attention``
+  (vLLM refuses a positive ``prefix_cache_retention_interval`` on full attention), was fixed,
+  not listed: such a configuration is out of pagedkv's scope, so vLLM's manager refuses it.
   classify_vllm_tests.py proposes entries by source patterns for a new release.
 """
 
