@@ -260,7 +260,11 @@ class Driver:
             self.drain_deferred()
         elif r < 0.97:
             ids = {self.rng.randrange(self.num_blocks) for _ in range(3)}
-            self.both("evict_blocks", ids)
+            if self.rng.random() < 0.5:
+                self.both("evict_blocks", ids)
+            else:  # a connector's path: through the block pool, same events
+                self.vllm.block_pool.evict_blocks(ids)
+                self.ours.block_pool.evict_blocks(ids)
         else:
             a, b = self.both("reset_prefix_cache")
             assert a == b

@@ -34,6 +34,7 @@ class _PoolView:
     """What vLLM's scheduler reaches through ``kv_cache_manager.block_pool``."""
 
     def __init__(self, manager: KVCacheManager) -> None:
+        self._manager = manager
         self._native = manager._native
         self.num_gpu_blocks = self._native.num_blocks
         self.enable_caching = manager.enable_caching
@@ -50,7 +51,9 @@ class _PoolView:
         return self._native.usage()
 
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        self._native.evict_blocks(list(block_ids))
+        """The manager's ``evict_blocks`` (one path: its ``BlockRemoved`` events are collected
+        at once, in order)."""
+        self._manager.evict_blocks(block_ids)
 
 
 class _GroupView:
