@@ -67,7 +67,7 @@ MANAGER_METHODS = (
 def _engine(native: bool, caching: bool, release: str) -> Any:
     from pagedkv.bench.vllm_v1 import EngineSpec, V1Engine
 
-    return V1Engine(release, native, EngineSpec(caching=caching))
+    return V1Engine(release, native, EngineSpec(caching=caching), loop=False)
 
 
 def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float]) -> Dict[str, Any]:

@@ -67,11 +67,18 @@ class EngineSpec:
 
 
 def build_scheduler(
-    spec: EngineSpec, config: EngineConfig, model_dir: str, native: bool, cls: Any = None
+    spec: EngineSpec,
+    config: EngineConfig,
+    model_dir: str,
+    native: bool,
+    cls: Any = None,
+    loop: bool = True,
 ) -> Any:
     """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration
-    (``cls`` overrides the class). ``async_scheduling`` picks the async variant explicitly:
-    vLLM's CPU platform turns the config's flag off, and the bench measures both variants."""
+    (``cls`` overrides the class). pagedkv's runs its native loop where in scope unless
+    ``loop=False`` (then vLLM's loop over pagedkv's manager). ``async_scheduling`` picks the
+    async variant explicitly: vLLM's CPU platform turns the config's flag off, and the bench
+    measures both variants."""
     import torch
     from vllm.config import (
         CacheConfig,
@@ -122,6 +129,8 @@ def build_scheduler(
         from pagedkv import vllm_v1
 
         cls = vllm_v1.AsyncScheduler if spec.async_scheduling else vllm_v1.Scheduler
+        if not loop and not spec.async_scheduling:
+            cls = manager_only_scheduler()
     elif cls is None:
         cls = AsyncScheduler if spec.async_scheduling else Scheduler
     return cls(
@@ -131,6 +140,13 @@ def build_scheduler(
         log_stats=True,
         structured_output_manager=StructuredOutputManager(vllm_config),
     )
+
+
+def manager_only_scheduler() -> Any:
+    """pagedkv's ``Scheduler`` with its native loop off: vLLM's loop over pagedkv's manager."""
+    from pagedkv import vllm_v1
+
+    return type("ManagerOnlyScheduler", (vllm_v1.Scheduler,), {"native_loop": False})
 
 
 def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
@@ -155,31 +171,34 @@ def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
 
 class V1Engine(EngineUnderTest):
     """vLLM v1's real scheduler as an engine under test: vLLM's own (``native=False``, the
-    baseline) or pagedkv's (``pagedkv.vllm_v1``, differing only by its KV cache manager).
+    baseline) or pagedkv's (``pagedkv.vllm_v1.Scheduler``: its native loop, or with
+    ``loop=False`` vLLM's loop over pagedkv's native KV cache manager).
 
     ``step()`` times ``schedule()`` and ``update_from_output()``; the model stand-in between
     them (the workload's predetermined token for each request that finished its prompt) is
     not timed. ``detail`` carries the step's decisions with block ids (:func:`decisions`), so
     the harness compares them step by step."""
 
-    def __init__(self, release: str, native: bool, spec: EngineSpec) -> None:
+    def __init__(self, release: str, native: bool, spec: EngineSpec, loop: bool = True) -> None:
         self.release = release
         self.native = native
+        self.loop = loop
         self.spec = spec
         self.baseline = not native
-        self.name = f"pagedkv-v1-{release}" if native else f"vllm-{release}"
-        self.description = (
-            f"vLLM {release}'s Scheduler with pagedkv's native KV cache manager"
-            if native
-            else f"vLLM {release}'s own Scheduler and KVCacheManager"
-        )
+        self.name = engine_name(release, native, loop)
+        if not native:
+            self.description = f"vLLM {release}'s own Scheduler and KVCacheManager"
+        elif loop:
+            self.description = f"pagedkv.vllm_v1.Scheduler on vLLM {release}: the native loop"
+        else:
+            self.description = f"vLLM {release}'s scheduling loop over pagedkv's KV cache manager"
         self.outputs: Dict[str, List[int]] = {}
         self.requests: Dict[str, Any] = {}
 
     def setup(self, config: EngineConfig) -> None:
         self._tmp = tempfile.TemporaryDirectory()
         model_dir = write_model_dir(self._tmp.name, config.max_model_len)
-        self.scheduler = build_scheduler(self.spec, config, model_dir, self.native)
+        self.scheduler = build_scheduler(self.spec, config, model_dir, self.native, loop=self.loop)
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
@@ -272,15 +291,22 @@ def run_section(
     decisions were equal."""
     from pagedkv.bench.wholestep import _section
 
-    engines = [V1Engine(release, True, spec), V1Engine(release, False, spec)]
+    engines = [
+        V1Engine(release, True, spec),
+        V1Engine(release, True, spec, loop=False),
+        V1Engine(release, False, spec),
+    ]
     config = EngineConfig.from_workload(workload.config, spec.caching)
     run = run_lockstep(engines, config, workload.requests, max_steps=max_steps, progress=progress)
     section = _section(workload, spec.caching, run, 1)
-    vllm_lane = run.lanes[1]
     section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
-    section["ok"] = run.ok and vllm_lane.error is None and vllm_lane.differs_at is None
-    if vllm_lane.differs_at is not None:
-        section["difference"] = vllm_lane.difference
+    followers = run.lanes[1:]
+    section["ok"] = run.ok and all(
+        lane.error is None and lane.differs_at is None for lane in followers
+    )
+    differences = [lane.difference for lane in followers if lane.differs_at is not None]
+    if differences:
+        section["difference"] = differences[0]
     return section
 
 
@@ -538,20 +564,35 @@ def format_memory(mem: Dict[str, float]) -> str:
     )
 
 
+def engine_name(release: str, native: bool, loop: bool = True) -> str:
+    """The lane name of an engine: ``vllm-R``, ``pagedkv-v1-R`` (native loop) or
+    ``pagedkv-v1-manager-R`` (vLLM's loop over pagedkv's manager)."""
+    if not native:
+        return f"vllm-{release}"
+    return f"pagedkv-v1-{release}" if loop else f"pagedkv-v1-manager-{release}"
+
+
 def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> str:
-    """One line per section: both engines' mean step and the ratio."""
-    lines = [f"== vLLM {release} (v1 engine): vLLM's KV cache manager vs pagedkv's, whole step =="]
+    """One line per section: each engine's mean step and its ratio to vLLM's."""
+    vllm = engine_name(release, False)
+    lines = [
+        f"== vLLM {release} (v1 engine), whole step: vLLM's Scheduler vs pagedkv's native loop "
+        "(loop) and vLLM's loop over pagedkv's manager (manager) =="
+    ]
     for name, secs in sections.items():
         for sec in secs:
-            lanes = sec["lanes"]
-            ours = lanes[f"pagedkv-v1-{release}"]
-            theirs = lanes[f"vllm-{release}"]
-            ratio = sec["ratios"].get(f"pagedkv-v1-{release}_vs_vllm-{release}") or 0.0
+            lanes, ratios = sec["lanes"], sec["ratios"]
+            parts = [f"vLLM {lanes[vllm]['mean_us']:8.0f} us"]
+            for label, loop in (("loop", True), ("manager", False)):
+                lane = engine_name(release, True, loop)
+                if lane in lanes:
+                    ratio = ratios.get(f"{lane}_vs_{vllm}") or 0.0
+                    parts.append(f"{label} {lanes[lane]['mean_us']:7.0f} us {ratio:5.2f}x")
             check = "decisions equal" if sec["ok"] else f"DIFFER: {sec.get('difference')}"
             lines.append(
-                f"{name.upper():3} {sec['mode']:>6}: vLLM {theirs['mean_us']:8.0f} us/step,"
-                f" pagedkv {ours['mean_us']:8.0f} us/step -> {ratio:5.2f}x"
-                f"  ({sec['steps']} steps, {check})"
+                f"{name.upper():3} {sec['mode']:>6}: "
+                + ", ".join(parts)
+                + f"  ({sec['steps']} steps, {check})"
             )
     return "\n".join(lines)
 

@@ -4,6 +4,8 @@ Each subclasses vLLM's class and changes one thing: after vLLM's constructor has
 scheduler's ``kv_cache_manager`` is pagedkv's native one, built from the same arguments, when
 the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; also: no KV connector). Out of
 scope vLLM's manager stays and a log line says why. The choice is made once, at construction.
+``Scheduler`` also runs ``schedule()`` / ``update_from_output()`` natively while every request
+it holds is in scope (:mod:`pagedkv.vllm_v1._native_loop`).
 
 ``Scheduler`` is the class to name (``--scheduler-cls pagedkv.vllm_v1.Scheduler``): when vLLM
 runs with async scheduling (its default where the executor supports it), constructing it gives
@@ -13,12 +15,14 @@ turns async scheduling off.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Dict
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VLLMAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VLLMScheduler
 
 from ._manager import KVCacheManager, log_once
+from ._native_loop import NativeLoop
 
 
 def _manager_args(sched: Any, vllm_config: Any) -> Dict[str, Any]:
@@ -65,9 +69,15 @@ class AsyncScheduler(_VLLMAsyncScheduler):
         install_native_manager(self, vllm_config, kv_cache_config)
 
 
-class Scheduler(_VLLMScheduler):
-    """vLLM's ``Scheduler`` with pagedkv's KV cache manager; an ``AsyncScheduler`` when vLLM
-    runs with async scheduling."""
+class Scheduler(NativeLoop, _VLLMScheduler):
+    """vLLM's ``Scheduler`` with pagedkv's KV cache manager and, for the requests in scope,
+    pagedkv's native scheduling loop (:mod:`pagedkv.vllm_v1._native_loop`); an
+    ``AsyncScheduler`` when vLLM runs with async scheduling.
+
+    ``native_loop = False`` (a subclass, or ``PAGEDKV_VLLM_NATIVE_LOOP=0``) keeps vLLM's loop
+    over the native manager."""
+
+    native_loop = True
 
     def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any) -> Any:
         if cls is Scheduler and _async_scheduling(vllm_config):
@@ -77,6 +87,8 @@ class Scheduler(_VLLMScheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         install_native_manager(self, vllm_config, kv_cache_config)
+        if self.native_loop and os.environ.get("PAGEDKV_VLLM_NATIVE_LOOP", "1") != "0":
+            self._pagedkv_start_loop()
 
 
 def _async_scheduling(vllm_config: Any) -> bool:

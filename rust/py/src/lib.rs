@@ -10,7 +10,8 @@
 //! * `errors`: core errors to `pagedkv.errors`;
 //! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
 //! * `hashing`, `pool`, `manager`: the classes;
-//! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`.
+//! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
+//! * `v1_loop`: vLLM v1's `schedule()` / `update_from_output()` walk over vLLM's own objects.
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
 //! re-enables the GIL when importing it. Each object serves one call at a time; a concurrent or
@@ -31,6 +32,7 @@ mod scheduler;
 mod seqs;
 mod tokens;
 mod v1_call;
+mod v1_loop;
 mod v1_manager;
 
 #[pymodule(gil_used = true)]
@@ -44,6 +46,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerCore>()?;
     m.add_class::<scheduler::batch::PyBatchStep>()?;
     m.add_class::<v1_manager::PyV1Manager>()?;
+    m.add_class::<v1_loop::PyV1Loop>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;

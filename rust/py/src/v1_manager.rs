@@ -183,10 +183,29 @@ impl PyV1Manager {
         request: &Bound<'py, PyAny>,
         a: &SlotArgs<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let b = self
-            .vllm
+        let b = self.binding()?;
+        match self.allocate_ids(py, request, a)? {
+            None => Ok(py.None().into_bound(py)),
+            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
+            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
+        }
+    }
+
+    fn binding(&self) -> PyResult<&VllmBinding> {
+        self.vllm
             .get()
-            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))?;
+            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))
+    }
+
+    /// `allocate_slots` for `request`: the new block ids (empty: none is new), `None` when
+    /// they do not fit. KV events the call logged are handed to the bound callback.
+    pub(crate) fn allocate_ids<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        a: &SlotArgs<'py>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let b = self.binding()?;
         if a.num_external_computed_tokens != 0 || a.num_encoder_tokens != 0 {
             return Err(crate::errors::invalid(
                 "external (connector) and encoder tokens are outside pagedkv's manager",
@@ -195,13 +214,24 @@ impl PyV1Manager {
         let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
         let slots = slot_request(py, b, request, a, computed.as_deref())?;
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        let rid = rid_obj.cast::<PyString>()?;
+        self.allocate_prepared(py, request, rid_obj.cast::<PyString>()?, &slots)
+    }
+
+    /// `allocate_slots` with the request's fields already read (`slots`) by the caller.
+    pub(crate) fn allocate_prepared<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        rid: &Bound<'py, PyString>,
+        slots: &SlotRequest<'_>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        let b = self.binding()?;
         let mut hashes = PyHashes::of_request(request);
         let (ids, logged) = {
             let mut m = self.lock()?;
             let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
             let rid = known.text(rid, m.num_requests())?;
-            let ids = m.allocate_slots(rid, &slots, &mut hashes).py()?;
+            let ids = m.allocate_slots(rid, slots, &mut hashes).py()?;
             (ids, m.pool().has_events())
         };
         if logged {
@@ -209,11 +239,15 @@ impl PyV1Manager {
                 cb.bind(py).call1((request,))?;
             }
         }
-        match ids {
-            None => Ok(py.None().into_bound(py)),
-            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
-            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
-        }
+        Ok(ids)
+    }
+
+    /// The block table of the request named by `request_id` (a `str`).
+    pub(crate) fn table_of(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+        let m = self.lock()?;
+        let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+        let rid = known.text(request_id, m.num_requests())?;
+        Ok(m.blocks(rid).to_vec())
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {

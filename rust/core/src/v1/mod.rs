@@ -4,10 +4,12 @@
 //!
 //! * [`free_queue`]: the free-block queue (intrusive doubly linked list, vLLM's order);
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
-//! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group.
+//! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
+//! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` that pagedkv runs natively.
 
 pub mod free_queue;
 pub mod manager;
+pub mod policy;
 pub mod pool;
 
 #[cfg(test)]

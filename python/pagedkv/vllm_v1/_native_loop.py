@@ -1,0 +1,294 @@
+"""The native scheduling loop: vLLM v1's ``schedule()`` and ``update_from_output()`` in Rust
+(``pagedkv._native.V1Loop``) for the requests and engines in scope, vLLM's own Python loop
+for everything else, chosen per step.
+
+**No second copy of state.** The native loop reads and writes vLLM's own objects: the
+scheduler's ``running`` list and ``waiting`` queue, each ``Request``'s fields and token lists,
+the scheduler's id sets and counters, and pagedkv's native KV manager (which vLLM's loop uses
+too). After a native step the scheduler is in the state vLLM's loop would have left, so the
+next step can be either loop's; a switch needs no hand-over.
+
+**The switch.** ``Scheduler.schedule`` runs natively when
+
+* the engine is eligible (checked once at construction, :func:`engine_out_of_scope`: the
+  synchronous scheduler over pagedkv's native manager, no speculative decoding, no KV/EC
+  connector, no pipeline parallelism, no prefill cadence, ...), and
+* every request the scheduler holds is in scope (:func:`request_out_of_scope`: plain
+  sampling; no structured output, LoRA, multimodal inputs, prompt embeddings, KV transfer,
+  streaming sessions or repetition detection), and the scheduler is not paused.
+
+A request out of scope puts the engine on vLLM's loop from the next step until it has left
+(finished or aborted): its decisions couple every request of the step (budgets, queue order,
+preemption), so a step is wholly one loop's. ``update_from_output`` follows the same rule.
+The choice is logged once per engine; docs/vllm_v1.md, "The native loop", has the contract.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional
+
+from ._manager import KVCacheManager, log_once
+
+#: Out-of-scope request ids the engine holds, per scheduler (pruned as requests leave).
+_HELD = "_pagedkv_python_requests"
+
+
+def engine_out_of_scope(sched: Any) -> Optional[str]:
+    """Why the native loop cannot run this engine (``None``: it can)."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+    checks = (
+        (not isinstance(sched.kv_cache_manager, KVCacheManager), "vLLM's KV cache manager runs"),
+        (isinstance(sched, AsyncScheduler), "async scheduling"),
+        (sched.connector is not None, "a KV connector"),
+        (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
+        (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
+        (bool(sched.num_spec_tokens) or bool(sched.num_lookahead_tokens), "speculative decoding"),
+        (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
+        (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
+        (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
+        (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
+        (bool(getattr(sched, "num_prefill_lookahead", 0)), "prefill lookahead"),
+        (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
+        (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
+        (getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
+        (bool(getattr(sched, "defer_block_free", False)), "deferred block frees"),
+        (getattr(sched, "_kv_fetch_stages", None) is not None, "KV fetch tracking"),
+        (bool(getattr(sched, "return_sampling_mask", False)), "sampling masks"),
+        (_perf_metrics_on(sched), "per-step performance metrics"),
+        (_iteration_details_on(sched), "iteration-detail logging"),
+    )
+    return next((why for out, why in checks if out), None)
+
+
+def _perf_metrics_on(sched: Any) -> bool:
+    metrics = getattr(sched, "perf_metrics", None)
+    return bool(metrics and metrics.is_enabled())
+
+
+def _iteration_details_on(sched: Any) -> bool:
+    config = getattr(sched, "observability_config", None)
+    return bool(sched.log_stats and getattr(config, "enable_logging_iteration_details", False))
+
+
+def request_out_of_scope(request: Any) -> Optional[str]:
+    """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope)."""
+    from vllm.v1.request import RequestStatus
+
+    params = request.sampling_params
+    checks = (
+        (params is None or request.pooling_params is not None, "pooling"),
+        (request.status != RequestStatus.WAITING, "not waiting on arrival"),
+        (request.structured_output_request is not None, "structured output"),
+        (request.lora_request is not None, "LoRA"),
+        (bool(request.mm_features), "multimodal inputs"),
+        (request.prompt_embeds is not None, "prompt embeddings"),
+        (request.kv_transfer_params is not None, "KV transfer"),
+        (bool(getattr(request, "resumable", False)), "a streaming session"),
+        (getattr(params, "repetition_detection", None) is not None, "repetition detection"),
+        (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
+        (not isinstance(request.arrival_time, (int, float)), "arrival time"),
+    )
+    return next((why for out, why in checks if out), None)
+
+
+class NativeLoop:
+    """Mixin for pagedkv's ``Scheduler``: the per-step switch between the native loop and
+    vLLM's (the class it is mixed into)."""
+
+    _pagedkv_loop: Any = None
+
+    def _pagedkv_start_loop(self) -> None:
+        """Build the native loop if the engine is in scope (else log why, once)."""
+        why = engine_out_of_scope(self)
+        if why is not None:
+            log_once("pagedkv: vLLM's scheduling loop runs: %s", why)
+            return
+        from pagedkv import _native
+
+        setattr(self, _HELD, set())
+        self._pagedkv_output = _OutputBuilder(self)
+        self._pagedkv_loop = _native.V1Loop(self.kv_cache_manager._native, _loop_config(self))
+        log_once("pagedkv: native scheduling loop")
+
+    def _pagedkv_native_step(self) -> bool:
+        if self._pagedkv_loop is None:
+            return False
+        held = getattr(self, _HELD)
+        if held:
+            held.intersection_update(self.requests)
+            if held:
+                return False
+        from vllm.v1.core.sched.interface import PauseState
+
+        return (
+            self._pause_state == PauseState.UNPAUSED
+            and not self.kv_holding_waiting
+            and not self.num_waiting_for_streaming_input
+            and not self.grammar_compile_error_reqs
+            and not getattr(self, "encoder_cache_mismatch_reqs", None)
+        )
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)  # type: ignore[misc]
+        if self._pagedkv_loop is not None and request_out_of_scope(request) is not None:
+            getattr(self, _HELD).add(request.request_id)
+
+    def schedule(self, throttle_prefills: bool = False) -> Any:
+        if throttle_prefills or not self._pagedkv_native_step():
+            return super().schedule(throttle_prefills)  # type: ignore[misc]
+        new_reqs, cached, num_scheduled, total = self._pagedkv_loop.schedule(self)
+        out = self._pagedkv_output.scheduler_output(new_reqs, cached, num_scheduled, total)
+        self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
+        return out
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if not self._pagedkv_native_step() or not _plain_step(
+            scheduler_output, model_runner_output
+        ):
+            return super().update_from_output(  # type: ignore[misc]
+                scheduler_output, model_runner_output
+            )
+        outputs = self._pagedkv_loop.update(self, scheduler_output, model_runner_output)
+        return self._pagedkv_output.engine_core_outputs(outputs, model_runner_output)
+
+
+def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
+    """No draft tokens, connector outputs or pooler outputs in this step."""
+    return (
+        not scheduler_output.scheduled_spec_decode_tokens
+        and not scheduler_output.scheduled_encoder_inputs
+        and getattr(model_runner_output, "kv_connector_output", None) is None
+        and getattr(model_runner_output, "ec_connector_output", None) is None
+        and not model_runner_output.pooler_output
+    )
+
+
+def _loop_config(sched: Any) -> Dict[str, Any]:
+    """What ``V1Loop`` needs of the scheduler and of vLLM's classes."""
+    from vllm.v1.core.sched.request_queue import SchedulingPolicy
+    from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, FinishReason
+    from vllm.v1.request import RequestStatus
+
+    fields = list(EngineCoreOutput.__struct_fields__)
+    defaults = list(EngineCoreOutput.__struct_defaults__)
+    defaults = [None] * (len(fields) - len(defaults)) + defaults
+    if any(d is not None and not isinstance(d, (int, float, str)) for d in defaults):
+        raise TypeError("EngineCoreOutput has a default pagedkv cannot share between outputs")
+    return {
+        "release_033": hasattr(sched, "num_executed_steps"),
+        "v2_model_runner": bool(sched.use_v2_model_runner),
+        "hash_block_size": sched.hash_block_size,
+        "PRIORITY": SchedulingPolicy.PRIORITY,
+        "event_scheduled": EngineCoreEventType.SCHEDULED if sched.log_stats else None,
+        "WAITING": RequestStatus.WAITING,
+        "RUNNING": RequestStatus.RUNNING,
+        "PREEMPTED": RequestStatus.PREEMPTED,
+        "FINISHED_STOPPED": RequestStatus.FINISHED_STOPPED,
+        "FINISHED_LENGTH_CAPPED": RequestStatus.FINISHED_LENGTH_CAPPED,
+        "reason_stop": FinishReason.STOP,
+        "reason_length": FinishReason.LENGTH,
+        "make_new": _new_request_data_factory(sched),
+        "monotonic": time.monotonic,
+        "output_cls": EngineCoreOutput,
+        "output_fields": fields,
+        "output_defaults": defaults,
+    }
+
+
+def _new_request_data_factory(sched: Any) -> Any:
+    """``NewRequestData.from_request`` as vLLM's ``schedule()`` calls it."""
+    from vllm.v1.core.sched.output import NewRequestData
+
+    mrope = sched.model_uses_mrope
+    if sched.use_v2_model_runner:
+        return lambda req, ids: NewRequestData.from_request(
+            req, ids, req._all_token_ids, uses_mrope=mrope
+        )
+    return lambda req, ids: NewRequestData.from_request(req, ids, uses_mrope=mrope)
+
+
+class _OutputBuilder:
+    """vLLM's ``SchedulerOutput`` and ``EngineCoreOutputs`` around the native loop's parts,
+    with each release's fields (built as vLLM's ``schedule()`` / ``update_from_output()``
+    build them, from the same calls)."""
+
+    def __init__(self, sched: Any) -> None:
+        import dataclasses
+
+        from vllm.distributed.kv_events import KVEventBatch
+        from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+        from vllm.v1.engine import EngineCoreOutputs
+
+        self.sched = sched
+        self._Cached = CachedRequestData
+        self._Output = SchedulerOutput
+        self._Outputs = EngineCoreOutputs
+        self._Batch = KVEventBatch
+        self._fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
+
+    def scheduler_output(
+        self, new_reqs: List[Any], cached: tuple, num_scheduled: Dict[str, int], total: int
+    ) -> Any:
+        s = self.sched
+        req_ids, resumed, all_tokens, new_blocks, computed, outputs = cached
+        cached_data = self._Cached(
+            req_ids=req_ids,
+            resumed_req_ids=resumed,
+            new_token_ids=[],
+            all_token_ids=all_tokens,
+            new_block_ids=new_blocks,
+            num_computed_tokens=computed,
+            num_output_tokens=outputs,
+        )
+        encoders = s.encoder_cache_manager
+        kwargs: Dict[str, Any] = dict(
+            scheduled_new_reqs=new_reqs,
+            scheduled_cached_reqs=cached_data,
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=total,
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            scheduled_encoder_input_stats=None,
+            preempted_req_ids=s.reset_preempted_req_ids,
+            finished_req_ids=s.finished_req_ids,
+            free_encoder_mm_hashes=encoders.get_freed_mm_hashes(),
+            new_block_ids_to_zero=s._get_new_block_ids_to_zero(),
+            has_sync_kv_loads=False,
+            kv_cache_block_copies=None,
+            kv_connector_block_state=None,
+            num_spec_tokens_to_schedule=s.num_spec_tokens,
+            ec_manager_metadata=encoders.get_manager_metadata(),
+        )
+        if "encoder_input_updates" in self._fields:
+            kwargs["encoder_input_updates"] = s._get_encoder_input_updates(
+                num_scheduled, new_reqs, {}
+            )
+        if "skip_drafts" in self._fields:
+            kwargs["skip_drafts"] = False
+        return self._Output(**kwargs)
+
+    def engine_core_outputs(self, outputs: List[Any], model_runner_output: Any) -> Any:
+        s = self.sched
+        events = s.kv_cache_manager.take_events()
+        if events:
+            s.kv_event_publisher.publish(self._Batch(ts=time.time(), events=events))
+        result = {client: self._Outputs(outputs=outs) for client, outs in outputs}
+        finished = s.finished_req_ids_dict
+        if finished:
+            for client, ids in finished.items():
+                eco = result.get(client)
+                if eco is not None:
+                    eco.finished_requests = ids
+                else:
+                    result[client] = self._Outputs(finished_requests=ids)
+            finished.clear()
+        stats = s.make_stats(None, None, model_runner_output.cudagraph_stats, None)
+        if stats is not None:
+            eco = next(iter(result.values()), None)
+            if eco is None:
+                result[0] = eco = self._Outputs()
+            eco.scheduler_stats = stats
+        return result

@@ -1,0 +1,290 @@
+//! vLLM v1's scheduling rules (0.32 and 0.33) on the path pagedkv runs natively: how many
+//! tokens a running or waiting request gets this step, which running request a PRIORITY
+//! preemption picks, and when an appended token stops a request.
+//!
+//! Each rule is a pure function of numbers the caller reads off vLLM's `Request` and the
+//! scheduler (no state here): the walk over vLLM's own queues lives in the bindings
+//! (`rust/py/src/v1_loop.rs`), which call these in vLLM's order. Sources:
+//! `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`) and `vllm/v1/core/sched/utils.py`
+//! (`check_stop`). Every function is O(1) but [`priority_victim`], O(running).
+
+/// The scheduler's limits that the rules read (vLLM's attribute names).
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// `max_model_len`.
+    pub max_model_len: u64,
+    /// `scheduler_config.long_prefill_token_threshold` (0: none).
+    pub long_prefill_token_threshold: u64,
+    /// `scheduler_config.long_prefill_token_threshold_adaptive` (0.33; false on 0.32).
+    pub adaptive_threshold: bool,
+    /// `scheduler_config.enable_chunked_prefill`.
+    pub chunked_prefill: bool,
+    /// `num_sampled_tokens_per_step`: 1 for generation (the sampled token must fit).
+    pub sampled_per_step: u64,
+}
+
+/// The step's two budgets: `token_budget` and `input_budget` (no draft slots in scope).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget {
+    pub tokens: u64,
+    pub input: u64,
+}
+
+impl Budget {
+    /// What one request may take: `min(token_budget, input_budget)`.
+    pub fn room(&self) -> u64 {
+        self.tokens.min(self.input)
+    }
+
+    pub fn take(&mut self, n: u64) {
+        self.tokens -= n;
+        self.input -= n;
+    }
+
+    pub fn give_back(&mut self, n: u64) {
+        self.tokens += n;
+        self.input += n;
+    }
+}
+
+/// The step's `long_prefill_token_threshold`: none for a lone request (running + waiting
+/// <= 1), raised to a fair share of the input budget when adaptive.
+pub fn long_prefill_threshold(lim: &Limits, num_eligible: u64, input_budget: u64) -> u64 {
+    if num_eligible <= 1 {
+        return 0;
+    }
+    let t = lim.long_prefill_token_threshold;
+    if t > 0 && lim.adaptive_threshold {
+        t.max(input_budget / num_eligible)
+    } else {
+        t
+    }
+}
+
+/// A running request's fields the running loop reads.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RunningRow {
+    pub num_computed_tokens: u64,
+    /// `num_tokens_with_spec`: prompt + outputs + draft tokens.
+    pub num_tokens_with_spec: u64,
+    pub num_output_placeholders: u64,
+    pub num_prompt_tokens: u64,
+    pub max_tokens: u64,
+}
+
+/// Tokens the running loop schedules for `row` (0: the request is passed over this step, the
+/// loop goes on): vLLM's async max-tokens skip, then `num_tokens_with_spec + placeholders -
+/// num_computed` capped by the threshold, the budget and `max_model_len` (room for the
+/// sampled token).
+pub fn running_tokens(lim: &Limits, row: &RunningRow, threshold: u64, budget: &Budget) -> u64 {
+    let computed = row.num_computed_tokens;
+    let placeholders = row.num_output_placeholders;
+    if placeholders > 0 && computed + 2 >= row.num_prompt_tokens + row.max_tokens + placeholders {
+        return 0;
+    }
+    let mut n = (row.num_tokens_with_spec + placeholders).saturating_sub(computed);
+    if threshold > 0 && threshold < n {
+        n = threshold;
+    }
+    n = n.min(budget.room());
+    let room = lim
+        .max_model_len
+        .saturating_sub(computed)
+        .saturating_sub(lim.sampled_per_step);
+    n.min(room)
+}
+
+/// Tokens the waiting loop schedules for a request with `num_tokens` tokens of which
+/// `num_computed` are computed (prefix hit or none); `None` ends the waiting loop (chunked
+/// prefill off and the request does not fit the budget).
+pub fn waiting_tokens(
+    lim: &Limits,
+    num_tokens: u64,
+    num_computed: u64,
+    threshold: u64,
+    budget: &Budget,
+) -> Option<u64> {
+    let mut n = num_tokens.saturating_sub(num_computed);
+    if threshold > 0 && threshold < n {
+        n = threshold;
+    }
+    let room = budget.room();
+    if !lim.chunked_prefill && n > room {
+        return None;
+    }
+    Some(n.min(room))
+}
+
+/// The running request a PRIORITY preemption takes: the first maximum of `(priority,
+/// arrival_time)` in running order (Python's `max` keeps the first of equal keys).
+pub fn priority_victim(keys: impl IntoIterator<Item = (i64, f64)>) -> Option<usize> {
+    let mut best: Option<(usize, (i64, f64))> = None;
+    for (i, k) in keys.into_iter().enumerate() {
+        let better = match best {
+            None => true,
+            Some((_, b)) => k.0 > b.0 || (k.0 == b.0 && k.1 > b.1),
+        };
+        if better {
+            best = Some((i, k));
+        }
+    }
+    best.map(|(i, _)| i)
+}
+
+/// Why an appended token stops a request (`check_stop`'s outcomes in scope).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Stop {
+    /// The EOS token: `FINISHED_STOPPED`, no stop reason.
+    Eos,
+    /// One of `stop_token_ids`: `FINISHED_STOPPED`, the token is the stop reason.
+    StopToken(i64),
+    /// `max_model_len` or `max_tokens` reached: `FINISHED_LENGTH_CAPPED`.
+    Length,
+}
+
+/// The sampling fields `check_stop` reads.
+#[derive(Clone, Debug, Default)]
+pub struct StopRule {
+    /// `None` under `ignore_eos`.
+    pub eos_token_id: Option<i64>,
+    pub stop_token_ids: Vec<i64>,
+    pub max_tokens: u64,
+}
+
+/// vLLM's `check_stop` after `last` was appended, in its order: EOS, stop ids, then length
+/// (`min_tokens` gates only repetition detection, outside the native path: a sampled EOS stops
+/// even before `min_tokens`; the sampler masks it there).
+pub fn check_stop(
+    rule: &StopRule,
+    last: i64,
+    num_tokens: u64,
+    num_output_tokens: u64,
+    max_model_len: u64,
+) -> Option<Stop> {
+    if rule.eos_token_id == Some(last) {
+        return Some(Stop::Eos);
+    }
+    if rule.stop_token_ids.contains(&last) {
+        return Some(Stop::StopToken(last));
+    }
+    if num_tokens >= max_model_len || num_output_tokens >= rule.max_tokens {
+        return Some(Stop::Length);
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lim() -> Limits {
+        Limits {
+            max_model_len: 100,
+            long_prefill_token_threshold: 0,
+            adaptive_threshold: false,
+            chunked_prefill: true,
+            sampled_per_step: 1,
+        }
+    }
+
+    fn budget(n: u64) -> Budget {
+        Budget {
+            tokens: n,
+            input: n,
+        }
+    }
+
+    #[test]
+    fn threshold_applies_only_with_company_and_adapts_to_a_fair_share() {
+        let mut l = lim();
+        l.long_prefill_token_threshold = 8;
+        assert_eq!(long_prefill_threshold(&l, 1, 64), 0);
+        assert_eq!(long_prefill_threshold(&l, 2, 64), 8);
+        l.adaptive_threshold = true;
+        assert_eq!(long_prefill_threshold(&l, 2, 64), 32);
+        assert_eq!(long_prefill_threshold(&l, 16, 64), 8);
+    }
+
+    #[test]
+    fn running_row_is_capped_by_threshold_budget_and_model_length() {
+        let row = RunningRow {
+            num_computed_tokens: 10,
+            num_tokens_with_spec: 50,
+            num_prompt_tokens: 50,
+            max_tokens: 10,
+            ..Default::default()
+        };
+        assert_eq!(running_tokens(&lim(), &row, 0, &budget(64)), 40);
+        assert_eq!(running_tokens(&lim(), &row, 16, &budget(64)), 16);
+        assert_eq!(running_tokens(&lim(), &row, 0, &budget(7)), 7);
+        let mut short = lim();
+        short.max_model_len = 30;
+        assert_eq!(running_tokens(&short, &row, 0, &budget(64)), 19);
+        let done = RunningRow {
+            num_computed_tokens: 50,
+            ..row
+        };
+        assert_eq!(running_tokens(&lim(), &done, 0, &budget(64)), 0);
+    }
+
+    #[test]
+    fn async_request_whose_last_token_is_in_flight_is_passed_over() {
+        // 5 prompt + max 3: computed 7 with one placeholder -> the in-flight step ends it.
+        let row = RunningRow {
+            num_computed_tokens: 7,
+            num_tokens_with_spec: 7,
+            num_output_placeholders: 1,
+            num_prompt_tokens: 5,
+            max_tokens: 3,
+        };
+        assert_eq!(running_tokens(&lim(), &row, 0, &budget(64)), 0);
+        let earlier = RunningRow {
+            num_computed_tokens: 6,
+            num_tokens_with_spec: 6,
+            ..row
+        };
+        assert_eq!(running_tokens(&lim(), &earlier, 0, &budget(64)), 1);
+    }
+
+    #[test]
+    fn waiting_request_breaks_without_chunking_only_when_over_budget() {
+        let mut l = lim();
+        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(8)), Some(8));
+        l.chunked_prefill = false;
+        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(8)), None);
+        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(24)), Some(24));
+        assert_eq!(waiting_tokens(&l, 40, 16, 4, &budget(8)), Some(4));
+    }
+
+    #[test]
+    fn priority_victim_is_the_first_maximum() {
+        assert_eq!(priority_victim([]), None);
+        assert_eq!(
+            priority_victim([(0, 1.0), (2, 0.0), (2, 0.0), (1, 9.0)]),
+            Some(1)
+        );
+        assert_eq!(priority_victim([(1, 1.0), (1, 2.0), (0, 3.0)]), Some(1));
+    }
+
+    #[test]
+    fn stop_checks_run_in_vllms_order() {
+        let rule = StopRule {
+            eos_token_id: Some(2),
+            stop_token_ids: vec![7, 2],
+            max_tokens: 4,
+        };
+        assert_eq!(check_stop(&rule, 2, 10, 4, 100), Some(Stop::Eos));
+        assert_eq!(check_stop(&rule, 7, 10, 4, 100), Some(Stop::StopToken(7)));
+        assert_eq!(check_stop(&rule, 5, 10, 4, 100), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, 5, 100, 1, 100), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, 5, 10, 1, 100), None);
+        let ignore_eos = StopRule {
+            eos_token_id: None,
+            ..rule
+        };
+        assert_eq!(
+            check_stop(&ignore_eos, 2, 10, 1, 100),
+            Some(Stop::StopToken(2))
+        );
+    }
+}
