@@ -14,7 +14,7 @@
 //! sampled token; one Python call per admitted, preempted or finished request.
 
 use crate::v1_call::SlotArgs;
-use crate::v1_manager::PyV1Manager;
+use crate::v1_manager::{PtrHash, PyV1Manager};
 use pagedkv_core::v1::policy::{self, Budget, Limits, RunningRow, Stop, StopRule};
 use pagedkv_core::v1::SlotRequest;
 use pyo3::intern;
@@ -85,13 +85,87 @@ pub struct PyV1Loop {
     release_033: bool,
     v2_model_runner: bool,
     hash_block_size: u64,
+    /// The fixed fields of the requests the last call saw (see [`Fixed`]).
+    fixed: std::sync::Mutex<FixedMap>,
 }
 
-/// One call's walk: the loop, and the scheduler's settings read at the call's start (vLLM's
-/// loop reads them from the scheduler each step too).
+/// One call's walk: the loop, the scheduler's settings read at the call's start (vLLM's
+/// loop reads them from the scheduler each step too), and the fixed fields of the requests.
 struct Walk<'a> {
     lp: &'a PyV1Loop,
     set: Settings,
+    /// Entries of the requests the previous call saw (taken from the loop)...
+    old: std::cell::RefCell<FixedMap>,
+    /// ...and of those this call saw (stored back at its end).
+    new: std::cell::RefCell<FixedMap>,
+}
+
+type FixedMap = std::collections::HashMap<usize, Fixed, PtrHash>;
+
+/// What the loop reads of a request that does not change while the request is in scope
+/// (vLLM sets these at construction; only streaming sessions, outside the native path,
+/// replace them). Kept for the requests of the last call only, keyed by the request's
+/// address; the entry holds the request, so the address cannot be reused while it exists.
+struct Fixed {
+    _request: Py<PyAny>,
+    id: Py<PyString>,
+    all: Py<PyList>,
+    outs: Py<PyList>,
+    num_prompt: u64,
+    max_tokens: u64,
+    /// `block_hashes` when the request has a block hasher.
+    hashes: Option<Py<PyAny>>,
+    rule: StopRule,
+    client: i64,
+}
+
+impl Fixed {
+    fn read(request: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let py = request.py();
+        let hashing = !request.getattr(intern!(py, "_block_hasher"))?.is_none();
+        Ok(Fixed {
+            _request: request.clone().unbind(),
+            id: request.getattr(intern!(py, "request_id"))?.cast_into::<PyString>()?.unbind(),
+            all: request.getattr(intern!(py, "_all_token_ids"))?.cast_into::<PyList>()?.unbind(),
+            outs: request.getattr(intern!(py, "_output_token_ids"))?.cast_into::<PyList>()?.unbind(),
+            num_prompt: get_u64(request, intern!(py, "num_prompt_tokens"))?,
+            max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+            hashes: if hashing {
+                Some(request.getattr(intern!(py, "block_hashes"))?.unbind())
+            } else {
+                None
+            },
+            rule: stop_rule(request)?,
+            client: request.getattr(intern!(py, "client_index"))?.extract()?,
+        })
+    }
+}
+
+impl Walk<'_> {
+    /// The request's fixed fields (read now if the last call did not see it), kept for the
+    /// next call when `keep`.
+    fn fixed<R>(&self, request: &Bound<'_, PyAny>, keep: bool, f: impl FnOnce(&Fixed) -> R) -> PyResult<R> {
+        let key = request.as_ptr() as usize;
+        if let Some(e) = self.new.borrow().get(&key) {
+            return Ok(f(e));
+        }
+        let entry = match self.old.borrow_mut().remove(&key) {
+            Some(e) => e,
+            None => Fixed::read(request)?,
+        };
+        let out = f(&entry);
+        if keep {
+            self.new.borrow_mut().insert(key, entry);
+        }
+        Ok(out)
+    }
+
+    /// Hand the entries this call saw to the next call.
+    fn store(&self) {
+        if let Ok(mut m) = self.lp.fixed.try_lock() {
+            *m = self.new.take();
+        }
+    }
 }
 
 impl PyV1Loop {
@@ -132,7 +206,16 @@ impl PyV1Loop {
             v2_model_runner: self.v2_model_runner,
             hash_block_size: self.hash_block_size,
         };
-        Ok(Walk { lp: self, set })
+        let old = match self.fixed.try_lock() {
+            Ok(mut m) => std::mem::take(&mut *m),
+            Err(_) => return Err(crate::errors::busy("this V1Loop")),
+        };
+        Ok(Walk {
+            lp: self,
+            set,
+            old: std::cell::RefCell::new(old),
+            new: std::cell::RefCell::new(FixedMap::default()),
+        })
     }
 }
 
@@ -224,6 +307,7 @@ impl PyV1Loop {
             release_033,
             v2_model_runner,
             hash_block_size,
+            fixed: std::sync::Mutex::new(FixedMap::default()),
         })
     }
 
@@ -233,7 +317,10 @@ impl PyV1Loop {
     /// num_output_tokens)`, after applying `_update_after_schedule`'s request updates. The
     /// caller builds the output and replaces the finished and preempted id sets.
     fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
-        self.walk(sched)?.schedule(sched)
+        let walk = self.walk(sched)?;
+        let out = walk.schedule(sched);
+        walk.store();
+        out
     }
 
     /// `Scheduler.update_from_output()`'s per-request part: returns `[(client_index,
@@ -417,7 +504,7 @@ impl Walk<'_> {
                 }
             }
             if let Some(output) = out.output {
-                let client: i64 = request.getattr(intern!(py, "client_index"))?.extract()?;
+                let client = self.fixed(&request, true, |f| f.client)?;
                 match outputs.iter().find(|(c, _)| *c == client) {
                     Some((_, list)) => list.append(output)?,
                     None => outputs.push((client, PyList::new(py, [output])?)),
@@ -503,22 +590,20 @@ impl Walk<'_> {
 
     fn running_row<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(RunningRow, Read<'py>)> {
         let py = request.py();
-        let all = request
-            .getattr(intern!(py, "_all_token_ids"))?
-            .cast_into::<PyList>()?;
+        let (id, all, num_prompt, max_tokens) = self.fixed(request, true, |f| {
+            (f.id.bind(py).clone(), f.all.bind(py).clone(), f.num_prompt, f.max_tokens)
+        })?;
         let status = request.getattr(intern!(py, "status"))?;
         let spec = len_of(request, intern!(py, "spec_token_ids"))?;
         let row = RunningRow {
             num_computed_tokens: get_u64(request, intern!(py, "num_computed_tokens"))?,
             num_tokens_with_spec: all.len() as u64 + spec,
             num_output_placeholders: get_u64(request, intern!(py, "num_output_placeholders"))?,
-            num_prompt_tokens: get_u64(request, intern!(py, "num_prompt_tokens"))?,
-            max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+            num_prompt_tokens: num_prompt,
+            max_tokens,
         };
         let read = Read {
-            id: request
-                .getattr(intern!(py, "request_id"))?
-                .cast_into::<PyString>()?,
+            id,
             all,
             waiting_or_preempted: status.is(self.lp.objs.waiting.bind(py))
                 || status.is(self.lp.objs.preempted.bind(py)),
@@ -667,9 +752,9 @@ impl Walk<'_> {
             (None, 0)
         };
         let num_computed = if lookup { num_local } else { computed_before };
-        let all = request
-            .getattr(intern!(py, "_all_token_ids"))?
-            .cast_into::<PyList>()?;
+        let (id, all) = self.fixed(request, true, |f| {
+            (f.id.bind(py).clone(), f.all.bind(py).clone())
+        })?;
         let num_tokens = all.len() as u64;
         let Some(n) = policy::waiting_tokens(
             &self.set.limits,
@@ -709,9 +794,6 @@ impl Walk<'_> {
             request.call_method1(intern!(py, "record_event"), (event.bind(py), ts))?;
         }
         let status = request.getattr(intern!(py, "status"))?;
-        let id = request
-            .getattr(intern!(py, "request_id"))?
-            .cast_into::<PyString>()?;
         let table = self.lp.manager.get().table_of(&id)?;
         budget.take(n);
         request.setattr(intern!(py, "status"), self.lp.objs.running.bind(py))?;
@@ -943,19 +1025,14 @@ impl Walk<'_> {
         stale: bool,
     ) -> PyResult<Option<Stop>> {
         let py = request.py();
-        let outs = request
-            .getattr(intern!(py, "_output_token_ids"))?
-            .cast_into::<PyList>()?;
-        let all = request
-            .getattr(intern!(py, "_all_token_ids"))?
-            .cast_into::<PyList>()?;
-        let hashing = !request.getattr(intern!(py, "_block_hasher"))?.is_none();
-        let hashes = if hashing {
-            Some(request.getattr(intern!(py, "block_hashes"))?)
-        } else {
-            None
-        };
-        let rule = stop_rule(request)?;
+        let (outs, all, hashes, rule) = self.fixed(request, true, |f| {
+            (
+                f.outs.bind(py).clone(),
+                f.all.bind(py).clone(),
+                f.hashes.as_ref().map(|h| h.bind(py).clone()),
+                f.rule.clone(),
+            )
+        })?;
         let count = tokens.len();
         let mut stop = None;
         for (k, tok) in tokens.iter().enumerate() {

@@ -38,10 +38,10 @@ struct RequestIds {
 }
 
 /// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
-type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
+pub(crate) type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
 
 #[derive(Default)]
-struct PtrHasher(u64);
+pub(crate) struct PtrHasher(u64);
 
 impl std::hash::Hasher for PtrHasher {
     fn finish(&self) -> u64 {
