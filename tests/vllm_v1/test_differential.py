@@ -1,7 +1,9 @@
 """Randomized lockstep differential: vLLM's v1 scheduler over vLLM's KVCacheManager and over
 the manager under test ($PAGEDKV_V1_MANAGER_UNDER_TEST, see v1_harness), same seeded workload,
-compared at every step (SchedulerOutput, EngineCoreOutputs with the scheduler stats, published
-KV events, usage, free blocks, block tables)."""
+compared after every call (SchedulerOutput, EngineCoreOutputs with the scheduler stats and the
+requests' events, published KV events, and ``v1_harness.scheduler_state``: queues in pop order,
+the scheduler's sets and counters, every request's fields and tokens, usage, free blocks, block
+tables)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,11 @@ from pathlib import Path
 import pytest
 import v1_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+from vllm.v1.core.sched.scheduler import (
+    Scheduler as VllmScheduler,
+)  # not `Scheduler`: see h.scheduler_module
+from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
+from vllm.v1.request import RequestStatus
 
 FAST_SEEDS = range(100)
 SLOW_SEEDS = range(100, 1100)
@@ -125,6 +132,68 @@ def test_the_differential_catches_a_planted_difference(
         h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, planted).run()
 
 
+class DoesNotCountSteps(VllmScheduler):
+    """Forgets to advance ``current_step`` (nothing the engine gets back shows it)."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        self.current_step -= 1
+        return out
+
+
+class QueuesAtTheFront(VllmScheduler):
+    """FCFS with a new request put at the front of ``waiting``."""
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        self.waiting.remove_request(request)
+        self.waiting.prepend_request(request)
+
+
+class LosesTheQueuedEvent(VllmScheduler):
+    """Records no QUEUED event."""
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        request.events.clear()
+
+
+class ForgetsPreemptions(VllmScheduler):
+    """Does not count a preemption in ``num_preemptions``."""
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        request.num_preemptions -= 1
+
+
+class AbortsAsStopped(VllmScheduler):
+    """Finishes aborted requests as stopped (no output carries it: only their final state)."""
+
+    def finish_requests(self, request_ids, finished_status):
+        return super().finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+
+@pytest.mark.parametrize(
+    ("planted", "when"),
+    [
+        (DoesNotCountSteps, "after schedule"),
+        (QueuesAtTheFront, "after arrivals and aborts"),
+        (LosesTheQueuedEvent, "after arrivals and aborts"),
+        (ForgetsPreemptions, "after schedule"),
+        (AbortsAsStopped, "after arrivals and aborts"),
+    ],
+)
+def test_the_scheduler_state_catches_a_planted_scheduler_difference(
+    planted: type, when: str, tiny_model_dir: Path
+) -> None:
+    """What only the state shows, caught where it happens (vLLM's manager on both sides)."""
+    specs = [dataclasses.replace(s, abort_step=4) for s in pressure_workload()[:2]]
+    specs += pressure_workload()[2:]
+    lockstep = h.Lockstep(PRESSURE, specs, 1, tiny_model_dir, KVCacheManager, scheduler_cls=planted)
+    with pytest.raises(h.Divergence, match=f"{when}: scheduler state"):
+        lockstep.run()
+
+
 def test_vllms_manager_against_itself_agrees(tiny_model_dir: Path) -> None:
     """The harness's own baseline (nothing in it differs by construction: ids, timestamps)."""
     stats = h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, KVCacheManager).run()
@@ -165,3 +234,11 @@ def test_normalize_keeps_order_and_drops_timestamps() -> None:
     assert h.normalize(Stamped(1, 2.0)) != h.normalize(Stamped(2, 2.0))
     diff = h.first_difference(h.normalize([Stamped(1, 0.0)]), h.normalize([Stamped(2, 0.0)]))
     assert diff == "[0].value: 1 != 2"
+
+
+def test_normalize_compares_event_types_and_enum_names() -> None:
+    queued = h.normalize(EngineCoreEvent(EngineCoreEventType.QUEUED, 1.0))
+    assert queued == h.normalize(EngineCoreEvent(EngineCoreEventType.QUEUED, 2.0))
+    assert queued != h.normalize(EngineCoreEvent(EngineCoreEventType.SCHEDULED, 1.0))
+    assert h.normalize(RequestStatus.RUNNING) == "RequestStatus.RUNNING"
+    assert h.normalize(RequestStatus.RUNNING) != h.normalize(int(RequestStatus.RUNNING))

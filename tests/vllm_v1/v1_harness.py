@@ -25,7 +25,7 @@ import typing
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from vllm.config import (
@@ -306,15 +306,18 @@ def make_scheduler(
     model_dir: Path,
     manager_cls: Optional[type] = None,
     own_scheduler: bool = True,
+    scheduler_cls: Optional[type] = None,
 ) -> Scheduler:
-    """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``."""
+    """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``; ``scheduler_cls``
+    names the class outright (a planted difference)."""
     vllm_config, kv_cache_config = build_vllm_config(cfg, model_dir)
     base = AsyncScheduler if cfg.async_scheduling else Scheduler
-    cls = (
-        base
-        if manager_cls is None
-        else scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
-    )
+    if scheduler_cls is not None:
+        cls = scheduler_cls
+    elif manager_cls is None:
+        cls = base
+    else:
+        cls = scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
     sched = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
@@ -406,15 +409,17 @@ _VOLATILE_FIELDS = frozenset(
     | {"last_token_ts", "time"}
 )
 
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+
 
 def normalize(obj: Any, _seen: Optional[set] = None) -> Any:
     """A plain, comparable form: dataclasses, msgspec structs and objects become
     ``(TypeName, {field: value})``, dicts keep their order, sets are sorted, timestamps dropped,
-    callables become ``"<callable>"``."""
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
+    callables become ``"<callable>"``, enums (int enums too) their qualified names."""
     if isinstance(obj, enum.Enum):
         return f"{type(obj).__name__}.{obj.name}"
+    if type(obj) in _ATOMS or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
     seen = _seen if _seen is not None else set()
     if id(obj) in seen:
         return "<cycle>"
@@ -442,6 +447,8 @@ def _normalize_container(obj: Any, seen: set) -> Any:
     if isinstance(obj, (set, frozenset)):
         return ("set", sorted((normalize(x, seen) for x in obj), key=repr))
     if isinstance(obj, list):
+        if all(type(x) in _ATOMS for x in obj):  # token ids, block ids, hashes: fast
+            return list(obj)
         return [normalize(x, seen) for x in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return ("tuple", [normalize(x, seen) for x in obj])
@@ -546,24 +553,30 @@ class Lockstep:
         manager_cls: type,
         max_steps: int = 3000,
         own_scheduler: bool = True,
+        scheduler_cls: Optional[type] = None,
     ) -> None:
         self.cfg = cfg
         self.specs = specs
         self.rng = random.Random(seed * 7919 + 1)
         self.ref = make_scheduler(cfg, model_dir)
-        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler)
+        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler, scheduler_cls)
         self.hasher = request_block_hasher(cfg)
         self.max_steps = max_steps
         self.step = 0
         self.pending: deque[Pending] = deque()
         self.finished: set[str] = set()
+        # Both sides' Request objects, kept until compared once after leaving ``requests``.
+        self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
         self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0, "drafts": 0}
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
         if a != b:
-            diff = first_difference(a, b) or "(no path found)"
-            raise Divergence(f"step {self.step}: {what} differs ({self.cfg}):\n  {diff}")
+            self._diverged(what, a, b)
+
+    def _diverged(self, what: str, a: Any, b: Any) -> None:
+        diff = first_difference(a, b) or "(no path found)"
+        raise Divergence(f"step {self.step}: {what} differs ({self.cfg}):\n  {diff}")
 
     def run(self) -> dict:
         while self.step < self.max_steps:
@@ -581,15 +594,19 @@ class Lockstep:
         return all_arrived and idle and not self.pending
 
     def _arrivals_and_aborts(self) -> None:
-        for spec in self.specs:
-            if spec.arrival_step == self.step:
-                self.ref.add_request(build_request(spec, self.hasher))
-                self.test.add_request(build_request(spec, self.hasher))
+        arrivals = [s for s in self.specs if s.arrival_step == self.step]
+        for spec in arrivals:
+            for sched, tracked in zip((self.ref, self.test), self.tracked):
+                request = build_request(spec, self.hasher)
+                tracked[spec.req_id] = request
+                sched.add_request(request)
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
             ref = self.ref.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
             test = self.test.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
             self.check("finish_requests", _ids(ref), _ids(test))
+        if arrivals or aborts:
+            self._check_state("after arrivals and aborts")
 
     def _maybe_reset_prefix_cache(self) -> None:
         if self.rng.random() >= 0.01:
@@ -600,6 +617,7 @@ class Lockstep:
             self.ref.reset_prefix_cache(preempt_running),
             self.test.reset_prefix_cache(preempt_running),
         )
+        self._check_state("after reset_prefix_cache")
 
     def _schedule(self) -> None:
         ref_out, test_out = self.ref.schedule(), self.test.schedule()
@@ -659,25 +677,122 @@ class Lockstep:
         return self.rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE)
 
     def _check_state(self, when: str) -> None:
-        self.check(f"{when}: manager state", manager_state(self.ref), manager_state(self.test))
+        """:func:`scheduler_state` of both sides, with the requests that left ``requests``
+        since the last check (compared once more, then forgotten)."""
+        left = [
+            [r for rid, r in tracked.items() if rid not in sched.requests]
+            for sched, tracked in zip((self.ref, self.test), self.tracked)
+        ]
+        ref, test = scheduler_state(self.ref, left[0]), scheduler_state(self.test, left[1])
+        if ref != test:  # plain values: == is the comparison (see scheduler_state)
+            self._diverged(f"{when}: scheduler state", normalize(ref), normalize(test))
+        for tracked, gone in zip(self.tracked, left):
+            for request in gone:
+                del tracked[request.request_id]
 
 
-def manager_state(sched: Scheduler) -> dict:
-    """What the engine and the metrics read of the manager, and the queues it shapes."""
+_ABSENT = "<absent in this vLLM>"
+#: Scheduler attributes compared where the release has them (else ``_ABSENT`` on both sides).
+SCHEDULER_QUEUES = ("waiting", "kv_holding_waiting", "skipped_waiting")  # in pop order
+SCHEDULER_REQUEST_SETS = ("deferred_waiting", "_inflight_prefills")
+SCHEDULER_ID_SETS = ("finished_req_ids", "prev_step_scheduled_req_ids", "reset_preempted_req_ids")
+SCHEDULER_SCALARS = (
+    "current_step",
+    "num_executed_steps",
+    "last_prefill_step",
+    "prefill_capacity_bound",
+    "num_waiting_for_streaming_input",
+    "_pause_state",
+)
+#: Scheduler methods the engine and its metrics call.
+SCHEDULER_QUERIES = (
+    "get_request_counts",
+    "get_num_unfinished_requests",
+    "has_finished_requests",
+    "has_unfinished_requests",
+    "has_requests",
+    "get_kv_cache_usage",
+)
+REQUEST_SCALARS = (
+    "status",
+    "num_computed_tokens",
+    "num_output_placeholders",
+    "num_in_flight_tokens",
+    "num_stale_output_tokens",
+    "drop_stale_output",
+    "num_preemptions",
+    "is_prefill_chunk",
+    "stop_reason",
+    "max_tokens",
+    "priority",
+    "client_index",
+    "next_decode_eligible_step",
+    "last_sched_seq",
+)
+REQUEST_LISTS = ("_all_token_ids", "_output_token_ids", "block_hashes", "spec_token_ids")
+
+
+def scheduler_state(sched: Scheduler, left: Iterable[Request] = ()) -> dict:
+    """Everything a reimplemented scheduling loop must leave as vLLM's does, between calls.
+
+    * queues: ``running`` in order; ``waiting``, ``kv_holding_waiting``, ``skipped_waiting`` in
+      pop order (iterating vLLM's FCFS and priority queues pops nothing); ``deferred_waiting``
+      and ``_inflight_prefills`` as sorted ids;
+    * the id sets ``finished_req_ids``, ``prev_step_scheduled_req_ids``,
+      ``reset_preempted_req_ids``, ``finished_req_ids_dict`` (per client);
+    * counters and flags: ``current_step``, ``num_executed_steps``, ``last_prefill_step``,
+      ``prefill_capacity_bound``, ``num_waiting_for_streaming_input``, ``_pause_state``;
+    * what the engine asks: ``get_request_counts()``, ``get_num_unfinished_requests()``,
+      ``has_finished_requests()``, ``has_unfinished_requests()``, ``has_requests()``,
+      ``get_kv_cache_usage()``;
+    * the manager: ``usage``, free blocks, the block table of every request in ``requests``;
+    * the ids of ``requests`` in order, and :func:`request_state` of each of them and of the
+      requests in ``left`` (finished since the last look: no longer in ``requests``).
+
+    Attributes a release lacks read as ``_ABSENT``. The snapshot is plain values (lists where
+    order matters, dicts only with fixed keys), so ``==`` compares it as :func:`normalize`
+    would (but for ``1 == True``), at C speed; the
+    :class:`SchedulerOutput` and :class:`EngineCoreOutputs` (with ``make_stats()``) are compared
+    separately, after each call."""
     kv = sched.kv_cache_manager
-    running = [r.request_id for r in sched.running]
-    return {
-        "usage": kv.usage,
-        "kv_cache_usage": sched.get_kv_cache_usage()
-        if hasattr(sched, "get_kv_cache_usage")
-        else None,
-        "free_blocks": kv.block_pool.get_num_free_blocks(),
-        "running": running,
-        "waiting": sorted(r.request_id for r in sched.waiting),
-        "num_unfinished": sched.get_num_unfinished_requests(),
-        "block_ids": {rid: kv.get_block_ids(rid) for rid in running},
-        "num_computed": {rid: sched.requests[rid].num_computed_tokens for rid in running},
-    }
+    state: dict[str, Any] = {"running": _ids(sched.running)}
+    for name in SCHEDULER_QUEUES:
+        state[name] = _attr(sched, name, _ids)
+    for name in SCHEDULER_REQUEST_SETS:
+        state[name] = _attr(sched, name, lambda s: sorted(_ids(s)))
+    for name in SCHEDULER_ID_SETS:
+        state[name] = _attr(sched, name, sorted)
+    state["finished_req_ids_dict"] = _attr(
+        sched,
+        "finished_req_ids_dict",
+        lambda d: None if d is None else sorted((c, sorted(ids)) for c, ids in d.items()),
+    )
+    for name in SCHEDULER_SCALARS:
+        state[name] = _attr(sched, name)
+    for name in SCHEDULER_QUERIES:
+        state[name] = _attr(sched, name, lambda method: method())
+    state["usage"] = kv.usage
+    state["free_blocks"] = kv.block_pool.get_num_free_blocks()
+    state["block_ids"] = [(rid, kv.get_block_ids(rid)) for rid in sched.requests]
+    state["requests"] = [(rid, request_state(r)) for rid, r in sched.requests.items()]
+    state["left"] = [(r.request_id, request_state(r)) for r in left]
+    return state
+
+
+def request_state(request: Request) -> dict:
+    """One request as the loop leaves it: :data:`REQUEST_SCALARS` (``_ABSENT`` where the
+    release lacks one), :data:`REQUEST_LISTS` (tokens, outputs, block hashes, drafts),
+    ``prefill_stats`` and the types of its pending ``events`` (no timestamps)."""
+    state = {name: getattr(request, name, _ABSENT) for name in REQUEST_SCALARS}
+    state.update((name, list(getattr(request, name))) for name in REQUEST_LISTS)
+    state["prefill_stats"] = normalize(request.prefill_stats)
+    state["events"] = [event.type for event in request.events]
+    return state
+
+
+def _attr(obj: Any, name: str, view: Callable[[Any], Any] = lambda value: value) -> Any:
+    value = getattr(obj, name, _ABSENT)
+    return value if value is _ABSENT else view(value)
 
 
 def _ids(requests: Any) -> Any:
