@@ -45,6 +45,7 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.engine import FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -58,6 +59,8 @@ HASH_ALGOS: tuple[str, ...] = typing.get_args(PrefixCachingHashAlgo)
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 512
 FIRST_PROMPT_TOKEN = 3  # 0..2: pad, bos, eos
+STOP_TOKEN_IDS = (3, 4, 5, 6)  # what requests' stop_token_ids are drawn from; sampled sometimes
+FIRST_PLAIN_TOKEN = 7  # sampled tokens from here on stop nothing
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -123,6 +126,15 @@ class SchedConfig:
     kv_events: bool = True
     # ngram speculative decoding (synchronous scheduling only): draft slots as lookahead
     num_spec_tokens: int = 0
+    policy: str = "fcfs"  # or "priority": requests ordered by (priority, arrival_time)
+    # SchedulerConfig fields set only where this vLLM release has them (:func:`optional_fields`)
+    reserve_full_isl: bool = True  # scheduler_reserve_full_isl
+    adaptive_threshold: bool = False  # long_prefill_token_threshold_adaptive
+    max_num_scheduled_tokens: Optional[int] = None  # a token budget below the batch size
+    max_num_active_seqs: Optional[int] = None  # fewer RUNNING than max_num_seqs
+    # an engine serving several front ends: outputs per client, finished ids per client
+    num_clients: int = 1
+    include_finished_set: bool = False
 
 
 def random_config(rng: random.Random) -> SchedConfig:
@@ -132,19 +144,29 @@ def random_config(rng: random.Random) -> SchedConfig:
     min_blocks = max_model_len // block_size + 2
     num_blocks = rng.randint(min_blocks, min_blocks * 2)
     async_scheduling = rng.random() < 0.4
+    max_num_seqs = rng.choice((2, 4, 8, 16))
+    max_num_batched_tokens = rng.choice((64, 128, 512))
+    long_prefill_token_threshold = rng.choice((0, 0, 24))
     return SchedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
-        max_num_seqs=rng.choice((2, 4, 8, 16)),
-        max_num_batched_tokens=rng.choice((64, 128, 512)),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_caching=rng.random() < 0.75,
         async_scheduling=async_scheduling,
         hash_algo=rng.choice(HASH_ALGOS),
-        long_prefill_token_threshold=rng.choice((0, 0, 24)),
+        long_prefill_token_threshold=long_prefill_token_threshold,
         watermark=rng.choice((0.0, 0.0, 0.05)),
         kv_events=rng.random() < 0.8,
         num_spec_tokens=0 if async_scheduling else rng.choice((0, 0, 0, 2, 4)),
+        policy="priority" if rng.random() < 0.3 else "fcfs",
+        reserve_full_isl=rng.random() < 0.75,
+        adaptive_threshold=long_prefill_token_threshold > 0 and rng.random() < 0.5,
+        max_num_scheduled_tokens=rng.choice((None, None, None, max_num_batched_tokens // 2)),
+        max_num_active_seqs=rng.choice((None, None, None, max(1, max_num_seqs // 2))),
+        num_clients=rng.choice((1, 1, 2)),
+        include_finished_set=rng.random() < 0.3,
     )
 
 
@@ -165,6 +187,30 @@ def model_config(model_dir: Path, max_model_len: int) -> ModelConfig:
     return _MODEL_CONFIGS[key]
 
 
+#: SchedConfig attribute -> the SchedulerConfig field it sets, where the release has the field.
+OPTIONAL_SCHEDULER_FIELDS = {
+    "reserve_full_isl": "scheduler_reserve_full_isl",
+    "adaptive_threshold": "long_prefill_token_threshold_adaptive",
+    "max_num_scheduled_tokens": "max_num_scheduled_tokens",
+    "max_num_active_seqs": "max_num_active_seqs",
+}
+
+
+def optional_fields(cfg: SchedConfig) -> dict[str, Any]:
+    """The SchedulerConfig fields of ``cfg`` that this vLLM release has (0.32 and 0.33 have all);
+    a field the release lacks is left out, unless ``cfg`` asks for a non-default value."""
+    have = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    defaults = SchedConfig()
+    out = {}
+    for attr, name in OPTIONAL_SCHEDULER_FIELDS.items():
+        value = getattr(cfg, attr)
+        if name in have:
+            out[name] = value
+        elif value != getattr(defaults, attr):
+            raise ValueError(f"SchedulerConfig of this vLLM has no {name} (asked: {value!r})")
+    return out
+
+
 def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
     """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model."""
     mc = model_config(model_dir, cfg.max_model_len)
@@ -177,6 +223,8 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         async_scheduling=cfg.async_scheduling,
         is_encoder_decoder=False,
         watermark=cfg.watermark,
+        policy=cfg.policy,
+        **optional_fields(cfg),
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,
@@ -323,6 +371,7 @@ def make_scheduler(
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=cfg.block_size,
+        include_finished_set=cfg.include_finished_set,
         log_stats=True,
     )
     if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
@@ -346,6 +395,11 @@ class RequestSpec:
     ignore_eos: bool
     arrival_step: int
     abort_step: Optional[int] = None
+    priority: int = 0
+    arrival_time: Optional[float] = None  # default: the arrival step
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    client_index: int = 0
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -353,7 +407,10 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
-    """Requests over time: shared prefixes, exact repeats, long and short, some aborted."""
+    """Requests over time: shared prefixes, exact repeats, n-like siblings (same prompt and
+    arrival, other ids), long and short, some with ``max_tokens`` past ``max_model_len`` (capped
+    by it), stop ids, ``min_tokens``, small priorities (ties common) and arrival times that do
+    not always increase, some aborted at a set step."""
     bs = cfg.block_size
     prefixes = [_tokens(rng, rng.randint(1, 6 * bs)) for _ in range(3)]
     specs: list[RequestSpec] = []
@@ -365,31 +422,54 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
         else:
             prefix = rng.choice(prefixes) if rng.random() < 0.6 else []
             prompt = prefix + _tokens(rng, rng.randint(1, 4 * bs))
-        max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
-        prompt = prompt[: cfg.max_model_len - max_tokens]
-        abort = step + rng.randint(0, 12) if rng.random() < 0.15 else None
-        specs.append(
-            RequestSpec(
-                req_id=f"r{i}",
-                prompt=tuple(prompt),
-                max_tokens=max_tokens,
-                ignore_eos=rng.random() < 0.5,
-                arrival_step=step,
-                abort_step=abort,
-            )
+        to_the_cap = rng.random() < 0.06  # runs until max_model_len stops it
+        if to_the_cap:
+            max_tokens = cfg.max_model_len
+            prompt = prompt[: cfg.max_model_len // 2]
+        else:
+            max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
+            prompt = prompt[: cfg.max_model_len - max_tokens]
+        stops: list[int] = []
+        if not to_the_cap and rng.random() < 0.3:
+            stops = rng.sample(STOP_TOKEN_IDS, rng.randint(1, 3))
+        spec = RequestSpec(
+            req_id=f"r{i}",
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            ignore_eos=to_the_cap or rng.random() < 0.5,
+            arrival_step=step,
+            abort_step=step + rng.randint(0, 12) if rng.random() < 0.15 else None,
+            priority=rng.choice((0, 0, 1, 1, 2, -1)),
+            arrival_time=step + rng.choice((0.0, 0.0, 0.0, 0.5, -0.5, -2.0)),
+            stop_token_ids=tuple(stops),
+            min_tokens=rng.randint(1, max_tokens) if rng.random() < 0.2 else 0,
+            client_index=rng.randrange(cfg.num_clients),
         )
+        if rng.random() < 0.08:  # as the front end fans out n > 1: ids "k_parent"
+            n = rng.randint(2, 4)
+            specs += [dataclasses.replace(spec, req_id=f"{k}_{spec.req_id}") for k in range(n)]
+        else:
+            specs.append(spec)
     return specs
 
 
 def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
-    params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+    params = SamplingParams(
+        max_tokens=spec.max_tokens,
+        ignore_eos=spec.ignore_eos,
+        stop_token_ids=list(spec.stop_token_ids),
+        min_tokens=spec.min_tokens,
+    )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
+    arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
     return Request(
         request_id=spec.req_id,
         prompt_token_ids=list(spec.prompt),
         sampling_params=params,
         pooling_params=None,
-        arrival_time=float(spec.arrival_step),
+        client_index=spec.client_index,
+        arrival_time=float(arrival_time),
+        priority=spec.priority,
         block_hasher=block_hasher,
     )
 
@@ -567,7 +647,13 @@ class Lockstep:
         self.finished: set[str] = set()
         # Both sides' Request objects, kept until compared once after leaving ``requests``.
         self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
-        self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0, "drafts": 0}
+        self.stats: dict[str, Any] = dict.fromkeys(
+            ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts"), 0
+        )
+        self.stats.update(
+            dict.fromkeys(("stopped_by_stop_id", "stopped_under_min_tokens"), 0),
+            capped_at_max_model_len=0,
+        )
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
@@ -620,13 +706,19 @@ class Lockstep:
         self._check_state("after reset_prefix_cache")
 
     def _schedule(self) -> None:
+        running_before = [r.request_id for r in self.ref.running]
         ref_out, test_out = self.ref.schedule(), self.test.schedule()
         self.check("SchedulerOutput", ref_out, test_out)
         req_ids = list(ref_out.num_scheduled_tokens)
         samples = [not self.ref.requests[r].is_prefill_chunk for r in req_ids]
         test_samples = [not self.test.requests[r].is_prefill_chunk for r in req_ids]
         self.check("prefill-chunk flags", samples, test_samples)
-        self.stats["preemptions"] += len(ref_out.preempted_req_ids or ())
+        preempted = ref_out.preempted_req_ids or set()
+        self.stats["preemptions"] += len(preempted)
+        # FCFS victims are the tail of ``running``; other victims come from the priority rule.
+        victims = [r for r in running_before if r in preempted]
+        if victims != running_before[len(running_before) - len(victims) :]:
+            self.stats["priority_preemptions"] += 1
         self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
         self.pending.append(Pending(ref_out, test_out, req_ids, samples))
         self._check_state("after schedule")
@@ -639,7 +731,7 @@ class Lockstep:
 
     def _update(self, p: Pending) -> None:
         drafts = p.ref_out.scheduled_spec_decode_tokens
-        tokens = [self._sampled(s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
+        tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
         test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
         self.check("EngineCoreOutputs", ref, test)
@@ -652,15 +744,36 @@ class Lockstep:
             stats = outs.scheduler_stats
             if stats is not None:
                 self.stats["hits"] += stats.prefix_cache_stats.hits
+            for out in outs.outputs:
+                if out.finish_reason is not None:
+                    self._count_finish(out)
         self.stats["steps"] += 1
         self._check_state("after update_from_output")
 
-    def _sampled(self, samples: bool, num_drafts: int) -> list[int]:
+    def _count_finish(self, out: Any) -> None:
+        self.finished.add(out.request_id)
+        request = self.tracked[0][out.request_id]
+        if out.stop_reason is not None:
+            self.stats["stopped_by_stop_id"] += 1
+        if out.finish_reason == FinishReason.STOP and (
+            request.num_output_tokens < request.sampling_params.min_tokens
+        ):
+            self.stats["stopped_under_min_tokens"] += 1
+        if out.finish_reason == FinishReason.LENGTH and (
+            request.num_tokens == self.cfg.max_model_len
+        ):
+            self.stats["capped_at_max_model_len"] += 1
+
+    def _sampled(self, req_id: str, samples: bool, num_drafts: int) -> list[int]:
         """The tokens one request gets from a step: none for a prefill chunk, else one plus
         the accepted part of its drafts."""
         if not samples:
             return []
-        return [self._sample() for _ in range(1 + self.rng.randint(0, num_drafts))]
+        request = self.ref.requests.get(req_id)
+        num_outputs = request.num_output_tokens if request is not None else 0
+        min_tokens = request.sampling_params.min_tokens if request is not None else 0
+        n = 1 + self.rng.randint(0, num_drafts)
+        return [self._sample(masked=num_outputs + i < min_tokens) for i in range(n)]
 
     def _propose_drafts(self, p: Pending) -> None:
         """What the engine does after a synchronous step with a drafter: new draft tokens for
@@ -671,10 +784,18 @@ class Lockstep:
         self.ref.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
         self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
 
-    def _sample(self) -> int:
-        if self.rng.random() < 0.05:
+    def _sample(self, masked: bool = False) -> int:
+        """EOS 1 in 20, a stop id 1 in 20, else a plain token. ``masked`` (below min_tokens):
+        vLLM's sampler masks the stop tokens; here 1 in 5 slips through, so a stop check that
+        let min_tokens gate EOS or stop ids would differ from vLLM's."""
+        x = self.rng.random()
+        if masked and x < 0.1 and self.rng.random() < 0.8:
+            x = 1.0
+        if x < 0.05:
             return EOS_TOKEN_ID
-        return self.rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE)
+        if x < 0.1:
+            return self.rng.choice(STOP_TOKEN_IDS)
+        return self.rng.randrange(FIRST_PLAIN_TOKEN, VOCAB_SIZE)
 
     def _check_state(self, when: str) -> None:
         """:func:`scheduler_state` of both sides, with the requests that left ``requests``
