@@ -60,6 +60,7 @@ def test_fast_seeds_cover_every_configuration_axis() -> None:
     assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
     assert {c.policy for c in cfgs} == {"fcfs", "priority"}
     assert {c.num_clients for c in cfgs} == {1, 2}
+    assert {c.abort_rate > 0 for c in cfgs} == {True, False}
     for axis in ("max_num_scheduled_tokens", "max_num_active_seqs"):
         assert {getattr(c, axis) is None for c in cfgs} == {True, False}, axis
     assert set(h.optional_fields(h.SchedConfig())) == set(h.OPTIONAL_SCHEDULER_FIELDS.values())
@@ -180,6 +181,18 @@ def test_max_model_len_caps_the_length(
     specs = [h.RequestSpec(f"c{i}", prompt(rng, 8 + 5 * i), 64, True, i) for i in range(6)]
     stats = h.Lockstep(cfg, specs, 1, tiny_model_dir, manager_cls).run()
     assert stats["capped_at_max_model_len"] == len(specs), stats
+
+
+def test_aborts_everywhere(tiny_model_dir: Path, manager_cls: type) -> None:
+    """Aborts of waiting, preempted and running requests, of requests with a step in flight,
+    and of finished and unknown ids (which abort nothing)."""
+    cfg = dataclasses.replace(PRESSURE, async_scheduling=True, abort_rate=0.3)
+    rng = random.Random(11)
+    specs = [
+        h.RequestSpec(f"a{i}", prompt(rng, 10 + i % 7 * 3), 30, True, i // 3) for i in range(40)
+    ]
+    stats = h.Lockstep(cfg, specs, 1, tiny_model_dir, manager_cls).run()
+    assert set(stats["aborts"]) == set(h.ABORT_KINDS), stats
 
 
 def prompt(rng: random.Random, n: int) -> tuple[int, ...]:

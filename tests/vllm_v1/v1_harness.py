@@ -22,7 +22,7 @@ import os
 import random
 import sys
 import typing
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
@@ -135,6 +135,7 @@ class SchedConfig:
     # an engine serving several front ends: outputs per client, finished ids per client
     num_clients: int = 1
     include_finished_set: bool = False
+    abort_rate: float = 0.0  # per step: the chance of aborts picked from the live state
 
 
 def random_config(rng: random.Random) -> SchedConfig:
@@ -167,6 +168,7 @@ def random_config(rng: random.Random) -> SchedConfig:
         max_num_active_seqs=rng.choice((None, None, None, max(1, max_num_seqs // 2))),
         num_clients=rng.choice((1, 1, 2)),
         include_finished_set=rng.random() < 0.3,
+        abort_rate=rng.choice((0.0, 0.02, 0.05)),
     )
 
 
@@ -620,6 +622,10 @@ class Pending:
     samples: list[bool]  # False: a prefill chunk, whose sampled token is discarded
 
 
+#: Where an abort may hit (:meth:`Lockstep._random_aborts`); the last two abort nothing.
+ABORT_KINDS = ("waiting", "preempted", "running", "in_flight", "finished", "unknown")
+
+
 class Lockstep:
     """Two schedulers, one workload; :meth:`run` raises :class:`Divergence` at the first
     difference in anything the scheduler or the engine would see."""
@@ -653,6 +659,7 @@ class Lockstep:
         self.stats.update(
             dict.fromkeys(("stopped_by_stop_id", "stopped_under_min_tokens"), 0),
             capped_at_max_model_len=0,
+            aborts=Counter(),
         )
 
     def check(self, what: str, ref: Any, test: Any) -> None:
@@ -688,11 +695,49 @@ class Lockstep:
                 sched.add_request(request)
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
-            ref = self.ref.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            test = self.test.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            self.check("finish_requests", _ids(ref), _ids(test))
-        if arrivals or aborts:
+            self._abort(aborts, "finish_requests")
+        aborted_at_random = self._random_aborts()
+        if arrivals or aborts or aborted_at_random:
             self._check_state("after arrivals and aborts")
+
+    def _abort(self, req_ids: list[str], what: str) -> list[str]:
+        ref = _ids(self.ref.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
+        test = _ids(self.test.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
+        self.check(what, ref, test)
+        self.finished.update(ref)
+        return test
+
+    def _random_aborts(self) -> bool:
+        """With ``cfg.abort_rate``: abort one or two requests of a kind drawn from
+        :data:`ABORT_KINDS` (a kind with no request now aborts nothing this step)."""
+        if self.rng.random() >= self.cfg.abort_rate:
+            return False
+        kind = self.rng.choice(ABORT_KINDS)
+        candidates = self._abort_candidates(kind)
+        if not candidates:
+            return False
+        req_ids = self.rng.sample(candidates, min(len(candidates), self.rng.randint(1, 2)))
+        aborted = self._abort(req_ids, f"finish_requests of {kind} {req_ids}")
+        if kind in ("finished", "unknown") and aborted:
+            raise Divergence(f"step {self.step}: aborting {kind} ids {req_ids} aborted {aborted}")
+        self.stats["aborts"][kind] += 1
+        return True
+
+    def _abort_candidates(self, kind: str) -> list[str]:
+        """The ids (sorted) of the reference's requests of one :data:`ABORT_KINDS` kind."""
+        if kind == "unknown":
+            return ["never-added"]
+        if kind == "finished":
+            return sorted(self.finished)
+        if kind == "in_flight":
+            ids = {r for p in self.pending for r in p.req_ids if r in self.ref.requests}
+            return sorted(ids)
+        status = {
+            "waiting": RequestStatus.WAITING,
+            "preempted": RequestStatus.PREEMPTED,
+            "running": RequestStatus.RUNNING,
+        }[kind]
+        return sorted(r for r, req in self.ref.requests.items() if req.status == status)
 
     def _maybe_reset_prefix_cache(self) -> None:
         if self.rng.random() >= 0.01:
