@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import v1_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager
-from vllm.v1.core.sched.scheduler import (
-    Scheduler as VllmScheduler,
-)  # not `Scheduler`: see h.scheduler_module
+
+# Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
+# a package with its own scheduler classes (h.scheduler_module).
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
 from vllm.v1.request import RequestStatus
 
@@ -122,10 +123,10 @@ def test_pressure_workload_preempts_hits_and_evicts(
 
 def priority_workload() -> list[h.RequestSpec]:
     """Eight requests, each more urgent (smaller priority) than the one before, two arriving
-    per step, the first two with one arrival time: the pool fills and the victims are the
-    oldest (least urgent) running requests, not the tail of ``running``."""
+    per step with one arrival time: the pool fills and the victims are the oldest (least
+    urgent) running requests, not the tail of ``running``."""
     return [
-        dataclasses.replace(spec, priority=8 - i, arrival_time=float(max(i // 2, 1)))
+        dataclasses.replace(spec, priority=8 - i, arrival_time=float(i // 2))
         for i, spec in enumerate(pressure_workload())
     ]
 
