@@ -10,6 +10,11 @@ and ``AsyncScheduler`` (``pagedkv.vllm_v1`` does), those classes are used as the
 harness checks that they really run the manager under test. Otherwise vLLM's own scheduler class
 is subclassed so that its ``__init__`` builds the manager under test, with exactly the keyword
 arguments vLLM passes to its own ``KVCacheManager`` (recorded in ``manager_kwargs``).
+
+Compared after every call (:class:`Lockstep`): the whole ``SchedulerOutput``, the
+``EngineCoreOutputs`` (with ``make_stats()`` and the requests' events), the published KV events,
+and :func:`scheduler_state` (queues, the scheduler's sets and counters, every request's state,
+the manager's tables), so that a scheduler that reimplements vLLM's loop is held to vLLM's.
 """
 
 from __future__ import annotations
@@ -653,14 +658,11 @@ class Lockstep:
         self.finished: set[str] = set()
         # Both sides' Request objects, kept until compared once after leaving ``requests``.
         self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
-        self.stats: dict[str, Any] = dict.fromkeys(
-            ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts"), 0
-        )
-        self.stats.update(
-            dict.fromkeys(("stopped_by_stop_id", "stopped_under_min_tokens"), 0),
-            capped_at_max_model_len=0,
-            aborts=Counter(),
-        )
+        # What the run reached (the reference's view), for tests that a path was taken.
+        counts = ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts")
+        finishes = ("stopped_by_stop_id", "stopped_under_min_tokens", "capped_at_max_model_len")
+        self.stats: dict[str, Any] = dict.fromkeys(counts + finishes, 0)
+        self.stats["aborts"] = Counter()  # per ABORT_KINDS kind
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
