@@ -1,7 +1,9 @@
 """Randomized lockstep differential: vLLM's v1 scheduler over vLLM's KVCacheManager and over
 the manager under test ($PAGEDKV_V1_MANAGER_UNDER_TEST, see v1_harness), same seeded workload,
-compared at every step (SchedulerOutput, EngineCoreOutputs with the scheduler stats, published
-KV events, usage, free blocks, block tables)."""
+compared after every call (SchedulerOutput, EngineCoreOutputs with the scheduler stats and the
+requests' events, published KV events, and ``v1_harness.scheduler_state``: queues in pop order,
+the scheduler's sets and counters, every request's fields and tokens, usage, free blocks, block
+tables)."""
 
 from __future__ import annotations
 
@@ -13,6 +15,12 @@ from pathlib import Path
 import pytest
 import v1_harness as h
 from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+# Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
+# a package with its own scheduler classes (h.scheduler_module).
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
+from vllm.v1.request import RequestStatus
 
 FAST_SEEDS = range(100)
 SLOW_SEEDS = range(100, 1100)
@@ -42,13 +50,43 @@ def test_lockstep_slow(seed: int, tiny_model_dir: Path, manager_cls: type) -> No
 
 
 def test_fast_seeds_cover_every_configuration_axis() -> None:
-    """The fast seeds draw every hash algorithm, and each switch both ways."""
+    """The fast seeds draw every hash algorithm, each switch both ways, and each optional
+    SchedulerConfig field is one this vLLM has (so that it is really set)."""
     cfgs = [h.random_config(random.Random(seed)) for seed in FAST_SEEDS]
     assert {c.hash_algo for c in cfgs} == set(h.HASH_ALGOS)
-    for axis in ("enable_caching", "async_scheduling", "kv_events"):
+    switches = ("enable_caching", "async_scheduling", "kv_events", "reserve_full_isl")
+    for axis in (*switches, "adaptive_threshold", "include_finished_set"):
         assert Counter(getattr(c, axis) for c in cfgs).keys() == {True, False}, axis
     assert {c.block_size for c in cfgs} == {4, 8, 16}
     assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
+    assert {c.policy for c in cfgs} == {"fcfs", "priority"}
+    assert {c.num_clients for c in cfgs} == {1, 2}
+    assert {c.abort_rate > 0 for c in cfgs} == {True, False}
+    for axis in ("max_num_scheduled_tokens", "max_num_active_seqs"):
+        assert {getattr(c, axis) is None for c in cfgs} == {True, False}, axis
+    assert set(h.optional_fields(h.SchedConfig())) == set(h.OPTIONAL_SCHEDULER_FIELDS.values())
+
+
+def test_fast_seeds_cover_every_workload_axis() -> None:
+    """Stop ids, min_tokens, ignore_eos both ways, max_tokens past max_model_len, n-like
+    siblings, priority ties, arrival times out of order, clients, aborts at a set step."""
+    specs, orders = [], []
+    for seed in FAST_SEEDS:
+        rng = random.Random(seed)
+        cfg = h.random_config(rng)
+        workload = h.random_workload(rng, cfg)
+        specs += [(cfg, s) for s in workload]
+        orders.append([s.arrival_time for s in workload])
+    assert any(s.stop_token_ids for _, s in specs)
+    assert {len(s.stop_token_ids) for _, s in specs} == {0, 1, 2, 3}
+    assert any(s.min_tokens for _, s in specs)
+    assert {s.ignore_eos for _, s in specs} == {True, False}
+    assert any(len(s.prompt) + s.max_tokens > c.max_model_len for c, s in specs)
+    assert any(s.req_id.startswith("1_") for _, s in specs)  # an n-like sibling
+    assert {s.priority for _, s in specs} == {-1, 0, 1, 2}
+    assert any(times != sorted(times) for times in orders)
+    assert {s.client_index for _, s in specs} == {0, 1}
+    assert any(s.abort_step is not None for _, s in specs)
 
 
 PRESSURE = h.SchedConfig(
@@ -81,6 +119,85 @@ def test_pressure_workload_preempts_hits_and_evicts(
     assert stats["hits"] > 0, stats
     assert stats["events"] > 0, stats
     assert (stats["drafts"] > 0) == (num_spec_tokens > 0), stats
+
+
+def priority_workload() -> list[h.RequestSpec]:
+    """Eight requests, each more urgent (smaller priority) than the one before, two arriving
+    per step with one arrival time: the pool fills and the victims are the oldest (least
+    urgent) running requests, not the tail of ``running``."""
+    return [
+        dataclasses.replace(spec, priority=8 - i, arrival_time=float(i // 2))
+        for i, spec in enumerate(pressure_workload())
+    ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_priority_policy_preempts_by_priority(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    cfg = dataclasses.replace(PRESSURE, policy="priority", async_scheduling=async_scheduling)
+    stats = h.Lockstep(cfg, priority_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0, stats
+    assert stats["priority_preemptions"] > 0, stats
+
+
+def stop_workload() -> list[h.RequestSpec]:
+    """Requests that only stop ids can end early (EOS ignored), half with min_tokens (and
+    every stop id)."""
+    rng = random.Random(7)
+    return [
+        h.RequestSpec(
+            f"s{i}",
+            prompt(rng, 5 + i),
+            max_tokens=40,
+            ignore_eos=True,
+            arrival_step=i // 4,
+            stop_token_ids=h.STOP_TOKEN_IDS if i % 2 else h.STOP_TOKEN_IDS[: 1 + i % 3],
+            min_tokens=30 if i % 2 else 0,
+        )
+        for i in range(24)
+    ]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_ids_and_min_tokens(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """Requests stopped by a stop id (``stop_reason`` set), and some by one that slipped past
+    the sampler's min_tokens mask: vLLM's check_stop stops on it all the same."""
+    cfg = dataclasses.replace(PRESSURE, num_blocks=64, async_scheduling=async_scheduling)
+    stats = h.Lockstep(cfg, stop_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["stopped_by_stop_id"] > 0, stats
+    assert stats["stopped_under_min_tokens"] > 0, stats
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_max_model_len_caps_the_length(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """max_tokens past max_model_len, EOS ignored: every request ends at max_model_len tokens
+    with finish reason "length"."""
+    cfg = dataclasses.replace(PRESSURE, num_blocks=40, async_scheduling=async_scheduling)
+    rng = random.Random(3)
+    specs = [h.RequestSpec(f"c{i}", prompt(rng, 8 + 5 * i), 64, True, i) for i in range(6)]
+    stats = h.Lockstep(cfg, specs, 1, tiny_model_dir, manager_cls).run()
+    assert stats["capped_at_max_model_len"] == len(specs), stats
+
+
+def test_aborts_everywhere(tiny_model_dir: Path, manager_cls: type) -> None:
+    """Aborts of waiting, preempted and running requests, of requests with a step in flight,
+    and of finished and unknown ids (which abort nothing)."""
+    cfg = dataclasses.replace(PRESSURE, async_scheduling=True, abort_rate=0.3)
+    rng = random.Random(11)
+    specs = [
+        h.RequestSpec(f"a{i}", prompt(rng, 10 + i % 7 * 3), 30, True, i // 3) for i in range(40)
+    ]
+    stats = h.Lockstep(cfg, specs, 1, tiny_model_dir, manager_cls).run()
+    assert set(stats["aborts"]) == set(h.ABORT_KINDS), stats
+
+
+def prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, h.VOCAB_SIZE) for _ in range(n))
 
 
 # --------------------------------------------------------------------------- planted bugs
@@ -125,6 +242,68 @@ def test_the_differential_catches_a_planted_difference(
         h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, planted).run()
 
 
+class DoesNotCountSteps(VllmScheduler):
+    """Forgets to advance ``current_step`` (nothing the engine gets back shows it)."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        self.current_step -= 1
+        return out
+
+
+class QueuesAtTheFront(VllmScheduler):
+    """FCFS with a new request put at the front of ``waiting``."""
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        self.waiting.remove_request(request)
+        self.waiting.prepend_request(request)
+
+
+class LosesTheQueuedEvent(VllmScheduler):
+    """Records no QUEUED event."""
+
+    def add_request(self, request) -> None:
+        super().add_request(request)
+        request.events.clear()
+
+
+class ForgetsPreemptions(VllmScheduler):
+    """Does not count a preemption in ``num_preemptions``."""
+
+    def _preempt_request(self, request, *args, **kwargs) -> None:
+        super()._preempt_request(request, *args, **kwargs)
+        request.num_preemptions -= 1
+
+
+class AbortsAsStopped(VllmScheduler):
+    """Finishes aborted requests as stopped (no output carries it: only their final state)."""
+
+    def finish_requests(self, request_ids, finished_status):
+        return super().finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+
+@pytest.mark.parametrize(
+    ("planted", "when"),
+    [
+        (DoesNotCountSteps, "after schedule"),
+        (QueuesAtTheFront, "after arrivals and aborts"),
+        (LosesTheQueuedEvent, "after arrivals and aborts"),
+        (ForgetsPreemptions, "after schedule"),
+        (AbortsAsStopped, "after arrivals and aborts"),
+    ],
+)
+def test_the_scheduler_state_catches_a_planted_scheduler_difference(
+    planted: type, when: str, tiny_model_dir: Path
+) -> None:
+    """What only the state shows, caught where it happens (vLLM's manager on both sides)."""
+    specs = [dataclasses.replace(s, abort_step=4) for s in pressure_workload()[:2]]
+    specs += pressure_workload()[2:]
+    lockstep = h.Lockstep(PRESSURE, specs, 1, tiny_model_dir, KVCacheManager, scheduler_cls=planted)
+    with pytest.raises(h.Divergence, match=f"{when}: scheduler state"):
+        lockstep.run()
+
+
 def test_vllms_manager_against_itself_agrees(tiny_model_dir: Path) -> None:
     """The harness's own baseline (nothing in it differs by construction: ids, timestamps)."""
     stats = h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, KVCacheManager).run()
@@ -165,3 +344,27 @@ def test_normalize_keeps_order_and_drops_timestamps() -> None:
     assert h.normalize(Stamped(1, 2.0)) != h.normalize(Stamped(2, 2.0))
     diff = h.first_difference(h.normalize([Stamped(1, 0.0)]), h.normalize([Stamped(2, 0.0)]))
     assert diff == "[0].value: 1 != 2"
+
+
+def test_normalize_compares_event_types_and_enum_names() -> None:
+    queued = h.normalize(EngineCoreEvent(EngineCoreEventType.QUEUED, 1.0))
+    assert queued == h.normalize(EngineCoreEvent(EngineCoreEventType.QUEUED, 2.0))
+    assert queued != h.normalize(EngineCoreEvent(EngineCoreEventType.SCHEDULED, 1.0))
+    assert h.normalize(RequestStatus.RUNNING) == "RequestStatus.RUNNING"
+    assert h.normalize(RequestStatus.RUNNING) != h.normalize(int(RequestStatus.RUNNING))
+
+
+def test_scheduler_state_reads_the_priority_queue_in_pop_order(tiny_model_dir: Path) -> None:
+    """Pop order is (priority, arrival_time, request id), not the heap's list order; reading it
+    pops nothing."""
+    cfg = h.SchedConfig(policy="priority")
+    sched = h.make_scheduler(cfg, tiny_model_dir)
+    hasher = h.request_block_hasher(cfg)
+    arrivals = [("a", 2, 0.0), ("b", 0, 5.0), ("c", 0, 1.0), ("d", 1, 0.0), ("b2", 0, 1.0)]
+    for rid, priority, arrival in arrivals:
+        spec = h.RequestSpec(rid, (5, 6, 7), 4, True, 0, priority=priority, arrival_time=arrival)
+        sched.add_request(h.build_request(spec, hasher))
+    state = h.scheduler_state(sched)
+    assert state["waiting"] == ["b2", "c", "b", "d", "a"]
+    assert [r.request_id for r in sched.waiting._heap] != state["waiting"]
+    assert h.scheduler_state(sched) == state

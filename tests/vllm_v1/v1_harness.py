@@ -10,6 +10,11 @@ and ``AsyncScheduler`` (``pagedkv.vllm_v1`` does), those classes are used as the
 harness checks that they really run the manager under test. Otherwise vLLM's own scheduler class
 is subclassed so that its ``__init__`` builds the manager under test, with exactly the keyword
 arguments vLLM passes to its own ``KVCacheManager`` (recorded in ``manager_kwargs``).
+
+Compared after every call (:class:`Lockstep`): the whole ``SchedulerOutput``, the
+``EngineCoreOutputs`` (with ``make_stats()`` and the requests' events), the published KV events,
+and :func:`scheduler_state` (queues, the scheduler's sets and counters, every request's state,
+the manager's tables), so that a scheduler that reimplements vLLM's loop is held to vLLM's.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ import os
 import random
 import sys
 import typing
-from collections import deque
+from collections import Counter, deque
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 from vllm.config import (
@@ -45,6 +50,7 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+from vllm.v1.engine import FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -58,6 +64,8 @@ HASH_ALGOS: tuple[str, ...] = typing.get_args(PrefixCachingHashAlgo)
 EOS_TOKEN_ID = 2
 VOCAB_SIZE = 512
 FIRST_PROMPT_TOKEN = 3  # 0..2: pad, bos, eos
+STOP_TOKEN_IDS = (3, 4, 5, 6)  # what requests' stop_token_ids are drawn from; sampled sometimes
+FIRST_PLAIN_TOKEN = 7  # sampled tokens from here on stop nothing
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -123,6 +131,16 @@ class SchedConfig:
     kv_events: bool = True
     # ngram speculative decoding (synchronous scheduling only): draft slots as lookahead
     num_spec_tokens: int = 0
+    policy: str = "fcfs"  # or "priority": requests ordered by (priority, arrival_time)
+    # SchedulerConfig fields set only where this vLLM release has them (:func:`optional_fields`)
+    reserve_full_isl: bool = True  # scheduler_reserve_full_isl
+    adaptive_threshold: bool = False  # long_prefill_token_threshold_adaptive
+    max_num_scheduled_tokens: Optional[int] = None  # a token budget below the batch size
+    max_num_active_seqs: Optional[int] = None  # fewer RUNNING than max_num_seqs
+    # an engine serving several front ends: outputs per client, finished ids per client
+    num_clients: int = 1
+    include_finished_set: bool = False
+    abort_rate: float = 0.0  # per step: the chance of aborts picked from the live state
 
 
 def random_config(rng: random.Random) -> SchedConfig:
@@ -132,19 +150,30 @@ def random_config(rng: random.Random) -> SchedConfig:
     min_blocks = max_model_len // block_size + 2
     num_blocks = rng.randint(min_blocks, min_blocks * 2)
     async_scheduling = rng.random() < 0.4
+    max_num_seqs = rng.choice((2, 4, 8, 16))
+    max_num_batched_tokens = rng.choice((64, 128, 512))
+    long_prefill_token_threshold = rng.choice((0, 0, 24))
     return SchedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
-        max_num_seqs=rng.choice((2, 4, 8, 16)),
-        max_num_batched_tokens=rng.choice((64, 128, 512)),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
         max_model_len=max_model_len,
         enable_caching=rng.random() < 0.75,
         async_scheduling=async_scheduling,
         hash_algo=rng.choice(HASH_ALGOS),
-        long_prefill_token_threshold=rng.choice((0, 0, 24)),
+        long_prefill_token_threshold=long_prefill_token_threshold,
         watermark=rng.choice((0.0, 0.0, 0.05)),
         kv_events=rng.random() < 0.8,
         num_spec_tokens=0 if async_scheduling else rng.choice((0, 0, 0, 2, 4)),
+        policy="priority" if rng.random() < 0.3 else "fcfs",
+        reserve_full_isl=rng.random() < 0.75,
+        adaptive_threshold=long_prefill_token_threshold > 0 and rng.random() < 0.5,
+        max_num_scheduled_tokens=rng.choice((None, None, None, max_num_batched_tokens // 2)),
+        max_num_active_seqs=rng.choice((None, None, None, max(1, max_num_seqs // 2))),
+        num_clients=rng.choice((1, 1, 2)),
+        include_finished_set=rng.random() < 0.3,
+        abort_rate=rng.choice((0.0, 0.02, 0.05)),
     )
 
 
@@ -165,6 +194,30 @@ def model_config(model_dir: Path, max_model_len: int) -> ModelConfig:
     return _MODEL_CONFIGS[key]
 
 
+#: SchedConfig attribute -> the SchedulerConfig field it sets, where the release has the field.
+OPTIONAL_SCHEDULER_FIELDS = {
+    "reserve_full_isl": "scheduler_reserve_full_isl",
+    "adaptive_threshold": "long_prefill_token_threshold_adaptive",
+    "max_num_scheduled_tokens": "max_num_scheduled_tokens",
+    "max_num_active_seqs": "max_num_active_seqs",
+}
+
+
+def optional_fields(cfg: SchedConfig) -> dict[str, Any]:
+    """The SchedulerConfig fields of ``cfg`` that this vLLM release has (0.32 and 0.33 have all);
+    a field the release lacks is left out, unless ``cfg`` asks for a non-default value."""
+    have = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    defaults = SchedConfig()
+    out = {}
+    for attr, name in OPTIONAL_SCHEDULER_FIELDS.items():
+        value = getattr(cfg, attr)
+        if name in have:
+            out[name] = value
+        elif value != getattr(defaults, attr):
+            raise ValueError(f"SchedulerConfig of this vLLM has no {name} (asked: {value!r})")
+    return out
+
+
 def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
     """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model."""
     mc = model_config(model_dir, cfg.max_model_len)
@@ -177,6 +230,8 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         async_scheduling=cfg.async_scheduling,
         is_encoder_decoder=False,
         watermark=cfg.watermark,
+        policy=cfg.policy,
+        **optional_fields(cfg),
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,
@@ -306,20 +361,24 @@ def make_scheduler(
     model_dir: Path,
     manager_cls: Optional[type] = None,
     own_scheduler: bool = True,
+    scheduler_cls: Optional[type] = None,
 ) -> Scheduler:
-    """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``."""
+    """vLLM's scheduler (``manager_cls=None``) or the one over ``manager_cls``; ``scheduler_cls``
+    names the class outright (a planted difference)."""
     vllm_config, kv_cache_config = build_vllm_config(cfg, model_dir)
     base = AsyncScheduler if cfg.async_scheduling else Scheduler
-    cls = (
-        base
-        if manager_cls is None
-        else scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
-    )
+    if scheduler_cls is not None:
+        cls = scheduler_cls
+    elif manager_cls is None:
+        cls = base
+    else:
+        cls = scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
     sched = cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=cfg.block_size,
+        include_finished_set=cfg.include_finished_set,
         log_stats=True,
     )
     if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
@@ -343,6 +402,11 @@ class RequestSpec:
     ignore_eos: bool
     arrival_step: int
     abort_step: Optional[int] = None
+    priority: int = 0
+    arrival_time: Optional[float] = None  # default: the arrival step
+    stop_token_ids: tuple[int, ...] = ()
+    min_tokens: int = 0
+    client_index: int = 0
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -350,7 +414,10 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
-    """Requests over time: shared prefixes, exact repeats, long and short, some aborted."""
+    """Requests over time: shared prefixes, exact repeats, n-like siblings (same prompt and
+    arrival, other ids), long and short, some with ``max_tokens`` past ``max_model_len`` (capped
+    by it), stop ids, ``min_tokens``, small priorities (ties common) and arrival times that do
+    not always increase, some aborted at a set step."""
     bs = cfg.block_size
     prefixes = [_tokens(rng, rng.randint(1, 6 * bs)) for _ in range(3)]
     specs: list[RequestSpec] = []
@@ -362,31 +429,54 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
         else:
             prefix = rng.choice(prefixes) if rng.random() < 0.6 else []
             prompt = prefix + _tokens(rng, rng.randint(1, 4 * bs))
-        max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
-        prompt = prompt[: cfg.max_model_len - max_tokens]
-        abort = step + rng.randint(0, 12) if rng.random() < 0.15 else None
-        specs.append(
-            RequestSpec(
-                req_id=f"r{i}",
-                prompt=tuple(prompt),
-                max_tokens=max_tokens,
-                ignore_eos=rng.random() < 0.5,
-                arrival_step=step,
-                abort_step=abort,
-            )
+        to_the_cap = rng.random() < 0.06  # runs until max_model_len stops it
+        if to_the_cap:
+            max_tokens = cfg.max_model_len
+            prompt = prompt[: cfg.max_model_len // 2]
+        else:
+            max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
+            prompt = prompt[: cfg.max_model_len - max_tokens]
+        stops: list[int] = []
+        if not to_the_cap and rng.random() < 0.3:
+            stops = rng.sample(STOP_TOKEN_IDS, rng.randint(1, 3))
+        spec = RequestSpec(
+            req_id=f"r{i}",
+            prompt=tuple(prompt),
+            max_tokens=max_tokens,
+            ignore_eos=to_the_cap or rng.random() < 0.5,
+            arrival_step=step,
+            abort_step=step + rng.randint(0, 12) if rng.random() < 0.15 else None,
+            priority=rng.choice((0, 0, 1, 1, 2, -1)),
+            arrival_time=step + rng.choice((0.0, 0.0, 0.0, 0.5, -0.5, -2.0)),
+            stop_token_ids=tuple(stops),
+            min_tokens=rng.randint(1, max_tokens) if rng.random() < 0.2 else 0,
+            client_index=rng.randrange(cfg.num_clients),
         )
+        if rng.random() < 0.08:  # as the front end fans out n > 1: ids "k_parent"
+            n = rng.randint(2, 4)
+            specs += [dataclasses.replace(spec, req_id=f"{k}_{spec.req_id}") for k in range(n)]
+        else:
+            specs.append(spec)
     return specs
 
 
 def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
-    params = SamplingParams(max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+    params = SamplingParams(
+        max_tokens=spec.max_tokens,
+        ignore_eos=spec.ignore_eos,
+        stop_token_ids=list(spec.stop_token_ids),
+        min_tokens=spec.min_tokens,
+    )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
+    arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
     return Request(
         request_id=spec.req_id,
         prompt_token_ids=list(spec.prompt),
         sampling_params=params,
         pooling_params=None,
-        arrival_time=float(spec.arrival_step),
+        client_index=spec.client_index,
+        arrival_time=float(arrival_time),
+        priority=spec.priority,
         block_hasher=block_hasher,
     )
 
@@ -406,15 +496,17 @@ _VOLATILE_FIELDS = frozenset(
     | {"last_token_ts", "time"}
 )
 
+_ATOMS = frozenset({type(None), bool, int, float, str, bytes})
+
 
 def normalize(obj: Any, _seen: Optional[set] = None) -> Any:
     """A plain, comparable form: dataclasses, msgspec structs and objects become
     ``(TypeName, {field: value})``, dicts keep their order, sets are sorted, timestamps dropped,
-    callables become ``"<callable>"``."""
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return obj
+    callables become ``"<callable>"``, enums (int enums too) their qualified names."""
     if isinstance(obj, enum.Enum):
         return f"{type(obj).__name__}.{obj.name}"
+    if type(obj) in _ATOMS or isinstance(obj, (bool, int, float, str, bytes)):
+        return obj
     seen = _seen if _seen is not None else set()
     if id(obj) in seen:
         return "<cycle>"
@@ -442,6 +534,8 @@ def _normalize_container(obj: Any, seen: set) -> Any:
     if isinstance(obj, (set, frozenset)):
         return ("set", sorted((normalize(x, seen) for x in obj), key=repr))
     if isinstance(obj, list):
+        if all(type(x) in _ATOMS for x in obj):  # token ids, block ids, hashes: fast
+            return list(obj)
         return [normalize(x, seen) for x in obj]
     if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
         return ("tuple", [normalize(x, seen) for x in obj])
@@ -533,6 +627,10 @@ class Pending:
     samples: list[bool]  # False: a prefill chunk, whose sampled token is discarded
 
 
+#: Where an abort may hit (:meth:`Lockstep._random_aborts`); the last two abort nothing.
+ABORT_KINDS = ("waiting", "preempted", "running", "in_flight", "finished", "unknown")
+
+
 class Lockstep:
     """Two schedulers, one workload; :meth:`run` raises :class:`Divergence` at the first
     difference in anything the scheduler or the engine would see."""
@@ -546,24 +644,34 @@ class Lockstep:
         manager_cls: type,
         max_steps: int = 3000,
         own_scheduler: bool = True,
+        scheduler_cls: Optional[type] = None,
     ) -> None:
         self.cfg = cfg
         self.specs = specs
         self.rng = random.Random(seed * 7919 + 1)
         self.ref = make_scheduler(cfg, model_dir)
-        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler)
+        self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler, scheduler_cls)
         self.hasher = request_block_hasher(cfg)
         self.max_steps = max_steps
         self.step = 0
         self.pending: deque[Pending] = deque()
         self.finished: set[str] = set()
-        self.stats = {"steps": 0, "preemptions": 0, "events": 0, "hits": 0, "drafts": 0}
+        # Both sides' Request objects, kept until compared once after leaving ``requests``.
+        self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
+        # What the run reached (the reference's view), for tests that a path was taken.
+        counts = ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts")
+        finishes = ("stopped_by_stop_id", "stopped_under_min_tokens", "capped_at_max_model_len")
+        self.stats: dict[str, Any] = dict.fromkeys(counts + finishes, 0)
+        self.stats["aborts"] = Counter()  # per ABORT_KINDS kind
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
         if a != b:
-            diff = first_difference(a, b) or "(no path found)"
-            raise Divergence(f"step {self.step}: {what} differs ({self.cfg}):\n  {diff}")
+            self._diverged(what, a, b)
+
+    def _diverged(self, what: str, a: Any, b: Any) -> None:
+        diff = first_difference(a, b) or "(no path found)"
+        raise Divergence(f"step {self.step}: {what} differs ({self.cfg}):\n  {diff}")
 
     def run(self) -> dict:
         while self.step < self.max_steps:
@@ -581,15 +689,57 @@ class Lockstep:
         return all_arrived and idle and not self.pending
 
     def _arrivals_and_aborts(self) -> None:
-        for spec in self.specs:
-            if spec.arrival_step == self.step:
-                self.ref.add_request(build_request(spec, self.hasher))
-                self.test.add_request(build_request(spec, self.hasher))
+        arrivals = [s for s in self.specs if s.arrival_step == self.step]
+        for spec in arrivals:
+            for sched, tracked in zip((self.ref, self.test), self.tracked):
+                request = build_request(spec, self.hasher)
+                tracked[spec.req_id] = request
+                sched.add_request(request)
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
-            ref = self.ref.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            test = self.test.finish_requests(aborts, RequestStatus.FINISHED_ABORTED)
-            self.check("finish_requests", _ids(ref), _ids(test))
+            self._abort(aborts, "finish_requests")
+        aborted_at_random = self._random_aborts()
+        if arrivals or aborts or aborted_at_random:
+            self._check_state("after arrivals and aborts")
+
+    def _abort(self, req_ids: list[str], what: str) -> list[str]:
+        ref = _ids(self.ref.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
+        test = _ids(self.test.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
+        self.check(what, ref, test)
+        self.finished.update(ref)
+        return test
+
+    def _random_aborts(self) -> bool:
+        """With ``cfg.abort_rate``: abort one or two requests of a kind drawn from
+        :data:`ABORT_KINDS` (a kind with no request now aborts nothing this step)."""
+        if self.rng.random() >= self.cfg.abort_rate:
+            return False
+        kind = self.rng.choice(ABORT_KINDS)
+        candidates = self._abort_candidates(kind)
+        if not candidates:
+            return False
+        req_ids = self.rng.sample(candidates, min(len(candidates), self.rng.randint(1, 2)))
+        aborted = self._abort(req_ids, f"finish_requests of {kind} {req_ids}")
+        if kind in ("finished", "unknown") and aborted:
+            raise Divergence(f"step {self.step}: aborting {kind} ids {req_ids} aborted {aborted}")
+        self.stats["aborts"][kind] += 1
+        return True
+
+    def _abort_candidates(self, kind: str) -> list[str]:
+        """The ids (sorted) of the reference's requests of one :data:`ABORT_KINDS` kind."""
+        if kind == "unknown":
+            return ["never-added"]
+        if kind == "finished":
+            return sorted(self.finished)
+        if kind == "in_flight":
+            ids = {r for p in self.pending for r in p.req_ids if r in self.ref.requests}
+            return sorted(ids)
+        status = {
+            "waiting": RequestStatus.WAITING,
+            "preempted": RequestStatus.PREEMPTED,
+            "running": RequestStatus.RUNNING,
+        }[kind]
+        return sorted(r for r, req in self.ref.requests.items() if req.status == status)
 
     def _maybe_reset_prefix_cache(self) -> None:
         if self.rng.random() >= 0.01:
@@ -600,15 +750,22 @@ class Lockstep:
             self.ref.reset_prefix_cache(preempt_running),
             self.test.reset_prefix_cache(preempt_running),
         )
+        self._check_state("after reset_prefix_cache")
 
     def _schedule(self) -> None:
+        running_before = [r.request_id for r in self.ref.running]
         ref_out, test_out = self.ref.schedule(), self.test.schedule()
         self.check("SchedulerOutput", ref_out, test_out)
         req_ids = list(ref_out.num_scheduled_tokens)
         samples = [not self.ref.requests[r].is_prefill_chunk for r in req_ids]
         test_samples = [not self.test.requests[r].is_prefill_chunk for r in req_ids]
         self.check("prefill-chunk flags", samples, test_samples)
-        self.stats["preemptions"] += len(ref_out.preempted_req_ids or ())
+        preempted = ref_out.preempted_req_ids or set()
+        self.stats["preemptions"] += len(preempted)
+        # FCFS victims are the tail of ``running``; other victims come from the priority rule.
+        victims = [r for r in running_before if r in preempted]
+        if victims != running_before[len(running_before) - len(victims) :]:
+            self.stats["priority_preemptions"] += 1
         self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
         self.pending.append(Pending(ref_out, test_out, req_ids, samples))
         self._check_state("after schedule")
@@ -621,7 +778,7 @@ class Lockstep:
 
     def _update(self, p: Pending) -> None:
         drafts = p.ref_out.scheduled_spec_decode_tokens
-        tokens = [self._sampled(s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
+        tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
         test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
         self.check("EngineCoreOutputs", ref, test)
@@ -634,15 +791,36 @@ class Lockstep:
             stats = outs.scheduler_stats
             if stats is not None:
                 self.stats["hits"] += stats.prefix_cache_stats.hits
+            for out in outs.outputs:
+                if out.finish_reason is not None:
+                    self._count_finish(out)
         self.stats["steps"] += 1
         self._check_state("after update_from_output")
 
-    def _sampled(self, samples: bool, num_drafts: int) -> list[int]:
+    def _count_finish(self, out: Any) -> None:
+        self.finished.add(out.request_id)
+        request = self.tracked[0][out.request_id]
+        if out.stop_reason is not None:
+            self.stats["stopped_by_stop_id"] += 1
+        if out.finish_reason == FinishReason.STOP and (
+            request.num_output_tokens < request.sampling_params.min_tokens
+        ):
+            self.stats["stopped_under_min_tokens"] += 1
+        if out.finish_reason == FinishReason.LENGTH and (
+            request.num_tokens == self.cfg.max_model_len
+        ):
+            self.stats["capped_at_max_model_len"] += 1
+
+    def _sampled(self, req_id: str, samples: bool, num_drafts: int) -> list[int]:
         """The tokens one request gets from a step: none for a prefill chunk, else one plus
         the accepted part of its drafts."""
         if not samples:
             return []
-        return [self._sample() for _ in range(1 + self.rng.randint(0, num_drafts))]
+        request = self.ref.requests.get(req_id)
+        num_outputs = request.num_output_tokens if request is not None else 0
+        min_tokens = request.sampling_params.min_tokens if request is not None else 0
+        n = 1 + self.rng.randint(0, num_drafts)
+        return [self._sample(masked=num_outputs + i < min_tokens) for i in range(n)]
 
     def _propose_drafts(self, p: Pending) -> None:
         """What the engine does after a synchronous step with a drafter: new draft tokens for
@@ -653,31 +831,136 @@ class Lockstep:
         self.ref.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
         self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
 
-    def _sample(self) -> int:
-        if self.rng.random() < 0.05:
+    def _sample(self, masked: bool = False) -> int:
+        """EOS 1 in 20, a stop id 1 in 20, else a plain token. ``masked`` (below min_tokens):
+        vLLM's sampler masks the stop tokens; here 1 in 5 slips through, so a stop check that
+        let min_tokens gate EOS or stop ids would differ from vLLM's."""
+        x = self.rng.random()
+        if masked and x < 0.1 and self.rng.random() < 0.8:
+            x = 1.0
+        if x < 0.05:
             return EOS_TOKEN_ID
-        return self.rng.randrange(FIRST_PROMPT_TOKEN, VOCAB_SIZE)
+        if x < 0.1:
+            return self.rng.choice(STOP_TOKEN_IDS)
+        return self.rng.randrange(FIRST_PLAIN_TOKEN, VOCAB_SIZE)
 
     def _check_state(self, when: str) -> None:
-        self.check(f"{when}: manager state", manager_state(self.ref), manager_state(self.test))
+        """:func:`scheduler_state` of both sides, with the requests that left ``requests``
+        since the last check (compared once more, then forgotten)."""
+        left = [
+            [r for rid, r in tracked.items() if rid not in sched.requests]
+            for sched, tracked in zip((self.ref, self.test), self.tracked)
+        ]
+        ref, test = scheduler_state(self.ref, left[0]), scheduler_state(self.test, left[1])
+        if ref != test:  # plain values: == is the comparison (see scheduler_state)
+            self._diverged(f"{when}: scheduler state", normalize(ref), normalize(test))
+        for tracked, gone in zip(self.tracked, left):
+            for request in gone:
+                del tracked[request.request_id]
 
 
-def manager_state(sched: Scheduler) -> dict:
-    """What the engine and the metrics read of the manager, and the queues it shapes."""
+_ABSENT = "<absent in this vLLM>"
+#: Scheduler attributes compared where the release has them (else ``_ABSENT`` on both sides).
+SCHEDULER_QUEUES = ("waiting", "kv_holding_waiting", "skipped_waiting")  # in pop order
+SCHEDULER_REQUEST_SETS = ("deferred_waiting", "_inflight_prefills")
+SCHEDULER_ID_SETS = ("finished_req_ids", "prev_step_scheduled_req_ids", "reset_preempted_req_ids")
+SCHEDULER_SCALARS = (
+    "current_step",
+    "num_executed_steps",
+    "last_prefill_step",
+    "prefill_capacity_bound",
+    "num_waiting_for_streaming_input",
+    "_pause_state",
+)
+#: Scheduler methods the engine and its metrics call.
+SCHEDULER_QUERIES = (
+    "get_request_counts",
+    "get_num_unfinished_requests",
+    "has_finished_requests",
+    "has_unfinished_requests",
+    "has_requests",
+    "get_kv_cache_usage",
+)
+REQUEST_SCALARS = (
+    "status",
+    "num_computed_tokens",
+    "num_output_placeholders",
+    "num_in_flight_tokens",
+    "num_stale_output_tokens",
+    "drop_stale_output",
+    "num_preemptions",
+    "is_prefill_chunk",
+    "stop_reason",
+    "max_tokens",
+    "priority",
+    "client_index",
+    "next_decode_eligible_step",
+    "last_sched_seq",
+)
+REQUEST_LISTS = ("_all_token_ids", "_output_token_ids", "block_hashes", "spec_token_ids")
+
+
+def scheduler_state(sched: Scheduler, left: Iterable[Request] = ()) -> dict:
+    """Everything a reimplemented scheduling loop must leave as vLLM's does, between calls.
+
+    * queues: ``running`` in order; ``waiting``, ``kv_holding_waiting``, ``skipped_waiting`` in
+      pop order (iterating vLLM's FCFS and priority queues pops nothing); ``deferred_waiting``
+      and ``_inflight_prefills`` as sorted ids;
+    * the id sets ``finished_req_ids``, ``prev_step_scheduled_req_ids``,
+      ``reset_preempted_req_ids``, ``finished_req_ids_dict`` (per client);
+    * counters and flags: ``current_step``, ``num_executed_steps``, ``last_prefill_step``,
+      ``prefill_capacity_bound``, ``num_waiting_for_streaming_input``, ``_pause_state``;
+    * what the engine asks: ``get_request_counts()``, ``get_num_unfinished_requests()``,
+      ``has_finished_requests()``, ``has_unfinished_requests()``, ``has_requests()``,
+      ``get_kv_cache_usage()``;
+    * the manager: ``usage``, free blocks, the block table of every request in ``requests``;
+    * the ids of ``requests`` in order, and :func:`request_state` of each of them and of the
+      requests in ``left`` (finished since the last look: no longer in ``requests``).
+
+    Attributes a release lacks read as ``_ABSENT``. The snapshot is plain values (lists where
+    order matters, dicts only with fixed keys), so ``==`` compares it as :func:`normalize`
+    would (but for ``1 == True``), at C speed; the
+    :class:`SchedulerOutput` and :class:`EngineCoreOutputs` (with ``make_stats()``) are compared
+    separately, after each call."""
     kv = sched.kv_cache_manager
-    running = [r.request_id for r in sched.running]
-    return {
-        "usage": kv.usage,
-        "kv_cache_usage": sched.get_kv_cache_usage()
-        if hasattr(sched, "get_kv_cache_usage")
-        else None,
-        "free_blocks": kv.block_pool.get_num_free_blocks(),
-        "running": running,
-        "waiting": sorted(r.request_id for r in sched.waiting),
-        "num_unfinished": sched.get_num_unfinished_requests(),
-        "block_ids": {rid: kv.get_block_ids(rid) for rid in running},
-        "num_computed": {rid: sched.requests[rid].num_computed_tokens for rid in running},
-    }
+    state: dict[str, Any] = {"running": _ids(sched.running)}
+    for name in SCHEDULER_QUEUES:
+        state[name] = _attr(sched, name, _ids)
+    for name in SCHEDULER_REQUEST_SETS:
+        state[name] = _attr(sched, name, lambda s: sorted(_ids(s)))
+    for name in SCHEDULER_ID_SETS:
+        state[name] = _attr(sched, name, sorted)
+    state["finished_req_ids_dict"] = _attr(
+        sched,
+        "finished_req_ids_dict",
+        lambda d: None if d is None else sorted((c, sorted(ids)) for c, ids in d.items()),
+    )
+    for name in SCHEDULER_SCALARS:
+        state[name] = _attr(sched, name)
+    for name in SCHEDULER_QUERIES:
+        state[name] = _attr(sched, name, lambda method: method())
+    state["usage"] = kv.usage
+    state["free_blocks"] = kv.block_pool.get_num_free_blocks()
+    state["block_ids"] = [(rid, kv.get_block_ids(rid)) for rid in sched.requests]
+    state["requests"] = [(rid, request_state(r)) for rid, r in sched.requests.items()]
+    state["left"] = [(r.request_id, request_state(r)) for r in left]
+    return state
+
+
+def request_state(request: Request) -> dict:
+    """One request as the loop leaves it: :data:`REQUEST_SCALARS` (``_ABSENT`` where the
+    release lacks one), :data:`REQUEST_LISTS` (tokens, outputs, block hashes, drafts),
+    ``prefill_stats`` and the types of its pending ``events`` (no timestamps)."""
+    state = {name: getattr(request, name, _ABSENT) for name in REQUEST_SCALARS}
+    state.update((name, list(getattr(request, name))) for name in REQUEST_LISTS)
+    state["prefill_stats"] = normalize(request.prefill_stats)
+    state["events"] = [event.type for event in request.events]
+    return state
+
+
+def _attr(obj: Any, name: str, view: Callable[[Any], Any] = lambda value: value) -> Any:
+    value = getattr(obj, name, _ABSENT)
+    return value if value is _ABSENT else view(value)
 
 
 def _ids(requests: Any) -> Any:
