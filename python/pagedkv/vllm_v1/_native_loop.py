@@ -36,11 +36,8 @@ _HELD = "_pagedkv_python_requests"
 
 def engine_out_of_scope(sched: Any) -> Optional[str]:
     """Why the native loop cannot run this engine (``None``: it can)."""
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-
     checks = (
         (not isinstance(sched.kv_cache_manager, KVCacheManager), "vLLM's KV cache manager runs"),
-        (isinstance(sched, AsyncScheduler), "async scheduling"),
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
@@ -168,6 +165,7 @@ def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
 
 def _loop_config(sched: Any) -> Dict[str, Any]:
     """What ``V1Loop`` needs of the scheduler and of vLLM's classes."""
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.request_queue import SchedulingPolicy
     from vllm.v1.engine import EngineCoreEventType, EngineCoreOutput, FinishReason
     from vllm.v1.request import RequestStatus
@@ -181,6 +179,8 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "release_033": hasattr(sched, "num_executed_steps"),
         "v2_model_runner": bool(sched.use_v2_model_runner),
         "hash_block_size": sched.hash_block_size,
+        "async_scheduling": isinstance(sched, AsyncScheduler),
+        "decode_stagger": getattr(sched, "decode_stagger", 1),
         "PRIORITY": SchedulingPolicy.PRIORITY,
         "event_scheduled": EngineCoreEventType.SCHEDULED if sched.log_stats else None,
         "WAITING": RequestStatus.WAITING,

@@ -61,12 +61,17 @@ def install_native_manager(sched: Any, vllm_config: Any, kv_cache_config: Any) -
         sched.kv_cache_manager = manager
 
 
-class AsyncScheduler(_VLLMAsyncScheduler):
-    """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager."""
+class AsyncScheduler(NativeLoop, _VLLMAsyncScheduler):
+    """vLLM's ``AsyncScheduler`` with pagedkv's KV cache manager and native loop (as
+    :class:`Scheduler`)."""
+
+    native_loop = True
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         install_native_manager(self, vllm_config, kv_cache_config)
+        if _native_loop_wanted(self):
+            self._pagedkv_start_loop()
 
 
 class Scheduler(NativeLoop, _VLLMScheduler):
@@ -87,8 +92,12 @@ class Scheduler(NativeLoop, _VLLMScheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         install_native_manager(self, vllm_config, kv_cache_config)
-        if self.native_loop and os.environ.get("PAGEDKV_VLLM_NATIVE_LOOP", "1") != "0":
+        if _native_loop_wanted(self):
             self._pagedkv_start_loop()
+
+
+def _native_loop_wanted(sched: Any) -> bool:
+    return bool(sched.native_loop) and os.environ.get("PAGEDKV_VLLM_NATIVE_LOOP", "1") != "0"
 
 
 def _async_scheduling(vllm_config: Any) -> bool:

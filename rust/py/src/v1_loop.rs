@@ -85,6 +85,9 @@ pub struct PyV1Loop {
     release_033: bool,
     v2_model_runner: bool,
     hash_block_size: u64,
+    /// `AsyncScheduler`: output placeholders; `decode_stagger` (v2 model runner) with it.
+    async_scheduling: bool,
+    decode_stagger: u64,
     /// The fixed fields of the requests the last call saw (see [`Fixed`]).
     fixed: std::sync::Mutex<FixedMap>,
 }
@@ -125,9 +128,18 @@ impl Fixed {
         let hashing = !request.getattr(intern!(py, "_block_hasher"))?.is_none();
         Ok(Fixed {
             _request: request.clone().unbind(),
-            id: request.getattr(intern!(py, "request_id"))?.cast_into::<PyString>()?.unbind(),
-            all: request.getattr(intern!(py, "_all_token_ids"))?.cast_into::<PyList>()?.unbind(),
-            outs: request.getattr(intern!(py, "_output_token_ids"))?.cast_into::<PyList>()?.unbind(),
+            id: request
+                .getattr(intern!(py, "request_id"))?
+                .cast_into::<PyString>()?
+                .unbind(),
+            all: request
+                .getattr(intern!(py, "_all_token_ids"))?
+                .cast_into::<PyList>()?
+                .unbind(),
+            outs: request
+                .getattr(intern!(py, "_output_token_ids"))?
+                .cast_into::<PyList>()?
+                .unbind(),
             num_prompt: get_u64(request, intern!(py, "num_prompt_tokens"))?,
             max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
             hashes: if hashing {
@@ -144,7 +156,12 @@ impl Fixed {
 impl Walk<'_> {
     /// The request's fixed fields (read now if the last call did not see it), kept for the
     /// next call when `keep`.
-    fn fixed<R>(&self, request: &Bound<'_, PyAny>, keep: bool, f: impl FnOnce(&Fixed) -> R) -> PyResult<R> {
+    fn fixed<R>(
+        &self,
+        request: &Bound<'_, PyAny>,
+        keep: bool,
+        f: impl FnOnce(&Fixed) -> R,
+    ) -> PyResult<R> {
         let key = request.as_ptr() as usize;
         if let Some(e) = self.new.borrow().get(&key) {
             return Ok(f(e));
@@ -285,6 +302,8 @@ impl PyV1Loop {
         let release_033 = get_bool("release_033")?;
         let v2_model_runner = get_bool("v2_model_runner")?;
         let hash_block_size = item(d, "hash_block_size")?.extract::<u64>()?.max(1);
+        let async_scheduling = get_bool("async_scheduling")?;
+        let decode_stagger = item(d, "decode_stagger")?.extract::<u64>()?;
         let event = item(d, "event_scheduled")?;
         let objs = Objects {
             waiting: item(d, "WAITING")?.unbind(),
@@ -307,6 +326,8 @@ impl PyV1Loop {
             release_033,
             v2_model_runner,
             hash_block_size,
+            async_scheduling,
+            decode_stagger,
             fixed: std::sync::Mutex::new(FixedMap::default()),
         })
     }
@@ -535,7 +556,10 @@ impl Walk<'_> {
             }
             let request = running.get_item(i)?;
             let (row, read) = self.running_row(&request)?;
-            let n = policy::running_tokens(&self.set.limits, &row, threshold, budget);
+            let mut n = policy::running_tokens(&self.set.limits, &row, threshold, budget);
+            if n > 0 && self.set.v2_model_runner && self.waits_for_decode_slot(sched, &request)? {
+                n = 0;
+            }
             if n == 0 {
                 i += 1;
                 continue;
@@ -588,10 +612,26 @@ impl Walk<'_> {
         Ok(preempted_any)
     }
 
+    /// v2 model runner with pipeline stagger: `current_step < next_decode_eligible_step`.
+    fn waits_for_decode_slot(
+        &self,
+        sched: &Bound<'_, PyAny>,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<bool> {
+        let py = sched.py();
+        let step = get_u64(sched, intern!(py, "current_step"))?;
+        Ok(step < get_u64(request, intern!(py, "next_decode_eligible_step"))?)
+    }
+
     fn running_row<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(RunningRow, Read<'py>)> {
         let py = request.py();
         let (id, all, num_prompt, max_tokens) = self.fixed(request, true, |f| {
-            (f.id.bind(py).clone(), f.all.bind(py).clone(), f.num_prompt, f.max_tokens)
+            (
+                f.id.bind(py).clone(),
+                f.all.bind(py).clone(),
+                f.num_prompt,
+                f.max_tokens,
+            )
         })?;
         let status = request.getattr(intern!(py, "status"))?;
         let spec = len_of(request, intern!(py, "spec_token_ids"))?;
@@ -905,6 +945,7 @@ impl Walk<'_> {
         let py = sched.py();
         let inflight = sched.getattr(intern!(py, "_inflight_prefills"))?;
         let any_inflight = inflight.len()? > 0;
+        let asynchronous = self.async_placeholders(sched)?;
         for r in rows {
             let q = &r.request;
             let computed = r.computed + r.tokens;
@@ -916,8 +957,38 @@ impl Walk<'_> {
             if !chunk && any_inflight {
                 inflight.call_method1(intern!(py, "discard"), (q,))?;
             }
+            if let (Some((spec, eligible)), false) = (&asynchronous, chunk) {
+                q.setattr(intern!(py, "num_output_placeholders"), r.placeholders + 1)?;
+                q.setattr(intern!(py, "spec_token_ids"), spec)?;
+                if let Some(step) = eligible {
+                    q.setattr(intern!(py, "next_decode_eligible_step"), step)?;
+                }
+            }
         }
         Ok(())
+    }
+
+    /// `AsyncScheduler._update_after_schedule`'s shared objects: the step's (empty) draft
+    /// placeholder list, set on the scheduler, and with the v2 model runner the step from
+    /// which a request may decode again. `None` for the synchronous scheduler.
+    #[allow(clippy::type_complexity)]
+    fn async_placeholders<'py>(
+        &self,
+        sched: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<(Bound<'py, PyList>, Option<u64>)>> {
+        if !self.lp.async_scheduling {
+            return Ok(None);
+        }
+        let py = sched.py();
+        let spec = PyList::empty(py);
+        sched.setattr(intern!(py, "_spec_token_placeholders"), &spec)?;
+        let eligible = if self.set.v2_model_runner {
+            let step = get_u64(sched, intern!(py, "current_step"))?;
+            Some(step + self.lp.decode_stagger)
+        } else {
+            None
+        };
+        Ok(Some((spec, eligible)))
     }
 
     /// One row of `update_from_output`; `None` when the row is skipped (aborted in flight,
@@ -974,7 +1045,9 @@ impl Walk<'_> {
         };
         let mut stop = None;
         if !tokens.is_empty() {
+            let returned = tokens.len();
             stop = self.append_tokens(request, &tokens, stale)?;
+            self.resolve_placeholders(request, stale, was_running, returned, tokens.len())?;
         }
         let stopped = stop.is_some();
         let emit = !tokens.is_empty() || stopped;
@@ -1069,12 +1142,55 @@ impl Walk<'_> {
                 break;
             }
         }
-        let placeholders = get_u64(request, intern!(py, "num_output_placeholders"))?;
-        if self.set.release_033 && !stale && placeholders > 0 {
-            let left = placeholders.saturating_sub(count as u64);
-            request.setattr(intern!(py, "num_output_placeholders"), left)?;
-        }
         Ok(stop)
+    }
+
+    /// The placeholder and caching bookkeeping after a row's tokens (async scheduling):
+    /// 0.33 resolves placeholders by every returned token and caches up to the computed
+    /// tokens not in flight; 0.32's `AsyncScheduler` resolves them by the kept tokens and
+    /// caches up to the computed tokens not placeholders.
+    fn resolve_placeholders(
+        &self,
+        request: &Bound<'_, PyAny>,
+        stale: bool,
+        was_running: bool,
+        returned: usize,
+        kept: usize,
+    ) -> PyResult<()> {
+        let py = request.py();
+        let name = intern!(py, "num_output_placeholders");
+        let before = get_u64(request, name)?;
+        let cache_upto = if self.set.release_033 {
+            if !stale && before > 0 {
+                request.setattr(name, before.saturating_sub(returned as u64))?;
+            }
+            if stale || !was_running || before == 0 {
+                return Ok(());
+            }
+            let in_flight = get_u64(request, intern!(py, "num_in_flight_tokens"))?;
+            get_u64(request, intern!(py, "num_computed_tokens"))?.saturating_sub(in_flight)
+        } else {
+            if !self.lp.async_scheduling {
+                return Ok(());
+            }
+            let left = if stale {
+                before
+            } else {
+                before.saturating_sub(kept as u64)
+            };
+            if !stale {
+                request.setattr(name, left)?;
+            }
+            if !was_running {
+                return Ok(());
+            }
+            get_u64(request, intern!(py, "num_computed_tokens"))?.saturating_sub(left)
+        };
+        let id = self.fixed(request, true, |f| f.id.bind(py).clone())?;
+        self.lp
+            .manager
+            .get()
+            .cache_for(py, request, &id, cache_upto)
     }
 
     fn mark_stopped(&self, request: &Bound<'_, PyAny>, stop: Stop) -> PyResult<()> {

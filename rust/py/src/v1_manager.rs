@@ -242,6 +242,35 @@ impl PyV1Manager {
         Ok(ids)
     }
 
+    /// vLLM's `cache_blocks(request, num_tokens)` as the manager's Python method does it
+    /// (nothing when caching is off; KV events handed to the bound callback).
+    pub(crate) fn cache_for<'py>(
+        &self,
+        py: Python<'py>,
+        request: &Bound<'py, PyAny>,
+        rid: &Bound<'py, PyString>,
+        num_tokens: u64,
+    ) -> PyResult<()> {
+        let b = self.binding()?;
+        let mut hashes = PyHashes::of_request(request);
+        let logged = {
+            let mut m = self.lock()?;
+            if !m.config().enable_caching {
+                return Ok(());
+            }
+            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+            let rid = known.text(rid, m.num_requests())?;
+            m.cache_blocks(rid, num_tokens, &mut hashes).py()?;
+            m.pool().has_events()
+        };
+        if logged {
+            if let Some(cb) = &b.on_events {
+                cb.bind(py).call1((request,))?;
+            }
+        }
+        Ok(())
+    }
+
     /// The block table of the request named by `request_id` (a `str`).
     pub(crate) fn table_of(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
         let m = self.lock()?;
