@@ -368,3 +368,42 @@ def test_scheduler_state_reads_the_priority_queue_in_pop_order(tiny_model_dir: P
     assert state["waiting"] == ["b2", "c", "b", "d", "a"]
     assert [r.request_id for r in sched.waiting._heap] != state["waiting"]
     assert h.scheduler_state(sched) == state
+
+
+def switch_workload() -> list[h.RequestSpec]:
+    """Plain requests throughout; one request with repetition detection (outside the native
+    loop) arrives at step 6 and runs for a while."""
+    rng = random.Random(11)
+    specs = [
+        h.RequestSpec(f"p{i}", tuple(h._tokens(rng, 20 + 7 * i)), 30, True, 2 * i) for i in range(8)
+    ]
+    specs.append(h.RequestSpec("rep", tuple(h._tokens(rng, 24)), 12, True, 6, repetition=True))
+    return specs
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_switch_to_vllms_loop_and_back(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """While the out-of-scope request is held, pagedkv's Scheduler runs vLLM's loop; before
+    it arrives and after it leaves, its native loop; the differential holds throughout."""
+    cfg = dataclasses.replace(
+        PRESSURE, async_scheduling=async_scheduling, max_model_len=128, num_blocks=64
+    )
+    run = h.Lockstep(cfg, switch_workload(), 3, tiny_model_dir, manager_cls)
+    loops: list[str] = []
+    schedule = run.test.schedule
+
+    def recording_schedule(*args: object, **kwargs: object) -> object:
+        before = getattr(run.test, "pagedkv_native_steps", None)
+        out = schedule(*args, **kwargs)
+        if before is not None:
+            loops.append("native" if run.test.pagedkv_native_steps > before else "vllm")
+        return out
+
+    run.test.schedule = recording_schedule  # type: ignore[method-assign]
+    run.run()
+    if manager_cls.__module__.startswith("vllm."):
+        return  # the harness checking itself: no native loop
+    first_vllm, last_vllm = loops.index("vllm"), len(loops) - 1 - loops[::-1].index("vllm")
+    assert "native" in loops[:first_vllm] and "native" in loops[last_vllm + 1 :], loops

@@ -77,10 +77,11 @@ def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
         tokens = [list(o.outputs[0].token_ids) for o in outs]
         sched = engine_scheduler(llm)
         kinds = (type(sched), type(sched.kv_cache_manager))
+        loops = (getattr(sched, "pagedkv_native_steps", 0), getattr(sched, "pagedkv_vllm_steps", 0))
     finally:
         del llm
         gc.collect()
-    return tokens, sum(map(len, tokens)) / elapsed, kinds
+    return tokens, sum(map(len, tokens)) / elapsed, kinds, loops
 
 
 @pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
@@ -91,9 +92,12 @@ def test_same_tokens_with_the_scheduler_under_test(
     manager_cls: type,
     record_property,
 ) -> None:
-    ref_tokens, ref_tps, (ref_sched, ref_manager) = generate(tiny_model_dir, caching, None)
+    ref_tokens, ref_tps, (ref_sched, ref_manager), _ = generate(tiny_model_dir, caching, None)
     name = h.scheduler_under_test_name()
-    tokens, tps, (sched, manager) = generate(tiny_model_dir, caching, name)
+    tokens, tps, (sched, manager), (native, python) = generate(tiny_model_dir, caching, name)
+    if hasattr(sched, "pagedkv_native_steps"):
+        # pagedkv's Scheduler: every step of this in-scope engine ran its native loop.
+        assert native > 0 and python == 0, (native, python)
     assert issubclass(sched, h.resolve(name)), (sched, name)
     assert manager is manager_cls
     assert ref_sched.__module__.startswith("vllm.") and ref_manager.__module__.startswith("vllm.")

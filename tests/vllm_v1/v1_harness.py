@@ -42,7 +42,7 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.config.cache import PrefixCachingHashAlgo
-from vllm.sampling_params import SamplingParams
+from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -407,6 +407,9 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     client_index: int = 0
+    # Repetition detection: outside pagedkv's native loop, so while such a request is held
+    # pagedkv's Scheduler runs vLLM's own loop (the per-step switch).
+    repetition: bool = False
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -466,6 +469,9 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
         ignore_eos=spec.ignore_eos,
         stop_token_ids=list(spec.stop_token_ids),
         min_tokens=spec.min_tokens,
+        repetition_detection=RepetitionDetectionParams(max_pattern_size=2, min_count=3)
+        if spec.repetition
+        else None,
     )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
@@ -974,5 +980,16 @@ def run_seed(seed: int, model_dir: Path, manager_cls: type, own_scheduler: bool 
     False: vLLM's scheduler class over the manager even where its package has its own."""
     rng = random.Random(seed)
     cfg = random_config(rng)
-    specs = random_workload(rng, cfg)
+    specs = with_switch_requests(seed, random_workload(rng, cfg))
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
+
+
+def with_switch_requests(seed: int, specs: list[RequestSpec]) -> list[RequestSpec]:
+    """For one seed in four, every fifth request asks for repetition detection (outside the
+    native loop: the scheduler under test switches to vLLM's loop while one is held, and
+    back when none is)."""
+    if seed % 4 != 3:
+        return specs
+    return [
+        dataclasses.replace(s, repetition=True) if i % 5 == 2 else s for i, s in enumerate(specs)
+    ]

@@ -95,6 +95,9 @@ class NativeLoop:
     vLLM's (the class it is mixed into)."""
 
     _pagedkv_loop: Any = None
+    #: Steps scheduled by the native loop and by vLLM's, since construction.
+    pagedkv_native_steps = 0
+    pagedkv_vllm_steps = 0
 
     def _pagedkv_start_loop(self) -> None:
         """Build the native loop if the engine is in scope (else log why, once)."""
@@ -134,7 +137,9 @@ class NativeLoop:
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         if throttle_prefills or not self._pagedkv_native_step():
+            self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
+        self.pagedkv_native_steps += 1
         new_reqs, cached, num_scheduled, total = self._pagedkv_loop.schedule(self)
         out = self._pagedkv_output.scheduler_output(new_reqs, cached, num_scheduled, total)
         self.finished_req_ids = set()
