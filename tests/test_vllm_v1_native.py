@@ -125,3 +125,222 @@ def test_using_the_plugin_without_vllm_is_a_clear_error() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.startswith(UnsupportedVLLMError.__name__)
     assert "pagedkv[vllm]" in out.stdout
+
+
+# --- V1Loop: vLLM v1's scheduling walk, here over stand-ins for vLLM's objects -----------------
+
+WAITING, RUNNING, PREEMPTED, STOPPED, CAPPED = 1, 5, 6, 7, 8
+
+
+class FakeRequest:
+    """The plain fields of vLLM's ``Request`` the loop reads and writes."""
+
+    def __init__(self, rid: str, prompt: list, max_tokens: int, eos=None) -> None:
+        self.request_id = rid
+        self.client_index = 0
+        self.priority = 0
+        self.arrival_time = 0.0
+        self.status = WAITING
+        self.prompt_token_ids = list(prompt)
+        self._all_token_ids = list(prompt)
+        self._output_token_ids: list = []
+        self.num_prompt_tokens = len(prompt)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_in_flight_tokens = 0
+        self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        self.is_prefill_chunk = False
+        self.num_preemptions = 0
+        self.stop_reason = None
+        self.spec_token_ids: list = []
+        self.events: list = []
+        self.prefill_stats = None
+        self.trace_headers = None
+        self.num_nans_in_logits = 0
+        self.block_hashes: list = []
+        self._block_hasher = None
+        self.sampling_params = type("P", (), {"eos_token_id": eos, "stop_token_ids": []})()
+
+
+class FakeQueue(list):
+    def peek_request(self):
+        return self[0]
+
+    def pop_request(self):
+        return self.pop(0)
+
+    def prepend_requests(self, reqs):
+        self[:0] = list(reqs)
+
+
+class FakeScheduler:
+    def __init__(self, manager: _native.V1Manager) -> None:
+        self.kv_cache_manager = self
+        self.native = manager
+        self.scheduler_config = type(
+            "C",
+            (),
+            {
+                "long_prefill_token_threshold": 0,
+                "enable_chunked_prefill": True,
+                "max_num_batched_tokens": 64,
+            },
+        )()
+        self.max_model_len, self.max_num_scheduled_tokens = 64, 64
+        self.max_num_running_reqs = self.max_num_active_reqs = 4
+        self.policy, self.scheduler_reserve_full_isl = "fcfs", False
+        self.current_step = self.num_executed_steps = 0
+        self.running: list = []
+        self.waiting = FakeQueue()
+        self.kv_holding_waiting = FakeQueue()
+        self.deferred_waiting: set = set()
+        self._inflight_prefills: set = set()
+        self.prev_step_scheduled_req_ids: set = set()
+        self.requests: dict = {}
+        self.freed: list = []
+
+    def _get_local_prefix_cache_hit(self, request):
+        return None, 0, 0, False
+
+    def record_prefix_cache_stats(self, request, hits):
+        pass
+
+    def estimate_cached_tokens(self, request):
+        return 0
+
+    def _preempt_request(self, request, ts):
+        raise AssertionError("no preemption expected")
+
+    def _free_request(self, request):
+        self.freed.append(request.request_id)
+        self.native.free(request.request_id)
+        del self.requests[request.request_id]
+
+
+class Output(tuple):
+    def __new__(cls, *args):
+        return super().__new__(cls, args)
+
+
+FIELDS = [
+    "request_id",
+    "new_token_ids",
+    "new_logprobs",
+    "new_prompt_logprobs_tensors",
+    "finish_reason",
+    "stop_reason",
+    "events",
+    "trace_headers",
+    "prefill_stats",
+    "num_nans_in_logits",
+]
+
+
+def loop_config(**overrides) -> dict:
+    config = {
+        "release_033": True,
+        "v2_model_runner": False,
+        "hash_block_size": 4,
+        "async_scheduling": False,
+        "decode_stagger": 1,
+        "PRIORITY": "priority",
+        "event_scheduled": None,
+        "WAITING": WAITING,
+        "RUNNING": RUNNING,
+        "PREEMPTED": PREEMPTED,
+        "FINISHED_STOPPED": STOPPED,
+        "FINISHED_LENGTH_CAPPED": CAPPED,
+        "reason_stop": "stop",
+        "reason_length": "length",
+        "make_new": lambda req, ids: ("new", req.request_id, ids),
+        "monotonic": lambda: 0.0,
+        "output_cls": Output,
+        "output_fields": FIELDS,
+        "output_defaults": [None, None, None, None, None, None, None, None, None, 0],
+    }
+    config.update(overrides)
+    return config
+
+
+def bound_manager() -> _native.V1Manager:
+    m = manager(num_blocks=16, events=False)
+    m.bind_vllm("EMPTY", lambda ids: ("blocks", ids), WAITING, PREEMPTED, None, FakeRequest)
+    return m
+
+
+class FakeOutput:
+    def __init__(self, ids: list, sampled: list) -> None:
+        self.sampled_token_ids = sampled
+        self.req_id_to_index = {r: i for i, r in enumerate(ids)}
+        self.logprobs = None
+        self.prompt_logprobs_dict = {}
+        self.num_nans_in_logits = None
+
+
+def test_v1_loop_admits_decodes_and_stops_over_the_schedulers_own_objects() -> None:
+    m = bound_manager()
+    sched = FakeScheduler(m)
+    loop = _native.V1Loop(m, loop_config())
+    a, b = FakeRequest("a", [5] * 6, 3, eos=2), FakeRequest("b", [6] * 9, 2)
+    for r in (a, b):
+        sched.waiting.append(r)
+        sched.requests[r.request_id] = r
+    new, cached, scheduled, total = loop.schedule(sched)
+    assert [n[1] for n in new] == ["a", "b"] and dict(scheduled) == {"a": 6, "b": 9}
+    assert total == 15 and sched.running == [a, b] and not sched.waiting
+    assert a.status == RUNNING and a.num_computed_tokens == 6 and a.num_in_flight_tokens == 6
+    assert sched.prev_step_scheduled_req_ids == {"a", "b"}
+    outs = loop.update(
+        sched,
+        None and 0 or type("SO", (), {"num_scheduled_tokens": scheduled})(),
+        FakeOutput(["a", "b"], [[7], [2]]),
+    )
+    ((client, rows),) = outs
+    assert client == 0 and [(o[0], list(o[1])) for o in rows] == [("a", [7]), ("b", [2])]
+    assert a._all_token_ids[-1] == 7 and a._output_token_ids == [7] and a.status == RUNNING
+    # b ignores EOS (eos None): its second token reaches max_tokens and caps it.
+    so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+    assert dict(so.num_scheduled_tokens) == {"a": 1, "b": 1}
+    ((_, rows),) = loop.update(sched, so, FakeOutput(["a", "b"], [[2], [9]]))
+    assert a.status == STOPPED and b.status == CAPPED
+    assert [o[4] for o in rows] == ["stop", "length"] and sched.freed == ["a", "b"]
+    assert sched.running == [] and m.num_requests == 0
+
+
+def test_v1_loop_refuses_bad_configuration_and_reentry() -> None:
+    m = bound_manager()
+    with pytest.raises(InvalidArgumentError):
+        _native.V1Loop(m, {k: v for k, v in loop_config().items() if k != "WAITING"})
+    with pytest.raises(ValueError):
+        _native.V1Loop(m, loop_config(output_defaults=[None]))
+    with pytest.raises(InvalidArgumentError, match="no field"):
+        _native.V1Loop(m, loop_config(output_fields=FIELDS[:-1], output_defaults=[None] * 9))
+    sched = FakeScheduler(m)
+    loop = _native.V1Loop(m, loop_config())
+    r = FakeRequest("r", [5] * 4, 1)
+    sched.waiting.append(r)
+    sched.requests["r"] = r
+    scheduled = loop.schedule(sched)[2]
+
+    def reenter(request):  # a callback into the loop while it runs: refused, not a crash
+        loop.schedule(sched)
+
+    sched._free_request = reenter
+    so = type("SO", (), {"num_scheduled_tokens": scheduled})()
+    with pytest.raises(PagedKVError):
+        loop.update(sched, so, FakeOutput(["r"], [[9]]))
+
+
+def test_v1_loop_on_a_scheduler_missing_a_field_changes_nothing() -> None:
+    m = bound_manager()
+    sched = FakeScheduler(m)
+    del sched.prev_step_scheduled_req_ids
+    r = FakeRequest("r", [5] * 4, 1)
+    sched.waiting.append(r)
+    sched.requests["r"] = r
+    with pytest.raises(AttributeError):
+        _native.V1Loop(m, loop_config()).schedule(sched)
+    assert sched.current_step == 0 and sched.waiting == [r] and r.status == WAITING
+    assert m.num_requests == 0 and m.num_free_blocks() == 15

@@ -90,6 +90,8 @@ pub struct PyV1Loop {
     decode_stagger: u64,
     /// The fixed fields of the requests the last call saw (see [`Fixed`]).
     fixed: std::sync::Mutex<FixedMap>,
+    /// A call is running (a callback into Python that calls the loop again is refused).
+    busy: std::sync::atomic::AtomicBool,
 }
 
 /// One call's walk: the loop, the scheduler's settings read at the call's start (vLLM's
@@ -176,12 +178,17 @@ impl Walk<'_> {
         }
         Ok(out)
     }
+}
 
-    /// Hand the entries this call saw to the next call.
-    fn store(&self) {
+impl Drop for Walk<'_> {
+    /// Hand the entries this call saw to the next call; the loop is free again.
+    fn drop(&mut self) {
         if let Ok(mut m) = self.lp.fixed.try_lock() {
             *m = self.new.take();
         }
+        self.lp
+            .busy
+            .store(false, std::sync::atomic::Ordering::Release);
     }
 }
 
@@ -223,9 +230,12 @@ impl PyV1Loop {
             v2_model_runner: self.v2_model_runner,
             hash_block_size: self.hash_block_size,
         };
+        if self.busy.swap(true, std::sync::atomic::Ordering::Acquire) {
+            return Err(crate::errors::busy("this V1Loop"));
+        }
         let old = match self.fixed.try_lock() {
             Ok(mut m) => std::mem::take(&mut *m),
-            Err(_) => return Err(crate::errors::busy("this V1Loop")),
+            Err(_) => FixedMap::default(),
         };
         Ok(Walk {
             lp: self,
@@ -329,6 +339,7 @@ impl PyV1Loop {
             async_scheduling,
             decode_stagger,
             fixed: std::sync::Mutex::new(FixedMap::default()),
+            busy: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -338,10 +349,7 @@ impl PyV1Loop {
     /// num_output_tokens)`, after applying `_update_after_schedule`'s request updates. The
     /// caller builds the output and replaces the finished and preempted id sets.
     fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
-        let walk = self.walk(sched)?;
-        let out = walk.schedule(sched);
-        walk.store();
-        out
+        self.walk(sched)?.schedule(sched)
     }
 
     /// `Scheduler.update_from_output()`'s per-request part: returns `[(client_index,
@@ -424,19 +432,32 @@ fn len_of(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
 impl Walk<'_> {
     fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
         let py = sched.py();
+        // Everything of the scheduler's the walk needs is read before anything is written.
         let step: u64 = sched.getattr(intern!(py, "current_step"))?.extract()?;
-        sched.setattr(intern!(py, "current_step"), step + 1)?;
-        let ts = self.lp.objs.monotonic.bind(py).call0()?;
-        let mut budget = Budget {
-            tokens: self.set.max_num_scheduled_tokens,
-            input: self.set.max_num_batched_tokens,
+        let executed: Option<u64> = if self.set.release_033 {
+            Some(get_u64(sched, intern!(py, "num_executed_steps"))?)
+        } else {
+            None
         };
+        for name in [
+            intern!(py, "deferred_waiting"),
+            intern!(py, "_inflight_prefills"),
+            intern!(py, "prev_step_scheduled_req_ids"),
+        ] {
+            sched.getattr(name)?;
+        }
         let running = sched
             .getattr(intern!(py, "running"))?
             .cast_into::<PyList>()?;
         let waiting = sched.getattr(intern!(py, "waiting"))?;
         let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?.len()?;
         let num_eligible = (running.len() + waiting.len()? + kv_holding) as u64;
+        let ts = self.lp.objs.monotonic.bind(py).call0()?;
+        sched.setattr(intern!(py, "current_step"), step + 1)?;
+        let mut budget = Budget {
+            tokens: self.set.max_num_scheduled_tokens,
+            input: self.set.max_num_batched_tokens,
+        };
         let threshold =
             policy::long_prefill_threshold(&self.set.limits, num_eligible, budget.input);
         let mut rows: Vec<Row<'py>> = Vec::with_capacity(running.len());
@@ -455,10 +476,7 @@ impl Walk<'_> {
             )?;
         }
         let total: u64 = rows.iter().map(|r| r.tokens).sum();
-        if self.set.release_033 && total > 0 {
-            let n: u64 = sched
-                .getattr(intern!(py, "num_executed_steps"))?
-                .extract()?;
+        if let (Some(n), true) = (executed, total > 0) {
             sched.setattr(intern!(py, "num_executed_steps"), n + 1)?;
         }
         if running.len() > self.set.max_num_running_reqs {
