@@ -99,10 +99,8 @@ pub struct PyV1Loop {
 struct Walk<'a> {
     lp: &'a PyV1Loop,
     set: Settings,
-    /// Entries of the requests the previous call saw (taken from the loop)...
-    old: std::cell::RefCell<FixedMap>,
-    /// ...and of those this call saw (stored back at its end).
-    new: std::cell::RefCell<FixedMap>,
+    /// The loop's fixed-field entries, taken for the call and stored back at its end.
+    map: std::cell::RefCell<FixedMap>,
 }
 
 type FixedMap = std::collections::HashMap<usize, Fixed, PtrHash>;
@@ -114,6 +112,8 @@ type FixedMap = std::collections::HashMap<usize, Fixed, PtrHash>;
 struct Fixed {
     _request: Py<PyAny>,
     id: Py<PyString>,
+    /// The id's text (the manager's key).
+    rid: Box<str>,
     all: Py<PyList>,
     outs: Py<PyList>,
     num_prompt: u64,
@@ -128,12 +128,13 @@ impl Fixed {
     fn read(request: &Bound<'_, PyAny>) -> PyResult<Self> {
         let py = request.py();
         let hashing = !request.getattr(intern!(py, "_block_hasher"))?.is_none();
+        let id = request
+            .getattr(intern!(py, "request_id"))?
+            .cast_into::<PyString>()?;
         Ok(Fixed {
             _request: request.clone().unbind(),
-            id: request
-                .getattr(intern!(py, "request_id"))?
-                .cast_into::<PyString>()?
-                .unbind(),
+            rid: id.to_cow()?.into(),
+            id: id.unbind(),
             all: request
                 .getattr(intern!(py, "_all_token_ids"))?
                 .cast_into::<PyList>()?
@@ -158,25 +159,29 @@ impl Fixed {
 impl Walk<'_> {
     /// The request's fixed fields (read now if the last call did not see it), kept for the
     /// next call when `keep`.
-    fn fixed<R>(
-        &self,
-        request: &Bound<'_, PyAny>,
-        keep: bool,
-        f: impl FnOnce(&Fixed) -> R,
-    ) -> PyResult<R> {
+    fn fixed<R>(&self, request: &Bound<'_, PyAny>, f: impl FnOnce(&Fixed) -> R) -> PyResult<R> {
         let key = request.as_ptr() as usize;
-        if let Some(e) = self.new.borrow().get(&key) {
+        if let Some(e) = self.map.borrow().get(&key) {
             return Ok(f(e));
         }
-        let entry = match self.old.borrow_mut().remove(&key) {
-            Some(e) => e,
-            None => Fixed::read(request)?,
-        };
+        let entry = Fixed::read(request)?;
         let out = f(&entry);
-        if keep {
-            self.new.borrow_mut().insert(key, entry);
-        }
+        self.map.borrow_mut().insert(key, entry);
         Ok(out)
+    }
+
+    /// Drop the entry of a request that left the scheduler.
+    fn forget(&self, request: &Bound<'_, PyAny>) {
+        self.map.borrow_mut().remove(&(request.as_ptr() as usize));
+    }
+
+    /// Entries outlive requests only when they leave outside the loop (aborts, vLLM's
+    /// loop): beyond twice the live requests (plus slack) the map starts afresh.
+    fn prune(&self, live: usize) {
+        let mut m = self.map.borrow_mut();
+        if m.len() > 2 * live + 256 {
+            m.clear();
+        }
     }
 }
 
@@ -184,7 +189,7 @@ impl Drop for Walk<'_> {
     /// Hand the entries this call saw to the next call; the loop is free again.
     fn drop(&mut self) {
         if let Ok(mut m) = self.lp.fixed.try_lock() {
-            *m = self.new.take();
+            *m = self.map.take();
         }
         self.lp
             .busy
@@ -240,8 +245,7 @@ impl PyV1Loop {
         Ok(Walk {
             lp: self,
             set,
-            old: std::cell::RefCell::new(old),
-            new: std::cell::RefCell::new(FixedMap::default()),
+            map: std::cell::RefCell::new(old),
         })
     }
 }
@@ -452,6 +456,7 @@ impl Walk<'_> {
         let waiting = sched.getattr(intern!(py, "waiting"))?;
         let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?.len()?;
         let num_eligible = (running.len() + waiting.len()? + kv_holding) as u64;
+        self.prune(num_eligible as usize);
         let ts = self.lp.objs.monotonic.bind(py).call0()?;
         sched.setattr(intern!(py, "current_step"), step + 1)?;
         let mut budget = Budget {
@@ -535,18 +540,19 @@ impl Walk<'_> {
             let Some(out) = self.update_row(sched, &request, &id, n, &mro)? else {
                 continue;
             };
+            if let Some(output) = out.output {
+                let client = self.fixed(&request, |f| f.client)?;
+                match outputs.iter().find(|(c, _)| *c == client) {
+                    Some((_, list)) => list.append(output)?,
+                    None => outputs.push((client, PyList::new(py, [output])?)),
+                }
+            }
             if let Some(was_running) = out.stopped {
+                self.forget(&request);
                 if was_running {
                     stopped_running.push(request.clone());
                 } else {
                     stopped_other.push(request.clone());
-                }
-            }
-            if let Some(output) = out.output {
-                let client = self.fixed(&request, true, |f| f.client)?;
-                match outputs.iter().find(|(c, _)| *c == client) {
-                    Some((_, list)) => list.append(output)?,
-                    None => outputs.push((client, PyList::new(py, [output])?)),
                 }
             }
         }
@@ -593,7 +599,10 @@ impl Walk<'_> {
             let mut blocks = None;
             loop {
                 let mgr = self.lp.manager.get();
-                if let Some(ids) = mgr.allocate_prepared(py, &request, &read.id, &slots)? {
+                let got = self.fixed(&request, |f| {
+                    mgr.allocate_prepared(py, &request, &f.rid, &slots)
+                })?;
+                if let Some(ids) = got? {
                     blocks = Some(ids);
                     break;
                 }
@@ -643,7 +652,7 @@ impl Walk<'_> {
 
     fn running_row<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<(RunningRow, Read<'py>)> {
         let py = request.py();
-        let (id, all, num_prompt, max_tokens) = self.fixed(request, true, |f| {
+        let (id, all, num_prompt, max_tokens) = self.fixed(request, |f| {
             (
                 f.id.bind(py).clone(),
                 f.all.bind(py).clone(),
@@ -810,9 +819,7 @@ impl Walk<'_> {
             (None, 0)
         };
         let num_computed = if lookup { num_local } else { computed_before };
-        let (id, all) = self.fixed(request, true, |f| {
-            (f.id.bind(py).clone(), f.all.bind(py).clone())
-        })?;
+        let (id, all) = self.fixed(request, |f| (f.id.bind(py).clone(), f.all.bind(py).clone()))?;
         let num_tokens = all.len() as u64;
         let Some(n) = policy::waiting_tokens(
             &self.set.limits,
@@ -952,7 +959,7 @@ impl Walk<'_> {
                 Some(b) => new_blocks.append((PyList::new(py, b)?,))?,
             }
             computed.append(r.computed)?;
-            let outs = len_of(&r.request, intern!(py, "_output_token_ids"))?;
+            let outs = self.fixed(&r.request, |f| f.outs.bind(py).len())? as u64;
             outputs.append(outs + r.placeholders)?;
         }
         (ids, resumed_ids, all_tokens, new_blocks, computed, outputs).into_pyobject(py)
@@ -1116,7 +1123,7 @@ impl Walk<'_> {
         stale: bool,
     ) -> PyResult<Option<Stop>> {
         let py = request.py();
-        let (outs, all, hashes, rule) = self.fixed(request, true, |f| {
+        let (outs, all, hashes, rule) = self.fixed(request, |f| {
             (
                 f.outs.bind(py).clone(),
                 f.all.bind(py).clone(),
@@ -1204,11 +1211,8 @@ impl Walk<'_> {
             }
             get_u64(request, intern!(py, "num_computed_tokens"))?.saturating_sub(left)
         };
-        let id = self.fixed(request, true, |f| f.id.bind(py).clone())?;
-        self.lp
-            .manager
-            .get()
-            .cache_for(py, request, &id, cache_upto)
+        let mgr = self.lp.manager.get();
+        self.fixed(request, |f| mgr.cache_for(py, request, &f.rid, cache_upto))?
     }
 
     fn mark_stopped(&self, request: &Bound<'_, PyAny>, stop: Stop) -> PyResult<()> {

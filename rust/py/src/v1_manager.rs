@@ -214,23 +214,24 @@ impl PyV1Manager {
         let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
         let slots = slot_request(py, b, request, a, computed.as_deref())?;
         let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        self.allocate_prepared(py, request, rid_obj.cast::<PyString>()?, &slots)
+        let live = self.lock()?.num_requests();
+        let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
+        let rid = known.text(rid_obj.cast::<PyString>()?, live)?;
+        self.allocate_prepared(py, request, rid, &slots)
     }
 
-    /// `allocate_slots` with the request's fields already read (`slots`) by the caller.
+    /// `allocate_slots` for the request named `rid`, its fields already read (`slots`).
     pub(crate) fn allocate_prepared<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        rid: &Bound<'py, PyString>,
+        rid: &str,
         slots: &SlotRequest<'_>,
     ) -> PyResult<Option<Vec<u32>>> {
         let b = self.binding()?;
         let mut hashes = PyHashes::of_request(request);
         let (ids, logged) = {
             let mut m = self.lock()?;
-            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
-            let rid = known.text(rid, m.num_requests())?;
             let ids = m.allocate_slots(rid, slots, &mut hashes).py()?;
             (ids, m.pool().has_events())
         };
@@ -248,7 +249,7 @@ impl PyV1Manager {
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        rid: &Bound<'py, PyString>,
+        rid: &str,
         num_tokens: u64,
     ) -> PyResult<()> {
         let b = self.binding()?;
@@ -258,8 +259,6 @@ impl PyV1Manager {
             if !m.config().enable_caching {
                 return Ok(());
             }
-            let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
-            let rid = known.text(rid, m.num_requests())?;
             m.cache_blocks(rid, num_tokens, &mut hashes).py()?;
             m.pool().has_events()
         };
