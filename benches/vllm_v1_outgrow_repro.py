@@ -1,7 +1,9 @@
 """What vLLM v1's real scheduler does when a request fits ``max_model_len`` but outgrows the KV
 cache (docs/vllm_v1_scheduler_plan.md, section 4). Nothing here is pagedkv's policy: the
 scheduler is vLLM's own ``Scheduler`` (``--native`` swaps in pagedkv's manager only, which must
-behave the same).
+behave the same). ``--loop`` runs pagedkv's ``Scheduler`` with its native loop instead, which
+does not stall: a prompt longer than the cache is finished with an error at arrival, and a
+request that reaches the cache's size finishes with reason "length" (docs/vllm_v1.md).
 
 Run in a vLLM 0.32/0.33 virtualenv with this checkout's pagedkv on PYTHONPATH::
 
@@ -49,7 +51,12 @@ CASES = {
 
 
 def run_case(
-    name: str, reserve_full_isl: bool, steps: int, native: bool, caching: bool = True
+    name: str,
+    reserve_full_isl: bool,
+    steps: int,
+    native: bool,
+    caching: bool = True,
+    loop: bool = False,
 ) -> Dict[str, Any]:
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import get_hash_fn_by_name
@@ -78,7 +85,11 @@ def run_case(
     )
     with tempfile.TemporaryDirectory() as d:
         sched = build_scheduler(
-            EngineSpec(caching=caching, watermark=0.0), cfg, write_model_dir(d, max_len), native
+            EngineSpec(caching=caching, watermark=0.0),
+            cfg,
+            write_model_dir(d, max_len),
+            native or loop,
+            loop=loop,
         )
     sched.scheduler_reserve_full_isl = reserve_full_isl
     hash_fn = get_hash_fn_by_name("sha256")
@@ -98,8 +109,9 @@ def run_case(
         sched.add_request(r)
     trace: List[Dict[str, Any]] = []
     finished: Dict[str, int] = {}
+    reasons: Dict[str, Any] = {}
     for step in range(steps):
-        if not sched.has_unfinished_requests():
+        if not sched.has_requests():
             break
         so = sched.schedule()
         ids = list(so.num_scheduled_tokens)
@@ -107,7 +119,11 @@ def run_case(
         for rid in ids:
             req = requests[rid]
             sampled.append([5] if req.num_computed_tokens >= req.num_tokens else [])
-        sched.update_from_output(so, model_runner_output(ids, sampled))
+        outs = sched.update_from_output(so, model_runner_output(ids, sampled))
+        for eco in outs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    reasons[o.request_id] = str(o.finish_reason)
         for rid, req in requests.items():
             if req.is_finished() and rid not in finished:
                 finished[rid] = step
@@ -149,6 +165,7 @@ def run_case(
         "steps": len(trace),
         "verdict": verdict,
         "finished_at": finished,
+        "finish_reasons": reasons,
         "preemptions": {rid: r.num_preemptions for rid, r in requests.items()},
         "tokens_scheduled": sum(sum(t["scheduled"].values()) for t in trace),
         "final": trace[-1]["reqs"] if trace else {},
@@ -173,6 +190,7 @@ def main(argv: Any = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--native", action="store_true", help="pagedkv's manager under vLLM's scheduler")
+    p.add_argument("--loop", action="store_true", help="pagedkv's Scheduler (native loop)")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--trace", action="store_true", help="print every step")
     p.add_argument("--json", metavar="PATH")
@@ -180,7 +198,7 @@ def main(argv: Any = None) -> int:
     results = []
     for name in a.cases.split(","):
         for caching, full in ((True, True), (True, False), (False, True), (False, False)):
-            r = run_case(name, full, a.steps, a.native, caching)
+            r = run_case(name, full, a.steps, a.native, caching, loop=a.loop)
             results.append(r)
             print(summary_line(r), flush=True)
             if a.trace:

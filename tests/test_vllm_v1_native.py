@@ -245,6 +245,7 @@ def loop_config(**overrides) -> dict:
         "hash_block_size": 4,
         "async_scheduling": False,
         "decode_stagger": 1,
+        "pool_tokens": 1 << 20,
         "PRIORITY": "priority",
         "event_scheduled": None,
         "WAITING": WAITING,

@@ -108,8 +108,14 @@ class NativeLoop:
         from pagedkv import _native
 
         setattr(self, _HELD, set())
+        native = self.kv_cache_manager._native
+        #: Tokens the KV cache holds (the null block excluded): no request may outgrow it.
+        self._pagedkv_pool_tokens = (native.num_blocks - 1) * native.block_size
+        self._pagedkv_rejected: List[Any] = []
         self._pagedkv_output = _OutputBuilder(self)
-        self._pagedkv_loop = _native.V1Loop(self.kv_cache_manager._native, _loop_config(self))
+        config = _loop_config(self)
+        config["pool_tokens"] = self._pagedkv_pool_tokens
+        self._pagedkv_loop = _native.V1Loop(native, config)
         log_once("pagedkv: native scheduling loop")
 
     def _pagedkv_native_step(self) -> bool:
@@ -132,8 +138,25 @@ class NativeLoop:
 
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
-        if self._pagedkv_loop is not None and request_out_of_scope(request) is not None:
+        if self._pagedkv_loop is None:
+            return
+        if request_out_of_scope(request) is not None:
             getattr(self, _HELD).add(request.request_id)
+        elif request.num_prompt_tokens > self._pagedkv_pool_tokens:
+            self._pagedkv_reject(request)
+
+    def _pagedkv_reject(self, request: Any) -> None:
+        """A prompt the whole KV cache cannot hold never runs (vLLM would keep it at the head
+        of the queue forever, blocking every request behind it): finished with an error now,
+        reported by the next ``update_from_output`` as vLLM reports its own request errors."""
+        from vllm.v1.request import RequestStatus
+
+        log_once(
+            "pagedkv: a prompt longer than the KV cache (%d tokens) is finished with an error",
+            self._pagedkv_pool_tokens,
+        )
+        self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
+        self._pagedkv_rejected.append(request)
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
         if throttle_prefills or not self._pagedkv_native_step():
@@ -150,11 +173,16 @@ class NativeLoop:
         if not self._pagedkv_native_step() or not _plain_step(
             scheduler_output, model_runner_output
         ):
-            return super().update_from_output(  # type: ignore[misc]
+            result = super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
-        outputs = self._pagedkv_loop.update(self, scheduler_output, model_runner_output)
-        return self._pagedkv_output.engine_core_outputs(outputs, model_runner_output)
+        else:
+            outputs = self._pagedkv_loop.update(self, scheduler_output, model_runner_output)
+            result = self._pagedkv_output.engine_core_outputs(outputs, model_runner_output)
+        if self._pagedkv_loop is not None and self._pagedkv_rejected:
+            rejected, self._pagedkv_rejected = self._pagedkv_rejected, []
+            self._pagedkv_output.report_errors(result, rejected)
+        return result
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
@@ -274,6 +302,24 @@ class _OutputBuilder:
         if "skip_drafts" in self._fields:
             kwargs["skip_drafts"] = False
         return self._Output(**kwargs)
+
+    def report_errors(self, result: Dict[int, Any], requests: List[Any]) -> None:
+        """Each request's final output (no tokens, finish reason from its status), added to
+        its client's ``EngineCoreOutputs`` as vLLM adds its own request errors."""
+        from vllm.v1.engine import EngineCoreOutput
+
+        for request in requests:
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            eco = result.get(request.client_index)
+            if eco is None:
+                result[request.client_index] = eco = self._Outputs(outputs=[])
+            eco.outputs.append(out)
 
     def engine_core_outputs(self, outputs: List[Any], model_runner_output: Any) -> Any:
         s = self.sched

@@ -88,6 +88,9 @@ pub struct PyV1Loop {
     /// `AsyncScheduler`: output placeholders; `decode_stagger` (v2 model runner) with it.
     async_scheduling: bool,
     decode_stagger: u64,
+    /// Tokens the KV cache holds (null block excluded): the length cap is
+    /// `min(max_model_len, pool_tokens)`, so no request outgrows the cache.
+    pool_tokens: u64,
     /// The fixed fields of the requests the last call saw (see [`Fixed`]).
     fixed: std::sync::Mutex<FixedMap>,
     /// A call is running (a callback into Python that calls the loop again is refused).
@@ -211,7 +214,7 @@ impl PyV1Loop {
             }
         };
         let limits = Limits {
-            max_model_len: u(sched, intern!(py, "max_model_len"))?,
+            max_model_len: u(sched, intern!(py, "max_model_len"))?.min(self.pool_tokens),
             long_prefill_token_threshold: u(&cfg, intern!(py, "long_prefill_token_threshold"))?,
             adaptive_threshold: flag(sched, intern!(py, "adaptive_long_prefill_threshold"))?,
             chunked_prefill: flag(&cfg, intern!(py, "enable_chunked_prefill"))?,
@@ -318,6 +321,7 @@ impl PyV1Loop {
         let hash_block_size = item(d, "hash_block_size")?.extract::<u64>()?.max(1);
         let async_scheduling = get_bool("async_scheduling")?;
         let decode_stagger = item(d, "decode_stagger")?.extract::<u64>()?;
+        let pool_tokens = item(d, "pool_tokens")?.extract::<u64>()?;
         let event = item(d, "event_scheduled")?;
         let objs = Objects {
             waiting: item(d, "WAITING")?.unbind(),
@@ -342,6 +346,7 @@ impl PyV1Loop {
             hash_block_size,
             async_scheduling,
             decode_stagger,
+            pool_tokens,
             fixed: std::sync::Mutex::new(FixedMap::default()),
             busy: std::sync::atomic::AtomicBool::new(false),
         })
