@@ -8,7 +8,8 @@ with its reason: ENVIRONMENT entries always (this machine cannot run them, whate
 manager), PAGEDKV entries when the manager under test is not vLLM's own. Every test of
 :data:`LOOP_FILES` runs again with ``$PAGEDKV_V1_SCHEDULER_UNDER_TEST`` (default
 ``pagedkv.vllm_v1.Scheduler``) swapped in, except the ENVIRONMENT entries and, for a class
-other than vLLM's own, the LOOP entries. A skip inside fails as a failure does.
+other than vLLM's own, the LOOP entries, once per model runner (:data:`RUNNER_MODES`; with
+the V2 runner also the ENVIRONMENT_V2_RUNNER entries). A skip inside fails as a failure does.
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ FILES = (
 )
 #: The files run against the scheduler class under test (the native loop).
 LOOP_FILES = ("test_scheduler.py", "test_async_scheduler.py")
+#: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series. Set, never left unset: vLLM's
+#: configuration picks the V1 model runner here (no Triton) while vLLM's ``create_scheduler``
+#: then sets ``scheduler.use_v2_model_runner`` to ``VLLM_USE_V2_MODEL_RUNNER is not False``;
+#: the native loop keeps the value it was built with (as an engine, which sets it once), so
+#: both must agree (pagedkv_swap fails a native step where they do not). "1" (V2, the GPU
+#: default) where the release's configuration accepts it without Triton (0.33; 0.32 refuses).
+RUNNER_MODES = {"0.33": ("0", "1"), "0.32": ("0",)}
 
 
 def not_run(series: str, manager_name: str) -> dict[str, str]:
@@ -45,13 +53,16 @@ def scheduler_under_test_name() -> str:
     return os.environ.get(swap.SCHEDULER_ENV) or swap.DEFAULT_SCHEDULER
 
 
-def loop_not_run(series: str, scheduler_name: str) -> dict[str, str]:
-    """The NOT_RUN table of the run of :data:`LOOP_FILES` against ``scheduler_name``."""
+def loop_not_run(series: str, scheduler_name: str, runner: str = "0") -> dict[str, str]:
+    """The NOT_RUN table of the run of :data:`LOOP_FILES` against ``scheduler_name`` with
+    ``VLLM_USE_V2_MODEL_RUNNER=runner``."""
     table = {
         name: reason
         for name, reason in vllm_not_run.ENVIRONMENT[series].items()
         if name.partition("::")[0] in LOOP_FILES
     }
+    if runner == "1":
+        table.update(vllm_not_run.ENVIRONMENT_V2_RUNNER[series])
     if scheduler_name != swap.VLLM_SCHEDULER:
         table.update(vllm_not_run.LOOP[series])
     return table
@@ -86,26 +97,29 @@ def test_vllms_own_v1_core_tests_pass(tmp_path: Path) -> None:
 def test_vllms_own_scheduler_tests_pass_against_the_native_loop(tmp_path: Path) -> None:
     """vLLM's scheduler tests against pagedkv.vllm_v1.Scheduler (sync: the native loop where
     the engine and its requests are in scope, vLLM's loop per step otherwise) and its
-    AsyncScheduler; the plugin fails the run if no step ran natively."""
+    AsyncScheduler, once per model runner of :data:`RUNNER_MODES`; the plugin fails a run in
+    which no step ran natively."""
     series = own.installed_series()
     name = scheduler_under_test_name()
-    junit = tmp_path / "loop.xml"
-    rc, out = own.run(
-        LOOP_FILES,
-        deselect=loop_not_run(series, name),
-        extra_args=["-q", "-rfEs", f"--junitxml={junit}"],
-        env={swap.SCHEDULER_ENV: name},
-    )
     cls = swap._resolve(name)
-    assert f"pagedkv_swap: Scheduler = {cls.__module__}.{cls.__qualname__}," in out, out
-    assert rc == 0, out[-8000:]
-    names, skipped = junit_cases(junit)
-    assert not skipped, f"skipped (list them in vllm_not_run.py with a reason): {skipped}"
-    assert len(names) > 150, f"only {len(names)} tests ran:\n{out[-3000:]}"
-    assert "schedulers under test built" in out or "not counted" in out, out[-2000:]
-    if name == swap.DEFAULT_SCHEDULER:
-        native = re.search(r"schedule\(\): (\d+) native steps", out)
-        assert native and int(native.group(1)) > 0, out[-2000:]
+    for runner in RUNNER_MODES[series]:
+        junit = tmp_path / f"loop-runner-{runner}.xml"
+        rc, out = own.run(
+            LOOP_FILES,
+            deselect=loop_not_run(series, name, runner),
+            extra_args=["-q", "-rfEs", f"--junitxml={junit}"],
+            env={swap.SCHEDULER_ENV: name, "VLLM_USE_V2_MODEL_RUNNER": runner},
+        )
+        run = f"VLLM_USE_V2_MODEL_RUNNER={runner}"
+        assert f"pagedkv_swap: Scheduler = {cls.__module__}.{cls.__qualname__}," in out, out
+        assert rc == 0, f"{run}:\n{out[-8000:]}"
+        names, skipped = junit_cases(junit)
+        assert not skipped, f"{run}: skipped (list them in vllm_not_run.py): {skipped}"
+        assert len(names) > 150, f"{run}: only {len(names)} tests ran:\n{out[-3000:]}"
+        assert "schedulers under test built" in out or "not counted" in out, out[-2000:]
+        if name == swap.DEFAULT_SCHEDULER:
+            native = re.search(r"schedule\(\): (\d+) native steps", out)
+            assert native and int(native.group(1)) > 0, f"{run}:\n{out[-2000:]}"
 
 
 def test_not_run_tables_name_tests_of_the_files_run() -> None:
@@ -118,6 +132,7 @@ def test_not_run_tables_name_tests_of_the_files_run() -> None:
         (vllm_not_run.ENVIRONMENT[series], FILES),
         (vllm_not_run.PAGEDKV[series], FILES),
         (vllm_not_run.LOOP[series], LOOP_FILES),
+        (vllm_not_run.ENVIRONMENT_V2_RUNNER[series], LOOP_FILES),
     )
     for table, files in tables:
         for entry, reason in table.items():
@@ -133,6 +148,10 @@ def test_vllms_own_scheduler_runs_more_than_the_loop_table_allows() -> None:
     with_pagedkv = loop_not_run(series, swap.DEFAULT_SCHEDULER)
     assert set(with_vllm) < set(with_pagedkv)
     assert not set(vllm_not_run.LOOP[series]) & set(vllm_not_run.ENVIRONMENT[series])
+    assert set(vllm_not_run.ENVIRONMENT_V2_RUNNER[series]) <= set(
+        loop_not_run(series, swap.VLLM_SCHEDULER, "1")
+    )
+    assert not vllm_not_run.ENVIRONMENT_V2_RUNNER[series] or "1" in RUNNER_MODES[series]
 
 
 def test_vllms_own_manager_runs_more_than_the_pagedkv_table_allows() -> None:

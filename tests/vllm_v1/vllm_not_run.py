@@ -16,6 +16,8 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   (vLLM refuses a positive ``prefix_cache_retention_interval`` on full attention), was fixed,
   not listed: such a configuration is out of pagedkv's scope, so vLLM's manager refuses it.
   classify_vllm_tests.py proposes entries by source patterns for a new release.
+* ``ENVIRONMENT_V2_RUNNER``: with ``VLLM_USE_V2_MODEL_RUNNER=1`` (one of the loop runs),
+  tests vLLM's configuration refuses with the V2 model runner. Always deselected there.
 * ``LOOP``: the run of test_scheduler.py and test_async_scheduler.py against the scheduler
   class under test (``pagedkv.vllm_v1.Scheduler`` and its ``AsyncScheduler`` swapped in for
   vLLM's, the manager not swapped: the class installs pagedkv's manager in scope and keeps
@@ -28,8 +30,9 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   (the class installs pagedkv's manager). Each was checked to pass with
   ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
   internals. A parametrization is named ``file::test[id]``. Deselected when the scheduler
-  under test is not vLLM's own. Measured: every other test of the two files passes, including
-  the KV connector tests of ``PAGEDKV`` (out of scope: vLLM's manager and loop run them).
+  under test is not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with
+  the V1): every other test of the two files passes, including the KV connector tests of
+  ``PAGEDKV`` (out of scope: vLLM's manager and loop run them).
 """
 
 from __future__ import annotations
@@ -249,6 +252,19 @@ PAGEDKV["0.32"] = {
     "test_scheduler.py::test_spec_decode_padding_resumed_request_without_running_requests": _CONNECTOR,
     "test_scheduler.py::test_throttle_prefills_defers_remote_kv_resume_with_local_prefill": _CONNECTOR,
     "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
+}
+
+#: The loop run with VLLM_USE_V2_MODEL_RUNNER=1 (test_vllm_own_tests.RUNNER_MODES): vLLM's
+#: configuration refuses these with the V2 model runner, whatever the scheduler.
+ENVIRONMENT_V2_RUNNER: dict[str, dict[str, str]] = {
+    "0.33": {
+        "test_scheduler.py::test_block_drafters_cap_requests_instead_of_draft_slots": (
+            "VllmConfig refuses it with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): "
+            "'Model Runner V2 does not yet support parallel drafting for EAGLE' (vLLM's own "
+            "scheduler alike)"
+        ),
+    },
+    "0.32": {},
 }
 
 LOOP: dict[str, dict[str, str]] = {}
