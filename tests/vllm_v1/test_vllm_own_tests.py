@@ -1,18 +1,25 @@
 """vLLM's own tests/v1/core tests, unmodified, against the KV cache manager under test
 (vllm_own_tests.py fetches them from the release's sdist; pagedkv_swap.py swaps the manager in
-before collection).
+before collection), and vLLM's scheduler tests against the scheduler class under test, the
+native loop (pagedkv_swap.py swaps ``Scheduler`` / ``AsyncScheduler`` in instead).
 
 Every test of :data:`FILES` runs except those in the NOT_RUN table (vllm_not_run.py), each
 with its reason: ENVIRONMENT entries always (this machine cannot run them, whatever the
-manager), PAGEDKV entries when the manager under test is not vLLM's own. A skip inside fails
-as a failure does.
+manager), PAGEDKV entries when the manager under test is not vLLM's own. Every test of
+:data:`LOOP_FILES` runs again with ``$PAGEDKV_V1_SCHEDULER_UNDER_TEST`` (default
+``pagedkv.vllm_v1.Scheduler``) swapped in, except the ENVIRONMENT entries and, for a class
+other than vLLM's own, the LOOP entries, once per model runner (:data:`RUNNER_MODES`; with
+the V2 runner also the ENVIRONMENT_V2_RUNNER entries). A skip inside fails as a failure does.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pagedkv_swap as swap
 import v1_harness as h
 import vllm_not_run
 import vllm_own_tests as own
@@ -23,6 +30,15 @@ FILES = (
     "test_scheduler.py",
     "test_async_scheduler.py",
 )
+#: The files run against the scheduler class under test (the native loop).
+LOOP_FILES = ("test_scheduler.py", "test_async_scheduler.py")
+#: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series. Set, never left unset: vLLM's
+#: configuration picks the V1 model runner here (no Triton) while vLLM's ``create_scheduler``
+#: then sets ``scheduler.use_v2_model_runner`` to ``VLLM_USE_V2_MODEL_RUNNER is not False``;
+#: the native loop keeps the value it was built with (as an engine, which sets it once), so
+#: both must agree (pagedkv_swap fails a native step where they do not). "1" (V2, the GPU
+#: default) where the release's configuration accepts it without Triton (0.33; 0.32 refuses).
+RUNNER_MODES = {"0.33": ("0", "1"), "0.32": ("0",)}
 
 
 def not_run(series: str, manager_name: str) -> dict[str, str]:
@@ -30,6 +46,25 @@ def not_run(series: str, manager_name: str) -> dict[str, str]:
     table = dict(vllm_not_run.ENVIRONMENT[series])
     if manager_name != h.VLLM_MANAGER:
         table.update(vllm_not_run.PAGEDKV[series])
+    return table
+
+
+def scheduler_under_test_name() -> str:
+    return os.environ.get(swap.SCHEDULER_ENV) or swap.DEFAULT_SCHEDULER
+
+
+def loop_not_run(series: str, scheduler_name: str, runner: str = "0") -> dict[str, str]:
+    """The NOT_RUN table of the run of :data:`LOOP_FILES` against ``scheduler_name`` with
+    ``VLLM_USE_V2_MODEL_RUNNER=runner``."""
+    table = {
+        name: reason
+        for name, reason in vllm_not_run.ENVIRONMENT[series].items()
+        if name.partition("::")[0] in LOOP_FILES
+    }
+    if runner == "1":
+        table.update(vllm_not_run.ENVIRONMENT_V2_RUNNER[series])
+    if scheduler_name != swap.VLLM_SCHEDULER:
+        table.update(vllm_not_run.LOOP[series])
     return table
 
 
@@ -48,7 +83,8 @@ def test_vllms_own_v1_core_tests_pass(tmp_path: Path) -> None:
     series = own.installed_series()
     table = not_run(series, h.manager_under_test_name())
     junit = tmp_path / "own.xml"
-    rc, out = own.run(FILES, deselect=table, extra_args=["-q", "-rfEs", f"--junitxml={junit}"])
+    args = ["-q", "-rfEs", f"--junitxml={junit}"]
+    rc, out = own.run(FILES, deselect=table, extra_args=args, env={swap.SCHEDULER_ENV: ""})
     cls = h.manager_under_test()
     assert f"pagedkv_swap: KVCacheManager = {cls.__module__}.{cls.__qualname__}" in out, out
     assert rc == 0, out[-8000:]
@@ -58,15 +94,64 @@ def test_vllms_own_v1_core_tests_pass(tmp_path: Path) -> None:
     assert "managers under test built" in out or "not counted" in out, out[-2000:]
 
 
+def test_vllms_own_scheduler_tests_pass_against_the_native_loop(tmp_path: Path) -> None:
+    """vLLM's scheduler tests against pagedkv.vllm_v1.Scheduler (sync: the native loop where
+    the engine and its requests are in scope, vLLM's loop per step otherwise) and its
+    AsyncScheduler, once per model runner of :data:`RUNNER_MODES`; the plugin fails a run in
+    which no step ran natively."""
+    series = own.installed_series()
+    name = scheduler_under_test_name()
+    cls = swap._resolve(name)
+    for runner in RUNNER_MODES[series]:
+        junit = tmp_path / f"loop-runner-{runner}.xml"
+        rc, out = own.run(
+            LOOP_FILES,
+            deselect=loop_not_run(series, name, runner),
+            extra_args=["-q", "-rfEs", f"--junitxml={junit}"],
+            env={swap.SCHEDULER_ENV: name, "VLLM_USE_V2_MODEL_RUNNER": runner},
+        )
+        run = f"VLLM_USE_V2_MODEL_RUNNER={runner}"
+        assert f"pagedkv_swap: Scheduler = {cls.__module__}.{cls.__qualname__}," in out, out
+        assert rc == 0, f"{run}:\n{out[-8000:]}"
+        names, skipped = junit_cases(junit)
+        assert not skipped, f"{run}: skipped (list them in vllm_not_run.py): {skipped}"
+        assert len(names) > 150, f"{run}: only {len(names)} tests ran:\n{out[-3000:]}"
+        assert "schedulers under test built" in out or "not counted" in out, out[-2000:]
+        if name == swap.DEFAULT_SCHEDULER:
+            native = re.search(r"schedule\(\): (\d+) native steps", out)
+            assert native and int(native.group(1)) > 0, f"{run}:\n{out[-2000:]}"
+
+
 def test_not_run_tables_name_tests_of_the_files_run() -> None:
-    """Each entry names a test function of one of FILES in that series' sdist, with a reason."""
+    """Each entry names a test function of one of FILES in that series' sdist (LOOP: of
+    LOOP_FILES), with a reason."""
     series = own.installed_series()
     core = own.tests_tree(series) / "tests" / "v1" / "core"
     sources = {f: (core / f).read_text() for f in FILES}
-    for table in (vllm_not_run.ENVIRONMENT[series], vllm_not_run.PAGEDKV[series]):
+    tables = (
+        (vllm_not_run.ENVIRONMENT[series], FILES),
+        (vllm_not_run.PAGEDKV[series], FILES),
+        (vllm_not_run.LOOP[series], LOOP_FILES),
+        (vllm_not_run.ENVIRONMENT_V2_RUNNER[series], LOOP_FILES),
+    )
+    for table, files in tables:
         for entry, reason in table.items():
             file, _, name = entry.partition("::")
-            assert reason and f"def {name}(" in sources[file], entry
+            name = name.partition("[")[0]  # one parametrization: file::test[id]
+            assert reason and file in files and f"def {name}(" in sources[file], entry
+
+
+def test_vllms_own_scheduler_runs_more_than_the_loop_table_allows() -> None:
+    """vLLM's own Scheduler swapped in has only the ENVIRONMENT entries deselected."""
+    series = own.installed_series()
+    with_vllm = loop_not_run(series, swap.VLLM_SCHEDULER)
+    with_pagedkv = loop_not_run(series, swap.DEFAULT_SCHEDULER)
+    assert set(with_vllm) < set(with_pagedkv)
+    assert not set(vllm_not_run.LOOP[series]) & set(vllm_not_run.ENVIRONMENT[series])
+    assert set(vllm_not_run.ENVIRONMENT_V2_RUNNER[series]) <= set(
+        loop_not_run(series, swap.VLLM_SCHEDULER, "1")
+    )
+    assert not vllm_not_run.ENVIRONMENT_V2_RUNNER[series] or "1" in RUNNER_MODES[series]
 
 
 def test_vllms_own_manager_runs_more_than_the_pagedkv_table_allows() -> None:

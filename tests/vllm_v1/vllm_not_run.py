@@ -16,6 +16,23 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   (vLLM refuses a positive ``prefix_cache_retention_interval`` on full attention), was fixed,
   not listed: such a configuration is out of pagedkv's scope, so vLLM's manager refuses it.
   classify_vllm_tests.py proposes entries by source patterns for a new release.
+* ``ENVIRONMENT_V2_RUNNER``: with ``VLLM_USE_V2_MODEL_RUNNER=1`` (one of the loop runs),
+  tests vLLM's configuration refuses with the V2 model runner. Always deselected there.
+* ``LOOP``: the run of test_scheduler.py and test_async_scheduler.py against the scheduler
+  class under test (``pagedkv.vllm_v1.Scheduler`` and its ``AsyncScheduler`` swapped in for
+  vLLM's, the manager not swapped: the class installs pagedkv's manager in scope and keeps
+  vLLM's out of scope, as in an engine): tests that fail there for a reason that is not a
+  behaviour difference of the native loop. They put a collaborator or a flag into the
+  scheduler after construction (the native loop's scope is decided once, at construction, so
+  it never sees them; vLLM sets them only in ``Scheduler.__init__``, from the configuration),
+  or replace ``kv_cache_manager.allocate_slots`` (the native loop allocates through the native
+  manager, never that Python attribute), or read vLLM's manager internals as in ``PAGEDKV``
+  (the class installs pagedkv's manager). Each was checked to pass with
+  ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
+  internals. A parametrization is named ``file::test[id]``. Deselected when the scheduler
+  under test is not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with
+  the V1): every other test of the two files passes, including the KV connector tests of
+  ``PAGEDKV`` (out of scope: vLLM's manager and loop run them).
 """
 
 from __future__ import annotations
@@ -38,6 +55,34 @@ _CONNECTOR = (
 )
 
 
+_AFTER = (
+    "pagedkv.vllm_v1.Scheduler decides once, at construction, that the engine is in the native "
+    "loop's scope (vLLM sets that attribute only in Scheduler.__init__, from the configuration, "
+    "where it would put the engine on vLLM's loop), so the native "
+)
+_AUX_AFTER = (
+    "sets scheduler.aux_output_connector after construction: "
+    + _AFTER
+    + "schedule()/update_from_output() never call the connector put in afterwards"
+)
+_MASK_AFTER = (
+    "sets scheduler.return_sampling_mask = True after construction: "
+    + _AFTER
+    + "update_from_output() does not route the sampling masks"
+)
+_ALLOCATE_SPY = (
+    "replaces scheduler.kv_cache_manager.allocate_slots to reject an allocation; the native loop "
+    "allocates through pagedkv's native manager directly, never through that Python attribute, "
+    "so the rejection never happens"
+)
+_HISPARSE_AFTER = (
+    "binds a HiSparse KV connector (scheduler.connector) after construction and replaces "
+    "kv_cache_manager.allocate_slots with a Mock: "
+    + _AFTER
+    + "schedule() allocates through the native manager and never consults the connector"
+)
+
+
 def _pool_internal(attr: str) -> str:
     return f"reads vLLM's BlockPool internals (block_pool.{attr}), not in pagedkv's pool view"
 
@@ -52,6 +97,13 @@ def _group_internal(attr: str) -> str:
 def _coordinator_internal(attr: str) -> str:
     return f"reads vLLM's coordinator internals (coordinator.{attr}), not in pagedkv's view"
 
+
+#: Both: the aux output connector reads vLLM's pool, and it is put in after construction.
+_AUX_POOL = (
+    _pool_internal("get_cached_block")
+    + " (vLLM's AuxOutputSchedulerConnector reads it); and it "
+    + _AUX_AFTER
+)
 
 ENVIRONMENT: dict[str, dict[str, str]] = {}
 PAGEDKV: dict[str, dict[str, str]] = {}
@@ -200,4 +252,40 @@ PAGEDKV["0.32"] = {
     "test_scheduler.py::test_spec_decode_padding_resumed_request_without_running_requests": _CONNECTOR,
     "test_scheduler.py::test_throttle_prefills_defers_remote_kv_resume_with_local_prefill": _CONNECTOR,
     "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
+}
+
+#: The loop run with VLLM_USE_V2_MODEL_RUNNER=1 (test_vllm_own_tests.RUNNER_MODES): vLLM's
+#: configuration refuses these with the V2 model runner, whatever the scheduler.
+ENVIRONMENT_V2_RUNNER: dict[str, dict[str, str]] = {
+    "0.33": {
+        "test_scheduler.py::test_block_drafters_cap_requests_instead_of_draft_slots": (
+            "VllmConfig refuses it with the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1): "
+            "'Model Runner V2 does not yet support parallel drafting for EAGLE' (vLLM's own "
+            "scheduler alike)"
+        ),
+    },
+    "0.32": {},
+}
+
+LOOP: dict[str, dict[str, str]] = {}
+LOOP["0.33"] = {
+    "test_scheduler.py::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX_POOL,
+    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    "test_scheduler.py::test_pending_hisparse_reclamation_defers_preemption": _HISPARSE_AFTER,
+    "test_scheduler.py::test_preemption_processes_stale_aux_output": _AUX_AFTER,
+    "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
+    "test_scheduler.py::test_prefix_hit_is_capped_at_retained_auxiliary_outputs[local-truncated]": _AUX_AFTER,
+    "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _AUX_POOL,
+    "test_scheduler.py::test_routed_experts_prompt_start_at_prompt_end": _AUX_AFTER,
+    "test_scheduler.py::test_update_from_output_routes_multi_position_sampling_masks": _MASK_AFTER,
+    "test_scheduler.py::test_update_from_output_routes_sampling_masks_by_request": _MASK_AFTER,
+}
+LOOP["0.32"] = {
+    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    "test_scheduler.py::test_pending_hisparse_reclamation_defers_preemption": _HISPARSE_AFTER,
+    "test_scheduler.py::test_preemption_processes_stale_aux_output": _AUX_AFTER,
+    "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
+    "test_scheduler.py::test_routed_experts_prompt_start_at_prompt_end": _AUX_AFTER,
+    "test_scheduler.py::test_update_from_output_routes_multi_position_sampling_masks": _MASK_AFTER,
+    "test_scheduler.py::test_update_from_output_routes_sampling_masks_by_request": _MASK_AFTER,
 }

