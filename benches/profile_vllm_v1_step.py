@@ -64,10 +64,14 @@ MANAGER_METHODS = (
 )
 
 
-def _engine(native: bool, caching: bool, release: str) -> Any:
+def _engine(kind: Any, caching: bool, release: str) -> Any:
+    """``"vllm"`` (or False): vLLM's scheduler and manager; ``"native"`` (or True): vLLM's
+    loop over pagedkv's manager; ``"loop"``: pagedkv's Scheduler with its native loop."""
     from pagedkv.bench.vllm_v1 import EngineSpec, V1Engine
 
-    return V1Engine(release, native, EngineSpec(caching=caching), loop=False)
+    kind = {False: "vllm", True: "native"}.get(kind, kind)
+    spec = EngineSpec(caching=caching)
+    return V1Engine(release, kind != "vllm", spec, loop=kind == "loop")
 
 
 def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float]) -> Dict[str, Any]:
@@ -95,7 +99,7 @@ def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float])
 def _drive_many(
     workload: Any,
     caching: bool,
-    natives: List[bool],
+    natives: List[Any],
     release: str,
     max_steps: Optional[int],
     step_hook: Any = None,
@@ -488,7 +492,7 @@ def _scale(release: str, steps: int, quick: bool, engines: List[str], seed: int)
     for k, cfg in zip(FACTORS, sweep_configs(quick)["batch"]):
         workload = generate(cfg, seed=seed)
         point: Dict[str, Any] = {"factor": k, "max_num_seqs": cfg.max_num_seqs}
-        runs, engs = _drive_many(workload, True, [e == "native" for e in engines], release, steps)
+        runs, engs = _drive_many(workload, True, list(engines), release, steps)
         for e in engs:
             e.close()
         for engine, st in zip(engines, runs):
@@ -533,7 +537,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--workload", default="w1")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--modes", default="on,off")
-    p.add_argument("--engines", default="native,vllm")
+    p.add_argument("--engines", default="native,vllm", help="loop, native (manager), vllm")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--profile-steps", default="100:400", help="A:B, the cProfile window")
     p.add_argument("--no-profile", action="store_true")
@@ -567,7 +571,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     overhead = _wrapper_overhead_s()
     result["timer_wrapper_overhead_us"] = overhead * 1e6
     engines = a.engines.split(",")
-    natives = [e == "native" for e in engines]
+    natives = list(engines)
     for mode in a.modes.split(","):
         caching = {"on": True, "off": False}[mode]
         timed, engs = _drive_many(workload, caching, natives, release, a.max_steps)
@@ -579,7 +583,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         for e in mengs:
             e.close()
         for j, engine in enumerate(engines):
-            native = natives[j]
+            native = natives[j] == "native"
             key = f"{mode}/{engine}"
             summary = _summ(timed[j])
             timer = timers[engine]

@@ -191,6 +191,7 @@ class FakeScheduler:
         self.max_model_len, self.max_num_scheduled_tokens = 64, 64
         self.max_num_running_reqs = self.max_num_active_reqs = 4
         self.policy, self.scheduler_reserve_full_isl = "fcfs", False
+        self.use_v2_model_runner = False
         self.current_step = self.num_executed_steps = 0
         self.running: list = []
         self.waiting = FakeQueue()
@@ -241,7 +242,6 @@ FIELDS = [
 def loop_config(**overrides) -> dict:
     config = {
         "release_033": True,
-        "v2_model_runner": False,
         "hash_block_size": 4,
         "async_scheduling": False,
         "decode_stagger": 1,
@@ -255,7 +255,7 @@ def loop_config(**overrides) -> dict:
         "FINISHED_LENGTH_CAPPED": CAPPED,
         "reason_stop": "stop",
         "reason_length": "length",
-        "make_new": lambda req, ids: ("new", req.request_id, ids),
+        "make_new": lambda req, ids, v2: ("new", req.request_id, ids),
         "monotonic": lambda: 0.0,
         "output_cls": Output,
         "output_fields": FIELDS,

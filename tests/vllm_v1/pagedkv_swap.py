@@ -31,8 +31,7 @@ import importlib
 import os
 import sys
 import types
-import weakref
-from typing import Any, Optional
+from typing import Optional
 
 import pytest
 
@@ -105,14 +104,9 @@ _sched: dict = {
     "native_schedule": 0,  # of which ran natively
     "update": 0,
     "native_update": 0,
-    "runner_changed": 0,  # native steps after use_v2_model_runner changed since the loop began
     "tests_native": 0,  # tests with at least one native schedule() step
     "tests_fallback": 0,  # tests with a schedule() on the class under test, none native
 }
-
-
-#: Each native loop's scheduler -> its ``use_v2_model_runner`` when the loop started.
-_runner_at_start: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
 
 
 def _count_calls(owner: type, name: str, key: str, after=None, before=None) -> None:
@@ -138,13 +132,8 @@ def _count_native_loop(cls: type) -> bool:
 
     ``NativeLoop.schedule`` / ``update_from_output`` run on every step of such a scheduler;
     ``_OutputBuilder.scheduler_output`` / ``engine_core_outputs`` only on the native ones.
-
-    The native loop takes ``use_v2_model_runner`` once, when it starts (an engine sets it only
-    in ``Scheduler.__init__``); vLLM's loop reads it every step. vLLM's ``create_scheduler``
-    sets it after construction (``VLLM_USE_V2_MODEL_RUNNER is not False``) while the
-    configuration says otherwise on a machine without Triton, so a native step whose scheduler
-    no longer has the value its loop started with is counted: the run fails on any (set
-    ``VLLM_USE_V2_MODEL_RUNNER`` so that both agree)."""
+    (The native loop reads the scheduler's ``use_v2_model_runner`` every step, as vLLM's loop
+    does: vLLM's ``create_scheduler`` changes it after construction.)"""
     try:
         from pagedkv.vllm_v1 import _native_loop
     except ImportError:
@@ -155,21 +144,11 @@ def _count_native_loop(cls: type) -> bool:
     def loop_started(sched) -> None:
         if sched._pagedkv_loop is not None:
             _sched["with_loop"] += 1
-            _runner_at_start[sched] = bool(sched.use_v2_model_runner)
-
-    def same_runner(builder) -> None:
-        sched = builder.sched
-        if _runner_at_start.get(sched, bool(sched.use_v2_model_runner)) != bool(
-            sched.use_v2_model_runner
-        ):
-            _sched["runner_changed"] += 1
 
     _count_calls(_native_loop.NativeLoop, "_pagedkv_start_loop", "starts", loop_started)
     _count_calls(_native_loop.NativeLoop, "schedule", "schedule")
     _count_calls(_native_loop.NativeLoop, "update_from_output", "update")
-    _count_calls(
-        _native_loop._OutputBuilder, "scheduler_output", "native_schedule", before=same_runner
-    )
+    _count_calls(_native_loop._OutputBuilder, "scheduler_output", "native_schedule")
     _count_calls(_native_loop._OutputBuilder, "engine_core_outputs", "native_update")
     return True
 
@@ -345,14 +324,6 @@ def _scheduler_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if ok and _sched["native_schedule"] == 0:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
         print("pagedkv_swap: the native loop never ran a step; the swap did not take")
-    if _sched["runner_changed"]:
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        print(
-            f"pagedkv_swap: {_sched['runner_changed']} native steps ran after the test changed "
-            "scheduler.use_v2_model_runner (the native loop keeps the value it started with): "
-            "set VLLM_USE_V2_MODEL_RUNNER to 0 or 1 so that vLLM's configuration and "
-            "create_scheduler agree"
-        )
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:

@@ -32,12 +32,10 @@ FILES = (
 )
 #: The files run against the scheduler class under test (the native loop).
 LOOP_FILES = ("test_scheduler.py", "test_async_scheduler.py")
-#: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series. Set, never left unset: vLLM's
-#: configuration picks the V1 model runner here (no Triton) while vLLM's ``create_scheduler``
-#: then sets ``scheduler.use_v2_model_runner`` to ``VLLM_USE_V2_MODEL_RUNNER is not False``;
-#: the native loop keeps the value it was built with (as an engine, which sets it once), so
-#: both must agree (pagedkv_swap fails a native step where they do not). "1" (V2, the GPU
-#: default) where the release's configuration accepts it without Triton (0.33; 0.32 refuses).
+#: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series: both model runners' output
+#: shapes are exercised. "1" (V2, the GPU default) where the release's configuration accepts it
+#: without Triton (0.33; 0.32 refuses). (vLLM's ``create_scheduler`` also sets
+#: ``scheduler.use_v2_model_runner`` after construction; the native loop reads it every step.)
 RUNNER_MODES = {"0.33": ("0", "1"), "0.32": ("0",)}
 
 

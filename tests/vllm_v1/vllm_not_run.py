@@ -22,10 +22,7 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   class under test (``pagedkv.vllm_v1.Scheduler`` and its ``AsyncScheduler`` swapped in for
   vLLM's, the manager not swapped: the class installs pagedkv's manager in scope and keeps
   vLLM's out of scope, as in an engine): tests that fail there for a reason that is not a
-  behaviour difference of the native loop. They put a collaborator or a flag into the
-  scheduler after construction (the native loop's scope is decided once, at construction, so
-  it never sees them; vLLM sets them only in ``Scheduler.__init__``, from the configuration),
-  or replace ``kv_cache_manager.allocate_slots`` (the native loop allocates through the native
+  behaviour difference of the native loop. They replace ``kv_cache_manager.allocate_slots`` (the native loop allocates through the native
   manager, never that Python attribute), or read vLLM's manager internals as in ``PAGEDKV``
   (the class installs pagedkv's manager). Each was checked to pass with
   ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
@@ -55,31 +52,10 @@ _CONNECTOR = (
 )
 
 
-_AFTER = (
-    "pagedkv.vllm_v1.Scheduler decides once, at construction, that the engine is in the native "
-    "loop's scope (vLLM sets that attribute only in Scheduler.__init__, from the configuration, "
-    "where it would put the engine on vLLM's loop), so the native "
-)
-_AUX_AFTER = (
-    "sets scheduler.aux_output_connector after construction: "
-    + _AFTER
-    + "schedule()/update_from_output() never call the connector put in afterwards"
-)
-_MASK_AFTER = (
-    "sets scheduler.return_sampling_mask = True after construction: "
-    + _AFTER
-    + "update_from_output() does not route the sampling masks"
-)
 _ALLOCATE_SPY = (
     "replaces scheduler.kv_cache_manager.allocate_slots to reject an allocation; the native loop "
     "allocates through pagedkv's native manager directly, never through that Python attribute, "
     "so the rejection never happens"
-)
-_HISPARSE_AFTER = (
-    "binds a HiSparse KV connector (scheduler.connector) after construction and replaces "
-    "kv_cache_manager.allocate_slots with a Mock: "
-    + _AFTER
-    + "schedule() allocates through the native manager and never consults the connector"
 )
 
 
@@ -98,11 +74,11 @@ def _coordinator_internal(attr: str) -> str:
     return f"reads vLLM's coordinator internals (coordinator.{attr}), not in pagedkv's view"
 
 
-#: Both: the aux output connector reads vLLM's pool, and it is put in after construction.
+#: The aux output connector (put in after construction: vLLM's loop runs) reads vLLM's pool.
 _AUX_POOL = (
     _pool_internal("get_cached_block")
-    + " (vLLM's AuxOutputSchedulerConnector reads it); and it "
-    + _AUX_AFTER
+    + " (vLLM's AuxOutputSchedulerConnector reads it; pagedkv's Scheduler installs pagedkv's "
+    "manager, and with the connector in place vLLM's loop runs over it)"
 )
 
 ENVIRONMENT: dict[str, dict[str, str]] = {}
@@ -271,21 +247,10 @@ LOOP: dict[str, dict[str, str]] = {}
 LOOP["0.33"] = {
     "test_scheduler.py::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX_POOL,
     "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
-    "test_scheduler.py::test_pending_hisparse_reclamation_defers_preemption": _HISPARSE_AFTER,
-    "test_scheduler.py::test_preemption_processes_stale_aux_output": _AUX_AFTER,
     "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
-    "test_scheduler.py::test_prefix_hit_is_capped_at_retained_auxiliary_outputs[local-truncated]": _AUX_AFTER,
     "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _AUX_POOL,
-    "test_scheduler.py::test_routed_experts_prompt_start_at_prompt_end": _AUX_AFTER,
-    "test_scheduler.py::test_update_from_output_routes_multi_position_sampling_masks": _MASK_AFTER,
-    "test_scheduler.py::test_update_from_output_routes_sampling_masks_by_request": _MASK_AFTER,
 }
 LOOP["0.32"] = {
     "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
-    "test_scheduler.py::test_pending_hisparse_reclamation_defers_preemption": _HISPARSE_AFTER,
-    "test_scheduler.py::test_preemption_processes_stale_aux_output": _AUX_AFTER,
     "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
-    "test_scheduler.py::test_routed_experts_prompt_start_at_prompt_end": _AUX_AFTER,
-    "test_scheduler.py::test_update_from_output_routes_multi_position_sampling_masks": _MASK_AFTER,
-    "test_scheduler.py::test_update_from_output_routes_sampling_masks_by_request": _MASK_AFTER,
 }

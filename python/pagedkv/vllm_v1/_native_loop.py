@@ -130,6 +130,10 @@ class NativeLoop:
 
         return (
             self._pause_state == PauseState.UNPAUSED
+            and self.connector is None
+            and getattr(self, "aux_output_connector", None) is None
+            and getattr(self, "ec_connector", None) is None
+            and not getattr(self, "return_sampling_mask", False)
             and not self.kv_holding_waiting
             and not self.num_waiting_for_streaming_input
             and not self.grammar_compile_error_reqs
@@ -210,7 +214,6 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         raise TypeError("EngineCoreOutput has a default pagedkv cannot share between outputs")
     return {
         "release_033": hasattr(sched, "num_executed_steps"),
-        "v2_model_runner": bool(sched.use_v2_model_runner),
         "hash_block_size": sched.hash_block_size,
         "async_scheduling": isinstance(sched, AsyncScheduler),
         "decode_stagger": getattr(sched, "decode_stagger", 1),
@@ -232,15 +235,18 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
 
 
 def _new_request_data_factory(sched: Any) -> Any:
-    """``NewRequestData.from_request`` as vLLM's ``schedule()`` calls it."""
+    """``NewRequestData.from_request`` as vLLM's ``schedule()`` calls it, for the v1 or the
+    v2 model runner (``v2``: the scheduler's ``use_v2_model_runner``, read each step)."""
     from vllm.v1.core.sched.output import NewRequestData
 
     mrope = sched.model_uses_mrope
-    if sched.use_v2_model_runner:
-        return lambda req, ids: NewRequestData.from_request(
-            req, ids, req._all_token_ids, uses_mrope=mrope
-        )
-    return lambda req, ids: NewRequestData.from_request(req, ids, uses_mrope=mrope)
+
+    def make_new(req: Any, ids: Any, v2: bool) -> Any:
+        if v2:
+            return NewRequestData.from_request(req, ids, req._all_token_ids, uses_mrope=mrope)
+        return NewRequestData.from_request(req, ids, uses_mrope=mrope)
+
+    return make_new
 
 
 class _OutputBuilder:

@@ -34,7 +34,8 @@ struct Objects {
     reason_length: Py<PyAny>,
     /// `EngineCoreEventType.SCHEDULED` (`None`: stats off, no request events).
     event_scheduled: Option<Py<PyAny>>,
-    /// `make_new(request, block_ids) -> NewRequestData` (vLLM's `from_request`, per release).
+    /// `make_new(request, block_ids, v2) -> NewRequestData` (vLLM's `from_request` for the
+    /// v1 or v2 model runner).
     make_new: Py<PyAny>,
     /// `time.monotonic`.
     monotonic: Py<PyAny>,
@@ -83,7 +84,6 @@ pub struct PyV1Loop {
     objs: Objects,
     /// Release switches and what cannot change after construction.
     release_033: bool,
-    v2_model_runner: bool,
     hash_block_size: u64,
     /// `AsyncScheduler`: output placeholders; `decode_stagger` (v2 model runner) with it.
     async_scheduling: bool,
@@ -235,7 +235,7 @@ impl PyV1Loop {
             priority: policy.eq(self.objs.priority.bind(py))?,
             release_033: self.release_033,
             reserve_full_isl: flag(sched, intern!(py, "scheduler_reserve_full_isl"))?,
-            v2_model_runner: self.v2_model_runner,
+            v2_model_runner: flag(sched, intern!(py, "use_v2_model_runner"))?,
             hash_block_size: self.hash_block_size,
         };
         if self.busy.swap(true, std::sync::atomic::Ordering::Acquire) {
@@ -317,7 +317,6 @@ impl PyV1Loop {
         let d = config;
         let get_bool = |k: &str| -> PyResult<bool> { item(d, k)?.extract() };
         let release_033 = get_bool("release_033")?;
-        let v2_model_runner = get_bool("v2_model_runner")?;
         let hash_block_size = item(d, "hash_block_size")?.extract::<u64>()?.max(1);
         let async_scheduling = get_bool("async_scheduling")?;
         let decode_stagger = item(d, "decode_stagger")?.extract::<u64>()?;
@@ -342,7 +341,6 @@ impl PyV1Loop {
             manager,
             objs,
             release_033,
-            v2_model_runner,
             hash_block_size,
             async_scheduling,
             decode_stagger,
@@ -924,13 +922,8 @@ impl Walk<'_> {
         for r in new {
             let ids = r.blocks.clone().unwrap_or_default();
             let block_ids = (PyList::new(py, ids)?,).into_pyobject(py)?;
-            out.append(
-                self.lp
-                    .objs
-                    .make_new
-                    .bind(py)
-                    .call1((&r.request, block_ids))?,
-            )?;
+            let make_new = self.lp.objs.make_new.bind(py);
+            out.append(make_new.call1((&r.request, block_ids, self.set.v2_model_runner))?)?;
         }
         Ok(out)
     }
