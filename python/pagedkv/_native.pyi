@@ -24,6 +24,7 @@ __all__ = [
     "SchedulerCore",
     "BatchStep",
     "V1Manager",
+    "V1Loop",
     "hash_blocks",
     "set_default_hasher",
     "get_default_hasher",
@@ -583,3 +584,20 @@ class V1Manager:
         """Heap bytes the manager holds."""
     def check(self, extra_refs: Optional[Dict[int, int]] = None) -> None:
         """Check every invariant (``InvalidArgumentError`` naming the first broken one)."""
+
+@final
+class V1Loop:
+    """vLLM v1's ``Scheduler.schedule()`` / ``update_from_output()`` for the in-scope path,
+    walking a vLLM scheduler's own queues and requests (``pagedkv.vllm_v1._native_loop`` builds
+    and drives it). ``config`` holds the release switches and vLLM's objects the walk compares
+    against or builds with. A call while another runs raises ``InUseError``."""
+
+    def __new__(cls, manager: V1Manager, config: Dict[str, Any]) -> V1Loop: ...
+    def schedule(self, sched: Any) -> Tuple[List[Any], Tuple[Any, ...], Dict[str, int], int]:
+        """``(new_reqs_data, cached, num_scheduled_tokens, total)``; ``cached`` is
+        ``(req_ids, resumed_req_ids, all_token_ids, new_block_ids, num_computed_tokens,
+        num_output_tokens)``. The request updates of ``_update_after_schedule`` are applied."""
+    def update(
+        self, sched: Any, scheduler_output: Any, model_runner_output: Any
+    ) -> List[Tuple[int, List[Any]]]:
+        """``[(client_index, [EngineCoreOutput, ...]), ...]`` in vLLM's order."""
