@@ -72,3 +72,28 @@ def test_checker_rejects_a_wheel_without_license_or_metadata(tmp_path):
     assert "not a cp39-abi3 manylinux2014 wheel" in problems
     assert "licenses/LICENSE" in problems
     assert "License-Expression" in problems and "keywords" in problems
+
+
+def test_ci_fails_when_a_part_of_the_readme_test_command_fails() -> None:
+    """``set -e`` does not stop a script at a failure inside an ``&&`` list, so .ci/run guards
+    the README's test command: with pytest failing (and every other part succeeding) the
+    command as .ci/run writes it must fail the script before the next line."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / ".ci" / "run").read_text()
+    match = re.search(r"^scripts/vllm_envs\.sh && .*?(?<!\\)\n", text, re.M | re.S)
+    assert match, "the README's test command is not in .ci/run"
+    command = match.group(0)
+    for part, stand_in in (
+        ("scripts/vllm_envs.sh", "true"),
+        ("pip install '.[test]'", "true"),
+        ("pytest --runslow", "false"),
+        ("cargo test", "true"),
+    ):
+        assert part in command, part
+        command = command.replace(part, stand_in)
+    script = f"set -euo pipefail\n{command}echo reached\n"
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True)
+    assert proc.returncode != 0 and "reached" not in proc.stdout, (proc.stdout, proc.stderr)
