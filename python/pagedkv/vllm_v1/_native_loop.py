@@ -105,9 +105,12 @@ class NativeLoop:
         if why is not None:
             log_once("pagedkv: vLLM's scheduling loop runs: %s", why)
             return
+        from vllm.v1.core.sched.interface import PauseState
+
         from pagedkv import _native
 
         setattr(self, _HELD, set())
+        self._pagedkv_unpaused = PauseState.UNPAUSED  # compared every step
         native = self.kv_cache_manager._native
         #: Tokens the KV cache holds (the null block excluded): no request may outgrow it.
         self._pagedkv_pool_tokens = (native.num_blocks - 1) * native.block_size
@@ -126,10 +129,8 @@ class NativeLoop:
             held.intersection_update(self.requests)
             if held:
                 return False
-        from vllm.v1.core.sched.interface import PauseState
-
         return (
-            self._pause_state == PauseState.UNPAUSED
+            self._pause_state == self._pagedkv_unpaused
             and self.connector is None
             and getattr(self, "aux_output_connector", None) is None
             and getattr(self, "ec_connector", None) is None

@@ -374,6 +374,16 @@ impl PyV1Loop {
     }
 }
 
+/// What the running and waiting passes of one `schedule()` share: the scheduler, its queues,
+/// the step's timestamp and its long-prefill threshold.
+struct Queues<'py> {
+    sched: Bound<'py, PyAny>,
+    running: Bound<'py, PyList>,
+    waiting: Bound<'py, PyAny>,
+    ts: Bound<'py, PyAny>,
+    threshold: u64,
+}
+
 /// A running request's objects read once per step.
 struct Read<'py> {
     id: Bound<'py, PyString>,
@@ -469,19 +479,17 @@ impl Walk<'_> {
         let threshold =
             policy::long_prefill_threshold(&self.set.limits, num_eligible, budget.input);
         let mut rows: Vec<Row<'py>> = Vec::with_capacity(running.len());
-        let preempted =
-            self.running_pass(sched, &running, &ts, threshold, &mut budget, &mut rows)?;
+        let queues = Queues {
+            sched: sched.clone(),
+            running: running.clone(),
+            waiting,
+            ts,
+            threshold,
+        };
+        let preempted = self.running_pass(&queues, &mut budget, &mut rows)?;
         let num_running_rows = rows.len();
         if !preempted {
-            self.waiting_pass(
-                sched,
-                &running,
-                &waiting,
-                &ts,
-                threshold,
-                &mut budget,
-                &mut rows,
-            )?;
+            self.waiting_pass(&queues, &mut budget, &mut rows)?;
         }
         let total: u64 = rows.iter().map(|r| r.tokens).sum();
         if let (Some(n), true) = (executed, total > 0) {
@@ -567,13 +575,11 @@ impl Walk<'_> {
     /// failure. Returns whether anything was preempted (then no waiting request is admitted).
     fn running_pass<'py>(
         &self,
-        sched: &Bound<'py, PyAny>,
-        running: &Bound<'py, PyList>,
-        ts: &Bound<'py, PyAny>,
-        threshold: u64,
+        q: &Queues<'py>,
         budget: &mut Budget,
         rows: &mut Vec<Row<'py>>,
     ) -> PyResult<bool> {
+        let (sched, running, ts, threshold) = (&q.sched, &q.running, &q.ts, q.threshold);
         let py = sched.py();
         let mut preempted_any = false;
         let mut i = 0;
@@ -745,17 +751,13 @@ impl Walk<'_> {
     }
 
     /// The waiting loop: admits requests from the head of `waiting` while they fit.
-    #[allow(clippy::too_many_arguments)]
     fn waiting_pass<'py>(
         &self,
-        sched: &Bound<'py, PyAny>,
-        running: &Bound<'py, PyList>,
-        waiting: &Bound<'py, PyAny>,
-        ts: &Bound<'py, PyAny>,
-        threshold: u64,
+        q: &Queues<'py>,
         budget: &mut Budget,
         rows: &mut Vec<Row<'py>>,
     ) -> PyResult<()> {
+        let (sched, running, waiting) = (&q.sched, &q.running, &q.waiting);
         let py = sched.py();
         let deferred = sched.getattr(intern!(py, "deferred_waiting"))?;
         let skipped = PyList::empty(py);
@@ -773,9 +775,7 @@ impl Walk<'_> {
                 skipped.insert(0, r)?;
                 continue;
             }
-            if !self.admit(
-                sched, running, waiting, &request, ts, threshold, budget, rows,
-            )? {
+            if !self.admit(q, &request, budget, rows)? {
                 break;
             }
         }
@@ -801,18 +801,15 @@ impl Walk<'_> {
     }
 
     /// Try to admit the head of `waiting`; false ends the waiting loop.
-    #[allow(clippy::too_many_arguments)]
     fn admit<'py>(
         &self,
-        sched: &Bound<'py, PyAny>,
-        running: &Bound<'py, PyList>,
-        waiting: &Bound<'py, PyAny>,
+        q: &Queues<'py>,
         request: &Bound<'py, PyAny>,
-        ts: &Bound<'py, PyAny>,
-        threshold: u64,
         budget: &mut Budget,
         rows: &mut Vec<Row<'py>>,
     ) -> PyResult<bool> {
+        let (sched, running, waiting) = (&q.sched, &q.running, &q.waiting);
+        let (ts, threshold) = (&q.ts, q.threshold);
         let py = sched.py();
         let computed_before = get_u64(request, intern!(py, "num_computed_tokens"))?;
         let lookup = computed_before == 0;
