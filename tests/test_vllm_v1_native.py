@@ -345,3 +345,39 @@ def test_v1_loop_on_a_scheduler_missing_a_field_changes_nothing() -> None:
         _native.V1Loop(m, loop_config()).schedule(sched)
     assert sched.current_step == 0 and sched.waiting == [r] and r.status == WAITING
     assert m.num_requests == 0 and m.num_free_blocks() == 15
+
+
+# vLLM's block hash, natively (pagedkv_core::v1::block_hash): the pickle-based "sha256" is
+# checked here against pickle + hashlib; all four functions against vLLM's own in
+# tests/vllm_v1/test_block_hash.py.
+EDGE_TOKENS = (0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, -1, -256, -(2**31))
+
+
+def test_native_sha256_block_hash_is_the_pickle_digest() -> None:
+    import hashlib
+    import pickle
+    import random
+
+    rng = random.Random(7)
+    for case in range(400):
+        parent = bytes(rng.randrange(256) for _ in range(rng.choice((16, 32, 255))))
+        n = rng.choice((4, 5, 16, 33, 256))
+        tokens = [
+            rng.choice(EDGE_TOKENS) if rng.random() < 0.3 else rng.randrange(2**17)
+            for _ in range(n)
+        ]
+        want = hashlib.sha256(
+            pickle.dumps((parent, tuple(tokens), None), protocol=pickle.HIGHEST_PROTOCOL)
+        ).digest()
+        assert _native.vllm_block_hash("sha256", parent, tokens) == want, case
+
+
+def test_native_block_hash_declines_what_it_does_not_encode() -> None:
+    parent = b"\x01" * 32
+    assert _native.vllm_block_hash("sha256", parent, [2**31, 1, 2, 3]) is None
+    assert _native.vllm_block_hash("sha256", parent, [1, 2, 3]) is None  # a TUPLE3 block
+    assert _native.vllm_block_hash("sha256", b"\x01" * 256, [1, 2, 3, 4]) is None
+    assert len(_native.vllm_block_hash("sha256_cbor", parent, [2**40, 1, 2, 3])) == 32
+    assert len(_native.vllm_block_hash("xxhash", parent, [1, 2, 3, 4])) == 16
+    with pytest.raises(InvalidArgumentError, match="unknown vLLM hash function"):
+        _native.vllm_block_hash("md5", parent, [1, 2, 3, 4])

@@ -66,6 +66,9 @@ VOCAB_SIZE = 512
 FIRST_PROMPT_TOKEN = 3  # 0..2: pad, bos, eos
 STOP_TOKEN_IDS = (3, 4, 5, 6)  # what requests' stop_token_ids are drawn from; sampled sometimes
 FIRST_PLAIN_TOKEN = 7  # sampled tokens from here on stop nothing
+# Sampled now and then: ids at the edges of the block-hash encodings (pickle's 1/2/4-byte
+# ints and beyond 32 bits, where pagedkv's native hash hands over to vLLM's hasher).
+WIDE_TOKENS = (255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**40)
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -838,9 +841,10 @@ class Lockstep:
         self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
 
     def _sample(self, masked: bool = False) -> int:
-        """EOS 1 in 20, a stop id 1 in 20, else a plain token. ``masked`` (below min_tokens):
-        vLLM's sampler masks the stop tokens; here 1 in 5 slips through, so a stop check that
-        let min_tokens gate EOS or stop ids would differ from vLLM's."""
+        """EOS 1 in 20, a stop id 1 in 20, a wide id 1 in 100, else a plain token.
+        ``masked`` (below min_tokens): vLLM's sampler masks the stop tokens; here 1 in 5 slips
+        through, so a stop check that let min_tokens gate EOS or stop ids would differ from
+        vLLM's."""
         x = self.rng.random()
         if masked and x < 0.1 and self.rng.random() < 0.8:
             x = 1.0
@@ -848,6 +852,8 @@ class Lockstep:
             return EOS_TOKEN_ID
         if x < 0.1:
             return self.rng.choice(STOP_TOKEN_IDS)
+        if x > 0.99:
+            return self.rng.choice(WIDE_TOKENS)
         return self.rng.randrange(FIRST_PLAIN_TOKEN, VOCAB_SIZE)
 
     def _check_state(self, when: str) -> None:

@@ -11,6 +11,7 @@
 //! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
 //! * `hashing`, `pool`, `manager`: the classes;
 //! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
+//! * `v1_hash`: vLLM v1's block hashes, natively, for blocks the native loop fills;
 //! * `v1_loop`: vLLM v1's `schedule()` / `update_from_output()` walk over vLLM's own objects.
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
@@ -32,6 +33,7 @@ mod scheduler;
 mod seqs;
 mod tokens;
 mod v1_call;
+mod v1_hash;
 mod v1_loop;
 mod v1_manager;
 
@@ -48,6 +50,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<v1_manager::PyV1Manager>()?;
     m.add_class::<v1_loop::PyV1Loop>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
+    m.add_function(wrap_pyfunction!(v1_hash::vllm_block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::_set_weak_test_hasher, m)?)?;

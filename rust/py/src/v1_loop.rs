@@ -14,7 +14,9 @@
 //! sampled token; one Python call per admitted, preempted or finished request.
 
 use crate::v1_call::SlotArgs;
+use crate::v1_hash::extend_block_hashes;
 use crate::v1_manager::{PtrHash, PyV1Manager};
+use pagedkv_core::v1::block_hash::HashFn;
 use pagedkv_core::v1::policy::{self, Budget, Limits, RunningRow, Stop, StopRule};
 use pagedkv_core::v1::SlotRequest;
 use pyo3::intern;
@@ -39,6 +41,9 @@ struct Objects {
     make_new: Py<PyAny>,
     /// `time.monotonic`.
     monotonic: Py<PyAny>,
+    /// `hash_name_of(block_hasher) -> str | None`: vLLM's hash function's name when the
+    /// request's hasher is vLLM's own at this hash block size (then the loop hashes natively).
+    hash_name_of: Py<PyAny>,
     /// `SchedulingPolicy.PRIORITY`.
     priority: Py<PyAny>,
     output: OutputShape,
@@ -123,14 +128,26 @@ struct Fixed {
     max_tokens: u64,
     /// `block_hashes` when the request has a block hasher.
     hashes: Option<Py<PyAny>>,
+    /// The hash function when that hasher is vLLM's own (see `crate::v1_hash`).
+    hash_fn: Option<HashFn>,
     rule: StopRule,
     client: i64,
 }
 
 impl Fixed {
-    fn read(request: &Bound<'_, PyAny>) -> PyResult<Self> {
+    fn read(request: &Bound<'_, PyAny>, objs: &Objects) -> PyResult<Self> {
         let py = request.py();
-        let hashing = !request.getattr(intern!(py, "_block_hasher"))?.is_none();
+        let hasher = request.getattr(intern!(py, "_block_hasher"))?;
+        let hashing = !hasher.is_none();
+        let hash_fn = if hashing {
+            let name = objs.hash_name_of.bind(py).call1((&hasher,))?;
+            match name.is_none() {
+                true => None,
+                false => HashFn::parse(&name.extract::<String>()?),
+            }
+        } else {
+            None
+        };
         let id = request
             .getattr(intern!(py, "request_id"))?
             .cast_into::<PyString>()?;
@@ -153,6 +170,7 @@ impl Fixed {
             } else {
                 None
             },
+            hash_fn,
             rule: stop_rule(request)?,
             client: request.getattr(intern!(py, "client_index"))?.extract()?,
         })
@@ -167,7 +185,7 @@ impl Walk<'_> {
         if let Some(e) = self.map.borrow().get(&key) {
             return Ok(f(e));
         }
-        let entry = Fixed::read(request)?;
+        let entry = Fixed::read(request, &self.lp.objs)?;
         let out = f(&entry);
         self.map.borrow_mut().insert(key, entry);
         Ok(out)
@@ -335,6 +353,7 @@ impl PyV1Loop {
             make_new: item(d, "make_new")?.unbind(),
             priority: item(d, "PRIORITY")?.unbind(),
             monotonic: item(d, "monotonic")?.unbind(),
+            hash_name_of: item(d, "hash_name_of")?.unbind(),
             output: OutputShape::new(d)?,
         };
         Ok(PyV1Loop {
@@ -1118,11 +1137,12 @@ impl Walk<'_> {
         stale: bool,
     ) -> PyResult<Option<Stop>> {
         let py = request.py();
-        let (outs, all, hashes, rule) = self.fixed(request, |f| {
+        let (outs, all, hashes, hash_fn, rule) = self.fixed(request, |f| {
             (
                 f.outs.bind(py).clone(),
                 f.all.bind(py).clone(),
                 f.hashes.as_ref().map(|h| h.bind(py).clone()),
+                f.hash_fn,
                 f.rule.clone(),
             )
         })?;
@@ -1134,7 +1154,8 @@ impl Walk<'_> {
             let num_tokens = all.len() as u64;
             if let Some(h) = &hashes {
                 if (h.len()? as u64 + 1) * self.set.hash_block_size <= num_tokens {
-                    request.call_method0(intern!(py, "update_block_hashes"))?;
+                    let size = self.set.hash_block_size as usize;
+                    extend_block_hashes(request, h, &all, hash_fn, size)?;
                 }
             }
             let last: i64 = tok.extract()?;

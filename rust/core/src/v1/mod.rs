@@ -2,11 +2,13 @@
 //! v1 has no swap, a deterministic free-block order (block ids are part of what vLLM's model
 //! runner and KV-event consumers see), and caches by the hashes vLLM computes itself.
 //!
+//! * [`block_hash`]: vLLM's block hash (pickle/CBOR, SHA-256/xxh3) for decode-filled blocks;
 //! * [`free_queue`]: the free-block queue (intrusive doubly linked list, vLLM's order);
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` that pagedkv runs natively.
 
+pub mod block_hash;
 pub mod free_queue;
 pub mod manager;
 pub mod policy;
