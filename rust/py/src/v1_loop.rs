@@ -132,6 +132,8 @@ struct Fixed {
     hash_fn: Option<HashFn>,
     rule: StopRule,
     client: i64,
+    /// `trace_headers` (set at construction, never replaced in scope).
+    trace_headers: Py<PyAny>,
 }
 
 impl Fixed {
@@ -173,6 +175,7 @@ impl Fixed {
             hash_fn,
             rule: stop_rule(request)?,
             client: request.getattr(intern!(py, "client_index"))?.extract()?,
+            trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
         })
     }
 }
@@ -667,6 +670,15 @@ impl Walk<'_> {
         Ok(preempted_any)
     }
 
+    /// `request.num_output_placeholders`: always 0 under the synchronous scheduler (only
+    /// vLLM's `AsyncScheduler` adds placeholders), so only the async one reads it.
+    fn placeholders(&self, request: &Bound<'_, PyAny>) -> PyResult<u64> {
+        if !self.lp.async_scheduling {
+            return Ok(0);
+        }
+        get_u64(request, intern!(request.py(), "num_output_placeholders"))
+    }
+
     /// v2 model runner with pipeline stagger: `current_step < next_decode_eligible_step`.
     fn waits_for_decode_slot(
         &self,
@@ -693,7 +705,7 @@ impl Walk<'_> {
         let row = RunningRow {
             num_computed_tokens: get_u64(request, intern!(py, "num_computed_tokens"))?,
             num_tokens_with_spec: all.len() as u64 + spec,
-            num_output_placeholders: get_u64(request, intern!(py, "num_output_placeholders"))?,
+            num_output_placeholders: self.placeholders(request)?,
             num_prompt_tokens: num_prompt,
             max_tokens,
         };
@@ -887,7 +899,7 @@ impl Walk<'_> {
                 .getattr(intern!(py, "_inflight_prefills"))?
                 .call_method1(intern!(py, "add"), (&request,))?;
         }
-        let placeholders = get_u64(&request, intern!(py, "num_output_placeholders"))?;
+        let placeholders = self.placeholders(&request)?;
         rows.push(Row {
             request,
             id,
@@ -1200,6 +1212,9 @@ impl Walk<'_> {
     ) -> PyResult<()> {
         let py = request.py();
         let name = intern!(py, "num_output_placeholders");
+        if !self.lp.async_scheduling {
+            return Ok(()); // no placeholders (see `placeholders`)
+        }
         let before = get_u64(request, name)?;
         let cache_upto = if self.set.release_033 {
             if !stale && before > 0 {
@@ -1211,9 +1226,6 @@ impl Walk<'_> {
             let in_flight = get_u64(request, intern!(py, "num_in_flight_tokens"))?;
             get_u64(request, intern!(py, "num_computed_tokens"))?.saturating_sub(in_flight)
         } else {
-            if !self.lp.async_scheduling {
-                return Ok(());
-            }
             let left = if stale {
                 before
             } else {
@@ -1323,7 +1335,7 @@ impl Walk<'_> {
             (shape.events, take_events(request)?),
             (
                 shape.trace_headers,
-                request.getattr(intern!(py, "trace_headers"))?,
+                self.fixed(request, |f| f.trace_headers.bind(py).clone())?,
             ),
             (
                 shape.num_nans_in_logits,
