@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Build the release artifacts into OUT (default dist/):
-#   * a manylinux2014 (glibc 2.17) abi3 wheel for CPython >= 3.9, linked through zig against
+#   * a manylinux2014 (glibc 2.17) abi3 wheel for CPython >= 3.10, linked through zig against
 #     glibc 2.17 symbols, so the tag is honest on any build host (a plain `maturin build` here
 #     gives a linux_x86_64 wheel PyPI refuses, and manylinux_2_28 fails on newer symbols);
 #   * an sdist (builds anywhere with a Rust toolchain).

@@ -48,7 +48,7 @@ def check_metadata(raw: str, where: str, version: str) -> list[str]:
         problems.append(f"{where}: too few classifiers")
     if not meta["Keywords"]:
         problems.append(f"{where}: no keywords")
-    if meta["Requires-Python"] != ">=3.9":
+    if meta["Requires-Python"] != ">=3.10":
         problems.append(f"{where}: Requires-Python is {meta['Requires-Python']!r}")
     if not (meta["Description-Content-Type"] or "").startswith("text/markdown"):
         problems.append(f"{where}: the README is not the long description")
@@ -83,8 +83,8 @@ def check_sdist(path: Path, version: str) -> list[str]:
 
 def check_wheel(path: Path, version: str) -> list[str]:
     problems = []
-    if not re.search(r"-cp39-abi3-manylinux2014_x86_64\.manylinux_2_17_x86_64\.whl$", path.name):
-        problems.append(f"{path.name}: not a cp39-abi3 manylinux2014 wheel")
+    if not re.search(r"-cp310-abi3-manylinux2014_x86_64\.manylinux_2_17_x86_64\.whl$", path.name):
+        problems.append(f"{path.name}: not a cp310-abi3 manylinux2014 wheel")
     with zipfile.ZipFile(path) as whl:
         names = set(whl.namelist())
         info = f"pagedkv-{version}.dist-info"

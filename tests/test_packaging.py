@@ -63,13 +63,13 @@ def test_sdist_holds_license_readme_sources_and_metadata(sdist):
 def test_checker_rejects_a_wheel_without_license_or_metadata(tmp_path):
     """The wheel check .ci/run applies can fail: a wheel missing the license is caught."""
     version = check_dist.cargo_version()
-    name = f"pagedkv-{version}-cp39-abi3-linux_x86_64.whl"
+    name = f"pagedkv-{version}-cp310-abi3-linux_x86_64.whl"
     with zipfile.ZipFile(tmp_path / name, "w") as whl:
         whl.writestr("pagedkv/__init__.py", "")
         metadata = f"Name: pagedkv\nVersion: {version}\n"
         whl.writestr(f"pagedkv-{version}.dist-info/METADATA", metadata)
     problems = "\n".join(check_dist.check_wheel(tmp_path / name, version))
-    assert "not a cp39-abi3 manylinux2014 wheel" in problems
+    assert "not a cp310-abi3 manylinux2014 wheel" in problems
     assert "licenses/LICENSE" in problems
     assert "License-Expression" in problems and "keywords" in problems
 

@@ -257,6 +257,7 @@ def loop_config(**overrides) -> dict:
         "reason_length": "length",
         "make_new": lambda req, ids, v2: ("new", req.request_id, ids),
         "monotonic": lambda: 0.0,
+        "hash_name_of": lambda hasher: "sha256" if hasher == "vllm-sha256" else None,
         "output_cls": Output,
         "output_fields": FIELDS,
         "output_defaults": [None, None, None, None, None, None, None, None, None, 0],
@@ -308,6 +309,32 @@ def test_v1_loop_admits_decodes_and_stops_over_the_schedulers_own_objects() -> N
     assert a.status == STOPPED and b.status == CAPPED
     assert [o[4] for o in rows] == ["stop", "length"] and sched.freed == ["a", "b"]
     assert sched.running == [] and m.num_requests == 0
+
+
+def test_v1_loop_hashes_the_blocks_it_fills_as_vllm_would() -> None:
+    """A request whose hasher is vLLM's own (here: a marker the configuration's
+    ``hash_name_of`` names "sha256") gets each block it fills while decoding hashed natively:
+    SHA-256 of the pickle of ``(parent, tuple(block), None)``, chained."""
+    import hashlib
+    import pickle
+
+    m = bound_manager()
+    sched = FakeScheduler(m)
+    loop = _native.V1Loop(m, loop_config())
+    r = FakeRequest("r", [5, 6, 7, 8, 9], 9)
+    r._block_hasher = "vllm-sha256"
+    r.block_hashes.append(b"\x11" * 32)  # the prompt's block, hashed by vLLM at arrival
+    sched.waiting.append(r)
+    sched.requests["r"] = r
+    so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+    for t in (300, 70_000, 1, 2, 3, 4, 5):
+        loop.update(sched, so, FakeOutput(["r"], [[t]]))
+        so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+    want = [b"\x11" * 32]
+    for k in range(1, len(r._all_token_ids) // 4):
+        block = tuple(r._all_token_ids[4 * k : 4 * k + 4])
+        want.append(hashlib.sha256(pickle.dumps((want[-1], block, None), protocol=5)).digest())
+    assert len(want) == 3 and r.block_hashes == want
 
 
 def test_v1_loop_refuses_bad_configuration_and_reentry() -> None:

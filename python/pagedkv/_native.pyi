@@ -25,7 +25,9 @@ __all__ = [
     "BatchStep",
     "V1Manager",
     "V1Loop",
+    "VllmBlockHasher",
     "hash_blocks",
+    "vllm_block_hash",
     "set_default_hasher",
     "get_default_hasher",
     "_set_weak_test_hasher",
@@ -50,6 +52,12 @@ def get_default_hasher() -> Tuple[str, int]:
 def _set_weak_test_hasher(hash_seed: Optional[int] = None) -> None:
     """Make the 3-bit test hash the process default (tests only: it makes hash collisions
     common, to show that the prefix cache never shares a block whose stored key differs)."""
+
+def vllm_block_hash(name: str, parent: bytes, tokens: List[int]) -> Optional[bytes]:
+    """vLLM's ``hash_fn((parent, tuple(tokens), None))`` for hash function ``name``
+    (``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``); ``None`` where the native
+    encoding does not apply (a pickled token outside 32 bits, fewer than 4 tokens, a parent
+    over 255 bytes)."""
 
 def hash_blocks(
     token_ids: _TokenIds,
@@ -518,8 +526,6 @@ class V1Manager:
         skip_zeroing_group_ids: Any = None,
     ) -> Any:
         """vLLM's ``KVCacheManager.allocate_slots``, signature and result included."""
-    def vllm_allocate_slots_function(self) -> Any:
-        """``vllm_allocate_slots`` as a callable that parses its own arguments."""
     def allocate_slots(
         self,
         request_id: str,
@@ -601,3 +607,22 @@ class V1Loop:
         self, sched: Any, scheduler_output: Any, model_runner_output: Any
     ) -> List[Tuple[int, List[Any]]]:
         """``[(client_index, [EngineCoreOutput, ...]), ...]`` in vLLM's order."""
+
+@final
+class VllmBlockHasher:
+    """vLLM's request block hasher (``get_request_block_hasher``'s closure ``original``) for
+    hash function ``name`` at ``block_size``, natively: ``hasher(request)`` returns the hashes
+    of the blocks filled since the last call, byte for byte vLLM's; what it does not encode
+    (the first block, a token outside the encoding) it hands to ``original``."""
+
+    def __new__(cls, name: str, block_size: int, original: Any) -> VllmBlockHasher: ...
+    def __call__(self, request: Any) -> List[bytes]: ...
+    @property
+    def name(self) -> str:
+        """vLLM's name of the hash function (``prefix_caching_hash_algo``)."""
+    @property
+    def block_size(self) -> int:
+        """The hash block size (tokens per hashed block)."""
+    @property
+    def original(self) -> Any:
+        """The hasher this one stands in for (vLLM's closure)."""

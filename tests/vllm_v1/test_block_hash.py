@@ -13,7 +13,7 @@ from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tokens
 
 from pagedkv import _native
-from pagedkv.vllm_v1._native_loop import _vllm_hash_name_of
+from pagedkv.vllm_v1._hashing import hash_name_of
 
 EDGE_TOKENS = (0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**40, 2**63 - 1)
 EDGE_TOKENS += tuple(-t for t in EDGE_TOKENS[1:-1])
@@ -46,7 +46,7 @@ def test_native_block_hash_is_vllms(algo: str) -> None:
 
 
 def test_vllms_own_hasher_is_recognized_and_nothing_else() -> None:
-    name_of = _vllm_hash_name_of(16)
+    name_of = hash_name_of(16)
     for algo in HASH_ALGOS:
         assert name_of(get_request_block_hasher(16, get_hash_fn_by_name(algo))) == algo
     sha = get_hash_fn_by_name("sha256")
@@ -59,3 +59,58 @@ def test_vllms_own_hasher_is_recognized_and_nothing_else() -> None:
     except TypeError:  # 0.32: no lookahead tokens
         return
     assert name_of(lookahead) is None
+
+
+def _request(prompt: list, hasher: object, **kwargs: object) -> object:
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(prompt),
+        sampling_params=SamplingParams(max_tokens=10_000),
+        pooling_params=None,
+        arrival_time=0.0,
+        block_hasher=hasher,
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_stand_in_hashes_as_vllms_hasher(algo: str, block_size: int) -> None:
+    """vLLM's Request with vLLM's hasher and with pagedkv's stand-in, the same tokens
+    appended one by one (wide ones among them, so the stand-in hands some calls back):
+    the block hashes are equal after every token."""
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    vllm_hasher = get_request_block_hasher(block_size, hash_fn)
+    stand_in = _native.VllmBlockHasher(algo, block_size, vllm_hasher)
+    rng = random.Random(block_size)
+    for prompt_len, salt in ((3, None), (block_size * 3 + 1, None), (block_size + 2, "salt")):
+        prompt = [rng.randrange(1000) for _ in range(prompt_len)]
+        ref = _request(prompt, vllm_hasher, cache_salt=salt)
+        test = _request(prompt, stand_in, cache_salt=salt)
+        assert test.block_hashes == ref.block_hashes
+        for _ in range(12 * block_size):
+            t = rng.choice(EDGE_TOKENS) if rng.random() < 0.02 else rng.randrange(50_000)
+            ref.append_output_token_ids(t)
+            test.append_output_token_ids(t)
+            assert test.block_hashes == ref.block_hashes
+        assert len(ref.block_hashes) >= 12
+
+
+def test_schedulers_hand_in_scope_requests_the_native_stand_in() -> None:
+    """pagedkv's scheduler swaps vLLM's hasher for the stand-in on in-scope requests only."""
+    from pagedkv.vllm_v1._hashing import NativeHashers
+
+    sha = get_hash_fn_by_name("sha256")
+    hashers = NativeHashers(16)
+    vllm_hasher = get_request_block_hasher(16, sha)
+    plain = _request(range(40), vllm_hasher)
+    assert hashers.hash_natively(plain)
+    assert isinstance(plain._block_hasher, _native.VllmBlockHasher)
+    assert plain._block_hasher.original is vllm_hasher
+    assert not hashers.hash_natively(_request(range(40), get_request_block_hasher(32, sha)))
+    assert not hashers.hash_natively(_request(range(40), None))
+    assert not hashers.hash_natively(_request(range(40), lambda r: []))

@@ -163,7 +163,7 @@ class KVCacheManager:
         )
         # The scheduler's hottest call goes straight to Rust (same signature and result as
         # the method below, which stays for class-level access).
-        self.allocate_slots = self._native.vllm_allocate_slots_function()
+        self.allocate_slots = self._native.vllm_allocate_slots
 
     def _init_metadata(self, spec: Any) -> None:
         from vllm.v1.kv_cache_interface import (

@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional
 
+from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
 
 #: Out-of-scope request ids the engine holds, per scheduler (pruned as requests leave).
@@ -95,6 +96,7 @@ class NativeLoop:
     vLLM's (the class it is mixed into)."""
 
     _pagedkv_loop: Any = None
+    _pagedkv_hashers: Optional[NativeHashers] = None
     #: Steps scheduled by the native loop and by vLLM's, since construction.
     pagedkv_native_steps = 0
     pagedkv_vllm_steps = 0
@@ -141,11 +143,23 @@ class NativeLoop:
             and not getattr(self, "encoder_cache_mismatch_reqs", None)
         )
 
+    def _pagedkv_start_hashing(self) -> None:
+        """Native block hashing for in-scope requests (:mod:`pagedkv.vllm_v1._hashing`) when
+        pagedkv's manager caches prefixes."""
+        manager = self.kv_cache_manager
+        if isinstance(manager, KVCacheManager) and manager.enable_caching:
+            self._pagedkv_hashers = NativeHashers(self.hash_block_size)
+
     def add_request(self, request: Any) -> None:
         super().add_request(request)  # type: ignore[misc]
+        if self._pagedkv_loop is None and self._pagedkv_hashers is None:
+            return
+        why = request_out_of_scope(request)
+        if why is None and self._pagedkv_hashers is not None:
+            self._pagedkv_hashers.hash_natively(request)
         if self._pagedkv_loop is None:
             return
-        if request_out_of_scope(request) is not None:
+        if why is not None:
             getattr(self, _HELD).add(request.request_id)
         elif request.num_prompt_tokens > self._pagedkv_pool_tokens:
             self._pagedkv_reject(request)
@@ -229,48 +243,11 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "reason_length": FinishReason.LENGTH,
         "make_new": _new_request_data_factory(sched),
         "monotonic": time.monotonic,
-        "hash_name_of": _vllm_hash_name_of(sched.hash_block_size),
+        "hash_name_of": hash_name_of(sched.hash_block_size),
         "output_cls": EngineCoreOutput,
         "output_fields": fields,
         "output_defaults": defaults,
     }
-
-
-#: vLLM's block hash functions the native loop reproduces (``vllm.utils.hashing``).
-_HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-
-
-def _vllm_hash_name_of(hash_block_size: int) -> Any:
-    """``name_of(block_hasher)``: the name of vLLM's hash function when ``block_hasher`` is
-    vLLM's own (the closure ``get_request_block_hasher`` returns, hashing at
-    ``hash_block_size`` with no lookahead tokens), else ``None``. With a name, the native loop
-    hashes the blocks a request fills while decoding itself, byte for byte as that closure
-    would (``pagedkv._native.vllm_block_hash``); with ``None`` it calls the request's own
-    ``update_block_hashes``. The answer for the last hasher is kept (an engine has one)."""
-    from vllm.utils import hashing
-    from vllm.v1.core import kv_cache_utils
-
-    code = kv_cache_utils.get_request_block_hasher(hash_block_size, hashing.sha256).__code__
-    names = {getattr(hashing, n): n for n in _HASH_FUNCTIONS if hasattr(hashing, n)}
-    last: List[Any] = [None, None]
-
-    def name_of(hasher: Any) -> Optional[str]:
-        if hasher is last[0]:
-            return last[1]
-        name = None
-        cells = getattr(hasher, "__closure__", None)
-        if getattr(hasher, "__code__", None) is code and cells is not None:
-            bound = dict(zip(code.co_freevars, (c.cell_contents for c in cells)))
-            if (
-                bound.get("hash_block_size") == hash_block_size
-                and not bound.get("num_hash_lookahead_tokens", 0)
-                and callable(bound.get("caching_hash_fn"))
-            ):
-                name = names.get(bound["caching_hash_fn"])
-        last[:] = [hasher, name]
-        return name
-
-    return name_of
 
 
 def _new_request_data_factory(sched: Any) -> Any:

@@ -70,6 +70,7 @@ class AsyncScheduler(NativeLoop, _VLLMAsyncScheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         install_native_manager(self, vllm_config, kv_cache_config)
+        self._pagedkv_start_hashing()
         if _native_loop_wanted(self):
             self._pagedkv_start_loop()
 
@@ -92,6 +93,7 @@ class Scheduler(NativeLoop, _VLLMScheduler):
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
         install_native_manager(self, vllm_config, kv_cache_config)
+        self._pagedkv_start_hashing()
         if _native_loop_wanted(self):
             self._pagedkv_start_loop()
 

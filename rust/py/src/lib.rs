@@ -49,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::batch::PyBatchStep>()?;
     m.add_class::<v1_manager::PyV1Manager>()?;
     m.add_class::<v1_loop::PyV1Loop>()?;
+    m.add_class::<v1_hash::PyVllmBlockHasher>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(v1_hash::vllm_block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;

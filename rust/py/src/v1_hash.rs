@@ -1,10 +1,13 @@
 //! vLLM v1's block hashes computed natively for the native loop (`pagedkv_core::v1::block_hash`)
 //! and appended to the request's own `block_hashes` list, as its `update_block_hashes` would.
 //!
+//! Also `VllmBlockHasher`, the same hashing as a stand-in for vLLM's per-request hasher, for
+//! the steps vLLM's own loop runs.
+//!
 //! Only where the result is provably vLLM's: the request's hasher is vLLM's own
 //! (`get_request_block_hasher` at the scheduler's hash block size, no lookahead; checked once
-//! per request by `pagedkv.vllm_v1._native_loop`), the block has a parent hash, and every
-//! token is an exact `int` the encoding covers. Anything else runs the request's own method.
+//! per request by `pagedkv.vllm_v1._hashing`), the block has a parent hash, and every token
+//! is an exact `int` the encoding covers. Anything else runs vLLM's hasher.
 
 use pagedkv_core::v1::block_hash::{block_hash, HashFn};
 use pyo3::intern;
@@ -22,34 +25,124 @@ pub fn extend_block_hashes(
     block_size: usize,
 ) -> PyResult<()> {
     let py = request.py();
-    let own = || {
-        request
-            .call_method0(intern!(py, "update_block_hashes"))
-            .map(drop)
-    };
-    let (Some(f), Ok(list)) = (f, hashes.cast::<PyList>()) else {
-        return own();
-    };
-    let mut scratch = Vec::new();
-    let mut tokens = Vec::with_capacity(block_size);
-    loop {
-        let n = list.len();
-        let start = n * block_size;
-        if n == 0 || start + block_size > all.len() {
-            return if n == 0 { own() } else { Ok(()) };
-        }
-        let parent = list.get_item(n - 1)?;
-        let Ok(parent) = parent.cast::<PyBytes>() else {
-            return own();
-        };
-        if !read_tokens(all, start, block_size, &mut tokens)? {
-            return own();
-        }
-        match block_hash(f, parent.as_bytes(), &tokens, &mut scratch) {
-            Some(h) => list.append(PyBytes::new(py, &h))?,
-            None => return own(),
+    if let (Some(f), Ok(list)) = (f, hashes.cast::<PyList>()) {
+        if let Some(new) = new_block_hashes(list, all, f, block_size)? {
+            for h in new {
+                list.append(h)?;
+            }
+            return Ok(());
         }
     }
+    request
+        .call_method0(intern!(py, "update_block_hashes"))
+        .map(drop)
+}
+
+/// The hashes of the blocks of `all` filled beyond the `hashes` already computed, as vLLM's
+/// hasher would return them; `None` where the native encoding does not apply (no parent
+/// hash yet, a parent that is not `bytes`, a token it does not encode): then vLLM's runs.
+fn new_block_hashes<'py>(
+    hashes: &Bound<'py, PyList>,
+    all: &Bound<'py, PyList>,
+    f: HashFn,
+    block_size: usize,
+) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
+    let py = hashes.py();
+    let mut n = hashes.len();
+    let mut out = Vec::new();
+    if (n + 1) * block_size > all.len() {
+        return Ok(Some(out));
+    }
+    if n == 0 {
+        return Ok(None);
+    }
+    let Ok(last) = hashes.get_item(n - 1)?.cast_into::<PyBytes>() else {
+        return Ok(None);
+    };
+    let mut parent = last.as_bytes().to_vec();
+    let (mut scratch, mut tokens) = (Vec::new(), Vec::with_capacity(block_size));
+    while (n + 1) * block_size <= all.len() {
+        if !read_tokens(all, n * block_size, block_size, &mut tokens)? {
+            return Ok(None);
+        }
+        let Some(h) = block_hash(f, &parent, &tokens, &mut scratch) else {
+            return Ok(None);
+        };
+        out.push(PyBytes::new(py, &h));
+        parent = h;
+        n += 1;
+    }
+    Ok(Some(out))
+}
+
+/// vLLM's request block hasher (the closure `get_request_block_hasher` returns), native:
+/// `Request.update_block_hashes` calls it after every appended token, and it returns the
+/// hashes of the blocks filled since, byte for byte vLLM's. `pagedkv.vllm_v1`'s schedulers
+/// put it in place of a request's hasher only where that hasher is vLLM's own with a hash
+/// function this module encodes and the request has no extra hash keys past its first block
+/// (no LoRA, multimodal inputs or prompt embeddings). Blocks it does not encode (the first,
+/// which may carry a cache salt; a token outside the encoding) are left to `original`, the
+/// closure it replaced, which then hashes every new block of that call.
+#[pyclass(module = "pagedkv._native", name = "VllmBlockHasher", frozen)]
+pub struct PyVllmBlockHasher {
+    f: HashFn,
+    name: String,
+    block_size: usize,
+    original: Py<PyAny>,
+}
+
+#[pymethods]
+impl PyVllmBlockHasher {
+    #[new]
+    fn new(name: &str, block_size: usize, original: Py<PyAny>) -> PyResult<Self> {
+        if block_size == 0 {
+            return Err(crate::errors::invalid("block_size must be positive"));
+        }
+        Ok(PyVllmBlockHasher {
+            f: parse_name(name)?,
+            name: name.to_owned(),
+            block_size,
+            original,
+        })
+    }
+
+    fn __call__<'py>(&self, request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        let py = request.py();
+        let hashes = request.getattr(intern!(py, "block_hashes"))?;
+        let all = request.getattr(intern!(py, "_all_token_ids"))?;
+        if let (Ok(hashes), Ok(all)) = (hashes.cast::<PyList>(), all.cast::<PyList>()) {
+            if let Some(new) = new_block_hashes(hashes, all, self.f, self.block_size)? {
+                return Ok(PyList::new(py, new)?.into_any());
+            }
+        }
+        self.original.bind(py).call1((request,))
+    }
+
+    /// vLLM's name of the hash function (`prefix_caching_hash_algo`).
+    #[getter]
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The hash block size (tokens per hashed block).
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The hasher this one stands in for (vLLM's closure).
+    #[getter]
+    fn original(&self, py: Python<'_>) -> Py<PyAny> {
+        self.original.clone_ref(py)
+    }
+}
+
+fn parse_name(name: &str) -> PyResult<HashFn> {
+    HashFn::parse(name).ok_or_else(|| {
+        crate::errors::invalid(format!(
+            "unknown vLLM hash function {name:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)"
+        ))
+    })
 }
 
 /// `all[start:start + len]` as integers; false if an item is not an exact `int` in `i64`.
@@ -82,11 +175,7 @@ pub fn vllm_block_hash<'py>(
     parent: &[u8],
     tokens: Vec<i64>,
 ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    let f = HashFn::parse(name).ok_or_else(|| {
-        crate::errors::invalid(format!(
-            "unknown vLLM hash function {name:?} (sha256, sha256_cbor, xxhash, xxhash_cbor)"
-        ))
-    })?;
+    let f = parse_name(name)?;
     let mut scratch = Vec::new();
     Ok(block_hash(f, parent, &tokens, &mut scratch).map(|h| PyBytes::new(py, &h)))
 }

@@ -15,7 +15,7 @@
 
 use crate::v1_call::SlotArgs;
 use crate::v1_hash::extend_block_hashes;
-use crate::v1_manager::{PtrHash, PyV1Manager};
+use crate::v1_manager::PyV1Manager;
 use pagedkv_core::v1::block_hash::HashFn;
 use pagedkv_core::v1::policy::{self, Budget, Limits, RunningRow, Stop, StopRule};
 use pagedkv_core::v1::SlotRequest;
@@ -112,6 +112,29 @@ struct Walk<'a> {
 }
 
 type FixedMap = std::collections::HashMap<usize, Fixed, PtrHash>;
+
+/// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
+type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
+
+#[derive(Default)]
+struct PtrHasher(u64);
+
+impl std::hash::Hasher for PtrHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_usize(&mut self, n: usize) {
+        // Fibonacci hashing; the high bits carry the low bits' entropy (objects are aligned).
+        self.0 = (n as u64)
+            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
+            .rotate_left(32);
+    }
+}
 
 /// What the loop reads of a request that does not change while the request is in scope
 /// (vLLM sets these at construction; only streaming sessions, outside the native path,

@@ -6,11 +6,11 @@
 //! `InUseError`.
 
 use crate::errors::{busy, IntoPyResult};
-use crate::v1_call::{self, ParamNames, SlotArgs};
+use crate::v1_call::SlotArgs;
 use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyCFunction, PyDict, PyList, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
 #[pyclass(module = "pagedkv._native", name = "V1Manager", frozen)]
@@ -18,69 +18,8 @@ pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
     /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
     vllm: std::sync::OnceLock<VllmBinding>,
-    /// Request ids `vllm_allocate_slots` has read, by object identity (see [`RequestIds`]).
-    ids: Mutex<RequestIds>,
     /// Set once by `bind_removed_events`.
     removed_events: std::sync::OnceLock<RemovedEvents>,
-}
-
-/// The text of request-id `str` objects seen before, keyed by object identity: the scheduler
-/// passes the same `request.request_id` object every step, and copying a `str`'s text out
-/// costs an allocation under the stable ABI for Python 3.9. Each entry holds a reference to
-/// its `str`, so its address cannot be reused by another object while the entry exists; a
-/// `str` is immutable, so the text stays its text. Entries go when the manager frees the
-/// request through the same object, and all at once when the cache outgrows the live
-/// requests (a request freed through an equal but distinct `str` leaves a stale entry, which
-/// is still correct: it maps that object to its own text).
-#[derive(Default)]
-struct RequestIds {
-    by_ptr: std::collections::HashMap<usize, (Py<PyString>, Box<str>), PtrHash>,
-}
-
-/// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
-pub(crate) type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
-
-#[derive(Default)]
-pub(crate) struct PtrHasher(u64);
-
-impl std::hash::Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        // Fibonacci hashing; the high bits carry the low bits' entropy (objects are aligned).
-        self.0 = (n as u64)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .rotate_left(32);
-    }
-}
-
-impl RequestIds {
-    /// Entries beyond the live requests before the cache is emptied.
-    const SLACK: usize = 1024;
-
-    fn text(&mut self, id: &Bound<'_, PyString>, live: usize) -> PyResult<&str> {
-        let key = id.as_ptr() as usize;
-        if self.by_ptr.len() > 2 * live + Self::SLACK && !self.by_ptr.contains_key(&key) {
-            self.by_ptr.clear();
-        }
-        let entry = match self.by_ptr.entry(key) {
-            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
-            std::collections::hash_map::Entry::Vacant(e) => {
-                e.insert((id.clone().unbind(), id.to_cow()?.into()))
-            }
-        };
-        Ok(&entry.1)
-    }
-
-    fn forget(&mut self, id: &Bound<'_, PyString>) {
-        self.by_ptr.remove(&(id.as_ptr() as usize));
-    }
 }
 
 /// The Python objects `vllm_allocate_slots` answers with or compares against.
@@ -166,17 +105,7 @@ impl HashSource for PyHashes<'_> {
 }
 
 impl PyV1Manager {
-    /// Drop the identity-cache entry of a request the manager is about to forget.
-    fn forget(&self, request_id: &Bound<'_, PyString>) {
-        // try_lock: never wait on a call in progress (a callback from it would deadlock); a
-        // stale entry left behind is still correct (see `RequestIds`).
-        if let Ok(mut known) = self.ids.try_lock() {
-            known.forget(request_id);
-        }
-    }
-
-    /// vLLM's `allocate_slots` for `request` (`vllm_allocate_slots` and the callable from
-    /// `vllm_allocate_slots_function` both end here).
+    /// vLLM's `allocate_slots` for `request` (what `vllm_allocate_slots` runs).
     fn allocate_for_vllm<'py>(
         &self,
         py: Python<'py>,
@@ -213,10 +142,9 @@ impl PyV1Manager {
         }
         let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
         let slots = slot_request(py, b, request, a, computed.as_deref())?;
-        let rid_obj = request.getattr(intern!(py, "request_id"))?;
-        let live = self.lock()?.num_requests();
-        let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
-        let rid = known.text(rid_obj.cast::<PyString>()?, live)?;
+        let rid = request.getattr(intern!(py, "request_id"))?;
+        // The id's UTF-8 as CPython caches it in the `str` (no copy).
+        let rid = rid.cast::<PyString>()?.to_str()?;
         self.allocate_prepared(py, request, rid, &slots)
     }
 
@@ -272,10 +200,7 @@ impl PyV1Manager {
 
     /// The block table of the request named by `request_id` (a `str`).
     pub(crate) fn table_of(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-        let m = self.lock()?;
-        let mut known = self.ids.try_lock().map_err(|_| busy("this V1Manager"))?;
-        let rid = known.text(request_id, m.num_requests())?;
-        Ok(m.blocks(rid).to_vec())
+        Ok(self.lock()?.blocks(request_id.to_str()?).to_vec())
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
@@ -406,7 +331,6 @@ impl PyV1Manager {
         Ok(PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
             vllm: std::sync::OnceLock::new(),
-            ids: Mutex::new(RequestIds::default()),
             removed_events: std::sync::OnceLock::new(),
         })
     }
@@ -474,21 +398,6 @@ impl PyV1Manager {
             has_scheduled_reqs,
         };
         self.allocate_for_vllm(py, request, &a)
-    }
-
-    /// `vllm_allocate_slots` as a callable that parses its arguments itself (see
-    /// [`crate::v1_call`]; no text copy per keyword): what `KVCacheManager.allocate_slots`
-    /// is set to.
-    fn vllm_allocate_slots_function<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
-        let py = slf.py();
-        let manager = slf.clone().unbind();
-        let names = ParamNames::new(py);
-        let f = move |args: &Bound<'_, PyTuple>, kwargs: Option<&Bound<'_, PyDict>>| {
-            let (request, a) = v1_call::parse(&names, args, kwargs)?;
-            let out = manager.get().allocate_for_vllm(args.py(), &request, &a)?;
-            PyResult::Ok(out.unbind())
-        };
-        Ok(PyCFunction::new_closure(py, Some(c"allocate_slots"), None, f)?.into_any())
     }
 
     /// vLLM's `allocate_slots` with the request's fields spelled out: the new block ids, or
@@ -570,14 +479,12 @@ impl PyV1Manager {
 
     /// vLLM's `free(request)`: the request's blocks go back, tail first.
     fn free(&self, request_id: &Bound<'_, PyString>) -> PyResult<()> {
-        self.forget(request_id);
-        self.lock()?.free(&request_id.to_cow()?).py()
+        self.lock()?.free(request_id.to_str()?).py()
     }
 
     /// Forget the request; its block ids (allocation order), still referenced.
     fn pop_blocks_for_free(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-        self.forget(request_id);
-        Ok(self.lock()?.pop_blocks_for_free(&request_id.to_cow()?))
+        Ok(self.lock()?.pop_blocks_for_free(request_id.to_str()?))
     }
 
     /// Drop one reference per block, in eviction-priority order (all or nothing).
