@@ -510,6 +510,18 @@ class V1Manager:
         """Give ``vllm_allocate_slots`` its Python objects (once)."""
     def bind_removed_events(self, cls: Any, medium: Any, int_hashes: bool) -> None:
         """Have ``take_events`` build vLLM's ``BlockRemoved`` itself."""
+    def bind_stored_events(
+        self,
+        cls: Any,
+        medium: Any,
+        int_hashes: bool,
+        spec_kind: Any,
+        sliding_window: Any,
+        block_size: int,
+        request_cls: Any,
+    ) -> None:
+        """Have ``take_events(request)`` build vLLM's ``BlockStored`` itself for a request
+        without extra hash keys."""
     def vllm_allocate_slots(
         self,
         request: Any,
@@ -584,8 +596,9 @@ class V1Manager:
         """The free-block queue, head (handed out next) first."""
     def num_cached_hashes(self) -> int:
         """Hashes in the prefix-cache map."""
-    def take_events(self) -> List[Tuple[str, Any, int]]:
-        """Events since the last call, oldest first."""
+    def take_events(self, request: Any = None) -> List[Tuple[str, Any, int]]:
+        """Events since the last call, oldest first (``request``: the one the last call
+        concerned, for building ``BlockStored`` natively)."""
     def heap_bytes(self) -> int:
         """Heap bytes the manager holds."""
     def check(self, extra_refs: Optional[Dict[int, int]] = None) -> None:

@@ -6,12 +6,33 @@ the prefix cache, ``("cleared", 0, 0)`` after a prefix-cache reset. :class:`Even
 them into vLLM's own ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` objects with the
 fields vLLM's ``BlockPool`` fills (vLLM's helpers for extra keys and hash conversion are called,
 so the content is vLLM's by construction), right after each native call, while the request is
-at hand; the order is the pool's.
+at hand; the order is the pool's. The native manager builds the frequent ones itself, with the
+same contents (``rust/py/src/v1_events.rs``): ``BlockRemoved``, and ``BlockStored`` for a
+request without extra hash keys; they arrive here as ``("event", object, 0)``.
 """
 
 from __future__ import annotations
 
 from typing import Any, List, Tuple
+
+#: ``BlockStored``'s fields in vLLM 0.32 and 0.33, in order (0.33 adds
+#: ``lookahead_token_ids`` after them): the native builder passes them positionally.
+STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+    "group_idx",
+    "kv_cache_spec_kind",
+    "kv_cache_spec_sliding_window",
+    "locality",
+    "ownership",
+    "session_id",
+)
 
 
 class EventBuilder:
@@ -33,6 +54,7 @@ class EventBuilder:
         self._spec = (spec_kind, sliding_window)
         fields = getattr(kv_events.BlockStored, "__struct_fields__", ())
         self._has_lookahead = "lookahead_token_ids" in fields
+        self._stored_positional = tuple(fields[: len(STORED_FIELDS)]) == STORED_FIELDS
         # vLLM reads this variable on every conversion; it is read once here (per manager).
         from vllm import envs
 
@@ -53,10 +75,24 @@ class EventBuilder:
         return out
 
     def bind_native(self, native: Any) -> None:
-        """Have ``native`` build the most frequent event, ``BlockRemoved`` (one per evicted
-        block), itself where the struct's fields start as this module writes them."""
+        """Have ``native`` build ``BlockRemoved`` (one per evicted block) and, for requests
+        without extra hash keys, ``BlockStored`` itself where the structs' fields start as
+        this module writes them (``rust/py/src/v1_events.rs``; equal objects)."""
         if self._removed_positional:
             native.bind_removed_events(self._removed_cls, self._medium, self._int_hashes)
+        if self._stored_positional:
+            from vllm.v1.request import Request
+
+            kind, window = self._spec
+            native.bind_stored_events(
+                self._ev.BlockStored,
+                self._medium,
+                self._int_hashes,
+                kind,
+                window,
+                self._block_size,
+                Request,
+            )
 
     def removed(self, block_hash: bytes) -> Any:
         h = int.from_bytes(block_hash[-8:], "big") if self._int_hashes else block_hash

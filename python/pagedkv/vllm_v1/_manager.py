@@ -252,7 +252,7 @@ class KVCacheManager:
 
     def _drain_events(self, request: Any = None) -> None:
         if self._builder is not None:
-            native = self._native.take_events()
+            native = self._native.take_events(request)
             if native:
                 self._events.extend(self._builder.build(native, request))
 

@@ -11,6 +11,7 @@
 //! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
 //! * `hashing`, `pool`, `manager`: the classes;
 //! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
+//! * `v1_events`: vLLM's KV event objects built natively from the v1 pool's log;
 //! * `v1_hash`: vLLM v1's block hashes, natively, for blocks the native loop fills;
 //! * `v1_loop`: vLLM v1's `schedule()` / `update_from_output()` walk over vLLM's own objects.
 //!
@@ -33,6 +34,7 @@ mod scheduler;
 mod seqs;
 mod tokens;
 mod v1_call;
+mod v1_events;
 mod v1_hash;
 mod v1_loop;
 mod v1_manager;

@@ -7,7 +7,8 @@
 
 use crate::errors::{busy, IntoPyResult};
 use crate::v1_call::SlotArgs;
-use pagedkv_core::v1::{self, Event, HashKey, HashSource, SlotRequest};
+use crate::v1_events::{EventObjects, RemovedEvents, StoredEvents};
+use pagedkv_core::v1::{self, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
@@ -18,8 +19,9 @@ pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
     /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
     vllm: std::sync::OnceLock<VllmBinding>,
-    /// Set once by `bind_removed_events`.
+    /// Set once by `bind_removed_events` / `bind_stored_events`.
     removed_events: std::sync::OnceLock<RemovedEvents>,
+    stored_events: std::sync::OnceLock<StoredEvents>,
 }
 
 /// The Python objects `vllm_allocate_slots` answers with or compares against.
@@ -265,49 +267,6 @@ fn slot_request<'a>(
     })
 }
 
-/// How `take_events` builds vLLM's `BlockRemoved` itself (set by `bind_removed_events`).
-struct RemovedEvents {
-    /// vLLM's `BlockRemoved`, whose first fields are `block_hashes`, `medium`, `group_idx`.
-    cls: Py<PyAny>,
-    medium: Py<PyAny>,
-    /// Publish a hash as its last 8 bytes read as a big-endian unsigned integer (vLLM's
-    /// `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES` conversion), else as the bytes.
-    int_hashes: bool,
-}
-
-impl RemovedEvents {
-    fn build<'py>(&self, py: Python<'py>, k: &HashKey) -> PyResult<Bound<'py, PyAny>> {
-        let bytes = k.as_bytes();
-        let hash = if self.int_hashes {
-            let mut last = [0u8; 8];
-            let tail = &bytes[bytes.len().saturating_sub(8)..];
-            last[8 - tail.len()..].copy_from_slice(tail);
-            u64::from_be_bytes(last).into_pyobject(py)?.into_any()
-        } else {
-            PyBytes::new(py, bytes).into_any()
-        };
-        let hashes = PyList::new(py, [hash])?;
-        self.cls
-            .bind(py)
-            .call1((hashes, self.medium.bind(py), 0u32))
-    }
-}
-
-fn event_tuple<'py>(
-    py: Python<'py>,
-    e: &Event,
-    removed: Option<&RemovedEvents>,
-) -> PyResult<Bound<'py, PyTuple>> {
-    match (e, removed) {
-        (Event::Stored { first, end }, _) => ("stored", *first, *end).into_pyobject(py),
-        (Event::Removed(k), Some(r)) => ("event", r.build(py, k)?, 0u32).into_pyobject(py),
-        (Event::Removed(k), None) => {
-            ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
-        }
-        (Event::Cleared, _) => ("cleared", 0u32, 0u32).into_pyobject(py),
-    }
-}
-
 #[pymethods]
 impl PyV1Manager {
     #[new]
@@ -332,6 +291,7 @@ impl PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
             vllm: std::sync::OnceLock::new(),
             removed_events: std::sync::OnceLock::new(),
+            stored_events: std::sync::OnceLock::new(),
         })
     }
 
@@ -573,12 +533,21 @@ impl PyV1Manager {
     }
 
     /// Events since the last call: `("stored", first, end)` (blocks of the request the last
-    /// call concerned), `("removed", hash, 0)` (or, after `bind_removed_events`,
-    /// `("event", BlockRemoved(...), 0)`), `("cleared", 0, 0)`.
-    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    /// call concerned), `("removed", hash, 0)`, `("cleared", 0, 0)`; an event built natively
+    /// (after `bind_removed_events` / `bind_stored_events`; a `BlockStored` needs `request`,
+    /// the request the last call concerned) comes as `("event", object, 0)`.
+    #[pyo3(signature = (request=None))]
+    fn take_events<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.lock()?.pool_mut().take_events();
-        let removed = self.removed_events.get();
-        events.iter().map(|e| event_tuple(py, e, removed)).collect()
+        let built = EventObjects {
+            removed: self.removed_events.get(),
+            stored: self.stored_events.get().zip(request),
+        };
+        events.iter().map(|e| built.tuple(py, e)).collect()
     }
 
     /// Have `take_events` build vLLM's `BlockRemoved(block_hashes=[hash], medium, 0)` itself
@@ -596,6 +565,33 @@ impl PyV1Manager {
                 int_hashes,
             })
             .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
+    }
+
+    /// Have `take_events(request)` build vLLM's `BlockStored` itself for a plain request
+    /// (see [`StoredEvents`]; `cls`'s first 14 fields must be `BlockStored`'s of vLLM 0.32 and
+    /// 0.33, in that order; the caller checks).
+    #[allow(clippy::too_many_arguments)]
+    fn bind_stored_events(
+        &self,
+        cls: Py<PyAny>,
+        medium: Py<PyAny>,
+        int_hashes: bool,
+        spec_kind: Py<PyAny>,
+        sliding_window: Py<PyAny>,
+        block_size: usize,
+        request_cls: Py<PyAny>,
+    ) -> PyResult<()> {
+        self.stored_events
+            .set(StoredEvents {
+                cls,
+                medium,
+                int_hashes,
+                spec_kind,
+                sliding_window,
+                block_size,
+                request_cls,
+            })
+            .map_err(|_| crate::errors::invalid("bind_stored_events was already called"))
     }
 
     /// Blocks in the pool, the null block included.
