@@ -487,10 +487,6 @@ fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> 
     obj.getattr(name)?.extract()
 }
 
-fn len_of(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
-    Ok(obj.getattr(name)?.len()? as u64)
-}
-
 impl Walk<'_> {
     fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
         let py = sched.py();
@@ -724,10 +720,11 @@ impl Walk<'_> {
             )
         })?;
         let status = request.getattr(intern!(py, "status"))?;
-        let spec = len_of(request, intern!(py, "spec_token_ids"))?;
         let row = RunningRow {
             num_computed_tokens: get_u64(request, intern!(py, "num_computed_tokens"))?,
-            num_tokens_with_spec: all.len() as u64 + spec,
+            // No drafts in scope (no speculative decoding: `engine_out_of_scope`), so
+            // `spec_token_ids` is empty (the async scheduler's placeholder list included).
+            num_tokens_with_spec: all.len() as u64,
             num_output_placeholders: self.placeholders(request)?,
             num_prompt_tokens: num_prompt,
             max_tokens,
@@ -1008,7 +1005,10 @@ impl Walk<'_> {
                 Some(b) => new_blocks.append((PyList::new(py, b)?,))?,
             }
             computed.append(r.computed)?;
-            let outs = self.fixed(&r.request, |f| f.outs.bind(py).len())? as u64;
+            // `len(_output_token_ids)`: the tokens past the prompt (in scope, `_all_token_ids`
+            // is the prompt and then the outputs), without touching the output list.
+            let prompt = self.fixed(&r.request, |f| f.num_prompt)?;
+            let outs = (r.all.len() as u64).saturating_sub(prompt);
             outputs.append(outs + r.placeholders)?;
         }
         (ids, resumed_ids, all_tokens, new_blocks, computed, outputs).into_pyobject(py)
