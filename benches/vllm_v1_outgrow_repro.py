@@ -1,6 +1,6 @@
 """What vLLM v1's real scheduler does when a request fits ``max_model_len`` but outgrows the KV
 cache (docs/vllm_v1_scheduler_plan.md, section 4). Nothing here is pagedkv's policy: the
-scheduler is vLLM's own ``Scheduler`` (``--native`` swaps in pagedkv's manager only, which must
+scheduler is vLLM's own ``Scheduler`` (``--manager`` swaps in pagedkv's manager only, which must
 behave the same). ``--loop`` runs pagedkv's ``Scheduler`` with its native loop instead, which
 does not stall: a prompt longer than the cache is finished with an error at arrival, and a
 request that reaches the cache's size finishes with reason "length" (docs/vllm_v1.md).
@@ -8,7 +8,7 @@ request that reaches the cache's size finishes with reason "length" (docs/vllm_v
 Run in a vLLM 0.32/0.33 virtualenv with this checkout's pagedkv on PYTHONPATH::
 
     PYTHONPATH=$PWD/python VLLM_TARGET_DEVICE=cpu ~/.cache/pagedkv/venvs/vllm-0.33/bin/python \
-        benches/vllm_v1_outgrow_repro.py [--steps 60] [--native] [--json out.json]
+        benches/vllm_v1_outgrow_repro.py [--steps 60] [--manager | --loop] [--json out.json]
 
 Cases (block size 16; ``pool`` = usable blocks, the null block excluded):
 
@@ -54,7 +54,7 @@ def run_case(
     name: str,
     reserve_full_isl: bool,
     steps: int,
-    native: bool,
+    manager: bool,
     caching: bool = True,
     loop: bool = False,
 ) -> Dict[str, Any]:
@@ -88,7 +88,7 @@ def run_case(
             EngineSpec(caching=caching, watermark=0.0),
             cfg,
             write_model_dir(d, max_len),
-            native or loop,
+            manager or loop,
             loop=loop,
         )
     sched.scheduler_reserve_full_isl = reserve_full_isl
@@ -189,7 +189,7 @@ def main(argv: Any = None) -> int:
     use_cpu_platform_without_gpu()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--native", action="store_true", help="pagedkv's manager under vLLM's scheduler")
+    p.add_argument("--manager", action="store_true", help="pagedkv's manager under vLLM's loop")
     p.add_argument("--loop", action="store_true", help="pagedkv's Scheduler (native loop)")
     p.add_argument("--cases", default=",".join(CASES))
     p.add_argument("--trace", action="store_true", help="print every step")
@@ -198,7 +198,7 @@ def main(argv: Any = None) -> int:
     results = []
     for name in a.cases.split(","):
         for caching, full in ((True, True), (True, False), (False, True), (False, False)):
-            r = run_case(name, full, a.steps, a.native, caching, loop=a.loop)
+            r = run_case(name, full, a.steps, a.manager, caching, loop=a.loop)
             results.append(r)
             print(summary_line(r), flush=True)
             if a.trace:

@@ -20,7 +20,7 @@ SETTINGS = [(full, caching) for full in (True, False) for caching in (True, Fals
 def test_vllm_never_finishes_the_outgrowing_request(
     case: str, reserve_full_isl: bool, caching: bool
 ) -> None:
-    r = repro.run_case(case, reserve_full_isl, 60, native=False, caching=caching)
+    r = repro.run_case(case, reserve_full_isl, 60, manager=False, caching=caching)
     assert r["verdict"] in ("stalled", "livelock"), r["verdict"]
     assert "r0" not in r["finished_at"]
 
@@ -30,7 +30,7 @@ def test_vllm_never_finishes_the_outgrowing_request(
 def test_native_loop_finishes_every_request(
     case: str, reserve_full_isl: bool, caching: bool
 ) -> None:
-    r = repro.run_case(case, reserve_full_isl, 120, native=False, caching=caching, loop=True)
+    r = repro.run_case(case, reserve_full_isl, 120, manager=False, caching=caching, loop=True)
     assert r["verdict"] == "finished", (r["verdict"], r["final"])
     pool_tokens = r["pool_blocks"] * repro.BLOCK
     prompt = r["requests"][0]["prompt"]
