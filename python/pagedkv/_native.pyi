@@ -510,6 +510,9 @@ class V1Manager:
         """Give ``vllm_allocate_slots`` its Python objects (once)."""
     def bind_removed_events(self, cls: Any, medium: Any, int_hashes: bool) -> None:
         """Have ``take_events`` build vLLM's ``BlockRemoved`` itself."""
+    def bind_event_sink(self, events: List[Any], build: Any) -> None:
+        """Have calls that log KV events append vLLM's event objects to ``events`` (``build``
+        builds the kinds not built natively)."""
     def bind_stored_events(
         self,
         cls: Any,

@@ -82,7 +82,7 @@ def measure(layers: int, requests: int, rounds: int, caching: bool, max_tokens: 
     with tempfile.TemporaryDirectory() as d:
         model_dir = write_model_dir(d, 1024, num_hidden_layers=layers, vocab_size=32000)
         engines = (("vllm", None), ("pagedkv", PAGEDKV))
-        for name, cls in engines:  # untimed warm-up: the process's one-time costs
+        for _name, cls in engines:  # untimed warm-up: the process's one-time costs
             llm = make_llm(model_dir, cls, caching, max_num_seqs=256)
             generate(llm, batch[:32], 8)
             del llm

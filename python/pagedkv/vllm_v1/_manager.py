@@ -154,6 +154,9 @@ class KVCacheManager:
         on_events = self._drain_events if self._builder is not None else None
         if self._builder is not None:
             self._builder.bind_native(self._native)
+            # Allocations append their events to this list natively (the list object stays
+            # the same: `take_events` copies and clears it).
+            self._native.bind_event_sink(self._events, self._builder.build)
         self._native.bind_vllm(
             self.empty_kv_cache_blocks,
             self._Blocks,
@@ -290,7 +293,8 @@ class KVCacheManager:
         return [0]
 
     def take_events(self) -> List[Any]:
-        events, self._events = self._events, []
+        events = self._events[:]
+        self._events.clear()
         return events
 
     def get_blocks(self, request_id: str) -> Any:

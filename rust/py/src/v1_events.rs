@@ -137,24 +137,42 @@ pub struct EventObjects<'a, 'py> {
 }
 
 impl<'py> EventObjects<'_, 'py> {
-    /// The event as `take_events` returns it: `("event", object, 0)` when built here, else
-    /// the pool's record as a tuple (`("stored", first, end)`, `("removed", hash, 0)`,
-    /// `("cleared", 0, 0)`).
-    pub fn tuple(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
-        match (e, self.removed) {
-            (Event::Stored { first, end }, _) => {
-                if let Some((s, request)) = self.stored {
-                    if let Some(ev) = s.build(request, *first as usize, *end as usize)? {
-                        return ("event", ev, 0u32).into_pyobject(py);
-                    }
-                }
-                ("stored", *first, *end).into_pyobject(py)
+    /// The event's vLLM object when it is built here (`None`: built in Python).
+    pub fn object(&self, py: Python<'py>, e: &Event) -> PyResult<Option<Bound<'py, PyAny>>> {
+        match (e, self.removed, self.stored) {
+            (Event::Removed(k), Some(r), _) => r.build(py, k).map(Some),
+            (Event::Stored { first, end }, _, Some((s, request))) => {
+                s.build(request, *first as usize, *end as usize)
             }
-            (Event::Removed(k), Some(r)) => ("event", r.build(py, k)?, 0u32).into_pyobject(py),
-            (Event::Removed(k), None) => {
-                ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
-            }
-            (Event::Cleared, _) => ("cleared", 0u32, 0u32).into_pyobject(py),
+            _ => Ok(None),
         }
     }
+
+    /// The pool's record as a tuple: `("stored", first, end)`, `("removed", hash, 0)`,
+    /// `("cleared", 0, 0)`.
+    pub fn raw(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
+        match e {
+            Event::Stored { first, end } => ("stored", *first, *end).into_pyobject(py),
+            Event::Removed(k) => {
+                ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
+            }
+            Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
+        }
+    }
+
+    /// The event as `take_events` returns it: `("event", object, 0)` when built here, else
+    /// [`Self::raw`].
+    pub fn tuple(&self, py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
+        match self.object(py, e)? {
+            Some(obj) => ("event", obj, 0u32).into_pyobject(py),
+            None => self.raw(py, e),
+        }
+    }
+}
+
+/// Where calls that log KV events put vLLM's event objects (`bind_event_sink`): the
+/// manager's event list, and the Python builder for the kinds not built natively.
+pub struct EventSink {
+    pub events: Py<PyList>,
+    pub build: Py<PyAny>,
 }

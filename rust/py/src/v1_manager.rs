@@ -7,7 +7,7 @@
 
 use crate::errors::{busy, IntoPyResult};
 use crate::v1_call::SlotArgs;
-use crate::v1_events::{EventObjects, RemovedEvents, StoredEvents};
+use crate::v1_events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
 use pagedkv_core::v1::{self, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -22,6 +22,8 @@ pub struct PyV1Manager {
     /// Set once by `bind_removed_events` / `bind_stored_events`.
     removed_events: std::sync::OnceLock<RemovedEvents>,
     stored_events: std::sync::OnceLock<StoredEvents>,
+    /// Set once by `bind_event_sink`.
+    event_sink: std::sync::OnceLock<EventSink>,
 }
 
 /// The Python objects `vllm_allocate_slots` answers with or compares against.
@@ -166,9 +168,7 @@ impl PyV1Manager {
             (ids, m.pool().has_events())
         };
         if logged {
-            if let Some(cb) = &b.on_events {
-                cb.bind(py).call1((request,))?;
-            }
+            self.publish_events(py, b, request)?;
         }
         Ok(ids)
     }
@@ -193,9 +193,7 @@ impl PyV1Manager {
             m.pool().has_events()
         };
         if logged {
-            if let Some(cb) = &b.on_events {
-                cb.bind(py).call1((request,))?;
-            }
+            self.publish_events(py, b, request)?;
         }
         Ok(())
     }
@@ -203,6 +201,41 @@ impl PyV1Manager {
     /// The block table of the request named by `request_id` (a `str`).
     pub(crate) fn table_of(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
         Ok(self.lock()?.blocks(request_id.to_str()?).to_vec())
+    }
+
+    /// After a call that logged KV events: with a sink bound, the events go straight into
+    /// its list (built here, or by its builder for the kinds built in Python), in the pool's
+    /// order; else the bound callback collects them.
+    fn publish_events(
+        &self,
+        py: Python<'_>,
+        b: &VllmBinding,
+        request: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let Some(sink) = self.event_sink.get() else {
+            if let Some(cb) = &b.on_events {
+                cb.bind(py).call1((request,))?;
+            }
+            return Ok(());
+        };
+        let events = self.lock()?.pool_mut().take_events();
+        let built = EventObjects {
+            removed: self.removed_events.get(),
+            stored: self.stored_events.get().zip(Some(request)),
+        };
+        let list = sink.events.bind(py);
+        for e in &events {
+            match built.object(py, e)? {
+                Some(obj) => list.append(obj)?,
+                None => {
+                    let raw = PyList::new(py, [built.raw(py, e)?])?;
+                    for obj in sink.build.bind(py).call1((raw, request))?.try_iter()? {
+                        list.append(obj?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
@@ -292,6 +325,7 @@ impl PyV1Manager {
             vllm: std::sync::OnceLock::new(),
             removed_events: std::sync::OnceLock::new(),
             stored_events: std::sync::OnceLock::new(),
+            event_sink: std::sync::OnceLock::new(),
         })
     }
 
@@ -565,6 +599,15 @@ impl PyV1Manager {
                 int_hashes,
             })
             .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
+    }
+
+    /// Have calls that log KV events append vLLM's event objects to `events` themselves (no
+    /// Python call unless an event is of a kind built in Python: then `build(raw_events,
+    /// request)` builds it, `raw_events` as `take_events` gives them).
+    fn bind_event_sink(&self, events: Py<PyList>, build: Py<PyAny>) -> PyResult<()> {
+        self.event_sink
+            .set(EventSink { events, build })
+            .map_err(|_| crate::errors::invalid("bind_event_sink was already called"))
     }
 
     /// Have `take_events(request)` build vLLM's `BlockStored` itself for a plain request
