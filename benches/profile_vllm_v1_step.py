@@ -64,14 +64,21 @@ MANAGER_METHODS = (
 )
 
 
-def _engine(kind: Any, caching: bool, release: str) -> Any:
+def _engine(kind: Any, mode: str, release: str) -> Any:
     """``"vllm"`` (or False): vLLM's scheduler and manager; ``"native"`` (or True): vLLM's
     loop over pagedkv's manager; ``"loop"``: pagedkv's Scheduler with its native loop."""
-    from pagedkv.bench.vllm_v1 import EngineSpec, V1Engine
+    from pagedkv.bench.vllm_v1 import MODES, EngineSpec, V1Engine
 
     kind = {False: "vllm", True: "native"}.get(kind, kind)
-    spec = EngineSpec(caching=caching)
+    caching, events = MODES[mode]
+    spec = EngineSpec(caching=caching, kv_events=events)
     return V1Engine(release, kind != "vllm", spec, loop=kind == "loop")
+
+
+def _caching(mode: str) -> bool:
+    from pagedkv.bench.vllm_v1 import MODES
+
+    return MODES[mode][0]
 
 
 def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float]) -> Dict[str, Any]:
@@ -98,7 +105,7 @@ def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float])
 
 def _drive_many(
     workload: Any,
-    caching: bool,
+    mode: str,
     natives: List[Any],
     release: str,
     max_steps: Optional[int],
@@ -112,8 +119,8 @@ def _drive_many(
 
     engines = []
     for native in natives:
-        eng = _engine(native, caching, release)
-        eng.setup(EngineConfig.from_workload(workload.config, caching))
+        eng = _engine(native, mode, release)
+        eng.setup(EngineConfig.from_workload(workload.config, _caching(mode)))
         for r in workload.requests:
             eng.add(r)
         if setup_hook is not None:
@@ -158,7 +165,7 @@ def _drive_many(
 
 def _drive(
     workload: Any,
-    caching: bool,
+    mode: str,
     native: bool,
     release: str,
     max_steps: Optional[int],
@@ -167,7 +174,7 @@ def _drive(
 ) -> Tuple[List[Dict[str, Any]], Any]:
     """One engine alone (see :func:`_drive_many`)."""
     steps, engines = _drive_many(
-        workload, caching, [native], release, max_steps, step_hook, setup_hook
+        workload, mode, [native], release, max_steps, step_hook, setup_hook
     )
     return steps[0], engines[0]
 
@@ -338,7 +345,7 @@ def _group(path: str, func: str) -> str:
 
 
 def _profile(
-    workload: Any, caching: bool, native: bool, release: str, window: Tuple[int, int], top: int
+    workload: Any, mode: str, native: bool, release: str, window: Tuple[int, int], top: int
 ) -> Dict[str, Any]:
     prof = cProfile.Profile()
     a, b = window
@@ -349,7 +356,7 @@ def _profile(
         if when == "after" and i == b - 1:
             prof.disable()
 
-    steps, eng = _drive(workload, caching, native, release, b, step_hook=hook)
+    steps, eng = _drive(workload, mode, native, release, b, step_hook=hook)
     eng.close()
     n = max(1, min(b, len(steps)) - a)
     st = pstats.Stats(prof)
@@ -384,7 +391,7 @@ def _profile(
 
 
 def _object_floor(
-    workload: Any, caching: bool, release: str, max_steps: Optional[int]
+    workload: Any, mode: str, release: str, max_steps: Optional[int]
 ) -> Dict[str, Any]:
     """What building this step's output objects costs from Python, alone: for each step (of a
     native-manager run) rebuild ``NewRequestData``s, the ``CachedRequestData``, the
@@ -403,8 +410,8 @@ def _object_floor(
     # Drive manually to keep hold of each step's SchedulerOutput and outputs.
     from pagedkv.bench.harness import EngineConfig
 
-    eng = _engine(True, caching, release)
-    eng.setup(EngineConfig.from_workload(workload.config, caching))
+    eng = _engine(True, mode, release)
+    eng.setup(EngineConfig.from_workload(workload.config, _caching(mode)))
     for r in workload.requests:
         eng.add(r)
     sched = eng.scheduler
@@ -492,7 +499,7 @@ def _scale(release: str, steps: int, quick: bool, engines: List[str], seed: int)
     for k, cfg in zip(FACTORS, sweep_configs(quick)["batch"]):
         workload = generate(cfg, seed=seed)
         point: Dict[str, Any] = {"factor": k, "max_num_seqs": cfg.max_num_seqs}
-        runs, engs = _drive_many(workload, True, list(engines), release, steps)
+        runs, engs = _drive_many(workload, "on", list(engines), release, steps)
         for e in engs:
             e.close()
         for engine, st in zip(engines, runs):
@@ -536,7 +543,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="w1")
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--modes", default="on,off")
+    p.add_argument("--modes", default="on,off", help="on, off, events (caching on + KV events)")
     p.add_argument("--engines", default="native,vllm", help="loop, native (manager), vllm")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--profile-steps", default="100:400", help="A:B, the cProfile window")
@@ -573,13 +580,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     engines = a.engines.split(",")
     natives = list(engines)
     for mode in a.modes.split(","):
-        caching = {"on": True, "off": False}[mode]
-        timed, engs = _drive_many(workload, caching, natives, release, a.max_steps)
+        timed, engs = _drive_many(workload, mode, natives, release, a.max_steps)
         for e in engs:
             e.close()
         timers = {engine: _ManagerTimer() for engine in engines}
         setup = _timer_setup([timers[e] for e in engines])
-        mtimed, mengs = _drive_many(workload, caching, natives, release, a.max_steps, None, setup)
+        mtimed, mengs = _drive_many(workload, mode, natives, release, a.max_steps, None, setup)
         for e in mengs:
             e.close()
         for j, engine in enumerate(engines):
@@ -612,17 +618,22 @@ def main(argv: Optional[List[str]] = None) -> int:
                 summary["manager_in_schedule_us"] + summary["manager_in_update_us"]
             ) / max(1e-9, own)
             if not a.no_profile and native:
-                summary["profile"] = _profile(workload, caching, native, release, win, a.top)
+                summary["profile"] = _profile(workload, mode, native, release, win, a.top)
             if not a.no_floor and native:
-                summary["object_floor"] = _object_floor(workload, caching, release, a.max_steps)
+                summary["object_floor"] = _object_floor(workload, mode, release, a.max_steps)
             result["runs"][key] = summary
             print(_format(key, summary), flush=True)
     for mode in a.modes.split(","):
         ours, theirs = result["runs"].get(f"{mode}/native"), result["runs"].get(f"{mode}/vllm")
         if ours and theirs:
+            # What a manager that cost nothing would give: vLLM's step less its manager's
+            # share (measured in vLLM's instrumented pass).
+            share = theirs["manager_share_of_instrumented_step"]
             print(
-                f"caching {mode}: vLLM step {theirs['step_us']:.0f} us, with native manager "
-                f"{ours['step_us']:.0f} us ({theirs['step_us'] / ours['step_us']:.2f}x)"
+                f"mode {mode}: vLLM step {theirs['step_us']:.0f} us, with native manager "
+                f"{ours['step_us']:.0f} us ({theirs['step_us'] / ours['step_us']:.2f}x); "
+                f"vLLM's manager is {share:.0%} of its step, so a manager that cost nothing "
+                f"would give {1 / max(1e-9, 1 - share):.2f}x"
             )
     if a.json:
         with open(a.json, "w") as f:
