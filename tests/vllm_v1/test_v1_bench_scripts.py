@@ -43,7 +43,7 @@ def test_profile_script_reports_the_step_split(tmp_path: Path) -> None:
             "profile_vllm_v1_step.py",
             "--quick",
             "--modes",
-            "on",
+            "on,events",
             "--max-steps",
             "40",
             "--profile-steps",
@@ -54,8 +54,18 @@ def test_profile_script_reports_the_step_split(tmp_path: Path) -> None:
     )
     assert re.search(r"== on/native: 40 steps; step [\d.]+ us = schedule", proc.stdout)
     assert re.search(r"== on/vllm: 40 steps; step [\d.]+ us = schedule", proc.stdout)
-    assert "caching on: vLLM step" in proc.stdout
+    assert re.search(r"== events/vllm: 40 steps; step [\d.]+ us = schedule", proc.stdout)
+    for mode in ("on", "events"):
+        bound = re.search(
+            rf"mode {mode}: vLLM step .*vLLM's manager is (\d+)% of its step, so a manager "
+            r"that cost nothing would give ([\d.]+)x",
+            proc.stdout,
+        )
+        assert bound, proc.stdout
+        share = int(bound.group(1)) / 100
+        assert 0 < share < 1 and abs(float(bound.group(2)) - 1 / (1 - share)) < 0.05
     data = json.loads(out.read_text())
+    assert data["runs"]["events/native"]["steps"] == 40
     native = data["runs"]["on/native"]
     assert native["steps"] == 40 and native["profile"]["steps_profiled"] == 15
     assert native["manager_calls_per_step"]["allocate_slots"] > 0
