@@ -1,6 +1,7 @@
 //! pagedkv-core: KV-cache block bookkeeping for paged-attention serving engines, in plain Rust.
 //!
 //! * [`hash`]: the chained block hash (xxh3-128 keyed, or SHA-256).
+//! * [`id_map`]: maps and sets keyed by engine-assigned integer ids (a one-multiply hasher).
 //! * [`token_seq`]: one sequence's token ids and full-block hashes.
 //! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, LRU eviction
 //!   (`evict`: O(1) usually, O(log k) at worst).
@@ -11,6 +12,7 @@
 pub mod error;
 mod evict;
 pub mod hash;
+pub mod id_map;
 pub mod limits;
 pub mod manager;
 pub mod mem;

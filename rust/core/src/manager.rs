@@ -14,30 +14,13 @@
 
 use crate::error::{Error, Result};
 use crate::hash::Hasher;
+use crate::id_map::IdMap;
 use crate::pool::{BlockId, BlockPool};
 use crate::token_seq::TokenSeq;
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
-use std::hash::BuildHasherDefault;
 
-/// Sequence ids are small engine-assigned counters: a multiplicative hash spreads them well
-/// and costs one multiply (SipHash costs ~20 ns per lookup, several per sequence per step).
-#[derive(Default)]
-struct SeqIdHasher(u64);
-impl std::hash::Hasher for SeqIdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (x ^ (x >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-}
-type SeqMap<V> = HashMap<SeqId, V, BuildHasherDefault<SeqIdHasher>>;
+type SeqMap<V> = IdMap<SeqId, V>;
 
 pub type SeqId = u64;
 

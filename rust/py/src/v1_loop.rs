@@ -111,30 +111,9 @@ struct Walk<'a> {
     map: std::cell::RefCell<FixedMap>,
 }
 
-type FixedMap = std::collections::HashMap<usize, Fixed, PtrHash>;
-
-/// Hashes object addresses (not chosen by clients: no need for SipHash's keyed mixing).
-type PtrHash = std::hash::BuildHasherDefault<PtrHasher>;
-
-#[derive(Default)]
-struct PtrHasher(u64);
-
-impl std::hash::Hasher for PtrHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_usize(&mut self, n: usize) {
-        // Fibonacci hashing; the high bits carry the low bits' entropy (objects are aligned).
-        self.0 = (n as u64)
-            .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-            .rotate_left(32);
-    }
-}
+/// Keyed by object address, hashed with foldhash (an address needs its high bits mixed down:
+/// objects are aligned and share a heap region).
+type FixedMap = std::collections::HashMap<usize, Fixed, foldhash::fast::RandomState>;
 
 /// What the loop reads of a request that does not change while the request is in scope
 /// (vLLM sets these at construction; only streaming sessions, outside the native path,

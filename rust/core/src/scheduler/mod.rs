@@ -20,8 +20,7 @@ mod tests;
 use crate::error::{Error, Result};
 use crate::manager::{Manager, SeqId};
 use crate::token_seq::TokenSeq;
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::BuildHasherDefault;
+use std::collections::VecDeque;
 
 pub use policy::{Outputs, Scheduled, StepMeta};
 pub use rows::StableRows;
@@ -33,31 +32,7 @@ pub use step::{
 
 pub type GroupKey = u32;
 
-/// Hasher for small integer keys (sequence ids, group keys, block numbers): one multiply.
-/// SipHash costs several times more, and these maps are probed several times per running
-/// sequence per step. Keys are engine-assigned counters, not attacker-chosen strings.
-#[derive(Default)]
-pub struct IdHasher(u64);
-
-impl std::hash::Hasher for IdHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        }
-    }
-    fn write_u64(&mut self, x: u64) {
-        self.0 = (x ^ (x >> 29)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
-    }
-    fn write_u32(&mut self, x: u32) {
-        self.write_u64(u64::from(x));
-    }
-}
-
-pub type IdMap<K, V> = HashMap<K, V, BuildHasherDefault<IdHasher>>;
-pub type IdSet<K> = HashSet<K, BuildHasherDefault<IdHasher>>;
+pub use crate::id_map::{IdHasher, IdMap, IdSet};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PreemptionMode {

@@ -5,6 +5,7 @@ use super::*;
 use crate::hash::{HashAlgo, HashExtra, Hasher};
 use crate::manager::{Device, ManagerConfig};
 use std::cell::RefCell;
+use std::collections::HashMap;
 
 const H: Hasher = Hasher {
     algo: HashAlgo::Xxh3,
