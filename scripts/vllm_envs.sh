@@ -18,14 +18,40 @@ root=${PAGEDKV_VLLM_ENVS:-$HOME/.cache/pagedkv/venvs}
 mkdir -p "$root"
 py=${PYTHON:-python3}
 
+# vLLM 0.33.0 pins torch==2.14.0 and torchaudio==2.11.0. PyPI's wheels of those two are built
+# against different CUDA releases (13.2 and 13.0), and torchaudio refuses to import beside that
+# torch ("PyTorch and TorchAudio were compiled with different CUDA versions"). transformers
+# imports torchaudio whenever it is installed (vLLM's config module reaches it through
+# image_processing_auto), so vLLM 0.33.0 as pip installs it today cannot build a config. No
+# torchaudio wheel matches torch 2.14, and nothing pagedkv drives (the scheduler, its tests, the
+# bench's text-only engines) needs audio: the env drops torchaudio after the install, and
+# transformers then skips it. The smoke import below fails the build, not the suite, if the
+# environment is broken in some other way.
 build_033() {
-  local env=$root/vllm-0.33 stamp="vllm==0.33.0 pytest hypothesis v1"
+  local env=$root/vllm-0.33 stamp="vllm==0.33.0 pytest hypothesis -torchaudio v2"
   if [ "$(cat "$env/.ready" 2>/dev/null)" = "$stamp" ]; then return; fi
   rm -rf "$env"
   "$py" -m venv "$env"
   "$env/bin/pip" install --quiet --upgrade pip
   "$env/bin/pip" install --quiet "vllm==0.33.0" "pytest>=7" "hypothesis>=6.80"
+  "$env/bin/pip" uninstall --quiet --yes torchaudio
+  smoke_vllm "$env"
   echo "$stamp" >"$env/.ready"
+}
+
+# The modules the suite and the bench import first: a config (which reaches transformers' auto
+# classes), the v1 scheduler and its KV cache manager. A failure here names the env and stops.
+smoke_vllm() {
+  local env=$1
+  if ! "$env/bin/python" -c "
+import vllm.transformers_utils.config, vllm.config
+import vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_manager
+from transformers.models.auto import image_processing_auto
+" >"$env/.smoke.log" 2>&1; then
+    echo "vllm_envs.sh: $env cannot import vLLM (see $env/.smoke.log):" >&2
+    tail -5 "$env/.smoke.log" >&2
+    return 1
+  fi
 }
 
 build_032() {
@@ -55,6 +81,7 @@ PY
 )
   # shellcheck disable=SC2086
   echo "$reqs" | xargs "$env/bin/pip" install --quiet "pytest>=7" "hypothesis>=6.80"
+  smoke_vllm "$env"
   echo "$stamp" >"$env/.ready"
 }
 
