@@ -629,6 +629,10 @@ def main(argv: Optional[List[str]] = None) -> int:
             # What a manager that cost nothing would give: vLLM's step less its manager's
             # share (measured in vLLM's instrumented pass).
             share = theirs["manager_share_of_instrumented_step"]
+            result.setdefault("bounds", {})[mode] = {
+                "vllm_manager_share": share,
+                "cost_free_manager_ratio": 1 / max(1e-9, 1 - share),
+            }
             print(
                 f"mode {mode}: vLLM step {theirs['step_us']:.0f} us, with native manager "
                 f"{ours['step_us']:.0f} us ({theirs['step_us'] / ours['step_us']:.2f}x); "

@@ -246,3 +246,39 @@ def test_whole_step_bars_group_by_vllm_generation_with_a_bar_per_path():
     assert groups[1] == "vLLM 0.5.0\ncache on\nfailed at step 10"
     assert bars == {"compat": [3.0, 3.0], "batch": [30.0, 30.0]}
     assert plot.whole_step_bars([]) == ([], {})
+
+
+class FailsToStart(Fifo):
+    """Takes a resource, then fails in ``setup`` (as a vLLM engine whose environment cannot
+    import torchaudio does); its ``close`` needs nothing ``setup`` did not reach, and may
+    itself fail (``close_fails``)."""
+
+    def __init__(self, name, close_fails=False):
+        super().__init__(name)
+        self.close_fails = close_fails
+
+    def setup(self, config: EngineConfig) -> None:
+        self.taken = True
+        raise RuntimeError(
+            "Detected that PyTorch and TorchAudio were compiled\nwith different CUDA"
+        )
+
+    def close(self) -> None:
+        self.closed = True
+        if self.close_fails:
+            raise OSError("cleanup failed too")
+
+
+@pytest.mark.parametrize("close_fails", [False, True], ids=["clean-close", "close-raises"])
+def test_an_engine_that_fails_to_start_is_one_error_naming_it_and_the_cause(close_fails):
+    first, broken, never = Fifo("first"), FailsToStart("broken", close_fails), Fifo("never")
+    with pytest.raises(harness.EngineStartError) as info:
+        run_lockstep([first, broken, never], CONFIG, _requests())
+    assert str(info.value) == (
+        "engine broken failed to start: RuntimeError: Detected that PyTorch and TorchAudio were "
+        "compiled with different CUDA"
+    ), str(info.value)
+    assert isinstance(info.value, RuntimeError) and isinstance(info.value.__cause__, RuntimeError)
+    # Every engine whose setup ran (even part-way) is closed; one never started is not; a
+    # failing close does not replace the start error.
+    assert first.closed and broken.closed and not never.closed and never.setups == []

@@ -12,6 +12,7 @@ through (see tests/vllm_v1/v1_harness.py).
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -193,3 +194,54 @@ def test_a_missing_env_fails_the_suite_test_not_skips(tmp_path: Path, monkeypatc
     monkeypatch.setenv(ENVS_VAR, str(tmp_path / "nowhere"))
     with pytest.raises(pytest.fail.Exception, match=r"scripts/vllm_envs\.sh"):
         env_or_fail("0.33")
+
+
+def _bench(argv: list, env: dict, tmp_path: Path) -> subprocess.CompletedProcess:
+    """``pagedkv bench`` from this interpreter (it starts the vLLM release's virtualenv)."""
+    cmd = [sys.executable, "-m", "pagedkv.bench", "--no-progress", *argv]
+    return subprocess.run(
+        cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=INNER_TIMEOUT_S
+    )
+
+
+def test_bench_compare_vllm_033_quick_runs_end_to_end(tmp_path: Path) -> None:
+    """The README's v1 comparison, exactly as a user runs it: vLLM 0.33.0's own scheduler
+    and pagedkv's in lockstep, in that release's virtualenv, every step's decisions equal.
+    (A broken virtualenv fails here, in CI, instead of at the user.)"""
+    env_or_fail("0.33")
+    out = tmp_path / "bench.json"
+    argv = ["--quick", "--compare", "vllm==0.33.0", "--json", str(out)]
+    proc = _bench(argv, dict(os.environ), tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "== vLLM 0.33.0 (v1 engine), whole step" in proc.stdout
+    sections = json.loads(out.read_text())["vllm_v1"]["0.33.0"]
+    modes = {(name, s["mode"]) for name, secs in sections.items() for s in secs}
+    assert modes == {(w, m) for w in ("w1", "w2") for m in ("on", "off", "events")}, modes
+    assert all(s["ok"] for secs in sections.values() for s in secs)
+
+
+def test_bench_reports_a_vllm_engine_that_cannot_start_as_one_error(tmp_path: Path) -> None:
+    """An environment whose vLLM cannot build its config (as vLLM 0.33.0 with PyPI's torchaudio
+    once did): ``pagedkv bench`` exits 2 with one line naming the engine and the cause, no
+    traceback, and its cleanup does not fail on the engine that never started."""
+    env_or_fail("0.33")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import sys\n"
+        "class _Broken:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'vllm.transformers_utils.config':\n"
+        "            raise RuntimeError(\n"
+        "                'Detected that PyTorch and TorchAudio were compiled with different '\n"
+        "                'CUDA versions')\n"
+        "sys.meta_path.insert(0, _Broken())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(hook))
+    proc = _bench(["--quick", "--no-micro", "--compare", "vllm==0.33.0"], env, tmp_path)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("pagedkv bench:")]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    assert "vllm==0.33.0" in lines[0] and "failed to start" in lines[0], lines[0]
+    assert "TorchAudio were compiled with different CUDA versions" in lines[0], lines[0]
+    assert "Traceback" not in proc.stderr and "AttributeError" not in proc.stderr, proc.stderr

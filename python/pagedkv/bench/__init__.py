@@ -151,11 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``pagedkv bench``; the exit status (see :data:`DESCRIPTION`)."""
     try:
-        plan = _plan(args)
-    except UsageError as exc:
+        return _execute(args, _plan(args))
+    except UsageError as exc:  # bad arguments, or a requested engine that cannot run
         print(f"pagedkv bench: {exc}", file=sys.stderr)
         return 2
-    return _execute(args, plan)
 
 
 @dataclasses.dataclass

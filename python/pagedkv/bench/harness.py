@@ -158,7 +158,13 @@ class EngineUnderTest:
         return None
 
     def close(self) -> None:
-        """Release what :meth:`setup` took (a process, say); called once the run is over."""
+        """Release what :meth:`setup` took (a process, say); called once the run is over,
+        also after a :meth:`setup` that raised part-way (release what was taken)."""
+
+
+class EngineStartError(RuntimeError):
+    """An engine under test could not be built: the message names the engine and the cause
+    (the exception :meth:`EngineUnderTest.setup` raised is chained)."""
 
 
 @dataclass
@@ -253,9 +259,11 @@ def run_lockstep(
     arrivals = [(0 if per_step <= 0 else i // per_step, r) for i, r in enumerate(requests)]
     gc_was_enabled = gc.isenabled()
     logging.disable(logging.WARNING)
+    started: List[EngineUnderTest] = []
     try:
         for e in engines:
-            e.setup(config)
+            started.append(e)
+            _start(e, config)
         gc.collect()
         gc.disable()
         steps = _drive(
@@ -266,9 +274,35 @@ def run_lockstep(
         logging.disable(logging.NOTSET)
         if gc_was_enabled:
             gc.enable()
-        for e in engines:
-            e.close()
+        for e in started:
+            close_quietly(e)
     return Lockstep(steps, lanes)
+
+
+def _start(engine: EngineUnderTest, config: EngineConfig) -> None:
+    """``engine.setup(config)``, a failure raised as one :class:`EngineStartError` naming the
+    engine and the cause."""
+    try:
+        engine.setup(config)
+    except Exception as exc:
+        detail = " ".join(str(exc).split())  # one line
+        if len(detail) > 400:
+            detail = detail[:397] + "..."
+        raise EngineStartError(
+            f"engine {engine.name or type(engine).__name__} failed to start: "
+            f"{type(exc).__name__}: {detail}"
+        ) from exc
+
+
+def close_quietly(engine: EngineUnderTest) -> None:
+    """``engine.close()``; cleanup never raises (a failure is logged, the run's own outcome
+    or error stands)."""
+    try:
+        engine.close()
+    except Exception as exc:  # noqa: BLE001 - cleanup must not hide the run's result
+        logging.getLogger("pagedkv.bench").warning(
+            "closing %s failed: %s: %s", engine.name, type(exc).__name__, exc
+        )
 
 
 def _drive(
@@ -425,7 +459,10 @@ class InOwnProcess(EngineUnderTest):
     def close(self) -> None:
         if self._proc is None:
             return
-        self._conn.send(("stop", None))
+        try:
+            self._conn.send(("stop", None))
+        except OSError:  # the engine's process is gone already
+            pass
         self._proc.join(timeout=30)
         if self._proc.is_alive():
             self._proc.terminate()

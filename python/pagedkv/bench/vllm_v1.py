@@ -26,7 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
-from pagedkv.bench.harness import EngineConfig, EngineUnderTest, StepRecord, run_lockstep
+from pagedkv.bench.harness import (
+    EngineConfig,
+    EngineStartError,
+    EngineUnderTest,
+    StepRecord,
+    run_lockstep,
+)
 from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 
 TINY_LLAMA = {
@@ -194,6 +200,7 @@ class V1Engine(EngineUnderTest):
             self.description = f"vLLM {release}'s scheduling loop over pagedkv's KV cache manager"
         self.outputs: Dict[str, List[int]] = {}
         self.requests: Dict[str, Any] = {}
+        self._tmp: Optional[tempfile.TemporaryDirectory] = None
 
     def setup(self, config: EngineConfig) -> None:
         self._tmp = tempfile.TemporaryDirectory()
@@ -243,7 +250,9 @@ class V1Engine(EngineUnderTest):
         return model_runner_output(ids, sampled)
 
     def close(self) -> None:
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
 
 
 def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
@@ -368,9 +377,11 @@ def _run_in(python: str, names: List[str], quick: bool, seed: int, out: Any) -> 
 
     import pagedkv
 
-    here = os.path.dirname(os.path.dirname(os.path.abspath(pagedkv.__file__)))
-    env = dict(os.environ, PYTHONPATH=here + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with tempfile.TemporaryDirectory() as d:
+        # This pagedkv, and nothing else of this interpreter's site-packages (its numpy or
+        # torch would shadow the virtualenv's own), first on the virtualenv's path.
+        os.symlink(os.path.dirname(os.path.abspath(pagedkv.__file__)), os.path.join(d, "pagedkv"))
+        env = dict(os.environ, PYTHONPATH=d + os.pathsep + os.environ.get("PYTHONPATH", ""))
         path = os.path.join(d, "v1.json")
         cmd = [python, "-m", "pagedkv.bench.vllm_v1", "--workloads", ",".join(names)]
         cmd += ["--seed", str(seed), "--json", path] + (["--quick"] if quick else [])
@@ -379,7 +390,10 @@ def _run_in(python: str, names: List[str], quick: bool, seed: int, out: Any) -> 
         if not os.path.exists(path):
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
         with open(path) as f:
-            return json.load(f)["sections"]
+            doc = json.load(f)
+    if "error" in doc:  # an engine could not start there: the one-line cause
+        raise EngineStartError(f"{doc['error']} (in {python})")
+    return doc["sections"]
 
 
 #: The engine modes a release is measured in: (label, caching, KV events).
@@ -622,9 +636,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(format_call_cost(decode_call_cost()), flush=True)
     workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
     release = release_of(vllm.__version__)
-    sections = measure(
-        release, workloads, a.modes.split(","), a.seed, a.async_scheduling, a.max_steps
-    )
+    try:
+        sections = measure(
+            release, workloads, a.modes.split(","), a.seed, a.async_scheduling, a.max_steps
+        )
+    except EngineStartError as exc:
+        print(f"pagedkv bench: vLLM {release}: {exc}", file=sys.stderr, flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"release": release, "error": str(exc)}, f)
+        return 2
     print(format_sections(release, sections), flush=True)
     if a.json:
         with open(a.json, "w") as f:

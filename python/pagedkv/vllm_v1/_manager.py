@@ -22,12 +22,18 @@ logger = logging.getLogger("pagedkv.vllm_v1")
 _LOGGED: set = set()
 
 
-def log_once(message: str, *args: Any) -> None:
-    """Log a line once per distinct text (the fallback reasons, which manager runs)."""
+def log_once(message: str, *args: Any, level: int = logging.INFO) -> None:
+    """Log a line once per distinct text."""
     key = message % args
     if key not in _LOGGED:
         _LOGGED.add(key)
-        logger.info(message, *args)
+        logger.log(level, message, *args)
+
+
+def out_of_scope_reason(kv_cache_config: Any, *args: Any, **kwargs: Any) -> Optional[str]:
+    """Why ``KVCacheManager(kv_cache_config, *args, **kwargs)`` gives vLLM's own manager
+    (``None``: it gives pagedkv's)."""
+    return _scope.out_of_scope(kv_cache_config, **_named_args(args, kwargs))
 
 
 class _PoolView:
@@ -100,12 +106,13 @@ class KVCacheManager:
 
     def __new__(cls, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
         release = require_supported_vllm()
-        named = _named_args(args, kwargs)
-        reason = _scope.out_of_scope(kv_cache_config, **named)
+        reason = out_of_scope_reason(kv_cache_config, *args, **kwargs)
+        # The scheduler's start line (pagedkv.vllm_v1._report) is what operators read; these
+        # are for a manager built on its own.
         if reason is None:
-            log_once("pagedkv: native KV cache manager (vLLM %s)", release)
+            log_once("pagedkv: native KV cache manager (vLLM %s)", release, level=logging.DEBUG)
             return super().__new__(cls)
-        log_once("pagedkv: vLLM's own KV cache manager runs: %s", reason)
+        log_once("pagedkv: vLLM's own KV cache manager runs: %s", reason, level=logging.DEBUG)
         from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
 
         return VLLMManager(kv_cache_config, *args, **kwargs)

@@ -20,7 +20,9 @@ next step can be either loop's; a switch needs no hand-over.
 A request out of scope puts the engine on vLLM's loop from the next step until it has left
 (finished or aborted): its decisions couple every request of the step (budgets, queue order,
 preemption), so a step is wholly one loop's. ``update_from_output`` follows the same rule.
-The choice is logged once per engine; docs/vllm_v1.md, "The native loop", has the contract.
+Each step is counted by loop, a fallback with its reason (:mod:`pagedkv.vllm_v1._report`:
+the scheduler's ``pagedkv_steps`` and a periodic log line); docs/vllm_v1.md, "The native loop",
+has the contract.
 """
 
 from __future__ import annotations
@@ -30,8 +32,10 @@ from typing import Any, Dict, List, Optional
 
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
+from ._report import NATIVE, StepCounter, interval_from_env
 
-#: Out-of-scope request ids the engine holds, per scheduler (pruned as requests leave).
+#: Out-of-scope requests the engine holds, per scheduler: request id -> why it is out of scope
+#: (pruned as requests leave).
 _HELD = "_pagedkv_python_requests"
 
 
@@ -97,21 +101,22 @@ class NativeLoop:
 
     _pagedkv_loop: Any = None
     _pagedkv_hashers: Optional[NativeHashers] = None
+    _pagedkv_counter: Optional[StepCounter] = None
     #: Steps scheduled by the native loop and by vLLM's, since construction.
     pagedkv_native_steps = 0
     pagedkv_vllm_steps = 0
 
-    def _pagedkv_start_loop(self) -> None:
-        """Build the native loop if the engine is in scope (else log why, once)."""
+    def _pagedkv_start_loop(self) -> Optional[str]:
+        """Build the native loop if the engine is in scope; else why it is not."""
         why = engine_out_of_scope(self)
         if why is not None:
-            log_once("pagedkv: vLLM's scheduling loop runs: %s", why)
-            return
+            return why
         from vllm.v1.core.sched.interface import PauseState
 
         from pagedkv import _native
 
-        setattr(self, _HELD, set())
+        setattr(self, _HELD, {})
+        self._pagedkv_counter = StepCounter(interval_from_env())
         self._pagedkv_unpaused = PauseState.UNPAUSED  # compared every step
         native = self.kv_cache_manager._native
         #: Tokens the KV cache holds (the null block excluded): no request may outgrow it.
@@ -121,27 +126,40 @@ class NativeLoop:
         config = _loop_config(self)
         config["pool_tokens"] = self._pagedkv_pool_tokens
         self._pagedkv_loop = _native.V1Loop(native, config)
-        log_once("pagedkv: native scheduling loop")
+        return None
+
+    @property
+    def pagedkv_steps(self) -> Dict[str, int]:
+        """Steps since construction by loop: ``"native"``, and per reason vLLM's loop ran
+        (empty when the native loop is not built: the start line said why)."""
+        counter = self._pagedkv_counter
+        return dict(counter.total) if counter is not None else {}
 
     def _pagedkv_native_step(self) -> bool:
+        return self._pagedkv_fallback() is None
+
+    def _pagedkv_fallback(self) -> Optional[str]:
+        """Why this step runs on vLLM's loop (``None``: it runs natively)."""
         if self._pagedkv_loop is None:
-            return False
+            return "engine out of scope"
         held = getattr(self, _HELD)
         if held:
-            held.intersection_update(self.requests)
+            for rid in [r for r in held if r not in self.requests]:
+                del held[rid]
             if held:
-                return False
-        return (
-            self._pause_state == self._pagedkv_unpaused
-            and self.connector is None
-            and getattr(self, "aux_output_connector", None) is None
-            and getattr(self, "ec_connector", None) is None
-            and not getattr(self, "return_sampling_mask", False)
-            and not self.kv_holding_waiting
-            and not self.num_waiting_for_streaming_input
-            and not self.grammar_compile_error_reqs
-            and not getattr(self, "encoder_cache_mismatch_reqs", None)
+                return ", ".join(sorted(set(held.values())))
+        checks = (
+            (self._pause_state != self._pagedkv_unpaused, "engine paused"),
+            (self.connector is not None, "a KV connector"),
+            (getattr(self, "aux_output_connector", None) is not None, "an aux output connector"),
+            (getattr(self, "ec_connector", None) is not None, "an EC connector"),
+            (bool(getattr(self, "return_sampling_mask", False)), "sampling masks"),
+            (bool(self.kv_holding_waiting), "requests holding KV while waiting"),
+            (bool(self.num_waiting_for_streaming_input), "streaming input awaited"),
+            (bool(self.grammar_compile_error_reqs), "grammar compile errors"),
+            (bool(getattr(self, "encoder_cache_mismatch_reqs", None)), "encoder cache mismatch"),
         )
+        return next((why for out, why in checks if out), None)
 
     def _pagedkv_start_hashing(self) -> None:
         """Native block hashing for in-scope requests (:mod:`pagedkv.vllm_v1._hashing`) when
@@ -160,7 +178,7 @@ class NativeLoop:
         if self._pagedkv_loop is None:
             return
         if why is not None:
-            getattr(self, _HELD).add(request.request_id)
+            getattr(self, _HELD)[request.request_id] = why
         elif request.num_prompt_tokens > self._pagedkv_pool_tokens:
             self._pagedkv_reject(request)
 
@@ -178,7 +196,11 @@ class NativeLoop:
         self._pagedkv_rejected.append(request)
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
-        if throttle_prefills or not self._pagedkv_native_step():
+        why = "prefill throttling" if throttle_prefills else self._pagedkv_fallback()
+        counter = self._pagedkv_counter
+        if counter is not None:
+            counter.count(NATIVE if why is None else why)
+        if why is not None:
             self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         self.pagedkv_native_steps += 1

@@ -3,7 +3,8 @@
 Each subclasses vLLM's class and changes one thing: after vLLM's constructor has run, the
 scheduler's ``kv_cache_manager`` is pagedkv's native one, built from the same arguments, when
 the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; also: no KV connector). Out of
-scope vLLM's manager stays and a log line says why. The choice is made once, at construction.
+scope vLLM's manager stays. The choice is made once, at construction, and said in one INFO line
+in vLLM's log (:mod:`pagedkv.vllm_v1._report`).
 ``Scheduler`` also runs ``schedule()`` / ``update_from_output()`` natively while every request
 it holds is in scope (:mod:`pagedkv.vllm_v1._native_loop`).
 
@@ -16,13 +17,14 @@ turns async scheduling off.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VLLMAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VLLMScheduler
 
-from ._manager import KVCacheManager, log_once
+from ._manager import KVCacheManager, out_of_scope_reason
 from ._native_loop import NativeLoop
+from ._report import log_start
 
 
 def _manager_args(sched: Any, vllm_config: Any) -> Dict[str, Any]:
@@ -51,14 +53,33 @@ def _manager_args(sched: Any, vllm_config: Any) -> Dict[str, Any]:
     return args
 
 
-def install_native_manager(sched: Any, vllm_config: Any, kv_cache_config: Any) -> None:
-    """Give ``sched`` pagedkv's manager when in scope (else keep vLLM's and log why)."""
+def install_native_manager(sched: Any, vllm_config: Any, kv_cache_config: Any) -> Optional[str]:
+    """Give ``sched`` pagedkv's manager when in scope; else keep vLLM's and say why."""
     if sched.connector is not None:
-        log_once("pagedkv: vLLM's own KV cache manager runs: a KV connector is configured")
-        return
-    manager = KVCacheManager(kv_cache_config, **_manager_args(sched, vllm_config))
-    if isinstance(manager, KVCacheManager):
-        sched.kv_cache_manager = manager
+        return "a KV connector is configured"
+    args = _manager_args(sched, vllm_config)
+    why = out_of_scope_reason(kv_cache_config, **args)
+    if why is None:
+        sched.kv_cache_manager = KVCacheManager(kv_cache_config, **args)
+    return why
+
+
+def start_pagedkv(sched: Any, vllm_config: Any, kv_cache_config: Any) -> None:
+    """After vLLM's constructor: pagedkv's manager, native hashing and the native loop where
+    in scope, then the start line saying what runs natively and why the rest does not."""
+    manager_why = install_native_manager(sched, vllm_config, kv_cache_config)
+    sched._pagedkv_start_hashing()
+    if not sched.native_loop:
+        loop_why: Optional[str] = f"{type(sched).__name__}.native_loop is False"
+    elif os.environ.get("PAGEDKV_VLLM_NATIVE_LOOP", "1") == "0":
+        loop_why = "PAGEDKV_VLLM_NATIVE_LOOP=0"
+    else:
+        loop_why = sched._pagedkv_start_loop()
+    if not sched.cache_config.enable_prefix_caching:
+        hashing = "prefix caching off"
+    else:
+        hashing = "block hashing " + ("native" if sched._pagedkv_hashers else "vLLM's")
+    log_start(type(sched).__name__, manager_why, loop_why, hashing)
 
 
 class AsyncScheduler(NativeLoop, _VLLMAsyncScheduler):
@@ -69,10 +90,7 @@ class AsyncScheduler(NativeLoop, _VLLMAsyncScheduler):
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        install_native_manager(self, vllm_config, kv_cache_config)
-        self._pagedkv_start_hashing()
-        if _native_loop_wanted(self):
-            self._pagedkv_start_loop()
+        start_pagedkv(self, vllm_config, kv_cache_config)
 
 
 class Scheduler(NativeLoop, _VLLMScheduler):
@@ -92,14 +110,7 @@ class Scheduler(NativeLoop, _VLLMScheduler):
 
     def __init__(self, vllm_config: Any, kv_cache_config: Any, *args: Any, **kwargs: Any) -> None:
         super().__init__(vllm_config, kv_cache_config, *args, **kwargs)
-        install_native_manager(self, vllm_config, kv_cache_config)
-        self._pagedkv_start_hashing()
-        if _native_loop_wanted(self):
-            self._pagedkv_start_loop()
-
-
-def _native_loop_wanted(sched: Any) -> bool:
-    return bool(sched.native_loop) and os.environ.get("PAGEDKV_VLLM_NATIVE_LOOP", "1") != "0"
+        start_pagedkv(self, vllm_config, kv_cache_config)
 
 
 def _async_scheduling(vllm_config: Any) -> bool:
