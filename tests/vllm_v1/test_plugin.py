@@ -57,7 +57,7 @@ def test_out_of_scope_configs_get_vllms_manager(caplog: pytest.LogCaptureFixture
     two_groups = dataclasses.replace(cfg, kv_cache_groups=cfg.kv_cache_groups * 2)
     args = dict(max_model_len=256, scheduler_block_size=16, hash_block_size=16)
     _manager._LOGGED.clear()
-    with caplog.at_level("INFO", logger="pagedkv.vllm_v1"):
+    with caplog.at_level("DEBUG", logger="pagedkv.vllm_v1"):
         m = pv.KVCacheManager(two_groups, **args)
         assert type(m) is VLLMManager
         assert type(pv.KVCacheManager(cfg, use_eagle=True, **args)) is VLLMManager

@@ -3,9 +3,9 @@
 **At start** (:func:`log_start`): each scheduler pagedkv builds (one per engine process) logs
 one INFO line: pagedkv's version, vLLM's, the scheduler class, whether the KV cache manager and
 the scheduling loop are native, and for each that is not, the reason. The line goes through
-logger ``pagedkv.vllm_v1``; when nobody configured that logger (nor the root logger), it is
-routed to the handlers of vLLM's own ``vllm`` logger (:func:`route_to_vllm_log`), so it appears
-in vLLM's default log with vLLM's format, whatever the process.
+logger ``pagedkv.vllm_v1``; unless the user configured the ``pagedkv`` logger, its records are
+handed to the handlers of vLLM's own ``vllm`` logger (:func:`route_to_vllm_log`), so they
+appear in vLLM's default log with vLLM's format, in every engine process.
 
 **While serving** (:class:`StepCounter`): each ``schedule()`` call counts as native, or as a
 step of vLLM's loop with the reason (the kind of out-of-scope request held, a paused engine,
@@ -33,21 +33,30 @@ DEFAULT_INTERVAL_S = 60.0
 NATIVE = "native"
 
 
+class _ToVllmLog(logging.Handler):
+    """Hands pagedkv's records to the handlers of vLLM's ``vllm`` logger, as they are when
+    the record is made (vLLM configures them in each engine process, before or after pagedkv
+    is imported), while the root logger has none (otherwise the record propagates there)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if logging.getLogger().handlers:
+            return
+        for handler in logging.getLogger("vllm").handlers:
+            if record.levelno >= handler.level:
+                handler.handle(record)
+
+
 def route_to_vllm_log() -> None:
-    """Give pagedkv's loggers vLLM's handlers when neither they nor the root logger have any
-    (vLLM configures only its own ``vllm`` logger, which does not propagate): pagedkv's lines
-    then appear in vLLM's log, in vLLM's format. A logging setup the user made is left alone,
-    and so is a process where vLLM configured no handler (``VLLM_CONFIGURE_LOGGING=0``)."""
+    """pagedkv's lines into vLLM's log, in vLLM's format: vLLM configures only its own
+    ``vllm`` logger (which does not propagate), so pagedkv's INFO lines would reach no
+    handler. Unless the user configured the ``pagedkv`` logger (a handler or a level), it
+    gets a handler forwarding to vLLM's handlers, and level INFO. Nothing reaches vLLM's log
+    where vLLM configured none (``VLLM_CONFIGURE_LOGGING=0``). Idempotent."""
     ours = logging.getLogger("pagedkv")
-    if ours.handlers or ours.level != logging.NOTSET or logging.getLogger().handlers:
+    if ours.handlers or ours.level != logging.NOTSET:
         return
-    theirs = logging.getLogger("vllm")
-    if not theirs.handlers:
-        return
-    for handler in theirs.handlers:
-        ours.addHandler(handler)
-    ours.setLevel(theirs.level or logging.INFO)
-    ours.propagate = False
+    ours.addHandler(_ToVllmLog())
+    ours.setLevel(logging.INFO)
 
 
 def start_line(
