@@ -1,5 +1,6 @@
-"""The README's table "Errors, method by method", row by row, in both modes (``strict=False``,
-the default, and ``strict=True``). Keep the two in step: each test names its row."""
+"""The table "Errors, method by method" of docs/vllm_042.md, row by row, in both modes
+(``strict=False``, the default, and ``strict=True``). Keep the two in step: each test names
+its row."""
 
 from __future__ import annotations
 
