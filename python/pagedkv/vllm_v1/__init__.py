@@ -1,4 +1,5 @@
-"""pagedkv inside vLLM's v1 engine (vLLM 0.32 and 0.33): a native KV cache manager.
+"""pagedkv inside vLLM's v1 engine (vLLM 0.32 and 0.33): a native scheduling loop and KV
+cache manager.
 
 Use it with vLLM's own option, no change to vLLM::
 
@@ -7,9 +8,12 @@ Use it with vLLM's own option, no change to vLLM::
 
 or set ``PAGEDKV_VLLM=1`` with pagedkv installed (its ``vllm.general_plugins`` entry point
 then makes it the default). ``Scheduler`` becomes vLLM's ``AsyncScheduler`` variant when vLLM
-runs with async scheduling. Configurations outside the native manager's scope (hybrid or
-sliding-window models, KV connectors, EAGLE, context parallelism) run vLLM's own manager, with
-one log line saying why.
+runs with async scheduling. By default both run ``schedule()`` and ``update_from_output()``
+natively (``_native.V1Loop``) on every step whose requests are all in scope, and vLLM's own
+loop over the native manager on the others (``PAGEDKV_VLLM_NATIVE_LOOP=0``: always vLLM's
+loop). Configurations outside the native manager's scope (hybrid or sliding-window models, KV
+connectors, EAGLE, context parallelism) run vLLM's own manager and loop. One INFO line at start
+says what runs natively and why the rest does not (:mod:`pagedkv.vllm_v1._report`).
 
 Names (imported on first use; ``import pagedkv`` never imports vLLM): ``Scheduler``,
 ``AsyncScheduler``, ``KVCacheManager``, ``SUPPORTED_VLLM``, ``out_of_scope``.

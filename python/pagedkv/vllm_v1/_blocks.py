@@ -3,9 +3,10 @@
 * :class:`BlockView`: one block as vLLM's ``KVCacheBlock`` shows it (``block_id``, live
   ``ref_cnt``, ``block_hash``, ``block_hash_num_tokens``, ``is_null``), made on demand: the pool
   keeps no Python object per block.
-* :func:`blocks_of`: a vLLM ``KVCacheBlocks`` whose one group is a list of block ids, with
-  ``get_block_ids`` answered from the ids (no view is built on the scheduler's path) and
-  ``blocks`` built only when read.
+* :func:`make_blocks_class`: a subclass of vLLM's ``KVCacheBlocks`` whose one group is a list
+  of block ids, with ``get_block_ids`` answered from the ids (no view is built on the
+  scheduler's path) and ``blocks`` built only when read; :func:`make_empty_blocks` its empty
+  value, :func:`block_ids_of` the ids of any block list.
 """
 
 from __future__ import annotations
