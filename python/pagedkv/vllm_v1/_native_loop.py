@@ -122,6 +122,17 @@ class NativeLoop:
         config["pool_tokens"] = self._pagedkv_pool_tokens
         self._pagedkv_loop = _native.V1Loop(native, config)
         log_once("pagedkv: native scheduling loop")
+        cap = self._pagedkv_loop.length_cap(self.max_model_len)
+        if cap < self.max_model_len:
+            # A cache smaller than max_model_len: the cache's size stands in for it, on both
+            # loops (vLLM's reads ``max_model_len`` for the running room and ``check_stop``).
+            log_once(
+                "pagedkv: the KV cache holds %d tokens, fewer than max_model_len %d: requests "
+                "are capped at the cache's size",
+                cap,
+                self.max_model_len,
+            )
+            self.max_model_len = cap
 
     def _pagedkv_native_step(self) -> bool:
         if self._pagedkv_loop is None:
@@ -161,17 +172,21 @@ class NativeLoop:
             return
         if why is not None:
             getattr(self, _HELD).add(request.request_id)
-        elif request.num_prompt_tokens > self._pagedkv_pool_tokens:
+        elif self._pagedkv_loop.refuses_prompt(request.num_prompt_tokens, self.max_model_len):
             self._pagedkv_reject(request)
 
     def _pagedkv_reject(self, request: Any) -> None:
-        """A prompt the whole KV cache cannot hold never runs (vLLM would keep it at the head
-        of the queue forever, blocking every request behind it): finished with an error now,
-        reported by the next ``update_from_output`` as vLLM reports its own request errors."""
+        """A prompt at or past the length cap (``min(max_model_len, cache tokens)``: the cache
+        cannot hold it and one sampled token) never runs (vLLM would keep it at the head of
+        the queue forever, blocking every request behind it): finished with an error now,
+        reported by the next ``update_from_output`` as vLLM reports its own request errors.
+        vLLM's input processor refuses a prompt of ``max_model_len`` tokens or more for the
+        same reason; here the cache stands in for ``max_model_len`` where it is smaller."""
         from vllm.v1.request import RequestStatus
 
         log_once(
-            "pagedkv: a prompt longer than the KV cache (%d tokens) is finished with an error",
+            "pagedkv: a prompt of the KV cache's size (%d tokens) or longer is finished "
+            "with an error",
             self._pagedkv_pool_tokens,
         )
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)
