@@ -176,12 +176,14 @@ class NativeLoop:
             self._pagedkv_reject(request)
 
     def _pagedkv_reject(self, request: Any) -> None:
-        """A prompt at or past the length cap (``min(max_model_len, cache tokens)``: the cache
-        cannot hold it and one sampled token) never runs (vLLM would keep it at the head of
-        the queue forever, blocking every request behind it): finished with an error now,
-        reported by the next ``update_from_output`` as vLLM reports its own request errors.
-        vLLM's input processor refuses a prompt of ``max_model_len`` tokens or more for the
-        same reason; here the cache stands in for ``max_model_len`` where it is smaller."""
+        """A prompt at or past the length cap (``min(max_model_len, cache tokens)``; a request
+        stops at the cap, so such a prompt leaves no room for an output token) never runs:
+        vLLM's loop would keep it at the head of the queue forever, or, prefilled in chunks,
+        RUNNING without its last prompt token (the room rule leaves ``cap - 1`` tokens),
+        blocking every request behind it. Finished with an error now, reported by the next
+        ``update_from_output`` as vLLM reports its own request errors. vLLM's input processor
+        refuses a prompt of ``max_model_len`` tokens or more for the same reason; here the
+        cache stands in for ``max_model_len`` where it is smaller."""
         from vllm.v1.request import RequestStatus
 
         log_once(
