@@ -50,7 +50,7 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -674,8 +674,12 @@ class Lockstep:
         self.rng = random.Random(seed * 7919 + 1)
         # A cache smaller than max_model_len: vLLM's loop would stall on a request that
         # outgrows it; the reference is vLLM at max_model_len = the cache's size.
-        ref_cfg = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
+        self.cap = length_cap(cfg)
+        ref_cfg = dataclasses.replace(cfg, max_model_len=self.cap)
         self.ref = make_scheduler(ref_cfg, model_dir)
+        # Prompts of the cap or longer (a cache smaller than max_model_len): refused by the
+        # reference as vLLM's processor refuses them, reported with the next update.
+        self.refused: list[Request] = []
         self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler, scheduler_cls)
         self.hasher = request_block_hasher(cfg)
         self.max_steps = max_steps
@@ -686,7 +690,12 @@ class Lockstep:
         self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
         # What the run reached (the reference's view), for tests that a path was taken.
         counts = ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts")
-        finishes = ("stopped_by_stop_id", "stopped_under_min_tokens", "capped_at_max_model_len")
+        finishes = (
+            "stopped_by_stop_id",
+            "stopped_under_min_tokens",
+            "capped_at_max_model_len",
+            "refused_at_the_cap",
+        )
         self.stats: dict[str, Any] = dict.fromkeys(counts + finishes, 0)
         self.stats["aborts"] = Counter()  # per ABORT_KINDS kind
 
@@ -721,12 +730,44 @@ class Lockstep:
                 request = build_request(spec, self.hasher)
                 tracked[spec.req_id] = request
                 sched.add_request(request)
+            if self.cap < self.cfg.max_model_len and len(spec.prompt) >= self.cap:
+                self._refuse(spec.req_id)
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
             self._abort(aborts, "finish_requests")
         aborted_at_random = self._random_aborts()
         if arrivals or aborts or aborted_at_random:
             self._check_state("after arrivals and aborts")
+
+    def _refuse(self, req_id: str) -> None:
+        """A prompt of the length cap or longer: vLLM's input processor refuses one of
+        ``max_model_len`` tokens or more before the scheduler sees it; the reference, at
+        ``max_model_len`` = the cap, finishes it with ``FINISHED_ERROR`` and reports an error
+        output with the next ``update_from_output`` (:meth:`_report_refused`), which the
+        scheduler under test must have done by itself at ``add_request``."""
+        request = self.tracked[1][req_id]
+        if request.status != RequestStatus.FINISHED_ERROR:
+            raise Divergence(f"step {self.step}: a prompt of the cap's size {req_id} not refused")
+        self.ref.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
+        self.refused.append(self.tracked[0][req_id])
+        self.stats["refused_at_the_cap"] += 1
+
+    def _report_refused(self, result: dict) -> None:
+        """The reference's error outputs for the refused prompts, as vLLM reports its own
+        request errors (and as pagedkv's ``Scheduler`` reports them)."""
+        for request in self.refused:
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            eco = result.get(request.client_index)
+            if eco is None:
+                result[request.client_index] = eco = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(out)
+        self.refused.clear()
 
     def _abort(self, req_ids: list[str], what: str) -> list[str]:
         ref = _ids(self.ref.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
@@ -806,6 +847,7 @@ class Lockstep:
         drafts = p.ref_out.scheduled_spec_decode_tokens
         tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
+        self._report_refused(ref)
         test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
         self.check("EngineCoreOutputs", ref, test)
         if self.cfg.num_spec_tokens:
@@ -825,7 +867,9 @@ class Lockstep:
 
     def _count_finish(self, out: Any) -> None:
         self.finished.add(out.request_id)
-        request = self.tracked[0][out.request_id]
+        request = self.tracked[0].get(out.request_id)
+        if request is None:  # a refused prompt, reported after it left
+            return
         if out.stop_reason is not None:
             self.stats["stopped_by_stop_id"] += 1
         if out.finish_reason == FinishReason.STOP and (
@@ -1013,24 +1057,24 @@ def run_seed(
     rng = random.Random(seed)
     cfg = random_config(rng, small_cache)
     capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
-    specs = random_workload(rng, capped)
+    specs = with_switch_requests(seed, random_workload(rng, capped))
     if small_cache:
         specs = with_cache_filling_prompts(rng, capped, specs)
-    specs = with_switch_requests(seed, specs)
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
 
 
 def with_cache_filling_prompts(
     rng: random.Random, capped: SchedConfig, specs: list[RequestSpec]
 ) -> list[RequestSpec]:
-    """Every third request gets the longest prompt the length cap admits (``cap - 1`` tokens:
-    prefilled whole, its sampled token fills the cache, stopped with "length"), some of them
-    with one prompt token fewer (one decode step, then the cap)."""
+    """Every third request gets a prompt at the length cap's edge: exactly the cap (refused
+    at arrival, as vLLM's processor refuses ``max_model_len``), ``cap - 1`` tokens (the
+    longest admitted: prefilled, its sampled token fills the cache, stopped with "length") or
+    ``cap - 2`` (one decode step, then the cap)."""
     cap = capped.max_model_len
     out = []
     for i, s in enumerate(specs):
-        if i % 3 == 0:
-            n = cap - 1 - rng.choice((0, 0, 1))
+        if i % 3 == 0 and not s.repetition:  # out of scope: vLLM's own rules, no refusal
+            n = cap - rng.choice((0, 1, 1, 2))
             prompt = (s.prompt * (n // max(1, len(s.prompt)) + 1))[:n]
             s = dataclasses.replace(s, prompt=prompt, max_tokens=max(s.max_tokens, 2))
         out.append(s)
