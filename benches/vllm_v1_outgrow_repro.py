@@ -2,8 +2,8 @@
 cache (docs/vllm_v1_scheduler_plan.md, section 4). Nothing here is pagedkv's policy: the
 scheduler is vLLM's own ``Scheduler`` (``--manager`` swaps in pagedkv's manager only, which must
 behave the same). ``--loop`` runs pagedkv's ``Scheduler`` with its native loop instead, which
-does not stall: a prompt longer than the cache is finished with an error at arrival, and a
-request that reaches the cache's size finishes with reason "length" (docs/vllm_v1.md).
+does not stall: a prompt of the cache's size or longer is finished with an error at arrival,
+and a request that reaches the cache's size finishes with reason "length" (docs/vllm_v1.md).
 
 Run in a vLLM 0.32/0.33 virtualenv with this checkout's pagedkv on PYTHONPATH::
 
@@ -15,6 +15,9 @@ Cases (block size 16; ``pool`` = usable blocks, the null block excluded):
 * ``prompt>pool``: one request whose prompt needs more blocks than the pool has.
 * ``grow>pool``: a prompt that fits, ``max_tokens`` that make it outgrow the pool while decoding.
 * ``grow>pool+small``: the same, with a small request queued behind it (head-of-line blocking).
+* ``prompt=pool+small``: ``max_model_len`` 64 over vLLM's smallest cache for it (4 GPU blocks,
+  48 tokens), a 48-token prompt prefilled in 32-token chunks and a small request behind it:
+  the prompt fills the cache, its sampled token does not fit.
 
 each with prefix caching on and off and ``scheduler_reserve_full_isl`` on (vLLM's default)
 and off. Per step it records the
@@ -47,7 +50,13 @@ CASES = {
     "prompt>pool": (8, [(10 * BLOCK, 4)], 64),
     "grow>pool": (8, [(6 * BLOCK, 4 * BLOCK)], 64),
     "grow>pool+small": (8, [(6 * BLOCK, 4 * BLOCK), (BLOCK, 4)], 64),
+    # vLLM's smallest cache for max_model_len 64 (cdiv(64, 16) = 4 GPU blocks, one of them the
+    # null block: 48 tokens) and a prompt of exactly the cache's size, prefilled in chunks.
+    "prompt=pool+small": (3, [(3 * BLOCK, 4), (BLOCK, 4)], 2 * BLOCK),
 }
+
+#: max_model_len where a case sets it (else the longest request plus a block).
+MAX_MODEL_LEN = {"prompt=pool+small": 4 * BLOCK}
 
 
 def run_case(
@@ -72,7 +81,7 @@ def run_case(
     )
 
     pool, reqs, budget = CASES[name]
-    max_len = max(p + m for p, m in reqs) + BLOCK
+    max_len = MAX_MODEL_LEN.get(name, max(p + m for p, m in reqs) + BLOCK)
     cfg = EngineConfig(
         block_size=BLOCK,
         num_gpu_blocks=pool + 1,  # block 0 is vLLM's null block
@@ -159,6 +168,7 @@ def run_case(
         "reserve_full_isl": reserve_full_isl,
         "caching": caching,
         "pool_blocks": pool,
+        "max_model_len": max_len,
         "requests": [
             {"prompt": p, "max_tokens": m, "blocks_at_end": -(-(p + m) // BLOCK)} for p, m in reqs
         ],

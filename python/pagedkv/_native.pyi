@@ -623,6 +623,12 @@ class V1Loop:
         self, sched: Any, scheduler_output: Any, model_runner_output: Any
     ) -> List[Tuple[int, List[Any]]]:
         """``[(client_index, [EngineCoreOutput, ...]), ...]`` in vLLM's order."""
+    def refuses_prompt(self, num_prompt: int, max_model_len: int) -> bool:
+        """A prompt of ``num_prompt`` tokens reaches the length cap (``min(max_model_len,
+        cache tokens)``): it can never be prefilled and sampled, ``add_request`` refuses it."""
+    def length_cap(self, max_model_len: int) -> int:
+        """``min(max_model_len, cache tokens)``: the scheduler's ``max_model_len`` with this
+        loop (vLLM's own loop then applies it too)."""
 
 @final
 class VllmBlockHasher:

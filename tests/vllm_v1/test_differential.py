@@ -42,6 +42,23 @@ def test_lockstep_under_vllms_scheduler_class(
     assert stats["steps"] > 0
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_lockstep_cache_smaller_than_max_model_len(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """A KV cache smaller than max_model_len, prompts of exactly its size (refused) and one
+    token short (they fill it): vLLM's loop would stall, pagedkv's refuses the first and caps
+    every request's length at the cache's size. The reference is vLLM at max_model_len = the
+    cache's size (v1_harness.length_cap; the prompts its processor would refuse are finished
+    with an error and reported as pagedkv reports them), matched at every step.
+    Only pagedkv's native loop applies the cap: vLLM's loop (the harness checking itself with
+    vLLM's manager) stalls here."""
+    if manager_cls.__module__.startswith("vllm."):
+        return  # vLLM's own scheduler stalls on a cache smaller than max_model_len
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls, small_cache=True)
+    assert stats["capped_at_max_model_len"] + stats["refused_at_the_cap"] > 0, stats
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", SLOW_SEEDS)
 def test_lockstep_slow(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:

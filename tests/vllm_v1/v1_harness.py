@@ -50,7 +50,7 @@ from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
@@ -146,12 +146,18 @@ class SchedConfig:
     abort_rate: float = 0.0  # per step: the chance of aborts picked from the live state
 
 
-def random_config(rng: random.Random) -> SchedConfig:
+def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
+    """``small_cache``: a KV cache smaller than ``max_model_len``, from vLLM's own minimum
+    (``cdiv(max_model_len, block_size)`` GPU blocks, the null block one of them) down to a
+    quarter of it (see :func:`length_cap`), and no speculative decoding (outside the native
+    loop, the only place pagedkv caps lengths at the cache)."""
     block_size = rng.choice((4, 8, 16))
     max_model_len = 256
     # From "barely fits one long request" (heavy preemption) to roomy.
     min_blocks = max_model_len // block_size + 2
     num_blocks = rng.randint(min_blocks, min_blocks * 2)
+    if small_cache:
+        num_blocks = rng.randint(max_model_len // (4 * block_size), max_model_len // block_size)
     async_scheduling = rng.random() < 0.4
     max_num_seqs = rng.choice((2, 4, 8, 16))
     max_num_batched_tokens = rng.choice((64, 128, 512))
@@ -168,7 +174,7 @@ def random_config(rng: random.Random) -> SchedConfig:
         long_prefill_token_threshold=long_prefill_token_threshold,
         watermark=rng.choice((0.0, 0.0, 0.05)),
         kv_events=rng.random() < 0.8,
-        num_spec_tokens=0 if async_scheduling else rng.choice((0, 0, 0, 2, 4)),
+        num_spec_tokens=0 if async_scheduling or small_cache else rng.choice((0, 0, 0, 2, 4)),
         policy="priority" if rng.random() < 0.3 else "fcfs",
         reserve_full_isl=rng.random() < 0.75,
         adaptive_threshold=long_prefill_token_threshold > 0 and rng.random() < 0.5,
@@ -178,6 +184,14 @@ def random_config(rng: random.Random) -> SchedConfig:
         include_finished_set=rng.random() < 0.3,
         abort_rate=rng.choice((0.0, 0.02, 0.05)),
     )
+
+
+def length_cap(cfg: SchedConfig) -> int:
+    """pagedkv's length cap: ``max_model_len``, or the KV cache's tokens (the null block
+    excluded) where the cache is smaller. The differential's reference for such a cache is
+    vLLM's scheduler at ``max_model_len`` = the cap (:class:`Lockstep`): pagedkv must decide as
+    vLLM does at its own ``max_model_len``, with the cache standing in for it."""
+    return min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size)
 
 
 _MODEL_CONFIGS: dict[tuple[str, int], ModelConfig] = {}
@@ -441,7 +455,7 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
             prompt = prompt[: cfg.max_model_len // 2]
         else:
             max_tokens = rng.choice((1, 2, rng.randint(1, 12), rng.randint(8, 96)))
-            prompt = prompt[: cfg.max_model_len - max_tokens]
+            prompt = prompt[: max(1, cfg.max_model_len - max_tokens)]
         stops: list[int] = []
         if not to_the_cap and rng.random() < 0.3:
             stops = rng.sample(STOP_TOKEN_IDS, rng.randint(1, 3))
@@ -658,7 +672,14 @@ class Lockstep:
         self.cfg = cfg
         self.specs = specs
         self.rng = random.Random(seed * 7919 + 1)
-        self.ref = make_scheduler(cfg, model_dir)
+        # A cache smaller than max_model_len: vLLM's loop would stall on a request that
+        # outgrows it; the reference is vLLM at max_model_len = the cache's size.
+        self.cap = length_cap(cfg)
+        ref_cfg = dataclasses.replace(cfg, max_model_len=self.cap)
+        self.ref = make_scheduler(ref_cfg, model_dir)
+        # Prompts of the cap or longer (a cache smaller than max_model_len): refused by the
+        # reference as vLLM's processor refuses them, reported with the next update.
+        self.refused: list[Request] = []
         self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler, scheduler_cls)
         self.hasher = request_block_hasher(cfg)
         self.max_steps = max_steps
@@ -669,7 +690,12 @@ class Lockstep:
         self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
         # What the run reached (the reference's view), for tests that a path was taken.
         counts = ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts")
-        finishes = ("stopped_by_stop_id", "stopped_under_min_tokens", "capped_at_max_model_len")
+        finishes = (
+            "stopped_by_stop_id",
+            "stopped_under_min_tokens",
+            "capped_at_max_model_len",
+            "refused_at_the_cap",
+        )
         self.stats: dict[str, Any] = dict.fromkeys(counts + finishes, 0)
         self.stats["aborts"] = Counter()  # per ABORT_KINDS kind
 
@@ -704,12 +730,44 @@ class Lockstep:
                 request = build_request(spec, self.hasher)
                 tracked[spec.req_id] = request
                 sched.add_request(request)
+            if self.cap < self.cfg.max_model_len and len(spec.prompt) >= self.cap:
+                self._refuse(spec.req_id)
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
             self._abort(aborts, "finish_requests")
         aborted_at_random = self._random_aborts()
         if arrivals or aborts or aborted_at_random:
             self._check_state("after arrivals and aborts")
+
+    def _refuse(self, req_id: str) -> None:
+        """A prompt of the length cap or longer: vLLM's input processor refuses one of
+        ``max_model_len`` tokens or more before the scheduler sees it; the reference, at
+        ``max_model_len`` = the cap, finishes it with ``FINISHED_ERROR`` and reports an error
+        output with the next ``update_from_output`` (:meth:`_report_refused`), which the
+        scheduler under test must have done by itself at ``add_request``."""
+        request = self.tracked[1][req_id]
+        if request.status != RequestStatus.FINISHED_ERROR:
+            raise Divergence(f"step {self.step}: a prompt of the cap's size {req_id} not refused")
+        self.ref.finish_requests([req_id], RequestStatus.FINISHED_ERROR)
+        self.refused.append(self.tracked[0][req_id])
+        self.stats["refused_at_the_cap"] += 1
+
+    def _report_refused(self, result: dict) -> None:
+        """The reference's error outputs for the refused prompts, as vLLM reports its own
+        request errors (and as pagedkv's ``Scheduler`` reports them)."""
+        for request in self.refused:
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            eco = result.get(request.client_index)
+            if eco is None:
+                result[request.client_index] = eco = EngineCoreOutputs(outputs=[])
+            eco.outputs.append(out)
+        self.refused.clear()
 
     def _abort(self, req_ids: list[str], what: str) -> list[str]:
         ref = _ids(self.ref.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
@@ -789,6 +847,7 @@ class Lockstep:
         drafts = p.ref_out.scheduled_spec_decode_tokens
         tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
+        self._report_refused(ref)
         test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
         self.check("EngineCoreOutputs", ref, test)
         if self.cfg.num_spec_tokens:
@@ -808,7 +867,9 @@ class Lockstep:
 
     def _count_finish(self, out: Any) -> None:
         self.finished.add(out.request_id)
-        request = self.tracked[0][out.request_id]
+        request = self.tracked[0].get(out.request_id)
+        if request is None:  # a refused prompt, reported after it left
+            return
         if out.stop_reason is not None:
             self.stats["stopped_by_stop_id"] += 1
         if out.finish_reason == FinishReason.STOP and (
@@ -816,7 +877,7 @@ class Lockstep:
         ):
             self.stats["stopped_under_min_tokens"] += 1
         if out.finish_reason == FinishReason.LENGTH and (
-            request.num_tokens == self.cfg.max_model_len
+            request.num_tokens == length_cap(self.cfg)
         ):
             self.stats["capped_at_max_model_len"] += 1
 
@@ -981,13 +1042,43 @@ def _ids(requests: Any) -> Any:
     return [getattr(r, "request_id", r) for r in requests]
 
 
-def run_seed(seed: int, model_dir: Path, manager_cls: type, own_scheduler: bool = True) -> dict:
+def run_seed(
+    seed: int,
+    model_dir: Path,
+    manager_cls: type,
+    own_scheduler: bool = True,
+    small_cache: bool = False,
+) -> dict:
     """One seeded differential run: a random configuration and workload. ``own_scheduler``
-    False: vLLM's scheduler class over the manager even where its package has its own."""
+    False: vLLM's scheduler class over the manager even where its package has its own.
+    ``small_cache``: a cache smaller than ``max_model_len`` (:func:`random_config`), the
+    workload drawn against the cache's size, with prompts that fill it exactly
+    (:func:`with_cache_filling_prompts`)."""
     rng = random.Random(seed)
-    cfg = random_config(rng)
-    specs = with_switch_requests(seed, random_workload(rng, cfg))
+    cfg = random_config(rng, small_cache)
+    capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
+    specs = with_switch_requests(seed, random_workload(rng, capped))
+    if small_cache:
+        specs = with_cache_filling_prompts(rng, capped, specs)
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
+
+
+def with_cache_filling_prompts(
+    rng: random.Random, capped: SchedConfig, specs: list[RequestSpec]
+) -> list[RequestSpec]:
+    """Every third request gets a prompt at the length cap's edge: exactly the cap (refused
+    at arrival, as vLLM's processor refuses ``max_model_len``), ``cap - 1`` tokens (the
+    longest admitted: prefilled, its sampled token fills the cache, stopped with "length") or
+    ``cap - 2`` (one decode step, then the cap)."""
+    cap = capped.max_model_len
+    out = []
+    for i, s in enumerate(specs):
+        if i % 3 == 0 and not s.repetition:  # out of scope: vLLM's own rules, no refusal
+            n = cap - rng.choice((0, 1, 1, 2))
+            prompt = (s.prompt * (n // max(1, len(s.prompt)) + 1))[:n]
+            s = dataclasses.replace(s, prompt=prompt, max_tokens=max(s.max_tokens, 2))
+        out.append(s)
+    return out
 
 
 def with_switch_requests(seed: int, specs: list[RequestSpec]) -> list[RequestSpec]:

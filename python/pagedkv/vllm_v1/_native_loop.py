@@ -11,8 +11,8 @@ next step can be either loop's; a switch needs no hand-over.
 **The switch.** ``Scheduler.schedule`` runs natively when
 
 * the engine is eligible (checked once at construction, :func:`engine_out_of_scope`: the
-  synchronous scheduler over pagedkv's native manager, no speculative decoding, no KV/EC
-  connector, no pipeline parallelism, no prefill cadence, ...), and
+  synchronous or the async scheduler over pagedkv's native manager, no speculative decoding,
+  no KV/EC connector, no pipeline parallelism, no prefill cadence, ...), and
 * every request the scheduler holds is in scope (:func:`request_out_of_scope`: plain
   sampling; no structured output, LoRA, multimodal inputs, prompt embeddings, KV transfer,
   streaming sessions or repetition detection), and the scheduler is not paused.
@@ -126,6 +126,17 @@ class NativeLoop:
         config = _loop_config(self)
         config["pool_tokens"] = self._pagedkv_pool_tokens
         self._pagedkv_loop = _native.V1Loop(native, config)
+        cap = self._pagedkv_loop.length_cap(self.max_model_len)
+        if cap < self.max_model_len:
+            # A cache smaller than max_model_len: the cache's size stands in for it, on both
+            # loops (vLLM's reads ``max_model_len`` for the running room and ``check_stop``).
+            log_once(
+                "pagedkv: the KV cache holds %d tokens, fewer than max_model_len %d: requests "
+                "are capped at the cache's size",
+                cap,
+                self.max_model_len,
+            )
+            self.max_model_len = cap
         return None
 
     @property
@@ -179,17 +190,23 @@ class NativeLoop:
             return
         if why is not None:
             getattr(self, _HELD)[request.request_id] = why
-        elif request.num_prompt_tokens > self._pagedkv_pool_tokens:
+        elif self._pagedkv_loop.refuses_prompt(request.num_prompt_tokens, self.max_model_len):
             self._pagedkv_reject(request)
 
     def _pagedkv_reject(self, request: Any) -> None:
-        """A prompt the whole KV cache cannot hold never runs (vLLM would keep it at the head
-        of the queue forever, blocking every request behind it): finished with an error now,
-        reported by the next ``update_from_output`` as vLLM reports its own request errors."""
+        """A prompt at or past the length cap (``min(max_model_len, cache tokens)``; a request
+        stops at the cap, so such a prompt leaves no room for an output token) never runs:
+        vLLM's loop would keep it at the head of the queue forever, or, prefilled in chunks,
+        RUNNING without its last prompt token (the room rule leaves ``cap - 1`` tokens),
+        blocking every request behind it. Finished with an error now, reported by the next
+        ``update_from_output`` as vLLM reports its own request errors. vLLM's input processor
+        refuses a prompt of ``max_model_len`` tokens or more for the same reason; here the
+        cache stands in for ``max_model_len`` where it is smaller."""
         from vllm.v1.request import RequestStatus
 
         log_once(
-            "pagedkv: a prompt longer than the KV cache (%d tokens) is finished with an error",
+            "pagedkv: a prompt of the KV cache's size (%d tokens) or longer is finished "
+            "with an error",
             self._pagedkv_pool_tokens,
         )
         self.finish_requests(request.request_id, RequestStatus.FINISHED_ERROR)

@@ -94,7 +94,7 @@ pub struct PyV1Loop {
     async_scheduling: bool,
     decode_stagger: u64,
     /// Tokens the KV cache holds (null block excluded): the length cap is
-    /// `min(max_model_len, pool_tokens)`, so no request outgrows the cache.
+    /// `policy::length_cap(max_model_len, pool_tokens)`, so no request outgrows the cache.
     pool_tokens: u64,
     /// The fixed fields of the requests the last call saw (see [`Fixed`]).
     fixed: std::sync::Mutex<FixedMap>,
@@ -237,7 +237,10 @@ impl PyV1Loop {
             }
         };
         let limits = Limits {
-            max_model_len: u(sched, intern!(py, "max_model_len"))?.min(self.pool_tokens),
+            max_model_len: policy::length_cap(
+                u(sched, intern!(py, "max_model_len"))?,
+                self.pool_tokens,
+            ),
             long_prefill_token_threshold: u(&cfg, intern!(py, "long_prefill_token_threshold"))?,
             adaptive_threshold: flag(sched, intern!(py, "adaptive_long_prefill_threshold"))?,
             chunked_prefill: flag(&cfg, intern!(py, "enable_chunked_prefill"))?,
@@ -395,6 +398,21 @@ impl PyV1Loop {
     ) -> PyResult<Bound<'py, PyList>> {
         self.walk(sched)?
             .update(sched, scheduler_output, model_runner_output)
+    }
+
+    /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens
+    /// that `add_request` finishes with an error.
+    fn refuses_prompt(&self, num_prompt: u64, max_model_len: u64) -> bool {
+        policy::refuses_prompt(
+            num_prompt,
+            policy::length_cap(max_model_len, self.pool_tokens),
+        )
+    }
+
+    /// `policy::length_cap` for this cache: what the scheduler's `max_model_len` becomes, so
+    /// that vLLM's own loop (its running room and `check_stop`) applies it too.
+    fn length_cap(&self, max_model_len: u64) -> u64 {
+        policy::length_cap(max_model_len, self.pool_tokens)
     }
 }
 

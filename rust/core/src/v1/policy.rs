@@ -131,6 +131,30 @@ pub fn priority_victim(keys: impl IntoIterator<Item = (i64, f64)>) -> Option<usi
     best.map(|(i, _)| i)
 }
 
+/// The length cap the rules apply: `max_model_len`, or the KV cache's size (`pool_tokens`,
+/// the null block excluded) where the cache holds fewer tokens. vLLM's own boundary at
+/// `max_model_len`, with the cache standing in for it: the room rule leaves a slot for the
+/// sampled token (`cap - 1 - num_computed_tokens`), `check_stop` stops a request at `cap`
+/// tokens, so a request holds at most `cap - 1` tokens of KV cache and never outgrows it.
+pub fn length_cap(max_model_len: u64, pool_tokens: u64) -> u64 {
+    max_model_len.min(pool_tokens)
+}
+
+/// A prompt the request can never be prefilled and sampled within: `num_prompt >= cap`.
+/// vLLM's input processor refuses a generation prompt of `max_model_len` tokens or more
+/// (there must be room for one output token); pagedkv refuses the same prompts at the cache's
+/// size. Where the cache holds `max_model_len`, these are exactly the prompts vLLM's processor
+/// never lets reach the scheduler.
+pub fn refuses_prompt(num_prompt: u64, cap: u64) -> bool {
+    num_prompt >= cap
+}
+
+/// `check_stop`'s length rule: a request of `num_tokens >= cap` tokens is finished with
+/// `FINISHED_LENGTH_CAPPED` (its room for another token is 0).
+pub fn length_capped(num_tokens: u64, cap: u64) -> bool {
+    num_tokens >= cap
+}
+
 /// Why an appended token stops a request (`check_stop`'s outcomes in scope).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Stop {
@@ -152,7 +176,7 @@ pub struct StopRule {
 }
 
 /// vLLM's `check_stop` after `last` was appended, in its order: EOS, stop ids, then length
-/// (`min_tokens` gates only repetition detection, outside the native path: a sampled EOS stops
+/// (`max_model_len`: the [`length_cap`]; `min_tokens` gates only repetition detection, outside the native path: a sampled EOS stops
 /// even before `min_tokens`; the sampler masks it there).
 pub fn check_stop(
     rule: &StopRule,
@@ -167,7 +191,7 @@ pub fn check_stop(
     if rule.stop_token_ids.contains(&last) {
         return Some(Stop::StopToken(last));
     }
-    if num_tokens >= max_model_len || num_output_tokens >= rule.max_tokens {
+    if length_capped(num_tokens, max_model_len) || num_output_tokens >= rule.max_tokens {
         return Some(Stop::Length);
     }
     None
@@ -264,6 +288,53 @@ mod tests {
             Some(1)
         );
         assert_eq!(priority_victim([(1, 1.0), (1, 2.0), (0, 3.0)]), Some(1));
+    }
+
+    #[test]
+    fn length_cap_is_the_cache_only_where_it_is_smaller() {
+        assert_eq!(length_cap(64, 48), 48);
+        assert_eq!(length_cap(64, 64), 64);
+        assert_eq!(length_cap(64, 80), 64);
+    }
+
+    #[test]
+    fn a_prompt_of_the_caps_size_is_refused_as_vllms_processor_refuses_max_model_len() {
+        // Block 16, max_model_len 64, 4 GPU blocks: a 48-token cache.
+        let cap = length_cap(64, 48);
+        assert!(refuses_prompt(49, cap));
+        assert!(refuses_prompt(48, cap));
+        assert!(!refuses_prompt(47, cap));
+        // The cache holds max_model_len: only what vLLM's processor refuses (>= 64).
+        let cap = length_cap(64, 80);
+        assert!(refuses_prompt(64, cap));
+        assert!(!refuses_prompt(63, cap));
+    }
+
+    #[test]
+    fn a_request_at_the_cap_is_length_capped_and_has_no_room() {
+        let cap = length_cap(64, 48);
+        assert!(!length_capped(47, cap));
+        assert!(length_capped(48, cap));
+        assert!(length_capped(49, cap));
+        // The largest prompt admitted (47) is prefilled whole, then its one sampled token
+        // makes 48 tokens: stopped with 47 tokens of KV, within the 48-token cache.
+        let mut l = lim();
+        l.max_model_len = cap;
+        let prompt = RunningRow {
+            num_computed_tokens: 0,
+            num_tokens_with_spec: 47,
+            num_prompt_tokens: 47,
+            max_tokens: 100,
+            ..Default::default()
+        };
+        assert_eq!(running_tokens(&l, &prompt, 0, &budget(64)), 47);
+        let rule = StopRule {
+            eos_token_id: None,
+            stop_token_ids: vec![],
+            max_tokens: 100,
+        };
+        assert_eq!(check_stop(&rule, 5, 48, 1, cap), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, 5, 47, 1, cap), None);
     }
 
     #[test]
