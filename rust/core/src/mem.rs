@@ -39,3 +39,11 @@ pub fn try_filled<T: Clone>(value: T, n: usize, what: &str) -> crate::error::Res
     v.resize(n, value);
     Ok(v)
 }
+
+/// Refuse a structure of `bytes` the process cannot allocate (its tables would abort the
+/// process when allocated infallibly): the memory is reserved once, then given back.
+pub fn check_fits(bytes: usize, what: &str) -> crate::error::Result<()> {
+    Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| {
+        crate::error::Error::invalid(format!("cannot allocate {what} ({bytes} bytes)"))
+    })
+}

@@ -169,3 +169,17 @@ impl SatCount {
         usize::try_from(self.0).unwrap_or(usize::MAX)
     }
 }
+
+/// A text argument (a device name, say): anything but a `str` raises `ArgumentTypeError`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Text(pub String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Text {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.cast::<pyo3::types::PyString>()
+            .map_err(|_| wrong_type(format!("expected a str, got {}", type_name(&obj))))?
+            .to_str()
+            .map(|s| Text(s.to_owned()))
+    }
+}
