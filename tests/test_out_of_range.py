@@ -31,6 +31,7 @@ from pagedkv import (
     TokenSeq,
     hash_blocks,
 )
+from pagedkv.engine_step import BatchEngine
 from pagedkv.errors import PagedKVError
 from pagedkv.scheduler import CacheConfig, SchedulerConfig
 
@@ -75,6 +76,17 @@ class State:
             )
         )
 
+        self.engine = BatchEngine(
+            Scheduler(
+                SchedulerConfig(64, 4, 64), CacheConfig(BLOCK, num_gpu_blocks=8, num_cpu_blocks=4)
+            )
+        )
+        self.engine_seq = Sequence(20, "p", list(range(6)), block_size=BLOCK)
+        self.engine.add_seq_group(
+            SequenceGroup("e0", [self.engine_seq], SamplingParams(), arrival_time=0.0)
+        )
+        self.engine.step(now=0.0)  # the prefill: the next step takes one sampled token
+
     def observed(self) -> tuple:
         """Everything a refused call must leave as it was."""
         m = self.mgr
@@ -97,6 +109,9 @@ class State:
             self.tokens.block_hashes(),
             len(self.sched.waiting),
             len(self.sched.running),
+            self.engine.num_expected_samples,
+            len(self.engine.scheduler.running),
+            self.engine_seq.get_token_ids(),
         )
 
 
@@ -222,6 +237,8 @@ def _scheduler_cases() -> Dict[str, Case]:
         )
     }
     cases["Scheduler(delay_factor)"] = lambda s, v: sched(delay_factor=v)
+    cases["BatchEngine.step(token)"] = lambda s, v: s.engine.step([v], now=1.0)
+    cases["BatchEngine.step(time)"] = lambda s, v: s.engine.step([1], now=v)
     return cases
 
 
@@ -273,6 +290,7 @@ ACCEPTED: Dict[str, Tuple[Any, ...]] = {
     # Times are floats: any value orders; no refusal.
     "access_all_blocks_in_seq(time)": BAD_REALS,
     "pool.touch(time)": BAD_REALS,
+    "BatchEngine.step(time)": (-1.0,),  # finite: a time (non-finite ones are refused)
     # A batch budget beyond any step is a budget.
     "Scheduler(max_num_batched_tokens)": _U64,
 }
@@ -311,6 +329,7 @@ GUARD_S = 20  # a constant-time refusal takes microseconds; a linear one, hours
 
 _HUGE_COUNTS = r"""
 from pagedkv import BlockSpaceManager, SamplingParams, Sequence, SequenceGroup, SequenceStatus
+from pagedkv.engine_step import BatchEngine
 from pagedkv.errors import PagedKVError
 
 for window in (None, 8):
