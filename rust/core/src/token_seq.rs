@@ -98,7 +98,10 @@ impl TokenSeq {
     pub fn block_tokens(&self, i: usize) -> &[u32] {
         // Saturating: any index past the tokens is an empty block, never a wrapped slice.
         let start = i.saturating_mul(self.block_size).min(self.tokens.len());
-        let end = i.saturating_add(1).saturating_mul(self.block_size).min(self.tokens.len());
+        let end = i
+            .saturating_add(1)
+            .saturating_mul(self.block_size)
+            .min(self.tokens.len());
         &self.tokens[start..end]
     }
     /// Hash of full block `i`; `None` if block `i` is not full.
