@@ -566,7 +566,9 @@ class V1Manager:
     ) -> int:
         """vLLM's ``get_num_blocks_to_allocate`` for the request."""
     def cache_blocks(self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> None:
-        """Cache the request's blocks that are full within ``num_tokens``."""
+        """Cache the request's blocks that are full within ``num_tokens`` and that it holds
+        (vLLM slices its blocks the same way); with KV events on, a ``num_tokens`` that fills
+        blocks past the request's last is ``InvalidArgumentError`` (vLLM: ``IndexError``)."""
     def free(self, request_id: str) -> None:
         """The request's blocks go back, tail first."""
     def pop_blocks_for_free(self, request_id: str) -> List[int]:

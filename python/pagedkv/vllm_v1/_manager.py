@@ -11,6 +11,7 @@ prefix-cache stats. The manager crosses into Rust once per call, never per block
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from pagedkv.errors import InvalidArgumentError
@@ -222,11 +223,15 @@ class KVCacheManager:
             return self.empty_kv_cache_blocks, 0, 0
         if max_cache_hit_length is None:
             max_cache_hit_length = request.num_tokens - 1
-        if max_cache_hit_length < 0:
-            raise InvalidArgumentError("max_cache_hit_length must be non-negative")
-        ids = self._native.longest_cache_hit(
-            request.block_hashes, max_cache_hit_length // self.block_size
-        )
+        max_blocks = max_cache_hit_length // self.block_size
+        # vLLM's lookup slices the hashes with islice(): a bound past sys.maxsize blocks is
+        # its ValueError, here an InvalidArgumentError (a ValueError too).
+        if max_cache_hit_length < 0 or max_blocks > sys.maxsize:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length must be in [0, {self.block_size} * sys.maxsize], "
+                f"got {max_cache_hit_length}"
+            )
+        ids = self._native.longest_cache_hit(request.block_hashes, max_blocks)
         if (
             ids
             and self._builder is not None

@@ -467,31 +467,71 @@ impl Manager {
 
     // ---- appending -----------------------------------------------------------------------
 
-    /// Upper bound on the free GPU blocks `append_slots` takes for this sequence.
+    /// Upper bound on the free GPU blocks `append_slots` takes for this sequence (constant
+    /// time in `lookahead`; a lookahead past the pool's tokens is counted, but only
+    /// `append_slots` refuses it).
     pub fn append_need(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> Result<usize> {
         self.check_strict_units(seq)?;
         let e = self.entry(id)?;
-        Ok(self.need_of(e, seq.len() + lookahead, seq.block_size()))
+        Ok(self.need_of(e, seq.len().saturating_add(lookahead), seq.block_size()))
     }
 
-    /// `bs`: the sequence's own block size (the unit its table is counted in).
+    /// Lookahead slots beyond every token the GPU pool holds can never be reserved: refused
+    /// up front, in constant time (an append walks its table up to the lookahead, and with a
+    /// sliding window the table grows by one entry per block whatever the pool's size).
+    fn check_lookahead(&self, lookahead: usize) -> Result<()> {
+        let capacity = (self.cfg.num_gpu_blocks as usize).saturating_mul(self.cfg.block_size);
+        if lookahead > capacity {
+            return Err(Error::invalid(format!(
+                "num_lookahead_slots ({lookahead}) is more than the GPU pool holds \
+                 ({capacity} tokens)"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Free blocks an append to `target` slots takes at most (`bs`: the sequence's own block
+    /// size, the unit its table is counted in): one per shared table block it writes (copy on
+    /// write) and one per position past the table, except that with a sliding window `w` a
+    /// position `i >= w` reuses entry `i - w` when that is unshared or itself past the table.
+    /// Counted in time linear in the table, never in `target`: positions past the table are
+    /// counted by arithmetic, and only those within `w` of the table read it.
     fn need_of(&self, e: &SeqEntry, target: usize, bs: usize) -> usize {
-        let first = e.reserved / bs;
-        let last = target.div_ceil(bs);
-        let mut need = 0;
-        for i in first..last {
-            if i < e.table.len() {
-                need += usize::from(self.gpu.ref_count(e.table[i]) > 1);
-            } else {
-                match self.window {
-                    Some(w) if i >= w => {
-                        let reuse =
-                            i - w >= e.table.len() || self.gpu.ref_count(e.table[i - w]) == 1;
-                        need += usize::from(!reuse);
-                    }
-                    _ => need += 1,
-                }
+        let (first, last, len) = (e.reserved / bs, target.div_ceil(bs), e.table.len());
+        let shared = |b: BlockId| self.gpu.ref_count(b) > 1;
+        let mut need = (first..last.min(len))
+            .filter(|&i| shared(e.table[i]))
+            .count();
+        let past = first.max(len)..last;
+        if past.is_empty() {
+            return need;
+        }
+        match self.window {
+            None => need += past.len(),
+            Some(w) => {
+                need += (past.start.min(w)..past.end.min(w)).len();
+                let (lo, hi) = (past.start.max(w), past.end.min(len.saturating_add(w)));
+                need += (lo..hi)
+                    .filter(|&i| self.gpu.ref_count(e.table[i - w]) != 1)
+                    .count();
             }
+        }
+        need
+    }
+
+    /// [`Self::need_of`] by visiting every position (the walk it replaced; tests compare).
+    #[cfg(test)]
+    pub(crate) fn need_by_walk(&self, id: SeqId, seq: &TokenSeq, lookahead: usize) -> usize {
+        let (e, bs) = (&self.tables[&id], seq.block_size());
+        let mut need = 0;
+        for i in e.reserved / bs..(seq.len() + lookahead).div_ceil(bs) {
+            need += usize::from(match (e.table.get(i), self.window) {
+                (Some(&b), _) => self.gpu.ref_count(b) > 1,
+                (None, Some(w)) if i >= w => {
+                    i - w < e.table.len() && self.gpu.ref_count(e.table[i - w]) != 1
+                }
+                (None, _) => true,
+            });
         }
         need
     }
@@ -505,7 +545,7 @@ impl Manager {
     ) -> Result<bool> {
         let mut need = 0;
         for &(id, seq) in running {
-            need += self.append_need(id, seq, lookahead)?;
+            need = self.append_need(id, seq, lookahead)?.saturating_add(need);
         }
         Ok(self.gpu.num_free() >= need.max(running.len()))
     }
@@ -578,10 +618,12 @@ impl Manager {
 
     /// Every sequence appendable and the summed free-block need met, in each sequence's units.
     fn check_append_many(&self, seqs: &[(SeqId, &TokenSeq)], lookahead: usize) -> Result<()> {
-        let mut need = 0;
+        self.check_lookahead(lookahead)?;
+        let mut need = 0usize;
         for &(id, seq) in seqs {
             let e = self.check_appendable(id, seq)?;
-            need += self.need_of(e, seq.len() + lookahead, seq.block_size());
+            let target = seq.len().saturating_add(lookahead);
+            need = need.saturating_add(self.need_of(e, target, seq.block_size()));
         }
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
@@ -606,6 +648,7 @@ impl Manager {
         let len_before = e.table.len();
         let mut replaced = false;
         let first = e.reserved / bs;
+        // `check_append_many` bounded `lookahead` by the pool's tokens.
         let last = (len + lookahead).div_ceil(bs);
         for i in first..last {
             let parent = if i > 0 {
@@ -798,11 +841,12 @@ impl Manager {
         let mut holders: HashMap<BlockId, u32> = HashMap::new();
         for &(id, target, bs) in seqs {
             let e = self.entry(id)?;
-            for i in e.reserved / bs..target.div_ceil(bs) {
-                let Some(&b) = e.table.get(i) else {
-                    need += 1;
-                    continue;
-                };
+            let (first, last) = (e.reserved / bs, target.div_ceil(bs));
+            // Positions past the table take one block each: counted, not visited (time
+            // linear in the table, whatever the lookahead).
+            let past = last.saturating_sub(first.max(e.table.len()));
+            need = need.saturating_add(past);
+            for &b in e.table.get(first..last.min(e.table.len())).unwrap_or(&[]) {
                 let left = holders.entry(b).or_insert_with(|| self.cpu.ref_count(b));
                 if *left > 1 {
                     need += 1;
@@ -830,7 +874,7 @@ impl Manager {
     ) -> Result<AllocStatus> {
         let blocks = self.distinct_blocks(unfinished)?;
         let per_seq = lookahead.div_ceil(self.cfg.block_size).max(1);
-        let required = blocks + num_swapped * per_seq;
+        let required = num_swapped.saturating_mul(per_seq).saturating_add(blocks);
         Ok(if (self.cfg.num_gpu_blocks as usize) < required {
             AllocStatus::Never
         } else if self.gpu.num_free() >= required + self.watermark_blocks {

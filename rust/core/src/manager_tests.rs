@@ -337,6 +337,11 @@ fn random_run(seed: u64, steps: usize, caching: bool, window: Option<usize>) {
                     }
                     let mut copies = vec![];
                     let before = (m.num_free_gpu_blocks(), m.block_table(id).unwrap().to_vec());
+                    let far = rng.below(40);
+                    if m.device_of(id) == Ok(Device::Gpu) {
+                        let counted = m.append_need(id, s, far).unwrap();
+                        assert_eq!(counted, m.need_by_walk(id, s, far), "lookahead {far}");
+                    }
                     match m.append_slots(id, s, rng.below(2), &mut copies) {
                         Ok(()) | Err(Error::InvalidArgument(_)) => {}
                         Err(Error::OutOfBlocks { .. }) => {
@@ -559,4 +564,43 @@ fn fork_onto_a_child_with_a_table_replaces_it_without_leaking() {
     m.free(1).unwrap();
     m.free(2).unwrap();
     assert_eq!(m.num_free_gpu_blocks(), 8);
+}
+
+/// Huge lookahead counts are answered in constant time (the need is counted, never walked)
+/// and refused with nothing changed; `usize::MAX` does not overflow the target.
+#[test]
+fn huge_lookahead_is_refused_at_once() {
+    for window in [None, Some(8)] {
+        let mut m = Manager::new(cfg(4, 8, 4, window.is_none(), window)).unwrap();
+        let s = seq(&[1, 2, 3, 4, 5, 6], 4);
+        m.allocate(&[(1, &s)]).unwrap();
+        let table = m.block_table(1).unwrap().to_vec();
+        for la in [1 << 40, (1 << 62) - 1, usize::MAX] {
+            let mut copies = vec![];
+            assert!(matches!(
+                m.append_slots(1, &s, la, &mut copies),
+                Err(Error::InvalidArgument(_))
+            ));
+            assert_eq!(m.block_table(1).unwrap(), &table[..]);
+            assert_eq!(m.num_free_gpu_blocks(), 6);
+            assert!(copies.is_empty());
+            if window.is_none() {
+                assert!(!m.can_append_slots(&[(1, &s)], la).unwrap());
+                let past = 6usize.saturating_add(la).div_ceil(4) - 2; // positions past the table
+                assert_eq!(m.append_need(1, &s, la).unwrap(), past);
+            }
+        }
+        // Within the pool's tokens a lookahead is reserved as before.
+        let mut copies = vec![];
+        m.append_slots(1, &s, 10, &mut copies).unwrap();
+        assert_eq!(m.block_table(1).unwrap().len(), 4);
+        m.swap(&[1], Device::Gpu).unwrap();
+        let base = m.swap_in_need(&[(1, 6, 4)]).unwrap(); // the swap alone
+        for la in [1 << 40, usize::MAX] {
+            assert_eq!(m.can_swap_in(&[1], 1, la).unwrap(), AllocStatus::Never);
+            let past = 6usize.saturating_add(la).div_ceil(4) - 4; // past the table of 4
+            let target = 6usize.saturating_add(la);
+            assert_eq!(m.swap_in_need(&[(1, target, 4)]), Ok(base + past));
+        }
+    }
 }

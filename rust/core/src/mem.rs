@@ -25,3 +25,25 @@ pub fn table_bytes(cap: usize, slot: usize) -> usize {
     const GROUP: usize = 16;
     (buckets * slot).next_multiple_of(GROUP) + buckets + GROUP
 }
+
+/// `vec![value; n]`, or an error when the memory cannot be had: a pool sized by a caller's
+/// count must refuse a count it cannot hold (an infallible `vec!` aborts the process).
+pub fn try_filled<T: Clone>(value: T, n: usize, what: &str) -> crate::error::Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        crate::error::Error::invalid(format!(
+            "cannot allocate {what} for {n} blocks ({} bytes)",
+            n.saturating_mul(std::mem::size_of::<T>())
+        ))
+    })?;
+    v.resize(n, value);
+    Ok(v)
+}
+
+/// Refuse a structure of `bytes` the process cannot allocate (its tables would abort the
+/// process when allocated infallibly): the memory is reserved once, then given back.
+pub fn check_fits(bytes: usize, what: &str) -> crate::error::Result<()> {
+    Vec::<u8>::new().try_reserve_exact(bytes).map_err(|_| {
+        crate::error::Error::invalid(format!("cannot allocate {what} ({bytes} bytes)"))
+    })
+}

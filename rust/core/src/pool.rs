@@ -109,6 +109,20 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
+    /// Bytes of the per-block tables of a pool of `n` blocks (refused up front if they
+    /// cannot be had: a caller's count must not abort the process).
+    fn table_bytes(n: usize, block_size: usize, caching: bool) -> usize {
+        use std::mem::size_of;
+        let per_block = 4 * size_of::<u32>() + size_of::<BlockHash>() + 2 + size_of::<f64>();
+        let evict = 3 * size_of::<u32>() + size_of::<f64>() + 1;
+        let cached = if caching {
+            block_size.saturating_mul(4) + 2 * size_of::<u32>() + size_of::<u128>() + 16
+        } else {
+            0
+        };
+        n.saturating_mul(per_block + evict + cached)
+    }
+
     pub fn new(
         device: &'static str,
         num_blocks: u32,
@@ -122,6 +136,7 @@ impl BlockPool {
             return Err(Error::invalid("too many blocks"));
         }
         let n = num_blocks as usize;
+        crate::mem::check_fits(Self::table_bytes(n, block_size, caching), "a block pool")?;
         // Popped from the end: caching hands out 0, 1, 2, ...; no caching N-1, N-2, ... (vLLM).
         let free_stack: Vec<BlockId> = if caching {
             (0..num_blocks).rev().collect()

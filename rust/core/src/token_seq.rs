@@ -96,8 +96,12 @@ impl TokenSeq {
     }
     /// The tokens of logical block `i` (a partial last block gives fewer than `block_size`).
     pub fn block_tokens(&self, i: usize) -> &[u32] {
-        let start = (i * self.block_size).min(self.tokens.len());
-        let end = ((i + 1) * self.block_size).min(self.tokens.len());
+        // Saturating: any index past the tokens is an empty block, never a wrapped slice.
+        let start = i.saturating_mul(self.block_size).min(self.tokens.len());
+        let end = i
+            .saturating_add(1)
+            .saturating_mul(self.block_size)
+            .min(self.tokens.len());
         &self.tokens[start..end]
     }
     /// Hash of full block `i`; `None` if block `i` is not full.

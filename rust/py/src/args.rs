@@ -129,3 +129,57 @@ impl<'a, 'py> FromPyObject<'a, 'py> for Int64 {
         int_arg(&obj, "argument").map(Int64)
     }
 }
+
+/// A non-negative count where "more than any u64" means the same as `u64::MAX`: a token or
+/// block count vLLM only compares or caps (`min(..., max_model_len)`), so Python's unbounded
+/// ints saturate instead of failing. Wrong types raise `ArgumentTypeError`, negative values
+/// `InvalidArgumentError`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SatCount(pub u64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for SatCount {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.is_instance_of::<pyo3::types::PyInt>()
+            && !obj.is_instance_of::<pyo3::types::PyBool>()
+        {
+            if let Ok(v) = obj.extract::<u64>() {
+                return Ok(SatCount(v));
+            }
+            // Not a u64: negative, or at least 2**64 (saturates).
+            return if obj.lt(0)? {
+                Err(invalid(format!(
+                    "expected a non-negative int, got {}",
+                    &*obj
+                )))
+            } else {
+                Ok(SatCount(u64::MAX))
+            };
+        }
+        let v = int_arg(&obj, "argument")?;
+        u64::try_from(v)
+            .map(SatCount)
+            .map_err(|_| invalid(format!("expected a non-negative int, got {v}")))
+    }
+}
+
+impl SatCount {
+    /// The value as a `usize`, saturated.
+    pub fn usize(self) -> usize {
+        usize::try_from(self.0).unwrap_or(usize::MAX)
+    }
+}
+
+/// A text argument (a device name, say): anything but a `str` raises `ArgumentTypeError`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Text(pub String);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Text {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.cast::<pyo3::types::PyString>()
+            .map_err(|_| wrong_type(format!("expected a str, got {}", type_name(&obj))))?
+            .to_str()
+            .map(|s| Text(s.to_owned()))
+    }
+}

@@ -7,7 +7,7 @@
 //! manager: a foreign sequence's `get_token_ids`, say) raises `InUseError` and changes nothing.
 //! Nothing ever waits for the lock, so no callback can deadlock against it.
 
-use crate::args::{device_arg, int_arg, Count, Int32, Real};
+use crate::args::{device_arg, int_arg, Count, Int32, Real, Text};
 use crate::buffers::{step_outputs, OutputArg};
 use crate::errors::{busy, invalid, IntoPyResult};
 use crate::hashing::{resolve_hasher, PyTokenSeq};
@@ -664,8 +664,8 @@ impl PyManager {
     }
 
     /// The ref count of `block` on `device` ("gpu" or "cpu").
-    fn ref_count(&self, device: &str, block: &Bound<'_, PyAny>) -> PyResult<u32> {
-        let dev = device_arg(device)?;
+    fn ref_count(&self, device: Text, block: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let dev = device_arg(&device.0)?;
         let block = int_arg(block, "block")?;
         let st = self.lock()?;
         let pool = st.inner.pool(dev);
@@ -676,10 +676,10 @@ impl PyManager {
     fn block_info<'py>(
         &self,
         py: Python<'py>,
-        device: &str,
+        device: Text,
         block: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let dev = device_arg(device)?;
+        let dev = device_arg(&device.0)?;
         let block = int_arg(block, "block")?;
         let st = self.lock()?;
         let pool = st.inner.pool(dev);
@@ -699,16 +699,16 @@ impl PyManager {
     }
 
     /// Blocks of `device` registered in the prefix cache (referenced or evictable).
-    #[pyo3(signature = (device = "gpu"))]
-    fn num_cached_blocks(&self, device: &str) -> PyResult<usize> {
-        let dev = device_arg(device)?;
+    #[pyo3(signature = (device = Text("gpu".into())), text_signature = "($self, device='gpu')")]
+    fn num_cached_blocks(&self, device: Text) -> PyResult<usize> {
+        let dev = device_arg(&device.0)?;
         Ok(self.lock()?.inner.pool(dev).num_cached())
     }
 
     /// Cached blocks of `device` with ref count 0 (reusable after eviction).
-    #[pyo3(signature = (device = "gpu"))]
-    fn num_evictable_blocks(&self, device: &str) -> PyResult<usize> {
-        let dev = device_arg(device)?;
+    #[pyo3(signature = (device = Text("gpu".into())), text_signature = "($self, device='gpu')")]
+    fn num_evictable_blocks(&self, device: Text) -> PyResult<usize> {
+        let dev = device_arg(&device.0)?;
         Ok(self.lock()?.inner.pool(dev).num_evictable())
     }
 

@@ -68,12 +68,14 @@ impl PyBlockPool {
 #[pymethods]
 impl PyBlockPool {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, *, enable_caching = true, device = "gpu"))]
+    #[pyo3(signature = (num_blocks, block_size, *, enable_caching = true,
+        device = crate::args::Text("gpu".into())),
+        text_signature = "(num_blocks, block_size, *, enable_caching=True, device='gpu')")]
     fn new(
         num_blocks: Int64,
         block_size: Int64,
         enable_caching: bool,
-        device: &str,
+        device: crate::args::Text,
     ) -> PyResult<Self> {
         let (num_blocks, block_size) = (num_blocks.0, block_size.0);
         if !(0..u32::MAX as i64).contains(&num_blocks) {
@@ -82,7 +84,7 @@ impl PyBlockPool {
             )));
         }
         let block_size = crate::hashing::check_block_size(block_size)?;
-        let device: &'static str = match device {
+        let device: &'static str = match device.0.as_str() {
             "gpu" | "GPU" | "cuda" => "gpu",
             "cpu" | "CPU" => "cpu",
             other => {

@@ -8,6 +8,7 @@
 pub(crate) mod batch;
 mod metadata;
 
+use crate::args::{Count, Real};
 use metadata::LastOutputs;
 
 use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
@@ -136,19 +137,22 @@ fn preemption_mode(s: Option<&str>) -> PyResult<Option<PreemptionMode>> {
 impl PySchedulerCore {
     #[new]
     #[pyo3(signature = (manager, max_num_batched_tokens, max_num_seqs, max_model_len, *,
-        num_lookahead_slots = 0, delay_factor = 0.0, chunked_prefill = false, max_loras = None,
-        preemption_mode = None))]
+        num_lookahead_slots = Count(0), delay_factor = Real(0.0), chunked_prefill = false,
+        max_loras = None, preemption_mode = None),
+        text_signature = "(manager, max_num_batched_tokens, max_num_seqs, max_model_len, *, \
+        num_lookahead_slots=0, delay_factor=0.0, chunked_prefill=False, max_loras=None, \
+        preemption_mode=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         manager: &Bound<'_, PyAny>,
-        max_num_batched_tokens: usize,
-        max_num_seqs: usize,
-        max_model_len: usize,
-        num_lookahead_slots: usize,
-        delay_factor: f64,
+        max_num_batched_tokens: Count,
+        max_num_seqs: Count,
+        max_model_len: Count,
+        num_lookahead_slots: Count,
+        delay_factor: Real,
         chunked_prefill: bool,
-        max_loras: Option<usize>,
+        max_loras: Option<Count>,
         preemption_mode: Option<&str>,
     ) -> PyResult<Self> {
         let manager = manager
@@ -157,13 +161,13 @@ impl PySchedulerCore {
             .clone()
             .unbind();
         let cfg = SchedulerConfig {
-            max_num_batched_tokens,
-            max_num_seqs,
-            max_model_len,
-            num_lookahead_slots,
-            delay_factor,
+            max_num_batched_tokens: max_num_batched_tokens.usize(),
+            max_num_seqs: max_num_seqs.usize(),
+            max_model_len: max_model_len.usize(),
+            num_lookahead_slots: num_lookahead_slots.usize(),
+            delay_factor: delay_factor.0,
             chunked_prefill,
-            max_loras,
+            max_loras: max_loras.map(Count::usize),
             preemption_mode: self::preemption_mode(preemption_mode)?,
         };
         let seq_mod = py.import("pagedkv.sequence")?;

@@ -94,7 +94,8 @@ pub struct PyVllmBlockHasher {
 #[pymethods]
 impl PyVllmBlockHasher {
     #[new]
-    fn new(name: &str, block_size: usize, original: Py<PyAny>) -> PyResult<Self> {
+    fn new(name: &str, block_size: crate::args::Count, original: Py<PyAny>) -> PyResult<Self> {
+        let block_size = block_size.usize();
         if block_size == 0 {
             return Err(crate::errors::invalid("block_size must be positive"));
         }
@@ -173,9 +174,17 @@ pub fn vllm_block_hash<'py>(
     py: Python<'py>,
     name: &str,
     parent: &[u8],
-    tokens: Vec<i64>,
+    tokens: Vec<Bound<'py, PyAny>>,
 ) -> PyResult<Option<Bound<'py, PyBytes>>> {
     let f = parse_name(name)?;
+    // A token outside i64 is outside the native encoding too: `None` (vLLM's hash applies).
+    let Ok(tokens) = tokens
+        .iter()
+        .map(|t| t.extract::<i64>())
+        .collect::<PyResult<Vec<_>>>()
+    else {
+        return Ok(None);
+    };
     let mut scratch = Vec::new();
     Ok(block_hash(f, parent, &tokens, &mut scratch).map(|h| PyBytes::new(py, &h)))
 }

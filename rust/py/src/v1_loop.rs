@@ -341,12 +341,23 @@ impl PyV1Loop {
     #[new]
     fn new(manager: Py<PyV1Manager>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
         let d = config;
-        let get_bool = |k: &str| -> PyResult<bool> { item(d, k)?.extract() };
+        let get_bool = |k: &str| -> PyResult<bool> {
+            item(d, k)?
+                .extract()
+                .map_err(|_| crate::errors::wrong_type(format!("V1Loop: {k:?} must be a bool")))
+        };
         let release_033 = get_bool("release_033")?;
-        let hash_block_size = item(d, "hash_block_size")?.extract::<u64>()?.max(1);
+        let hash_block_size = item(d, "hash_block_size")?
+            .extract::<crate::args::SatCount>()?
+            .0
+            .max(1);
         let async_scheduling = get_bool("async_scheduling")?;
-        let decode_stagger = item(d, "decode_stagger")?.extract::<u64>()?;
-        let pool_tokens = item(d, "pool_tokens")?.extract::<u64>()?;
+        let decode_stagger = item(d, "decode_stagger")?
+            .extract::<crate::args::SatCount>()?
+            .0;
+        let pool_tokens = item(d, "pool_tokens")?
+            .extract::<crate::args::SatCount>()?
+            .0;
         let event = item(d, "event_scheduled")?;
         let objs = Objects {
             waiting: item(d, "WAITING")?.unbind(),

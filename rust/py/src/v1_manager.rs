@@ -5,6 +5,7 @@
 //! mutates, so a raising call changes nothing. One call at a time: a concurrent call raises
 //! `InUseError`.
 
+use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::v1_call::SlotArgs;
 use crate::v1_events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
@@ -50,7 +51,10 @@ impl VllmBinding {
                 return Ok(request.getattr(intern!(py, "_all_token_ids"))?.len()? as u64);
             }
         }
-        request.getattr(intern!(py, "num_tokens"))?.extract()
+        Ok(request
+            .getattr(intern!(py, "num_tokens"))?
+            .extract::<SatCount>()?
+            .0)
     }
 }
 
@@ -260,7 +264,7 @@ fn computed_ids(
         return Ok(None);
     }
     if let Ok(ids) = blocks.getattr(intern!(py, "_ids")) {
-        return Ok(Some(ids.extract()?));
+        return Ok(Some(block_ids(&ids.extract::<Vec<Int64>>()?)?));
     }
     let groups = blocks.getattr(intern!(py, "blocks"))?;
     if groups.is(b.empty.bind(py).getattr(intern!(py, "blocks"))?) {
@@ -269,9 +273,20 @@ fn computed_ids(
     let first = groups.get_item(0)?;
     let mut ids = Vec::new();
     for blk in first.try_iter()? {
-        ids.push(blk?.getattr(intern!(py, "block_id"))?.extract()?);
+        ids.push(blk?.getattr(intern!(py, "block_id"))?.extract::<Int64>()?);
     }
-    Ok(Some(ids))
+    Ok(Some(block_ids(&ids)?))
+}
+
+/// Block ids given as Python ints: each must be a u32 (the pool checks its range); a
+/// negative or huge id is an `InvalidArgumentError`, never an OverflowError.
+fn block_ids(ids: &[Int64]) -> PyResult<Vec<u32>> {
+    ids.iter()
+        .map(|b| {
+            u32::try_from(b.0)
+                .map_err(|_| crate::errors::invalid(format!("block id {} is out of range", b.0)))
+        })
+        .collect()
 }
 
 /// The core's view of one vLLM `allocate_slots` call: its arguments and the request's fields.
@@ -286,7 +301,8 @@ fn slot_request<'a>(
     Ok(SlotRequest {
         num_computed_tokens: request
             .getattr(intern!(py, "num_computed_tokens"))?
-            .extract()?,
+            .extract::<SatCount>()?
+            .0,
         num_tokens: b.num_tokens(py, request)?,
         waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
         num_new_tokens: a.num_new_tokens,
@@ -305,20 +321,20 @@ impl PyV1Manager {
     #[new]
     #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_caching, enable_events, watermark_blocks))]
     fn new(
-        num_blocks: u32,
-        block_size: u32,
-        max_model_len: u64,
+        num_blocks: Count,
+        block_size: Count,
+        max_model_len: SatCount,
         enable_caching: bool,
         enable_events: bool,
-        watermark_blocks: u64,
+        watermark_blocks: SatCount,
     ) -> PyResult<Self> {
         let cfg = v1::Config {
-            num_blocks,
-            block_size,
-            max_model_len,
+            num_blocks: num_blocks.u32("num_blocks")?,
+            block_size: block_size.u32("block_size")?,
+            max_model_len: max_model_len.0,
             enable_caching,
             enable_events,
-            watermark_blocks,
+            watermark_blocks: watermark_blocks.0,
         };
         Ok(PyV1Manager {
             inner: Mutex::new(v1::Manager::new(cfg).py()?),
@@ -358,37 +374,42 @@ impl PyV1Manager {
     /// pagedkv Python code unless blocks are new (a `KVCacheBlocks` is built) or events were
     /// logged. Connector and encoder arguments must be 0 (outside the manager's scope).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=0,
-        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0,
-        delay_cache_blocks=false, num_encoder_tokens=0, full_sequence_must_fit=false,
-        reserved_blocks=0, has_scheduled_reqs=true, skip_zeroing_group_ids=None))]
+    #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=SatCount(0),
+        new_computed_blocks=None, num_lookahead_tokens=SatCount(0),
+        num_external_computed_tokens=SatCount(0), delay_cache_blocks=false,
+        num_encoder_tokens=SatCount(0), full_sequence_must_fit=false,
+        reserved_blocks=SatCount(0), has_scheduled_reqs=true, skip_zeroing_group_ids=None),
+        text_signature = "($self, request, num_new_tokens, num_new_computed_tokens=0, \
+        new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, \
+        delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, \
+        reserved_blocks=0, has_scheduled_reqs=True, skip_zeroing_group_ids=None)")]
     fn vllm_allocate_slots<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
-        num_new_tokens: u64,
-        num_new_computed_tokens: u64,
+        num_new_tokens: SatCount,
+        num_new_computed_tokens: SatCount,
         new_computed_blocks: Option<Bound<'py, PyAny>>,
-        num_lookahead_tokens: u64,
-        num_external_computed_tokens: u64,
+        num_lookahead_tokens: SatCount,
+        num_external_computed_tokens: SatCount,
         delay_cache_blocks: bool,
-        num_encoder_tokens: u64,
+        num_encoder_tokens: SatCount,
         full_sequence_must_fit: bool,
-        reserved_blocks: u64,
+        reserved_blocks: SatCount,
         has_scheduled_reqs: bool,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = skip_zeroing_group_ids;
         let a = SlotArgs {
-            num_new_tokens,
-            num_new_computed_tokens,
+            num_new_tokens: num_new_tokens.0,
+            num_new_computed_tokens: num_new_computed_tokens.0,
             new_computed_blocks,
-            num_lookahead_tokens,
-            num_external_computed_tokens,
+            num_lookahead_tokens: num_lookahead_tokens.0,
+            num_external_computed_tokens: num_external_computed_tokens.0,
             delay_cache_blocks,
-            num_encoder_tokens,
+            num_encoder_tokens: num_encoder_tokens.0,
             full_sequence_must_fit,
-            reserved_blocks,
+            reserved_blocks: reserved_blocks.0,
             has_scheduled_reqs,
         };
         self.allocate_for_vllm(py, request, &a)
@@ -404,31 +425,32 @@ impl PyV1Manager {
     fn allocate_slots(
         &self,
         request_id: &str,
-        num_computed_tokens: u64,
-        num_tokens: u64,
+        num_computed_tokens: SatCount,
+        num_tokens: SatCount,
         waiting_or_preempted: bool,
-        num_new_tokens: u64,
-        num_new_computed_tokens: u64,
-        new_computed: Option<Vec<u32>>,
-        num_lookahead_tokens: u64,
+        num_new_tokens: SatCount,
+        num_new_computed_tokens: SatCount,
+        new_computed: Option<Vec<Int64>>,
+        num_lookahead_tokens: SatCount,
         delay_cache_blocks: bool,
         full_sequence_must_fit: bool,
-        reserved_blocks: u64,
+        reserved_blocks: SatCount,
         has_scheduled_reqs: bool,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<Option<Vec<u32>>> {
         let mut hashes = PyHashes::new(block_hashes)?;
+        let new_computed = new_computed.map(|v| block_ids(&v)).transpose()?;
         let a = SlotRequest {
-            num_computed_tokens,
-            num_tokens,
+            num_computed_tokens: num_computed_tokens.0,
+            num_tokens: num_tokens.0,
             waiting_or_preempted,
-            num_new_tokens,
-            num_new_computed_tokens,
+            num_new_tokens: num_new_tokens.0,
+            num_new_computed_tokens: num_new_computed_tokens.0,
             new_computed: new_computed.as_deref(),
-            num_lookahead_tokens,
+            num_lookahead_tokens: num_lookahead_tokens.0,
             delay_cache_blocks,
             full_sequence_must_fit,
-            reserved_blocks,
+            reserved_blocks: reserved_blocks.0,
             has_scheduled_reqs,
         };
         self.lock()?
@@ -440,21 +462,24 @@ impl PyV1Manager {
     fn longest_cache_hit(
         &self,
         block_hashes: &Bound<'_, PyAny>,
-        max_blocks: usize,
+        max_blocks: SatCount,
     ) -> PyResult<Vec<u32>> {
         let mut hashes = PyHashes::new(block_hashes)?;
-        self.lock()?.longest_cache_hit(&mut hashes, max_blocks).py()
+        self.lock()?
+            .longest_cache_hit(&mut hashes, max_blocks.usize())
+            .py()
     }
 
     /// vLLM's `get_num_blocks_to_allocate` for the request (adopting `new_computed`).
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
-        num_tokens: u64,
-        new_computed: Vec<u32>,
+        num_tokens: Count,
+        new_computed: Vec<Int64>,
     ) -> PyResult<u64> {
+        let new_computed = block_ids(&new_computed)?;
         self.lock()?
-            .num_blocks_to_allocate(request_id, num_tokens, &new_computed)
+            .num_blocks_to_allocate(request_id, num_tokens.0, &new_computed)
             .py()
     }
 
@@ -462,12 +487,12 @@ impl PyV1Manager {
     fn cache_blocks(
         &self,
         request_id: &str,
-        num_tokens: u64,
+        num_tokens: SatCount,
         block_hashes: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
         let mut hashes = PyHashes::new(block_hashes)?;
         self.lock()?
-            .cache_blocks(request_id, num_tokens, &mut hashes)
+            .cache_blocks(request_id, num_tokens.0, &mut hashes)
             .py()
     }
 
@@ -482,7 +507,8 @@ impl PyV1Manager {
     }
 
     /// Drop one reference per block, in eviction-priority order (all or nothing).
-    fn free_blocks(&self, block_ids: Vec<u32>) -> PyResult<()> {
+    fn free_blocks(&self, block_ids: Vec<Int64>) -> PyResult<()> {
+        let block_ids = self::block_ids(&block_ids)?;
         self.lock()?
             .pool_mut()
             .free_blocks(block_ids.iter().copied())
@@ -490,8 +516,9 @@ impl PyV1Manager {
     }
 
     /// Drop the cached hash of each listed block (all ids checked first).
-    fn evict_blocks(&self, block_ids: Vec<i64>) -> PyResult<()> {
-        self.lock()?.evict_blocks(&block_ids).py()
+    fn evict_blocks(&self, block_ids: Vec<Int64>) -> PyResult<()> {
+        let ids: Vec<i64> = block_ids.iter().map(|b| b.0).collect();
+        self.lock()?.evict_blocks(&ids).py()
     }
 
     /// The request's block table (empty for an unknown request).
@@ -520,9 +547,9 @@ impl PyV1Manager {
     }
 
     /// The block's reference count.
-    fn ref_cnt(&self, block_id: i64) -> PyResult<u32> {
+    fn ref_cnt(&self, block_id: Int64) -> PyResult<u32> {
         let m = self.lock()?;
-        let b = m.pool().check_block(block_id).py()?;
+        let b = m.pool().check_block(block_id.0).py()?;
         Ok(m.pool().ref_cnt(b))
     }
 
@@ -530,17 +557,17 @@ impl PyV1Manager {
     fn block_hash<'py>(
         &self,
         py: Python<'py>,
-        block_id: i64,
+        block_id: Int64,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
         let m = self.lock()?;
-        let b = m.pool().check_block(block_id).py()?;
+        let b = m.pool().check_block(block_id.0).py()?;
         Ok(m.pool().hash_of(b).map(|k| PyBytes::new(py, k.as_bytes())))
     }
 
     /// Tokens the block's hash covers (vLLM's `block_hash_num_tokens`); `None` if uncached.
-    fn hashed_tokens(&self, block_id: i64) -> PyResult<Option<u32>> {
+    fn hashed_tokens(&self, block_id: Int64) -> PyResult<Option<u32>> {
         let m = self.lock()?;
-        let b = m.pool().check_block(block_id).py()?;
+        let b = m.pool().check_block(block_id.0).py()?;
         Ok(m.pool().hashed_tokens(b))
     }
 
@@ -550,9 +577,9 @@ impl PyV1Manager {
     }
 
     /// Whether the block is in the free-block queue.
-    fn is_free(&self, block_id: i64) -> PyResult<bool> {
+    fn is_free(&self, block_id: Int64) -> PyResult<bool> {
         let m = self.lock()?;
-        let b = m.pool().check_block(block_id).py()?;
+        let b = m.pool().check_block(block_id.0).py()?;
         Ok(m.pool().is_free(b))
     }
 

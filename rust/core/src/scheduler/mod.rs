@@ -245,6 +245,13 @@ impl Scheduler {
         if cfg.max_loras == Some(0) {
             return Err(Error::invalid("max_loras must be positive"));
         }
+        // A sequence's slots (its tokens plus the lookahead) are numbered in int32 buffers.
+        let slots = cfg.max_model_len.saturating_add(cfg.num_lookahead_slots);
+        if slots as u64 > crate::limits::MAX_GPU_SLOTS {
+            return Err(Error::invalid(format!(
+                "max_model_len + num_lookahead_slots is {slots}; at most 2**31 slots fit int32"
+            )));
+        }
         Ok(Scheduler {
             cfg,
             groups: Vec::new(),

@@ -662,7 +662,10 @@ impl Scheduler {
         let la = self.cfg.num_lookahead_slots;
         let mut seqs = Vec::with_capacity(ids.len());
         for &id in ids {
-            seqs.push(st.toks.with(id, |t| (id, t.len() + la, t.block_size()))?);
+            seqs.push(
+                st.toks
+                    .with(id, |t| (id, t.len().saturating_add(la), t.block_size()))?,
+            );
         }
         st.mgr.swap_in_need(&seqs)
     }

@@ -23,12 +23,13 @@ pub struct FreeQueue {
 
 impl FreeQueue {
     /// All blocks `0..n`, in id order.
-    pub fn new(n: u32) -> Self {
+    /// Fails (nothing allocated for long) when the memory for `n` blocks cannot be had.
+    pub fn new(n: u32) -> crate::error::Result<Self> {
         let size = n as usize + 2;
         let (head, tail) = (n, n + 1);
         let mut q = FreeQueue {
-            prev: vec![NIL; size],
-            next: vec![NIL; size],
+            prev: crate::mem::try_filled(NIL, size, "the free-block queue")?,
+            next: crate::mem::try_filled(NIL, size, "the free-block queue")?,
             len: 0,
         };
         q.next[head as usize] = tail;
@@ -37,7 +38,7 @@ impl FreeQueue {
             q.link_before(tail, b);
         }
         q.len = n as usize;
-        q
+        Ok(q)
     }
 
     fn head(&self) -> u32 {

@@ -80,6 +80,8 @@ struct Plan {
     need_slots: u64,
     cache_upto: Option<u64>,
     cache_first: u32,
+    /// How many blocks the request holds once the call is applied: caching stops there.
+    held: usize,
 }
 
 #[derive(Clone, Debug)]
@@ -160,6 +162,9 @@ impl Manager {
         num_tokens: u64,
         new_computed: &[u32],
     ) -> Result<u64> {
+        for &b in new_computed {
+            self.pool.check_block(i64::from(b))?;
+        }
         self.blocks_to_allocate(req, self.reqs.get(req), num_tokens, new_computed)
     }
 
@@ -243,7 +248,11 @@ impl Manager {
         let r = self.reqs.get(req);
         self.check_args(req, r, a)?;
         let new_computed = a.new_computed.unwrap_or(&[]);
-        let local = a.num_computed_tokens + a.num_new_computed_tokens;
+        // Python ints never overflow: saturate where vLLM's sums would pass u64 (each sum is
+        // capped at max_model_len or num_tokens before it is used, as in vLLM).
+        let local = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens);
         let total = local.min(self.cfg.max_model_len);
         let watermark = if a.has_scheduled_reqs && a.waiting_or_preempted {
             self.cfg.watermark_blocks
@@ -257,8 +266,10 @@ impl Manager {
                 return Ok(None);
             }
         }
-        let need_slots =
-            (total + a.num_new_tokens + a.num_lookahead_tokens).min(self.cfg.max_model_len);
+        let need_slots = total
+            .saturating_add(a.num_new_tokens)
+            .saturating_add(a.num_lookahead_tokens)
+            .min(self.cfg.max_model_len);
         let needed = self.blocks_to_allocate(req, r, need_slots, new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
@@ -272,27 +283,52 @@ impl Manager {
             (None, false) => 0,
         };
         let cache_upto = (self.cfg.enable_caching && !a.delay_cache_blocks)
-            .then(|| (total + a.num_new_tokens).min(a.num_tokens));
+            .then(|| total.saturating_add(a.num_new_tokens).min(a.num_tokens));
+        let have = r.map_or(0, |r| r.blocks.len()) + if adopt { new_computed.len() } else { 0 };
+        let held = have.max(cdiv(need_slots, self.cfg.block_size as u64) as usize);
         Ok(Some(Plan {
             adopt,
             need_slots,
             cache_upto,
             cache_first,
+            held,
         }))
     }
 
     /// Read the hashes of the blocks the call will cache into `self.keys` (may fail; nothing
     /// has changed yet).
+    ///
+    /// Caching covers blocks `cache_first..full` (`full`: the blocks `cache_upto` tokens fill)
+    /// but never past the `held` blocks the request holds: a request longer than
+    /// `max_model_len` has tokens beyond its last block. vLLM's `cache_full_blocks` slices its
+    /// block list the same way; with KV events on it then indexes `blocks[i]` for every `i` up
+    /// to `full` and raises IndexError (having already cached and allocated), so there this
+    /// call is refused, before anything changes.
     fn read_cache_keys(&mut self, plan: &Plan, hashes: &mut dyn HashSource) -> Result<()> {
         self.keys.clear();
         let Some(upto) = plan.cache_upto else {
             return Ok(());
         };
-        let full_by_tokens = (upto / self.cfg.block_size as u64) as usize;
+        let bs = self.cfg.block_size as u64;
+        let full_by_tokens = usize::try_from(upto / bs).unwrap_or(usize::MAX);
         if full_by_tokens <= plan.cache_first as usize {
             return Ok(()); // no block became full: the hashes are not read
         }
-        let num_full = full_by_tokens.min(hashes.count()?);
+        if full_by_tokens > plan.held && self.pool.events_enabled() {
+            return Err(Error::invalid(format!(
+                "{full_by_tokens} full blocks to cache but the request holds {} (its tokens \
+                 pass max_model_len {}); vLLM's manager fails this call too (IndexError) with \
+                 KV events on",
+                plan.held, self.cfg.max_model_len
+            )));
+        }
+        let num_full = full_by_tokens.min(plan.held).min(hashes.count()?);
+        if num_full as u64 * bs > u64::from(u32::MAX) {
+            return Err(Error::invalid(format!(
+                "a cached block would cover {} tokens; at most 2**32 - 1 are counted",
+                num_full as u64 * bs
+            )));
+        }
         for i in plan.cache_first as usize..num_full {
             let k = hashes.key(i)?;
             self.keys.push(k);
@@ -361,23 +397,16 @@ impl Manager {
             need_slots: 0,
             cache_upto: Some(num_tokens),
             cache_first: first,
+            held: self.blocks(req).len(),
         };
         self.read_cache_keys(&plan, hashes)?;
         if self.keys.is_empty() {
             return Ok(());
         }
+        // `read_cache_keys` read keys only for blocks the request holds: it is known.
         let Some(r) = self.reqs.get_mut(req) else {
-            return Err(Error::invalid(format!(
-                "request {req} holds no blocks to cache"
-            )));
+            return Ok(());
         };
-        if first as usize + self.keys.len() > r.blocks.len() {
-            return Err(Error::invalid(format!(
-                "request {req} has {} blocks, fewer than the {} full ones to cache",
-                r.blocks.len(),
-                first as usize + self.keys.len()
-            )));
-        }
         Self::cache_new_full(&mut self.pool, self.cfg.block_size, r, first, &self.keys);
         Ok(())
     }

@@ -32,6 +32,7 @@ use hashbrown::HashTable;
 
 use super::free_queue::FreeQueue;
 use crate::error::{Error, Result};
+use crate::mem::try_filled;
 
 /// The null block's id.
 pub const NULL_BLOCK: u32 = 0;
@@ -124,19 +125,30 @@ impl Pool {
                 u32::MAX - 2
             )));
         }
-        let mut queue = FreeQueue::new(num_blocks);
+        let n = num_blocks as usize;
+        // Every table is sized for every block up front (no rehash while serving), each
+        // allocated fallibly: a pool too large for the memory is refused, not an abort.
+        // The largest table first: a count far too large fails before anything is touched.
+        let hash = try_filled(HashKey::NONE, n, "block hashes")?;
+        let mut cached = HashTable::new();
+        let hasher = RandomState::default();
+        cached
+            .try_reserve(if caching { n - 1 } else { 0 }, |&b: &u32| b as u64)
+            .map_err(|_| Error::invalid(format!("cannot allocate a cache map for {n} blocks")))?;
+        let ref_cnt = try_filled(0, n, "ref counts")?;
+        let hashed_tokens = try_filled(0, n, "hashed token counts")?;
+        let next_holder = try_filled(NIL, n, "holder links")?;
+        let mut queue = FreeQueue::new(num_blocks)?;
         let null = queue.popleft();
         debug_assert_eq!(null, Some(NULL_BLOCK));
-        let n = num_blocks as usize;
         Ok(Pool {
-            ref_cnt: vec![0; n],
-            hash: vec![HashKey::NONE; n],
-            hashed_tokens: vec![0; n],
-            next_holder: vec![NIL; n],
+            ref_cnt,
+            hash,
+            hashed_tokens,
+            next_holder,
             queue,
-            // Sized for every block up front: no rehash while serving.
-            cached: HashTable::with_capacity(if caching { n - 1 } else { 0 }),
-            hasher: RandomState::default(),
+            cached,
+            hasher,
             caching,
             events: events.then(Vec::new),
             to_head: Vec::new(),

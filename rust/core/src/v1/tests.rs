@@ -42,7 +42,7 @@ fn prefill(n_tokens: u64) -> SlotRequest<'static> {
 
 #[test]
 fn free_queue_orders_like_vllm() {
-    let mut q = free_queue::FreeQueue::new(6);
+    let mut q = free_queue::FreeQueue::new(6).unwrap();
     assert_eq!(q.popleft(), Some(0));
     let mut out = vec![];
     q.popleft_n(3, &mut out);
@@ -323,4 +323,58 @@ fn randomized_invariants() {
         }
         assert_eq!(m.pool().num_free(), 39);
     }
+}
+
+/// A request longer than `max_model_len` (a streaming session's prompt grew past it): the
+/// slots stop at `max_model_len`, but the tokens to cache do not. vLLM slices its block list,
+/// so it caches the blocks the request holds; with KV events on it then raises IndexError,
+/// where pagedkv refuses before anything changes.
+fn over_max_model_len(events: bool) -> (Manager, crate::error::Result<Option<Vec<u32>>>) {
+    let mut m = Manager::new(Config {
+        num_blocks: 16,
+        block_size: 4,
+        max_model_len: 8,
+        enable_caching: true,
+        enable_events: events,
+        watermark_blocks: 0,
+    })
+    .unwrap();
+    let keys: Vec<HashKey> = (0..5).map(key).collect();
+    let got = m.allocate_slots("r", &prefill(20), &mut keys.as_slice());
+    (m, got)
+}
+
+#[test]
+fn a_request_past_max_model_len_caches_the_blocks_it_holds() {
+    let (m, got) = over_max_model_len(false);
+    assert_eq!(got, Ok(Some(vec![1, 2])));
+    assert_eq!(m.blocks("r"), [1, 2]);
+    assert_eq!(m.num_cached_blocks("r"), Some(2));
+    assert_eq!(m.pool().hashed_tokens(2), Some(8));
+    assert_eq!(m.pool().num_free(), 13);
+    m.check(|_| 0).unwrap();
+}
+
+#[test]
+fn with_events_a_request_past_max_model_len_is_refused_unchanged() {
+    let (m, got) = over_max_model_len(true);
+    assert!(matches!(got, Err(Error::InvalidArgument(_))), "{got:?}");
+    assert_eq!(m.blocks("r"), [] as [u32; 0]);
+    assert_eq!(m.pool().num_free(), 15);
+    assert_eq!(m.num_requests(), 0);
+    assert!(!m.pool().has_events());
+}
+
+#[test]
+fn token_counts_near_u64_max_saturate_like_python_ints() {
+    let mut m = mgr(8, true);
+    let a = SlotRequest {
+        num_computed_tokens: u64::MAX,
+        num_lookahead_tokens: u64::MAX,
+        ..prefill(u64::MAX)
+    };
+    let none: &[HashKey] = &[];
+    // needs cdiv(max_model_len, 4) blocks: far more than the pool has
+    assert_eq!(m.allocate_slots("r", &a, &mut { none }), Ok(None));
+    assert_eq!(m.pool().num_free(), 7);
 }

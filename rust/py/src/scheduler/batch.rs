@@ -243,6 +243,11 @@ impl PyBatchStep {
         now: f64,
         buffers: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
+        // Checked before the samples are applied (the schedule checks it again, too late to
+        // leave the step unchanged).
+        if !now.is_finite() {
+            return Err(invalid("the step time must be a finite number"));
+        }
         let core = self.core.clone_ref(py);
         let mut c = core
             .bind(py)
