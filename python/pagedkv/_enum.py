@@ -6,7 +6,7 @@ objects: ``mgr.can_allocate(g) == vllm.core.interfaces.AllocStatus.OK`` holds, a
 set from vLLM's enum counts as finished in ``SequenceStatus.is_finished``. Hashes are
 ``hash(name)`` (``enum.Enum``'s own), so such members also meet in sets and dict keys.
 
-The comparison and the hash live in the native base class (``rust/py/src/compat_enum.rs``):
+The comparison and the hash live in the native base class (``rust/py/src/vllm_042/compat_enum.rs``):
 comparing two members of one of these enums is a C-level identity test, as cheap as for a
 plain ``enum.Enum`` (vLLM's scheduler compares statuses several times per group per step);
 only a comparison with an object of another type looks at names.

@@ -2,7 +2,7 @@
 
 Same public API and the same decisions as vLLM 0.4.2's ``Scheduler``; the queues, budgets,
 preemption and per-sequence scheduling state live in the native core
-(``rust/core/src/scheduler``), which drives the core of :attr:`Scheduler.block_manager`
+(``rust/core/src/vllm_042/scheduler``), which drives the core of :attr:`Scheduler.block_manager`
 directly. The Python ``Sequence``/``SequenceGroup`` objects stay correct views: the statuses the
 scheduler changes are written back to them after each call, and what vLLM's engine changes on
 running groups (finished statuses, computed tokens) is read back before the next step. The

@@ -4,9 +4,9 @@
 //! with vLLM v1's `KVCacheBlock` (tests/test_memory.py). Run with `--nocapture` for the
 //! numbers. One test only: the counter is process-wide.
 
-use pagedkv_core::hash::{HashAlgo, HashExtra, Hasher};
-use pagedkv_core::scheduler::{Group, Scheduler, SchedulerConfig, SeqState, Status};
-use pagedkv_core::{Manager, ManagerConfig, TokenSeq};
+use pagedkv_core::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+use pagedkv_core::vllm_042::scheduler::{Group, Scheduler, SchedulerConfig, SeqState, Status};
+use pagedkv_core::vllm_042::{Manager, ManagerConfig, TokenSeq};
 
 mod common;
 

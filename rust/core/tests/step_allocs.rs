@@ -4,13 +4,14 @@
 //! number of allocations that does not grow with the running sequences. One test only:
 //! the counter is process-wide.
 
-use pagedkv_core::hash::{HashAlgo, HashExtra, Hasher};
-use pagedkv_core::scheduler::{
+use pagedkv_core::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+use pagedkv_core::vllm_042::scheduler::{
     Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, Scheduler, SchedulerConfig,
     SentTables, StableRows, StopRules, TableDelta, Tokens, TokensMut,
 };
-use pagedkv_core::scheduler::{Group, SeqState, Status};
-use pagedkv_core::{Manager, ManagerConfig, Result, SeqId, TokenSeq};
+use pagedkv_core::vllm_042::scheduler::{Group, SeqState, Status};
+use pagedkv_core::vllm_042::{Manager, ManagerConfig, SeqId, TokenSeq};
+use pagedkv_core::Result;
 use std::cell::RefCell;
 
 mod common;

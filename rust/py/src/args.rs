@@ -3,7 +3,7 @@
 //! bare OverflowError or TypeError).
 
 use crate::errors::{invalid, wrong_type};
-use pagedkv_core::Device;
+use pagedkv_core::vllm_042::Device;
 use pyo3::prelude::*;
 
 /// An integer argument (`what` names it in messages): bool and non-ints are type errors,

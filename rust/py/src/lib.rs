@@ -1,43 +1,33 @@
 //! `pagedkv._native`: a thin PyO3 layer over `pagedkv-core`. It converts arguments, maps
 //! errors to `pagedkv.errors`, and writes into caller-owned buffers; all logic is in the core.
-//! One job per file:
+//! Each vLLM generation has its own folder, one job per file:
 //!
-//! * `args`: integer, real and device arguments; `tokens`: token-id arguments;
-//! * `buffers`: checked numpy views (step outputs, token arrays);
-//! * `seqs`: reading sequences and groups off Python objects;
-//! * `registry`: the manager's sequences by identity, and resolving sequences to token stores;
-//! * `results`: `AllocStatus` and `BlockMapping` results;
-//! * `errors`: core errors to `pagedkv.errors`;
-//! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
-//! * `hashing`, `pool`, `manager`: the classes;
+//! * `vllm_042`: vLLM 0.4.2's generation (the classes behind the `pagedkv` root API; its own
+//!   header lists its files);
 //! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
-//! * `v1_events`: vLLM's KV event objects built natively from the v1 pool's log;
-//! * `v1_hash`: vLLM v1's block hashes, natively, for blocks the native loop fills;
-//! * `v1_loop`: vLLM v1's `schedule()` / `update_from_output()` walk over vLLM's own objects.
+//!   `v1_events`: vLLM's KV event objects built natively from the v1 pool's log; `v1_hash`:
+//!   vLLM v1's block hashes, natively; `v1_loop`: vLLM v1's `schedule()` /
+//!   `update_from_output()` walk over vLLM's own objects; `v1_call`: `allocate_slots`'s
+//!   arguments with vLLM's defaults;
+//! * shared: `args` (integer, real and device arguments), `errors` (core errors to
+//!   `pagedkv.errors`).
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
 //! re-enables the GIL when importing it. Each object serves one call at a time; a concurrent or
-//! re-entrant call raises `InUseError` (see `manager`).
+//! re-entrant call raises `InUseError` (see `vllm_042::manager`).
 
 use pyo3::prelude::*;
 
 mod args;
-mod buffers;
-mod compat_enum;
 mod errors;
-mod hashing;
-mod manager;
-mod pool;
-mod registry;
-mod results;
-mod scheduler;
-mod seqs;
-mod tokens;
 mod v1_call;
 mod v1_events;
 mod v1_hash;
 mod v1_loop;
 mod v1_manager;
+mod vllm_042;
+
+use vllm_042::{compat_enum, hashing, manager, pool, scheduler};
 
 #[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {

@@ -1,4 +1,4 @@
-//! vLLM v1 (0.32, 0.33) KV-cache semantics, separate from the 0.4.2-era [`crate::manager`]:
+//! vLLM v1 (0.32, 0.33) KV-cache semantics, separate from the 0.4.2-era [`crate::vllm_042::manager`]:
 //! v1 has no swap, a deterministic free-block order (block ids are part of what vLLM's model
 //! runner and KV-event consumers see), and caches by the hashes vLLM computes itself.
 //!

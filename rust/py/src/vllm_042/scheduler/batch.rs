@@ -6,15 +6,16 @@
 //! tokens, stage) are written back on demand (`sync_views`) or when their group finishes.
 
 use super::{PySchedulerCore, Stores};
-use crate::buffers::{writable_1d, writable_2d_i32};
 use crate::errors::{busy, invalid, IntoPyResult};
-use crate::manager::PyManager;
+use crate::vllm_042::buffers::{writable_1d, writable_2d_i32};
+use crate::vllm_042::manager::PyManager;
 use numpy::{PyReadonlyArray1, PyReadwriteArray1, PyUntypedArrayMethods};
-use pagedkv_core::scheduler::{
+use pagedkv_core::vllm_042::scheduler::{
     Batch, GroupKey, HeldTables, IdMap, ModelInputs, Outputs, SentTables, StableRows, StopRules,
     TableDelta, TokensMut, NO_ROW,
 };
-use pagedkv_core::{Error, SeqId, TokenSeq};
+use pagedkv_core::vllm_042::{SeqId, TokenSeq};
+use pagedkv_core::Error;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -569,7 +570,7 @@ impl PyBatchStep {
         py: Python<'_>,
         c: &PySchedulerCore,
         b: &Bound<'_, PyAny>,
-    ) -> PyResult<pagedkv_core::scheduler::Written> {
+    ) -> PyResult<pagedkv_core::vllm_042::scheduler::Written> {
         let held = match &self.last_delta {
             Some(d) => {
                 let arr = b.getattr(intern!(py, "block_tables"))?;

@@ -3,8 +3,8 @@
 
 use crate::args::{Count, Int64};
 use crate::errors::invalid;
-use crate::tokens::{extract_tokens, token_from_item};
-use pagedkv_core::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher, TokenSeq};
+use crate::vllm_042::tokens::{extract_tokens, token_from_item};
+use pagedkv_core::vllm_042::{BlockHash, ChainHasher, HashAlgo, HashExtra, Hasher, TokenSeq};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString};
 use std::sync::Mutex;

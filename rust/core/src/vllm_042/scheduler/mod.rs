@@ -18,8 +18,8 @@ mod step;
 mod tests;
 
 use crate::error::{Error, Result};
-use crate::manager::{Manager, SeqId};
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::manager::{Manager, SeqId};
+use crate::vllm_042::token_seq::TokenSeq;
 use std::collections::VecDeque;
 
 pub use policy::{Outputs, Scheduled, StepMeta};

@@ -3,9 +3,9 @@
 //! plain slices; every rule about shapes, padding and slot numbers lives here.
 
 use crate::error::{Error, Result};
-use crate::manager::{Manager, SeqId};
-use crate::pool::BlockId;
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::manager::{Manager, SeqId};
+use crate::vllm_042::pool::BlockId;
+use crate::vllm_042::token_seq::TokenSeq;
 
 /// `slot_mapping` entry of a sequence with no tokens (vLLM's padding slot id).
 pub const PAD_SLOT: i32 = -1;
@@ -140,8 +140,8 @@ impl Manager {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::{HashAlgo, HashExtra, Hasher};
-    use crate::manager::ManagerConfig;
+    use crate::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+    use crate::vllm_042::manager::ManagerConfig;
 
     const H: Hasher = Hasher {
         algo: HashAlgo::Xxh3,

@@ -13,10 +13,10 @@
 //! caller's job (the Python bindings do it).
 
 use crate::error::{Error, Result};
-use crate::hash::Hasher;
 use crate::id_map::IdMap;
-use crate::pool::{BlockId, BlockPool};
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::hash::Hasher;
+use crate::vllm_042::pool::{BlockId, BlockPool};
+use crate::vllm_042::token_seq::TokenSeq;
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 

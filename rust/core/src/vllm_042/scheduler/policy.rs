@@ -6,8 +6,8 @@
 
 use super::{Finish, GroupKey, IdMap, IdSet, PreemptionMode, Scheduler, SeqIds, Status, Tokens};
 use crate::error::{Error, Result};
-use crate::manager::{AllocStatus, ComputedPrefix, Copies, Device, Manager, SeqId};
-use crate::pool::BlockId;
+use crate::vllm_042::manager::{AllocStatus, ComputedPrefix, Copies, Device, Manager, SeqId};
+use crate::vllm_042::pool::BlockId;
 use std::collections::VecDeque;
 
 /// A group scheduled this step and how many tokens it computes (1 for a decode).

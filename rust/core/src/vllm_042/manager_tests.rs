@@ -1,9 +1,9 @@
 //! Unit tests and a seeded randomized driver for `Manager`.
 
-use crate::hash::{HashAlgo, HashExtra, Hasher};
-use crate::manager::{AllocStatus, Device, Manager, ManagerConfig};
 use crate::rng::Rng;
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+use crate::vllm_042::manager::{AllocStatus, Device, Manager, ManagerConfig};
+use crate::vllm_042::token_seq::TokenSeq;
 use crate::Error;
 use std::collections::BTreeMap;
 

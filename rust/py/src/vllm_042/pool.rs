@@ -5,8 +5,8 @@
 
 use crate::args::{hash_arg, int_arg, Count, Int64, Real};
 use crate::errors::{busy, invalid, IntoPyResult};
-use crate::tokens::extract_tokens;
-use pagedkv_core::{BlockHash, BlockId, BlockKey, BlockPool};
+use crate::vllm_042::tokens::extract_tokens;
+use pagedkv_core::vllm_042::{BlockHash, BlockId, BlockKey, BlockPool};
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -83,7 +83,7 @@ impl PyBlockPool {
                 "num_blocks must be in 0..2**32-1, got {num_blocks}"
             )));
         }
-        let block_size = crate::hashing::check_block_size(block_size)?;
+        let block_size = crate::vllm_042::hashing::check_block_size(block_size)?;
         let device: &'static str = match device.0.as_str() {
             "gpu" | "GPU" | "cuda" => "gpu",
             "cpu" | "CPU" => "cpu",

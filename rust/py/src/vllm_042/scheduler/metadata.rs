@@ -5,9 +5,9 @@
 
 use super::PySchedulerCore;
 use crate::errors::IntoPyResult;
-use crate::manager::Locked;
-use pagedkv_core::scheduler::{GroupKey, Outputs, Scheduled, StepMeta};
-use pagedkv_core::{ComputedPrefix, Device, SeqId};
+use crate::vllm_042::manager::Locked;
+use pagedkv_core::vllm_042::scheduler::{GroupKey, Outputs, Scheduled, StepMeta};
+use pagedkv_core::vllm_042::{ComputedPrefix, Device, SeqId};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;

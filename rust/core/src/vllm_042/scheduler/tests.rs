@@ -2,8 +2,8 @@
 //! chunked prefill, LoRA limits and the vLLM failures we fix.
 
 use super::*;
-use crate::hash::{HashAlgo, HashExtra, Hasher};
-use crate::manager::{Device, ManagerConfig};
+use crate::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+use crate::vllm_042::manager::{Device, ManagerConfig};
 use std::cell::RefCell;
 use std::collections::HashMap;
 

@@ -3,7 +3,7 @@
 //! groups, one small `Vec` each was a measurable share of a step (the allocator's free
 //! lists, consolidated by the step's large buffers, were walked for every one of them).
 
-use crate::manager::SeqId;
+use crate::vllm_042::manager::SeqId;
 use std::ops::Deref;
 
 /// Sequence ids, read as a slice.

@@ -1,6 +1,6 @@
 //! Results as Python objects: `AllocStatus` members and `BlockMapping`s of block pairs.
 
-use pagedkv_core::{AllocStatus, BlockId, Copies};
+use pagedkv_core::vllm_042::{AllocStatus, BlockId, Copies};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList};

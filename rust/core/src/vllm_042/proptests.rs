@@ -4,11 +4,11 @@
 //! short operation list.
 
 use crate::error::Error;
-use crate::hash::{HashAlgo, HashExtra, Hasher};
-use crate::manager::{Device, Manager, ManagerConfig, SeqId};
-use crate::pool::{BlockKey, BlockPool, NEVER_ACCESSED};
-use crate::step_buffers::StepRows;
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::hash::{HashAlgo, HashExtra, Hasher};
+use crate::vllm_042::manager::{Device, Manager, ManagerConfig, SeqId};
+use crate::vllm_042::pool::{BlockKey, BlockPool, NEVER_ACCESSED};
+use crate::vllm_042::step_buffers::StepRows;
+use crate::vllm_042::token_seq::TokenSeq;
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
 

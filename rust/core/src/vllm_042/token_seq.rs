@@ -7,7 +7,7 @@
 //! amortised.
 
 use crate::error::{Error, Result};
-use crate::hash::{BlockHash, HashExtra, Hasher};
+use crate::vllm_042::hash::{BlockHash, HashExtra, Hasher};
 
 #[derive(Clone, Debug)]
 pub struct TokenSeq {
@@ -71,10 +71,10 @@ impl TokenSeq {
     pub fn block_key(
         &self,
         i: usize,
-        parent: Option<crate::pool::BlockId>,
-    ) -> Option<crate::pool::BlockKey<'_>> {
+        parent: Option<crate::vllm_042::pool::BlockId>,
+    ) -> Option<crate::vllm_042::pool::BlockKey<'_>> {
         let hash = self.block_hash(i)?;
-        Some(crate::pool::BlockKey {
+        Some(crate::vllm_042::pool::BlockKey {
             hash,
             parent,
             extra: self.extra_key,
@@ -153,7 +153,7 @@ impl TokenSeq {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::hash::{ChainHasher, HashAlgo};
+    use crate::vllm_042::hash::{ChainHasher, HashAlgo};
 
     #[test]
     fn hashes_each_block_once_and_matches_chain() {

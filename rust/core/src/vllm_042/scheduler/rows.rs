@@ -20,7 +20,7 @@
 //! values holds `NONE`.
 
 use super::{Batch, IdMap, Row};
-use crate::manager::SeqId;
+use crate::vllm_042::manager::SeqId;
 
 /// `place` entry of a row not yet placed.
 const UNPLACED: usize = usize::MAX;

@@ -16,10 +16,10 @@
 use super::{Change, Finish, Group, GroupKey, IdMap, Outputs, Scheduled, Scheduler, SeqState};
 use super::{Status, StepMeta, Tokens};
 use crate::error::{Error, Result};
-use crate::manager::{Manager, SeqId};
-use crate::pool::BlockId;
-use crate::step_buffers::newest_slot;
-use crate::token_seq::TokenSeq;
+use crate::vllm_042::manager::{Manager, SeqId};
+use crate::vllm_042::pool::BlockId;
+use crate::vllm_042::step_buffers::newest_slot;
+use crate::vllm_042::token_seq::TokenSeq;
 
 /// Mutable access to token stores (appending sampled tokens).
 pub trait TokensMut: Tokens {
@@ -821,13 +821,13 @@ mod tests {
         assert_eq!(ignore.check(6, 7, 100), None);
     }
 
-    fn manager() -> (Manager, crate::hash::Hasher) {
-        use crate::hash::{HashAlgo, Hasher};
+    fn manager() -> (Manager, crate::vllm_042::hash::Hasher) {
+        use crate::vllm_042::hash::{HashAlgo, Hasher};
         let h = Hasher {
             algo: HashAlgo::Xxh3,
             seed: 1,
         };
-        let cfg = crate::manager::ManagerConfig {
+        let cfg = crate::vllm_042::manager::ManagerConfig {
             block_size: 2,
             num_gpu_blocks: 32,
             num_cpu_blocks: 0,
@@ -875,7 +875,7 @@ mod tests {
 
     #[test]
     fn persistent_tables_take_appends_moves_and_rewrites() {
-        use crate::hash::HashExtra;
+        use crate::vllm_042::hash::HashExtra;
         let (mut m, h) = manager();
         let mut a = TokenSeq::new(2, &[1, 2, 3], HashExtra::default(), h).unwrap();
         let b = TokenSeq::new(2, &[4, 5, 6, 7, 8], HashExtra::default(), h).unwrap();
@@ -925,7 +925,7 @@ mod tests {
 
     #[test]
     fn a_row_keeps_its_table_while_its_sequence_sits_out() {
-        use crate::hash::HashExtra;
+        use crate::vllm_042::hash::HashExtra;
         let (mut m, h) = manager();
         for (id, n) in [(1, 3), (2, 5), (3, 1)] {
             let t = TokenSeq::new(2, &vec![1; n], HashExtra::default(), h).unwrap();

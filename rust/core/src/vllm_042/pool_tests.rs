@@ -1,8 +1,8 @@
 //! Unit tests and a seeded randomized invariant driver for `BlockPool`.
 
 use crate::error::Error;
-use crate::pool::{BlockKey, BlockPool};
 use crate::rng::Rng;
+use crate::vllm_042::pool::{BlockKey, BlockPool};
 use std::collections::HashMap;
 
 fn key(hash: u128, tokens: &[u32]) -> BlockKey<'_> {

@@ -34,8 +34,8 @@
 //! arrays). `heap_bytes` accounts for it; `docs/scheduler.md` compares it with vLLM v1.
 
 use crate::error::{Error, Result};
-use crate::evict::{EvictionOrder, Fields};
-use crate::hash::BlockHash;
+use crate::vllm_042::evict::{EvictionOrder, Fields};
+use crate::vllm_042::hash::BlockHash;
 
 pub type BlockId = u32;
 const NIL: u32 = u32::MAX;

@@ -6,8 +6,8 @@
 
 use crate::args::{int_arg, type_name};
 use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
-use crate::hashing::PyTokenSeq;
-use pagedkv_core::{SeqId, TokenSeq};
+use crate::vllm_042::hashing::PyTokenSeq;
+use pagedkv_core::vllm_042::{SeqId, TokenSeq};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -117,7 +117,7 @@ pub fn native_store_of<'py>(seq: &Bound<'py, PyAny>) -> Option<Bound<'py, PyToke
 pub fn foreign_store<'py>(
     seq: &Bound<'py, PyAny>,
     block_size: usize,
-    hasher: pagedkv_core::Hasher,
+    hasher: pagedkv_core::vllm_042::Hasher,
 ) -> PyResult<Bound<'py, PyTokenSeq>> {
     let py = seq.py();
     let tokens = seq.call_method0(intern!(py, "get_token_ids")).map_err(|_| {
@@ -126,21 +126,23 @@ pub fn foreign_store<'py>(
             type_name(seq)
         ))
     })?;
-    let tokens = crate::tokens::extract_tokens(&tokens)?;
+    let tokens = crate::vllm_042::tokens::extract_tokens(&tokens)?;
     let lora_id = match seq.getattr(intern!(py, "lora_int_id")) {
         Ok(v) if !v.is_none() => int_arg(&v, "lora_int_id")?,
         _ => 0,
     };
     let salt = match seq.getattr(intern!(py, "cache_salt")) {
-        Ok(v) if !v.is_none() => Some(crate::hashing::salt_bytes_of(&v)?),
+        Ok(v) if !v.is_none() => Some(crate::vllm_042::hashing::salt_bytes_of(&v)?),
         _ => None,
     };
     // vLLM counts a sequence's blocks in its own block size (it may differ from the manager's)
     let block_size = match seq.getattr(intern!(py, "block_size")) {
-        Ok(v) if !v.is_none() => crate::hashing::check_block_size(int_arg(&v, "block_size")?)?,
+        Ok(v) if !v.is_none() => {
+            crate::vllm_042::hashing::check_block_size(int_arg(&v, "block_size")?)?
+        }
         _ => block_size,
     };
-    let extra = pagedkv_core::HashExtra { lora_id, salt };
+    let extra = pagedkv_core::vllm_042::HashExtra { lora_id, salt };
     let inner = TokenSeq::new(block_size, &tokens, extra, hasher).py()?;
     Bound::new(py, PyTokenSeq { inner })
 }
@@ -151,7 +153,7 @@ pub fn sync_foreign(
     seq: &Bound<'_, PyAny>,
     store: &Bound<'_, PyTokenSeq>,
     block_size: usize,
-    hasher: pagedkv_core::Hasher,
+    hasher: pagedkv_core::vllm_042::Hasher,
 ) -> PyResult<()> {
     let py = seq.py();
     let len: usize = seq.call_method0(intern!(py, "get_len"))?.extract()?;
@@ -168,7 +170,7 @@ pub fn sync_foreign(
         if have >= prompt_len {
             let out = seq.call_method0(intern!(py, "get_output_token_ids"))?;
             let new = tail_of(&out, have - prompt_len)?;
-            let tokens = crate::tokens::extract_tokens(&new)?;
+            let tokens = crate::vllm_042::tokens::extract_tokens(&new)?;
             store
                 .try_borrow_mut()
                 .map_err(|_| busy("a token store"))?

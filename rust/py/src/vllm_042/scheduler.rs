@@ -2,7 +2,7 @@
 //! `SequenceGroup`/`Sequence` objects (and their native token stores) beside the core
 //! scheduler's state, mirrors the engine's changes to running groups into the core before a
 //! step and writes the core's status changes back after it (docs/scheduler.md). The policy is
-//! all in `pagedkv_core::scheduler`; the compat `schedule()`'s vLLM objects are built in
+//! all in `pagedkv_core::vllm_042::scheduler`; the compat `schedule()`'s vLLM objects are built in
 //! `metadata.rs`, the batch step's buffers in `batch.rs`.
 
 pub(crate) mod batch;
@@ -12,14 +12,15 @@ use crate::args::{Count, Real};
 use metadata::LastOutputs;
 
 use crate::errors::{busy, invalid, wrong_type, IntoPyResult};
-use crate::hashing::PyTokenSeq;
-use crate::manager::PyManager;
-use crate::registry::borrow_adopted;
-use pagedkv_core::scheduler::{
+use crate::vllm_042::hashing::PyTokenSeq;
+use crate::vllm_042::manager::PyManager;
+use crate::vllm_042::registry::borrow_adopted;
+use pagedkv_core::vllm_042::scheduler::{
     Change, Finish, Group, GroupKey, IdMap, Outputs, PreemptionMode, Scheduler, SchedulerConfig,
     SeqState, Status, StepMeta, Tokens,
 };
-use pagedkv_core::{ComputedPrefix, Error, SeqId, TokenSeq};
+use pagedkv_core::vllm_042::{ComputedPrefix, SeqId, TokenSeq};
+use pagedkv_core::Error;
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;

@@ -8,13 +8,13 @@
 //! Nothing ever waits for the lock, so no callback can deadlock against it.
 
 use crate::args::{device_arg, int_arg, Count, Int32, Real, Text};
-use crate::buffers::{step_outputs, OutputArg};
 use crate::errors::{busy, invalid, IntoPyResult};
-use crate::hashing::{resolve_hasher, PyTokenSeq};
-use crate::registry::{borrow_adopted, Registry, Resolved};
-use crate::results::{alloc_status, copies_dict, mapping_dict};
-use crate::seqs::{group_seqs, items, seq_id_of, status_of, Status};
-use pagedkv_core::{BlockId, Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
+use crate::vllm_042::buffers::{step_outputs, OutputArg};
+use crate::vllm_042::hashing::{resolve_hasher, PyTokenSeq};
+use crate::vllm_042::registry::{borrow_adopted, Registry, Resolved};
+use crate::vllm_042::results::{alloc_status, copies_dict, mapping_dict};
+use crate::vllm_042::seqs::{group_seqs, items, seq_id_of, status_of, Status};
+use pagedkv_core::vllm_042::{BlockId, Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::{PyTraverseError, PyVisit};
@@ -788,7 +788,7 @@ impl Locked<'_> {
     pub(crate) fn extend_gpu_blocks(
         &self,
         list: &Bound<'_, PyList>,
-        blocks: &[pagedkv_core::BlockId],
+        blocks: &[pagedkv_core::vllm_042::BlockId],
     ) -> PyResult<()> {
         let py = list.py();
         for &b in blocks {

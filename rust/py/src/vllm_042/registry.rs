@@ -8,9 +8,9 @@
 //! does.) The registry takes part in Python's cyclic GC through the manager's `__traverse__`.
 
 use crate::errors::busy;
-use crate::hashing::PyTokenSeq;
-use crate::seqs::{foreign_store, native_store_of, seq_id_of, sync_foreign};
-use pagedkv_core::{Hasher, SeqId, TokenSeq};
+use crate::vllm_042::hashing::PyTokenSeq;
+use crate::vllm_042::seqs::{foreign_store, native_store_of, seq_id_of, sync_foreign};
+use pagedkv_core::vllm_042::{Hasher, SeqId, TokenSeq};
 use pyo3::prelude::*;
 use pyo3::{PyTraverseError, PyVisit};
 use std::collections::HashMap;
