@@ -1,5 +1,6 @@
 """Where vLLM v1's engine step goes, with pagedkv's native KV cache manager in it (and, for
-comparison, with vLLM's own): the measurements behind docs/vllm_v1_scheduler_plan.md, section 1.
+comparison, with vLLM's own): docs/benchmarks.md, "vLLM v1: the measurements behind the native
+loop".
 
 Runs in a vLLM 0.32/0.33 virtualenv (nothing is installed into it; this checkout's pagedkv on
 PYTHONPATH, its extension built here)::

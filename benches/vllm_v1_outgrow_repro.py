@@ -1,9 +1,10 @@
 """What vLLM v1's real scheduler does when a request fits ``max_model_len`` but outgrows the KV
-cache (docs/vllm_v1_scheduler_plan.md, section 4). Nothing here is pagedkv's policy: the
-scheduler is vLLM's own ``Scheduler`` (``--manager`` swaps in pagedkv's manager only, which must
-behave the same). ``--loop`` runs pagedkv's ``Scheduler`` with its native loop instead, which
-does not stall: a prompt of the cache's size or longer is finished with an error at arrival,
-and a request that reaches the cache's size finishes with reason "length" (docs/vllm_v1.md).
+cache (docs/benchmarks.md, "vLLM v1: the measurements behind the native loop"). Nothing here is
+pagedkv's policy: the scheduler is vLLM's own ``Scheduler`` (``--manager`` swaps in pagedkv's
+manager only, which must behave the same). ``--loop`` runs pagedkv's ``Scheduler`` with its
+native loop instead, which does not stall: a prompt of the cache's size or longer is finished
+with an error at arrival, and a request that reaches the cache's size finishes with reason
+"length" (docs/vllm_v1.md).
 
 Run in a vLLM 0.32/0.33 virtualenv with this checkout's pagedkv on PYTHONPATH::
 

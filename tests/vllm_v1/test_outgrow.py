@@ -1,6 +1,7 @@
-"""Requests that fit ``max_model_len`` but not the KV cache (docs/vllm_v1_scheduler_plan.md,
-section 4): vLLM's own scheduler stalls or livelocks; pagedkv's native loop finishes every
-request (a documented difference: docs/vllm_v1.md, "The native scheduling loop")."""
+"""Requests that fit ``max_model_len`` but not the KV cache (docs/benchmarks.md, "vLLM v1: the
+measurements behind the native loop"): vLLM's own scheduler stalls or livelocks; pagedkv's
+native loop finishes every request (a documented difference: docs/vllm_v1.md, "The native
+scheduling loop")."""
 
 from __future__ import annotations
 

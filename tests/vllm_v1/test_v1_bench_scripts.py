@@ -1,5 +1,6 @@
-"""The v1 measurement scripts behind docs/vllm_v1_scheduler_plan.md run to completion inside a
-vLLM virtualenv (this interpreter) on their smallest settings, and say what the plan cites."""
+"""The v1 measurement scripts of docs/benchmarks.md ("vLLM v1: the measurements behind the
+native loop") run to completion inside a vLLM virtualenv (this interpreter) on their smallest
+settings, and print what that page cites."""
 
 from __future__ import annotations
 

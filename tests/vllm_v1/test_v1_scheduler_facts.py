@@ -1,5 +1,5 @@
-"""Facts about vLLM's own v1 scheduler that docs/vllm_v1_scheduler_plan.md relies on and that
-the native loop must reproduce, pinned per release (run inside each release's virtualenv).
+"""Facts about vLLM's own v1 scheduler that the native loop must reproduce (docs/vllm_v1.md,
+"The native scheduling loop"), pinned per release (run inside each release's virtualenv).
 With ``native=True`` pagedkv's manager is under vLLM's loop: the facts are the loop's, so they
 must hold with either manager."""
 
