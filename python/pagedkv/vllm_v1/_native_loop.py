@@ -90,9 +90,20 @@ def request_out_of_scope(request: Any) -> Optional[str]:
         (bool(getattr(request, "resumable", False)), "a streaming session"),
         (getattr(params, "repetition_detection", None) is not None, "repetition detection"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
+        (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
         (not isinstance(request.arrival_time, (int, float)), "arrival time"),
     )
     return next((why for out, why in checks if out), None)
+
+
+def _stop_ids_fit_i64(params: Any) -> bool:
+    """The native stop check holds the EOS and stop ids as i64 (a sampled id outside i64
+    matches none of them); a request asking to stop on an id outside i64 stays vLLM's."""
+    ids = list(getattr(params, "stop_token_ids", None) or ())
+    eos = getattr(params, "eos_token_id", None)
+    if eos is not None:
+        ids.append(eos)
+    return all(type(i) is int and -(2**63) <= i < 2**63 for i in ids)
 
 
 class NativeLoop:

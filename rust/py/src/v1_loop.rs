@@ -1201,7 +1201,9 @@ impl Walk<'_> {
                     extend_block_hashes(request, h, &all, hash_fn, size)?;
                 }
             }
-            let last: i64 = tok.extract()?;
+            // A sampled id outside i64 matches no EOS or stop id (those are within i64: the
+            // scope rule), so only the length rules apply to it.
+            let last: Option<i64> = tok.extract().ok();
             stop = policy::check_stop(
                 &rule,
                 last,

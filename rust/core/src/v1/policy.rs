@@ -176,20 +176,24 @@ pub struct StopRule {
 }
 
 /// vLLM's `check_stop` after `last` was appended, in its order: EOS, stop ids, then length
-/// (`max_model_len`: the [`length_cap`]; `min_tokens` gates only repetition detection, outside the native path: a sampled EOS stops
-/// even before `min_tokens`; the sampler masks it there).
+/// (`max_model_len`: the [`length_cap`]; `min_tokens` gates only repetition detection, outside
+/// the native path: a sampled EOS stops even before `min_tokens`; the sampler masks it there).
+/// `last` is `None` for a sampled id outside i64: it equals no EOS or stop id (the native
+/// loop serves only requests whose ids are within i64), so only the length rules apply.
 pub fn check_stop(
     rule: &StopRule,
-    last: i64,
+    last: Option<i64>,
     num_tokens: u64,
     num_output_tokens: u64,
     max_model_len: u64,
 ) -> Option<Stop> {
-    if rule.eos_token_id == Some(last) {
-        return Some(Stop::Eos);
-    }
-    if rule.stop_token_ids.contains(&last) {
-        return Some(Stop::StopToken(last));
+    if let Some(last) = last {
+        if rule.eos_token_id == Some(last) {
+            return Some(Stop::Eos);
+        }
+        if rule.stop_token_ids.contains(&last) {
+            return Some(Stop::StopToken(last));
+        }
     }
     if length_capped(num_tokens, max_model_len) || num_output_tokens >= rule.max_tokens {
         return Some(Stop::Length);
@@ -333,8 +337,8 @@ mod tests {
             stop_token_ids: vec![],
             max_tokens: 100,
         };
-        assert_eq!(check_stop(&rule, 5, 48, 1, cap), Some(Stop::Length));
-        assert_eq!(check_stop(&rule, 5, 47, 1, cap), None);
+        assert_eq!(check_stop(&rule, Some(5), 48, 1, cap), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, Some(5), 47, 1, cap), None);
     }
 
     #[test]
@@ -344,17 +348,23 @@ mod tests {
             stop_token_ids: vec![7, 2],
             max_tokens: 4,
         };
-        assert_eq!(check_stop(&rule, 2, 10, 4, 100), Some(Stop::Eos));
-        assert_eq!(check_stop(&rule, 7, 10, 4, 100), Some(Stop::StopToken(7)));
-        assert_eq!(check_stop(&rule, 5, 10, 4, 100), Some(Stop::Length));
-        assert_eq!(check_stop(&rule, 5, 100, 1, 100), Some(Stop::Length));
-        assert_eq!(check_stop(&rule, 5, 10, 1, 100), None);
+        assert_eq!(check_stop(&rule, Some(2), 10, 4, 100), Some(Stop::Eos));
+        assert_eq!(
+            check_stop(&rule, Some(7), 10, 4, 100),
+            Some(Stop::StopToken(7))
+        );
+        assert_eq!(check_stop(&rule, Some(5), 10, 4, 100), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, Some(5), 100, 1, 100), Some(Stop::Length));
+        assert_eq!(check_stop(&rule, Some(5), 10, 1, 100), None);
+        // An id outside i64 stops only by length.
+        assert_eq!(check_stop(&rule, None, 10, 1, 100), None);
+        assert_eq!(check_stop(&rule, None, 10, 4, 100), Some(Stop::Length));
         let ignore_eos = StopRule {
             eos_token_id: None,
             ..rule
         };
         assert_eq!(
-            check_stop(&ignore_eos, 2, 10, 1, 100),
+            check_stop(&ignore_eos, Some(2), 10, 1, 100),
             Some(Stop::StopToken(2))
         );
     }
