@@ -1,4 +1,8 @@
-"""When the native KV cache manager may stand in for vLLM's: the scope check.
+"""What pagedkv serves natively, in one place: the KV cache manager (:func:`out_of_scope`,
+decided once at construction), the scheduling loop for an engine (:func:`engine_out_of_scope`,
+once at construction) and for a request (:func:`request_out_of_scope`, once at
+``add_request``). Each returns ``None`` when in scope, else the reason (for the start line
+and the fallback counts, :mod:`pagedkv.vllm_v1._report`).
 
 The native manager mirrors vLLM's manager for one KV cache group handled by vLLM's plain
 ``FullAttentionManager`` (dense decoders: Llama, Qwen, Mistral...), with the hash block size
@@ -59,3 +63,72 @@ def _manager_class(group: Any) -> Any:
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
     return KVCacheSpecRegistry.get_manager_class(group.kv_cache_spec, getattr(group, "role", None))
+
+
+def engine_out_of_scope(sched: Any) -> Optional[str]:
+    """Why the native loop cannot run this engine (``None``: it can)."""
+    from ._manager import KVCacheManager
+
+    checks = (
+        (not isinstance(sched.kv_cache_manager, KVCacheManager), "vLLM's KV cache manager runs"),
+        (sched.connector is not None, "a KV connector"),
+        (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
+        (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
+        (bool(sched.num_spec_tokens) or bool(sched.num_lookahead_tokens), "speculative decoding"),
+        (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
+        (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
+        (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
+        (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
+        (bool(getattr(sched, "num_prefill_lookahead", 0)), "prefill lookahead"),
+        (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
+        (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
+        (getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
+        (bool(getattr(sched, "defer_block_free", False)), "deferred block frees"),
+        (getattr(sched, "_kv_fetch_stages", None) is not None, "KV fetch tracking"),
+        (bool(getattr(sched, "return_sampling_mask", False)), "sampling masks"),
+        (_perf_metrics_on(sched), "per-step performance metrics"),
+        (_iteration_details_on(sched), "iteration-detail logging"),
+    )
+    return next((why for out, why in checks if out), None)
+
+
+def _perf_metrics_on(sched: Any) -> bool:
+    metrics = getattr(sched, "perf_metrics", None)
+    return bool(metrics and metrics.is_enabled())
+
+
+def _iteration_details_on(sched: Any) -> bool:
+    config = getattr(sched, "observability_config", None)
+    return bool(sched.log_stats and getattr(config, "enable_logging_iteration_details", False))
+
+
+def request_out_of_scope(request: Any) -> Optional[str]:
+    """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope)."""
+    from vllm.v1.request import RequestStatus
+
+    params = request.sampling_params
+    checks = (
+        (params is None or request.pooling_params is not None, "pooling"),
+        (request.status != RequestStatus.WAITING, "not waiting on arrival"),
+        (request.structured_output_request is not None, "structured output"),
+        (request.lora_request is not None, "LoRA"),
+        (bool(request.mm_features), "multimodal inputs"),
+        (request.prompt_embeds is not None, "prompt embeddings"),
+        (request.kv_transfer_params is not None, "KV transfer"),
+        (bool(getattr(request, "resumable", False)), "a streaming session"),
+        (getattr(params, "repetition_detection", None) is not None, "repetition detection"),
+        (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
+        (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
+        (not isinstance(request.arrival_time, (int, float)), "arrival time"),
+    )
+    return next((why for out, why in checks if out), None)
+
+
+def _stop_ids_fit_i64(params: Any) -> bool:
+    """The native stop check holds the EOS and stop ids as i64 (a sampled id outside i64
+    matches none of them); a request asking to stop on an id outside i64 stays vLLM's."""
+    ids = list(getattr(params, "stop_token_ids", None) or ())
+    eos = getattr(params, "eos_token_id", None)
+    if eos is not None:
+        ids.append(eos)
+    return all(type(i) is int and -(2**63) <= i < 2**63 for i in ids)
