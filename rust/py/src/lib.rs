@@ -34,10 +34,12 @@ mod scheduler;
 mod seqs;
 mod tokens;
 mod v1_call;
+mod v1_engine;
 mod v1_events;
 mod v1_hash;
 mod v1_loop;
 mod v1_manager;
+mod v1_output;
 
 #[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
