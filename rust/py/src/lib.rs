@@ -13,7 +13,10 @@
 //! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
 //! * `v1_events`: vLLM's KV event objects built natively from the v1 pool's log;
 //! * `v1_hash`: vLLM v1's block hashes, natively, for blocks the native loop fills;
-//! * `v1_loop`: vLLM v1's `schedule()` / `update_from_output()` walk over vLLM's own objects.
+//! * `v1_call`: vLLM's `allocate_slots` arguments;
+//! * `v1_loop`: `V1Loop`, the core's v1 walk (`schedule()` / `update_from_output()`) run over
+//!   vLLM's own objects; `v1_engine`: the core's `Engine` trait implemented over them;
+//!   `v1_output`: vLLM's output objects the walk's steps produce.
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
 //! re-enables the GIL when importing it. Each object serves one call at a time; a concurrent or
