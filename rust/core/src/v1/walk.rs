@@ -12,6 +12,13 @@ use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
 use crate::Error;
 
+/// A running request's allocation: its new block ids (`None`: it was preempted itself) and
+/// whether anything was preempted for it.
+struct Allocated {
+    ids: Option<Vec<u32>>,
+    preempted: bool,
+}
+
 /// One call of the walk: the engine, its mode and the settings read at the call's start.
 pub struct Walk<'e, E: Engine> {
     e: &'e mut E,
@@ -99,18 +106,9 @@ impl<'e, E: Engine> Walk<'e, E> {
                 has_scheduled_reqs: true,
                 ..SlotRequest::default()
             };
-            let blocks = loop {
-                if let Some(ids) = self.e.allocate(&req, &slots)? {
-                    break Some(ids);
-                }
-                let victim = self.pick_victim(&mut i, rows, budget)?;
-                self.e.preempt(&victim)?;
-                preempted_any = true;
-                if victim == req {
-                    break None;
-                }
-            };
-            let Some(ids) = blocks else {
+            let blocks = self.allocate_or_preempt(&req, &slots, &mut i, rows, budget)?;
+            preempted_any |= blocks.preempted;
+            let Some(ids) = blocks.ids else {
                 // The request preempted itself: 0.33 goes on under PRIORITY, else the pass ends.
                 let priority_033 = self.set.priority && self.mode.release == Release::V033;
                 if priority_033 && self.e.status(&req)? == Status::Preempted {
@@ -131,6 +129,36 @@ impl<'e, E: Engine> Walk<'e, E> {
             i += 1;
         }
         Ok(preempted_any)
+    }
+
+    /// `allocate_slots` for a running request, preempting a victim (`_preempt_request`) and
+    /// retrying until it fits or the request itself was the victim (then `ids` is `None`).
+    fn allocate_or_preempt(
+        &mut self,
+        req: &E::Req,
+        slots: &SlotRequest<'_>,
+        i: &mut usize,
+        rows: &mut Vec<Row<E::Req>>,
+        budget: &mut Budget,
+    ) -> Result<Allocated, E::Error> {
+        let mut preempted = false;
+        loop {
+            if let Some(ids) = self.e.allocate(req, slots)? {
+                return Ok(Allocated {
+                    ids: Some(ids),
+                    preempted,
+                });
+            }
+            let victim = self.pick_victim(i, rows, budget)?;
+            self.e.preempt(&victim)?;
+            preempted = true;
+            if victim == *req {
+                return Ok(Allocated {
+                    ids: None,
+                    preempted,
+                });
+            }
+        }
     }
 
     fn running_row(&mut self, req: &E::Req) -> Result<RunningRow, E::Error> {
