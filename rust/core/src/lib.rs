@@ -6,7 +6,7 @@
 //! * [`pool`]: a device's block pool: ref counts, free stack, prefix cache, LRU eviction
 //!   (`evict`: O(1) usually, O(log k) at worst).
 //! * [`manager`]: vLLM's BlockSpaceManager (v1) semantics on two pools.
-//! * [`v1`]: vLLM v1 (0.32, 0.33): its block pool, KV cache manager and block hash, and the
+//! * [`vllm_v1`]: vLLM v1 (0.32, 0.33): its block pool, KV cache manager and block hash, and the
 //!   scheduler's rules and walk (`schedule` / `update_from_output`, generic over an engine).
 //!
 //! No PyO3 here; the Python bindings live in the `pagedkv-py` crate.
@@ -22,7 +22,7 @@ pub mod pool;
 pub mod scheduler;
 pub mod step_buffers;
 pub mod token_seq;
-pub mod v1;
+pub mod vllm_v1;
 
 #[cfg(test)]
 mod manager_tests;

@@ -10,13 +10,12 @@
 //! * `errors`: core errors to `pagedkv.errors`;
 //! * `compat_enum`: the native base of pagedkv's enums (C-level equality and hash);
 //! * `hashing`, `pool`, `manager`: the classes;
-//! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
-//! * `v1_events`: vLLM's KV event objects built natively from the v1 pool's log;
-//! * `v1_hash`: vLLM v1's block hashes, natively, for blocks the native loop fills;
-//! * `v1_call`: vLLM's `allocate_slots` arguments;
-//! * `v1_loop`: `V1Loop`, the core's v1 walk (`schedule()` / `update_from_output()`) run over
-//!   vLLM's own objects; `v1_engine`: the core's `Engine` trait implemented over them;
-//!   `v1_output`: vLLM's output objects the walk's steps produce.
+//! * `vllm_v1`: vLLM v1 (0.32, 0.33): `manager` (its KV cache manager, one full-attention
+//!   group, for `pagedkv.vllm_v1`); `events` (vLLM's KV event objects built natively from the
+//!   pool's log); `hash` (vLLM v1's block hashes, natively, for blocks the native loop fills);
+//!   `call` (vLLM's `allocate_slots` arguments); `loop_` (`V1Loop`, the core's v1 walk,
+//!   `schedule()` / `update_from_output()`, run over vLLM's own objects); `engine` (the
+//!   core's `Engine` trait implemented over them); `output` (vLLM's output objects).
 //!
 //! Thread safety: the module requires the GIL (`gil_used = true`); a free-threaded interpreter
 //! re-enables the GIL when importing it. Each object serves one call at a time; a concurrent or
@@ -36,13 +35,7 @@ mod results;
 mod scheduler;
 mod seqs;
 mod tokens;
-mod v1_call;
-mod v1_engine;
-mod v1_events;
-mod v1_hash;
-mod v1_loop;
-mod v1_manager;
-mod v1_output;
+mod vllm_v1;
 
 #[pymodule(gil_used = true)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -54,11 +47,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyManager>()?;
     m.add_class::<scheduler::PySchedulerCore>()?;
     m.add_class::<scheduler::batch::PyBatchStep>()?;
-    m.add_class::<v1_manager::PyV1Manager>()?;
-    m.add_class::<v1_loop::PyV1Loop>()?;
-    m.add_class::<v1_hash::PyVllmBlockHasher>()?;
+    m.add_class::<vllm_v1::manager::PyV1Manager>()?;
+    m.add_class::<vllm_v1::loop_::PyV1Loop>()?;
+    m.add_class::<vllm_v1::hash::PyVllmBlockHasher>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
-    m.add_function(wrap_pyfunction!(v1_hash::vllm_block_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(vllm_v1::hash::vllm_block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::_set_weak_test_hasher, m)?)?;

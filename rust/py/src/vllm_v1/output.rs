@@ -2,10 +2,10 @@
 //! of `SchedulerOutput` (`NewRequestData`, `CachedRequestData`'s fields), `EngineCoreOutput`,
 //! and the calls into vLLM's prefix lookup and prefill stats.
 
-use crate::v1_engine::{PyEngine, PyReq, Sampled};
-use crate::v1_loop::PyV1Loop;
-use pagedkv_core::v1::engine::{Row, Runner, Step};
-use pagedkv_core::v1::policy::Stop;
+use crate::vllm_v1::engine::{PyEngine, PyReq, Sampled};
+use crate::vllm_v1::loop_::PyV1Loop;
+use pagedkv_core::vllm_v1::engine::{Row, Runner, Step};
+use pagedkv_core::vllm_v1::policy::Stop;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};

@@ -1,15 +1,15 @@
-//! `pagedkv_core::v1::Engine` over vLLM's own objects, for one call of the native loop: the
+//! `pagedkv_core::vllm_v1::Engine` over vLLM's own objects, for one call of the native loop: the
 //! scheduler's `running` list and `waiting` queue (through their own methods), its
 //! `Request`s (fields read and written in place, tokens appended to their own lists), vLLM's
 //! methods for the rare events, and pagedkv's native KV manager (called in Rust). The walk
-//! (`pagedkv_core::v1::walk`) decides; this file reads and writes where vLLM's loop does.
+//! (`pagedkv_core::vllm_v1::walk`) decides; this file reads and writes where vLLM's loop does.
 
-use crate::v1_hash::extend_block_hashes;
-use crate::v1_loop::{Fixed, FixedMap, PyV1Loop};
-use crate::v1_output::{self, ModelOutput};
-use pagedkv_core::v1::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
-use pagedkv_core::v1::policy::{self, Limits, Stop, StopRule};
-use pagedkv_core::v1::SlotRequest;
+use crate::vllm_v1::hash::extend_block_hashes;
+use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
+use crate::vllm_v1::output::{self, ModelOutput};
+use pagedkv_core::vllm_v1::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
+use pagedkv_core::vllm_v1::policy::{self, Limits, Stop, StopRule};
+use pagedkv_core::vllm_v1::SlotRequest;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
@@ -468,7 +468,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<Vec<u32>>, u64)> {
-        let (blocks, num_local) = v1_output::prefix_hit(&self.sched, &r.obj)?;
+        let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
         let ids = self.lp.manager.get().hit_ids(self.py(), &blocks)?;
         Ok((ids, num_local))
     }
@@ -520,7 +520,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn scheduler_output(&mut self, step: &Step<PyReq<'py>>) -> PyResult<Bound<'py, PyTuple>> {
-        v1_output::scheduler_output(self, step)
+        output::scheduler_output(self, step)
     }
 
     fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64)>> {
@@ -576,7 +576,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         emit: bool,
     ) -> PyResult<Pending<'py>> {
         let prefill_stats = match emit {
-            true => v1_output::take_prefill_stats(&self.sched, &r.obj)?,
+            true => output::take_prefill_stats(&self.sched, &r.obj)?,
             false => None,
         };
         let logprobs = self.io()?.mro.new_logprobs(&r.obj, s)?;
@@ -604,13 +604,13 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         if !emit {
             return Ok(());
         }
-        let fields = v1_output::OutputFields {
+        let fields = output::OutputFields {
             tokens: s.list,
             stop,
             logprobs: p.logprobs,
             prefill_stats: p.prefill_stats,
         };
-        let output = v1_output::build_output(lp, r, &io.mro, fields)?;
+        let output = output::build_output(lp, r, &io.mro, fields)?;
         let client = r.f.client;
         match io.outputs.iter().find(|(c, _)| *c == client) {
             Some((_, list)) => list.append(output),

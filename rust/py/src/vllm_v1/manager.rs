@@ -1,4 +1,4 @@
-//! `V1Manager`: vLLM v1's KV cache manager for one full-attention group (`pagedkv_core::v1`),
+//! `V1Manager`: vLLM v1's KV cache manager for one full-attention group (`pagedkv_core::vllm_v1`),
 //! for `pagedkv.vllm_v1`. Requests are named by their `request_id` strings; block hashes are
 //! read in place from `request.block_hashes` (a list of `bytes`), only those a call needs.
 //! Every method reads its arguments before it takes the manager, and the core plans before it
@@ -7,9 +7,9 @@
 
 use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
-use crate::v1_call::SlotArgs;
-use crate::v1_events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
-use pagedkv_core::v1::{self, HashKey, HashSource, SlotRequest};
+use crate::vllm_v1::call::SlotArgs;
+use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
+use pagedkv_core::vllm_v1::{self as v1, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};

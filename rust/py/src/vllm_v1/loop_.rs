@@ -1,12 +1,12 @@
 //! `V1Loop`: vLLM v1's `Scheduler.schedule()` and `update_from_output()` for the in-scope
-//! path, run by the core's walk (`pagedkv_core::v1::walk`) over vLLM's own objects through
-//! `crate::v1_engine` (the scheduler's `running` list and `waiting` queue, its `Request`s,
+//! path, run by the core's walk (`pagedkv_core::vllm_v1::walk`) over vLLM's own objects through
+//! `crate::vllm_v1::engine` (the scheduler's `running` list and `waiting` queue, its `Request`s,
 //! pagedkv's native KV manager called in Rust).
 //!
 //! There is no second copy of any state: everything the walk decides is written where vLLM's
 //! loop writes it, so vLLM's Python loop can run the next step (the per-step switch in
 //! `pagedkv.vllm_v1._native_loop`). This file holds the class, the objects it is built with
-//! and the [`Mode`] decided then; `crate::v1_output` builds what leaves the scheduler.
+//! and the [`Mode`] decided then; `crate::vllm_v1::output` builds what leaves the scheduler.
 //!
 //! Errors: a call that raises stops where the exception arose; what the walk wrote before
 //! (request fields, queue moves, blocks allocated or freed, the step counter) stays written,
@@ -15,12 +15,12 @@
 //! Cost per step: O(scheduled requests) attribute reads and writes plus one list append per
 //! sampled token; one Python call per admitted, preempted or finished request.
 
-use crate::v1_engine::{PyEngine, UpdateIo};
-use crate::v1_manager::PyV1Manager;
-use crate::v1_output::ModelOutput;
-use pagedkv_core::v1::block_hash::HashFn;
-use pagedkv_core::v1::policy::{self, StopRule};
-use pagedkv_core::v1::{Mode, Release, Walk};
+use crate::vllm_v1::engine::{PyEngine, UpdateIo};
+use crate::vllm_v1::manager::PyV1Manager;
+use crate::vllm_v1::output::ModelOutput;
+use pagedkv_core::vllm_v1::block_hash::HashFn;
+use pagedkv_core::vllm_v1::policy::{self, StopRule};
+use pagedkv_core::vllm_v1::{Mode, Release, Walk};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString, PyTuple};
@@ -125,7 +125,7 @@ pub struct Fixed {
     pub max_tokens: u64,
     /// `block_hashes` when the request has a block hasher.
     pub hashes: Option<Py<PyAny>>,
-    /// The hash function when that hasher is vLLM's own (see `crate::v1_hash`).
+    /// The hash function when that hasher is vLLM's own (see `crate::vllm_v1::hash`).
     pub hash_fn: Option<HashFn>,
     pub rule: StopRule,
     pub client: i64,
