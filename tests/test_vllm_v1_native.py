@@ -268,7 +268,7 @@ def loop_config(**overrides) -> dict:
 
 def bound_manager() -> _native.V1Manager:
     m = manager(num_blocks=16, events=False)
-    m.bind_vllm("EMPTY", lambda ids: ("blocks", ids), WAITING, PREEMPTED, None, FakeRequest)
+    m.bind_vllm("EMPTY", lambda ids: ("blocks", ids), WAITING, PREEMPTED, FakeRequest)
     return m
 
 

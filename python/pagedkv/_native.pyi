@@ -504,7 +504,6 @@ class V1Manager:
         blocks_cls: Any,
         waiting: Any,
         preempted: Any,
-        on_events: Any,
         request_cls: Any = None,
     ) -> None:
         """Give ``vllm_allocate_slots`` its Python objects (once)."""

@@ -7,7 +7,7 @@ them into vLLM's own ``BlockStored`` / ``BlockRemoved`` / ``AllBlocksCleared`` o
 fields vLLM's ``BlockPool`` fills (vLLM's helpers for extra keys and hash conversion are called,
 so the content is vLLM's by construction), right after each native call, while the request is
 at hand; the order is the pool's. The native manager builds the frequent ones itself, with the
-same contents (``rust/py/src/v1_events.rs``): ``BlockRemoved``, and ``BlockStored`` for a
+same contents (``rust/py/src/vllm_v1/events.rs``): ``BlockRemoved``, and ``BlockStored`` for a
 request without extra hash keys; they arrive here as ``("event", object, 0)``.
 """
 
@@ -77,7 +77,7 @@ class EventBuilder:
     def bind_native(self, native: Any) -> None:
         """Have ``native`` build ``BlockRemoved`` (one per evicted block) and, for requests
         without extra hash keys, ``BlockStored`` itself where the structs' fields start as
-        this module writes them (``rust/py/src/v1_events.rs``; equal objects)."""
+        this module writes them (``rust/py/src/vllm_v1/events.rs``; equal objects)."""
         if self._removed_positional:
             native.bind_removed_events(self._removed_cls, self._medium, self._int_hashes)
         if self._stored_positional:

@@ -159,7 +159,6 @@ class KVCacheManager:
         self.empty_kv_cache_blocks = _blocks.make_empty_blocks(KVCacheBlocks)
         self._Blocks = _blocks.make_blocks_class(KVCacheBlocks, self._native)
         self._events: List[Any] = []
-        on_events = self._drain_events if self._builder is not None else None
         if self._builder is not None:
             self._builder.bind_native(self._native)
             # Allocations append their events to this list natively (the list object stays
@@ -169,7 +168,6 @@ class KVCacheManager:
             self.empty_kv_cache_blocks,
             self._Blocks,
             *self._admitting,
-            on_events,
             _request_cls_with_plain_num_tokens(),
         )
         # The scheduler's hottest call goes straight to Rust (same signature and result as

@@ -4,8 +4,9 @@
 //!
 //! * [`vllm_042`]: vLLM 0.4.2's generation: the chained block hash, two-device pools with LRU
 //!   eviction, `BlockSpaceManagerV1`'s semantics, vLLM 0.4.2's scheduler and batch step.
-//! * [`v1`]: vLLM's v1 engine (0.32, 0.33): the free-block queue, the pool and KV cache
-//!   manager, vLLM's block hash byte for byte, the scheduler's rules.
+//! * [`vllm_v1`]: vLLM's v1 engine (0.32, 0.33): its block pool, KV cache manager and block
+//!   hash, and the scheduler's rules and walk (`schedule` / `update_from_output`, generic over
+//!   an engine).
 //! * Shared: [`error`] (typed errors), [`limits`] (size bounds), [`mem`] (fallible
 //!   allocation), [`id_map`] (maps keyed by engine-assigned integer ids).
 
@@ -13,8 +14,8 @@ pub mod error;
 pub mod id_map;
 pub mod limits;
 pub mod mem;
-pub mod v1;
 pub mod vllm_042;
+pub mod vllm_v1;
 
 #[cfg(test)]
 mod rng;

@@ -1,9 +1,9 @@
-//! vLLM v1 manager (`pagedkv_core::v1`): memory per block with every block cached, measured
+//! vLLM v1 manager (`pagedkv_core::vllm_v1`): memory per block with every block cached, measured
 //! with a counting allocator and checked against `Manager::heap_bytes` (what
 //! `V1Manager.heap_bytes()` reports and tests/vllm_v1/test_memory.py compares with vLLM's
 //! `KVCacheBlock`). One test only: the counter is process-wide. `--nocapture` prints the numbers.
 
-use pagedkv_core::v1::{Config, HashKey, Manager, SlotRequest};
+use pagedkv_core::vllm_v1::{Config, HashKey, Manager, SlotRequest};
 
 mod common;
 

@@ -4,11 +4,12 @@
 //!
 //! * `vllm_042`: vLLM 0.4.2's generation (the classes behind the `pagedkv` root API; its own
 //!   header lists its files);
-//! * `v1_manager`: vLLM v1's KV cache manager (one full-attention group) for `pagedkv.vllm_v1`;
-//!   `v1_events`: vLLM's KV event objects built natively from the v1 pool's log; `v1_hash`:
-//!   vLLM v1's block hashes, natively; `v1_loop`: vLLM v1's `schedule()` /
-//!   `update_from_output()` walk over vLLM's own objects; `v1_call`: `allocate_slots`'s
-//!   arguments with vLLM's defaults;
+//! * `vllm_v1`: vLLM v1 (0.32, 0.33): `manager` (its KV cache manager, one full-attention
+//!   group, for `pagedkv.vllm_v1`); `events` (vLLM's KV event objects built natively from the
+//!   pool's log); `hash` (vLLM v1's block hashes, natively, for blocks the native loop fills);
+//!   `call` (vLLM's `allocate_slots` arguments); `loop_` (`V1Loop`, the core's v1 walk,
+//!   `schedule()` / `update_from_output()`, run over vLLM's own objects); `engine` (the
+//!   core's `Engine` trait implemented over them); `output` (vLLM's output objects);
 //! * shared: `args` (integer, real and device arguments), `errors` (core errors to
 //!   `pagedkv.errors`).
 //!
@@ -20,12 +21,8 @@ use pyo3::prelude::*;
 
 mod args;
 mod errors;
-mod v1_call;
-mod v1_events;
-mod v1_hash;
-mod v1_loop;
-mod v1_manager;
 mod vllm_042;
+mod vllm_v1;
 
 use vllm_042::{compat_enum, hashing, manager, pool, scheduler};
 
@@ -39,11 +36,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<manager::PyManager>()?;
     m.add_class::<scheduler::PySchedulerCore>()?;
     m.add_class::<scheduler::batch::PyBatchStep>()?;
-    m.add_class::<v1_manager::PyV1Manager>()?;
-    m.add_class::<v1_loop::PyV1Loop>()?;
-    m.add_class::<v1_hash::PyVllmBlockHasher>()?;
+    m.add_class::<vllm_v1::manager::PyV1Manager>()?;
+    m.add_class::<vllm_v1::loop_::PyV1Loop>()?;
+    m.add_class::<vllm_v1::hash::PyVllmBlockHasher>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
-    m.add_function(wrap_pyfunction!(v1_hash::vllm_block_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(vllm_v1::hash::vllm_block_hash, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::_set_weak_test_hasher, m)?)?;

@@ -6,16 +6,25 @@
 //! * [`free_queue`]: the free-block queue (intrusive doubly linked list, vLLM's order);
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
-//! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` that pagedkv runs natively.
+//! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
+//! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
+//!   [`Mode`] (release, async) it runs in;
+//! * [`walk`]: vLLM v1's `schedule()` and `update_from_output()`, generic over [`Engine`].
 
 pub mod block_hash;
+pub mod engine;
 pub mod free_queue;
 pub mod manager;
 pub mod policy;
 pub mod pool;
+pub mod walk;
 
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod walk_tests;
 
+pub use engine::{Engine, Mode, Release, Runner, Settings, Status};
 pub use manager::{Config, HashSource, Manager, SlotRequest};
 pub use pool::{Event, HashKey, Pool, NULL_BLOCK};
+pub use walk::Walk;

@@ -4,7 +4,7 @@
 //! extra hash keys (LoRA, multimodal inputs, a cache salt, prompt embeddings) or of another
 //! class than vLLM's `Request` is left to the Python builder, which calls vLLM's helpers.
 
-use pagedkv_core::v1::{Event, HashKey};
+use pagedkv_core::vllm_v1::{Event, HashKey};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyTuple};

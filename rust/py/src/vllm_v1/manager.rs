@@ -1,4 +1,4 @@
-//! `V1Manager`: vLLM v1's KV cache manager for one full-attention group (`pagedkv_core::v1`),
+//! `V1Manager`: vLLM v1's KV cache manager for one full-attention group (`pagedkv_core::vllm_v1`),
 //! for `pagedkv.vllm_v1`. Requests are named by their `request_id` strings; block hashes are
 //! read in place from `request.block_hashes` (a list of `bytes`), only those a call needs.
 //! Every method reads its arguments before it takes the manager, and the core plans before it
@@ -7,9 +7,9 @@
 
 use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
-use crate::v1_call::SlotArgs;
-use crate::v1_events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
-use pagedkv_core::v1::{self, HashKey, HashSource, SlotRequest};
+use crate::vllm_v1::call::SlotArgs;
+use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
+use pagedkv_core::vllm_v1::{self as v1, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
@@ -36,8 +36,6 @@ struct VllmBinding {
     /// `RequestStatus.WAITING`, `RequestStatus.PREEMPTED` (the watermark applies to these).
     waiting: Py<PyAny>,
     preempted: Py<PyAny>,
-    /// Called with the request after a call that logged KV events (`None`: events off).
-    on_events: Option<Py<PyAny>>,
     /// vLLM's `Request` class when its `num_tokens` property is `len(self._all_token_ids)`
     /// (checked by the caller): requests of exactly this class are read without running it.
     request_cls: Option<Py<PyAny>>,
@@ -135,8 +133,8 @@ impl PyV1Manager {
     }
 
     /// `allocate_slots` for `request`: the new block ids (empty: none is new), `None` when
-    /// they do not fit. KV events the call logged are handed to the bound callback.
-    pub(crate) fn allocate_ids<'py>(
+    /// they do not fit.
+    fn allocate_ids<'py>(
         &self,
         py: Python<'py>,
         request: &Bound<'py, PyAny>,
@@ -156,7 +154,9 @@ impl PyV1Manager {
         self.allocate_prepared(py, request, rid, &slots)
     }
 
-    /// `allocate_slots` for the request named `rid`, its fields already read (`slots`).
+    /// `allocate_slots` for the request named `rid`, its fields already read (`slots`): the
+    /// one route into the manager's allocation (vLLM's `allocate_slots` and the native loop).
+    /// KV events the call logged go to the bound sink.
     pub(crate) fn allocate_prepared<'py>(
         &self,
         py: Python<'py>,
@@ -164,7 +164,7 @@ impl PyV1Manager {
         rid: &str,
         slots: &SlotRequest<'_>,
     ) -> PyResult<Option<Vec<u32>>> {
-        let b = self.binding()?;
+        self.binding()?;
         let mut hashes = PyHashes::of_request(request);
         let (ids, logged) = {
             let mut m = self.lock()?;
@@ -172,13 +172,13 @@ impl PyV1Manager {
             (ids, m.pool().has_events())
         };
         if logged {
-            self.publish_events(py, b, request)?;
+            self.publish_events(py, request)?;
         }
         Ok(ids)
     }
 
     /// vLLM's `cache_blocks(request, num_tokens)` as the manager's Python method does it
-    /// (nothing when caching is off; KV events handed to the bound callback).
+    /// (nothing when caching is off; KV events go to the bound sink).
     pub(crate) fn cache_for<'py>(
         &self,
         py: Python<'py>,
@@ -186,7 +186,7 @@ impl PyV1Manager {
         rid: &str,
         num_tokens: u64,
     ) -> PyResult<()> {
-        let b = self.binding()?;
+        self.binding()?;
         let mut hashes = PyHashes::of_request(request);
         let logged = {
             let mut m = self.lock()?;
@@ -197,29 +197,32 @@ impl PyV1Manager {
             m.pool().has_events()
         };
         if logged {
-            self.publish_events(py, b, request)?;
+            self.publish_events(py, request)?;
         }
         Ok(())
     }
 
-    /// The block table of the request named by `request_id` (a `str`).
-    pub(crate) fn table_of(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.blocks(request_id.to_str()?).to_vec())
+    /// The block table of the request named `rid`.
+    pub(crate) fn table_of(&self, rid: &str) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.blocks(rid).to_vec())
     }
 
-    /// After a call that logged KV events: with a sink bound, the events go straight into
-    /// its list (built here, or by its builder for the kinds built in Python), in the pool's
-    /// order; else the bound callback collects them.
-    fn publish_events(
+    /// The block ids of a prefix-cache hit (`KVCacheBlocks`); `None` for vLLM's shared
+    /// empty blocks.
+    pub(crate) fn hit_ids(
         &self,
         py: Python<'_>,
-        b: &VllmBinding,
-        request: &Bound<'_, PyAny>,
-    ) -> PyResult<()> {
+        blocks: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<u32>>> {
+        computed_ids(py, self.binding()?, Some(blocks))
+    }
+
+    /// After an allocation or caching call that logged KV events: with a sink bound, the
+    /// events go straight into its list (built here, or by its builder for the kinds built
+    /// in Python), in the pool's order; without one they stay in the pool's log for
+    /// `take_events` (the one other way out of the log).
+    fn publish_events(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
         let Some(sink) = self.event_sink.get() else {
-            if let Some(cb) = &b.on_events {
-                cb.bind(py).call1((request,))?;
-            }
             return Ok(());
         };
         let events = self.lock()?.pool_mut().take_events();
@@ -346,14 +349,13 @@ impl PyV1Manager {
     }
 
     /// Give `vllm_allocate_slots` its Python objects (once).
-    #[pyo3(signature = (empty, blocks_cls, waiting, preempted, on_events, request_cls=None))]
+    #[pyo3(signature = (empty, blocks_cls, waiting, preempted, request_cls=None))]
     fn bind_vllm(
         &self,
         empty: Py<PyAny>,
         blocks_cls: Py<PyAny>,
         waiting: Py<PyAny>,
         preempted: Py<PyAny>,
-        on_events: Option<Py<PyAny>>,
         request_cls: Option<Py<PyAny>>,
     ) -> PyResult<()> {
         let b = VllmBinding {
@@ -361,7 +363,6 @@ impl PyV1Manager {
             blocks_cls,
             waiting,
             preempted,
-            on_events,
             request_cls,
         };
         self.vllm

@@ -3,8 +3,7 @@
 //! preemption picks, and when an appended token stops a request.
 //!
 //! Each rule is a pure function of numbers the caller reads off vLLM's `Request` and the
-//! scheduler (no state here): the walk over vLLM's own queues lives in the bindings
-//! (`rust/py/src/v1_loop.rs`), which call these in vLLM's order. Sources:
+//! scheduler (no state here): the walk ([`super::walk`]) calls these in vLLM's order. Sources:
 //! `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`) and `vllm/v1/core/sched/utils.py`
 //! (`check_stop`). Every function is O(1) but [`priority_victim`], O(running).
 

@@ -1,4 +1,4 @@
-//! vLLM v1's block hashes computed natively for the native loop (`pagedkv_core::v1::block_hash`)
+//! vLLM v1's block hashes computed natively for the native loop (`pagedkv_core::vllm_v1::block_hash`)
 //! and appended to the request's own `block_hashes` list, as its `update_block_hashes` would.
 //!
 //! Also `VllmBlockHasher`, the same hashing as a stand-in for vLLM's per-request hasher, for
@@ -9,7 +9,7 @@
 //! per request by `pagedkv.vllm_v1._hashing`), the block has a parent hash, and every token
 //! is an exact `int` the encoding covers. Anything else runs vLLM's hasher.
 
-use pagedkv_core::v1::block_hash::{block_hash, HashFn};
+use pagedkv_core::vllm_v1::block_hash::{block_hash, HashFn};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList};

@@ -1,0 +1,483 @@
+//! vLLM v1's scheduling step for the path pagedkv runs natively: `Scheduler.schedule()` (the
+//! running pass, preemption, the waiting pass, `_update_after_schedule`) and
+//! `update_from_output()` (`_update_request_with_output`, `check_stop`, freeing finished
+//! requests), over any [`Engine`]. The numbers are [`super::policy`]'s rules; this file is the
+//! order vLLM applies them in, with the release and scheduler switches of [`Mode`].
+//!
+//! Sources: `vllm/v1/core/sched/scheduler.py` and `async_scheduler.py` (0.32, 0.33). Cost per
+//! step: O(scheduled requests) engine calls, plus O(running) per PRIORITY preemption.
+
+use super::engine::{Engine, Mode, Release, Row, Runner, Settings, Status, Step};
+use super::policy::{self, Budget, RunningRow, Stop};
+use super::SlotRequest;
+use crate::Error;
+
+/// A running request's allocation: its new block ids (`None`: it was preempted itself) and
+/// whether anything was preempted for it.
+struct Allocated {
+    ids: Option<Vec<u32>>,
+    preempted: bool,
+}
+
+/// One call of the walk: the engine, its mode and the settings read at the call's start.
+pub struct Walk<'e, E: Engine> {
+    e: &'e mut E,
+    mode: Mode,
+    set: Settings,
+}
+
+impl<'e, E: Engine> Walk<'e, E> {
+    pub fn new(e: &'e mut E, mode: Mode) -> Result<Self, E::Error> {
+        let set = e.settings()?;
+        Ok(Walk { e, mode, set })
+    }
+
+    fn invalid(&self, what: &str) -> E::Error {
+        self.e.error(Error::invalid(what))
+    }
+
+    /// `Scheduler.schedule()`: the running pass, then (when it preempted nothing) the waiting
+    /// pass; the engine builds the output before `_update_after_schedule` advances the rows.
+    pub fn schedule(mut self) -> Result<E::Scheduled, E::Error> {
+        let start = self.e.begin_schedule(&self.mode)?;
+        let step = start.current_step + 1;
+        self.e.set_current_step(step)?;
+        let mut budget = Budget {
+            tokens: self.set.max_num_scheduled_tokens,
+            input: self.set.max_num_batched_tokens,
+        };
+        let threshold =
+            policy::long_prefill_threshold(&self.set.limits, start.num_eligible, budget.input);
+        let mut rows = Vec::with_capacity(self.e.running_len());
+        let preempted = self.running_pass(step, threshold, &mut budget, &mut rows)?;
+        let num_running_rows = rows.len();
+        if !preempted {
+            self.waiting_pass(threshold, &mut budget, &mut rows)?;
+        }
+        let total: u64 = rows.iter().map(|r| r.tokens).sum();
+        if let (Some(n), true) = (start.num_executed_steps, total > 0) {
+            self.e.set_num_executed_steps(n + 1)?;
+        }
+        if self.e.running_len() > self.set.max_num_running_reqs {
+            return Err(self.invalid("more running requests than max_num_seqs"));
+        }
+        let out = Step {
+            rows,
+            num_running_rows,
+            total,
+            runner: self.set.runner,
+        };
+        let scheduled = self.e.scheduler_output(&out)?;
+        self.update_after_schedule(step, &out.rows)?;
+        Ok(scheduled)
+    }
+
+    /// The running pass: each running request in order gets `policy::running_tokens`; when
+    /// its blocks do not fit, `_preempt_request` frees a victim and the allocation is retried.
+    /// Returns whether anything was preempted.
+    fn running_pass(
+        &mut self,
+        step: u64,
+        threshold: u64,
+        budget: &mut Budget,
+        rows: &mut Vec<Row<E::Req>>,
+    ) -> Result<bool, E::Error> {
+        let mut preempted_any = false;
+        let mut i = 0;
+        while i < self.e.running_len() && budget.tokens > 0 && budget.input > 0 {
+            let req = self.e.running_at(i)?;
+            let row = self.running_row(&req)?;
+            let mut n = policy::running_tokens(&self.set.limits, &row, threshold, budget);
+            if n > 0 && self.set.runner == Runner::V2 {
+                // The v2 runner's pipeline stagger: `current_step < next_decode_eligible_step`.
+                if step < self.e.next_decode_eligible_step(&req)? {
+                    n = 0;
+                }
+            }
+            if n == 0 {
+                i += 1;
+                continue;
+            }
+            let slots = SlotRequest {
+                num_computed_tokens: row.num_computed_tokens,
+                num_tokens: row.num_tokens_with_spec,
+                waiting_or_preempted: self.e.status(&req)?.waiting_or_preempted(),
+                num_new_tokens: n,
+                has_scheduled_reqs: true,
+                ..SlotRequest::default()
+            };
+            let blocks = self.allocate_or_preempt(&req, &slots, &mut i, rows, budget)?;
+            preempted_any |= blocks.preempted;
+            let Some(ids) = blocks.ids else {
+                // The request preempted itself: 0.33 goes on under PRIORITY, else the pass ends.
+                let priority_033 = self.set.priority && self.mode.release == Release::V033;
+                if priority_033 && self.e.status(&req)? == Status::Preempted {
+                    continue;
+                }
+                break;
+            };
+            budget.take(n);
+            rows.push(Row {
+                req,
+                tokens: n,
+                blocks: (!ids.is_empty()).then_some(ids),
+                resumed: false,
+                num_computed_tokens: row.num_computed_tokens,
+                num_tokens: row.num_tokens_with_spec,
+                placeholders: row.num_output_placeholders,
+            });
+            i += 1;
+        }
+        Ok(preempted_any)
+    }
+
+    /// `allocate_slots` for a running request, preempting a victim (`_preempt_request`) and
+    /// retrying until it fits or the request itself was the victim (then `ids` is `None`).
+    fn allocate_or_preempt(
+        &mut self,
+        req: &E::Req,
+        slots: &SlotRequest<'_>,
+        i: &mut usize,
+        rows: &mut Vec<Row<E::Req>>,
+        budget: &mut Budget,
+    ) -> Result<Allocated, E::Error> {
+        let mut preempted = false;
+        loop {
+            if let Some(ids) = self.e.allocate(req, slots)? {
+                return Ok(Allocated {
+                    ids: Some(ids),
+                    preempted,
+                });
+            }
+            let victim = self.pick_victim(i, rows, budget)?;
+            self.e.preempt(&victim)?;
+            preempted = true;
+            if victim == *req {
+                return Ok(Allocated {
+                    ids: None,
+                    preempted,
+                });
+            }
+        }
+    }
+
+    fn running_row(&mut self, req: &E::Req) -> Result<RunningRow, E::Error> {
+        Ok(RunningRow {
+            num_computed_tokens: self.e.num_computed_tokens(req)?,
+            // No drafts in scope: `num_tokens_with_spec` is `num_tokens`.
+            num_tokens_with_spec: self.e.num_tokens(req),
+            num_output_placeholders: self.placeholders(req)?,
+            num_prompt_tokens: self.e.num_prompt_tokens(req),
+            max_tokens: self.e.max_tokens(req),
+        })
+    }
+
+    /// `num_output_placeholders`: only vLLM's `AsyncScheduler` adds any.
+    fn placeholders(&self, req: &E::Req) -> Result<u64, E::Error> {
+        match self.mode.asynchronous {
+            true => self.e.num_output_placeholders(req),
+            false => Ok(0),
+        }
+    }
+
+    /// Take the preemption victim out of `running`: FCFS, the last; PRIORITY, the first
+    /// maximum of `(priority, arrival_time)`, giving back what it was scheduled this step.
+    fn pick_victim(
+        &mut self,
+        i: &mut usize,
+        rows: &mut Vec<Row<E::Req>>,
+        budget: &mut Budget,
+    ) -> Result<E::Req, E::Error> {
+        if !self.set.priority {
+            let last = self.e.running_len() - 1;
+            return self.e.running_remove(last);
+        }
+        let keys = self.e.running_priority_keys()?;
+        let at = policy::priority_victim(keys).unwrap_or(0);
+        let victim = self.e.running_remove(at)?;
+        if at < *i {
+            *i -= 1;
+        }
+        if let Some(k) = rows.iter().position(|r| r.req == victim) {
+            budget.give_back(rows.remove(k).tokens);
+        }
+        Ok(victim)
+    }
+
+    /// The waiting pass: admit from the head of `waiting` while requests fit; a request with
+    /// stale output still to deliver is skipped (deferred) and put back at the head after.
+    fn waiting_pass(
+        &mut self,
+        threshold: u64,
+        budget: &mut Budget,
+        rows: &mut Vec<Row<E::Req>>,
+    ) -> Result<(), E::Error> {
+        let mut skipped = Vec::new();
+        while budget.tokens > 0 {
+            if self.e.waiting_len()? == 0 || budget.input == 0 {
+                break;
+            }
+            if self.e.running_len() >= self.set.max_num_active_reqs {
+                break;
+            }
+            let req = self.e.waiting_peek()?;
+            if self.has_deliverable_stale_output(&req)? {
+                let r = self.e.waiting_pop()?;
+                self.e.deferred_add(&r)?;
+                skipped.insert(0, r);
+                continue;
+            }
+            if !self.admit(&req, threshold, budget, rows)? {
+                break;
+            }
+        }
+        if !skipped.is_empty() {
+            self.e.waiting_prepend(skipped)?;
+        }
+        let waiting = self.e.waiting_len()? + self.e.kv_holding_len()?;
+        let bound = waiting > self.e.deferred_len()?;
+        self.e.set_prefill_capacity_bound(bound)
+    }
+
+    fn has_deliverable_stale_output(&self, req: &E::Req) -> Result<bool, E::Error> {
+        Ok(self.e.num_stale_output_tokens(req)? > 0 && !self.e.drop_stale_output(req)?)
+    }
+
+    /// Admit the head of `waiting` (a prefix lookup when nothing is computed, then
+    /// `allocate_slots`); false ends the waiting pass.
+    fn admit(
+        &mut self,
+        req: &E::Req,
+        threshold: u64,
+        budget: &mut Budget,
+        rows: &mut Vec<Row<E::Req>>,
+    ) -> Result<bool, E::Error> {
+        let computed_before = self.e.num_computed_tokens(req)?;
+        let lookup = computed_before == 0;
+        let (hit, num_local) = match lookup {
+            true => self.e.prefix_hit(req)?,
+            false => (None, 0),
+        };
+        let num_computed = if lookup { num_local } else { computed_before };
+        let num_tokens = self.e.num_tokens(req);
+        let lim = &self.set.limits;
+        let Some(n) = policy::waiting_tokens(lim, num_tokens, num_computed, threshold, budget)
+        else {
+            return Ok(false);
+        };
+        if n == 0 {
+            return Err(self.invalid("a waiting request with nothing to schedule"));
+        }
+        let status = self.e.status(req)?;
+        let slots = SlotRequest {
+            num_computed_tokens: computed_before,
+            num_tokens,
+            waiting_or_preempted: status.waiting_or_preempted(),
+            num_new_tokens: n,
+            num_new_computed_tokens: num_local,
+            new_computed: hit.as_deref(),
+            full_sequence_must_fit: self.set.reserve_full_isl,
+            has_scheduled_reqs: self.e.running_len() > 0,
+            ..SlotRequest::default()
+        };
+        if self.e.allocate(req, &slots)?.is_none() {
+            return Ok(false);
+        }
+        if lookup {
+            self.e.record_prefix_cache_stats(req, num_local)?;
+        }
+        self.start_running(req, n, num_computed, budget, rows)?;
+        Ok(true)
+    }
+
+    /// The admitted request leaves `waiting` for `running` with its whole block table.
+    fn start_running(
+        &mut self,
+        peeked: &E::Req,
+        n: u64,
+        num_computed: u64,
+        budget: &mut Budget,
+        rows: &mut Vec<Row<E::Req>>,
+    ) -> Result<(), E::Error> {
+        let req = self.e.waiting_pop()?;
+        debug_assert!(req == *peeked);
+        self.e.deferred_discard(&req)?;
+        self.e.running_push(&req)?;
+        self.e.record_scheduled(&req)?;
+        let resumed = self.e.status(&req)? != Status::Waiting;
+        let table = self.e.block_table(&req)?;
+        budget.take(n);
+        self.e.set_running(&req)?;
+        self.e.set_num_computed_tokens(&req, num_computed)?;
+        let num_tokens = self.e.num_tokens(&req);
+        if num_computed + n < num_tokens {
+            self.e.inflight_prefills_add(&req)?;
+        }
+        let placeholders = self.placeholders(&req)?;
+        rows.push(Row {
+            req,
+            tokens: n,
+            blocks: (!table.is_empty()).then_some(table),
+            resumed,
+            num_computed_tokens: num_computed,
+            num_tokens,
+            placeholders,
+        });
+        Ok(())
+    }
+
+    /// `_update_after_schedule`: each row advances by its tokens; under `AsyncScheduler` a
+    /// row that completes its prefill (or decodes) gets an output placeholder.
+    fn update_after_schedule(&mut self, step: u64, rows: &[Row<E::Req>]) -> Result<(), E::Error> {
+        let any_inflight = self.e.inflight_prefills_len()? > 0;
+        let eligible = match self.set.runner {
+            Runner::V2 => Some(step + self.mode.decode_stagger),
+            Runner::V1 => None,
+        };
+        for r in rows {
+            let computed = r.num_computed_tokens + r.tokens;
+            self.e.set_num_computed_tokens(&r.req, computed)?;
+            let in_flight = self.e.num_in_flight_tokens(&r.req)? + r.tokens;
+            self.e.set_num_in_flight_tokens(&r.req, in_flight)?;
+            let chunk = computed < r.num_tokens + r.placeholders;
+            self.e.set_is_prefill_chunk(&r.req, chunk)?;
+            if !chunk && any_inflight {
+                self.e.inflight_prefills_discard(&r.req)?;
+            }
+            if self.mode.asynchronous && !chunk {
+                self.e
+                    .set_num_output_placeholders(&r.req, r.placeholders + 1)?;
+                self.e.set_async_decode(&r.req, eligible)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `Scheduler.update_from_output()`: each scheduled row takes its sampled tokens; the
+    /// stopped requests are freed, then removed from their queues together.
+    pub fn update_from_output(mut self) -> Result<(), E::Error> {
+        let mut stopped_running = Vec::new();
+        let mut stopped_other = Vec::new();
+        for (req, n) in self.e.scheduled_rows()? {
+            match self.update_row(&req, n)? {
+                Some(true) => stopped_running.push(req),
+                Some(false) => stopped_other.push(req),
+                None => {}
+            }
+        }
+        self.e.remove_stopped(&stopped_running, &stopped_other)
+    }
+
+    /// One row of `update_from_output`; `Some(was_running)` when the request stopped.
+    fn update_row(&mut self, req: &E::Req, n: u64) -> Result<Option<bool>, E::Error> {
+        let in_flight = self.e.num_in_flight_tokens(req)?;
+        self.e
+            .set_num_in_flight_tokens(req, in_flight.saturating_sub(n))?;
+        let stale_tokens = self.e.num_stale_output_tokens(req)?;
+        let stale = stale_tokens > 0;
+        if stale {
+            self.e
+                .set_num_stale_output_tokens(req, stale_tokens.saturating_sub(n))?;
+        }
+        let status = self.e.status(req)?;
+        let was_running = status == Status::Running;
+        // Aborted or finished while in flight; or stale output the request drops.
+        if status == Status::Finished || (stale && self.e.drop_stale_output(req)?) {
+            return Ok(None);
+        }
+        let mut sampled = self.e.sampled(req)?;
+        let returned = self.e.sampled_len(&sampled);
+        let mut stop = None;
+        if returned > 0 {
+            stop = self.update_request_with_output(req, &mut sampled, stale)?;
+            let kept = self.e.sampled_len(&sampled);
+            self.resolve_placeholders(req, stale, was_running, returned, kept)?;
+        }
+        let emit = returned > 0 || stop.is_some();
+        let pending = self.e.begin_output(req, &sampled, emit)?;
+        if stop.is_some() {
+            self.e.free_request(req)?;
+        }
+        self.e.emit_output(req, pending, sampled, stop, emit)?;
+        Ok(stop.map(|_| was_running))
+    }
+
+    /// `_update_request_with_output`: append the sampled tokens one by one, stop at the first
+    /// `check_stop` stops on and drop the rest (0.33 also takes them off the computed tokens).
+    fn update_request_with_output(
+        &mut self,
+        req: &E::Req,
+        sampled: &mut E::Sampled,
+        stale: bool,
+    ) -> Result<Option<Stop>, E::Error> {
+        let rule = self.e.stop_rule(req);
+        let count = self.e.sampled_len(sampled);
+        let cap = self.set.limits.max_model_len;
+        for k in 0..count {
+            let last = self.e.append_output_token(req, sampled, k)?;
+            let num_tokens = self.e.num_tokens(req);
+            let num_out = self.e.num_output_tokens(req)?;
+            let Some(stop) = policy::check_stop(&rule, last, num_tokens, num_out, cap) else {
+                continue;
+            };
+            self.e.set_stopped(req, stop)?;
+            let kept = k + 1;
+            if kept < count {
+                if self.mode.release == Release::V033 && !stale {
+                    let c = self.e.num_computed_tokens(req)?;
+                    let trimmed = (count - kept) as u64;
+                    self.e
+                        .set_num_computed_tokens(req, c.saturating_sub(trimmed))?;
+                }
+                self.e.truncate_sampled(sampled, kept)?;
+            }
+            return Ok(Some(stop));
+        }
+        Ok(None)
+    }
+
+    /// The async placeholders a row's output resolves, and the blocks it lets be cached: 0.33
+    /// resolves by every returned token and caches up to the computed tokens not in flight;
+    /// 0.32 resolves by the kept tokens and caches up to the computed tokens not placeholders.
+    /// Stale output (from before a preemption) resolves nothing.
+    fn resolve_placeholders(
+        &mut self,
+        req: &E::Req,
+        stale: bool,
+        was_running: bool,
+        returned: usize,
+        kept: usize,
+    ) -> Result<(), E::Error> {
+        if !self.mode.asynchronous {
+            return Ok(());
+        }
+        let before = self.e.num_output_placeholders(req)?;
+        let cache_upto = match self.mode.release {
+            Release::V033 => {
+                if !stale && before > 0 {
+                    let left = before.saturating_sub(returned as u64);
+                    self.e.set_num_output_placeholders(req, left)?;
+                }
+                if stale || !was_running || before == 0 {
+                    return Ok(());
+                }
+                let in_flight = self.e.num_in_flight_tokens(req)?;
+                self.e.num_computed_tokens(req)?.saturating_sub(in_flight)
+            }
+            Release::V032 => {
+                let left = match stale {
+                    true => before,
+                    false => before.saturating_sub(kept as u64),
+                };
+                if !stale {
+                    self.e.set_num_output_placeholders(req, left)?;
+                }
+                if !was_running {
+                    return Ok(());
+                }
+                self.e.num_computed_tokens(req)?.saturating_sub(left)
+            }
+        };
+        self.e.cache_blocks(req, cache_upto)
+    }
+}

@@ -1,0 +1,749 @@
+//! The walk's behaviours over a plain Rust engine ([`TestEngine`]: requests, queues and the
+//! core's own v1 manager), each test written from vLLM's scheduler semantics (0.32 / 0.33
+//! `scheduler.py`, `async_scheduler.py`, `utils.check_stop`, `_preempt_request`).
+
+use super::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
+use super::policy::{self, Limits, Stop, StopRule};
+use super::{Config, HashKey, Manager, SlotRequest, Walk};
+use crate::{Error, Result};
+use std::collections::{BTreeSet, HashMap, VecDeque};
+
+#[derive(Clone, Debug)]
+struct TReq {
+    id: String,
+    prompt: u64,
+    all: Vec<i64>,
+    outs: Vec<i64>,
+    rule: StopRule,
+    status: Status,
+    stop: Option<Stop>,
+    computed: u64,
+    placeholders: u64,
+    in_flight: u64,
+    stale: u64,
+    drop_stale: bool,
+    chunk: bool,
+    priority: i64,
+    arrival: f64,
+    next_eligible: u64,
+    preemptions: u32,
+}
+
+struct TestEngine {
+    reqs: Vec<TReq>,
+    /// Requests still in the scheduler's `requests` dict (an abort removes one).
+    known: BTreeSet<usize>,
+    running: Vec<usize>,
+    waiting: VecDeque<usize>,
+    deferred: BTreeSet<usize>,
+    inflight: BTreeSet<usize>,
+    mgr: Manager,
+    set: Settings,
+    step: u64,
+    executed: u64,
+    /// The last `schedule()`'s rows (what `update_from_output` walks).
+    scheduled: Vec<(usize, u64)>,
+    /// The tokens the model returns for each request at the next update.
+    next: HashMap<usize, Vec<i64>>,
+    /// Emitted outputs: (request, tokens, finish).
+    outputs: Vec<(usize, Vec<i64>, Option<Stop>)>,
+    freed: Vec<usize>,
+}
+
+const EOS: i64 = 2;
+
+impl TestEngine {
+    /// `num_blocks` blocks of 4 tokens (one is the null block), caching off.
+    fn new(num_blocks: u32, budget: u64) -> Self {
+        let cfg = Config {
+            num_blocks,
+            block_size: 4,
+            max_model_len: 1 << 20,
+            enable_caching: false,
+            enable_events: false,
+            watermark_blocks: 0,
+        };
+        let limits = Limits {
+            max_model_len: 1 << 20,
+            long_prefill_token_threshold: 0,
+            adaptive_threshold: false,
+            chunked_prefill: true,
+            sampled_per_step: 1,
+        };
+        TestEngine {
+            reqs: Vec::new(),
+            known: BTreeSet::new(),
+            running: Vec::new(),
+            waiting: VecDeque::new(),
+            deferred: BTreeSet::new(),
+            inflight: BTreeSet::new(),
+            mgr: Manager::new(cfg).unwrap(),
+            set: Settings {
+                limits,
+                max_num_scheduled_tokens: budget,
+                max_num_batched_tokens: budget,
+                max_num_active_reqs: 16,
+                max_num_running_reqs: 16,
+                priority: false,
+                reserve_full_isl: false,
+                runner: Runner::V1,
+            },
+            step: 0,
+            executed: 0,
+            scheduled: Vec::new(),
+            next: HashMap::new(),
+            outputs: Vec::new(),
+            freed: Vec::new(),
+        }
+    }
+
+    /// `add_request`: a prompt of `prompt` tokens, `max_tokens`, queued at the tail.
+    fn add(&mut self, prompt: u64, max_tokens: u64) -> usize {
+        let i = self.reqs.len();
+        self.reqs.push(TReq {
+            id: format!("r{i}"),
+            prompt,
+            all: (0..prompt as i64).map(|t| 100 + t).collect(),
+            outs: Vec::new(),
+            rule: StopRule {
+                eos_token_id: Some(EOS),
+                stop_token_ids: vec![7],
+                max_tokens,
+            },
+            status: Status::Waiting,
+            stop: None,
+            computed: 0,
+            placeholders: 0,
+            in_flight: 0,
+            stale: 0,
+            drop_stale: false,
+            chunk: false,
+            priority: 0,
+            arrival: i as f64,
+            next_eligible: 0,
+            preemptions: 0,
+        });
+        self.known.insert(i);
+        self.waiting.push_back(i);
+        i
+    }
+
+    fn schedule(&mut self, mode: Mode) -> Vec<(usize, u64)> {
+        Walk::new(self, mode).unwrap().schedule().unwrap()
+    }
+
+    /// `update_from_output` with `tokens` for every scheduled request (1 token each unless
+    /// given in `next`).
+    fn update(&mut self, mode: Mode) {
+        Walk::new(self, mode).unwrap().update_from_output().unwrap();
+    }
+
+    fn step(&mut self, mode: Mode, token: i64) -> Vec<(usize, u64)> {
+        let rows = self.schedule(mode);
+        for &(r, _) in &rows {
+            self.next.entry(r).or_insert_with(|| vec![token]);
+        }
+        self.update(mode);
+        rows
+    }
+
+    /// vLLM's `finish_requests(..., FINISHED_ABORTED)`: out of its queue, freed, forgotten.
+    fn abort(&mut self, r: usize) {
+        self.running.retain(|&x| x != r);
+        self.waiting.retain(|&x| x != r);
+        self.deferred.remove(&r);
+        self.reqs[r].status = Status::Finished;
+        self.mgr.free(&self.reqs[r].id).unwrap();
+        self.known.remove(&r);
+    }
+
+    fn r(&self, r: usize) -> &TReq {
+        &self.reqs[r]
+    }
+}
+
+fn sync(release: Release) -> Mode {
+    Mode {
+        release,
+        asynchronous: false,
+        decode_stagger: 1,
+    }
+}
+
+fn asynchronous(release: Release) -> Mode {
+    Mode {
+        asynchronous: true,
+        ..sync(release)
+    }
+}
+
+const V33: Release = Release::V033;
+const V32: Release = Release::V032;
+
+impl Engine for TestEngine {
+    type Req = usize;
+    type Error = Error;
+    type Sampled = Vec<i64>;
+    type Pending = ();
+    type Scheduled = Vec<(usize, u64)>;
+
+    fn error(&self, e: Error) -> Error {
+        e
+    }
+    fn settings(&mut self) -> Result<Settings> {
+        Ok(self.set)
+    }
+    fn begin_schedule(&mut self, mode: &Mode) -> Result<Start> {
+        Ok(Start {
+            current_step: self.step,
+            num_executed_steps: (mode.release == V33).then_some(self.executed),
+            num_eligible: (self.running.len() + self.waiting.len()) as u64,
+        })
+    }
+    fn set_current_step(&mut self, step: u64) -> Result<()> {
+        self.step = step;
+        Ok(())
+    }
+    fn set_num_executed_steps(&mut self, n: u64) -> Result<()> {
+        self.executed = n;
+        Ok(())
+    }
+    fn running_len(&self) -> usize {
+        self.running.len()
+    }
+    fn running_at(&mut self, i: usize) -> Result<usize> {
+        Ok(self.running[i])
+    }
+    fn running_remove(&mut self, i: usize) -> Result<usize> {
+        Ok(self.running.remove(i))
+    }
+    fn running_push(&mut self, r: &usize) -> Result<()> {
+        self.running.push(*r);
+        Ok(())
+    }
+    fn running_priority_keys(&self) -> Result<Vec<(i64, f64)>> {
+        Ok(self
+            .running
+            .iter()
+            .map(|&r| (self.reqs[r].priority, self.reqs[r].arrival))
+            .collect())
+    }
+    fn waiting_len(&self) -> Result<usize> {
+        Ok(self.waiting.len())
+    }
+    fn waiting_peek(&mut self) -> Result<usize> {
+        Ok(self.waiting[0])
+    }
+    fn waiting_pop(&mut self) -> Result<usize> {
+        Ok(self.waiting.pop_front().unwrap())
+    }
+    fn waiting_prepend(&mut self, skipped: Vec<usize>) -> Result<()> {
+        // `prepend_requests(deque)` keeps the deque's order at the head.
+        for r in skipped.into_iter().rev() {
+            self.waiting.push_front(r);
+        }
+        Ok(())
+    }
+    fn kv_holding_len(&self) -> Result<usize> {
+        Ok(0)
+    }
+    fn deferred_len(&self) -> Result<usize> {
+        Ok(self.deferred.len())
+    }
+    fn deferred_add(&mut self, r: &usize) -> Result<()> {
+        self.deferred.insert(*r);
+        Ok(())
+    }
+    fn deferred_discard(&mut self, r: &usize) -> Result<()> {
+        self.deferred.remove(r);
+        Ok(())
+    }
+    fn set_prefill_capacity_bound(&mut self, _bound: bool) -> Result<()> {
+        Ok(())
+    }
+    fn inflight_prefills_len(&self) -> Result<usize> {
+        Ok(self.inflight.len())
+    }
+    fn inflight_prefills_add(&mut self, r: &usize) -> Result<()> {
+        self.inflight.insert(*r);
+        Ok(())
+    }
+    fn inflight_prefills_discard(&mut self, r: &usize) -> Result<()> {
+        self.inflight.remove(r);
+        Ok(())
+    }
+    fn status(&self, r: &usize) -> Result<Status> {
+        Ok(self.reqs[*r].status)
+    }
+    fn set_running(&mut self, r: &usize) -> Result<()> {
+        self.reqs[*r].status = Status::Running;
+        Ok(())
+    }
+    fn set_stopped(&mut self, r: &usize, stop: Stop) -> Result<()> {
+        self.reqs[*r].status = Status::Finished;
+        self.reqs[*r].stop = Some(stop);
+        Ok(())
+    }
+    fn num_tokens(&self, r: &usize) -> u64 {
+        self.reqs[*r].all.len() as u64
+    }
+    fn num_prompt_tokens(&self, r: &usize) -> u64 {
+        self.reqs[*r].prompt
+    }
+    fn num_output_tokens(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].outs.len() as u64)
+    }
+    fn max_tokens(&self, r: &usize) -> u64 {
+        self.reqs[*r].rule.max_tokens
+    }
+    fn stop_rule(&self, r: &usize) -> StopRule {
+        self.reqs[*r].rule.clone()
+    }
+    fn num_computed_tokens(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].computed)
+    }
+    fn set_num_computed_tokens(&mut self, r: &usize, n: u64) -> Result<()> {
+        self.reqs[*r].computed = n;
+        Ok(())
+    }
+    fn num_output_placeholders(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].placeholders)
+    }
+    fn set_num_output_placeholders(&mut self, r: &usize, n: u64) -> Result<()> {
+        self.reqs[*r].placeholders = n;
+        Ok(())
+    }
+    fn num_in_flight_tokens(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].in_flight)
+    }
+    fn set_num_in_flight_tokens(&mut self, r: &usize, n: u64) -> Result<()> {
+        self.reqs[*r].in_flight = n;
+        Ok(())
+    }
+    fn num_stale_output_tokens(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].stale)
+    }
+    fn set_num_stale_output_tokens(&mut self, r: &usize, n: u64) -> Result<()> {
+        self.reqs[*r].stale = n;
+        Ok(())
+    }
+    fn drop_stale_output(&self, r: &usize) -> Result<bool> {
+        Ok(self.reqs[*r].drop_stale)
+    }
+    fn set_is_prefill_chunk(&mut self, r: &usize, chunk: bool) -> Result<()> {
+        self.reqs[*r].chunk = chunk;
+        Ok(())
+    }
+    fn next_decode_eligible_step(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].next_eligible)
+    }
+    fn set_async_decode(&mut self, r: &usize, eligible: Option<u64>) -> Result<()> {
+        if let Some(s) = eligible {
+            self.reqs[*r].next_eligible = s;
+        }
+        Ok(())
+    }
+    /// vLLM's `_preempt_request`: blocks freed, status PREEMPTED, nothing computed, the
+    /// in-flight tokens become stale output, placeholders dropped, back at the queue's head.
+    fn preempt(&mut self, r: &usize) -> Result<()> {
+        self.mgr.free(&self.reqs[*r].id)?;
+        self.inflight.remove(r);
+        let q = &mut self.reqs[*r];
+        q.status = Status::Preempted;
+        q.computed = 0;
+        q.drop_stale = q.drop_stale && q.stale > 0;
+        q.stale = q.in_flight;
+        q.placeholders = 0;
+        q.preemptions += 1;
+        self.waiting.push_front(*r);
+        Ok(())
+    }
+    fn prefix_hit(&mut self, _r: &usize) -> Result<(Option<Vec<u32>>, u64)> {
+        Ok((None, 0)) // caching off
+    }
+    fn record_prefix_cache_stats(&mut self, _r: &usize, _hit: u64) -> Result<()> {
+        Ok(())
+    }
+    fn record_scheduled(&mut self, _r: &usize) -> Result<()> {
+        Ok(())
+    }
+    fn free_request(&mut self, r: &usize) -> Result<()> {
+        assert_eq!(self.reqs[*r].status, Status::Finished);
+        self.inflight.remove(r);
+        self.mgr.free(&self.reqs[*r].id)?;
+        self.freed.push(*r);
+        Ok(())
+    }
+    fn remove_stopped(&mut self, running: &[usize], other: &[usize]) -> Result<()> {
+        self.running.retain(|r| !running.contains(r));
+        self.waiting.retain(|r| !other.contains(r));
+        self.deferred.retain(|r| !other.contains(r));
+        Ok(())
+    }
+    fn allocate(&mut self, r: &usize, a: &SlotRequest<'_>) -> Result<Option<Vec<u32>>> {
+        let mut none: &[HashKey] = &[];
+        self.mgr.allocate_slots(&self.reqs[*r].id, a, &mut none)
+    }
+    fn cache_blocks(&mut self, _r: &usize, _num_tokens: u64) -> Result<()> {
+        Ok(()) // caching off
+    }
+    fn block_table(&self, r: &usize) -> Result<Vec<u32>> {
+        Ok(self.mgr.blocks(&self.reqs[*r].id).to_vec())
+    }
+    fn scheduler_output(&mut self, step: &Step<usize>) -> Result<Vec<(usize, u64)>> {
+        self.scheduled = step.rows.iter().map(|r| (r.req, r.tokens)).collect();
+        Ok(self.scheduled.clone())
+    }
+    fn scheduled_rows(&mut self) -> Result<Vec<(usize, u64)>> {
+        let rows = std::mem::take(&mut self.scheduled);
+        Ok(rows
+            .into_iter()
+            .filter(|(r, _)| self.known.contains(r))
+            .collect())
+    }
+    fn sampled(&mut self, r: &usize) -> Result<Vec<i64>> {
+        Ok(self.next.remove(r).unwrap_or_default())
+    }
+    fn sampled_len(&self, s: &Vec<i64>) -> usize {
+        s.len()
+    }
+    fn truncate_sampled(&mut self, s: &mut Vec<i64>, kept: usize) -> Result<()> {
+        s.truncate(kept);
+        Ok(())
+    }
+    fn append_output_token(&mut self, r: &usize, s: &Vec<i64>, k: usize) -> Result<Option<i64>> {
+        let q = &mut self.reqs[*r];
+        q.outs.push(s[k]);
+        q.all.push(s[k]);
+        Ok(Some(s[k]))
+    }
+    fn begin_output(&mut self, _r: &usize, _s: &Vec<i64>, _emit: bool) -> Result<()> {
+        Ok(())
+    }
+    fn emit_output(
+        &mut self,
+        r: &usize,
+        _p: (),
+        s: Vec<i64>,
+        stop: Option<Stop>,
+        emit: bool,
+    ) -> Result<()> {
+        if emit {
+            self.outputs.push((*r, s, stop));
+        }
+        Ok(())
+    }
+}
+
+// ---- admission and chunked prefill ----
+
+#[test]
+fn admission_stops_at_the_token_budget_without_chunked_prefill() {
+    let mut e = TestEngine::new(64, 10);
+    e.set.limits.chunked_prefill = false;
+    let (a, b) = (e.add(6, 4), e.add(6, 4));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 6)]);
+    assert_eq!(e.r(b).status, Status::Waiting);
+    assert_eq!(e.waiting, [b]);
+}
+
+#[test]
+fn chunked_prefill_admits_the_budgets_rest_as_an_inflight_chunk() {
+    let mut e = TestEngine::new(64, 10);
+    let (a, b) = (e.add(6, 4), e.add(6, 4));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 6), (b, 4)]);
+    assert!(e.r(b).chunk && !e.r(a).chunk);
+    assert_eq!(e.r(b).computed, 4);
+    assert!(e.inflight.contains(&b));
+    // The next step finishes b's prompt (2 tokens) and decodes a (1).
+    e.next.insert(a, vec![50]);
+    e.next.insert(b, vec![]); // a chunk samples nothing
+    e.update(sync(V33));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 1), (b, 2)]);
+    assert!(!e.inflight.contains(&b));
+}
+
+#[test]
+fn long_prefill_threshold_caps_chunks_only_with_company() {
+    let mut e = TestEngine::new(64, 100);
+    e.set.limits.long_prefill_token_threshold = 4;
+    let a = e.add(10, 4);
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 10)]); // alone: no threshold
+    let mut e = TestEngine::new(64, 100);
+    e.set.limits.long_prefill_token_threshold = 4;
+    let (a, b) = (e.add(10, 4), e.add(10, 4));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 4), (b, 4)]);
+}
+
+#[test]
+fn admission_stops_at_max_num_active_reqs() {
+    let mut e = TestEngine::new(64, 100);
+    e.set.max_num_active_reqs = 1;
+    let (a, b) = (e.add(4, 4), e.add(4, 4));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 4)]);
+    assert_eq!(e.waiting, [b]);
+}
+
+// ---- preemption ----
+
+/// Two requests of 8 prompt tokens in a cache of 4 usable blocks (16 tokens): both prefill
+/// (2 blocks each) and sample one token; the 9th token needs a third block.
+fn full_cache(priority: bool) -> (TestEngine, usize, usize) {
+    let mut e = TestEngine::new(5, 100);
+    e.set.priority = priority;
+    let (a, b) = (e.add(8, 50), e.add(8, 50));
+    e.step(sync(V33), 50);
+    (e, a, b)
+}
+
+#[test]
+fn fcfs_preemption_takes_the_last_running_request_and_admits_nothing() {
+    let (mut e, a, b) = full_cache(false);
+    e.add(1, 5);
+    let rows = e.schedule(sync(V33));
+    assert_eq!(rows, vec![(a, 1)]);
+    let q = e.r(b);
+    assert_eq!(
+        (q.status, q.computed, q.preemptions),
+        (Status::Preempted, 0, 1)
+    );
+    assert_eq!(e.waiting.front(), Some(&b)); // back at the head
+    assert_eq!(e.running, [a]);
+}
+
+#[test]
+fn priority_preemption_takes_the_worst_and_returns_its_budget() {
+    let (mut e, a, b) = full_cache(true);
+    // a is the worse (larger priority value): b's allocation preempts a, which was
+    // already scheduled this step and gives its token back.
+    e.reqs[a].priority = 1;
+    e.reqs[a].all.truncate(8); // a needs no new block
+    e.reqs[a].outs.clear();
+    e.reqs[a].computed = 7;
+    let rows = e.schedule(sync(V33));
+    assert_eq!(rows, vec![(b, 1)]);
+    assert_eq!(e.r(a).status, Status::Preempted);
+    assert_eq!(e.running, [b]);
+}
+
+#[test]
+fn a_priority_request_that_preempts_itself_ends_the_pass_on_032_only() {
+    for release in [V32, V33] {
+        // 5 usable blocks: a and b take 2 each, c 1; a's 9th token needs a sixth.
+        let mut e = TestEngine::new(6, 100);
+        e.set.priority = true;
+        let (a, b, c) = (e.add(8, 50), e.add(8, 50), e.add(3, 50));
+        e.reqs[c].priority = -1;
+        e.step(sync(release), 50);
+        // a is the worst and needs a block: it preempts itself; c (3 tokens) still fits.
+        e.reqs[a].priority = 5;
+        e.reqs[b].all.truncate(8);
+        e.reqs[b].outs.clear();
+        e.reqs[b].computed = 7;
+        e.running = vec![a, c, b];
+        let rows = e.schedule(sync(release));
+        assert_eq!(e.r(a).status, Status::Preempted);
+        if release == V33 {
+            assert_eq!(
+                rows,
+                vec![(c, 1), (b, 1)],
+                "0.33 goes on past the self-preemption"
+            );
+        } else {
+            assert_eq!(rows, vec![], "0.32 ends the running pass");
+        }
+    }
+}
+
+// ---- async scheduling: placeholders and stale outputs ----
+
+#[test]
+fn async_decode_gets_a_placeholder_resolved_by_its_output() {
+    for release in [V32, V33] {
+        let mut e = TestEngine::new(64, 100);
+        let a = e.add(4, 10);
+        let mode = asynchronous(release);
+        e.schedule(mode);
+        assert_eq!((e.r(a).placeholders, e.r(a).in_flight), (1, 4));
+        e.next.insert(a, vec![50]);
+        e.update(mode);
+        assert_eq!((e.r(a).placeholders, e.r(a).in_flight), (0, 0));
+        assert_eq!(e.r(a).outs, [50]);
+    }
+}
+
+#[test]
+fn a_stop_resolves_placeholders_by_returned_tokens_on_033_by_kept_on_032() {
+    for (release, left, computed) in [(V33, 0, 5), (V32, 1, 6)] {
+        let mut e = TestEngine::new(64, 100);
+        let a = e.add(4, 10);
+        let mode = asynchronous(release);
+        e.schedule(mode);
+        e.reqs[a].placeholders = 2;
+        e.reqs[a].computed = 6;
+        e.next.insert(a, vec![EOS, 9]); // stops on the first; the second is dropped
+        e.update(mode);
+        assert_eq!(e.r(a).outs, [EOS]);
+        assert_eq!(e.r(a).placeholders, left, "{release:?}");
+        assert_eq!(e.r(a).computed, computed, "0.33 trims the unkept token");
+    }
+}
+
+#[test]
+fn stale_output_after_preemption_is_deferred_then_delivered_without_resolving() {
+    let mut e = TestEngine::new(64, 100);
+    let mode = asynchronous(V33);
+    let a = e.add(4, 10);
+    e.schedule(mode); // a in flight: 4 tokens
+    e.running.clear();
+    e.preempt(&a).unwrap();
+    assert_eq!((e.r(a).stale, e.r(a).placeholders), (4, 0));
+    // While its stale output is due, the waiting pass skips it (deferred, kept at the head).
+    let b = e.add(4, 10);
+    assert_eq!(e.schedule(mode), vec![(b, 4)]);
+    assert_eq!(e.waiting, [a]);
+    assert!(e.deferred.contains(&a));
+    // The stale output arrives: delivered, nothing resolved; then a is admitted again.
+    e.scheduled = vec![(a, 4)];
+    e.next.insert(a, vec![50]);
+    e.update(mode);
+    assert_eq!((e.r(a).stale, e.r(a).outs.clone()), (0, vec![50]));
+    let rows = e.schedule(mode);
+    assert_eq!(rows[1], (a, 5));
+    assert!(!e.deferred.contains(&a));
+}
+
+#[test]
+fn dropped_stale_output_is_not_delivered() {
+    let mut e = TestEngine::new(64, 100);
+    let mode = asynchronous(V33);
+    let a = e.add(4, 10);
+    e.schedule(mode);
+    e.running.clear();
+    e.preempt(&a).unwrap();
+    e.reqs[a].drop_stale = true;
+    e.scheduled = vec![(a, 4)];
+    e.next.insert(a, vec![50]);
+    e.update(mode);
+    assert!(e.r(a).outs.is_empty() && e.outputs.is_empty());
+    assert_eq!(e.r(a).stale, 0);
+}
+
+#[test]
+fn v2_runner_decodes_wait_for_their_eligible_step() {
+    let mut e = TestEngine::new(64, 100);
+    e.set.runner = Runner::V2;
+    let mode = Mode {
+        decode_stagger: 2,
+        ..asynchronous(V33)
+    };
+    let a = e.add(4, 10);
+    e.step(mode, 50); // step 1: prefill; eligible from step 3
+    assert_eq!(e.r(a).next_eligible, 3);
+    assert_eq!(e.schedule(mode), vec![]); // step 2
+    assert_eq!(e.schedule(mode), vec![(a, 1)]); // step 3
+}
+
+// ---- stop conditions ----
+
+#[test]
+fn eos_stops_even_before_min_tokens() {
+    // `min_tokens` gates only repetition detection in `check_stop` (the sampler masks EOS).
+    let mut e = TestEngine::new(64, 100);
+    let a = e.add(4, 10);
+    e.step(sync(V33), EOS);
+    assert_eq!(e.r(a).stop, Some(Stop::Eos));
+    assert_eq!(e.outputs, vec![(a, vec![EOS], Some(Stop::Eos))]);
+    assert!(e.running.is_empty() && e.freed == [a]);
+    assert_eq!(e.mgr.blocks("r0"), &[] as &[u32]);
+}
+
+#[test]
+fn stop_token_id_stops_with_the_token_as_reason() {
+    let mut e = TestEngine::new(64, 100);
+    let a = e.add(4, 10);
+    e.step(sync(V33), 7);
+    assert_eq!(e.r(a).stop, Some(Stop::StopToken(7)));
+}
+
+#[test]
+fn max_tokens_finishes_length_capped() {
+    let mut e = TestEngine::new(64, 100);
+    let a = e.add(4, 2);
+    e.step(sync(V33), 50);
+    assert_eq!(e.r(a).status, Status::Running);
+    e.step(sync(V33), 51);
+    assert_eq!(e.r(a).stop, Some(Stop::Length));
+    assert_eq!(e.r(a).outs, [50, 51]);
+}
+
+#[test]
+fn tokens_after_a_stop_are_dropped_and_033_trims_them_from_computed() {
+    for (release, computed) in [(V32, 4), (V33, 3)] {
+        let mut e = TestEngine::new(64, 100);
+        let a = e.add(4, 10);
+        e.schedule(sync(release));
+        e.next.insert(a, vec![7, 8]);
+        e.update(sync(release));
+        assert_eq!(e.outputs, vec![(a, vec![7], Some(Stop::StopToken(7)))]);
+        assert_eq!(e.r(a).computed, computed, "{release:?}");
+    }
+}
+
+// ---- the outgrow cap ----
+
+#[test]
+fn a_prompt_of_the_caches_size_is_refused_and_the_cap_finishes_length() {
+    // 5 blocks of 4 (one null): a 16-token cache under a larger max_model_len.
+    let cap = policy::length_cap(1 << 20, 16);
+    assert!(policy::refuses_prompt(16, cap));
+    let mut e = TestEngine::new(5, 100);
+    e.set.limits.max_model_len = cap;
+    let a = e.add(15, 100); // the largest prompt admitted
+    e.step(sync(V33), 50);
+    assert_eq!(e.r(a).stop, Some(Stop::Length));
+    assert_eq!(e.r(a).all.len(), 16);
+    assert!(e.freed == [a]);
+}
+
+#[test]
+fn running_room_leaves_a_slot_for_the_sampled_token_at_the_cap() {
+    let mut e = TestEngine::new(64, 100);
+    e.set.limits.max_model_len = 10;
+    let a = e.add(12, 100); // longer than the cap: only cap - 1 tokens are scheduled
+    e.running.push(e.waiting.pop_front().unwrap());
+    e.reqs[a].status = Status::Running;
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 9)]);
+}
+
+// ---- aborts ----
+
+#[test]
+fn aborts_in_every_queue_leave_nothing_scheduled_or_emitted() {
+    let mut e = TestEngine::new(64, 6);
+    let (a, b) = (e.add(4, 10), e.add(4, 10));
+    let c = e.add(4, 10);
+    e.schedule(sync(V33)); // a whole, b chunked (2); c waits
+    e.abort(a); // running, in flight
+    e.abort(c); // waiting
+    e.update(sync(V33));
+    assert!(e.outputs.iter().all(|(r, ..)| *r == b));
+    assert!(e.r(a).outs.is_empty());
+    assert_eq!(e.schedule(sync(V33)), vec![(b, 2)]);
+    // Aborted while in flight but still known (status finished): skipped too.
+    e.reqs[b].status = Status::Finished;
+    e.running.clear();
+    e.next.insert(b, vec![50]);
+    e.update(sync(V33));
+    assert!(e.r(b).outs.is_empty());
+}
+
+#[test]
+fn executed_steps_count_only_steps_with_tokens_on_033() {
+    let mut e = TestEngine::new(64, 100);
+    e.schedule(sync(V33));
+    assert_eq!((e.step, e.executed), (1, 0));
+    e.add(4, 10);
+    e.schedule(sync(V33));
+    assert_eq!((e.step, e.executed), (2, 1));
+}

@@ -1,0 +1,671 @@
+//! `pagedkv_core::vllm_v1::Engine` over vLLM's own objects, for one call of the native loop: the
+//! scheduler's `running` list and `waiting` queue (through their own methods), its
+//! `Request`s (fields read and written in place, tokens appended to their own lists), vLLM's
+//! methods for the rare events, and pagedkv's native KV manager (called in Rust). The walk
+//! (`pagedkv_core::vllm_v1::walk`) decides; this file reads and writes where vLLM's loop does.
+
+use crate::vllm_v1::hash::extend_block_hashes;
+use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
+use crate::vllm_v1::output::{self, ModelOutput};
+use pagedkv_core::vllm_v1::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
+use pagedkv_core::vllm_v1::policy::{self, Limits, Stop, StopRule};
+use pagedkv_core::vllm_v1::SlotRequest;
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use std::sync::Arc;
+
+/// A request: the object and its fixed fields (read once, see [`Fixed`]).
+#[derive(Clone)]
+pub struct PyReq<'py> {
+    pub obj: Bound<'py, PyAny>,
+    pub f: Arc<Fixed>,
+}
+
+impl PartialEq for PyReq<'_> {
+    fn eq(&self, other: &Self) -> bool {
+        self.obj.is(&other.obj)
+    }
+}
+
+/// One row's sampled tokens (the model runner's list, or a list made of its sequence) and
+/// the row's index in the model runner's output.
+pub struct Sampled<'py> {
+    pub list: Bound<'py, PyList>,
+    pub index: Option<Bound<'py, PyAny>>,
+}
+
+/// What an output takes before the request is freed: its prefill stats and logprobs.
+pub struct Pending<'py> {
+    prefill_stats: Option<Bound<'py, PyAny>>,
+    logprobs: Option<Bound<'py, PyAny>>,
+}
+
+/// One call's engine: the loop, the scheduler and its queues, the requests' fixed fields.
+pub struct PyEngine<'a, 'py> {
+    pub lp: &'a PyV1Loop,
+    pub sched: Bound<'py, PyAny>,
+    running: Bound<'py, PyList>,
+    waiting: Bound<'py, PyAny>,
+    map: FixedMap,
+    /// The step's timestamp (`schedule`).
+    ts: Option<Bound<'py, PyAny>>,
+    /// The step's shared empty draft-placeholder list (`AsyncScheduler`).
+    spec: Option<Bound<'py, PyList>>,
+    /// `update_from_output`'s inputs and outputs (grouped by client, in vLLM's order).
+    pub io: Option<UpdateIo<'py>>,
+}
+
+pub struct UpdateIo<'py> {
+    pub scheduler_output: Bound<'py, PyAny>,
+    pub mro: ModelOutput<'py>,
+    pub outputs: Vec<(i64, Bound<'py, PyList>)>,
+}
+
+fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
+    obj.getattr(name)?.extract()
+}
+
+fn flag(o: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
+    match o.getattr(name) {
+        Ok(v) => v.is_truthy(),
+        Err(_) => Ok(false),
+    }
+}
+
+impl<'a, 'py> PyEngine<'a, 'py> {
+    /// Takes the loop (a second call while this one runs is refused) and its fixed fields.
+    pub fn new(lp: &'a PyV1Loop, sched: &Bound<'py, PyAny>) -> PyResult<Self> {
+        let py = sched.py();
+        let running = sched
+            .getattr(intern!(py, "running"))?
+            .cast_into::<PyList>()?;
+        let waiting = sched.getattr(intern!(py, "waiting"))?;
+        let map = lp.take_fixed()?;
+        Ok(PyEngine {
+            lp,
+            sched: sched.clone(),
+            running,
+            waiting,
+            map,
+            ts: None,
+            spec: None,
+            io: None,
+        })
+    }
+
+    fn py(&self) -> Python<'py> {
+        self.sched.py()
+    }
+
+    /// The request with its fixed fields (read now if the last call did not see it).
+    fn req(&mut self, obj: Bound<'py, PyAny>) -> PyResult<PyReq<'py>> {
+        let key = obj.as_ptr() as usize;
+        if let Some(f) = self.map.get(&key) {
+            return Ok(PyReq { f: f.clone(), obj });
+        }
+        let f = Arc::new(Fixed::read(&obj, &self.lp.objs)?);
+        self.map.insert(key, f.clone());
+        Ok(PyReq { obj, f })
+    }
+
+    fn get(&self, r: &PyReq<'py>, name: &Bound<'py, PyString>) -> PyResult<u64> {
+        get_u64(&r.obj, name)
+    }
+
+    fn set(&self, r: &PyReq<'py>, name: &Bound<'py, PyString>, v: u64) -> PyResult<()> {
+        r.obj.setattr(name, v)
+    }
+
+    fn io(&self) -> PyResult<&UpdateIo<'py>> {
+        self.io
+            .as_ref()
+            .ok_or_else(|| crate::errors::invalid("V1Loop: no model output in this call"))
+    }
+
+    /// Entries outlive requests only when they leave outside the loop (aborts, vLLM's
+    /// loop): beyond twice the live requests (plus slack) the map starts afresh.
+    fn prune(&mut self, live: usize) {
+        if self.map.len() > 2 * live + 256 {
+            self.map.clear();
+        }
+    }
+}
+
+impl Drop for PyEngine<'_, '_> {
+    /// Hand the entries this call saw to the next call; the loop is free again.
+    fn drop(&mut self) {
+        self.lp.give_back_fixed(std::mem::take(&mut self.map));
+    }
+}
+
+/// The scheduler's settings (read each call, as vLLM's loop reads them each step).
+fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settings> {
+    let py = sched.py();
+    let cfg = sched.getattr(intern!(py, "scheduler_config"))?;
+    let limits = Limits {
+        max_model_len: policy::length_cap(
+            get_u64(sched, intern!(py, "max_model_len"))?,
+            lp.pool_tokens,
+        ),
+        long_prefill_token_threshold: get_u64(&cfg, intern!(py, "long_prefill_token_threshold"))?,
+        adaptive_threshold: flag(sched, intern!(py, "adaptive_long_prefill_threshold"))?,
+        chunked_prefill: flag(&cfg, intern!(py, "enable_chunked_prefill"))?,
+        sampled_per_step: 1,
+    };
+    let running = get_u64(sched, intern!(py, "max_num_running_reqs"))?;
+    let active = match sched.getattr(intern!(py, "max_num_active_reqs")) {
+        Ok(v) => v.extract()?,
+        Err(_) => running,
+    };
+    let policy = sched.getattr(intern!(py, "policy"))?;
+    Ok(Settings {
+        limits,
+        max_num_scheduled_tokens: get_u64(sched, intern!(py, "max_num_scheduled_tokens"))?,
+        max_num_batched_tokens: get_u64(&cfg, intern!(py, "max_num_batched_tokens"))?,
+        max_num_active_reqs: active as usize,
+        max_num_running_reqs: running as usize,
+        priority: policy.eq(lp.objs.priority.bind(py))?,
+        reserve_full_isl: flag(sched, intern!(py, "scheduler_reserve_full_isl"))?,
+        runner: match flag(sched, intern!(py, "use_v2_model_runner"))? {
+            true => Runner::V2,
+            false => Runner::V1,
+        },
+    })
+}
+
+impl<'py> PyEngine<'_, 'py> {
+    fn begin(&mut self, mode: &Mode) -> PyResult<Start> {
+        let py = self.py();
+        let sched = &self.sched;
+        // Everything of the scheduler's the walk needs is read before anything is written.
+        let current_step = get_u64(sched, intern!(py, "current_step"))?;
+        let num_executed_steps = match mode.release {
+            Release::V033 => Some(get_u64(sched, intern!(py, "num_executed_steps"))?),
+            Release::V032 => None,
+        };
+        for name in [
+            intern!(py, "deferred_waiting"),
+            intern!(py, "_inflight_prefills"),
+            intern!(py, "prev_step_scheduled_req_ids"),
+        ] {
+            sched.getattr(name)?;
+        }
+        let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?.len()?;
+        let live = self.running.len() + self.waiting.len()? + kv_holding;
+        self.prune(live);
+        self.ts = Some(self.lp.objs.monotonic.bind(py).call0()?);
+        if mode.asynchronous {
+            let spec = PyList::empty(py);
+            self.sched
+                .setattr(intern!(py, "_spec_token_placeholders"), &spec)?;
+            self.spec = Some(spec);
+        }
+        Ok(Start {
+            current_step,
+            num_executed_steps,
+            num_eligible: live as u64,
+        })
+    }
+
+    fn ts(&self) -> Bound<'py, PyAny> {
+        match &self.ts {
+            Some(t) => t.clone(),
+            None => self.py().None().into_bound(self.py()),
+        }
+    }
+
+    fn attr(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
+        self.sched.getattr(name)
+    }
+}
+
+impl<'py> Engine for PyEngine<'_, 'py> {
+    type Req = PyReq<'py>;
+    type Error = PyErr;
+    type Sampled = Sampled<'py>;
+    type Pending = Pending<'py>;
+    type Scheduled = Bound<'py, PyTuple>;
+
+    fn error(&self, e: pagedkv_core::Error) -> PyErr {
+        crate::errors::to_py(e)
+    }
+
+    fn settings(&mut self) -> PyResult<Settings> {
+        read_settings(&self.sched, self.lp)
+    }
+
+    fn begin_schedule(&mut self, mode: &Mode) -> PyResult<Start> {
+        self.begin(mode)
+    }
+
+    fn set_current_step(&mut self, step: u64) -> PyResult<()> {
+        self.sched.setattr(intern!(self.py(), "current_step"), step)
+    }
+
+    fn set_num_executed_steps(&mut self, n: u64) -> PyResult<()> {
+        self.sched
+            .setattr(intern!(self.py(), "num_executed_steps"), n)
+    }
+
+    fn running_len(&self) -> usize {
+        self.running.len()
+    }
+
+    fn running_at(&mut self, i: usize) -> PyResult<PyReq<'py>> {
+        let obj = self.running.get_item(i)?;
+        self.req(obj)
+    }
+
+    fn running_remove(&mut self, i: usize) -> PyResult<PyReq<'py>> {
+        let obj = self.running.get_item(i)?;
+        self.running.del_item(i)?;
+        self.req(obj)
+    }
+
+    fn running_push(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        self.running.append(&r.obj)
+    }
+
+    fn running_priority_keys(&self) -> PyResult<Vec<(i64, f64)>> {
+        let py = self.py();
+        let mut keys = Vec::with_capacity(self.running.len());
+        for r in self.running.iter() {
+            let p: i64 = r.getattr(intern!(py, "priority"))?.extract()?;
+            let t: f64 = r.getattr(intern!(py, "arrival_time"))?.extract()?;
+            keys.push((p, t));
+        }
+        Ok(keys)
+    }
+
+    fn waiting_len(&self) -> PyResult<usize> {
+        self.waiting.len()
+    }
+
+    fn waiting_peek(&mut self) -> PyResult<PyReq<'py>> {
+        let obj = self
+            .waiting
+            .call_method0(intern!(self.py(), "peek_request"))?;
+        self.req(obj)
+    }
+
+    fn waiting_pop(&mut self) -> PyResult<PyReq<'py>> {
+        let obj = self
+            .waiting
+            .call_method0(intern!(self.py(), "pop_request"))?;
+        self.req(obj)
+    }
+
+    fn waiting_prepend(&mut self, skipped: Vec<PyReq<'py>>) -> PyResult<()> {
+        let py = self.py();
+        let objs: Vec<Bound<'py, PyAny>> = skipped.into_iter().map(|r| r.obj).collect();
+        let deque = py.import("collections")?.getattr("deque")?.call1((objs,))?;
+        self.waiting
+            .call_method1(intern!(py, "prepend_requests"), (deque,))
+            .map(drop)
+    }
+
+    fn kv_holding_len(&self) -> PyResult<usize> {
+        self.attr(intern!(self.py(), "kv_holding_waiting"))?.len()
+    }
+
+    fn deferred_len(&self) -> PyResult<usize> {
+        self.attr(intern!(self.py(), "deferred_waiting"))?.len()
+    }
+
+    fn deferred_add(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        let d = self.attr(intern!(py, "deferred_waiting"))?;
+        d.call_method1(intern!(py, "add"), (&r.obj,)).map(drop)
+    }
+
+    fn deferred_discard(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        let d = self.attr(intern!(py, "deferred_waiting"))?;
+        d.call_method1(intern!(py, "discard"), (&r.obj,)).map(drop)
+    }
+
+    fn set_prefill_capacity_bound(&mut self, bound: bool) -> PyResult<()> {
+        self.sched
+            .setattr(intern!(self.py(), "prefill_capacity_bound"), bound)
+    }
+
+    fn inflight_prefills_len(&self) -> PyResult<usize> {
+        self.attr(intern!(self.py(), "_inflight_prefills"))?.len()
+    }
+
+    fn inflight_prefills_add(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        let s = self.attr(intern!(py, "_inflight_prefills"))?;
+        s.call_method1(intern!(py, "add"), (&r.obj,)).map(drop)
+    }
+
+    fn inflight_prefills_discard(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        let s = self.attr(intern!(py, "_inflight_prefills"))?;
+        s.call_method1(intern!(py, "discard"), (&r.obj,)).map(drop)
+    }
+
+    fn status(&self, r: &PyReq<'py>) -> PyResult<Status> {
+        let py = self.py();
+        let o = &self.lp.objs;
+        let s = r.obj.getattr(intern!(py, "status"))?;
+        Ok(if s.is(o.running.bind(py)) {
+            Status::Running
+        } else if s.is(o.waiting.bind(py)) {
+            Status::Waiting
+        } else if s.is(o.preempted.bind(py)) {
+            Status::Preempted
+        } else if s.extract::<i64>()? > o.preempted_value {
+            Status::Finished
+        } else {
+            Status::OtherWaiting
+        })
+    }
+
+    fn set_running(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        r.obj
+            .setattr(intern!(py, "status"), self.lp.objs.running.bind(py))
+    }
+
+    fn set_stopped(&mut self, r: &PyReq<'py>, stop: Stop) -> PyResult<()> {
+        let py = self.py();
+        let status = match stop {
+            Stop::Length => &self.lp.objs.length_capped,
+            _ => &self.lp.objs.stopped,
+        };
+        r.obj.setattr(intern!(py, "status"), status.bind(py))?;
+        if let Stop::StopToken(t) = stop {
+            r.obj.setattr(intern!(py, "stop_reason"), t)?;
+        }
+        Ok(())
+    }
+
+    fn num_tokens(&self, r: &PyReq<'py>) -> u64 {
+        r.f.all.bind(self.py()).len() as u64
+    }
+
+    fn num_prompt_tokens(&self, r: &PyReq<'py>) -> u64 {
+        r.f.num_prompt
+    }
+
+    fn num_output_tokens(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        Ok(r.f.outs.bind(self.py()).len() as u64)
+    }
+
+    fn max_tokens(&self, r: &PyReq<'py>) -> u64 {
+        r.f.max_tokens
+    }
+
+    fn stop_rule(&self, r: &PyReq<'py>) -> StopRule {
+        r.f.rule.clone()
+    }
+
+    fn num_computed_tokens(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "num_computed_tokens"))
+    }
+
+    fn set_num_computed_tokens(&mut self, r: &PyReq<'py>, n: u64) -> PyResult<()> {
+        self.set(r, intern!(self.py(), "num_computed_tokens"), n)
+    }
+
+    fn num_output_placeholders(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "num_output_placeholders"))
+    }
+
+    fn set_num_output_placeholders(&mut self, r: &PyReq<'py>, n: u64) -> PyResult<()> {
+        self.set(r, intern!(self.py(), "num_output_placeholders"), n)
+    }
+
+    fn num_in_flight_tokens(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "num_in_flight_tokens"))
+    }
+
+    fn set_num_in_flight_tokens(&mut self, r: &PyReq<'py>, n: u64) -> PyResult<()> {
+        self.set(r, intern!(self.py(), "num_in_flight_tokens"), n)
+    }
+
+    fn num_stale_output_tokens(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "num_stale_output_tokens"))
+    }
+
+    fn set_num_stale_output_tokens(&mut self, r: &PyReq<'py>, n: u64) -> PyResult<()> {
+        self.set(r, intern!(self.py(), "num_stale_output_tokens"), n)
+    }
+
+    fn drop_stale_output(&self, r: &PyReq<'py>) -> PyResult<bool> {
+        r.obj
+            .getattr(intern!(self.py(), "drop_stale_output"))?
+            .is_truthy()
+    }
+
+    fn set_is_prefill_chunk(&mut self, r: &PyReq<'py>, chunk: bool) -> PyResult<()> {
+        r.obj.setattr(intern!(self.py(), "is_prefill_chunk"), chunk)
+    }
+
+    fn next_decode_eligible_step(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "next_decode_eligible_step"))
+    }
+
+    fn set_async_decode(&mut self, r: &PyReq<'py>, eligible: Option<u64>) -> PyResult<()> {
+        let py = self.py();
+        if let Some(spec) = &self.spec {
+            r.obj.setattr(intern!(py, "spec_token_ids"), spec)?;
+        }
+        if let Some(step) = eligible {
+            self.set(r, intern!(py, "next_decode_eligible_step"), step)?;
+        }
+        Ok(())
+    }
+
+    fn preempt(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        let args = (&r.obj, self.ts());
+        self.sched
+            .call_method1(intern!(py, "_preempt_request"), args)
+            .map(drop)
+    }
+
+    fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<Vec<u32>>, u64)> {
+        let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
+        let ids = self.lp.manager.get().hit_ids(self.py(), &blocks)?;
+        Ok((ids, num_local))
+    }
+
+    fn record_prefix_cache_stats(&mut self, r: &PyReq<'py>, hit: u64) -> PyResult<()> {
+        let py = self.py();
+        let kv = self.attr(intern!(py, "kv_cache_manager"))?;
+        kv.call_method1(intern!(py, "record_prefix_cache_stats"), (&r.obj, hit))
+            .map(drop)
+    }
+
+    fn record_scheduled(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        if let Some(event) = &self.lp.objs.event_scheduled {
+            let args = (event.bind(py), self.ts());
+            r.obj.call_method1(intern!(py, "record_event"), args)?;
+        }
+        Ok(())
+    }
+
+    fn free_request(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        self.sched
+            .call_method1(intern!(py, "_free_request"), (&r.obj,))
+            .map(drop)
+    }
+
+    fn remove_stopped(&mut self, running: &[PyReq<'py>], other: &[PyReq<'py>]) -> PyResult<()> {
+        for r in running.iter().chain(other) {
+            self.map.remove(&(r.obj.as_ptr() as usize));
+        }
+        let running: Vec<_> = running.iter().map(|r| r.obj.clone()).collect();
+        let other: Vec<_> = other.iter().map(|r| r.obj.clone()).collect();
+        remove_stopped(&self.sched, &running, &other)
+    }
+
+    fn allocate(&mut self, r: &PyReq<'py>, a: &SlotRequest<'_>) -> PyResult<Option<Vec<u32>>> {
+        let mgr = self.lp.manager.get();
+        mgr.allocate_prepared(self.py(), &r.obj, &r.f.rid, a)
+    }
+
+    fn cache_blocks(&mut self, r: &PyReq<'py>, num_tokens: u64) -> PyResult<()> {
+        let mgr = self.lp.manager.get();
+        mgr.cache_for(self.py(), &r.obj, &r.f.rid, num_tokens)
+    }
+
+    fn block_table(&self, r: &PyReq<'py>) -> PyResult<Vec<u32>> {
+        self.lp.manager.get().table_of(&r.f.rid)
+    }
+
+    fn scheduler_output(&mut self, step: &Step<PyReq<'py>>) -> PyResult<Bound<'py, PyTuple>> {
+        output::scheduler_output(self, step)
+    }
+
+    fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64)>> {
+        let py = self.py();
+        let requests = self.attr(intern!(py, "requests"))?.cast_into::<PyDict>()?;
+        let scheduled = self
+            .io()?
+            .scheduler_output
+            .getattr(intern!(py, "num_scheduled_tokens"))?
+            .cast_into::<PyDict>()?;
+        let mut rows = Vec::with_capacity(scheduled.len());
+        for (id, n) in scheduled.iter() {
+            let n: u64 = n.extract()?;
+            if let Some(obj) = requests.get_item(&id)? {
+                rows.push((self.req(obj)?, n));
+            }
+        }
+        Ok(rows)
+    }
+
+    fn sampled(&mut self, r: &PyReq<'py>) -> PyResult<Sampled<'py>> {
+        self.io()?.mro.sampled(r.f.id.bind(self.py()))
+    }
+
+    fn sampled_len(&self, s: &Sampled<'py>) -> usize {
+        s.list.len()
+    }
+
+    fn truncate_sampled(&mut self, s: &mut Sampled<'py>, kept: usize) -> PyResult<()> {
+        s.list.del_slice(kept, s.list.len())
+    }
+
+    fn append_output_token(
+        &mut self,
+        r: &PyReq<'py>,
+        s: &Sampled<'py>,
+        k: usize,
+    ) -> PyResult<Option<i64>> {
+        let py = self.py();
+        let tok = s.list.get_item(k)?;
+        let all = r.f.all.bind(py);
+        r.f.outs.bind(py).append(&tok)?;
+        all.append(&tok)?;
+        if let Some(h) = &r.f.hashes {
+            let h = h.bind(py);
+            let size = self.lp.hash_block_size;
+            if (h.len()? as u64 + 1) * size <= all.len() as u64 {
+                extend_block_hashes(&r.obj, h, all, r.f.hash_fn, size as usize)?;
+            }
+        }
+        // An id outside i64 (any Python int is a token to vLLM) matches no EOS or stop id.
+        Ok(tok.extract().ok())
+    }
+
+    fn begin_output(
+        &mut self,
+        r: &PyReq<'py>,
+        s: &Sampled<'py>,
+        emit: bool,
+    ) -> PyResult<Pending<'py>> {
+        let prefill_stats = match emit {
+            true => output::take_prefill_stats(&self.sched, &r.obj)?,
+            false => None,
+        };
+        let logprobs = self.io()?.mro.new_logprobs(&r.obj, s)?;
+        Ok(Pending {
+            prefill_stats,
+            logprobs,
+        })
+    }
+
+    fn emit_output(
+        &mut self,
+        r: &PyReq<'py>,
+        p: Pending<'py>,
+        s: Sampled<'py>,
+        stop: Option<Stop>,
+        emit: bool,
+    ) -> PyResult<()> {
+        let (py, lp) = (self.py(), self.lp);
+        let Some(io) = self.io.as_mut() else {
+            return Err(crate::errors::invalid(
+                "V1Loop: no model output in this call",
+            ));
+        };
+        io.mro.set_nans(&r.obj, r.f.id.bind(py))?;
+        if !emit {
+            return Ok(());
+        }
+        let fields = output::OutputFields {
+            tokens: s.list,
+            stop,
+            logprobs: p.logprobs,
+            prefill_stats: p.prefill_stats,
+        };
+        let output = output::build_output(lp, r, &io.mro, fields)?;
+        let client = r.f.client;
+        match io.outputs.iter().find(|(c, _)| *c == client) {
+            Some((_, list)) => list.append(output),
+            None => {
+                io.outputs.push((client, PyList::new(py, [output])?));
+                Ok(())
+            }
+        }
+    }
+}
+
+/// `remove_all` for stopped running requests (one: in place; several: a new list, as vLLM
+/// does), and the queues for stopped requests that were not running.
+fn remove_stopped<'py>(
+    sched: &Bound<'py, PyAny>,
+    running_stopped: &[Bound<'py, PyAny>],
+    other: &[Bound<'py, PyAny>],
+) -> PyResult<()> {
+    let py = sched.py();
+    let running = sched
+        .getattr(intern!(py, "running"))?
+        .cast_into::<PyList>()?;
+    match running_stopped {
+        [] => {}
+        [one] => {
+            if let Ok(k) = running.index(one) {
+                running.del_item(k)?;
+            }
+        }
+        many => {
+            let kept = PyList::empty(py);
+            for r in running.iter() {
+                if !many.iter().any(|m| m.is(&r)) {
+                    kept.append(r)?;
+                }
+            }
+            sched.setattr(intern!(py, "running"), kept)?;
+        }
+    }
+    if !other.is_empty() {
+        let set = PySet::new(py, other)?;
+        for queue in ["waiting", "kv_holding_waiting"] {
+            sched
+                .getattr(queue)?
+                .call_method1(intern!(py, "remove_requests"), (&set,))?;
+        }
+        sched
+            .getattr(intern!(py, "deferred_waiting"))?
+            .call_method1(intern!(py, "difference_update"), (&set,))?;
+    }
+    Ok(())
+}

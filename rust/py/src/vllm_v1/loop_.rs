@@ -1,0 +1,348 @@
+//! `V1Loop`: vLLM v1's `Scheduler.schedule()` and `update_from_output()` for the in-scope
+//! path, run by the core's walk (`pagedkv_core::vllm_v1::walk`) over vLLM's own objects through
+//! `crate::vllm_v1::engine` (the scheduler's `running` list and `waiting` queue, its `Request`s,
+//! pagedkv's native KV manager called in Rust).
+//!
+//! There is no second copy of any state: everything the walk decides is written where vLLM's
+//! loop writes it, so vLLM's Python loop can run the next step (the per-step switch in
+//! `pagedkv.vllm_v1._native_loop`). This file holds the class, the objects it is built with
+//! and the [`Mode`] decided then; `crate::vllm_v1::output` builds what leaves the scheduler.
+//!
+//! Errors: a call that raises stops where the exception arose; what the walk wrote before
+//! (request fields, queue moves, blocks allocated or freed, the step counter) stays written,
+//! as it would in vLLM's own loop.
+//!
+//! Cost per step: O(scheduled requests) attribute reads and writes plus one list append per
+//! sampled token; one Python call per admitted, preempted or finished request.
+
+use crate::vllm_v1::engine::{PyEngine, UpdateIo};
+use crate::vllm_v1::manager::PyV1Manager;
+use crate::vllm_v1::output::ModelOutput;
+use pagedkv_core::vllm_v1::block_hash::HashFn;
+use pagedkv_core::vllm_v1::policy::{self, StopRule};
+use pagedkv_core::vllm_v1::{Mode, Release, Walk};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
+use std::sync::Arc;
+
+/// The Python objects the loop compares against or builds with (bound once).
+pub struct Objects {
+    pub waiting: Py<PyAny>,
+    pub running: Py<PyAny>,
+    pub preempted: Py<PyAny>,
+    pub stopped: Py<PyAny>,
+    pub length_capped: Py<PyAny>,
+    /// `RequestStatus.PREEMPTED`'s integer value: statuses above it are finished.
+    pub preempted_value: i64,
+    pub reason_stop: Py<PyAny>,
+    pub reason_length: Py<PyAny>,
+    /// `EngineCoreEventType.SCHEDULED` (`None`: stats off, no request events).
+    pub event_scheduled: Option<Py<PyAny>>,
+    /// `make_new(request, block_ids, v2) -> NewRequestData` (vLLM's `from_request` for the
+    /// v1 or v2 model runner).
+    pub make_new: Py<PyAny>,
+    /// `time.monotonic`.
+    pub monotonic: Py<PyAny>,
+    /// `hash_name_of(block_hasher) -> str | None`: vLLM's hash function's name when the
+    /// request's hasher is vLLM's own at this hash block size (then the loop hashes natively).
+    pub hash_name_of: Py<PyAny>,
+    /// `SchedulingPolicy.PRIORITY`.
+    pub priority: Py<PyAny>,
+    pub output: OutputShape,
+}
+
+/// `EngineCoreOutput`, built positionally: its defaults, and where each field vLLM sets is.
+pub struct OutputShape {
+    pub cls: Py<PyAny>,
+    pub defaults: Vec<Py<PyAny>>,
+    pub request_id: usize,
+    pub new_token_ids: usize,
+    pub finish_reason: usize,
+    pub new_logprobs: usize,
+    pub new_prompt_logprobs_tensors: usize,
+    pub prompt_token_id_logprobs: Option<usize>,
+    pub stop_reason: usize,
+    pub events: usize,
+    pub prefill_stats: usize,
+    pub trace_headers: usize,
+    pub num_nans_in_logits: usize,
+}
+
+#[pyclass(module = "pagedkv._native", name = "V1Loop", frozen)]
+pub struct PyV1Loop {
+    pub manager: Py<PyV1Manager>,
+    pub objs: Objects,
+    /// The release and scheduler kind (decided at construction).
+    mode: Mode,
+    pub hash_block_size: u64,
+    /// Tokens the KV cache holds (null block excluded): the length cap is
+    /// `policy::length_cap(max_model_len, pool_tokens)`, so no request outgrows the cache.
+    pub pool_tokens: u64,
+    /// The fixed fields of the requests the last call saw (see [`Fixed`]).
+    fixed: std::sync::Mutex<FixedMap>,
+    /// A call is running (a callback into Python that calls the loop again is refused).
+    busy: std::sync::atomic::AtomicBool,
+}
+
+impl PyV1Loop {
+    /// Mark the loop busy and take the fixed fields the last call saw.
+    pub fn take_fixed(&self) -> PyResult<FixedMap> {
+        if self.busy.swap(true, std::sync::atomic::Ordering::Acquire) {
+            return Err(crate::errors::busy("this V1Loop"));
+        }
+        Ok(match self.fixed.try_lock() {
+            Ok(mut m) => std::mem::take(&mut *m),
+            Err(_) => FixedMap::default(),
+        })
+    }
+
+    /// Store the fixed fields for the next call; the loop is free again.
+    pub fn give_back_fixed(&self, map: FixedMap) {
+        if let Ok(mut m) = self.fixed.try_lock() {
+            *m = map;
+        }
+        self.busy.store(false, std::sync::atomic::Ordering::Release);
+    }
+}
+
+/// Keyed by object address, hashed with foldhash (an address needs its high bits mixed down:
+/// objects are aligned and share a heap region).
+pub type FixedMap = std::collections::HashMap<usize, Arc<Fixed>, foldhash::fast::RandomState>;
+
+/// What the loop reads of a request that does not change while the request is in scope
+/// (vLLM sets these at construction; only streaming sessions, outside the native path,
+/// replace them). Kept for the requests of the last call only, keyed by the request's
+/// address; the entry holds the request, so the address cannot be reused while it exists.
+pub struct Fixed {
+    _request: Py<PyAny>,
+    pub id: Py<PyString>,
+    /// The id's text (the manager's key).
+    pub rid: Box<str>,
+    pub all: Py<PyList>,
+    pub outs: Py<PyList>,
+    pub num_prompt: u64,
+    pub max_tokens: u64,
+    /// `block_hashes` when the request has a block hasher.
+    pub hashes: Option<Py<PyAny>>,
+    /// The hash function when that hasher is vLLM's own (see `crate::vllm_v1::hash`).
+    pub hash_fn: Option<HashFn>,
+    pub rule: StopRule,
+    pub client: i64,
+    /// `trace_headers` (set at construction, never replaced in scope).
+    pub trace_headers: Py<PyAny>,
+}
+
+impl Fixed {
+    pub fn read(request: &Bound<'_, PyAny>, objs: &Objects) -> PyResult<Self> {
+        let py = request.py();
+        let hasher = request.getattr(intern!(py, "_block_hasher"))?;
+        let hashing = !hasher.is_none();
+        let hash_fn = if hashing {
+            let name = objs.hash_name_of.bind(py).call1((&hasher,))?;
+            match name.is_none() {
+                true => None,
+                false => HashFn::parse(&name.extract::<String>()?),
+            }
+        } else {
+            None
+        };
+        let id = request
+            .getattr(intern!(py, "request_id"))?
+            .cast_into::<PyString>()?;
+        Ok(Fixed {
+            _request: request.clone().unbind(),
+            rid: id.to_cow()?.into(),
+            id: id.unbind(),
+            all: request
+                .getattr(intern!(py, "_all_token_ids"))?
+                .cast_into::<PyList>()?
+                .unbind(),
+            outs: request
+                .getattr(intern!(py, "_output_token_ids"))?
+                .cast_into::<PyList>()?
+                .unbind(),
+            num_prompt: get_u64(request, intern!(py, "num_prompt_tokens"))?,
+            max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+            hashes: if hashing {
+                Some(request.getattr(intern!(py, "block_hashes"))?.unbind())
+            } else {
+                None
+            },
+            hash_fn,
+            rule: stop_rule(request)?,
+            client: request.getattr(intern!(py, "client_index"))?.extract()?,
+            trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
+        })
+    }
+}
+
+fn item<'py>(d: &Bound<'py, PyDict>, key: &str) -> PyResult<Bound<'py, PyAny>> {
+    d.get_item(key)?
+        .ok_or_else(|| crate::errors::invalid(format!("V1Loop: missing {key:?}")))
+}
+
+fn field_index(fields: &[String], name: &str) -> PyResult<usize> {
+    fields
+        .iter()
+        .position(|f| f == name)
+        .ok_or_else(|| crate::errors::invalid(format!("EngineCoreOutput has no field {name:?}")))
+}
+
+impl OutputShape {
+    fn new(d: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let fields: Vec<String> = item(d, "output_fields")?.extract()?;
+        let defaults: Vec<Py<PyAny>> = item(d, "output_defaults")?.extract()?;
+        if defaults.len() != fields.len() {
+            return Err(crate::errors::invalid(
+                "output_defaults must match output_fields",
+            ));
+        }
+        let at = |n: &str| field_index(&fields, n);
+        Ok(OutputShape {
+            cls: item(d, "output_cls")?.unbind(),
+            request_id: at("request_id")?,
+            new_token_ids: at("new_token_ids")?,
+            finish_reason: at("finish_reason")?,
+            new_logprobs: at("new_logprobs")?,
+            new_prompt_logprobs_tensors: at("new_prompt_logprobs_tensors")?,
+            prompt_token_id_logprobs: at("prompt_token_id_logprobs").ok(),
+            stop_reason: at("stop_reason")?,
+            events: at("events")?,
+            prefill_stats: at("prefill_stats")?,
+            trace_headers: at("trace_headers")?,
+            num_nans_in_logits: at("num_nans_in_logits")?,
+            defaults,
+        })
+    }
+}
+
+#[pymethods]
+impl PyV1Loop {
+    /// `config`: the scheduler's settings and vLLM's objects (see `_native_loop.py`).
+    #[new]
+    fn new(manager: Py<PyV1Manager>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let d = config;
+        let get_bool = |k: &str| -> PyResult<bool> {
+            item(d, k)?
+                .extract()
+                .map_err(|_| crate::errors::wrong_type(format!("V1Loop: {k:?} must be a bool")))
+        };
+        let release = match get_bool("release_033")? {
+            true => Release::V033,
+            false => Release::V032,
+        };
+        let hash_block_size = item(d, "hash_block_size")?
+            .extract::<crate::args::SatCount>()?
+            .0
+            .max(1);
+        let async_scheduling = get_bool("async_scheduling")?;
+        let decode_stagger = item(d, "decode_stagger")?
+            .extract::<crate::args::SatCount>()?
+            .0;
+        let pool_tokens = item(d, "pool_tokens")?
+            .extract::<crate::args::SatCount>()?
+            .0;
+        let event = item(d, "event_scheduled")?;
+        let objs = Objects {
+            waiting: item(d, "WAITING")?.unbind(),
+            running: item(d, "RUNNING")?.unbind(),
+            preempted_value: item(d, "PREEMPTED")?.extract()?,
+            preempted: item(d, "PREEMPTED")?.unbind(),
+            stopped: item(d, "FINISHED_STOPPED")?.unbind(),
+            length_capped: item(d, "FINISHED_LENGTH_CAPPED")?.unbind(),
+            reason_stop: item(d, "reason_stop")?.unbind(),
+            reason_length: item(d, "reason_length")?.unbind(),
+            event_scheduled: (!event.is_none()).then(|| event.unbind()),
+            make_new: item(d, "make_new")?.unbind(),
+            priority: item(d, "PRIORITY")?.unbind(),
+            monotonic: item(d, "monotonic")?.unbind(),
+            hash_name_of: item(d, "hash_name_of")?.unbind(),
+            output: OutputShape::new(d)?,
+        };
+        let mode = Mode {
+            release,
+            asynchronous: async_scheduling,
+            decode_stagger,
+        };
+        Ok(PyV1Loop {
+            manager,
+            objs,
+            mode,
+            hash_block_size,
+            pool_tokens,
+            fixed: std::sync::Mutex::new(FixedMap::default()),
+            busy: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// `Scheduler.schedule()` up to the `SchedulerOutput` constructor: returns
+    /// `(new_reqs_data, cached, num_scheduled_tokens, total)` where `cached` is
+    /// `(req_ids, resumed_req_ids, all_token_ids, new_block_ids, num_computed_tokens,
+    /// num_output_tokens)`, after applying `_update_after_schedule`'s request updates. The
+    /// caller builds the output and replaces the finished and preempted id sets.
+    fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
+        let mut e = PyEngine::new(self, sched)?;
+        Walk::new(&mut e, self.mode)?.schedule()
+    }
+
+    /// `Scheduler.update_from_output()`'s per-request part: returns `[(client_index,
+    /// [EngineCoreOutput, ...]), ...]` in vLLM's order, after appending tokens, stopping and
+    /// freeing finished requests and removing them from `running`. The caller publishes KV
+    /// events and builds `EngineCoreOutputs` with the stats.
+    fn update<'py>(
+        &self,
+        sched: &Bound<'py, PyAny>,
+        scheduler_output: &Bound<'py, PyAny>,
+        model_runner_output: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let mut e = PyEngine::new(self, sched)?;
+        e.io = Some(UpdateIo {
+            scheduler_output: scheduler_output.clone(),
+            mro: ModelOutput::read(model_runner_output)?,
+            outputs: Vec::new(),
+        });
+        Walk::new(&mut e, self.mode)?.update_from_output()?;
+        let outputs = e.io.take().map(|io| io.outputs).unwrap_or_default();
+        PyList::new(sched.py(), outputs)
+    }
+
+    /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens
+    /// that `add_request` finishes with an error.
+    fn refuses_prompt(&self, num_prompt: u64, max_model_len: u64) -> bool {
+        policy::refuses_prompt(
+            num_prompt,
+            policy::length_cap(max_model_len, self.pool_tokens),
+        )
+    }
+
+    /// `policy::length_cap` for this cache: what the scheduler's `max_model_len` becomes, so
+    /// that vLLM's own loop (its running room and `check_stop`) applies it too.
+    fn length_cap(&self, max_model_len: u64) -> u64 {
+        policy::length_cap(max_model_len, self.pool_tokens)
+    }
+}
+
+fn stop_rule(request: &Bound<'_, PyAny>) -> PyResult<StopRule> {
+    let py = request.py();
+    let params = request.getattr(intern!(py, "sampling_params"))?;
+    let eos = params.getattr(intern!(py, "eos_token_id"))?;
+    let stops = params.getattr(intern!(py, "stop_token_ids"))?;
+    Ok(StopRule {
+        eos_token_id: if eos.is_none() {
+            None
+        } else {
+            Some(eos.extract()?)
+        },
+        stop_token_ids: if stops.is_none() {
+            Vec::new()
+        } else {
+            stops.extract()?
+        },
+        max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+    })
+}
+
+fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
+    obj.getattr(name)?.extract()
+}

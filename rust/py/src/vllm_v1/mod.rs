@@ -1,0 +1,10 @@
+//! vLLM v1's bindings (`pagedkv_core::vllm_v1`): the manager, KV events, block hashes and
+//! the native scheduling loop over vLLM's own objects (see the crate's header).
+
+pub mod call;
+pub mod engine;
+pub mod events;
+pub mod hash;
+pub mod loop_;
+pub mod manager;
+pub mod output;
