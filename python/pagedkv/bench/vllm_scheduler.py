@@ -42,6 +42,7 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
+from pagedkv.bench.vllm_042 import driver
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, generate
 
 __all__ = [
@@ -174,17 +175,17 @@ class V0Engine(EngineUnderTest):
 
     def setup(self, config: EngineConfig) -> None:
         c, ns = config, self.backend.release
-        sched_cfg = ns.config.SchedulerConfig(
+        sched_cfg, cache_cfg = driver.scheduler_configs(
+            ns.config,
             c.max_num_batched_tokens,
             c.max_num_seqs,
             c.max_model_len,
-            enable_chunked_prefill=c.chunked_prefill,
+            c.block_size,
+            c.num_gpu_blocks,
+            c.num_cpu_blocks,
+            chunked_prefill=c.chunked_prefill,
+            caching=c.caching,
         )
-        cache_cfg = ns.config.CacheConfig(
-            c.block_size, 0.9, 1, "auto", enable_prefix_caching=c.caching
-        )
-        cache_cfg.num_gpu_blocks = c.num_gpu_blocks
-        cache_cfg.num_cpu_blocks = c.num_cpu_blocks
         self.block_size = c.block_size
         self.scheduler = self.backend.make_scheduler(sched_cfg, cache_cfg)
         seq_params = list(inspect.signature(self.backend.sequence.Sequence.__init__).parameters)
@@ -231,38 +232,39 @@ class V0Engine(EngineUnderTest):
         )
 
     def process_outputs(self, out: Any) -> None:
-        """vLLM's output processing of one step's ``SchedulerOutputs``, with the requests'
-        predetermined tokens."""
-        sched, log = self.scheduler, self.log
-        for sg in out.scheduled_seq_groups:
-            group = sg.seq_group
-            group.update_num_computed_tokens(sg.token_chunk_size)
-            if group.is_prefill():
-                continue  # an intermediate chunk of a chunked prefill samples nothing
-            req = self.requests[group.request_id]
-            running = group.get_seqs(status=self._running)
-            fork = None
-            if req.n > 1 and len(group.get_seqs()) == 1:
-                child = running[0].fork(self.next_child_id)
-                self.next_child_id += 1
-                group.add(child)
-                sched.fork_seq(running[0], child)
-                running.append(child)
-                fork = (running[0].seq_id, child.seq_id)
-            tokens = []
-            for row, seq in enumerate(running):
-                pos = seq.get_output_len()
-                tok = req.output_token_ids[row % len(req.output_token_ids)][pos]
-                seq.append_token_id(tok, {tok: self._logprob(0.0)})
-                done = pos + 1 >= req.output_len
-                if done:
-                    seq.status = self._capped
-                    sched.free_seq(seq)
-                if log is not None:
-                    tokens.append((seq.seq_id, tok, done))
-            if log is not None:
-                log.append((group.request_id, fork, tuple(tokens)))
-        sched.free_finished_seq_groups()
+        """vLLM's output processing of one step's ``SchedulerOutputs``
+        (:func:`~pagedkv.bench.vllm_042.driver.process_outputs`), with the requests'
+        predetermined tokens: a group samples once its prompt is computed."""
+        driver.process_outputs(
+            self.scheduler, out, lambda sg: not sg.seq_group.is_prefill(), self._sample_group
+        )
+
+    def _sample_group(self, group: Any) -> None:
+        req = self.requests[group.request_id]
+        rows = req.output_token_ids
+        seqs = group.get_seqs()
+        # One child, forked once from the group's one sequence (whatever ``n``), after its prompt.
+        fork = 2 if req.n > 1 and len(seqs) == 1 else 1
+
+        def samples(parent: Any) -> List[int]:
+            pos, row = parent.get_output_len(), seqs.index(parent)
+            return [rows[(row + k) % len(rows)][pos] for k in range(1, fork)] + [
+                rows[row % len(rows)][pos]
+            ]
+
+        def stop(seq: Any) -> None:
+            if seq.get_output_len() >= req.output_len:
+                seq.status = self._capped
+
+        pairs = driver.process_group_samples(
+            self.scheduler, group, samples, self._new_seq_id, stop, self._running, self._logprob
+        )
+        if self.log is not None:
+            self.log.append(_log_entry(group.request_id, pairs))
+
+    def _new_seq_id(self) -> int:
+        self.next_child_id += 1
+        return self.next_child_id - 1
 
     def _detail(self, metas: Any, out: Any) -> Dict[str, Any]:
         mgr = self.scheduler.block_manager
@@ -275,6 +277,22 @@ class V0Engine(EngineUnderTest):
             "ignored": [g.request_id for g in out.ignored_seq_groups],
             "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
         }
+
+
+def _log_entry(request_id: str, pairs: List[Tuple[Any, Any]]) -> Tuple[str, Any, tuple]:
+    """The trace's record of a group's samples (:mod:`pagedkv.bench.trace`): its id, the fork
+    ``(parent, child)`` the block manager made or None, and ``(seq_id, token, finished)`` per
+    sequence the block manager holds, the parent first (a child finished at birth was never
+    forked: vLLM leaves it out of the block manager)."""
+    fork = None
+    tokens = []
+    for seq, parent in sorted(pairs, key=lambda p: p[0] is not p[1]):
+        if seq is not parent:
+            if seq.is_finished():
+                continue
+            fork = (parent.seq_id, seq.seq_id)
+        tokens.append((seq.seq_id, seq.get_last_token_id(), seq.is_finished()))
+    return request_id, fork, tuple(tokens)
 
 
 def compat_engine() -> V0Engine:
