@@ -197,9 +197,9 @@ def run_section(
     progress: Any = None,
 ) -> Dict[str, Any]:
     """vLLM's own v1 engine and pagedkv's in lockstep: the whole-step section's JSON (the
-    shape of :func:`pagedkv.bench.wholestep.run_whole_step`'s), ``ok`` only if every step's
+    shape of :func:`pagedkv.bench.vllm_042.wholestep.run_whole_step`'s), ``ok`` only if every step's
     decisions were equal."""
-    from pagedkv.bench.wholestep import _section
+    from pagedkv.bench.vllm_042.wholestep import _section
 
     engines = [
         V1Engine(release, True, spec),

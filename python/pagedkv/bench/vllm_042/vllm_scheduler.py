@@ -170,7 +170,7 @@ class V0Engine(EngineUnderTest):
         self.requests: Dict[str, Request] = {}
         self.next_child_id = 1 << 40
         #: When a list, the output processing appends ``(request_id, (parent, child) or None,
-        #: ((seq_id, token, finished), ...))`` per group that sampled (pagedkv.bench.trace).
+        #: ((seq_id, token, finished), ...))`` per group that sampled (bench.vllm_042.trace).
         self.log: Optional[List[Any]] = None
 
     def setup(self, config: EngineConfig) -> None:
@@ -280,10 +280,10 @@ class V0Engine(EngineUnderTest):
 
 
 def _log_entry(request_id: str, pairs: List[Tuple[Any, Any]]) -> Tuple[str, Any, tuple]:
-    """The trace's record of a group's samples (:mod:`pagedkv.bench.trace`): its id, the fork
-    ``(parent, child)`` the block manager made or None, and ``(seq_id, token, finished)`` per
-    sequence the block manager holds, the parent first (a child finished at birth was never
-    forked: vLLM leaves it out of the block manager)."""
+    """The trace's record of a group's samples (:mod:`pagedkv.bench.vllm_042.trace`): its id,
+    the fork ``(parent, child)`` the block manager made or None, and ``(seq_id, token,
+    finished)`` per sequence the block manager holds, the parent first (a child finished at
+    birth was never forked: vLLM leaves it out of the block manager)."""
     fork = None
     tokens = []
     for seq, parent in sorted(pairs, key=lambda p: p[0] is not p[1]):
