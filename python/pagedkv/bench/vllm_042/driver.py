@@ -2,6 +2,9 @@
 bench, the tests and the demo share: the scheduler's configuration, and what vLLM's
 ``LLMEngine.step()`` does with a step's sampled tokens (its single-step output processor).
 
+* :func:`make_backend`: the scheduler and Sequence family of an engine (vLLM's own classes,
+  pagedkv's dropped in, pagedkv's manager under vLLM's scheduler, or :class:`pagedkv.Scheduler`):
+  the one way the bench puts pagedkv into vLLM 0.4.2's scheduler;
 * :func:`scheduler_configs`: ``SchedulerConfig`` and ``CacheConfig`` of a config module (vLLM's
   ``vllm.config`` of a release loaded by :mod:`pagedkv.vllm_release`, or :mod:`pagedkv.scheduler`)
   with the GPU and CPU block counts set, as ``LLMEngine`` leaves them after profiling;
@@ -13,13 +16,93 @@ bench, the tests and the demo share: the scheduler's configuration, and what vLL
 * :func:`process_outputs`: ``_process_model_outputs``: each scheduled group's computed tokens,
   its samples where it samples, then ``free_finished_seq_groups()``.
 
-The caller brings the model's part (which tokens) and the stop check; nothing here imports
-vLLM or needs a release of it.
+The caller brings the model's part (which tokens) and the stop check. Nothing here imports
+vLLM: :func:`make_backend` loads a release's files through :mod:`pagedkv.vllm_release`.
 """
 
 from __future__ import annotations
 
+import types
+from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Tuple
+
+# ---- the schedulers ------------------------------------------------------------------------
+
+BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
+
+
+@dataclass
+class Backend:
+    """The classes one engine uses: a vLLM-API ``Scheduler`` factory and the Sequence family
+    (module with ``Sequence``, ``SequenceGroup``, ``SequenceStatus``, ``Logprob``) plus
+    ``SamplingParams``. ``make_scheduler(scheduler_config, cache_config)``."""
+
+    name: str
+    version: str
+    release: types.SimpleNamespace  # the vllm_release load whose config classes are used
+    sequence: Any
+    sampling_params: Any
+    make_scheduler: Callable[[Any, Any], Any]
+
+
+def make_backend(version: str, name: str) -> Backend:
+    """One of :data:`BACKENDS` for vLLM ``version`` (fetched and loaded by vllm_release)."""
+    from pagedkv import vllm_release
+
+    if name not in BACKENDS:
+        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
+    if name == "pagedkv-scheduler":
+        return scheduler_backend(version)
+    ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
+
+    def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
+        return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
+
+    make = scheduler
+    if name == "pagedkv-manager":
+        make = _with_pagedkv_manager(ns, version)
+    return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
+
+
+def scheduler_backend(version: Optional[str] = None) -> Backend:
+    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2) over pagedkv's Sequence family,
+    configured with vLLM ``version``'s own config objects, or without one with the config
+    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
+    import pagedkv
+    from pagedkv import scheduler as config
+    from pagedkv import sequence, vllm_release
+
+    if version not in (None, "0.4.2"):
+        raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
+    ns = vllm_release.load(version, "pagedkv") if version else types.SimpleNamespace(config=config)
+
+    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
+        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
+
+    return Backend("pagedkv-scheduler", "0.4.2", ns, sequence, pagedkv.SamplingParams, make)
+
+
+def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
+    """A Scheduler of the ``vllm`` load whose block manager is pagedkv's (in the result shape
+    of that release)."""
+    import pagedkv
+    from pagedkv.block_manager import BlockSpaceManagerPairs
+
+    manager = BlockSpaceManagerPairs if version != "0.4.2" else pagedkv.BlockSpaceManager
+
+    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
+        cls = ns.interfaces.BlockSpaceManager
+        original = cls.__dict__["get_block_space_manager_class"]
+        cls.get_block_space_manager_class = staticmethod(lambda version: manager)
+        try:
+            return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
+        finally:
+            cls.get_block_space_manager_class = original
+
+    return make
+
+
+# ---- the engine loop ------------------------------------------------------------------------
 
 #: ``(sequence, the parent it continues)``: ``seq is parent`` for a parent's own sample.
 Pair = Tuple[Any, Any]

@@ -31,9 +31,7 @@ from __future__ import annotations
 import inspect
 import random
 import time
-import types
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pagedkv.bench.harness import (
     EngineConfig,
@@ -43,6 +41,7 @@ from pagedkv.bench.harness import (
     run_lockstep,
 )
 from pagedkv.bench.vllm_042 import driver
+from pagedkv.bench.vllm_042.driver import BACKENDS, Backend, make_backend, scheduler_backend
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, generate
 
 __all__ = [
@@ -57,80 +56,6 @@ __all__ = [
     "scheduler_backend",
     "vllm_engine",
 ]
-
-BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
-
-
-@dataclass
-class Backend:
-    """The classes one engine uses: a vLLM-API ``Scheduler`` factory and the Sequence family
-    (module with ``Sequence``, ``SequenceGroup``, ``SequenceStatus``, ``Logprob``) plus
-    ``SamplingParams``. ``make_scheduler(scheduler_config, cache_config)``."""
-
-    name: str
-    version: str
-    release: types.SimpleNamespace  # the vllm_release load whose config classes are used
-    sequence: Any
-    sampling_params: Any
-    make_scheduler: Callable[[Any, Any], Any]
-
-
-def make_backend(version: str, name: str) -> Backend:
-    """One of :data:`BACKENDS` for vLLM ``version`` (fetched and loaded by vllm_release)."""
-    from pagedkv import vllm_release
-
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-    if name == "pagedkv-scheduler":
-        return scheduler_backend(version)
-    ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
-
-    def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
-        return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
-
-    make = scheduler
-    if name == "pagedkv-manager":
-        make = _with_pagedkv_manager(ns, version)
-    return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
-
-
-def scheduler_backend(version: Optional[str] = None) -> Backend:
-    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2) over pagedkv's Sequence family,
-    configured with vLLM ``version``'s own config objects, or without one with the config
-    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
-    import pagedkv
-    from pagedkv import scheduler as config
-    from pagedkv import sequence, vllm_release
-
-    if version not in (None, "0.4.2"):
-        raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
-    ns = vllm_release.load(version, "pagedkv") if version else types.SimpleNamespace(config=config)
-
-    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
-        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
-
-    return Backend("pagedkv-scheduler", "0.4.2", ns, sequence, pagedkv.SamplingParams, make)
-
-
-def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
-    """A Scheduler of the ``vllm`` load whose block manager is pagedkv's (in the result shape
-    of that release)."""
-    import pagedkv
-    from pagedkv.block_manager import BlockSpaceManagerPairs
-
-    manager = BlockSpaceManagerPairs if version != "0.4.2" else pagedkv.BlockSpaceManager
-
-    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
-        cls = ns.interfaces.BlockSpaceManager
-        original = cls.__dict__["get_block_space_manager_class"]
-        cls.get_block_space_manager_class = staticmethod(lambda version: manager)
-        try:
-            return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
-        finally:
-            cls.get_block_space_manager_class = original
-
-    return make
-
 
 # ---- the engine loop -------------------------------------------------------------------------
 
