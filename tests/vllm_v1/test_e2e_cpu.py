@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import gc
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -49,9 +48,6 @@ def engine_scheduler(llm):
 
 def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
     """(token ids per prompt, generated tokens per second, scheduler class, manager class)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
     llm = driver.make_llm(
         model_dir,
         scheduler_cls,
@@ -61,14 +57,9 @@ def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
         async_scheduling=False,
     )
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        params.detokenize = False
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
-        llm.generate(batch[-2:], params, use_tqdm=False)  # warm-up: not timed, not compared
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        batch = prompts()
+        driver.generate_greedy(llm, batch[-2:], MAX_TOKENS)  # warm-up: not timed, not compared
+        tokens, elapsed = driver.generate_greedy(llm, batch, MAX_TOKENS)
         sched = engine_scheduler(llm)
         kinds = (type(sched), type(sched.kv_cache_manager))
         loops = (getattr(sched, "pagedkv_native_steps", 0), getattr(sched, "pagedkv_vllm_steps", 0))

@@ -325,6 +325,22 @@ def make_llm(model_dir: Any, scheduler_cls: Optional[str] = None, **fields: Any)
     return LLM(**args)
 
 
+def generate_greedy(
+    llm: Any, prompts: List[List[int]], max_tokens: int
+) -> Tuple[List[List[int]], float]:
+    """``llm.generate`` of token-id ``prompts``, greedy, ``max_tokens`` each (EOS ignored, no
+    detokenizing): (the generated token ids per prompt, seconds)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params.detokenize = False
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
 def engine_core(llm: Any) -> Any:
     """The engine core of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
     core = llm.llm_engine.engine_core

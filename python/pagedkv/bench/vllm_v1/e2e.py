@@ -22,7 +22,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any, Dict, List, Optional
 
 from pagedkv.bench.vllm_v1 import driver
@@ -52,15 +51,8 @@ def make_llm(model_dir: str, scheduler_cls: Optional[str], caching: bool, max_nu
 
 
 def generate(llm: Any, batch: List[List[int]], max_tokens: int) -> tuple:
-    """(generated token ids per prompt, seconds)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    params.detokenize = False
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+    """(generated token ids per prompt, seconds): the driver's greedy generation."""
+    return driver.generate_greedy(llm, batch, max_tokens)
 
 
 def measure(layers: int, requests: int, rounds: int, caching: bool, max_tokens: int) -> Dict:
