@@ -1,7 +1,7 @@
 """W1 whole engine step: the batch step (pagedkv.engine_step.BatchEngine) and the compat step
 (pagedkv.Scheduler) vs vLLM 0.4.2's own Scheduler, same run; and the batch step's scaling.
 
-The engines and the lockstep are :mod:`pagedkv.bench.wholestep` (the whole-step section of
+The engines and the lockstep are :mod:`pagedkv.bench.vllm_042.wholestep` (the whole-step section of
 ``pagedkv bench --compare vllm==0.4.2``); this script runs only that section, on W1, and
 reports µs per step, µs per running sequence (batch row) per step, and the ratios.
 
@@ -32,7 +32,7 @@ import argparse  # noqa: E402
 
 from pagedkv.bench.report import format_whole_step  # noqa: E402
 from pagedkv.bench.scaling import format_scaling, run_scaling  # noqa: E402
-from pagedkv.bench.wholestep import TURN, run_whole_step  # noqa: E402
+from pagedkv.bench.vllm_042.wholestep import TURN, run_whole_step  # noqa: E402
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate  # noqa: E402
 
 CACHING = {"on": [True], "off": [False], "both": [True, False]}

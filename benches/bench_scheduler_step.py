@@ -1,9 +1,9 @@
 """Whole engine step on W1: pagedkv.Scheduler vs vLLM 0.4.2's own Scheduler, same run.
 
-The model-free engine loop of :mod:`pagedkv.bench.vllm_scheduler` (what vLLM's LLMEngine does
-around the scheduler: ``schedule()``, then the output processing of ``_process_model_outputs``)
-drives three backends through the same W1 requests in one process, in lockstep (a step of each
-in turn, so that machine noise falls on all three alike):
+The model-free engine loop of :mod:`pagedkv.bench.vllm_042.vllm_scheduler` (what vLLM's
+LLMEngine does around the scheduler: ``schedule()``, then the output processing of
+``_process_model_outputs``) drives three backends through the same W1 requests in one
+process, in lockstep (a step of each in turn, so that machine noise falls on all three alike):
 
 * ``vllm``: vLLM 0.4.2's Scheduler with its own classes (``pagedkv.vllm_release``);
 * ``pagedkv-dropin``: vLLM 0.4.2's Scheduler code with pagedkv's Sequence family and manager;
@@ -11,7 +11,7 @@ in turn, so that machine noise falls on all three alike):
 
 It reports the mean time of a whole step (schedule + output processing) and of ``schedule()``
 alone, in microseconds, and the ratios to ``vllm``. The engines are
-:class:`pagedkv.bench.vllm_scheduler.V0Engine` adapters stepped by
+:class:`pagedkv.bench.vllm_042.vllm_scheduler.V0Engine` adapters stepped by
 :func:`pagedkv.bench.harness.run_lockstep`, one step of each in turn, which checks that every
 step schedules the same groups (tests/test_scheduler_differential.py checks the decisions in
 full). GC is disabled while stepping, for all three alike.
@@ -28,7 +28,7 @@ import statistics
 from typing import Any, Dict
 
 from pagedkv.bench.harness import EngineConfig, run_lockstep
-from pagedkv.bench.vllm_scheduler import V0Engine, make_backend
+from pagedkv.bench.vllm_042.vllm_scheduler import V0Engine, make_backend
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, generate
 
 BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-scheduler")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.bench.vllm_sequence_cases import CASES, build_pair
+from pagedkv.bench.vllm_042.vllm_sequence_cases import CASES, build_pair
 
 PAIR = build_pair()
 

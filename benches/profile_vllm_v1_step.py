@@ -82,12 +82,13 @@ def _caching(mode: str) -> bool:
     return MODES[mode][0]
 
 
-def _record(so: Any, eco: Any, sched: Any, t: Tuple[float, float, float, float]) -> Dict[str, Any]:
-    t0, t1, t2, t3 = t
+def _record(st: Any, sched: Any) -> Dict[str, Any]:
+    """One step's times and what it built (``st``: the driver's ``V1Step``)."""
+    so, eco = st.scheduler_output, st.outputs
     cached = so.scheduled_cached_reqs
     return {
-        "schedule_s": t1 - t0,
-        "update_s": t3 - t2,
+        "schedule_s": st.schedule_seconds,
+        "update_s": st.update_seconds,
         "scheduled": len(so.num_scheduled_tokens),
         "tokens": so.total_num_scheduled_tokens,
         "decode_only": all(n == 1 for n in so.num_scheduled_tokens.values()),
@@ -117,6 +118,7 @@ def _drive_many(
     order that alternates every step, so load on a shared machine hits all alike); per engine
     one dict per step (times and what was built)."""
     from pagedkv.bench.harness import EngineConfig
+    from pagedkv.bench.vllm_v1 import driver
 
     engines = []
     for native in natives:
@@ -128,7 +130,6 @@ def _drive_many(
             setup_hook(eng)
         engines.append(eng)
     steps: List[List[Dict[str, Any]]] = [[] for _ in engines]
-    pc = time.perf_counter
     gc.collect()
     gc.disable()
     try:
@@ -146,16 +147,10 @@ def _drive_many(
                 busy = True
                 if step_hook is not None:
                     step_hook(i, "before")
-                t0 = pc()
-                so = sched.schedule()
-                t1 = pc()
-                mro = eng.model_output(so)
-                t2 = pc()
-                eco = sched.update_from_output(so, mro)
-                t3 = pc()
+                st = driver.step(sched, eng.requests, eng.next_token)
                 if step_hook is not None:
                     step_hook(i, "after")
-                steps[j].append(_record(so, eco, sched, (t0, t1, t2, t3)))
+                steps[j].append(_record(st, sched))
             if not busy:
                 break
             i += 1
@@ -308,7 +303,10 @@ def _summ(steps: List[Dict[str, Any]]) -> Dict[str, Any]:
 #: cProfile function groups: (label, predicate on (file, function name)).
 def _group(path: str, func: str) -> str:
     p = path.replace("\\", "/")
-    if (p.endswith("bench/vllm_v1.py") and func == "model_output") or p.endswith("v1/outputs.py"):
+    stand_in = ("sampled_tokens", "model_runner_output", "next_token", "model_output")
+    if (
+        p.endswith(("bench/vllm_v1/driver.py", "bench/vllm_v1/section.py")) and func in stand_in
+    ) or p.endswith("v1/outputs.py"):
         return "model stand-in (not timed in the step)"
     if "pagedkv/vllm_v1" in p or "pagedkv._native" in p or "V1Manager" in func:
         return "manager (pagedkv Python + native)"

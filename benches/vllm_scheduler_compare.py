@@ -12,7 +12,7 @@ so requests are preempted by recompute and by swapping; with ``--caching`` promp
 blocks and the pool is large. ``--time`` instead times the whole engine step (``schedule()`` +
 output processing) of both backends on W1 (``--quick``: W1_QUICK), in the same run.
 
-The engine loop is :mod:`pagedkv.bench.vllm_scheduler`.
+The engine loop is :mod:`pagedkv.bench.vllm_042.vllm_scheduler`.
 Run: ``python benches/vllm_scheduler_compare.py [--version V] [--requests N] [--seed S]
 [--caching] [--chunked-prefill] [--manager-only] [--time [--quick]]``.
 """
@@ -24,7 +24,7 @@ import json
 import logging
 import sys
 
-from pagedkv.bench import vllm_scheduler
+from pagedkv.bench.vllm_042 import vllm_scheduler
 
 
 def run(

@@ -1,7 +1,7 @@
 """The scheduler's share of vLLM v1's end-to-end engine step on CPU (docs/benchmarks.md, "vLLM v1:
 the measurements behind the native loop"): a 1-layer dummy Llama
-(``pagedkv.bench.vllm_v1.TINY_LLAMA``, dummy weights, no tokenizer) served by ``vllm.LLM``
-in-process on vLLM's CPU backend, W1-quick's requests, with ``schedule()``,
+(``pagedkv.bench.vllm_v1.driver.TINY_LLAMA``, dummy weights, no tokenizer) served by
+``vllm.LLM`` in-process on vLLM's CPU backend, W1-quick's requests, with ``schedule()``,
 ``update_from_output()`` and the executor's model calls timed inside the engine core
 (``--full``: full W1). The share bounds what any scheduler speed-up can give end to end: ``1 /
 (1 - share * (1 - 1/speedup))``.
@@ -57,36 +57,30 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in-process
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    from pagedkv.bench.vllm_v1 import write_model_dir
+    from pagedkv.bench.vllm_v1 import driver
     from pagedkv.bench.workload import WORKLOADS, generate
+
+    for key, value in driver.cpu_engine_env(kv_cache_gib=2).items():
+        os.environ.setdefault(key, value)  # the engine core in-process
+
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     cfg = WORKLOADS["w1"][0 if a.full else 1]
     requests = generate(cfg, seed=a.seed).requests[: a.requests]
     max_len = cfg.prompt_len_max + cfg.output_len_max
-    model_dir = write_model_dir(tempfile.mkdtemp(), max_len)
-    kw: Dict[str, Any] = dict(
-        model=model_dir,
-        skip_tokenizer_init=True,
-        load_format="dummy",
-        enforce_eager=True,
+    model_dir = driver.write_model_dir(tempfile.mkdtemp(), max_len)
+    llm = driver.make_llm(
+        model_dir,
+        driver.PAGEDKV_SCHEDULER if a.native else None,
+        dtype="auto",
         max_model_len=max_len,
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.prefill_token_budget,
         enable_prefix_caching=True,
         num_gpu_blocks_override=cfg.num_gpu_blocks // 2,
-        block_size=32,
-        seed=0,
     )
-    if a.native:
-        kw["scheduler_cls"] = "pagedkv.vllm_v1.Scheduler"
-    llm = LLM(**kw)
-    core = llm.llm_engine.engine_core.engine_core
+    core = driver.engine_core(llm)
     sched = core.scheduler
     acc = {"schedule": 0.0, "update": 0.0, "model": 0.0}
     _wrap(sched, "schedule", acc, "schedule")

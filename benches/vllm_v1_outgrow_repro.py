@@ -69,17 +69,10 @@ def run_case(
     loop: bool = False,
 ) -> Dict[str, Any]:
     from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     from pagedkv.bench.harness import EngineConfig
-    from pagedkv.bench.vllm_v1 import (
-        EngineSpec,
-        build_scheduler,
-        model_runner_output,
-        write_model_dir,
-    )
+    from pagedkv.bench.vllm_v1 import EngineSpec, build_scheduler, driver
 
     pool, reqs, budget = CASES[name]
     max_len = MAX_MODEL_LEN.get(name, max(p + m for p, m in reqs) + BLOCK)
@@ -97,14 +90,12 @@ def run_case(
         sched = build_scheduler(
             EngineSpec(caching=caching, watermark=0.0),
             cfg,
-            write_model_dir(d, max_len),
+            driver.write_model_dir(d, max_len),
             manager or loop,
             loop=loop,
         )
     sched.scheduler_reserve_full_isl = reserve_full_isl
-    hash_fn = get_hash_fn_by_name("sha256")
-    init_none_hash(hash_fn)
-    hasher = get_request_block_hasher(BLOCK, hash_fn)
+    hasher = driver.request_block_hasher(BLOCK)
     requests = {}
     for i, (plen, max_tokens) in enumerate(reqs):
         r = Request(
@@ -123,13 +114,8 @@ def run_case(
     for step in range(steps):
         if not sched.has_requests():
             break
-        so = sched.schedule()
-        ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            req = requests[rid]
-            sampled.append([5] if req.num_computed_tokens >= req.num_tokens else [])
-        outs = sched.update_from_output(so, model_runner_output(ids, sampled))
+        st = driver.step(sched, requests, lambda _request: 5)
+        so, outs = st.scheduler_output, st.outputs
         for eco in outs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:

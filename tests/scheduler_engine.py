@@ -17,6 +17,8 @@ import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from pagedkv.bench.vllm_042 import driver
+
 
 class FakeClock:
     """A clock that moves only when told (both worlds read the same time)."""
@@ -199,23 +201,19 @@ class World:
         self._real_time = sched_mod.time
         sched_mod.time = clock  # the module's `time.time()` reads the fake clock (close())
         self.Status = seq_mod.SequenceStatus
-        scfg = cfg_mod.SchedulerConfig(
+        scfg, ccfg = driver.scheduler_configs(
+            cfg_mod,
             w.max_num_batched_tokens,
             w.max_num_seqs,
             w.max_model_len,
-            num_lookahead_slots=w.lookahead,
-            delay_factor=w.delay_factor,
-            enable_chunked_prefill=w.chunked,
-        )
-        ccfg = cfg_mod.CacheConfig(
             w.block_size,
-            0.9,
-            1,
-            "auto",
-            sliding_window=w.sliding_window,
-            enable_prefix_caching=w.caching,
+            w.gpu_blocks,
+            w.cpu_blocks,
+            chunked_prefill=w.chunked,
+            caching=w.caching,
+            scheduler_fields={"num_lookahead_slots": w.lookahead, "delay_factor": w.delay_factor},
+            cache_fields={"sliding_window": w.sliding_window},
         )
-        ccfg.num_gpu_blocks, ccfg.num_cpu_blocks = w.gpu_blocks, w.cpu_blocks
         lcfg = None
         if w.max_loras:
             if kind == "ours":
@@ -319,40 +317,43 @@ class World:
         }
 
     def process(self, metas, out) -> None:
-        """vLLM 0.4.2's `_process_model_outputs` with the single-step output processor."""
-        for sg, meta in zip(out.scheduled_seq_groups, _by_request(metas, out)):
-            group = sg.seq_group
-            group.update_num_computed_tokens(sg.token_chunk_size)
-            if meta.do_sample:
-                self._sample(group)
-        self.sched.free_finished_seq_groups()
+        """vLLM 0.4.2's `_process_model_outputs` with the single-step output processor
+        (pagedkv.bench.vllm_042.driver), sampling where the metadata says ``do_sample``."""
+        by_id = {m.request_id: m for m in metas}
+        driver.process_outputs(
+            self.sched, out, lambda sg: by_id[sg.seq_group.request_id].do_sample, self._sample
+        )
 
     def _sample(self, group) -> None:
         if group.sampling_params.use_beam_search:
             return self._sample_beam(group)
-        Status = self.Status
-        parents = group.get_seqs(status=Status.RUNNING)
         params = group.sampling_params
-        pairs = []
-        for parent in parents:
-            n_samples = params.best_of if len(group.get_seqs()) == 1 else 1
-            for _k in range(n_samples - 1):
-                child = parent.fork(self.next_child)
-                self.next_child += 1
-                pairs.append((child, parent))
-            pairs.append((parent, parent))
-        for seq, _ in pairs:
-            tok = token_for(group.request_id, seq.seq_id, seq.get_len(), self.w.vocab)
-            seq.append_token_id(tok, {tok: self.Logprob(0.0)})
-            self._stop_check(seq, tok, params)
-        for seq, parent in pairs:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.sched.fork_seq(parent, seq)
-        for seq, parent in pairs:
-            if seq is parent and seq.is_finished():
-                self.sched.free_seq(seq)
+        fork = params.best_of if len(group.get_seqs()) == 1 else 1
+
+        def samples(parent) -> List[int]:
+            pos, rid = parent.get_len(), group.request_id
+            children = [
+                token_for(rid, self.next_child + k, pos, self.w.vocab) for k in range(fork - 1)
+            ]
+            return children + [token_for(rid, parent.seq_id, pos, self.w.vocab)]
+
+        driver.process_group_samples(
+            self.sched,
+            group,
+            samples,
+            self._new_seq_id,
+            lambda seq: self._stop(seq, params),
+            self.Status.RUNNING,
+            self.Logprob,
+        )
+
+    def _new_seq_id(self) -> int:
+        self.next_child += 1
+        return self.next_child - 1
+
+    def _stop(self, seq, params) -> None:
+        """After a sequence's new token: finished at its length cap or the EOS token."""
+        self._stop_check(seq, seq.get_last_token_id(), params)
 
     def _stop_check(self, seq, tok: int, params) -> None:
         Status = self.Status
@@ -449,11 +450,6 @@ class _LoraCfg:
     def __init__(self, max_loras: int) -> None:
         self.max_loras = max_loras
         self.max_lora_rank = 8
-
-
-def _by_request(metas, out):
-    by_id = {m.request_id: m for m in metas}
-    return [by_id[g.seq_group.request_id] for g in out.scheduled_seq_groups]
 
 
 def vllm_hazard(world: World) -> Optional[str]:

@@ -177,7 +177,7 @@ def test_compat_and_batch_paths_agree_through_the_harness(caching):
 def test_the_detail_cross_check_catches_a_wrong_decision():
     """Two compat engines with the full per-step decisions (chunks, block tables, free
     blocks): one given a request a token short is caught at the step it differs."""
-    from pagedkv.bench.vllm_scheduler import V0Engine, random_requests, scheduler_backend
+    from pagedkv.bench.vllm_042.vllm_scheduler import V0Engine, random_requests, scheduler_backend
 
     class Short(V0Engine):
         def add(self, request: Request) -> None:
@@ -199,9 +199,9 @@ def test_the_detail_cross_check_catches_a_wrong_decision():
 
 
 def test_the_manager_replay_is_an_engine_under_test():
-    from pagedkv.bench.backends import resolve_backends
-    from pagedkv.bench.replay import ManagerReplay
-    from pagedkv.bench.trace import record
+    from pagedkv.bench.vllm_042.backends import resolve_backends
+    from pagedkv.bench.vllm_042.replay import ManagerReplay
+    from pagedkv.bench.vllm_042.trace import record
 
     workload = generate(SMALL_W1, seed=0)
     trace = record(workload, True)

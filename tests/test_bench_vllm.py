@@ -12,7 +12,7 @@ import shutil
 import pytest
 
 from pagedkv import cli, vllm_release
-from pagedkv.bench.backends import vllm_backend, vllm_provenance
+from pagedkv.bench.vllm_042.backends import vllm_backend, vllm_provenance
 from pagedkv.bench.workload import W1_QUICK, W2_QUICK, generate
 
 QUICK = ["bench", "--quick", "--no-micro", "--no-progress", "--backends", "native"]
@@ -125,8 +125,8 @@ def test_recorded_schedule_equals_vllms_scheduler(case, cfg, caching):
     groups and chunks, forks, tokens, finishes, and the free GPU/CPU blocks after the step)
     equals what the same recorder reads off vLLM 0.4.2's own Scheduler, with its own
     sequences and BlockSpaceManagerV1, on the same workload."""
-    from pagedkv.bench.trace import record
-    from pagedkv.bench.vllm_scheduler import make_backend
+    from pagedkv.bench.vllm_042.trace import record
+    from pagedkv.bench.vllm_042.vllm_scheduler import make_backend
 
     workload = generate(cfg, seed=0)
     ours = record(workload, caching).steps

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from pagedkv.bench import wholestep
-from pagedkv.bench.trace import record
+from pagedkv.bench.vllm_042 import wholestep
+from pagedkv.bench.vllm_042.trace import record
 from pagedkv.bench.workload import W1_QUICK, W2_QUICK, generate
 
 SMALL_W2 = dataclasses.replace(W2_QUICK, num_requests=24)

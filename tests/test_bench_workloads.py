@@ -10,11 +10,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from pagedkv.bench.backends import BACKEND_NAMES, Backend, resolve_backends
-from pagedkv.bench.replay import replay
 from pagedkv.bench.report import cross_check
 from pagedkv.bench.scaling import FACTORS, base_config, sweep_configs
-from pagedkv.bench.trace import record
+from pagedkv.bench.vllm_042.backends import BACKEND_NAMES, Backend, resolve_backends
+from pagedkv.bench.vllm_042.replay import replay
+from pagedkv.bench.vllm_042.trace import record
 from pagedkv.bench.workload import (
     W1_FULL,
     W1_QUICK,

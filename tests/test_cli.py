@@ -72,9 +72,10 @@ def test_demo_without_torch_says_how_to_get_it():
 def test_building_the_parser_imports_neither_torch_nor_the_bench_drivers():
     code = (
         "import sys; from pagedkv.cli import build_parser; build_parser(); "
-        "heavy = [m for m in ('torch', 'pagedkv.demo.engine', 'pagedkv.bench.trace', "
-        "'pagedkv.bench.replay', 'pagedkv.bench.wholestep', 'pagedkv.bench.harness', 'matplotlib', "
-        "'tqdm') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
+        "heavy = [m for m in ('torch', 'pagedkv.demo.engine', 'pagedkv.bench.vllm_042.trace', "
+        "'pagedkv.bench.vllm_042.replay', 'pagedkv.bench.vllm_042.wholestep', "
+        "'pagedkv.bench.vllm_042.driver', 'pagedkv.bench.vllm_v1', 'pagedkv.bench.harness', "
+        "'matplotlib', 'tqdm') if m in sys.modules]; print(heavy); sys.exit(1 if heavy else 0)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -159,7 +160,7 @@ def test_bad_set_in_a_subprocess_has_no_traceback():
 
 
 def test_requested_backend_that_cannot_run_is_an_error(monkeypatch, capsys):
-    import pagedkv.bench.backends as backends
+    import pagedkv.bench.vllm_042.backends as backends
 
     real = backends._import
     monkeypatch.setattr(
@@ -176,7 +177,7 @@ def test_a_diverging_manager_is_exit_status_1(monkeypatch, capsys):
     """A backend whose manager leaks a block: the replay cross-check fails, exit status 1."""
     import types
 
-    import pagedkv.bench.backends as backends
+    import pagedkv.bench.vllm_042.backends as backends
 
     real = backends._RESOLVERS["native"]
 
@@ -209,7 +210,7 @@ def test_a_diverging_manager_is_exit_status_1(monkeypatch, capsys):
 def test_a_batch_step_that_decides_otherwise_is_exit_status_1(monkeypatch, capsys):
     import dataclasses
 
-    from pagedkv.bench import wholestep
+    from pagedkv.bench.vllm_042 import wholestep
 
     real_add = wholestep.BatchStepEngine.add
 

@@ -72,29 +72,6 @@ class _CompatWorld(World):
         elif seq.get_len() > self.w.max_model_len or seq.get_output_len() == params.max_tokens:
             seq.status = Status.FINISHED_LENGTH_CAPPED
 
-    def _sample(self, group) -> None:
-        Status = self.Status
-        params = group.sampling_params
-        pairs = []
-        for parent in group.get_seqs(status=Status.RUNNING):
-            n_samples = params.best_of if len(group.get_seqs()) == 1 else 1
-            for _k in range(n_samples - 1):
-                pairs.append((parent.fork(self.next_child), parent))
-                self.next_child += 1
-            pairs.append((parent, parent))
-        for seq, _ in pairs:
-            tok = token_for(group.request_id, seq.seq_id, seq.get_len(), self.w.vocab)
-            seq.append_token_id(tok, {tok: self.Logprob(0.0)})
-            self._stop(seq, params)
-        for seq, parent in pairs:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.sched.fork_seq(parent, seq)
-        for seq, parent in pairs:
-            if seq is parent and seq.is_finished():
-                self.sched.free_seq(seq)
-
 
 def cached_prefix(world: World, meta, start: int, chunk: int) -> int:
     """Leading tokens of a prompt chunk the model runner leaves out: vLLM 0.4.2's

@@ -21,9 +21,9 @@ import pytest
 
 import pagedkv.sequence
 from pagedkv import vllm_release
-from pagedkv.bench import vllm_scheduler
 from pagedkv.bench.harness import EngineConfig
-from pagedkv.bench.vllm_sequence_cases import CASES, build_pair, interleaved_ratio
+from pagedkv.bench.vllm_042 import vllm_scheduler
+from pagedkv.bench.vllm_042.vllm_sequence_cases import CASES, build_pair, interleaved_ratio
 
 VERSIONS = vllm_release.SUPPORTED
 

@@ -22,6 +22,7 @@ from typing import Any, Dict, List, NamedTuple, Optional
 
 import numpy as np
 
+from pagedkv.bench.vllm_042 import driver
 from pagedkv.engine_step import BatchEngine
 from pagedkv.scheduler import Scheduler, SchedulerConfig
 from pagedkv.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -120,12 +121,13 @@ class CompatPath:
         self.new_seq_id = new_seq_id
         self.ignored: List[SequenceGroup] = []
         self._last: Any = None
+        self._out: Any = None
 
     def plan(self, step: int, now: float) -> StepPlan:
         metas, out = self.scheduler.schedule()
         by_id = {m.request_id: m for m in metas}
         pairs = [(sg, by_id[sg.seq_group.request_id]) for sg in out.scheduled_seq_groups]
-        self._last = pairs
+        self._last, self._out = pairs, out
         self.ignored += out.ignored_seq_groups
         bs = self.scheduler.cache_config.block_size
         rows = [row for sg, meta in pairs for row in _rows_from_metadata(sg, meta, bs)]
@@ -138,36 +140,28 @@ class CompatPath:
         for sid, k in zip(plan.seq_ids.tolist(), plan.num_samples.tolist()):
             per_seq[sid] = sampled[at : at + k].tolist()
             at += k
-        for sg, meta in self._last:
-            sg.seq_group.update_num_computed_tokens(sg.token_chunk_size)
-            if meta.do_sample:
-                self._process_samples(sg.seq_group, per_seq)
-        self.scheduler.free_finished_seq_groups()
+        do_sample = {sg.seq_group.request_id: meta.do_sample for sg, meta in self._last}
+        driver.process_outputs(
+            self.scheduler,
+            self._out,
+            lambda sg: do_sample[sg.seq_group.request_id],
+            lambda group: self._process_samples(group, per_seq),
+        )
 
     def _process_samples(self, group: SequenceGroup, per_seq: Dict[int, List[int]]) -> None:
-        """vLLM 0.4.2's ``_process_sequence_group_outputs`` (no beam search): children are
-        forked from their parent before its own sample is appended, stop checks run on
-        every new sequence, live children share their parent's blocks, finished parents
-        are freed."""
-        pairs = []
-        for parent in group.get_seqs(status=SequenceStatus.RUNNING):
-            *runners_up, best = per_seq[parent.seq_id]
-            for tok in runners_up:
-                child = parent.fork(self.new_seq_id())
-                child.append_token_id(tok, {tok: Logprob(0.0)})
-                pairs.append((child, parent))
-            parent.append_token_id(best, {best: Logprob(0.0)})
-            pairs.append((parent, parent))
-        for seq, _ in pairs:
-            _stop_check(seq, group.sampling_params, self.scheduler.scheduler_config)
-        for seq, parent in pairs:
-            if seq is not parent:
-                group.add(seq)
-                if not seq.is_finished():
-                    self.scheduler.fork_seq(parent, seq)
-        for seq, parent in pairs:
-            if seq is parent and seq.is_finished():
-                self.scheduler.free_seq(seq)
+        """vLLM 0.4.2's ``_process_sequence_group_outputs`` (no beam search;
+        :func:`pagedkv.bench.vllm_042.driver.process_group_samples`) with the model's samples:
+        a parent's runners-up go to children forked from it, its best to itself."""
+        params, sched_cfg = group.sampling_params, self.scheduler.scheduler_config
+        driver.process_group_samples(
+            self.scheduler,
+            group,
+            lambda parent: per_seq[parent.seq_id],
+            self.new_seq_id,
+            lambda seq: _stop_check(seq, params, sched_cfg),
+            SequenceStatus.RUNNING,
+            Logprob,
+        )
 
 
 def _stop_check(seq: Sequence, params: SamplingParams, sched_cfg: SchedulerConfig) -> None:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import gc
 import random
-import time
 from pathlib import Path
 
 import pytest
 import v1_harness as h
+
+from pagedkv.bench.vllm_v1 import driver
 
 pytestmark = pytest.mark.vllm_cpu_build
 MAX_TOKENS = 24
@@ -35,46 +36,30 @@ def prompts() -> list[list[int]]:
 def cpu_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """What vllm-cpu needs here: the engine in this process (so that the scheduler class can be
     inspected), a small KV cache, no CPU pinning on a shared machine."""
-    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    for key, value in driver.cpu_engine_env(kv_cache_gib=1).items():
+        monkeypatch.setenv(key, value)
     monkeypatch.setenv("VLLM_TARGET_DEVICE", "cpu")
 
 
 def engine_scheduler(llm):
     """The scheduler object of an in-process LLM engine."""
-    core = llm.llm_engine.engine_core
-    return getattr(core, "engine_core", core).scheduler
+    return driver.engine_core(llm).scheduler
 
 
 def generate(model_dir: Path, caching: bool, scheduler_cls: str | None):
     """(token ids per prompt, generated tokens per second, scheduler class, manager class)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(
-        model=str(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
+    llm = driver.make_llm(
+        model_dir,
+        scheduler_cls,
         max_model_len=256,
-        seed=0,
         enable_prefix_caching=caching,
-        block_size=32,  # the CPU attention backend takes multiples of 32 only
         max_num_seqs=8,
         async_scheduling=False,
-        scheduler_cls=scheduler_cls,
     )
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-        params.detokenize = False
-        batch = [TokensPrompt(prompt_token_ids=p) for p in prompts()]
-        llm.generate(batch[-2:], params, use_tqdm=False)  # warm-up: not timed, not compared
-        start = time.perf_counter()
-        outs = llm.generate(batch, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        tokens = [list(o.outputs[0].token_ids) for o in outs]
+        batch = prompts()
+        driver.generate_greedy(llm, batch[-2:], MAX_TOKENS)  # warm-up: not timed, not compared
+        tokens, elapsed = driver.generate_greedy(llm, batch, MAX_TOKENS)
         sched = engine_scheduler(llm)
         kinds = (type(sched), type(sched.kv_cache_manager))
         loops = (getattr(sched, "pagedkv_native_steps", 0), getattr(sched, "pagedkv_vllm_steps", 0))

@@ -22,6 +22,7 @@ import pytest
 import vllm
 
 import pagedkv
+from pagedkv.bench.vllm_v1 import driver
 
 pytestmark = pytest.mark.vllm_cpu_build
 
@@ -49,22 +50,7 @@ def write_model_with_tokenizer(directory: Path) -> Path:
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>"
     )
     fast.save_pretrained(str(directory))
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "num_hidden_layers": 1,
-        "vocab_size": 512,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5,
-        "torch_dtype": "float32",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
-    (directory / "config.json").write_text(json.dumps(config))
+    driver.write_model_dir(directory, 2048, vocab_size=512)
     return directory
 
 

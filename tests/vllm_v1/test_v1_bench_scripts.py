@@ -100,3 +100,17 @@ def test_e2e_share_script_runs_a_dummy_model(tmp_path: Path) -> None:
     assert data["manager"] == "pagedkv.vllm_v1._manager" and data["tokens"] > 0
     # Shares and seconds are measurements: their shape, not their values, is checked.
     assert isinstance(data["scheduler_share"], float) and isinstance(data["model_s"], float)
+
+
+def test_the_drivers_import_no_vllm() -> None:
+    """``import pagedkv``, ``pagedkv.bench`` and both generations' drivers leave vLLM unimported
+    (each driver function imports it when called), here where vLLM is installed."""
+    code = (
+        "import sys, pagedkv, pagedkv.bench, pagedkv.bench.vllm_v1, pagedkv.bench.vllm_042.driver; "
+        "sys.exit(1 if any(m == 'vllm' or m.startswith('vllm.') for m in sys.modules) else 0)"
+    )
+    env = dict(os.environ)
+    if [*(ROOT / "python" / "pagedkv").glob("_native*.so")]:
+        env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

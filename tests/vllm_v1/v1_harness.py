@@ -22,39 +22,31 @@ from __future__ import annotations
 import dataclasses
 import enum
 import importlib
-import json
 import os
 import random
 import sys
 import typing
 from collections import Counter, deque
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from vllm.config import (
-    CacheConfig,
-    KVEventsConfig,
     ModelConfig,
     SchedulerConfig,
-    SpeculativeConfig,
     VllmConfig,
 )
 from vllm.config.cache import PrefixCachingHashAlgo
 from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
-from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core import kv_cache_utils
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-from vllm.v1.core.sched import scheduler as vllm_scheduler_module
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig
+from vllm.v1.outputs import DraftTokenIds
 from vllm.v1.request import Request, RequestStatus
-from vllm.v1.structured_output import StructuredOutputManager
+
+from pagedkv.bench.vllm_v1 import driver
 
 MANAGER_ENV = "PAGEDKV_V1_MANAGER_UNDER_TEST"
 DEFAULT_MANAGER = "pagedkv.vllm_v1.KVCacheManager"
@@ -70,22 +62,10 @@ FIRST_PLAIN_TOKEN = 7  # sampled tokens from here on stop nothing
 # ints and beyond 32 bits, where pagedkv's native hash hands over to vLLM's hasher).
 WIDE_TOKENS = (255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**40)
 
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 1,
-    "vocab_size": VOCAB_SIZE,
-    "max_position_embeddings": 1024,
-    "rms_norm_eps": 1e-5,
-    "bos_token_id": 1,
-    "eos_token_id": EOS_TOKEN_ID,
-    "tie_word_embeddings": False,
-    "torch_dtype": "float32",
-}
+#: The tiny Llama's config here: the driver's (pagedkv.bench.vllm_v1.driver.TINY_LLAMA) with
+#: this harness's vocabulary, length and untied embeddings.
+TINY_LLAMA_OVERRIDES = {"vocab_size": VOCAB_SIZE, "tie_word_embeddings": False}
+TINY_LLAMA_MAX_LEN = 1024
 
 
 class Divergence(AssertionError):
@@ -94,8 +74,7 @@ class Divergence(AssertionError):
 
 def write_tiny_model(directory: Path) -> Path:
     """A one-layer Llama ``config.json`` (no weights: ``load_format="dummy"``)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(TINY_LLAMA, indent=1))
+    driver.write_model_dir(directory, TINY_LLAMA_MAX_LEN, **TINY_LLAMA_OVERRIDES)
     return directory
 
 
@@ -201,13 +180,7 @@ def model_config(model_dir: Path, max_model_len: int) -> ModelConfig:
     """One ModelConfig per (model, length): building one reads the HF config (slow-ish)."""
     key = (str(model_dir), max_model_len)
     if key not in _MODEL_CONFIGS:
-        _MODEL_CONFIGS[key] = ModelConfig(
-            model=str(model_dir),
-            dtype="float32",
-            seed=0,
-            skip_tokenizer_init=True,
-            max_model_len=max_model_len,
-        )
+        _MODEL_CONFIGS[key] = driver.model_config(model_dir, max_model_len, dtype="float32")
     return _MODEL_CONFIGS[key]
 
 
@@ -236,9 +209,17 @@ def optional_fields(cfg: SchedConfig) -> dict[str, Any]:
 
 
 def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
-    """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model."""
-    mc = model_config(model_dir, cfg.max_model_len)
-    scheduler_config = SchedulerConfig(
+    """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model
+    (pagedkv.bench.vllm_v1.driver.vllm_configs with every knob of ``cfg``)."""
+    return driver.vllm_configs(
+        model_config(model_dir, cfg.max_model_len),
+        cfg.block_size,
+        cfg.num_blocks,
+        caching=cfg.enable_caching,
+        hash_algo=cfg.hash_algo,
+        kv_events=cfg.kv_events,
+        num_spec_tokens=cfg.num_spec_tokens,
+        cache_fields={"gpu_memory_utilization": 0.9, "cache_dtype": "auto"},
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         max_model_len=cfg.max_model_len,
@@ -250,35 +231,6 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         policy=cfg.policy,
         **optional_fields(cfg),
     )
-    cache_config = CacheConfig(
-        block_size=cfg.block_size,
-        gpu_memory_utilization=0.9,
-        cache_dtype="auto",
-        enable_prefix_caching=cfg.enable_caching,
-        prefix_caching_hash_algo=cfg.hash_algo,
-    )
-    vllm_config = VllmConfig(
-        model_config=mc,
-        scheduler_config=scheduler_config,
-        cache_config=cache_config,
-        kv_events_config=KVEventsConfig(enable_kv_cache_events=cfg.kv_events, publisher="null"),
-        speculative_config=SpeculativeConfig(
-            model="ngram", num_speculative_tokens=cfg.num_spec_tokens
-        )
-        if cfg.num_spec_tokens
-        else None,
-    )
-    spec = FullAttentionSpec(
-        block_size=cfg.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=cfg.num_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
-    )
-    cache_config.num_gpu_blocks = cfg.num_blocks
-    register_all_kvcache_specs(vllm_config)
-    return vllm_config, kv_cache_config
 
 
 # --------------------------------------------------------------------------- schedulers
@@ -301,36 +253,6 @@ class RecordingPublisher:
         pass
 
 
-@contextmanager
-def building_manager(manager_cls: type, record: dict) -> Iterator[None]:
-    """While vLLM's Scheduler.__init__ runs, its ``KVCacheManager(...)`` builds ``manager_cls``
-    from the same keyword arguments (kept in ``record``)."""
-
-    def factory(*args: Any, **kwargs: Any) -> Any:
-        if args:
-            raise TypeError("vLLM's scheduler is expected to build its manager by keyword")
-        record.update(kwargs)
-        return manager_cls(**kwargs)
-
-    original = vllm_scheduler_module.KVCacheManager
-    vllm_scheduler_module.KVCacheManager = factory
-    try:
-        yield
-    finally:
-        vllm_scheduler_module.KVCacheManager = original
-
-
-def injected_scheduler_class(base: type, manager_cls: type) -> type:
-    class ManagerUnderTestScheduler(base):  # type: ignore[misc, valid-type]
-        def __init__(self, *args: Any, **kwargs: Any) -> None:
-            self.manager_kwargs: dict = {}
-            with building_manager(manager_cls, self.manager_kwargs):
-                super().__init__(*args, **kwargs)
-
-    ManagerUnderTestScheduler.__name__ = f"{base.__name__}Over{manager_cls.__name__}"
-    return ManagerUnderTestScheduler
-
-
 def scheduler_module(manager_cls: type) -> Any:
     """Where the manager's own scheduler classes would be: the module the manager under test is
     named from (``pagedkv.vllm_v1``), else the module that defines the class."""
@@ -351,7 +273,7 @@ def scheduler_class_under_test(
     base = AsyncScheduler if async_scheduling else Scheduler
     if isinstance(own, type) and issubclass(own, base):
         return own
-    return injected_scheduler_class(base, manager_cls)
+    return driver.scheduler_over_manager(base, manager_cls)
 
 
 class InjectingScheduler(Scheduler):
@@ -360,7 +282,7 @@ class InjectingScheduler(Scheduler):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.manager_kwargs: dict = {}
-        with building_manager(manager_under_test(), self.manager_kwargs):
+        with driver.building_manager(manager_under_test(), self.manager_kwargs):
             super().__init__(*args, **kwargs)
 
 
@@ -390,14 +312,7 @@ def make_scheduler(
         cls = base
     else:
         cls = scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
-    sched = cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=cfg.block_size,
-        include_finished_set=cfg.include_finished_set,
-        log_stats=True,
-    )
+    sched = driver.new_scheduler(cls, vllm_config, kv_cache_config, cfg.include_finished_set)
     if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
         raise Divergence(
             f"{cls.__qualname__} runs {type(sched.kv_cache_manager).__qualname__}, "
@@ -506,10 +421,9 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
 
 def request_block_hasher(cfg: SchedConfig) -> Callable:
     """What vLLM's EngineCore sets up for the configured ``prefix_caching_hash_algo``."""
-    hash_fn = get_hash_fn_by_name(cfg.hash_algo)
-    init_none_hash(hash_fn)
+    hasher = driver.request_block_hasher(cfg.block_size, cfg.hash_algo)
     assert kv_cache_utils.NONE_HASH is not None
-    return get_request_block_hasher(cfg.block_size, hash_fn)
+    return hasher
 
 
 # --------------------------------------------------------------------------- normalization
@@ -629,15 +543,7 @@ def _short(x: Any, limit: int = 400) -> str:
 # --------------------------------------------------------------------------- lockstep driver
 
 
-def model_runner_output(req_ids: list[str], tokens: list[list[int]]) -> ModelRunnerOutput:
-    return ModelRunnerOutput(
-        req_ids=list(req_ids),
-        req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-        sampled_token_ids=[list(t) for t in tokens],
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
+model_runner_output = driver.model_runner_output
 
 
 @dataclasses.dataclass

@@ -5,10 +5,10 @@ reference. Then per workload (:mod:`pagedkv.bench.workload`: W2, memory pressure
 and swap preemption and chunked prefill; W1, a roomy pool that never preempts):
 
 * the block manager alone: the schedule recorded from :class:`pagedkv.Scheduler`
-  (:mod:`pagedkv.bench.trace`) replayed onto each block-manager backend, timing only the
-  manager's calls (:mod:`pagedkv.bench.replay`; ``--compare vllm==0.4.2`` adds that release's
-  own manager, fetched, not installed);
-* the whole engine step (:mod:`pagedkv.bench.wholestep`): pagedkv's paths (``compat``,
+  (:mod:`pagedkv.bench.vllm_042.trace`) replayed onto each block-manager backend, timing only
+  the manager's calls (:mod:`pagedkv.bench.vllm_042.replay`; ``--compare vllm==0.4.2`` adds that
+  release's own manager, fetched, not installed);
+* the whole engine step (:mod:`pagedkv.bench.vllm_042.wholestep`): pagedkv's paths (``compat``,
   ``batch``) and, with ``--compare``, vLLM's own engine, in lockstep in the same run.
 
 ``--scale`` adds a scaling sweep, ``--plot`` draws everything (``pagedkv[plot]``; the whole step
@@ -25,9 +25,10 @@ the ``scheduled`` and ``finished`` request ids, the batch ``rows`` and optional 
 ``close()``. :func:`~pagedkv.bench.harness.run_lockstep` gives every engine the same requests
 at the same steps, steps them the same number of times in turns, keeps what each measured and
 compares every follower's decisions with the leader's step by step. The adapters:
-:mod:`~pagedkv.bench.vllm_scheduler` (vLLM V0's scheduler API, 0.4.2 and 0.5.0: vLLM's own
-classes, pagedkv's dropped in, :class:`pagedkv.Scheduler`), :mod:`~pagedkv.bench.wholestep`
-(the batch step), :mod:`~pagedkv.bench.replay` (the manager-only replay). A new vLLM generation
+:mod:`~pagedkv.bench.vllm_042.vllm_scheduler` (vLLM V0's scheduler API, 0.4.2 and 0.5.0:
+vLLM's own classes, pagedkv's dropped in, :class:`pagedkv.Scheduler`),
+:mod:`~pagedkv.bench.vllm_042.wholestep` (the batch step), :mod:`~pagedkv.bench.vllm_042.replay`
+(the manager-only replay); vLLM's v1 engine is :mod:`~pagedkv.bench.vllm_v1`. A new vLLM generation
 is one adapter module registered in :data:`pagedkv.bench.harness.VLLM_GENERATIONS`.
 
 Building the parser (:func:`add_arguments`) imports nothing heavy; :func:`run` does the work.
@@ -169,8 +170,13 @@ class _Plan:
 def _plan(args: argparse.Namespace) -> _Plan:
     """Everything checked before anything runs: backends, configs, the plot dependency."""
     from pagedkv import vllm_release
-    from pagedkv.bench.backends import BackendError, parse_compare, resolve_backends, vllm_backend
     from pagedkv.bench.harness import VLLM_GENERATIONS
+    from pagedkv.bench.vllm_042.backends import (
+        BackendError,
+        parse_compare,
+        resolve_backends,
+        vllm_backend,
+    )
 
     if args.seed < 0:
         raise UsageError(f"--seed must be >= 0, got {args.seed}")
@@ -222,7 +228,7 @@ def _split(text: str) -> List[str]:
 
 
 def _workloads(args: argparse.Namespace) -> List[Tuple[str, Any]]:
-    from pagedkv.bench.trace import SCHEDULER_WATERMARK
+    from pagedkv.bench.vllm_042.trace import SCHEDULER_WATERMARK
     from pagedkv.bench.workload import WORKLOADS
 
     wanted = _split(args.workloads)
@@ -443,8 +449,8 @@ def _run_workload(
 
 def _replays(workload: Any, plan: _Plan, bars: Any) -> List[Any]:
     """Per caching setting: record the schedule once, replay it onto every backend."""
-    from pagedkv.bench.replay import replay
-    from pagedkv.bench.trace import record
+    from pagedkv.bench.vllm_042.replay import replay
+    from pagedkv.bench.vllm_042.trace import record
 
     results = []
     n = len(workload.requests)
@@ -465,7 +471,7 @@ def _whole_step(
     Scheduler, whole step, in lockstep on the same workload."""
     from pagedkv.bench import report
     from pagedkv.bench.harness import VLLM_GENERATIONS
-    from pagedkv.bench.wholestep import run_whole_step
+    from pagedkv.bench.vllm_042.wholestep import run_whole_step
 
     v0 = [v for v in plan.vllm_versions if v in VLLM_GENERATIONS]  # v1's: its own section
     versions = [] if args.no_scheduler else v0

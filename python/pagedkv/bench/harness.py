@@ -40,16 +40,16 @@ __all__ = [
 #: pagedkv's whole-step paths: lane name -> ``"module:function"``; the function takes keyword
 #: options (the batch step's buffers) and returns an :class:`EngineUnderTest`.
 PAGEDKV_PATHS: Dict[str, str] = {
-    "compat": "pagedkv.bench.vllm_scheduler:compat_engine",
-    "batch": "pagedkv.bench.wholestep:batch_engine",
+    "compat": "pagedkv.bench.vllm_042.vllm_scheduler:compat_engine",
+    "batch": "pagedkv.bench.vllm_042.wholestep:batch_engine",
 }
 
 #: vLLM's own engines, per release: ``"module:function"``; the function takes the release and
 #: returns an :class:`EngineUnderTest` whose ``baseline`` is true. A new vLLM generation is a
 #: new adapter module and one line per release here.
 VLLM_GENERATIONS: Dict[str, str] = {
-    "0.4.2": "pagedkv.bench.vllm_scheduler:vllm_engine",
-    "0.5.0": "pagedkv.bench.vllm_scheduler:vllm_engine",
+    "0.4.2": "pagedkv.bench.vllm_042.vllm_scheduler:vllm_engine",
+    "0.5.0": "pagedkv.bench.vllm_042.vllm_scheduler:vllm_engine",
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from pagedkv.bench.replay import RunResult
+from pagedkv.bench.vllm_042.replay import RunResult
 
 __all__ = [
     "cross_check",
@@ -249,7 +249,7 @@ def cross_check(results: List[RunResult]) -> Dict[str, Any]:
     """Compare every backend's schedule with the first one of the same caching setting."""
     out: Dict[str, Any] = {"ok": True, "groups": {}}
     by_caching: Dict[bool, List[RunResult]] = {}
-    from pagedkv.bench.backends import CROSS_CHECKED
+    from pagedkv.bench.vllm_042.backends import CROSS_CHECKED
 
     for r in results:
         if r.backend in CROSS_CHECKED:

@@ -124,8 +124,8 @@ def _point(
     progress: Any,
 ) -> Dict[str, Any]:
     """One point of a sweep: ``run`` is (steps, seed, caching)."""
-    from pagedkv.bench.replay import replay
-    from pagedkv.bench.trace import record
+    from pagedkv.bench.vllm_042.replay import replay
+    from pagedkv.bench.vllm_042.trace import record
 
     steps, seed, caching = run
     workload = generate(cfg, seed=seed)
@@ -168,7 +168,7 @@ def _batch_steps(workload: Any, steps: int, caching: bool, kind: str) -> Any:
     """The first ``steps`` batch steps of ``workload`` (fewer if it ends) with ``kind`` of
     :data:`BUFFERS`: seconds and rows per step, and which steps only decode."""
     from pagedkv.bench.harness import EngineConfig, run_lockstep
-    from pagedkv.bench.wholestep import batch_engine
+    from pagedkv.bench.vllm_042.wholestep import batch_engine
 
     engine = batch_engine(incremental=kind != "plain", stable_rows=kind == "stable")
     cfg = EngineConfig.from_workload(workload.config, caching)

@@ -31,9 +31,7 @@ from __future__ import annotations
 import inspect
 import random
 import time
-import types
-from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pagedkv.bench.harness import (
     EngineConfig,
@@ -42,6 +40,8 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
+from pagedkv.bench.vllm_042 import driver
+from pagedkv.bench.vllm_042.driver import BACKENDS, Backend, make_backend, scheduler_backend
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, Request, generate
 
 __all__ = [
@@ -56,80 +56,6 @@ __all__ = [
     "scheduler_backend",
     "vllm_engine",
 ]
-
-BACKENDS = ("vllm", "pagedkv-dropin", "pagedkv-manager", "pagedkv-scheduler")
-
-
-@dataclass
-class Backend:
-    """The classes one engine uses: a vLLM-API ``Scheduler`` factory and the Sequence family
-    (module with ``Sequence``, ``SequenceGroup``, ``SequenceStatus``, ``Logprob``) plus
-    ``SamplingParams``. ``make_scheduler(scheduler_config, cache_config)``."""
-
-    name: str
-    version: str
-    release: types.SimpleNamespace  # the vllm_release load whose config classes are used
-    sequence: Any
-    sampling_params: Any
-    make_scheduler: Callable[[Any, Any], Any]
-
-
-def make_backend(version: str, name: str) -> Backend:
-    """One of :data:`BACKENDS` for vLLM ``version`` (fetched and loaded by vllm_release)."""
-    from pagedkv import vllm_release
-
-    if name not in BACKENDS:
-        raise ValueError(f"unknown backend {name!r}; choose one of {BACKENDS}")
-    if name == "pagedkv-scheduler":
-        return scheduler_backend(version)
-    ns = vllm_release.load(version, "pagedkv" if name == "pagedkv-dropin" else "vllm")
-
-    def scheduler(sched_cfg: Any, cache_cfg: Any) -> Any:
-        return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
-
-    make = scheduler
-    if name == "pagedkv-manager":
-        make = _with_pagedkv_manager(ns, version)
-    return Backend(name, version, ns, ns.sequence, ns.sampling_params.SamplingParams, make)
-
-
-def scheduler_backend(version: Optional[str] = None) -> Backend:
-    """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2) over pagedkv's Sequence family,
-    configured with vLLM ``version``'s own config objects, or without one with the config
-    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
-    import pagedkv
-    from pagedkv import scheduler as config
-    from pagedkv import sequence, vllm_release
-
-    if version not in (None, "0.4.2"):
-        raise ValueError("pagedkv.Scheduler mirrors vLLM 0.4.2; compare it against 0.4.2")
-    ns = vllm_release.load(version, "pagedkv") if version else types.SimpleNamespace(config=config)
-
-    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
-        return pagedkv.Scheduler(sched_cfg, cache_cfg, None)
-
-    return Backend("pagedkv-scheduler", "0.4.2", ns, sequence, pagedkv.SamplingParams, make)
-
-
-def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[Any, Any], Any]:
-    """A Scheduler of the ``vllm`` load whose block manager is pagedkv's (in the result shape
-    of that release)."""
-    import pagedkv
-    from pagedkv.block_manager import BlockSpaceManagerPairs
-
-    manager = BlockSpaceManagerPairs if version != "0.4.2" else pagedkv.BlockSpaceManager
-
-    def make(sched_cfg: Any, cache_cfg: Any) -> Any:
-        cls = ns.interfaces.BlockSpaceManager
-        original = cls.__dict__["get_block_space_manager_class"]
-        cls.get_block_space_manager_class = staticmethod(lambda version: manager)
-        try:
-            return ns.scheduler.Scheduler(sched_cfg, cache_cfg, None)
-        finally:
-            cls.get_block_space_manager_class = original
-
-    return make
-
 
 # ---- the engine loop -------------------------------------------------------------------------
 
@@ -169,22 +95,22 @@ class V0Engine(EngineUnderTest):
         self.requests: Dict[str, Request] = {}
         self.next_child_id = 1 << 40
         #: When a list, the output processing appends ``(request_id, (parent, child) or None,
-        #: ((seq_id, token, finished), ...))`` per group that sampled (pagedkv.bench.trace).
+        #: ((seq_id, token, finished), ...))`` per group that sampled (bench.vllm_042.trace).
         self.log: Optional[List[Any]] = None
 
     def setup(self, config: EngineConfig) -> None:
         c, ns = config, self.backend.release
-        sched_cfg = ns.config.SchedulerConfig(
+        sched_cfg, cache_cfg = driver.scheduler_configs(
+            ns.config,
             c.max_num_batched_tokens,
             c.max_num_seqs,
             c.max_model_len,
-            enable_chunked_prefill=c.chunked_prefill,
+            c.block_size,
+            c.num_gpu_blocks,
+            c.num_cpu_blocks,
+            chunked_prefill=c.chunked_prefill,
+            caching=c.caching,
         )
-        cache_cfg = ns.config.CacheConfig(
-            c.block_size, 0.9, 1, "auto", enable_prefix_caching=c.caching
-        )
-        cache_cfg.num_gpu_blocks = c.num_gpu_blocks
-        cache_cfg.num_cpu_blocks = c.num_cpu_blocks
         self.block_size = c.block_size
         self.scheduler = self.backend.make_scheduler(sched_cfg, cache_cfg)
         seq_params = list(inspect.signature(self.backend.sequence.Sequence.__init__).parameters)
@@ -231,38 +157,39 @@ class V0Engine(EngineUnderTest):
         )
 
     def process_outputs(self, out: Any) -> None:
-        """vLLM's output processing of one step's ``SchedulerOutputs``, with the requests'
-        predetermined tokens."""
-        sched, log = self.scheduler, self.log
-        for sg in out.scheduled_seq_groups:
-            group = sg.seq_group
-            group.update_num_computed_tokens(sg.token_chunk_size)
-            if group.is_prefill():
-                continue  # an intermediate chunk of a chunked prefill samples nothing
-            req = self.requests[group.request_id]
-            running = group.get_seqs(status=self._running)
-            fork = None
-            if req.n > 1 and len(group.get_seqs()) == 1:
-                child = running[0].fork(self.next_child_id)
-                self.next_child_id += 1
-                group.add(child)
-                sched.fork_seq(running[0], child)
-                running.append(child)
-                fork = (running[0].seq_id, child.seq_id)
-            tokens = []
-            for row, seq in enumerate(running):
-                pos = seq.get_output_len()
-                tok = req.output_token_ids[row % len(req.output_token_ids)][pos]
-                seq.append_token_id(tok, {tok: self._logprob(0.0)})
-                done = pos + 1 >= req.output_len
-                if done:
-                    seq.status = self._capped
-                    sched.free_seq(seq)
-                if log is not None:
-                    tokens.append((seq.seq_id, tok, done))
-            if log is not None:
-                log.append((group.request_id, fork, tuple(tokens)))
-        sched.free_finished_seq_groups()
+        """vLLM's output processing of one step's ``SchedulerOutputs``
+        (:func:`~pagedkv.bench.vllm_042.driver.process_outputs`), with the requests'
+        predetermined tokens: a group samples once its prompt is computed."""
+        driver.process_outputs(
+            self.scheduler, out, lambda sg: not sg.seq_group.is_prefill(), self._sample_group
+        )
+
+    def _sample_group(self, group: Any) -> None:
+        req = self.requests[group.request_id]
+        rows = req.output_token_ids
+        seqs = group.get_seqs()
+        # One child, forked once from the group's one sequence (whatever ``n``), after its prompt.
+        fork = 2 if req.n > 1 and len(seqs) == 1 else 1
+
+        def samples(parent: Any) -> List[int]:
+            pos, row = parent.get_output_len(), seqs.index(parent)
+            return [rows[(row + k) % len(rows)][pos] for k in range(1, fork)] + [
+                rows[row % len(rows)][pos]
+            ]
+
+        def stop(seq: Any) -> None:
+            if seq.get_output_len() >= req.output_len:
+                seq.status = self._capped
+
+        pairs = driver.process_group_samples(
+            self.scheduler, group, samples, self._new_seq_id, stop, self._running, self._logprob
+        )
+        if self.log is not None:
+            self.log.append(_log_entry(group.request_id, pairs))
+
+    def _new_seq_id(self) -> int:
+        self.next_child_id += 1
+        return self.next_child_id - 1
 
     def _detail(self, metas: Any, out: Any) -> Dict[str, Any]:
         mgr = self.scheduler.block_manager
@@ -275,6 +202,22 @@ class V0Engine(EngineUnderTest):
             "ignored": [g.request_id for g in out.ignored_seq_groups],
             "free": (mgr.get_num_free_gpu_blocks(), mgr.get_num_free_cpu_blocks()),
         }
+
+
+def _log_entry(request_id: str, pairs: List[Tuple[Any, Any]]) -> Tuple[str, Any, tuple]:
+    """The trace's record of a group's samples (:mod:`pagedkv.bench.vllm_042.trace`): its id,
+    the fork ``(parent, child)`` the block manager made or None, and ``(seq_id, token,
+    finished)`` per sequence the block manager holds, the parent first (a child finished at
+    birth was never forked: vLLM leaves it out of the block manager)."""
+    fork = None
+    tokens = []
+    for seq, parent in sorted(pairs, key=lambda p: p[0] is not p[1]):
+        if seq is not parent:
+            if seq.is_finished():
+                continue
+            fork = (parent.seq_id, seq.seq_id)
+        tokens.append((seq.seq_id, seq.get_last_token_id(), seq.is_finished()))
+    return request_id, fork, tuple(tokens)
 
 
 def compat_engine() -> V0Engine:

@@ -6,7 +6,7 @@ The engines (:class:`~pagedkv.bench.harness.EngineUnderTest`, registered in
 the machine's noise falls on all alike):
 
 * ``compat``: :class:`pagedkv.Scheduler` driven through vLLM 0.4.2's API by the model-free
-  engine loop of :mod:`pagedkv.bench.vllm_scheduler`: ``schedule()`` plus vLLM's output
+  engine loop of :mod:`pagedkv.bench.vllm_042.vllm_scheduler`: ``schedule()`` plus vLLM's output
   processing in Python (computed tokens, forks of ``n > 1`` groups after their prompt, one
   token per running sequence, ``free_seq`` at the output length, ``free_finished_seq_groups``);
 * ``batch`` (:class:`BatchStepEngine`): :meth:`pagedkv.engine_step.BatchEngine.step`: one call

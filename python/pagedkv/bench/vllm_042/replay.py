@@ -1,7 +1,7 @@
 """Replay a recorded schedule onto one block-manager backend, timing only the manager's calls.
 
-The schedule comes from :func:`pagedkv.bench.trace.record` (``pagedkv.Scheduler`` on a
-workload); a backend (:mod:`pagedkv.bench.backends`) brings a manager and its own Sequence
+The schedule comes from :func:`pagedkv.bench.vllm_042.trace.record` (``pagedkv.Scheduler`` on a
+workload); a backend (:mod:`pagedkv.bench.vllm_042.backends`) brings a manager and its own Sequence
 family. Each step makes the calls vLLM 0.4.2's scheduler and engine make, in its order:
 
 1. **running groups** in queue order: ``can_append_slots(group)``; while the replayed manager
@@ -37,9 +37,9 @@ from typing import Any, Callable, Dict, List, Optional
 
 import numpy as np
 
-from pagedkv.bench.backends import Backend
 from pagedkv.bench.harness import EngineConfig, EngineUnderTest, StepRecord, run_lockstep
-from pagedkv.bench.trace import SCHEDULER_WATERMARK, Step, Trace
+from pagedkv.bench.vllm_042.backends import Backend
+from pagedkv.bench.vllm_042.trace import SCHEDULER_WATERMARK, Step, Trace
 from pagedkv.bench.workload import Request
 
 __all__ = ["Divergence", "ManagerReplay", "RunResult", "replay"]

