@@ -189,7 +189,11 @@ impl<'e, E: Engine> Walk<'e, E> {
         budget: &mut Budget,
     ) -> Result<E::Req, E::Error> {
         if !self.set.priority {
-            let last = self.e.running_len() - 1;
+            // The request that needs the blocks is running, so `running` is not empty; an
+            // engine whose list changed under the walk gets an error, not an underflow.
+            let Some(last) = self.e.running_len().checked_sub(1) else {
+                return Err(self.invalid("a preemption found no running request"));
+            };
             return self.e.running_remove(last);
         }
         let keys = self.e.running_priority_keys()?;
