@@ -76,6 +76,9 @@ def check_sdist(path: Path, version: str) -> list[str]:
         "python/pagedkv/__init__.py",
         "python/pagedkv/_native.pyi",
         "python/pagedkv/py.typed",
+        "python/pagedkv/vllm_042/__init__.py",
+        "python/pagedkv/vllm_042/sequence.py",
+        "python/pagedkv/sequence.py",
     ]
     problems = [f"{path.name}: missing {n}" for n in needed if f"{top}/{n}" not in names]
     return problems + check_metadata(raw, path.name, version)
@@ -95,6 +98,9 @@ def check_wheel(path: Path, version: str) -> list[str]:
         "pagedkv/_native.pyi",
         "pagedkv/py.typed",
         "pagedkv/__init__.py",
+        "pagedkv/vllm_042/__init__.py",
+        "pagedkv/vllm_042/sequence.py",
+        "pagedkv/sequence.py",
     ]
     problems += [f"{path.name}: missing {n}" for n in needed if n not in names]
     return problems + check_metadata(raw, path.name, version) + check_platform_tag(path)

@@ -178,9 +178,9 @@ class World:
         self.kind, self.w, self.clock = kind, w, clock
         if kind == "ours":
             import pagedkv
-            import pagedkv.scheduler as sched_mod
-            from pagedkv import sequence as seq_mod
-            from pagedkv import types
+            import pagedkv.vllm_042.scheduler as sched_mod
+            from pagedkv.vllm_042 import sequence as seq_mod
+            from pagedkv.vllm_042 import types
 
             self.seq_mod, self.types = seq_mod, types
             cfg_mod = sched_mod

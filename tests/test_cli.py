@@ -164,7 +164,9 @@ def test_requested_backend_that_cannot_run_is_an_error(monkeypatch, capsys):
 
     real = backends._import
     monkeypatch.setattr(
-        backends, "_import", lambda m: None if m.startswith("pagedkv.reference") else real(m)
+        backends,
+        "_import",
+        lambda m: None if m.startswith("pagedkv.vllm_042.reference") else real(m),
     )
     assert cli.main([*TINY, "--backends", "reference,native", "--no-progress"]) == 2
     assert "reference: skipped" in capsys.readouterr().err

@@ -222,10 +222,10 @@ def test_lookahead_slots_against_vllm_scheduler_over_pagedkv_classes():
 def test_runs_give_the_real_clock_back():
     import time
 
-    import pagedkv.scheduler
+    import pagedkv.vllm_042.scheduler
 
     Run(Workload.random(7, steps=5)).run()
-    assert pagedkv.scheduler.time is time
+    assert pagedkv.vllm_042.scheduler.time is time
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["default", "chunked"])

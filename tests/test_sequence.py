@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv._native import TokenSeq
 from pagedkv._native import hash_blocks as native_hash_blocks
-from pagedkv.block import _BLANK_TOKEN_ID, LogicalTokenBlock
+from pagedkv.block import LogicalTokenBlock
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
 from pagedkv.sequence import (
     DEFAULT_BLOCK_SIZE,
@@ -25,6 +25,7 @@ from pagedkv.sequence import (
     SequenceStatus,
 )
 from pagedkv.types import Logprob, LoRARequest, MultiModalData, SamplingParams
+from pagedkv.vllm_042.block import _BLANK_TOKEN_ID
 
 BS = 4
 

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 import pagedkv
-from pagedkv import (
-    _native,
+from pagedkv import _native
+from pagedkv.vllm_042 import (
     block,
     block_manager,
     engine_step,

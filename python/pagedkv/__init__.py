@@ -7,7 +7,7 @@ switch with an import change::
 
 The native module ``pagedkv._native`` is private. The torch side (KV-cache ops, paged attention)
 lives in :mod:`pagedkv.attention` and needs the ``pagedkv[torch]`` extra; the pure-Python
-reference implementation lives in :mod:`pagedkv.reference`.
+reference implementation lives in :mod:`pagedkv.vllm_042.reference`.
 """
 
 from __future__ import annotations
@@ -21,8 +21,6 @@ from pagedkv._native import (
     hash_blocks,
     set_default_hasher,
 )
-from pagedkv.block import Device, LogicalTokenBlock, PhysicalTokenBlock
-from pagedkv.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
 from pagedkv.errors import (
     ArgumentTypeError,
     DoubleFreeError,
@@ -32,7 +30,9 @@ from pagedkv.errors import (
     PagedKVError,
     UnknownSequenceError,
 )
-from pagedkv.scheduler import (
+from pagedkv.vllm_042.block import Device, LogicalTokenBlock, PhysicalTokenBlock
+from pagedkv.vllm_042.block_manager import AllocStatus, BlockMapping, BlockSpaceManager
+from pagedkv.vllm_042.scheduler import (
     CacheConfig,
     LoRAConfig,
     ScheduledSequenceGroup,
@@ -40,7 +40,7 @@ from pagedkv.scheduler import (
     SchedulerConfig,
     SchedulerOutputs,
 )
-from pagedkv.sequence import (
+from pagedkv.vllm_042.sequence import (
     ExecuteModelRequest,
     RequestMetrics,
     Sequence,
@@ -51,7 +51,7 @@ from pagedkv.sequence import (
     SequenceStage,
     SequenceStatus,
 )
-from pagedkv.types import Logprob, LoRARequest, MultiModalData, SamplingParams
+from pagedkv.vllm_042.types import Logprob, LoRARequest, MultiModalData, SamplingParams
 
 __all__ = [
     "__version__",

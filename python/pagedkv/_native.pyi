@@ -11,8 +11,8 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import Self, disjoint_base
 
-from pagedkv.block_manager import AllocStatus, BlockMapping
-from pagedkv.protocols import SequenceGroupLike, SequenceLike
+from pagedkv.vllm_042.block_manager import AllocStatus, BlockMapping
+from pagedkv.vllm_042.protocols import SequenceGroupLike, SequenceLike
 
 __all__ = [
     "__version__",
@@ -71,8 +71,8 @@ def hash_blocks(
     """Chained 128-bit hashes of every full block of ``token_ids``."""
 
 class CompatEnumBase:
-    """Native base of ``pagedkv._enum.CompatEnum``: C-level ``==``/``!=`` (identity within one
-    enum; equal to a foreign enum member of the same class name and member name) and
+    """Native base of ``pagedkv.vllm_042._enum.CompatEnum``: C-level ``==``/``!=`` (identity
+    within one enum; equal to a foreign enum member of the same class name and member name) and
     ``hash(self._name_)``. Holds no data."""
 
     def __eq__(self, other: object, /) -> bool: ...
@@ -254,11 +254,12 @@ class BlockSpaceManager:
     """Native base of :class:`pagedkv.BlockSpaceManager` (see ``docs/block_manager.md``); use
     that class.
 
-    Sequences and groups are anything shaped like :class:`pagedkv.protocols.SequenceLike` /
-    :class:`~pagedkv.protocols.SequenceGroupLike` (pagedkv's own, or vLLM's). Buffers are numpy
-    int32 arrays (real ``ndarray``s: C-contiguous, aligned, writable, no two overlapping) written
-    in place (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory). One call
-    at a time: a call made while another is in progress (another thread's, or a callback's)
+    Sequences and groups are anything shaped like
+    :class:`pagedkv.vllm_042.protocols.SequenceLike` /
+    :class:`~pagedkv.vllm_042.protocols.SequenceGroupLike` (pagedkv's own, or vLLM's). Buffers are
+    numpy int32 arrays (real ``ndarray``s: C-contiguous, aligned, writable, no two overlapping)
+    written in place (for a torch CPU tensor pass ``tensor.numpy()``, which shares its memory).
+    One call at a time: a call made while another is in progress (another thread's, or a callback's)
     raises ``InUseError`` without waiting."""
 
     def __new__(
@@ -450,7 +451,7 @@ class SchedulerCore:
 
 @final
 class BatchStep:
-    """Native half of :class:`pagedkv.engine_step.BatchEngine`: issue 10's one-call engine
+    """Native half of :class:`pagedkv.vllm_042.engine_step.BatchEngine`: issue 10's one-call engine
     step over a ``SchedulerCore`` (see ``docs/scheduler.md``)."""
 
     def __new__(cls, core: SchedulerCore, new_seq_id: Any, stable_rows: bool = False) -> BatchStep:
@@ -464,7 +465,7 @@ class BatchStep:
         """Tokens the next ``step`` takes (the previous batch's samples)."""
     def step(self, sampled: npt.NDArray[np.int32], now: float, buffers: Any) -> Tuple[Any, ...]:
         """``(counts, num_prefill_groups, scheduled, finished, ignored, needed_cols)``; see
-        :meth:`pagedkv.engine_step.BatchEngine.step`."""
+        :meth:`pagedkv.vllm_042.engine_step.BatchEngine.step`."""
     def rewrite(self, buffers: Any) -> Optional[Tuple[int, int, int, int, int, int]]:
         """Write the last step's inputs again (into wider buffers): ``(rows, tokens, copies,
         swap_in, swap_out, new_blocks)``, or ``None`` if a block-table row is still too narrow."""

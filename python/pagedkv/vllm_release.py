@@ -25,9 +25,10 @@ Which files are vLLM's and which are ours (``describe(version)`` prints the same
   ``logging.getLogger``), ``_standins.py``.
 
 Two flavours: ``"vllm"`` is vLLM's own classes throughout. ``"pagedkv"`` is the drop-in
-check: ``sequence`` re-exports :mod:`pagedkv.sequence`, ``block`` re-exports
-:mod:`pagedkv.block`, ``sampling_params.SamplingParams`` and ``lora.request.LoRARequest`` are
-pagedkv's, and ``core.block_manager_v1.BlockSpaceManagerV1`` is
+check: ``sequence`` re-exports :mod:`pagedkv.vllm_042.sequence`, ``block`` re-exports
+:mod:`pagedkv.vllm_042.block` (the modules themselves, not the re-exporting
+``pagedkv.sequence``/``pagedkv.block``), ``sampling_params.SamplingParams`` and
+``lora.request.LoRARequest`` are pagedkv's, and ``core.block_manager_v1.BlockSpaceManagerV1`` is
 :class:`pagedkv.BlockSpaceManager` (vLLM's allocator classes in that module stay). vLLM's
 scheduler, interfaces and policy run unchanged over them. ``"pagedkv_scheduler"`` (0.4.2 only)
 is the ``"pagedkv"`` flavour with ``core.scheduler.Scheduler`` replaced by
@@ -402,22 +403,25 @@ globals().update({{k: v for k, v in vars(_pagedkv_module).items() if not k.start
 # In the pagedkv flavour: file -> (pagedkv module, keep vLLM's file above it?). A file that is
 # replaced whole (keep=False) fails loudly on any name pagedkv lacks.
 _PAGEDKV_SWAPS = {
-    "sequence.py": ("pagedkv.sequence", False),
-    "block.py": ("pagedkv.block", False),
+    "sequence.py": ("pagedkv.vllm_042.sequence", False),
+    "block.py": ("pagedkv.vllm_042.block", False),
 }
 _PAGEDKV_OVERRIDES = {
-    "sampling_params.py": "from pagedkv.types import SamplingParams",
-    "lora/request.py": "from pagedkv.types import LoRARequest",
+    "sampling_params.py": "from pagedkv.vllm_042.types import SamplingParams",
+    "lora/request.py": "from pagedkv.vllm_042.types import LoRARequest",
     "core/block_manager_v1.py": "from pagedkv import BlockSpaceManager as BlockSpaceManagerV1",
 }
 # The "pagedkv_scheduler" flavour: the "pagedkv" flavour, plus pagedkv's Scheduler in place of
 # vLLM's (0.4.2: the release pagedkv.Scheduler mirrors).
-_PAGEDKV_SCHEDULER_OVERRIDE = ("core/scheduler.py", "from pagedkv.scheduler import Scheduler")
+_PAGEDKV_SCHEDULER_OVERRIDE = (
+    "core/scheduler.py",
+    "from pagedkv.vllm_042.scheduler import Scheduler",
+)
 # vLLM 0.5's scheduler extends lists with the block manager's results: pagedkv's manager in
 # its documented mapping_format="pairs".
 _PAGEDKV_VERSION_OVERRIDES = {
     ("0.5.0", "core/block_manager_v1.py"): (
-        "from pagedkv.block_manager import BlockSpaceManagerPairs as BlockSpaceManagerV1"
+        "from pagedkv.vllm_042.block_manager import BlockSpaceManagerPairs as BlockSpaceManagerV1"
     ),
 }
 

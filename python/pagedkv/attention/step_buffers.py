@@ -70,7 +70,7 @@ class HostDeviceArena:
     :meth:`wait` blocks until it has read the host buffer, so the host side is rewritten only
     after the copy in flight is done. The device buffer is overwritten by the next copy, which
     is queued behind the kernels already queued on that stream. Shared by
-    :class:`StepBuffers` and :class:`pagedkv.engine_step.BatchBuffers`.
+    :class:`StepBuffers` and :class:`pagedkv.vllm_042.engine_step.BatchBuffers`.
 
     ``pin_memory=True`` without CUDA is refused (``InvalidArgumentError``): pinning needs the
     CUDA driver, and unpinned memory would silently make every copy synchronous.

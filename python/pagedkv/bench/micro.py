@@ -1,7 +1,7 @@
 """Micro benchmarks: the native hasher and block pool against their pure-Python equivalents.
 
 * Chained hashing of one 4,096-token prompt (block size 16): ``pagedkv.hash_blocks`` fed a list
-  and an ``np.int32`` array, ``pagedkv.reference.hashing.hash_blocks`` fed a list (Mtok/s).
+  and an ``np.int32`` array, ``pagedkv.vllm_042.reference.hashing.hash_blocks`` fed a list (Mtok/s).
 * Pool operations on a 100,000-block pool with caching on (ns per operation, measured as a
   Python loop of calls, so the call overhead a Python engine pays is included):
   allocate / free over the whole pool, one call per block and batched
@@ -10,8 +10,8 @@
 
 Every measurement is the best of a few repetitions with the garbage collector paused; setup
 (pool construction, token lists) is not timed. The reference pool is
-``pagedkv.reference.pool.BlockPool``; if it is not importable its rows are left empty with a
-note.
+``pagedkv.vllm_042.reference.pool.BlockPool``; if it is not importable its rows are left empty
+with a note.
 """
 
 from __future__ import annotations
@@ -81,11 +81,11 @@ def _hashing(cfg: MicroConfig, rng: np.random.Generator) -> Dict[str, Any]:
         ("native_list", lambda: pagedkv.hash_blocks(as_list, bs)),
         ("native_array", lambda: pagedkv.hash_blocks(as_array, bs)),
     ]
-    ref_hash = _import_attr("pagedkv.reference.hashing", "hash_blocks")
+    ref_hash = _import_attr("pagedkv.vllm_042.reference.hashing", "hash_blocks")
     if ref_hash is not None:
         cases.append(("reference_list", lambda: ref_hash(as_list, bs)))
     else:
-        results["note"] = "pagedkv.reference.hashing is not importable"
+        results["note"] = "pagedkv.vllm_042.reference.hashing is not importable"
     for name, fn in cases:
         reps = cfg.ref_repeats if name.startswith("reference") else cfg.repeats
         sec = _best_per_call(fn, cfg.min_time_s, reps)
@@ -196,11 +196,13 @@ def _pool(cfg: MicroConfig, rng: np.random.Generator) -> Dict[str, Any]:
         "unit": "ns per operation (Python loop of calls)",
     }
     impls = {"native": pagedkv.BlockPool}
-    ref_pool = _import_attr("pagedkv.reference.pool", "BlockPool")
+    ref_pool = _import_attr("pagedkv.vllm_042.reference.pool", "BlockPool")
     if ref_pool is not None:
         impls["reference"] = ref_pool
     else:
-        results["note"] = "pagedkv.reference.pool.BlockPool is not importable: reference skipped"
+        results["note"] = (
+            "pagedkv.vllm_042.reference.pool.BlockPool is not importable: reference skipped"
+        )
     for name, cls in impls.items():
         reps = cfg.ref_repeats if name == "reference" else cfg.repeats
         try:

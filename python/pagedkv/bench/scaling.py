@@ -10,9 +10,9 @@ Two sweeps over the factors 1, 4 and 16, prefix caching on:
   growth of the per-step cost is a cost of the pool's size (there should be none).
 
 Each point runs the first :data:`MAX_STEPS` steps of the workload (the batch is full after a
-few dozen) with the batch step (:class:`pagedkv.engine_step.BatchEngine`, whole step, with
-plain and with incremental :class:`~pagedkv.engine_step.BatchBuffers`, the latter with rows in
-schedule order and with stable rows) and replays the same
+few dozen) with the batch step (:class:`pagedkv.vllm_042.engine_step.BatchEngine`, whole step, with
+plain and with incremental :class:`~pagedkv.vllm_042.engine_step.BatchBuffers`, the latter with
+rows in schedule order and with stable rows) and replays the same
 steps, recorded from :class:`pagedkv.Scheduler`, onto the native block manager backends
 (manager time only). vLLM's default policy does not mix prompts and decodes:
 a prefill step costs what its prompts cost (allocation and hashing of every prompt token, the

@@ -4,11 +4,11 @@
 fixed seed, GQA, RoPE) on :class:`pagedkv.Scheduler` (vLLM 0.4.2's policy, prefix caching on)
 over a deliberately small GPU block pool plus a CPU swap pool. The scheduler is the package's
 one scheduler, driven through the batch step (``path="batch"``, the default) or through the
-vLLM-compatible ``schedule()`` (``"compat"``); see :mod:`pagedkv.demo_paths`. Either yields a
-:class:`~pagedkv.demo_paths.StepPlan` per step, which the engine executes in vLLM's order:
-swap out, swap in, copy-on-write (on the real cache tensors), then the paged forward. Sampling
-is greedy: a row that samples ``k`` tokens takes its top ``k``; the runners-up go to new child
-sequences, the best to the row's own sequence.
+vLLM-compatible ``schedule()`` (``"compat"``); see :mod:`pagedkv.vllm_042.demo_paths`. Either yields
+a :class:`~pagedkv.vllm_042.demo_paths.StepPlan` per step, which the engine executes in vLLM's
+order: swap out, swap in, copy-on-write (on the real cache tensors), then the paged forward.
+Sampling is greedy: a row that samples ``k`` tokens takes its top ``k``; the runners-up go to new
+child sequences, the best to the row's own sequence.
 
 The workload shows, by vLLM's policy alone: **prefix-cache hits** (most prompts share a system
 prefix and arrive staggered; a prompt row leaves out its cached prefix), **n=2 forks** (every
@@ -45,10 +45,10 @@ import torch
 from pagedkv import SamplingParams, Sequence, SequenceGroup, SequenceStatus
 from pagedkv.attention import TinyConfig, TinyDecoder, allocate_kv_cache, copy_blocks, swap_blocks
 from pagedkv.demo import DEFAULT_REQUESTS, PATHS
-from pagedkv.demo_paths import PATHS as STEP_PATHS
-from pagedkv.demo_paths import StepPlan
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.scheduler import CacheConfig, Scheduler, SchedulerConfig
+from pagedkv.vllm_042.demo_paths import PATHS as STEP_PATHS
+from pagedkv.vllm_042.demo_paths import StepPlan
+from pagedkv.vllm_042.scheduler import CacheConfig, Scheduler, SchedulerConfig
 
 __all__ = [
     "DemoConfig",

@@ -1,18 +1,19 @@
-"""The same semantics as pagedkv, in plain Python: the test oracle and the benchmark baseline.
+"""Re-exports :mod:`pagedkv.vllm_042.reference`, where the code now lives."""
 
-* :mod:`~pagedkv.reference.hashing`: vLLM-v1-style chained block hash (sha256 of a pickle).
-* :class:`BlockPool`: one device's blocks with ref counts, a prefix cache and LRU eviction.
-* :class:`BlockSpaceManager`: ``docs/block_manager.md`` line by line.
-* :class:`Sequence` / :class:`SequenceData`: tokens in Python lists, hashed incrementally.
+from pagedkv.vllm_042.reference import (
+    AllocStatus,
+    BlockPool,
+    BlockSpaceManager,
+    Sequence,
+    SequenceData,
+    hashing,
+)
 
-Nothing here imports the native module's hot paths; it is meant to be read.
-"""
-
-from __future__ import annotations
-
-from pagedkv.reference import hashing
-from pagedkv.reference.block_manager import AllocStatus, BlockSpaceManager
-from pagedkv.reference.pool import BlockPool
-from pagedkv.reference.sequence import Sequence, SequenceData
-
-__all__ = ["hashing", "AllocStatus", "BlockPool", "BlockSpaceManager", "Sequence", "SequenceData"]
+__all__ = [
+    "hashing",
+    "AllocStatus",
+    "BlockPool",
+    "BlockSpaceManager",
+    "Sequence",
+    "SequenceData",
+]

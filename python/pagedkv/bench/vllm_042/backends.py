@@ -138,14 +138,14 @@ def _backend(
 
 def _native(batch: bool) -> Tuple[Optional[Backend], str]:
     pkg = _import("pagedkv")
-    mods = (pkg, _import("pagedkv.sequence"), _import("pagedkv.types"))
+    mods = (pkg, _import("pagedkv.vllm_042.sequence"), _import("pagedkv.vllm_042.types"))
     desc = "pagedkv.BlockSpaceManager + pagedkv.Sequence"
     if batch:
         desc += " (append_slots_batch into numpy buffers)"
     return _backend(
         "native-batch" if batch else "native",
         desc,
-        _first_attr("BlockSpaceManager", pkg, _import("pagedkv.block_manager")),
+        _first_attr("BlockSpaceManager", pkg, _import("pagedkv.vllm_042.block_manager")),
         _first_attr("Sequence", *mods),
         mods,
         batch,
@@ -153,14 +153,14 @@ def _native(batch: bool) -> Tuple[Optional[Backend], str]:
 
 
 def _reference() -> Tuple[Optional[Backend], str]:
-    ref = _import("pagedkv.reference")
-    ref_seq = _import("pagedkv.reference.sequence")
+    ref = _import("pagedkv.vllm_042.reference")
+    ref_seq = _import("pagedkv.vllm_042.reference.sequence")
     # The reference reuses the package's group, status and value types.
-    mods = (ref, ref_seq, _import("pagedkv.sequence"), _import("pagedkv.types"))
+    mods = (ref, ref_seq, _import("pagedkv.vllm_042.sequence"), _import("pagedkv.vllm_042.types"))
     return _backend(
         "reference",
         "pagedkv.reference.BlockSpaceManager + pagedkv.reference.Sequence (pure Python)",
-        _first_attr("BlockSpaceManager", ref, _import("pagedkv.reference.block_manager")),
+        _first_attr("BlockSpaceManager", ref, _import("pagedkv.vllm_042.reference.block_manager")),
         _first_attr("Sequence", ref, ref_seq),
         mods,
     )

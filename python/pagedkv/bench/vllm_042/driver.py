@@ -6,7 +6,8 @@ bench, the tests and the demo share: the scheduler's configuration, and what vLL
   pagedkv's dropped in, pagedkv's manager under vLLM's scheduler, or :class:`pagedkv.Scheduler`):
   the one way the bench puts pagedkv into vLLM 0.4.2's scheduler;
 * :func:`scheduler_configs`: ``SchedulerConfig`` and ``CacheConfig`` of a config module (vLLM's
-  ``vllm.config`` of a release loaded by :mod:`pagedkv.vllm_release`, or :mod:`pagedkv.scheduler`)
+  ``vllm.config`` of a release loaded by :mod:`pagedkv.vllm_release`, or
+  :mod:`pagedkv.vllm_042.scheduler`)
   with the GPU and CPU block counts set, as ``LLMEngine`` leaves them after profiling;
 * :func:`process_group_samples`: vLLM 0.4.2's ``_process_sequence_group_outputs`` without beam
   search: per running parent, its sampled tokens (the last one the parent's own, each other one
@@ -67,7 +68,7 @@ def make_backend(version: str, name: str) -> Backend:
 def scheduler_backend(version: Optional[str] = None) -> Backend:
     """:class:`pagedkv.Scheduler` (it mirrors vLLM 0.4.2) over pagedkv's Sequence family,
     configured with vLLM ``version``'s own config objects, or without one with the config
-    classes of :mod:`pagedkv.scheduler` (no vLLM release needed)."""
+    classes of :mod:`pagedkv.vllm_042.scheduler` (no vLLM release needed)."""
     import pagedkv
     from pagedkv import scheduler as config
     from pagedkv import sequence, vllm_release
@@ -86,7 +87,7 @@ def _with_pagedkv_manager(ns: types.SimpleNamespace, version: str) -> Callable[[
     """A Scheduler of the ``vllm`` load whose block manager is pagedkv's (in the result shape
     of that release)."""
     import pagedkv
-    from pagedkv.block_manager import BlockSpaceManagerPairs
+    from pagedkv.vllm_042.block_manager import BlockSpaceManagerPairs
 
     manager = BlockSpaceManagerPairs if version != "0.4.2" else pagedkv.BlockSpaceManager
 

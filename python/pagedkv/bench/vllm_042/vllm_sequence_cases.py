@@ -28,14 +28,14 @@ def _objects(seq_mod, sampling_params, width: int, prompt_len: int = 600) -> Sim
 def build_pair(version: str = "0.4.2") -> Dict[str, Dict[int, SimpleNamespace]]:
     """``{"vllm": {1: objs, 2: objs}, "pagedkv": {...}}``: a decoding group of 1 and of 2
     sequences (600-token prompts) on each side."""
-    import pagedkv.sequence
+    import pagedkv.vllm_042.sequence
     from pagedkv import vllm_release
-    from pagedkv.types import SamplingParams
+    from pagedkv.vllm_042.types import SamplingParams
 
     v = vllm_release.load(version, "vllm")
     sides = {
         "vllm": (v.sequence, v.sampling_params.SamplingParams),
-        "pagedkv": (pagedkv.sequence, SamplingParams),
+        "pagedkv": (pagedkv.vllm_042.sequence, SamplingParams),
     }
     return {name: {w: _objects(m, sp, w) for w in (1, 2)} for name, (m, sp) in sides.items()}
 

@@ -9,8 +9,8 @@ the machine's noise falls on all alike):
   engine loop of :mod:`pagedkv.bench.vllm_042.vllm_scheduler`: ``schedule()`` plus vLLM's output
   processing in Python (computed tokens, forks of ``n > 1`` groups after their prompt, one
   token per running sequence, ``free_seq`` at the output length, ``free_finished_seq_groups``);
-* ``batch`` (:class:`BatchStepEngine`): :meth:`pagedkv.engine_step.BatchEngine.step`: one call
-  applies the previous step's sampled tokens (stop checks, forks, frees), schedules, and
+* ``batch`` (:class:`BatchStepEngine`): :meth:`pagedkv.vllm_042.engine_step.BatchEngine.step`:
+  one call applies the previous step's sampled tokens (stop checks, forks, frees), schedules, and
   writes the model inputs into caller-owned buffers;
 * ``vllm-<version>`` (with ``--compare``): vLLM's own engine of that release
   (:data:`~pagedkv.bench.harness.VLLM_GENERATIONS`). vLLM 0.4.2's scheduler fails on some
@@ -52,11 +52,12 @@ TURN = 16
 
 
 class BatchStepEngine(EngineUnderTest):
-    """A workload's requests through :class:`~pagedkv.engine_step.BatchEngine`, with the
+    """A workload's requests through :class:`~pagedkv.vllm_042.engine_step.BatchEngine`, with the
     model's sampled tokens taken from the workload (``incremental``: buffers that also carry
-    the block-table increments, :class:`~pagedkv.engine_step.BatchBuffers`; ``stable_rows``:
-    a running sequence keeps its row, :class:`~pagedkv.engine_step.BatchEngine`). A step's
-    tokens are applied at the next call; :meth:`finish` applies the last step's."""
+    the block-table increments, :class:`~pagedkv.vllm_042.engine_step.BatchBuffers`;
+    ``stable_rows``: a running sequence keeps its row,
+    :class:`~pagedkv.vllm_042.engine_step.BatchEngine`). A step's tokens are applied at the next
+    call; :meth:`finish` applies the last step's."""
 
     name = "batch"
     release = "0.4.2"
@@ -68,7 +69,7 @@ class BatchStepEngine(EngineUnderTest):
     def setup(self, config: EngineConfig) -> None:
         import pagedkv
         from pagedkv import scheduler as conf
-        from pagedkv.engine_step import BatchBuffers, BatchEngine
+        from pagedkv.vllm_042.engine_step import BatchBuffers, BatchEngine
 
         ec = config
         sched_cfg = conf.SchedulerConfig(
