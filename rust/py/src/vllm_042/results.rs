@@ -9,7 +9,7 @@ pub fn alloc_status(py: Python<'_>, s: AllocStatus) -> PyResult<Py<PyAny>> {
     static CELL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let cls = CELL.get_or_try_init(py, || {
         Ok::<_, PyErr>(
-            py.import("pagedkv.block_manager")?
+            py.import("pagedkv.vllm_042.block_manager")?
                 .getattr("AllocStatus")?
                 .unbind(),
         )
@@ -30,7 +30,7 @@ fn block_mapping_class(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
     Ok(CELL
         .get_or_try_init(py, || {
             Ok::<_, PyErr>(
-                py.import("pagedkv.block_manager")?
+                py.import("pagedkv.vllm_042.block_manager")?
                     .getattr("BlockMapping")?
                     .unbind(),
             )

@@ -171,7 +171,7 @@ impl PySchedulerCore {
             max_loras: max_loras.map(Count::usize),
             preemption_mode: self::preemption_mode(preemption_mode)?,
         };
-        let seq_mod = py.import("pagedkv.sequence")?;
+        let seq_mod = py.import("pagedkv.vllm_042.sequence")?;
         let st = seq_mod.getattr("SequenceStatus")?;
         let statuses = STATUS_NAMES
             .iter()
@@ -182,12 +182,12 @@ impl PySchedulerCore {
             .getattr("DECODE")?
             .unbind();
         let block_list = py
-            .import("pagedkv.scheduler")?
+            .import("pagedkv.vllm_042.scheduler")?
             .getattr("BlockList")?
             .unbind();
         let metadata_cls = seq_mod.getattr("SequenceGroupMetadata")?.unbind();
         let scheduled_cls = py
-            .import("pagedkv.scheduler")?
+            .import("pagedkv.vllm_042.scheduler")?
             .getattr("ScheduledSequenceGroup")?
             .unbind();
         Ok(PySchedulerCore {

@@ -26,7 +26,7 @@ fn status_members(py: Python<'_>) -> Option<&'static [Py<PyAny>; 3]> {
     static CELL: PyOnceLock<Option<[Py<PyAny>; 3]>> = PyOnceLock::new();
     CELL.get_or_init(py, || {
         let cls = py
-            .import("pagedkv.sequence")
+            .import("pagedkv.vllm_042.sequence")
             .ok()?
             .getattr("SequenceStatus")
             .ok()?;

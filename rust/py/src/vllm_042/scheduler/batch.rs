@@ -99,7 +99,7 @@ impl PyBatchStep {
             return Err(crate::errors::wrong_type("new_seq_id must be callable"));
         }
         let prefill = py
-            .import("pagedkv.sequence")?
+            .import("pagedkv.vllm_042.sequence")?
             .getattr("SequenceStage")?
             .getattr("PREFILL")?
             .unbind();
