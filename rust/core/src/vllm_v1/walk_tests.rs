@@ -739,6 +739,32 @@ fn aborts_in_every_queue_leave_nothing_scheduled_or_emitted() {
 }
 
 #[test]
+fn an_aborted_preempted_request_is_never_resumed() {
+    // b was preempted back to the head of `waiting` (status PREEMPTED); aborting it there
+    // leaves the head to what follows it, and the walk never schedules or emits it again.
+    let (mut e, _, b) = full_cache(false);
+    let c = e.add(1, 5);
+    e.schedule(sync(V33));
+    assert_eq!(e.r(b).status, Status::Preempted);
+    e.abort(b);
+    let (emitted, outs) = (
+        e.outputs.iter().filter(|(r, ..)| *r == b).count(),
+        e.r(b).outs.len(),
+    );
+    e.update(sync(V33));
+    let mut c_ran = false;
+    for _ in 0..8 {
+        let rows = e.step(sync(V33), 60);
+        assert!(rows.iter().all(|(r, _)| *r != b), "{rows:?}");
+        c_ran |= rows.iter().any(|(r, _)| *r == c);
+    }
+    assert_eq!(e.outputs.iter().filter(|(r, ..)| *r == b).count(), emitted);
+    assert_eq!(e.r(b).outs.len(), outs);
+    assert!(e.waiting.iter().all(|&r| r != b) && e.running.iter().all(|&r| r != b));
+    assert!(c_ran, "the request behind the aborted one never ran");
+}
+
+#[test]
 fn executed_steps_count_only_steps_with_tokens_on_033() {
     let mut e = TestEngine::new(64, 100);
     e.schedule(sync(V33));
