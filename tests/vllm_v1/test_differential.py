@@ -388,13 +388,13 @@ def test_scheduler_state_reads_the_priority_queue_in_pop_order(tiny_model_dir: P
 
 
 def switch_workload() -> list[h.RequestSpec]:
-    """Plain requests throughout; one request with repetition detection (outside the native
-    loop) arrives at step 6 and runs for a while."""
+    """Plain requests throughout; one held request (outside the native loop) arrives at step
+    6 and runs for a while."""
     rng = random.Random(11)
     specs = [
         h.RequestSpec(f"p{i}", tuple(h._tokens(rng, 20 + 7 * i)), 30, True, 2 * i) for i in range(8)
     ]
-    specs.append(h.RequestSpec("rep", tuple(h._tokens(rng, 24)), 12, True, 6, repetition=True))
+    specs.append(h.RequestSpec("rep", tuple(h._tokens(rng, 24)), 12, True, 6, held=True))
     return specs
 
 

@@ -93,7 +93,7 @@ def _plain(i: int, **kw) -> RequestSpec:
 def test_fallback_steps_are_counted_by_reason_and_logged(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A request the native loop does not cover (repetition detection) puts the steps it is
+    """A request the native loop does not cover (a priority beyond 64 bits) puts the steps it is
     held for on vLLM's loop; every step is counted, and with a tiny interval each step logs
     the interval's share and reasons."""
     monkeypatch.setenv(_report.INTERVAL_ENV, "1e-9")
@@ -104,20 +104,20 @@ def test_fallback_steps_are_counted_by_reason_and_logged(
     sched.add_request(build_request(_plain(0), hasher))
     with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
         _step(sched)  # native
-        sched.add_request(build_request(_plain(1, repetition=True), hasher))
+        sched.add_request(build_request(_plain(1, held=True), hasher))
         while sched.has_unfinished_requests():
             _step(sched)
         sched.add_request(build_request(_plain(2), hasher))
         while sched.has_unfinished_requests():
             _step(sched)
     steps = sched.pagedkv_steps
-    assert steps["repetition detection"] == sched.pagedkv_vllm_steps > 0, steps
+    assert steps["priority"] == sched.pagedkv_vllm_steps > 0, steps
     assert steps[_report.NATIVE] == sched.pagedkv_native_steps > 1, steps
-    assert set(steps) == {_report.NATIVE, "repetition detection"}, steps
+    assert set(steps) == {_report.NATIVE, "priority"}, steps
     logged = [r.getMessage() for r in caplog.records if "scheduler steps in the last" in r.message]
     assert len(logged) == sum(steps.values())  # each step ends an interval of 1 ns
     assert any(
-        "0.0% native; on vLLM's loop because of repetition detection: 1" in m for m in logged
+        "0.0% native; on vLLM's loop because of priority: 1" in m for m in logged
     )
     assert logged[-1].endswith("100.0% native; on vLLM's loop because of none"), logged[-1]
 

@@ -75,7 +75,7 @@ def test_a_request_that_reaches_the_caches_size_on_vllms_loop_finishes(
     caching: bool, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
 ) -> None:
     """The same 48-token cache under max_model_len 64: a 40-token prompt decodes to the
-    cache's size while a repetition-detection request (outside the native loop) waits, so
+    cache's size while a held request (outside the native loop) waits, so
     those steps are vLLM's own loop; it stops with "length" at 48 tokens there, the held
     request runs, and a small request arriving later runs on the native loop. Lockstep against
     vLLM at max_model_len 48 (the cache's size) at every step."""
@@ -95,7 +95,7 @@ def test_a_request_that_reaches_the_caches_size_on_vllms_loop_finishes(
     rng = random.Random(5)
     specs = [
         h.RequestSpec("r0", tuple(h._tokens(rng, 40)), 100, True, 0),
-        h.RequestSpec("rep", tuple(h._tokens(rng, 8)), 4, True, 1, repetition=True),
+        h.RequestSpec("rep", tuple(h._tokens(rng, 8)), 4, True, 1, held=True),
         h.RequestSpec("r1", tuple(h._tokens(rng, 47)), 3, True, 30),
     ]
     run = h.Lockstep(cfg, specs, 5, tiny_model_dir, manager_cls)

@@ -339,9 +339,10 @@ class RequestSpec:
     stop_token_ids: tuple[int, ...] = ()
     min_tokens: int = 0
     client_index: int = 0
-    # Repetition detection: outside pagedkv's native loop, so while such a request is held
-    # pagedkv's Scheduler runs vLLM's own loop (the per-step switch).
-    repetition: bool = False
+    repetition: bool = False  # repetition detection (max pattern 2, min count 3)
+    # Out of the native loop's scope (a priority beyond 64 bits, :data:`HELD_PRIORITY`): while
+    # such a request is held pagedkv's Scheduler runs vLLM's own loop (the per-step switch).
+    held: bool = False
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -395,6 +396,11 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
     return specs
 
 
+#: A priority vLLM orders as any int but the native loop holds as i64: a request with it is
+#: out of the native loop's scope (``pagedkv.vllm_v1._scope``, reason "priority").
+HELD_PRIORITY = 2**64
+
+
 def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
     params = SamplingParams(
         max_tokens=spec.max_tokens,
@@ -414,7 +420,7 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
         pooling_params=None,
         client_index=spec.client_index,
         arrival_time=float(arrival_time),
-        priority=spec.priority,
+        priority=HELD_PRIORITY if spec.held else spec.priority,
         block_hasher=block_hasher,
     )
 
@@ -979,7 +985,7 @@ def with_cache_filling_prompts(
     cap = capped.max_model_len
     out = []
     for i, s in enumerate(specs):
-        if i % 3 == 0 and not s.repetition:  # out of scope: vLLM's own rules, no refusal
+        if i % 3 == 0 and not s.held:  # out of scope: vLLM's own rules, no refusal
             n = cap - rng.choice((0, 1, 1, 2))
             prompt = (s.prompt * (n // max(1, len(s.prompt)) + 1))[:n]
             s = dataclasses.replace(s, prompt=prompt, max_tokens=max(s.max_tokens, 2))
@@ -988,11 +994,10 @@ def with_cache_filling_prompts(
 
 
 def with_switch_requests(seed: int, specs: list[RequestSpec]) -> list[RequestSpec]:
-    """For one seed in four, every fifth request asks for repetition detection (outside the
-    native loop: the scheduler under test switches to vLLM's loop while one is held, and
-    back when none is)."""
-    if seed % 4 != 3:
+    """For one seed in four, every fifth request is held (outside the native loop: the
+    scheduler under test switches to vLLM's loop while one is held, and back when none is);
+    for another seed in four, every fifth asks for repetition detection (in scope)."""
+    kind = {3: "held", 1: "repetition"}.get(seed % 4)
+    if kind is None:
         return specs
-    return [
-        dataclasses.replace(s, repetition=True) if i % 5 == 2 else s for i, s in enumerate(specs)
-    ]
+    return [dataclasses.replace(s, **{kind: True}) if i % 5 == 2 else s for i, s in enumerate(specs)]

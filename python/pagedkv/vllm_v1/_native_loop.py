@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
 from ._report import NATIVE, StepCounter, interval_from_env
-from ._scope import engine_out_of_scope, request_out_of_scope
+from ._scope import engine_out_of_scope, hashes_natively, request_out_of_scope
 
 #: Out-of-scope requests the engine holds, per scheduler: request id -> why it is out of scope
 #: (pruned as requests leave).
@@ -131,7 +131,7 @@ class NativeLoop:
         if self._pagedkv_loop is None and self._pagedkv_hashers is None:
             return
         why = request_out_of_scope(request)
-        if why is None and self._pagedkv_hashers is not None:
+        if self._pagedkv_hashers is not None and hashes_natively(request, why):
             self._pagedkv_hashers.hash_natively(request)
         if self._pagedkv_loop is None:
             return
@@ -168,8 +168,9 @@ class NativeLoop:
             self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         self.pagedkv_native_steps += 1
-        new_reqs, cached, num_scheduled, total = self._pagedkv_loop.schedule(self)
+        new_reqs, cached, num_scheduled, total, structured = self._pagedkv_loop.schedule(self)
         out = self._pagedkv_output.scheduler_output(new_reqs, cached, num_scheduled, total)
+        out.has_structured_output_requests = structured
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
@@ -225,8 +226,12 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "PREEMPTED": RequestStatus.PREEMPTED,
         "FINISHED_STOPPED": RequestStatus.FINISHED_STOPPED,
         "FINISHED_LENGTH_CAPPED": RequestStatus.FINISHED_LENGTH_CAPPED,
+        "FINISHED_ERROR": RequestStatus.FINISHED_ERROR,
+        "FINISHED_REPETITION": RequestStatus.FINISHED_REPETITION,
         "reason_stop": FinishReason.STOP,
         "reason_length": FinishReason.LENGTH,
+        "reason_error": FinishReason.ERROR,
+        "reason_repetition": FinishReason.REPETITION,
         "make_new": _new_request_data_factory(sched),
         "monotonic": time.monotonic,
         "hash_name_of": hash_name_of(sched.hash_block_size),

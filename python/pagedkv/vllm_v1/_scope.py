@@ -103,25 +103,54 @@ def _iteration_details_on(sched: Any) -> bool:
 
 
 def request_out_of_scope(request: Any) -> Optional[str]:
-    """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope)."""
+    """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
+    Structured output, LoRA, prompt embeddings and repetition detection are in scope."""
     from vllm.v1.request import RequestStatus
 
     params = request.sampling_params
+    arrival_statuses = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
     checks = (
         (params is None or request.pooling_params is not None, "pooling"),
-        (request.status != RequestStatus.WAITING, "not waiting on arrival"),
-        (request.structured_output_request is not None, "structured output"),
-        (request.lora_request is not None, "LoRA"),
+        (request.status not in arrival_statuses, "not waiting on arrival"),
         (bool(request.mm_features), "multimodal inputs"),
-        (request.prompt_embeds is not None, "prompt embeddings"),
         (request.kv_transfer_params is not None, "KV transfer"),
         (bool(getattr(request, "resumable", False)), "a streaming session"),
-        (getattr(params, "repetition_detection", None) is not None, "repetition detection"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
         (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
+        (not _repetition_fits_i64(params), "repetition detection beyond 64 bits"),
+        (not _lora_id_fits_i64(request), "a LoRA id beyond 64 bits"),
         (not isinstance(request.arrival_time, (int, float)), "arrival time"),
     )
     return next((why for out, why in checks if out), None)
+
+
+def hashes_natively(request: Any, why: Optional[str]) -> bool:
+    """Whether pagedkv may give ``request`` its native block hasher: in scope and without
+    extra hash keys past the first block (LoRA, multimodal inputs, prompt embeddings: vLLM's
+    hasher keeps those; :mod:`pagedkv.vllm_v1._hashing`)."""
+    return (
+        why is None
+        and request.lora_request is None
+        and not request.mm_features
+        and request.prompt_embeds is None
+    )
+
+
+def _fits_i64(value: Any) -> bool:
+    return type(value) is int and -(2**63) <= value < 2**63
+
+
+def _repetition_fits_i64(params: Any) -> bool:
+    rep = getattr(params, "repetition_detection", None)
+    if rep is None:
+        return True
+    fields = (rep.min_pattern_size, rep.max_pattern_size, rep.min_count)
+    return all(_fits_i64(v) for v in fields)
+
+
+def _lora_id_fits_i64(request: Any) -> bool:
+    lora = request.lora_request
+    return lora is None or _fits_i64(lora.lora_int_id)
 
 
 def _stop_ids_fit_i64(params: Any) -> bool:
@@ -131,4 +160,4 @@ def _stop_ids_fit_i64(params: Any) -> bool:
     eos = getattr(params, "eos_token_id", None)
     if eos is not None:
         ids.append(eos)
-    return all(type(i) is int and -(2**63) <= i < 2**63 for i in ids)
+    return all(_fits_i64(i) for i in ids)

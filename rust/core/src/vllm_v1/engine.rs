@@ -17,9 +17,12 @@
 //!
 //! Costs: the walk calls the per-request accessors O(1) times per scheduled request and step,
 //! `running_priority_keys` once per PRIORITY preemption (O(running)), the rare events once per
-//! admitted, preempted or finished request.
+//! admitted, preempted or finished request; with a LoRA limit, `lora_id` of every running
+//! request once per step; `unblock` once per blocked request the waiting pass reaches;
+//! `repeats` once per appended token of a request with repetition detection (O(its pattern
+//! sizes)); `accept_tokens` once per structured-output row with tokens.
 
-use super::policy::{Limits, Stop, StopRule};
+use super::policy::{Limits, Repetition, Stop, StopRule};
 use super::SlotRequest;
 
 /// vLLM's release: where 0.32 and 0.33 schedule differently.
@@ -65,6 +68,8 @@ pub struct Settings {
     /// `scheduler_reserve_full_isl`: admission needs room for the whole prompt.
     pub reserve_full_isl: bool,
     pub runner: Runner,
+    /// `lora_config.max_loras` (`None`: no LoRA config, no limit).
+    pub max_loras: Option<usize>,
 }
 
 /// A request's `status` as the walk distinguishes it.
@@ -75,7 +80,8 @@ pub enum Status {
     Preempted,
     /// Any finished status.
     Finished,
-    /// Any other waiting status (structured-output grammar, remote KV, streaming).
+    /// A blocked waiting status (structured-output grammar, remote KV, streaming): the
+    /// waiting pass asks [`Engine::unblock`] before it looks further.
     OtherWaiting,
 }
 
@@ -185,8 +191,22 @@ pub trait Engine {
     /// its (empty) draft placeholders and, with the v2 runner, `next_decode_eligible_step`.
     fn set_async_decode(&mut self, r: &Self::Req, eligible: Option<u64>)
         -> Result<(), Self::Error>;
+    /// `lora_request.lora_int_id` (`None`: no LoRA).
+    fn lora_id(&self, r: &Self::Req) -> Option<i64>;
+    /// `use_structured_output`.
+    fn uses_structured_output(&self, r: &Self::Req) -> bool;
 
     // vLLM's rare events.
+    /// `_handle_blocked_waiting_request` for a request in a blocked waiting status: whether
+    /// it may be scheduled now (it may have become `WAITING`; a grammar that failed to
+    /// compile is recorded for vLLM to report).
+    fn unblock(&mut self, r: &Self::Req) -> Result<bool, Self::Error>;
+    /// `check_sequence_repetition(output_token_ids, repetition_detection)` (the rule is
+    /// `policy::has_repetition`).
+    fn repeats(&mut self, r: &Self::Req, rep: &Repetition) -> Result<bool, Self::Error>;
+    /// `structured_output_manager.accept_tokens(request, kept_tokens)`: false when the
+    /// grammar rejects them.
+    fn accept_tokens(&mut self, r: &Self::Req, s: &Self::Sampled) -> Result<bool, Self::Error>;
     /// `_preempt_request(request, timestamp)` (the request is already out of `running`).
     fn preempt(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     /// `_get_local_prefix_cache_hit`: the hit's block ids (`None`: vLLM's shared empty
@@ -217,6 +237,9 @@ pub trait Engine {
     // What leaves the scheduler.
     /// The step's output, built before `_update_after_schedule` writes the requests.
     fn scheduler_output(&mut self, step: &Step<Self::Req>) -> Result<Self::Scheduled, Self::Error>;
+    /// `_update_after_schedule` found a structured-output row past its prefill: the output's
+    /// `has_structured_output_requests` becomes true.
+    fn mark_structured_output(&mut self, out: &mut Self::Scheduled) -> Result<(), Self::Error>;
     /// The rows `update_from_output` walks: `(request, num_scheduled_tokens)` in the
     /// scheduler output's order, requests no longer in the scheduler left out.
     fn scheduled_rows(&mut self) -> Result<Vec<(Self::Req, u64)>, Self::Error>;

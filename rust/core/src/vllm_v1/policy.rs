@@ -163,6 +163,64 @@ pub enum Stop {
     StopToken(i64),
     /// `max_model_len` or `max_tokens` reached: `FINISHED_LENGTH_CAPPED`.
     Length,
+    /// A repeating pattern at the output's tail (`repetition_detection`):
+    /// `FINISHED_REPETITION`, stop reason `"repetition_detected"`.
+    Repetition,
+    /// The structured-output grammar rejected the row's tokens (`update_from_output`, after
+    /// `check_stop`): `FINISHED_ERROR`.
+    Error,
+}
+
+/// `SamplingParams.repetition_detection` (`RepetitionDetectionParams`), as given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Repetition {
+    pub min_pattern_size: i64,
+    pub max_pattern_size: i64,
+    pub min_count: i64,
+}
+
+impl Repetition {
+    /// The pattern lengths vLLM tries, `None` when the parameters disable the check
+    /// (`max_pattern_size <= 0`, `min_count < 2`, or `min > max` after raising `min` to 1).
+    fn pattern_lengths(&self) -> Option<std::ops::RangeInclusive<u64>> {
+        let min = self.min_pattern_size.max(1);
+        let (max, count) = (self.max_pattern_size, self.min_count);
+        if max <= 0 || count < 2 || min > max {
+            return None;
+        }
+        Some(min as u64..=max as u64)
+    }
+
+    /// How many of the output's last tokens [`has_repetition`] reads (at most).
+    pub fn tail_len(&self) -> u64 {
+        match self.pattern_lengths() {
+            Some(r) => r.end().saturating_mul(self.min_count as u64),
+            None => 0,
+        }
+    }
+}
+
+/// vLLM's `check_sequence_repetition(output_token_ids, params)`: for each pattern length
+/// from the smallest, whether the last `len` tokens repeat `min_count` times back to back;
+/// the search ends at the first length whose repeats do not fit in the output. `tail` is the
+/// output's last `min(num_output, tail_len)` tokens, `num_output` its whole length.
+/// O(max_pattern_size^2 * min_count).
+pub fn has_repetition(tail: &[i64], num_output: u64, rep: &Repetition) -> bool {
+    let Some(lengths) = rep.pattern_lengths() else {
+        return false;
+    };
+    let count = rep.min_count as u64;
+    for len in lengths {
+        if len.saturating_mul(count) > num_output || len.saturating_mul(count) > tail.len() as u64 {
+            return false;
+        }
+        let at = |back: u64| tail[tail.len() - back as usize];
+        let repeats = (1..=len).all(|n| (1..count).all(|m| at(len * m + n) == at(n)));
+        if repeats {
+            return true;
+        }
+    }
+    false
 }
 
 /// The sampling fields `check_stop` reads.
@@ -172,11 +230,16 @@ pub struct StopRule {
     pub eos_token_id: Option<i64>,
     pub stop_token_ids: Vec<i64>,
     pub max_tokens: u64,
+    /// `min_tokens`: repetition is not checked before this many outputs.
+    pub min_tokens: u64,
+    /// `repetition_detection` (`None`: off).
+    pub repetition: Option<Repetition>,
 }
 
 /// vLLM's `check_stop` after `last` was appended, in its order: EOS, stop ids, then length
-/// (`max_model_len`: the [`length_cap`]; `min_tokens` gates only repetition detection, outside
-/// the native path: a sampled EOS stops even before `min_tokens`; the sampler masks it there).
+/// (`max_model_len`: the [`length_cap`]). `min_tokens` gates only repetition detection, which
+/// the caller checks after this ([`repetition_due`], [`has_repetition`]): a sampled EOS stops
+/// even before `min_tokens`; the sampler masks it there.
 /// `last` is `None` for a sampled id outside i64: it equals no EOS or stop id (the native
 /// loop serves only requests whose ids are within i64), so only the length rules apply.
 pub fn check_stop(
@@ -198,6 +261,15 @@ pub fn check_stop(
         return Some(Stop::Length);
     }
     None
+}
+
+/// Whether `check_stop`, not stopped by [`check_stop`]'s rules, goes on to repetition
+/// detection: the request asks for it and has `min_tokens` outputs.
+pub fn repetition_due(rule: &StopRule, num_output_tokens: u64) -> Option<&Repetition> {
+    match &rule.repetition {
+        Some(rep) if num_output_tokens >= rule.min_tokens => Some(rep),
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -335,6 +407,7 @@ mod tests {
             eos_token_id: None,
             stop_token_ids: vec![],
             max_tokens: 100,
+            ..StopRule::default()
         };
         assert_eq!(check_stop(&rule, Some(5), 48, 1, cap), Some(Stop::Length));
         assert_eq!(check_stop(&rule, Some(5), 47, 1, cap), None);
@@ -346,6 +419,7 @@ mod tests {
             eos_token_id: Some(2),
             stop_token_ids: vec![7, 2],
             max_tokens: 4,
+            ..StopRule::default()
         };
         assert_eq!(check_stop(&rule, Some(2), 10, 4, 100), Some(Stop::Eos));
         assert_eq!(
@@ -366,5 +440,58 @@ mod tests {
             check_stop(&ignore_eos, Some(2), 10, 1, 100),
             Some(Stop::StopToken(2))
         );
+    }
+
+    fn rep(min: i64, max: i64, count: i64) -> Repetition {
+        Repetition {
+            min_pattern_size: min,
+            max_pattern_size: max,
+            min_count: count,
+        }
+    }
+
+    #[test]
+    fn repetition_finds_a_pattern_repeated_min_count_times_at_the_tail() {
+        let r = rep(0, 2, 3);
+        assert_eq!(r.tail_len(), 6);
+        assert!(has_repetition(&[9, 4, 4, 4], 4, &r)); // "4" three times
+        assert!(has_repetition(&[1, 2, 1, 2, 1, 2], 6, &r)); // "1 2" three times
+        assert!(!has_repetition(&[1, 2, 1, 2, 1, 3], 6, &r));
+        assert!(!has_repetition(&[4, 4], 2, &r)); // two repeats of three
+    }
+
+    #[test]
+    fn repetition_search_ends_at_the_first_length_that_does_not_fit() {
+        // Length 1 does not repeat; length 2 needs 6 tokens of 5: vLLM returns false there,
+        // even though the tail would repeat with length 3 were it longer.
+        let r = rep(1, 3, 3);
+        assert!(!has_repetition(&[1, 2, 1, 2, 1], 5, &r));
+        // min_pattern_size skips the short lengths.
+        assert!(!has_repetition(&[7, 7, 7, 7, 7, 7], 6, &rep(2, 2, 4)));
+        assert!(has_repetition(&[7, 7, 7, 7, 7, 7, 7, 7], 8, &rep(2, 2, 4)));
+    }
+
+    #[test]
+    fn repetition_parameters_that_disable_the_check() {
+        for r in [rep(1, 0, 3), rep(1, 2, 1), rep(3, 2, 3), rep(1, -5, 3)] {
+            assert!(!has_repetition(&[5; 12], 12, &r), "{r:?}");
+            assert_eq!(r.tail_len(), 0);
+        }
+        // A huge count saturates instead of overflowing and finds nothing.
+        let big = rep(1, i64::MAX, i64::MAX);
+        assert_eq!(big.tail_len(), u64::MAX);
+        assert!(!has_repetition(&[5; 4], 4, &big));
+    }
+
+    #[test]
+    fn repetition_waits_for_min_tokens() {
+        let rule = StopRule {
+            min_tokens: 3,
+            repetition: Some(rep(1, 1, 2)),
+            ..StopRule::default()
+        };
+        assert!(repetition_due(&rule, 2).is_none());
+        assert!(repetition_due(&rule, 3).is_some());
+        assert!(repetition_due(&StopRule::default(), 9).is_none());
     }
 }

@@ -11,6 +11,7 @@ use super::engine::{Engine, Mode, Release, Row, Runner, Settings, Status, Step};
 use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
 use crate::Error;
+use std::collections::HashSet;
 
 /// A running request's allocation: its new block ids (`None`: it was preempted itself) and
 /// whether anything was preempted for it.
@@ -67,8 +68,10 @@ impl<'e, E: Engine> Walk<'e, E> {
             total,
             runner: self.set.runner,
         };
-        let scheduled = self.e.scheduler_output(&out)?;
-        self.update_after_schedule(step, &out.rows)?;
+        let mut scheduled = self.e.scheduler_output(&out)?;
+        if self.update_after_schedule(step, &out.rows)? {
+            self.e.mark_structured_output(&mut scheduled)?;
+        }
         Ok(scheduled)
     }
 
@@ -217,6 +220,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         rows: &mut Vec<Row<E::Req>>,
     ) -> Result<(), E::Error> {
         let mut skipped = Vec::new();
+        let mut loras = self.running_loras()?;
         while budget.tokens > 0 {
             if self.e.waiting_len()? == 0 || budget.input == 0 {
                 break;
@@ -225,7 +229,7 @@ impl<'e, E: Engine> Walk<'e, E> {
                 break;
             }
             let req = self.e.waiting_peek()?;
-            if self.has_deliverable_stale_output(&req)? {
+            if self.must_skip(&req, loras.as_ref())? {
                 let r = self.e.waiting_pop()?;
                 self.e.deferred_add(&r)?;
                 skipped.insert(0, r);
@@ -233,6 +237,9 @@ impl<'e, E: Engine> Walk<'e, E> {
             }
             if !self.admit(&req, threshold, budget, rows)? {
                 break;
+            }
+            if let (Some(set), Some(id)) = (loras.as_mut(), self.e.lora_id(&req)) {
+                set.insert(id);
             }
         }
         if !skipped.is_empty() {
@@ -243,8 +250,37 @@ impl<'e, E: Engine> Walk<'e, E> {
         self.e.set_prefill_capacity_bound(bound)
     }
 
-    fn has_deliverable_stale_output(&self, req: &E::Req) -> Result<bool, E::Error> {
-        Ok(self.e.num_stale_output_tokens(req)? > 0 && !self.e.drop_stale_output(req)?)
+    /// Whether the waiting pass skips the head of `waiting` this step (vLLM's `skip_request`):
+    /// blocked (a grammar not compiled yet), deliverable stale output still in flight, or a
+    /// LoRA adapter that would exceed `max_loras`; in that order.
+    fn must_skip(&mut self, req: &E::Req, loras: Option<&HashSet<i64>>) -> Result<bool, E::Error> {
+        if self.e.status(req)? == Status::OtherWaiting && !self.e.unblock(req)? {
+            return Ok(true);
+        }
+        if self.e.num_stale_output_tokens(req)? > 0 && !self.e.drop_stale_output(req)? {
+            return Ok(true);
+        }
+        Ok(match (loras, self.e.lora_id(req), self.set.max_loras) {
+            (Some(set), Some(id), Some(max)) => set.len() == max && !set.contains(&id),
+            _ => false,
+        })
+    }
+
+    /// With a LoRA limit: the adapters of the running requests (ids above 0), which the
+    /// waiting pass grows by each admitted request's adapter.
+    fn running_loras(&mut self) -> Result<Option<HashSet<i64>>, E::Error> {
+        if self.set.max_loras.is_none() {
+            return Ok(None);
+        }
+        let mut set = HashSet::new();
+        for i in 0..self.e.running_len() {
+            let r = self.e.running_at(i)?;
+            match self.e.lora_id(&r) {
+                Some(id) if id > 0 => set.insert(id),
+                _ => false,
+            };
+        }
+        Ok(Some(set))
     }
 
     /// Admit the head of `waiting` (a prefix lookup when nothing is computed, then
@@ -332,8 +368,11 @@ impl<'e, E: Engine> Walk<'e, E> {
 
     /// `_update_after_schedule`: each row advances by its tokens; under `AsyncScheduler` a
     /// row that completes its prefill (or decodes) gets an output placeholder.
-    fn update_after_schedule(&mut self, step: u64, rows: &[Row<E::Req>]) -> Result<(), E::Error> {
+    /// Returns whether a structured-output row completed its prefill or decodes
+    /// (`has_structured_output_requests`).
+    fn update_after_schedule(&mut self, step: u64, rows: &[Row<E::Req>]) -> Result<bool, E::Error> {
         let any_inflight = self.e.inflight_prefills_len()? > 0;
+        let mut structured = false;
         let eligible = match self.set.runner {
             Runner::V2 => Some(step + self.mode.decode_stagger),
             Runner::V1 => None,
@@ -345,6 +384,7 @@ impl<'e, E: Engine> Walk<'e, E> {
             self.e.set_num_in_flight_tokens(&r.req, in_flight)?;
             let chunk = computed < r.num_tokens + r.placeholders;
             self.e.set_is_prefill_chunk(&r.req, chunk)?;
+            structured |= !chunk && self.e.uses_structured_output(&r.req);
             if !chunk && any_inflight {
                 self.e.inflight_prefills_discard(&r.req)?;
             }
@@ -354,7 +394,7 @@ impl<'e, E: Engine> Walk<'e, E> {
                 self.e.set_async_decode(&r.req, eligible)?;
             }
         }
-        Ok(())
+        Ok(structured)
     }
 
     /// `Scheduler.update_from_output()`: each scheduled row takes its sampled tokens; the
@@ -396,6 +436,11 @@ impl<'e, E: Engine> Walk<'e, E> {
             stop = self.update_request_with_output(req, &mut sampled, stale)?;
             let kept = self.e.sampled_len(&sampled);
             self.resolve_placeholders(req, stale, was_running, returned, kept)?;
+            if self.e.uses_structured_output(req) && !self.e.accept_tokens(req, &sampled)? {
+                // vLLM logs the rejection and finishes the request with an error.
+                self.e.set_stopped(req, Stop::Error)?;
+                stop = Some(Stop::Error);
+            }
         }
         let emit = returned > 0 || stop.is_some();
         let pending = self.e.begin_output(req, &sampled, emit)?;
@@ -421,7 +466,13 @@ impl<'e, E: Engine> Walk<'e, E> {
             let last = self.e.append_output_token(req, sampled, k)?;
             let num_tokens = self.e.num_tokens(req);
             let num_out = self.e.num_output_tokens(req)?;
-            let Some(stop) = policy::check_stop(&rule, last, num_tokens, num_out, cap) else {
+            let mut stop = policy::check_stop(&rule, last, num_tokens, num_out, cap);
+            if let (None, Some(rep)) = (stop, policy::repetition_due(&rule, num_out)) {
+                if self.e.repeats(req, rep)? {
+                    stop = Some(Stop::Repetition);
+                }
+            }
+            let Some(stop) = stop else {
                 continue;
             };
             self.e.set_stopped(req, stop)?;

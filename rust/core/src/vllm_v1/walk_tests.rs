@@ -27,6 +27,13 @@ struct TReq {
     arrival: f64,
     next_eligible: u64,
     preemptions: u32,
+    lora: Option<i64>,
+    /// Structured output: the steps `unblock` answers false before the grammar is ready
+    /// (`None`: no structured output), and a token the grammar rejects.
+    grammar_wait: Option<u32>,
+    grammar_rejects: Option<i64>,
+    /// The tokens the grammar accepted.
+    accepted: Vec<i64>,
 }
 
 struct TestEngine {
@@ -48,6 +55,8 @@ struct TestEngine {
     /// Emitted outputs: (request, tokens, finish).
     outputs: Vec<(usize, Vec<i64>, Option<Stop>)>,
     freed: Vec<usize>,
+    /// The last `schedule()` marked `has_structured_output_requests`.
+    structured_step: bool,
 }
 
 const EOS: i64 = 2;
@@ -87,6 +96,7 @@ impl TestEngine {
                 priority: false,
                 reserve_full_isl: false,
                 runner: Runner::V1,
+                max_loras: None,
             },
             step: 0,
             executed: 0,
@@ -94,6 +104,7 @@ impl TestEngine {
             next: HashMap::new(),
             outputs: Vec::new(),
             freed: Vec::new(),
+            structured_step: false,
         }
     }
 
@@ -109,6 +120,7 @@ impl TestEngine {
                 eos_token_id: Some(EOS),
                 stop_token_ids: vec![7],
                 max_tokens,
+                ..StopRule::default()
             },
             status: Status::Waiting,
             stop: None,
@@ -122,6 +134,10 @@ impl TestEngine {
             arrival: i as f64,
             next_eligible: 0,
             preemptions: 0,
+            lora: None,
+            grammar_wait: None,
+            grammar_rejects: None,
+            accepted: Vec::new(),
         });
         self.known.insert(i);
         self.waiting.push_back(i);
@@ -343,6 +359,43 @@ impl Engine for TestEngine {
         }
         Ok(())
     }
+    fn lora_id(&self, r: &usize) -> Option<i64> {
+        self.reqs[*r].lora
+    }
+    fn uses_structured_output(&self, r: &usize) -> bool {
+        self.reqs[*r].grammar_wait.is_some()
+    }
+    /// A grammar becomes ready after `grammar_wait` asks (the request becomes `WAITING`).
+    fn unblock(&mut self, r: &usize) -> Result<bool> {
+        let q = &mut self.reqs[*r];
+        match q.grammar_wait.as_mut() {
+            Some(0) | None => {
+                q.status = Status::Waiting;
+                Ok(true)
+            }
+            Some(n) => {
+                *n -= 1;
+                Ok(false)
+            }
+        }
+    }
+    fn repeats(&mut self, r: &usize, rep: &policy::Repetition) -> Result<bool> {
+        let outs = &self.reqs[*r].outs;
+        let n = outs.len().min(rep.tail_len() as usize);
+        Ok(policy::has_repetition(
+            &outs[outs.len() - n..],
+            outs.len() as u64,
+            rep,
+        ))
+    }
+    fn accept_tokens(&mut self, r: &usize, s: &Vec<i64>) -> Result<bool> {
+        let q = &mut self.reqs[*r];
+        if s.iter().any(|t| Some(*t) == q.grammar_rejects) {
+            return Ok(false);
+        }
+        q.accepted.extend_from_slice(s);
+        Ok(true)
+    }
     /// vLLM's `_preempt_request`: blocks freed, status PREEMPTED, nothing computed, the
     /// in-flight tokens become stale output, placeholders dropped, back at the queue's head.
     fn preempt(&mut self, r: &usize) -> Result<()> {
@@ -392,7 +445,12 @@ impl Engine for TestEngine {
     }
     fn scheduler_output(&mut self, step: &Step<usize>) -> Result<Vec<(usize, u64)>> {
         self.scheduled = step.rows.iter().map(|r| (r.req, r.tokens)).collect();
+        self.structured_step = false;
         Ok(self.scheduled.clone())
+    }
+    fn mark_structured_output(&mut self, _out: &mut Vec<(usize, u64)>) -> Result<()> {
+        self.structured_step = true;
+        Ok(())
     }
     fn scheduled_rows(&mut self) -> Result<Vec<(usize, u64)>> {
         let rows = std::mem::take(&mut self.scheduled);
@@ -773,3 +831,6 @@ fn executed_steps_count_only_steps_with_tokens_on_033() {
     e.schedule(sync(V33));
     assert_eq!((e.step, e.executed), (2, 1));
 }
+
+#[path = "walk_kinds_tests.rs"]
+mod kinds;

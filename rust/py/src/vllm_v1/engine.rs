@@ -8,7 +8,7 @@ use crate::vllm_v1::hash::extend_block_hashes;
 use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
 use crate::vllm_v1::output::{self, ModelOutput};
 use pagedkv_core::vllm_v1::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
-use pagedkv_core::vllm_v1::policy::{self, Limits, Stop, StopRule};
+use pagedkv_core::vllm_v1::policy::{self, Limits, Repetition, Stop, StopRule};
 use pagedkv_core::vllm_v1::SlotRequest;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -159,6 +159,15 @@ fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settings> 
         Err(_) => running,
     };
     let policy = sched.getattr(intern!(py, "policy"))?;
+    let lora = sched.getattr(intern!(py, "lora_config"))?;
+    let max_loras = match lora.is_none() {
+        true => None,
+        false => Some(
+            lora.getattr(intern!(py, "max_loras"))?
+                .extract::<crate::args::SatCount>()?
+                .usize(),
+        ),
+    };
     Ok(Settings {
         limits,
         max_num_scheduled_tokens: get_u64(sched, intern!(py, "max_num_scheduled_tokens"))?,
@@ -171,6 +180,7 @@ fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settings> 
             true => Runner::V2,
             false => Runner::V1,
         },
+        max_loras,
     })
 }
 
@@ -371,15 +381,22 @@ impl<'py> Engine for PyEngine<'_, 'py> {
 
     fn set_stopped(&mut self, r: &PyReq<'py>, stop: Stop) -> PyResult<()> {
         let py = self.py();
+        let o = &self.lp.objs;
         let status = match stop {
-            Stop::Length => &self.lp.objs.length_capped,
-            _ => &self.lp.objs.stopped,
+            Stop::Length => &o.length_capped,
+            Stop::Eos | Stop::StopToken(_) => &o.stopped,
+            Stop::Repetition => &o.finished_repetition,
+            Stop::Error => &o.finished_error,
         };
         r.obj.setattr(intern!(py, "status"), status.bind(py))?;
-        if let Stop::StopToken(t) = stop {
-            r.obj.setattr(intern!(py, "stop_reason"), t)?;
+        match stop {
+            Stop::StopToken(t) => r.obj.setattr(intern!(py, "stop_reason"), t),
+            Stop::Repetition => r
+                .obj
+                .setattr(intern!(py, "stop_reason"), "repetition_detected"),
+            Stop::Error => r.obj.setattr(intern!(py, "resumable"), false),
+            Stop::Eos | Stop::Length => Ok(()),
         }
-        Ok(())
     }
 
     fn num_tokens(&self, r: &PyReq<'py>) -> u64 {
@@ -459,6 +476,37 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         Ok(())
     }
 
+    fn lora_id(&self, r: &PyReq<'py>) -> Option<i64> {
+        r.f.lora
+    }
+
+    fn uses_structured_output(&self, r: &PyReq<'py>) -> bool {
+        r.f.structured
+    }
+
+    fn unblock(&mut self, r: &PyReq<'py>) -> PyResult<bool> {
+        let py = self.py();
+        self.sched
+            .call_method1(intern!(py, "_handle_blocked_waiting_request"), (&r.obj,))?
+            .is_truthy()
+    }
+
+    fn repeats(&mut self, r: &PyReq<'py>, rep: &Repetition) -> PyResult<bool> {
+        let outs = r.f.outs.bind(self.py());
+        let n = outs.len();
+        let from = n - n.min(usize::try_from(rep.tail_len()).unwrap_or(usize::MAX));
+        let tail: Result<Vec<i64>, _> = outs.get_slice(from, n).extract();
+        match tail {
+            Ok(tail) => Ok(policy::has_repetition(&tail, n as u64, rep)),
+            // A token outside i64: vLLM's own function compares Python ints.
+            Err(_) => output::check_sequence_repetition(&r.obj),
+        }
+    }
+
+    fn accept_tokens(&mut self, r: &PyReq<'py>, s: &Sampled<'py>) -> PyResult<bool> {
+        output::accept_tokens(&self.sched, &r.obj, &s.list)
+    }
+
     fn preempt(&mut self, r: &PyReq<'py>) -> PyResult<()> {
         let py = self.py();
         let args = (&r.obj, self.ts());
@@ -521,6 +569,10 @@ impl<'py> Engine for PyEngine<'_, 'py> {
 
     fn scheduler_output(&mut self, step: &Step<PyReq<'py>>) -> PyResult<Bound<'py, PyTuple>> {
         output::scheduler_output(self, step)
+    }
+
+    fn mark_structured_output(&mut self, out: &mut Bound<'py, PyTuple>) -> PyResult<()> {
+        output::mark_structured_output(out)
     }
 
     fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64)>> {

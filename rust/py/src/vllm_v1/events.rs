@@ -123,10 +123,8 @@ impl StoredEvents {
 /// which events publish (vLLM's helpers compute them; the Python builder calls them).
 fn has_extra_keys(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = request.py();
-    Ok(!request.getattr(intern!(py, "lora_request"))?.is_none()
-        || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
-        || request.getattr(intern!(py, "cache_salt"))?.is_truthy()?
-        || !request.getattr(intern!(py, "prompt_embeds"))?.is_none())
+    Ok(crate::vllm_v1::hash::extra_keys_past_first_block(request)?
+        || request.getattr(intern!(py, "cache_salt"))?.is_truthy()?)
 }
 
 /// The event objects one `take_events` call can build natively.

@@ -7,12 +7,23 @@
 //! Only where the result is provably vLLM's: the request's hasher is vLLM's own
 //! (`get_request_block_hasher` at the scheduler's hash block size, no lookahead; checked once
 //! per request by `pagedkv.vllm_v1._hashing`), the block has a parent hash, and every token
-//! is an exact `int` the encoding covers. Anything else runs vLLM's hasher.
+//! is an exact `int` the encoding covers, and the request has no extra keys past its first
+//! block ([`extra_keys_past_first_block`]). Anything else runs vLLM's hasher.
 
 use pagedkv_core::vllm_v1::block_hash::{block_hash, HashFn};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyInt, PyList};
+
+/// A LoRA adapter, multimodal inputs or prompt embeddings: extra hash keys beyond the first
+/// block (`generate_block_hash_extra_keys`; a cache salt keys the first block only, which
+/// vLLM's hasher always computes), so the native encoding does not apply.
+pub fn extra_keys_past_first_block(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = request.py();
+    Ok(!request.getattr(intern!(py, "lora_request"))?.is_none()
+        || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
+        || !request.getattr(intern!(py, "prompt_embeds"))?.is_none())
+}
 
 /// `request.update_block_hashes()` after tokens were appended to `all` (the request's
 /// `_all_token_ids`): every block filled since the last hash is hashed and appended to

@@ -19,7 +19,7 @@ use crate::vllm_v1::engine::{PyEngine, UpdateIo};
 use crate::vllm_v1::manager::PyV1Manager;
 use crate::vllm_v1::output::ModelOutput;
 use pagedkv_core::vllm_v1::block_hash::HashFn;
-use pagedkv_core::vllm_v1::policy::{self, StopRule};
+use pagedkv_core::vllm_v1::policy::{self, Repetition, StopRule};
 use pagedkv_core::vllm_v1::{Mode, Release, Walk};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -33,10 +33,14 @@ pub struct Objects {
     pub preempted: Py<PyAny>,
     pub stopped: Py<PyAny>,
     pub length_capped: Py<PyAny>,
+    pub finished_error: Py<PyAny>,
+    pub finished_repetition: Py<PyAny>,
     /// `RequestStatus.PREEMPTED`'s integer value: statuses above it are finished.
     pub preempted_value: i64,
     pub reason_stop: Py<PyAny>,
     pub reason_length: Py<PyAny>,
+    pub reason_error: Py<PyAny>,
+    pub reason_repetition: Py<PyAny>,
     /// `EngineCoreEventType.SCHEDULED` (`None`: stats off, no request events).
     pub event_scheduled: Option<Py<PyAny>>,
     /// `make_new(request, block_ids, v2) -> NewRequestData` (vLLM's `from_request` for the
@@ -129,6 +133,10 @@ pub struct Fixed {
     pub hash_fn: Option<HashFn>,
     pub rule: StopRule,
     pub client: i64,
+    /// `lora_request.lora_int_id` (`None`: no LoRA).
+    pub lora: Option<i64>,
+    /// `use_structured_output`.
+    pub structured: bool,
     /// `trace_headers` (set at construction, never replaced in scope).
     pub trace_headers: Py<PyAny>,
 }
@@ -138,7 +146,10 @@ impl Fixed {
         let py = request.py();
         let hasher = request.getattr(intern!(py, "_block_hasher"))?;
         let hashing = !hasher.is_none();
-        let hash_fn = if hashing {
+        let lora = request.getattr(intern!(py, "lora_request"))?;
+        // Extra keys past the first block (LoRA, multimodal inputs, prompt embeddings): the
+        // native encoding does not apply, vLLM's hasher runs.
+        let hash_fn = if hashing && !crate::vllm_v1::hash::extra_keys_past_first_block(request)? {
             let name = objs.hash_name_of.bind(py).call1((&hasher,))?;
             match name.is_none() {
                 true => None,
@@ -172,6 +183,13 @@ impl Fixed {
             hash_fn,
             rule: stop_rule(request)?,
             client: request.getattr(intern!(py, "client_index"))?.extract()?,
+            lora: match lora.is_none() {
+                true => None,
+                false => Some(lora.getattr(intern!(py, "lora_int_id"))?.extract()?),
+            },
+            structured: !request
+                .getattr(intern!(py, "structured_output_request"))?
+                .is_none(),
             trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
         })
     }
@@ -251,8 +269,12 @@ impl PyV1Loop {
             preempted: item(d, "PREEMPTED")?.unbind(),
             stopped: item(d, "FINISHED_STOPPED")?.unbind(),
             length_capped: item(d, "FINISHED_LENGTH_CAPPED")?.unbind(),
+            finished_error: item(d, "FINISHED_ERROR")?.unbind(),
+            finished_repetition: item(d, "FINISHED_REPETITION")?.unbind(),
             reason_stop: item(d, "reason_stop")?.unbind(),
             reason_length: item(d, "reason_length")?.unbind(),
+            reason_error: item(d, "reason_error")?.unbind(),
+            reason_repetition: item(d, "reason_repetition")?.unbind(),
             event_scheduled: (!event.is_none()).then(|| event.unbind()),
             make_new: item(d, "make_new")?.unbind(),
             priority: item(d, "PRIORITY")?.unbind(),
@@ -328,6 +350,7 @@ fn stop_rule(request: &Bound<'_, PyAny>) -> PyResult<StopRule> {
     let params = request.getattr(intern!(py, "sampling_params"))?;
     let eos = params.getattr(intern!(py, "eos_token_id"))?;
     let stops = params.getattr(intern!(py, "stop_token_ids"))?;
+    let rep = params.getattr(intern!(py, "repetition_detection"))?;
     Ok(StopRule {
         eos_token_id: if eos.is_none() {
             None
@@ -340,6 +363,23 @@ fn stop_rule(request: &Bound<'_, PyAny>) -> PyResult<StopRule> {
             stops.extract()?
         },
         max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+        min_tokens: get_u64(&params, intern!(py, "min_tokens"))?,
+        repetition: match rep.is_none() {
+            true => None,
+            false => Some(repetition(&rep)?),
+        },
+    })
+}
+
+/// `RepetitionDetectionParams` (a request whose fields do not fit i64 stays vLLM's:
+/// `pagedkv.vllm_v1._scope.request_out_of_scope`).
+fn repetition(rep: &Bound<'_, PyAny>) -> PyResult<Repetition> {
+    let field = |name: &Bound<'_, PyString>| -> PyResult<i64> { rep.getattr(name)?.extract() };
+    let py = rep.py();
+    Ok(Repetition {
+        min_pattern_size: field(intern!(py, "min_pattern_size"))?,
+        max_pattern_size: field(intern!(py, "max_pattern_size"))?,
+        min_count: field(intern!(py, "min_count"))?,
     })
 }
 

@@ -10,9 +10,11 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
 
-/// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total)` where
-/// `cached` is `(req_ids, resumed_req_ids, all_token_ids, new_block_ids,
-/// num_computed_tokens, num_output_tokens)`; also `prev_step_scheduled_req_ids` (v1 runner).
+/// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total,
+/// has_structured_output_requests)` where `cached` is `(req_ids, resumed_req_ids,
+/// all_token_ids, new_block_ids, num_computed_tokens, num_output_tokens)` (the last element is
+/// false here; [`mark_structured_output`] sets it); also `prev_step_scheduled_req_ids` (v1
+/// runner).
 pub fn scheduler_output<'py>(
     e: &PyEngine<'_, 'py>,
     step: &Step<PyReq<'py>>,
@@ -49,7 +51,55 @@ pub fn scheduler_output<'py>(
             prev.add(r.req.f.id.bind(py))?;
         }
     }
-    (out, cached, scheduled, step.total).into_pyobject(py)
+    (out, cached, scheduled, step.total, false).into_pyobject(py)
+}
+
+/// `structured_output_manager.accept_tokens(request, tokens)`; a rejection is logged on
+/// vLLM's scheduler logger with vLLM's message (the caller finishes the request with an
+/// error).
+pub fn accept_tokens<'py>(
+    sched: &Bound<'py, PyAny>,
+    request: &Bound<'py, PyAny>,
+    tokens: &Bound<'py, PyList>,
+) -> PyResult<bool> {
+    let py = sched.py();
+    let manager = sched.getattr(intern!(py, "structured_output_manager"))?;
+    let accepted = manager
+        .call_method1(intern!(py, "accept_tokens"), (request, tokens))?
+        .is_truthy()?;
+    if !accepted {
+        let logger = py
+            .import("vllm.v1.core.sched.scheduler")?
+            .getattr("logger")?;
+        let message = "Unexpected: grammar rejected tokens %s for request %s. Terminating request.";
+        let id = request.getattr(intern!(py, "request_id"))?;
+        logger.call_method1("error", (message, tokens, id))?;
+    }
+    Ok(accepted)
+}
+
+/// vLLM's `check_sequence_repetition(request.output_token_ids, repetition_detection)`.
+pub fn check_sequence_repetition(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = request.py();
+    let check = py
+        .import("vllm.v1.core.sched.utils")?
+        .getattr("check_sequence_repetition")?;
+    let outs = request.getattr(intern!(py, "output_token_ids"))?;
+    let params = request
+        .getattr(intern!(py, "sampling_params"))?
+        .getattr(intern!(py, "repetition_detection"))?;
+    check.call1((outs, params))?.is_truthy()
+}
+
+/// The same result with `has_structured_output_requests` true.
+pub fn mark_structured_output<'py>(out: &mut Bound<'py, PyTuple>) -> PyResult<()> {
+    let py = out.py();
+    let mut items: Vec<Bound<'py, PyAny>> = out.iter().collect();
+    if let Some(last) = items.last_mut() {
+        *last = pyo3::types::PyBool::new(py, true).to_owned().into_any();
+    }
+    *out = PyTuple::new(py, items)?;
+    Ok(())
 }
 
 /// `_make_cached_request_data`: running rows, then resumed ones.
@@ -249,10 +299,14 @@ fn output_fields<'py>(
     let mut set: Vec<(usize, Bound<'py, PyAny>)> = Vec::with_capacity(8);
     set.push((shape.request_id, id.clone().into_any()));
     set.push((shape.new_token_ids, f.tokens.into_any()));
-    match f.stop {
-        Some(Stop::Length) => set.push((shape.finish_reason, objs.reason_length.bind(py).clone())),
-        Some(_) => set.push((shape.finish_reason, objs.reason_stop.bind(py).clone())),
-        None => {}
+    if let Some(stop) = f.stop {
+        let reason = match stop {
+            Stop::Length => &objs.reason_length,
+            Stop::Eos | Stop::StopToken(_) => &objs.reason_stop,
+            Stop::Repetition => &objs.reason_repetition,
+            Stop::Error => &objs.reason_error,
+        };
+        set.push((shape.finish_reason, reason.bind(py).clone()));
     }
     if let Some(l) = f.logprobs {
         set.push((shape.new_logprobs, l));
