@@ -9,7 +9,7 @@
 //!   and `running_push` change that list and nothing else.
 //! * `waiting_peek` is the request `waiting_pop` returns next (vLLM's queue order: FCFS or
 //!   PRIORITY, the queue's own).
-//! * `num_tokens` is the request's token count (prompt + outputs; no drafts in scope), and
+//! * `num_tokens` is the request's token count (prompt + outputs, drafts not counted), and
 //!   `append_output_token` grows it and `num_output_tokens` by one.
 //! * Field writes (`set_*`) are seen by the next read of that field.
 //! * The rare events (`preempt`, `free_request`, `prefix_hit`, ...) do what vLLM's methods
@@ -20,7 +20,10 @@
 //! admitted, preempted or finished request; with a LoRA limit, `lora_id` of every running
 //! request once per step; `unblock` once per blocked request the waiting pass reaches;
 //! `repeats` once per appended token of a request with repetition detection (O(its pattern
-//! sizes)); `accept_tokens` once per structured-output row with tokens.
+//! sizes)); `accept_tokens` once per structured-output row with tokens. The encoder calls
+//! (`schedule_encoder_inputs`, `commit_encoder_inputs`, ...) only for requests with
+//! `has_encoder_inputs`: once per such request the running or waiting pass reaches with
+//! tokens, once per such row committed and once per such row updated.
 
 use super::policy::{Limits, Repetition, Stop, StopRule};
 use super::SlotRequest;
@@ -31,7 +34,8 @@ pub enum Release {
     V032,
     /// A PRIORITY request that preempted itself lets the running pass go on (0.32 breaks);
     /// a stop trims the unkept tokens off `num_computed_tokens`; `num_executed_steps` counts
-    /// steps; placeholders resolve by every returned token.
+    /// steps; placeholders resolve by every returned token; a waiting request left no token
+    /// by its encoder inputs is skipped (0.32 ends the waiting pass).
     V033,
 }
 
@@ -70,6 +74,23 @@ pub struct Settings {
     pub runner: Runner,
     /// `lora_config.max_loras` (`None`: no LoRA config, no limit).
     pub max_loras: Option<usize>,
+    /// Speculative decoding (all 0 / false without it).
+    pub spec: SpecSettings,
+}
+
+/// The scheduler's speculative decoding settings (`num_spec_tokens > 0`: drafts are
+/// scheduled; vLLM's static schedule, no per-batch-size draft counts).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SpecSettings {
+    /// `num_spec_tokens`: drafts per request, and the padding of a resumed decode.
+    pub num_spec_tokens: u64,
+    /// `num_lookahead_tokens`: slots `allocate_slots` reserves past the scheduled tokens.
+    pub num_lookahead_tokens: u64,
+    /// `max_num_new_slots_for_drafting`: input budget each scheduled request also takes.
+    pub draft_slots: u64,
+    /// `can_skip_drafts` (0.33): `skip_drafts` is set when no scheduled request can use the
+    /// drafts proposed after the step.
+    pub can_skip_drafts: bool,
 }
 
 /// A request's `status` as the walk distinguishes it.
@@ -90,6 +111,16 @@ impl Status {
     pub fn waiting_or_preempted(self) -> bool {
         matches!(self, Status::Waiting | Status::Preempted)
     }
+}
+
+/// The structured-output flags `_update_after_schedule` sets on the `SchedulerOutput`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StructuredFlags {
+    /// `has_structured_output_requests`: a structured-output row past its prefill.
+    pub has_requests: bool,
+    /// `pending_structured_output_tokens` (`AsyncScheduler`): such a row whose earlier
+    /// output is still in flight (placeholders before this step's).
+    pub pending_tokens: bool,
 }
 
 /// What `schedule()` reads of the scheduler before it writes anything.
@@ -115,6 +146,21 @@ pub struct Row<R> {
     pub num_computed_tokens: u64,
     pub num_tokens: u64,
     pub placeholders: u64,
+    /// Draft tokens scheduled with the row (`scheduled_spec_decode_tokens`, padding
+    /// included).
+    pub drafts: u64,
+}
+
+/// A row `update_from_output` walks: the request, its scheduled tokens and drafts.
+pub type ScheduledRow<R> = (R, u64, u64);
+
+/// A row's entry in `scheduled_spec_decode_tokens`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Drafts {
+    /// The first `k` of the request's proposed `spec_token_ids` (0: none scheduled).
+    Proposed(u64),
+    /// `k` placeholder ids (`-1`): a resumed decode padded to a uniform spec decode.
+    Padding(u64),
 }
 
 /// One `schedule()`'s rows: the running pass's rows first, then the admitted ones.
@@ -124,6 +170,19 @@ pub struct Step<R> {
     pub num_running_rows: usize,
     pub total: u64,
     pub runner: Runner,
+    /// `skip_drafts`: no scheduled request can use the drafts proposed after this step.
+    pub skip_drafts: bool,
+}
+
+/// What `_try_schedule_encoder_inputs` decided for one request this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncoderPlan {
+    /// The tokens the request may take (capped before an encoder input that does not fit).
+    pub tokens: u64,
+    /// The encoder compute budget left if the row is committed.
+    pub budget: u64,
+    /// Some encoder input is to be computed this step (`encoder_inputs_to_schedule`).
+    pub scheduled: bool,
 }
 
 /// The engine the walk runs over. Every method may fail with the engine's error (a Python
@@ -191,6 +250,11 @@ pub trait Engine {
     /// its (empty) draft placeholders and, with the v2 runner, `next_decode_eligible_step`.
     fn set_async_decode(&mut self, r: &Self::Req, eligible: Option<u64>)
         -> Result<(), Self::Error>;
+    /// `len(spec_token_ids)`: the drafts proposed for the request (read with speculative
+    /// decoding only).
+    fn num_drafts(&self, r: &Self::Req) -> Result<u64, Self::Error>;
+    /// `is_prefill_chunk` (read with speculative decoding only).
+    fn is_prefill_chunk(&self, r: &Self::Req) -> Result<bool, Self::Error>;
     /// `lora_request.lora_int_id` (`None`: no LoRA).
     fn lora_id(&self, r: &Self::Req) -> Option<i64>;
     /// `use_structured_output`.
@@ -204,6 +268,21 @@ pub trait Engine {
     /// `check_sequence_repetition(output_token_ids, repetition_detection)` (the rule is
     /// `policy::has_repetition`).
     fn repeats(&mut self, r: &Self::Req, rep: &Repetition) -> Result<bool, Self::Error>;
+    /// A scheduled row's drafts: `Proposed(k)` puts the first `k` proposed drafts (if any) into
+    /// `scheduled_spec_decode_tokens` and empties the request's `spec_token_ids`; `Padding`
+    /// puts placeholders there.
+    fn schedule_drafts(&mut self, r: &Self::Req, d: Drafts) -> Result<(), Self::Error>;
+    /// A PRIORITY preemption took back a row scheduled this step: its drafts leave
+    /// `scheduled_spec_decode_tokens`.
+    fn unschedule_drafts(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+    /// `update_from_output` for a row with drafts: `make_spec_decoding_stats` and the
+    /// request's `spec_decode_metrics`.
+    fn record_drafts(
+        &mut self,
+        r: &Self::Req,
+        drafts: u64,
+        accepted: u64,
+    ) -> Result<(), Self::Error>;
     /// `structured_output_manager.accept_tokens(request, kept_tokens)`: false when the
     /// grammar rejects them.
     fn accept_tokens(&mut self, r: &Self::Req, s: &Self::Sampled) -> Result<bool, Self::Error>;
@@ -234,15 +313,44 @@ pub trait Engine {
     fn cache_blocks(&mut self, r: &Self::Req, num_tokens: u64) -> Result<(), Self::Error>;
     fn block_table(&self, r: &Self::Req) -> Result<Vec<u32>, Self::Error>;
 
+    // Multimodal encoder inputs: called only for requests with `has_encoder_inputs`.
+    /// `has_encoder_inputs` (fixed at construction: the request has multimodal inputs).
+    fn has_encoder_inputs(&self, r: &Self::Req) -> bool;
+    /// `max_num_encoder_input_tokens`: the encoder compute budget a step starts with.
+    fn encoder_budget(&mut self) -> Result<u64, Self::Error>;
+    /// `_try_schedule_encoder_inputs(r, num_computed, n, budget)`. The engine keeps the chosen
+    /// inputs until [`Engine::commit_encoder_inputs`] for `r` (the next call replaces them).
+    fn schedule_encoder_inputs(
+        &mut self,
+        r: &Self::Req,
+        num_computed: u64,
+        n: u64,
+        budget: u64,
+    ) -> Result<EncoderPlan, Self::Error>;
+    /// The row of the last plan (one that scheduled inputs) is committed: its inputs join
+    /// the step's `scheduled_encoder_inputs` and `_allocate_encoder_inputs` runs.
+    fn commit_encoder_inputs(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+    /// A PRIORITY preemption took back a committed row: out of `scheduled_encoder_inputs`.
+    fn drop_encoder_inputs(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+    /// `encoder_cache_manager.free(r)`: an admission whose blocks did not fit.
+    fn free_encoder_cache(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+    /// `_free_encoder_inputs(r)`: `update_from_output` frees the inputs the step consumed.
+    fn free_encoder_inputs(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+
     // What leaves the scheduler.
     /// The step's output, built before `_update_after_schedule` writes the requests.
     fn scheduler_output(&mut self, step: &Step<Self::Req>) -> Result<Self::Scheduled, Self::Error>;
-    /// `_update_after_schedule` found a structured-output row past its prefill: the output's
-    /// `has_structured_output_requests` becomes true.
-    fn mark_structured_output(&mut self, out: &mut Self::Scheduled) -> Result<(), Self::Error>;
-    /// The rows `update_from_output` walks: `(request, num_scheduled_tokens)` in the
-    /// scheduler output's order, requests no longer in the scheduler left out.
-    fn scheduled_rows(&mut self) -> Result<Vec<(Self::Req, u64)>, Self::Error>;
+    /// `_update_after_schedule` found structured-output rows: the output's flags become
+    /// those of `s` (called only when one is set).
+    fn mark_structured_output(
+        &mut self,
+        out: &mut Self::Scheduled,
+        s: StructuredFlags,
+    ) -> Result<(), Self::Error>;
+    /// The rows `update_from_output` walks: `(request, num_scheduled_tokens, num_drafts)` in
+    /// the scheduler output's order (`num_drafts`: its `scheduled_spec_decode_tokens`),
+    /// requests no longer in the scheduler left out.
+    fn scheduled_rows(&mut self) -> Result<Vec<ScheduledRow<Self::Req>>, Self::Error>;
     /// The model runner's sampled tokens for the row (an error when it has none).
     fn sampled(&mut self, r: &Self::Req) -> Result<Self::Sampled, Self::Error>;
     fn sampled_len(&self, s: &Self::Sampled) -> usize;

@@ -9,6 +9,7 @@
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
 //! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
 //!   [`Mode`] (release, async) it runs in;
+//! * [`spec_stats`]: the step's speculative decoding stats (`SpecDecodingStats`), tallied;
 //! * [`walk`]: vLLM v1's `schedule()` and `update_from_output()`, generic over [`Engine`].
 
 pub mod block_hash;
@@ -17,6 +18,7 @@ pub mod free_queue;
 pub mod manager;
 pub mod policy;
 pub mod pool;
+pub mod spec_stats;
 pub mod walk;
 
 #[cfg(test)]

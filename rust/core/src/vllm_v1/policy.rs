@@ -22,27 +22,36 @@ pub struct Limits {
     pub sampled_per_step: u64,
 }
 
-/// The step's two budgets: `token_budget` and `input_budget` (no draft slots in scope).
+/// The step's two budgets: `token_budget` and `input_budget`, and the draft slots every
+/// scheduled request also takes of the input budget (`max_num_new_slots_for_drafting` of the
+/// speculative config; 0 without one).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Budget {
     pub tokens: u64,
     pub input: u64,
+    pub draft_slots: u64,
 }
 
 impl Budget {
-    /// What one request may take: `min(token_budget, input_budget)`.
+    /// What one request may take: `min(token_budget, input_budget - draft_slots)`.
     pub fn room(&self) -> u64 {
-        self.tokens.min(self.input)
+        self.tokens.min(self.input.saturating_sub(self.draft_slots))
     }
 
+    /// Whether a pass may look at another request: input room past the draft slots.
+    pub fn has_input(&self) -> bool {
+        self.input > self.draft_slots
+    }
+
+    /// A scheduled request takes `n` tokens, and its draft slots of the input budget.
     pub fn take(&mut self, n: u64) {
         self.tokens -= n;
-        self.input -= n;
+        self.input -= n + self.draft_slots;
     }
 
     pub fn give_back(&mut self, n: u64) {
         self.tokens += n;
-        self.input += n;
+        self.input += n + self.draft_slots;
     }
 }
 
@@ -94,24 +103,54 @@ pub fn running_tokens(lim: &Limits, row: &RunningRow, threshold: u64, budget: &B
 }
 
 /// Tokens the waiting loop schedules for a request with `num_tokens` tokens of which
-/// `num_computed` are computed (prefix hit or none); `None` ends the waiting loop (chunked
-/// prefill off and the request does not fit the budget).
+/// `num_computed` are computed (prefix hit or none), and whether they were padded to a
+/// uniform speculative decode (`pad`: `1 + num_spec_tokens` where vLLM pads this request: a
+/// single token left, see the walk); `None` ends the waiting loop (chunked prefill off and the
+/// request does not fit the budget, or a padded decode that does not fit).
 pub fn waiting_tokens(
     lim: &Limits,
     num_tokens: u64,
     num_computed: u64,
     threshold: u64,
     budget: &Budget,
-) -> Option<u64> {
+    pad: Option<u64>,
+) -> Option<(u64, bool)> {
     let mut n = num_tokens.saturating_sub(num_computed);
+    let room = budget.room();
+    let mut padded = false;
+    if let (Some(p), 1) = (pad, n) {
+        // Only where the sampled token(s) still fit; a padded decode is not cut short.
+        if num_computed + p + lim.sampled_per_step <= lim.max_model_len {
+            if p > room {
+                return None;
+            }
+            (n, padded) = (p, true);
+        }
+    }
     if threshold > 0 && threshold < n {
         n = threshold;
     }
-    let room = budget.room();
     if !lim.chunked_prefill && n > room {
         return None;
     }
-    Some(n.min(room))
+    Some((n.min(room), padded))
+}
+
+/// vLLM's `_drafts_unused`: the drafts proposed after this step are sure to go unused (a
+/// non-final prefill chunk samples nothing; a step that samples the last output token
+/// finishes the request even if every draft is rejected).
+pub fn drafts_unused(
+    num_computed: u64,
+    num_new: u64,
+    num_tokens: u64,
+    num_output_tokens: u64,
+    has_placeholders: bool,
+    max_tokens: u64,
+) -> bool {
+    if num_computed + num_new < num_tokens {
+        return true;
+    }
+    num_output_tokens + 1 + u64::from(has_placeholders) >= max_tokens
 }
 
 /// The running request a PRIORITY preemption takes: the first maximum of `(priority,
@@ -290,6 +329,7 @@ mod tests {
         Budget {
             tokens: n,
             input: n,
+            draft_slots: 0,
         }
     }
 
@@ -348,11 +388,70 @@ mod tests {
     #[test]
     fn waiting_request_breaks_without_chunking_only_when_over_budget() {
         let mut l = lim();
-        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(8)), Some(8));
+        assert_eq!(
+            waiting_tokens(&l, 40, 16, 0, &budget(8), None),
+            Some((8, false))
+        );
         l.chunked_prefill = false;
-        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(8)), None);
-        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(24)), Some(24));
-        assert_eq!(waiting_tokens(&l, 40, 16, 4, &budget(8)), Some(4));
+        assert_eq!(waiting_tokens(&l, 40, 16, 0, &budget(8), None), None);
+        assert_eq!(
+            waiting_tokens(&l, 40, 16, 0, &budget(24), None),
+            Some((24, false))
+        );
+        assert_eq!(
+            waiting_tokens(&l, 40, 16, 4, &budget(8), None),
+            Some((4, false))
+        );
+    }
+
+    #[test]
+    fn draft_slots_take_their_share_of_the_input_budget() {
+        let mut b = Budget {
+            tokens: 100,
+            input: 20,
+            draft_slots: 3,
+        };
+        assert_eq!(b.room(), 17);
+        b.take(5);
+        assert_eq!((b.tokens, b.input), (95, 12));
+        b.take(9);
+        assert_eq!((b.input, b.has_input()), (0, false));
+        b.give_back(9);
+        assert_eq!((b.tokens, b.input, b.room()), (95, 12, 9));
+        let edge = Budget { input: 3, ..b };
+        assert!(!edge.has_input() && edge.room() == 0);
+    }
+
+    #[test]
+    fn a_single_decode_token_is_padded_to_a_uniform_spec_decode() {
+        let l = lim();
+        // One token left (a resumed decode): padded to 1 + 3 drafts.
+        assert_eq!(
+            waiting_tokens(&l, 10, 9, 0, &budget(8), Some(4)),
+            Some((4, true))
+        );
+        // Padding that does not fit the budget ends the pass instead of going unpadded.
+        assert_eq!(waiting_tokens(&l, 10, 9, 0, &budget(3), Some(4)), None);
+        // More than one token left, or no room for the sampled token: not padded.
+        assert_eq!(
+            waiting_tokens(&l, 10, 8, 0, &budget(8), Some(4)),
+            Some((2, false))
+        );
+        let mut short = lim();
+        short.max_model_len = 13;
+        assert_eq!(
+            waiting_tokens(&short, 10, 9, 0, &budget(8), Some(4)),
+            Some((1, false))
+        );
+    }
+
+    #[test]
+    fn drafts_go_unused_after_a_chunk_or_the_last_token() {
+        assert!(drafts_unused(0, 8, 10, 0, false, 100)); // a non-final chunk
+        assert!(!drafts_unused(8, 2, 10, 0, false, 100)); // the prefill's end: drafts verify
+        assert!(drafts_unused(9, 1, 10, 4, false, 5)); // samples the last output token
+        assert!(!drafts_unused(9, 1, 10, 3, false, 5));
+        assert!(drafts_unused(9, 1, 10, 3, true, 5)); // a step in flight adds one more
     }
 
     #[test]

@@ -7,11 +7,25 @@
 //! Sources: `vllm/v1/core/sched/scheduler.py` and `async_scheduler.py` (0.32, 0.33). Cost per
 //! step: O(scheduled requests) engine calls, plus O(running) per PRIORITY preemption.
 
-use super::engine::{Engine, Mode, Release, Row, Runner, Settings, Status, Step};
+use super::engine::{
+    Drafts, Engine, Mode, Release, Row, Runner, Settings, Status, Step, StructuredFlags,
+};
 use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
 use crate::Error;
 use std::collections::HashSet;
+
+mod drafts;
+mod encoder;
+
+/// What the waiting pass does with the head of `waiting`.
+enum Admit {
+    Scheduled,
+    /// Nothing more is admitted this step.
+    Full,
+    /// Skipped this step (deferred), the pass goes on.
+    Skip,
+}
 
 /// A running request's allocation: its new block ids (`None`: it was preempted itself) and
 /// whether anything was preempted for it.
@@ -25,12 +39,27 @@ pub struct Walk<'e, E: Engine> {
     e: &'e mut E,
     mode: Mode,
     set: Settings,
+    /// `schedule()`'s flags: a scheduled request can use the drafts proposed after the step
+    /// (`not skip_drafts`); a running row was a prefill chunk (no draft padding then).
+    drafts_needed: bool,
+    prefill_scheduled: bool,
+    /// Rows the running pass scheduled (`scheduled_running_reqs`).
+    running_rows: usize,
+    enc: encoder::EncoderStep<E::Req>,
 }
 
 impl<'e, E: Engine> Walk<'e, E> {
     pub fn new(e: &'e mut E, mode: Mode) -> Result<Self, E::Error> {
         let set = e.settings()?;
-        Ok(Walk { e, mode, set })
+        Ok(Walk {
+            e,
+            mode,
+            drafts_needed: !set.spec.can_skip_drafts,
+            prefill_scheduled: false,
+            running_rows: 0,
+            set,
+            enc: encoder::EncoderStep::new(),
+        })
     }
 
     fn invalid(&self, what: &str) -> E::Error {
@@ -46,12 +75,14 @@ impl<'e, E: Engine> Walk<'e, E> {
         let mut budget = Budget {
             tokens: self.set.max_num_scheduled_tokens,
             input: self.set.max_num_batched_tokens,
+            draft_slots: self.set.spec.draft_slots,
         };
         let threshold =
             policy::long_prefill_threshold(&self.set.limits, start.num_eligible, budget.input);
         let mut rows = Vec::with_capacity(self.e.running_len());
         let preempted = self.running_pass(step, threshold, &mut budget, &mut rows)?;
         let num_running_rows = rows.len();
+        self.running_rows = num_running_rows;
         if !preempted {
             self.waiting_pass(threshold, &mut budget, &mut rows)?;
         }
@@ -67,10 +98,12 @@ impl<'e, E: Engine> Walk<'e, E> {
             num_running_rows,
             total,
             runner: self.set.runner,
+            skip_drafts: !self.drafts_needed,
         };
         let mut scheduled = self.e.scheduler_output(&out)?;
-        if self.update_after_schedule(step, &out.rows)? {
-            self.e.mark_structured_output(&mut scheduled)?;
+        let flags = self.update_after_schedule(step, &out.rows)?;
+        if flags != StructuredFlags::default() {
+            self.e.mark_structured_output(&mut scheduled, flags)?;
         }
         Ok(scheduled)
     }
@@ -87,9 +120,9 @@ impl<'e, E: Engine> Walk<'e, E> {
     ) -> Result<bool, E::Error> {
         let mut preempted_any = false;
         let mut i = 0;
-        while i < self.e.running_len() && budget.tokens > 0 && budget.input > 0 {
+        while i < self.e.running_len() && budget.tokens > 0 && budget.has_input() {
             let req = self.e.running_at(i)?;
-            let row = self.running_row(&req)?;
+            let (row, num_tokens) = self.running_row(&req)?;
             let mut n = policy::running_tokens(&self.set.limits, &row, threshold, budget);
             if n > 0 && self.set.runner == Runner::V2 {
                 // The v2 runner's pipeline stagger: `current_step < next_decode_eligible_step`.
@@ -97,15 +130,17 @@ impl<'e, E: Engine> Walk<'e, E> {
                     n = 0;
                 }
             }
+            n = self.encoder_tokens(&req, row.num_computed_tokens, n)?;
             if n == 0 {
                 i += 1;
                 continue;
             }
             let slots = SlotRequest {
                 num_computed_tokens: row.num_computed_tokens,
-                num_tokens: row.num_tokens_with_spec,
+                num_tokens,
                 waiting_or_preempted: self.e.status(&req)?.waiting_or_preempted(),
                 num_new_tokens: n,
+                num_lookahead_tokens: self.set.spec.num_lookahead_tokens,
                 has_scheduled_reqs: true,
                 ..SlotRequest::default()
             };
@@ -120,14 +155,17 @@ impl<'e, E: Engine> Walk<'e, E> {
                 break;
             };
             budget.take(n);
+            let drafts = self.running_row_drafts(&req, &row, num_tokens, n)?;
+            self.commit_encoder(&req)?;
             rows.push(Row {
                 req,
                 tokens: n,
                 blocks: (!ids.is_empty()).then_some(ids),
                 resumed: false,
                 num_computed_tokens: row.num_computed_tokens,
-                num_tokens: row.num_tokens_with_spec,
+                num_tokens,
                 placeholders: row.num_output_placeholders,
+                drafts,
             });
             i += 1;
         }
@@ -164,15 +202,21 @@ impl<'e, E: Engine> Walk<'e, E> {
         }
     }
 
-    fn running_row(&mut self, req: &E::Req) -> Result<RunningRow, E::Error> {
-        Ok(RunningRow {
+    /// The running request's fields the rules read, and its `num_tokens` (without drafts).
+    fn running_row(&mut self, req: &E::Req) -> Result<(RunningRow, u64), E::Error> {
+        let num_tokens = self.e.num_tokens(req);
+        let proposed = match self.set.spec.num_spec_tokens {
+            0 => 0,
+            _ => self.e.num_drafts(req)?,
+        };
+        let row = RunningRow {
             num_computed_tokens: self.e.num_computed_tokens(req)?,
-            // No drafts in scope: `num_tokens_with_spec` is `num_tokens`.
-            num_tokens_with_spec: self.e.num_tokens(req),
+            num_tokens_with_spec: num_tokens + proposed,
             num_output_placeholders: self.placeholders(req)?,
             num_prompt_tokens: self.e.num_prompt_tokens(req),
             max_tokens: self.e.max_tokens(req),
-        })
+        };
+        Ok((row, num_tokens))
     }
 
     /// `num_output_placeholders`: only vLLM's `AsyncScheduler` adds any.
@@ -206,7 +250,12 @@ impl<'e, E: Engine> Walk<'e, E> {
             *i -= 1;
         }
         if let Some(k) = rows.iter().position(|r| r.req == victim) {
-            budget.give_back(rows.remove(k).tokens);
+            let taken = rows.remove(k);
+            budget.give_back(taken.tokens);
+            if self.set.spec.num_spec_tokens > 0 {
+                self.e.unschedule_drafts(&victim)?;
+            }
+            self.encoder_give_back(&victim)?;
         }
         Ok(victim)
     }
@@ -220,23 +269,28 @@ impl<'e, E: Engine> Walk<'e, E> {
         rows: &mut Vec<Row<E::Req>>,
     ) -> Result<(), E::Error> {
         let mut skipped = Vec::new();
-        let mut loras = self.running_loras()?;
+        let mut loras = self.running_loras(rows)?;
         while budget.tokens > 0 {
-            if self.e.waiting_len()? == 0 || budget.input == 0 {
+            if self.e.waiting_len()? == 0 || !budget.has_input() {
                 break;
             }
             if self.e.running_len() >= self.set.max_num_active_reqs {
                 break;
             }
             let req = self.e.waiting_peek()?;
-            if self.must_skip(&req, loras.as_ref())? {
-                let r = self.e.waiting_pop()?;
-                self.e.deferred_add(&r)?;
-                skipped.insert(0, r);
-                continue;
-            }
-            if !self.admit(&req, threshold, budget, rows)? {
-                break;
+            let admitted = match self.must_skip(&req, loras.as_ref())? {
+                true => Admit::Skip,
+                false => self.admit(&req, threshold, budget, rows)?,
+            };
+            match admitted {
+                Admit::Scheduled => {}
+                Admit::Full => break,
+                Admit::Skip => {
+                    let r = self.e.waiting_pop()?;
+                    self.e.deferred_add(&r)?;
+                    skipped.insert(0, r);
+                    continue;
+                }
             }
             if let (Some(set), Some(id)) = (loras.as_mut(), self.e.lora_id(&req)) {
                 set.insert(id);
@@ -266,32 +320,35 @@ impl<'e, E: Engine> Walk<'e, E> {
         })
     }
 
-    /// With a LoRA limit: the adapters of the running requests (ids above 0), which the
+    /// With a LoRA limit: the adapters (ids above 0) of the running requests (0.33: all of
+    /// `running`, scheduled this step or not; 0.32: the running pass's rows), which the
     /// waiting pass grows by each admitted request's adapter.
-    fn running_loras(&mut self) -> Result<Option<HashSet<i64>>, E::Error> {
+    fn running_loras(&mut self, rows: &[Row<E::Req>]) -> Result<Option<HashSet<i64>>, E::Error> {
         if self.set.max_loras.is_none() {
             return Ok(None);
         }
-        let mut set = HashSet::new();
-        for i in 0..self.e.running_len() {
-            let r = self.e.running_at(i)?;
-            match self.e.lora_id(&r) {
-                Some(id) if id > 0 => set.insert(id),
-                _ => false,
-            };
-        }
-        Ok(Some(set))
+        let running = match self.mode.release {
+            Release::V033 => (0..self.e.running_len())
+                .map(|i| self.e.running_at(i))
+                .collect::<Result<Vec<_>, _>>()?,
+            Release::V032 => rows[..self.running_rows]
+                .iter()
+                .map(|r| r.req.clone())
+                .collect(),
+        };
+        let ids = running.iter().filter_map(|r| self.e.lora_id(r));
+        Ok(Some(ids.filter(|&id| id > 0).collect()))
     }
 
     /// Admit the head of `waiting` (a prefix lookup when nothing is computed, then
-    /// `allocate_slots`); false ends the waiting pass.
+    /// `allocate_slots`); a request whose encoder inputs leave it no token is skipped.
     fn admit(
         &mut self,
         req: &E::Req,
         threshold: u64,
         budget: &mut Budget,
         rows: &mut Vec<Row<E::Req>>,
-    ) -> Result<bool, E::Error> {
+    ) -> Result<Admit, E::Error> {
         let computed_before = self.e.num_computed_tokens(req)?;
         let lookup = computed_before == 0;
         let (hit, num_local) = match lookup {
@@ -301,12 +358,23 @@ impl<'e, E: Engine> Walk<'e, E> {
         let num_computed = if lookup { num_local } else { computed_before };
         let num_tokens = self.e.num_tokens(req);
         let lim = &self.set.limits;
-        let Some(n) = policy::waiting_tokens(lim, num_tokens, num_computed, threshold, budget)
+        let pad = self.draft_padding(num_computed);
+        let Some((n, padded)) =
+            policy::waiting_tokens(lim, num_tokens, num_computed, threshold, budget, pad)
         else {
-            return Ok(false);
+            return Ok(Admit::Full);
         };
         if n == 0 {
             return Err(self.invalid("a waiting request with nothing to schedule"));
+        }
+        let n = self.encoder_tokens(req, num_computed, n)?;
+        if n == 0 {
+            // No token before an encoder input that does not fit: 0.33 skips the request,
+            // 0.32 ends the waiting pass.
+            return Ok(match self.mode.release {
+                Release::V033 => Admit::Skip,
+                Release::V032 => Admit::Full,
+            });
         }
         let status = self.e.status(req)?;
         let slots = SlotRequest {
@@ -316,29 +384,36 @@ impl<'e, E: Engine> Walk<'e, E> {
             num_new_tokens: n,
             num_new_computed_tokens: num_local,
             new_computed: hit.as_deref(),
+            num_lookahead_tokens: self.set.spec.num_lookahead_tokens,
             full_sequence_must_fit: self.set.reserve_full_isl,
             has_scheduled_reqs: self.e.running_len() > 0,
             ..SlotRequest::default()
         };
         if self.e.allocate(req, &slots)?.is_none() {
-            return Ok(false);
+            self.encoder_unfit(req)?;
+            return Ok(Admit::Full);
         }
         if lookup {
             self.e.record_prefix_cache_stats(req, num_local)?;
         }
-        self.start_running(req, n, num_computed, budget, rows)?;
-        Ok(true)
+        let drafts = match padded {
+            true => self.set.spec.num_spec_tokens,
+            false => 0,
+        };
+        self.start_running(req, (n, drafts), num_computed, budget, rows)?;
+        Ok(Admit::Scheduled)
     }
 
-    /// The admitted request leaves `waiting` for `running` with its whole block table.
+    /// `scheduled`: the tokens and the padding drafts (0: not padded).
     fn start_running(
         &mut self,
         peeked: &E::Req,
-        n: u64,
+        scheduled: (u64, u64),
         num_computed: u64,
         budget: &mut Budget,
         rows: &mut Vec<Row<E::Req>>,
     ) -> Result<(), E::Error> {
+        let (n, drafts) = scheduled;
         let req = self.e.waiting_pop()?;
         debug_assert!(req == *peeked);
         self.e.deferred_discard(&req)?;
@@ -354,6 +429,13 @@ impl<'e, E: Engine> Walk<'e, E> {
             self.e.inflight_prefills_add(&req)?;
         }
         let placeholders = self.placeholders(&req)?;
+        if self.set.spec.num_spec_tokens > 0 {
+            self.note_drafts_needed(&req, num_computed, n, num_tokens, placeholders)?;
+        }
+        if drafts > 0 {
+            self.e.schedule_drafts(&req, Drafts::Padding(drafts))?;
+        }
+        self.commit_encoder(&req)?;
         rows.push(Row {
             req,
             tokens: n,
@@ -362,17 +444,21 @@ impl<'e, E: Engine> Walk<'e, E> {
             num_computed_tokens: num_computed,
             num_tokens,
             placeholders,
+            drafts,
         });
         Ok(())
     }
 
     /// `_update_after_schedule`: each row advances by its tokens; under `AsyncScheduler` a
     /// row that completes its prefill (or decodes) gets an output placeholder.
-    /// Returns whether a structured-output row completed its prefill or decodes
-    /// (`has_structured_output_requests`).
-    fn update_after_schedule(&mut self, step: u64, rows: &[Row<E::Req>]) -> Result<bool, E::Error> {
+    /// Returns the output's structured-output flags.
+    fn update_after_schedule(
+        &mut self,
+        step: u64,
+        rows: &[Row<E::Req>],
+    ) -> Result<StructuredFlags, E::Error> {
         let any_inflight = self.e.inflight_prefills_len()? > 0;
-        let mut structured = false;
+        let mut flags = StructuredFlags::default();
         let eligible = match self.set.runner {
             Runner::V2 => Some(step + self.mode.decode_stagger),
             Runner::V1 => None,
@@ -384,17 +470,20 @@ impl<'e, E: Engine> Walk<'e, E> {
             self.e.set_num_in_flight_tokens(&r.req, in_flight)?;
             let chunk = computed < r.num_tokens + r.placeholders;
             self.e.set_is_prefill_chunk(&r.req, chunk)?;
-            structured |= !chunk && self.e.uses_structured_output(&r.req);
+            if !chunk && self.e.uses_structured_output(&r.req) {
+                flags.has_requests = true;
+                flags.pending_tokens |= self.mode.asynchronous && r.placeholders > 0;
+            }
             if !chunk && any_inflight {
                 self.e.inflight_prefills_discard(&r.req)?;
             }
             if self.mode.asynchronous && !chunk {
-                self.e
-                    .set_num_output_placeholders(&r.req, r.placeholders + 1)?;
+                let placeholders = r.placeholders + 1 + r.drafts;
+                self.e.set_num_output_placeholders(&r.req, placeholders)?;
                 self.e.set_async_decode(&r.req, eligible)?;
             }
         }
-        Ok(structured)
+        Ok(flags)
     }
 
     /// `Scheduler.update_from_output()`: each scheduled row takes its sampled tokens; the
@@ -402,8 +491,8 @@ impl<'e, E: Engine> Walk<'e, E> {
     pub fn update_from_output(mut self) -> Result<(), E::Error> {
         let mut stopped_running = Vec::new();
         let mut stopped_other = Vec::new();
-        for (req, n) in self.e.scheduled_rows()? {
-            match self.update_row(&req, n)? {
+        for (req, n, drafts) in self.e.scheduled_rows()? {
+            match self.update_row(&req, n, drafts)? {
                 Some(true) => stopped_running.push(req),
                 Some(false) => stopped_other.push(req),
                 None => {}
@@ -413,7 +502,7 @@ impl<'e, E: Engine> Walk<'e, E> {
     }
 
     /// One row of `update_from_output`; `Some(was_running)` when the request stopped.
-    fn update_row(&mut self, req: &E::Req, n: u64) -> Result<Option<bool>, E::Error> {
+    fn update_row(&mut self, req: &E::Req, n: u64, drafts: u64) -> Result<Option<bool>, E::Error> {
         let in_flight = self.e.num_in_flight_tokens(req)?;
         self.e
             .set_num_in_flight_tokens(req, in_flight.saturating_sub(n))?;
@@ -430,7 +519,11 @@ impl<'e, E: Engine> Walk<'e, E> {
             return Ok(None);
         }
         let mut sampled = self.e.sampled(req)?;
+        self.encoder_done(req)?;
         let returned = self.e.sampled_len(&sampled);
+        if drafts > 0 && returned > 0 {
+            self.reject_drafts(req, drafts, returned as u64, stale)?;
+        }
         let mut stop = None;
         if returned > 0 {
             stop = self.update_request_with_output(req, &mut sampled, stale)?;
@@ -503,17 +596,19 @@ impl<'e, E: Engine> Walk<'e, E> {
         returned: usize,
         kept: usize,
     ) -> Result<(), E::Error> {
-        if !self.mode.asynchronous {
+        let spec_033 = self.set.spec.num_spec_tokens > 0 && self.mode.release == Release::V033;
+        if !self.mode.asynchronous && !spec_033 {
             return Ok(());
         }
-        let before = self.e.num_output_placeholders(req)?;
+        let before = self.placeholders(req)?;
         let cache_upto = match self.mode.release {
             Release::V033 => {
                 if !stale && before > 0 {
                     let left = before.saturating_sub(returned as u64);
                     self.e.set_num_output_placeholders(req, left)?;
                 }
-                if stale || !was_running || before == 0 {
+                // 0.33 also caches after every step with speculative decoding.
+                if stale || !was_running || (before == 0 && !spec_033) {
                     return Ok(());
                 }
                 let in_flight = self.e.num_in_flight_tokens(req)?;

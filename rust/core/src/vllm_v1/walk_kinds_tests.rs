@@ -37,15 +37,27 @@ fn has_structured_output_requests_only_past_the_prefill() {
     let mut e = TestEngine::new(64, 6);
     let a = add_structured(&mut e, 8, 10, 0);
     e.schedule(sync(V33)); // a chunk of 6 of 8
-    assert!(!e.structured_step);
+    assert_eq!(e.structured_step, StructuredFlags::default());
     e.scheduled.clear();
     e.schedule(sync(V33)); // the prefill's last 2 tokens: a token is sampled
-    assert!(e.structured_step);
+    assert!(e.structured_step.has_requests && !e.structured_step.pending_tokens);
     let plain = e.add(4, 10);
     e.running.retain(|&r| r != a);
     e.schedule(sync(V33));
     assert_eq!(e.scheduled, vec![(plain, 4)]);
-    assert!(!e.structured_step);
+    assert_eq!(e.structured_step, StructuredFlags::default());
+}
+
+#[test]
+fn async_structured_output_with_output_in_flight_has_pending_tokens() {
+    let mut e = TestEngine::new(64, 100);
+    let mode = asynchronous(V33);
+    add_structured(&mut e, 4, 10, 0);
+    e.schedule(mode); // the prefill samples: no earlier output in flight
+    let first = e.structured_step;
+    assert!(first.has_requests && !first.pending_tokens);
+    e.schedule(mode); // the next decode while the first output is in flight
+    assert!(e.structured_step.has_requests && e.structured_step.pending_tokens);
 }
 
 #[test]
@@ -139,4 +151,23 @@ fn eos_and_length_come_before_repetition() {
     e.next.insert(a, vec![9, 9, 9]);
     e.update(sync(V33));
     assert_eq!(e.r(a).stop, Some(Stop::Length)); // max_tokens 3 at the third 9
+}
+
+#[test]
+fn loras_of_running_requests_not_scheduled_count_on_033_only() {
+    // a (adapter 1) is running but passed over (async: its only output is in flight); b
+    // (adapter 2) waits. 0.33 counts every running adapter, 0.32 the running pass's rows.
+    for (release, admitted) in [(V33, false), (V32, true)] {
+        let mut e = TestEngine::new(64, 100);
+        e.set.max_loras = Some(1);
+        let mode = asynchronous(release);
+        let a = e.add(4, 1);
+        e.reqs[a].lora = Some(1);
+        e.schedule(mode);
+        let b = e.add(4, 10);
+        e.reqs[b].lora = Some(2);
+        let rows = e.schedule(mode);
+        assert_eq!(rows.contains(&(b, 4)), admitted, "{release:?}");
+        assert!(!rows.iter().any(|&(r, _)| r == a));
+    }
 }

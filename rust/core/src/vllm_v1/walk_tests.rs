@@ -2,7 +2,10 @@
 //! core's own v1 manager), each test written from vLLM's scheduler semantics (0.32 / 0.33
 //! `scheduler.py`, `async_scheduler.py`, `utils.check_stop`, `_preempt_request`).
 
-use super::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
+use super::engine::{
+    Drafts, EncoderPlan, Engine, Mode, Release, Runner, Settings, SpecSettings, Start, Status,
+    Step, StructuredFlags,
+};
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
 use crate::{Error, Result};
@@ -34,6 +37,8 @@ struct TReq {
     grammar_rejects: Option<i64>,
     /// The tokens the grammar accepted.
     accepted: Vec<i64>,
+    /// `spec_token_ids`: the drafts proposed for the next step.
+    spec: Vec<i64>,
 }
 
 struct TestEngine {
@@ -55,8 +60,17 @@ struct TestEngine {
     /// Emitted outputs: (request, tokens, finish).
     outputs: Vec<(usize, Vec<i64>, Option<Stop>)>,
     freed: Vec<usize>,
-    /// The last `schedule()` marked `has_structured_output_requests`.
-    structured_step: bool,
+    /// The last `schedule()`'s structured-output flags.
+    structured_step: StructuredFlags,
+    /// `scheduled_spec_decode_tokens` being built, and the last `schedule()`'s.
+    drafts_building: HashMap<usize, Vec<i64>>,
+    drafts: HashMap<usize, Vec<i64>>,
+    skip_drafts: bool,
+    /// `record_drafts` calls: (request, drafts, accepted); `cache_blocks` calls.
+    recorded: Vec<(usize, u64, u64)>,
+    cached: Vec<(usize, u64)>,
+    /// Multimodal requests and the encoder cache (`walk_mm_tests`).
+    mm: walk_mm_tests::MmSim,
 }
 
 const EOS: i64 = 2;
@@ -97,6 +111,7 @@ impl TestEngine {
                 reserve_full_isl: false,
                 runner: Runner::V1,
                 max_loras: None,
+                spec: SpecSettings::default(),
             },
             step: 0,
             executed: 0,
@@ -104,7 +119,13 @@ impl TestEngine {
             next: HashMap::new(),
             outputs: Vec::new(),
             freed: Vec::new(),
-            structured_step: false,
+            structured_step: StructuredFlags::default(),
+            drafts_building: HashMap::new(),
+            drafts: HashMap::new(),
+            skip_drafts: false,
+            recorded: Vec::new(),
+            cached: Vec::new(),
+            mm: walk_mm_tests::MmSim::default(),
         }
     }
 
@@ -138,6 +159,7 @@ impl TestEngine {
             grammar_wait: None,
             grammar_rejects: None,
             accepted: Vec::new(),
+            spec: Vec::new(),
         });
         self.known.insert(i);
         self.waiting.push_back(i);
@@ -359,6 +381,33 @@ impl Engine for TestEngine {
         }
         Ok(())
     }
+    fn num_drafts(&self, r: &usize) -> Result<u64> {
+        Ok(self.reqs[*r].spec.len() as u64)
+    }
+    fn is_prefill_chunk(&self, r: &usize) -> Result<bool> {
+        Ok(self.reqs[*r].chunk)
+    }
+    fn schedule_drafts(&mut self, r: &usize, d: Drafts) -> Result<()> {
+        let list = match d {
+            Drafts::Proposed(k) => {
+                let spec = std::mem::take(&mut self.reqs[*r].spec);
+                spec[..k as usize].to_vec()
+            }
+            Drafts::Padding(k) => vec![-1; k as usize],
+        };
+        if !list.is_empty() {
+            self.drafts_building.insert(*r, list);
+        }
+        Ok(())
+    }
+    fn unschedule_drafts(&mut self, r: &usize) -> Result<()> {
+        self.drafts_building.remove(r);
+        Ok(())
+    }
+    fn record_drafts(&mut self, r: &usize, drafts: u64, accepted: u64) -> Result<()> {
+        self.recorded.push((*r, drafts, accepted));
+        Ok(())
+    }
     fn lora_id(&self, r: &usize) -> Option<i64> {
         self.reqs[*r].lora
     }
@@ -408,6 +457,7 @@ impl Engine for TestEngine {
         q.stale = q.in_flight;
         q.placeholders = 0;
         q.preemptions += 1;
+        q.spec.clear();
         self.waiting.push_front(*r);
         Ok(())
     }
@@ -437,26 +487,67 @@ impl Engine for TestEngine {
         let mut none: &[HashKey] = &[];
         self.mgr.allocate_slots(&self.reqs[*r].id, a, &mut none)
     }
-    fn cache_blocks(&mut self, _r: &usize, _num_tokens: u64) -> Result<()> {
-        Ok(()) // caching off
+    fn cache_blocks(&mut self, r: &usize, num_tokens: u64) -> Result<()> {
+        self.cached.push((*r, num_tokens)); // caching off: only recorded
+        Ok(())
     }
     fn block_table(&self, r: &usize) -> Result<Vec<u32>> {
         Ok(self.mgr.blocks(&self.reqs[*r].id).to_vec())
     }
-    fn scheduler_output(&mut self, step: &Step<usize>) -> Result<Vec<(usize, u64)>> {
-        self.scheduled = step.rows.iter().map(|r| (r.req, r.tokens)).collect();
-        self.structured_step = false;
-        Ok(self.scheduled.clone())
+    fn has_encoder_inputs(&self, r: &usize) -> bool {
+        self.mm.images.contains_key(r)
     }
-    fn mark_structured_output(&mut self, _out: &mut Vec<(usize, u64)>) -> Result<()> {
-        self.structured_step = true;
+    fn encoder_budget(&mut self) -> Result<u64> {
+        Ok(self.mm.budget)
+    }
+    fn schedule_encoder_inputs(
+        &mut self,
+        r: &usize,
+        c: u64,
+        n: u64,
+        b: u64,
+    ) -> Result<EncoderPlan> {
+        Ok(self.mm.plan(*r, c, n, b))
+    }
+    fn commit_encoder_inputs(&mut self, r: &usize) -> Result<()> {
+        self.mm.commit(*r);
         Ok(())
     }
-    fn scheduled_rows(&mut self) -> Result<Vec<(usize, u64)>> {
+    fn drop_encoder_inputs(&mut self, r: &usize) -> Result<()> {
+        self.mm.scheduled.retain(|(x, _)| x != r);
+        Ok(())
+    }
+    fn free_encoder_cache(&mut self, r: &usize) -> Result<()> {
+        self.mm.unfit.push(*r);
+        Ok(())
+    }
+    fn free_encoder_inputs(&mut self, r: &usize) -> Result<()> {
+        self.mm.done.push(*r);
+        Ok(())
+    }
+    fn scheduler_output(&mut self, step: &Step<usize>) -> Result<Vec<(usize, u64)>> {
+        self.scheduled = step.rows.iter().map(|r| (r.req, r.tokens)).collect();
+        self.structured_step = StructuredFlags::default();
+        self.drafts = std::mem::take(&mut self.drafts_building);
+        self.skip_drafts = step.skip_drafts;
+        Ok(self.scheduled.clone())
+    }
+    fn mark_structured_output(
+        &mut self,
+        _out: &mut Vec<(usize, u64)>,
+        flags: StructuredFlags,
+    ) -> Result<()> {
+        self.structured_step = flags;
+        Ok(())
+    }
+    fn scheduled_rows(&mut self) -> Result<Vec<(usize, u64, u64)>> {
         let rows = std::mem::take(&mut self.scheduled);
+        let drafts = std::mem::take(&mut self.drafts);
+        let count = |r: &usize| drafts.get(r).map_or(0, |d| d.len() as u64);
         Ok(rows
             .into_iter()
             .filter(|(r, _)| self.known.contains(r))
+            .map(|(r, n)| (r, n, count(&r)))
             .collect())
     }
     fn sampled(&mut self, r: &usize) -> Result<Vec<i64>> {
@@ -834,3 +925,9 @@ fn executed_steps_count_only_steps_with_tokens_on_033() {
 
 #[path = "walk_kinds_tests.rs"]
 mod kinds;
+
+#[path = "walk_spec_tests.rs"]
+mod spec;
+
+#[path = "walk_mm_tests.rs"]
+mod walk_mm_tests;
