@@ -617,14 +617,33 @@ class V1Loop:
     against or builds with. A call while another runs raises ``InUseError``."""
 
     def __new__(cls, manager: V1Manager, config: Dict[str, Any]) -> V1Loop: ...
-    def schedule(self, sched: Any) -> Tuple[List[Any], Tuple[Any, ...], Dict[str, int], int]:
-        """``(new_reqs_data, cached, num_scheduled_tokens, total)``; ``cached`` is
-        ``(req_ids, resumed_req_ids, all_token_ids, new_block_ids, num_computed_tokens,
-        num_output_tokens)``. The request updates of ``_update_after_schedule`` are applied."""
+    def schedule(
+        self, sched: Any
+    ) -> Tuple[
+        List[Any],
+        Tuple[Any, ...],
+        Dict[str, int],
+        int,
+        Optional[Tuple[bool, bool]],
+        Dict[str, List[int]],
+        bool,
+        Dict[str, List[int]],
+        Optional[Dict[str, Any]],
+    ]:
+        """``(new_reqs_data, cached, num_scheduled_tokens, total, structured,
+        scheduled_spec_decode_tokens, skip_drafts, scheduled_encoder_inputs,
+        encoder_input_updates)``; ``cached`` is ``(req_ids, resumed_req_ids, all_token_ids,
+        new_block_ids, num_computed_tokens, num_output_tokens)``; ``structured`` is
+        ``(has_structured_output_requests, pending_structured_output_tokens)`` or ``None``
+        (both false); ``encoder_input_updates`` is ``None`` without a multimodal row. The
+        request updates of ``_update_after_schedule`` are applied."""
     def update(
         self, sched: Any, scheduler_output: Any, model_runner_output: Any
-    ) -> List[Tuple[int, List[Any]]]:
-        """``[(client_index, [EngineCoreOutput, ...]), ...]`` in vLLM's order."""
+    ) -> Tuple[List[Tuple[int, List[Any]]], Any]:
+        """``([(client_index, [EngineCoreOutput, ...]), ...], spec_decoding_stats)`` in
+        vLLM's order (``spec_decoding_stats``: ``None`` without drafts or stats)."""
+    def update_draft_token_ids(self, sched: Any, req_ids: Any, draft_token_ids: Any) -> None:
+        """vLLM's ``Scheduler.update_draft_token_ids`` over the scheduler's own requests."""
     def refuses_prompt(self, num_prompt: int, max_model_len: int) -> bool:
         """A prompt of ``num_prompt`` tokens reaches the length cap (``min(max_model_len,
         cache tokens)``): it can never be prefilled and sampled, ``add_request`` refuses it."""

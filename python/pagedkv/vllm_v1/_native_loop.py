@@ -13,11 +13,13 @@ next step can be either loop's; a switch needs no hand-over.
 * the engine is eligible (checked once at construction,
   :func:`pagedkv.vllm_v1._scope.engine_out_of_scope`: the
   synchronous or the async scheduler over pagedkv's native manager, no speculative decoding,
-  no KV/EC connector, no pipeline parallelism, no prefill cadence, ...), and
+  no KV/EC connector, no pipeline parallelism, no prefill cadence, ...; per-step
+  performance metrics, iteration-detail logging and sampling masks are served natively,
+  read from the scheduler every step), and
 * every request the scheduler holds is in scope
   (:func:`pagedkv.vllm_v1._scope.request_out_of_scope`: plain
-  sampling; no structured output, LoRA, multimodal inputs, prompt embeddings, KV transfer,
-  streaming sessions or repetition detection), and the scheduler is not paused.
+  sampling, structured output, LoRA, multimodal inputs, prompt embeddings, repetition
+  detection; no pooling, KV transfer or streaming sessions), and the scheduler is not paused.
 
 A request out of scope puts the engine on vLLM's loop from the next step until it has left
 (finished or aborted): its decisions couple every request of the step (budgets, queue order,
@@ -97,9 +99,30 @@ class NativeLoop:
         return self._pagedkv_fallback() is None
 
     def _pagedkv_fallback(self) -> Optional[str]:
-        """Why this step runs on vLLM's loop (``None``: it runs natively)."""
+        """Why this step runs on vLLM's loop (``None``: it runs natively). Twice per step
+        (``schedule`` and ``update_from_output``): one expression decides the common case."""
         if self._pagedkv_loop is None:
             return "engine out of scope"
+        d = self.__dict__
+        if (
+            not d[_HELD]
+            and self._pause_state is self._pagedkv_unpaused
+            and self.connector is None
+            and not self.kv_holding_waiting
+            and not self.num_waiting_for_streaming_input
+            and not self.grammar_compile_error_reqs
+            and d.get("aux_output_connector") is None
+            and d.get("ec_connector") is None
+            and not d.get("encoder_cache_mismatch_reqs")
+            and not d.get("need_mamba_block_aligned_split")
+            and d.get("num_sampled_tokens_per_step", 1) == 1
+            and d.get("dynamic_sd_lookup") is None
+        ):
+            return None
+        return self._pagedkv_fallback_reason()
+
+    def _pagedkv_fallback_reason(self) -> Optional[str]:
+        """The reason :meth:`_pagedkv_fallback` gives when its fast check fails."""
         held = getattr(self, _HELD)
         if held:
             for rid in [r for r in held if r not in self.requests]:
@@ -111,11 +134,15 @@ class NativeLoop:
             (self.connector is not None, "a KV connector"),
             (getattr(self, "aux_output_connector", None) is not None, "an aux output connector"),
             (getattr(self, "ec_connector", None) is not None, "an EC connector"),
-            (bool(getattr(self, "return_sampling_mask", False)), "sampling masks"),
             (bool(self.kv_holding_waiting), "requests holding KV while waiting"),
             (bool(self.num_waiting_for_streaming_input), "streaming input awaited"),
             (bool(self.grammar_compile_error_reqs), "grammar compile errors"),
             (bool(getattr(self, "encoder_cache_mismatch_reqs", None)), "encoder cache mismatch"),
+            # Settings vLLM's own tests change after construction.
+            (bool(getattr(self, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
+            (getattr(self, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
+            (getattr(self, "dynamic_sd_lookup", None) is not None, "dynamic speculative decoding"),
+            (bool(getattr(self, "num_prefill_lookahead", 0)), "prefill lookahead"),
         )
         return next((why for out, why in checks if out), None)
 
@@ -168,12 +195,26 @@ class NativeLoop:
             self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         self.pagedkv_native_steps += 1
-        new_reqs, cached, num_scheduled, total, structured = self._pagedkv_loop.schedule(self)
-        out = self._pagedkv_output.scheduler_output(new_reqs, cached, num_scheduled, total)
-        out.has_structured_output_requests = structured
+        parts = self._pagedkv_loop.schedule(self)
+        out = self._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
+        structured = parts[4]
+        if structured is not None:
+            has_requests, pending_tokens = structured
+            out.has_structured_output_requests = has_requests
+            out.pending_structured_output_tokens = pending_tokens
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> None:
+        """vLLM's method, natively where the native loop is built (the same writes: each
+        request's ``spec_token_ids``, a prefill chunk's emptied, a structured-output request's
+        validated by vLLM's ``validate_tokens``)."""
+        if self._pagedkv_loop is None:
+            return super().update_draft_token_ids(draft_token_ids)  # type: ignore[misc]
+        self._pagedkv_loop.update_draft_token_ids(
+            self, draft_token_ids.req_ids, draft_token_ids.draft_token_ids
+        )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         if not self._pagedkv_native_step() or not _plain_step(
@@ -183,8 +224,13 @@ class NativeLoop:
                 scheduler_output, model_runner_output
             )
         else:
-            outputs = self._pagedkv_loop.update(self, scheduler_output, model_runner_output)
-            result = self._pagedkv_output.engine_core_outputs(outputs, model_runner_output)
+            perf_stats = self._pagedkv_output.perf_stats(scheduler_output)
+            outputs, spec_stats = self._pagedkv_loop.update(
+                self, scheduler_output, model_runner_output
+            )
+            result = self._pagedkv_output.engine_core_outputs(
+                outputs, model_runner_output, spec_stats, perf_stats
+            )
         if self._pagedkv_loop is not None and self._pagedkv_rejected:
             rejected, self._pagedkv_rejected = self._pagedkv_rejected, []
             self._pagedkv_output.report_errors(result, rejected)
@@ -192,11 +238,10 @@ class NativeLoop:
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
-    """No draft tokens, connector outputs or pooler outputs in this step."""
+    """No connector or pooler outputs in this step (drafts and encoder inputs are the
+    native loop's: it rolls rejected drafts back and frees encoder inputs as vLLM does)."""
     return (
-        not scheduler_output.scheduled_spec_decode_tokens
-        and not scheduler_output.scheduled_encoder_inputs
-        and getattr(model_runner_output, "kv_connector_output", None) is None
+        getattr(model_runner_output, "kv_connector_output", None) is None
         and getattr(model_runner_output, "ec_connector_output", None) is None
         and not model_runner_output.pooler_output
     )
@@ -238,7 +283,45 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "output_cls": EngineCoreOutput,
         "output_fields": fields,
         "output_defaults": defaults,
+        "draft_slots": _draft_slots(sched),
+        "observe_spec_metrics": _observe_spec_metrics,
+        "spec_decoding_stats": _spec_decoding_stats,
     }
+
+
+def _draft_slots(sched: Any) -> int:
+    """The input budget each scheduled request also takes for drafting."""
+    spec = sched.vllm_config.speculative_config
+    return spec.max_num_new_slots_for_drafting if spec is not None else 0
+
+
+def _observe_spec_metrics(sched: Any, metrics: Any, proposed: int, accepted: int) -> None:
+    """A request's own ``spec_decode_metrics``, observed as vLLM's ``update_from_output``
+    observes them (the grammar-invalidated drafts already taken off ``proposed``)."""
+    detailed = sched.spec_decode_metrics_level == "detailed"
+    metrics.observe(num_draft_tokens=proposed, num_accepted=accepted, detailed=detailed)
+
+
+def _spec_decoding_stats(
+    num_spec_tokens: int,
+    num_drafts: int,
+    num_draft_tokens: int,
+    num_accepted_tokens: int,
+    accepted_per_pos: List[int],
+    draft_per_pos: List[int],
+) -> Any:
+    """vLLM's ``SpecDecodingStats`` of a step, from the native tally of
+    ``make_spec_decoding_stats``' observations (``pagedkv_core::vllm_v1::spec_stats``)."""
+    from vllm.v1.spec_decode.metrics import SpecDecodingStats
+
+    return SpecDecodingStats(
+        num_spec_tokens=num_spec_tokens,
+        num_drafts=num_drafts,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_tokens=num_accepted_tokens,
+        num_accepted_tokens_per_pos=accepted_per_pos,
+        num_draft_tokens_per_pos=draft_per_pos,
+    )
 
 
 def _new_request_data_factory(sched: Any) -> Any:
@@ -276,8 +359,19 @@ class _OutputBuilder:
         self._fields = {f.name for f in dataclasses.fields(SchedulerOutput)}
 
     def scheduler_output(
-        self, new_reqs: List[Any], cached: tuple, num_scheduled: Dict[str, int], total: int
+        self,
+        new_reqs: List[Any],
+        cached: tuple,
+        num_scheduled: Dict[str, int],
+        total: int,
+        drafts: Dict[str, List[int]],
+        skip_drafts: bool,
+        encoder_inputs: Dict[str, List[int]],
+        encoder_updates: Optional[Dict[str, Any]],
     ) -> Any:
+        """``encoder_updates``: ``_get_encoder_input_updates``' result, computed by the loop
+        before ``_update_after_schedule`` as vLLM computes it (``None``: no multimodal row,
+        vLLM's would be empty)."""
         s = self.sched
         req_ids, resumed, all_tokens, new_blocks, computed, outputs = cached
         cached_data = self._Cached(
@@ -295,9 +389,9 @@ class _OutputBuilder:
             scheduled_cached_reqs=cached_data,
             num_scheduled_tokens=num_scheduled,
             total_num_scheduled_tokens=total,
-            scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={},
-            scheduled_encoder_input_stats=None,
+            scheduled_spec_decode_tokens=drafts,
+            scheduled_encoder_inputs=encoder_inputs,
+            scheduled_encoder_input_stats=self._encoder_input_stats(encoder_inputs),
             preempted_req_ids=s.reset_preempted_req_ids,
             finished_req_ids=s.finished_req_ids,
             free_encoder_mm_hashes=encoders.get_freed_mm_hashes(),
@@ -309,12 +403,26 @@ class _OutputBuilder:
             ec_manager_metadata=encoders.get_manager_metadata(),
         )
         if "encoder_input_updates" in self._fields:
-            kwargs["encoder_input_updates"] = s._get_encoder_input_updates(
-                num_scheduled, new_reqs, {}
-            )
+            kwargs["encoder_input_updates"] = encoder_updates or {}
         if "skip_drafts" in self._fields:
-            kwargs["skip_drafts"] = False
+            kwargs["skip_drafts"] = skip_drafts
         return self._Output(**kwargs)
+
+    def _encoder_input_stats(self, encoder_inputs: Dict[str, List[int]]) -> Any:
+        """With iteration-detail logging on (and ``log_stats``), vLLM's ``schedule()`` counts
+        the step's encoder inputs (``_make_scheduled_encoder_input_stats``)."""
+        s = self.sched
+        if s.log_stats and s.observability_config.enable_logging_iteration_details:
+            return s._make_scheduled_encoder_input_stats(encoder_inputs)
+        return None
+
+    def perf_stats(self, scheduler_output: Any) -> Any:
+        """The step's per-GPU performance stats when the scheduler's ``perf_metrics`` is on,
+        computed as vLLM's ``update_from_output()`` does before it reads the outputs."""
+        metrics = self.sched.perf_metrics
+        if metrics and metrics.is_enabled():
+            return metrics.get_step_perf_stats_per_gpu(scheduler_output)
+        return None
 
     def report_errors(self, result: Dict[int, Any], requests: List[Any]) -> None:
         """Each request's final output (no tokens, finish reason from its status), added to
@@ -334,7 +442,13 @@ class _OutputBuilder:
                 result[request.client_index] = eco = self._Outputs(outputs=[])
             eco.outputs.append(out)
 
-    def engine_core_outputs(self, outputs: List[Any], model_runner_output: Any) -> Any:
+    def engine_core_outputs(
+        self,
+        outputs: List[Any],
+        model_runner_output: Any,
+        spec_stats: Any = None,
+        perf_stats: Any = None,
+    ) -> Any:
         s = self.sched
         events = s.kv_cache_manager.take_events()
         if events:
@@ -349,7 +463,7 @@ class _OutputBuilder:
                 else:
                     result[client] = self._Outputs(finished_requests=ids)
             finished.clear()
-        stats = s.make_stats(None, None, model_runner_output.cudagraph_stats, None)
+        stats = s.make_stats(spec_stats, None, model_runner_output.cudagraph_stats, perf_stats)
         if stats is not None:
             eco = next(iter(result.values()), None)
             if eco is None:

@@ -74,7 +74,11 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
-        (bool(sched.num_spec_tokens) or bool(sched.num_lookahead_tokens), "speculative decoding"),
+        (getattr(sched, "dynamic_sd_lookup", None) is not None, "dynamic speculative decoding"),
+        (
+            bool(sched.num_lookahead_tokens) and not sched.num_spec_tokens,
+            "lookahead without drafts",
+        ),
         (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
         (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
         (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
@@ -82,29 +86,19 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "num_prefill_lookahead", 0)), "prefill lookahead"),
         (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
+        (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
         (getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
         (bool(getattr(sched, "defer_block_free", False)), "deferred block frees"),
         (getattr(sched, "_kv_fetch_stages", None) is not None, "KV fetch tracking"),
-        (bool(getattr(sched, "return_sampling_mask", False)), "sampling masks"),
-        (_perf_metrics_on(sched), "per-step performance metrics"),
-        (_iteration_details_on(sched), "iteration-detail logging"),
     )
     return next((why for out, why in checks if out), None)
 
 
-def _perf_metrics_on(sched: Any) -> bool:
-    metrics = getattr(sched, "perf_metrics", None)
-    return bool(metrics and metrics.is_enabled())
-
-
-def _iteration_details_on(sched: Any) -> bool:
-    config = getattr(sched, "observability_config", None)
-    return bool(sched.log_stats and getattr(config, "enable_logging_iteration_details", False))
-
-
 def request_out_of_scope(request: Any) -> Optional[str]:
     """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
-    Structured output, LoRA, prompt embeddings and repetition detection are in scope."""
+    Structured output, LoRA, multimodal inputs (vLLM's encoder cache manager decides their
+    encoder inputs, called by the loop), prompt embeddings and repetition detection are in
+    scope."""
     from vllm.v1.request import RequestStatus
 
     params = request.sampling_params
@@ -112,7 +106,6 @@ def request_out_of_scope(request: Any) -> Optional[str]:
     checks = (
         (params is None or request.pooling_params is not None, "pooling"),
         (request.status not in arrival_statuses, "not waiting on arrival"),
-        (bool(request.mm_features), "multimodal inputs"),
         (request.kv_transfer_params is not None, "KV transfer"),
         (bool(getattr(request, "resumable", False)), "a streaming session"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),

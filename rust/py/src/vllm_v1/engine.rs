@@ -4,15 +4,18 @@
 //! methods for the rare events, and pagedkv's native KV manager (called in Rust). The walk
 //! (`pagedkv_core::vllm_v1::walk`) decides; this file reads and writes where vLLM's loop does.
 
+use crate::vllm_v1::drafts;
 use crate::vllm_v1::hash::extend_block_hashes;
 use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
 use crate::vllm_v1::output::{self, ModelOutput};
-use pagedkv_core::vllm_v1::engine::{Engine, Mode, Release, Runner, Settings, Start, Status, Step};
-use pagedkv_core::vllm_v1::policy::{self, Limits, Repetition, Stop, StopRule};
+use pagedkv_core::vllm_v1::engine::{
+    Drafts, EncoderPlan, Engine, Mode, Release, Settings, Start, Status, Step, StructuredFlags,
+};
+use pagedkv_core::vllm_v1::policy::{self, Repetition, Stop, StopRule};
 use pagedkv_core::vllm_v1::SlotRequest;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+use pyo3::types::{PyDict, PyList, PyString, PyTuple};
 use std::sync::Arc;
 
 /// A request: the object and its fixed fields (read once, see [`Fixed`]).
@@ -50,27 +53,26 @@ pub struct PyEngine<'a, 'py> {
     map: FixedMap,
     /// The step's timestamp (`schedule`).
     ts: Option<Bound<'py, PyAny>>,
-    /// The step's shared empty draft-placeholder list (`AsyncScheduler`).
+    /// The step's shared draft-placeholder list (`AsyncScheduler`).
     spec: Option<Bound<'py, PyList>>,
+    /// `scheduled_spec_decode_tokens` being built (created at the first drafts).
+    pub drafts: Option<Bound<'py, PyDict>>,
     /// `update_from_output`'s inputs and outputs (grouped by client, in vLLM's order).
     pub io: Option<UpdateIo<'py>>,
+    /// The step's multimodal side (`crate::vllm_v1::encoder`).
+    pub enc: crate::vllm_v1::encoder::EncoderIo<'py>,
 }
 
 pub struct UpdateIo<'py> {
     pub scheduler_output: Bound<'py, PyAny>,
     pub mro: ModelOutput<'py>,
     pub outputs: Vec<(i64, Bound<'py, PyList>)>,
+    /// The step's drafts bookkeeping (read at the first row with drafts).
+    pub spec: Option<crate::vllm_v1::drafts::SpecIo<'py>>,
 }
 
 fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
     obj.getattr(name)?.extract()
-}
-
-fn flag(o: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<bool> {
-    match o.getattr(name) {
-        Ok(v) => v.is_truthy(),
-        Err(_) => Ok(false),
-    }
 }
 
 impl<'a, 'py> PyEngine<'a, 'py> {
@@ -90,7 +92,9 @@ impl<'a, 'py> PyEngine<'a, 'py> {
             map,
             ts: None,
             spec: None,
+            drafts: None,
             io: None,
+            enc: Default::default(),
         })
     }
 
@@ -139,51 +143,6 @@ impl Drop for PyEngine<'_, '_> {
     }
 }
 
-/// The scheduler's settings (read each call, as vLLM's loop reads them each step).
-fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settings> {
-    let py = sched.py();
-    let cfg = sched.getattr(intern!(py, "scheduler_config"))?;
-    let limits = Limits {
-        max_model_len: policy::length_cap(
-            get_u64(sched, intern!(py, "max_model_len"))?,
-            lp.pool_tokens,
-        ),
-        long_prefill_token_threshold: get_u64(&cfg, intern!(py, "long_prefill_token_threshold"))?,
-        adaptive_threshold: flag(sched, intern!(py, "adaptive_long_prefill_threshold"))?,
-        chunked_prefill: flag(&cfg, intern!(py, "enable_chunked_prefill"))?,
-        sampled_per_step: 1,
-    };
-    let running = get_u64(sched, intern!(py, "max_num_running_reqs"))?;
-    let active = match sched.getattr(intern!(py, "max_num_active_reqs")) {
-        Ok(v) => v.extract()?,
-        Err(_) => running,
-    };
-    let policy = sched.getattr(intern!(py, "policy"))?;
-    let lora = sched.getattr(intern!(py, "lora_config"))?;
-    let max_loras = match lora.is_none() {
-        true => None,
-        false => Some(
-            lora.getattr(intern!(py, "max_loras"))?
-                .extract::<crate::args::SatCount>()?
-                .usize(),
-        ),
-    };
-    Ok(Settings {
-        limits,
-        max_num_scheduled_tokens: get_u64(sched, intern!(py, "max_num_scheduled_tokens"))?,
-        max_num_batched_tokens: get_u64(&cfg, intern!(py, "max_num_batched_tokens"))?,
-        max_num_active_reqs: active as usize,
-        max_num_running_reqs: running as usize,
-        priority: policy.eq(lp.objs.priority.bind(py))?,
-        reserve_full_isl: flag(sched, intern!(py, "scheduler_reserve_full_isl"))?,
-        runner: match flag(sched, intern!(py, "use_v2_model_runner"))? {
-            true => Runner::V2,
-            false => Runner::V1,
-        },
-        max_loras,
-    })
-}
-
 impl<'py> PyEngine<'_, 'py> {
     fn begin(&mut self, mode: &Mode) -> PyResult<Start> {
         let py = self.py();
@@ -206,7 +165,9 @@ impl<'py> PyEngine<'_, 'py> {
         self.prune(live);
         self.ts = Some(self.lp.objs.monotonic.bind(py).call0()?);
         if mode.asynchronous {
-            let spec = PyList::empty(py);
+            let k = get_u64(&self.sched, intern!(py, "num_spec_tokens"))?;
+            let k = usize::try_from(k).unwrap_or(usize::MAX);
+            let spec = PyList::new(py, std::iter::repeat_n(-1i64, k))?;
             self.sched
                 .setattr(intern!(py, "_spec_token_placeholders"), &spec)?;
             self.spec = Some(spec);
@@ -242,7 +203,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn settings(&mut self) -> PyResult<Settings> {
-        read_settings(&self.sched, self.lp)
+        crate::vllm_v1::settings::read_settings(&self.sched, self.lp)
     }
 
     fn begin_schedule(&mut self, mode: &Mode) -> PyResult<Start> {
@@ -476,6 +437,28 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         Ok(())
     }
 
+    fn num_drafts(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        Ok(r.obj.getattr(intern!(self.py(), "spec_token_ids"))?.len()? as u64)
+    }
+
+    fn is_prefill_chunk(&self, r: &PyReq<'py>) -> PyResult<bool> {
+        r.obj
+            .getattr(intern!(self.py(), "is_prefill_chunk"))?
+            .is_truthy()
+    }
+
+    fn schedule_drafts(&mut self, r: &PyReq<'py>, d: Drafts) -> PyResult<()> {
+        drafts::schedule(self, r, d)
+    }
+
+    fn unschedule_drafts(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        drafts::unschedule(self, r)
+    }
+
+    fn record_drafts(&mut self, r: &PyReq<'py>, drafts: u64, accepted: u64) -> PyResult<()> {
+        drafts::record(self, r, drafts, accepted)
+    }
+
     fn lora_id(&self, r: &PyReq<'py>) -> Option<i64> {
         r.f.lora
     }
@@ -550,7 +533,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         }
         let running: Vec<_> = running.iter().map(|r| r.obj.clone()).collect();
         let other: Vec<_> = other.iter().map(|r| r.obj.clone()).collect();
-        remove_stopped(&self.sched, &running, &other)
+        crate::vllm_v1::queues::remove_stopped(&self.sched, &running, &other)
     }
 
     fn allocate(&mut self, r: &PyReq<'py>, a: &SlotRequest<'_>) -> PyResult<Option<Vec<u32>>> {
@@ -567,27 +550,81 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         self.lp.manager.get().table_of(&r.f.rid)
     }
 
+    fn has_encoder_inputs(&self, r: &PyReq<'py>) -> bool {
+        r.f.mm
+    }
+
+    fn encoder_budget(&mut self) -> PyResult<u64> {
+        get_u64(
+            &self.sched,
+            intern!(self.py(), "max_num_encoder_input_tokens"),
+        )
+    }
+
+    fn schedule_encoder_inputs(
+        &mut self,
+        r: &PyReq<'py>,
+        num_computed: u64,
+        n: u64,
+        budget: u64,
+    ) -> PyResult<EncoderPlan> {
+        self.enc.plan(&self.sched, &r.obj, num_computed, n, budget)
+    }
+
+    fn commit_encoder_inputs(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        self.enc
+            .commit(&self.sched, &r.obj, r.f.id.bind(self.sched.py()))
+    }
+
+    fn drop_encoder_inputs(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        self.enc.drop_row(r.f.id.bind(self.sched.py()))
+    }
+
+    fn free_encoder_cache(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        self.attr(intern!(py, "encoder_cache_manager"))?
+            .call_method1(intern!(py, "free"), (&r.obj,))
+            .map(drop)
+    }
+
+    fn free_encoder_inputs(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        self.sched
+            .call_method1(intern!(py, "_free_encoder_inputs"), (&r.obj,))
+            .map(drop)
+    }
+
     fn scheduler_output(&mut self, step: &Step<PyReq<'py>>) -> PyResult<Bound<'py, PyTuple>> {
         output::scheduler_output(self, step)
     }
 
-    fn mark_structured_output(&mut self, out: &mut Bound<'py, PyTuple>) -> PyResult<()> {
-        output::mark_structured_output(out)
+    fn mark_structured_output(
+        &mut self,
+        out: &mut Bound<'py, PyTuple>,
+        flags: StructuredFlags,
+    ) -> PyResult<()> {
+        output::mark_structured_output(out, flags)
     }
 
-    fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64)>> {
+    fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64, u64)>> {
         let py = self.py();
         let requests = self.attr(intern!(py, "requests"))?.cast_into::<PyDict>()?;
-        let scheduled = self
-            .io()?
-            .scheduler_output
+        let so = &self.io()?.scheduler_output;
+        let scheduled = so
             .getattr(intern!(py, "num_scheduled_tokens"))?
+            .cast_into::<PyDict>()?;
+        let drafts = so
+            .getattr(intern!(py, "scheduled_spec_decode_tokens"))?
             .cast_into::<PyDict>()?;
         let mut rows = Vec::with_capacity(scheduled.len());
         for (id, n) in scheduled.iter() {
             let n: u64 = n.extract()?;
+            let k = match drafts.is_empty() {
+                true => 0,
+                false => drafts.get_item(&id)?.map_or(Ok(0), |d| d.len())? as u64,
+            };
             if let Some(obj) = requests.get_item(&id)? {
-                rows.push((self.req(obj)?, n));
+                rows.push((self.req(obj)?, n, k));
             }
         }
         Ok(rows)
@@ -658,6 +695,8 @@ impl<'py> Engine for PyEngine<'_, 'py> {
                 "V1Loop: no model output in this call",
             ));
         };
+        // vLLM slices the mask after the stop's frees, then reads the NaN count.
+        let sampling_mask = io.mro.new_sampling_mask(&s)?;
         io.mro.set_nans(&r.obj, r.f.id.bind(py))?;
         if !emit {
             return Ok(());
@@ -666,6 +705,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             tokens: s.list,
             stop,
             logprobs: p.logprobs,
+            sampling_mask,
             prefill_stats: p.prefill_stats,
         };
         let output = output::build_output(lp, r, &io.mro, fields)?;
@@ -678,46 +718,4 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             }
         }
     }
-}
-
-/// `remove_all` for stopped running requests (one: in place; several: a new list, as vLLM
-/// does), and the queues for stopped requests that were not running.
-fn remove_stopped<'py>(
-    sched: &Bound<'py, PyAny>,
-    running_stopped: &[Bound<'py, PyAny>],
-    other: &[Bound<'py, PyAny>],
-) -> PyResult<()> {
-    let py = sched.py();
-    let running = sched
-        .getattr(intern!(py, "running"))?
-        .cast_into::<PyList>()?;
-    match running_stopped {
-        [] => {}
-        [one] => {
-            if let Ok(k) = running.index(one) {
-                running.del_item(k)?;
-            }
-        }
-        many => {
-            let kept = PyList::empty(py);
-            for r in running.iter() {
-                if !many.iter().any(|m| m.is(&r)) {
-                    kept.append(r)?;
-                }
-            }
-            sched.setattr(intern!(py, "running"), kept)?;
-        }
-    }
-    if !other.is_empty() {
-        let set = PySet::new(py, other)?;
-        for queue in ["waiting", "kv_holding_waiting"] {
-            sched
-                .getattr(queue)?
-                .call_method1(intern!(py, "remove_requests"), (&set,))?;
-        }
-        sched
-            .getattr(intern!(py, "deferred_waiting"))?
-            .call_method1(intern!(py, "difference_update"), (&set,))?;
-    }
-    Ok(())
 }

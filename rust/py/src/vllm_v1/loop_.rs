@@ -13,7 +13,8 @@
 //! as it would in vLLM's own loop.
 //!
 //! Cost per step: O(scheduled requests) attribute reads and writes plus one list append per
-//! sampled token; one Python call per admitted, preempted or finished request.
+//! sampled token; one Python call per admitted, preempted or finished request, and a few per
+//! multimodal row (`crate::vllm_v1::encoder`).
 
 use crate::vllm_v1::engine::{PyEngine, UpdateIo};
 use crate::vllm_v1::manager::PyV1Manager;
@@ -53,6 +54,12 @@ pub struct Objects {
     pub hash_name_of: Py<PyAny>,
     /// `SchedulingPolicy.PRIORITY`.
     pub priority: Py<PyAny>,
+    /// `observe_spec_metrics(sched, metrics, proposed, accepted)`: a request's own
+    /// `spec_decode_metrics.observe`, as vLLM's `update_from_output` calls it.
+    pub observe_spec_metrics: Py<PyAny>,
+    /// `spec_decoding_stats(num_spec_tokens, drafts, draft_tokens, accepted, accepted_per_pos,
+    /// draft_per_pos)`: vLLM's `SpecDecodingStats` with those fields.
+    pub spec_decoding_stats: Py<PyAny>,
     pub output: OutputShape,
 }
 
@@ -64,8 +71,12 @@ pub struct OutputShape {
     pub new_token_ids: usize,
     pub finish_reason: usize,
     pub new_logprobs: usize,
+    /// Absent from a class without sampling masks (then a mask cannot be returned).
+    pub new_sampling_mask: Option<usize>,
     pub new_prompt_logprobs_tensors: usize,
     pub prompt_token_id_logprobs: Option<usize>,
+    /// `spec_decode_metrics` (a finished request's own metrics, where it keeps them).
+    pub spec_decode_metrics: Option<usize>,
     pub stop_reason: usize,
     pub events: usize,
     pub prefill_stats: usize,
@@ -83,6 +94,8 @@ pub struct PyV1Loop {
     /// Tokens the KV cache holds (null block excluded): the length cap is
     /// `policy::length_cap(max_model_len, pool_tokens)`, so no request outgrows the cache.
     pub pool_tokens: u64,
+    /// `speculative_config.max_num_new_slots_for_drafting` (0 without speculative decoding).
+    pub draft_slots: u64,
     /// The fixed fields of the requests the last call saw (see [`Fixed`]).
     fixed: std::sync::Mutex<FixedMap>,
     /// A call is running (a callback into Python that calls the loop again is refused).
@@ -137,6 +150,8 @@ pub struct Fixed {
     pub lora: Option<i64>,
     /// `use_structured_output`.
     pub structured: bool,
+    /// `has_encoder_inputs` (multimodal inputs).
+    pub mm: bool,
     /// `trace_headers` (set at construction, never replaced in scope).
     pub trace_headers: Py<PyAny>,
 }
@@ -190,6 +205,9 @@ impl Fixed {
             structured: !request
                 .getattr(intern!(py, "structured_output_request"))?
                 .is_none(),
+            mm: request
+                .getattr(intern!(py, "has_encoder_inputs"))?
+                .is_truthy()?,
             trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
         })
     }
@@ -223,8 +241,10 @@ impl OutputShape {
             new_token_ids: at("new_token_ids")?,
             finish_reason: at("finish_reason")?,
             new_logprobs: at("new_logprobs")?,
+            new_sampling_mask: at("new_sampling_mask").ok(),
             new_prompt_logprobs_tensors: at("new_prompt_logprobs_tensors")?,
             prompt_token_id_logprobs: at("prompt_token_id_logprobs").ok(),
+            spec_decode_metrics: at("spec_decode_metrics").ok(),
             stop_reason: at("stop_reason")?,
             events: at("events")?,
             prefill_stats: at("prefill_stats")?,
@@ -261,6 +281,9 @@ impl PyV1Loop {
         let pool_tokens = item(d, "pool_tokens")?
             .extract::<crate::args::SatCount>()?
             .0;
+        let draft_slots = item(d, "draft_slots")?
+            .extract::<crate::args::SatCount>()?
+            .0;
         let event = item(d, "event_scheduled")?;
         let objs = Objects {
             waiting: item(d, "WAITING")?.unbind(),
@@ -280,6 +303,8 @@ impl PyV1Loop {
             priority: item(d, "PRIORITY")?.unbind(),
             monotonic: item(d, "monotonic")?.unbind(),
             hash_name_of: item(d, "hash_name_of")?.unbind(),
+            observe_spec_metrics: item(d, "observe_spec_metrics")?.unbind(),
+            spec_decoding_stats: item(d, "spec_decoding_stats")?.unbind(),
             output: OutputShape::new(d)?,
         };
         let mode = Mode {
@@ -293,23 +318,27 @@ impl PyV1Loop {
             mode,
             hash_block_size,
             pool_tokens,
+            draft_slots,
             fixed: std::sync::Mutex::new(FixedMap::default()),
             busy: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
     /// `Scheduler.schedule()` up to the `SchedulerOutput` constructor: returns
-    /// `(new_reqs_data, cached, num_scheduled_tokens, total)` where `cached` is
+    /// `(new_reqs_data, cached, num_scheduled_tokens, total, scheduled_encoder_inputs,
+    /// encoder_input_updates, has_structured_output_requests)` where `cached` is
     /// `(req_ids, resumed_req_ids, all_token_ids, new_block_ids, num_computed_tokens,
-    /// num_output_tokens)`, after applying `_update_after_schedule`'s request updates. The
-    /// caller builds the output and replaces the finished and preempted id sets.
+    /// num_output_tokens)` and `encoder_input_updates` is `None` when no multimodal request
+    /// was scheduled (vLLM's would be empty), after applying `_update_after_schedule`'s
+    /// request updates. The caller builds the output and replaces the finished and preempted
+    /// id sets.
     fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
         let mut e = PyEngine::new(self, sched)?;
         Walk::new(&mut e, self.mode)?.schedule()
     }
 
-    /// `Scheduler.update_from_output()`'s per-request part: returns `[(client_index,
-    /// [EngineCoreOutput, ...]), ...]` in vLLM's order, after appending tokens, stopping and
+    /// `Scheduler.update_from_output()`'s per-request part: returns `([(client_index,
+    /// [EngineCoreOutput, ...]), ...], spec_decoding_stats)` in vLLM's order, after appending tokens, stopping and
     /// freeing finished requests and removing them from `running`. The caller publishes KV
     /// events and builds `EngineCoreOutputs` with the stats.
     fn update<'py>(
@@ -317,16 +346,36 @@ impl PyV1Loop {
         sched: &Bound<'py, PyAny>,
         scheduler_output: &Bound<'py, PyAny>,
         model_runner_output: &Bound<'py, PyAny>,
-    ) -> PyResult<Bound<'py, PyList>> {
+    ) -> PyResult<Bound<'py, PyTuple>> {
+        let masks = sched
+            .getattr(intern!(sched.py(), "return_sampling_mask"))?
+            .is_truthy()?;
         let mut e = PyEngine::new(self, sched)?;
         e.io = Some(UpdateIo {
             scheduler_output: scheduler_output.clone(),
-            mro: ModelOutput::read(model_runner_output)?,
+            mro: ModelOutput::read(model_runner_output, masks)?,
             outputs: Vec::new(),
+            spec: None,
         });
         Walk::new(&mut e, self.mode)?.update_from_output()?;
-        let outputs = e.io.take().map(|io| io.outputs).unwrap_or_default();
-        PyList::new(sched.py(), outputs)
+        let py = sched.py();
+        let (outputs, spec) = match e.io.take() {
+            Some(io) => (io.outputs, io.spec),
+            None => (Vec::new(), None),
+        };
+        let stats = crate::vllm_v1::drafts::stats_object(py, self, spec)?;
+        PyTuple::new(py, [PyList::new(py, outputs)?.into_any(), stats])
+    }
+
+    /// `Scheduler.update_draft_token_ids` (`crate::vllm_v1::drafts::update_draft_token_ids`).
+    fn update_draft_token_ids(
+        &self,
+        sched: &Bound<'_, PyAny>,
+        req_ids: &Bound<'_, PyAny>,
+        draft_token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let preempted = self.objs.preempted_value;
+        crate::vllm_v1::drafts::update_draft_token_ids(sched, preempted, req_ids, draft_token_ids)
     }
 
     /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens

@@ -2,9 +2,13 @@
 //! the native scheduling loop over vLLM's own objects (see the crate's header).
 
 pub mod call;
+pub mod drafts;
+pub mod encoder;
 pub mod engine;
 pub mod events;
 pub mod hash;
 pub mod loop_;
 pub mod manager;
 pub mod output;
+pub mod queues;
+pub mod settings;

@@ -2,19 +2,22 @@
 //! of `SchedulerOutput` (`NewRequestData`, `CachedRequestData`'s fields), `EngineCoreOutput`,
 //! and the calls into vLLM's prefix lookup and prefill stats.
 
+use crate::vllm_v1::encoder;
 use crate::vllm_v1::engine::{PyEngine, PyReq, Sampled};
 use crate::vllm_v1::loop_::PyV1Loop;
-use pagedkv_core::vllm_v1::engine::{Row, Runner, Step};
+use pagedkv_core::vllm_v1::engine::{Row, Runner, Step, StructuredFlags};
 use pagedkv_core::vllm_v1::policy::Stop;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
 
 /// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total,
-/// has_structured_output_requests)` where `cached` is `(req_ids, resumed_req_ids,
-/// all_token_ids, new_block_ids, num_computed_tokens, num_output_tokens)` (the last element is
-/// false here; [`mark_structured_output`] sets it); also `prev_step_scheduled_req_ids` (v1
-/// runner).
+/// structured, scheduled_spec_decode_tokens, skip_drafts, scheduled_encoder_inputs,
+/// encoder_input_updates)` where `cached` is `(req_ids, resumed_req_ids, all_token_ids,
+/// new_block_ids, num_computed_tokens, num_output_tokens)`, `structured` is `None` here
+/// ([`mark_structured_output`] sets it) and `encoder_input_updates` is computed here, before
+/// `_update_after_schedule` advances the rows, as vLLM computes it (`None`: no multimodal
+/// row; vLLM's would be empty); also `prev_step_scheduled_req_ids` (v1 runner).
 pub fn scheduler_output<'py>(
     e: &PyEngine<'_, 'py>,
     step: &Step<PyReq<'py>>,
@@ -51,7 +54,33 @@ pub fn scheduler_output<'py>(
             prev.add(r.req.f.id.bind(py))?;
         }
     }
-    (out, cached, scheduled, step.total, false).into_pyobject(py)
+    let drafts = match &e.drafts {
+        Some(d) => d.clone(),
+        None => PyDict::new(py),
+    };
+    let inputs = match &e.enc.scheduled {
+        Some(d) => d.clone(),
+        None => PyDict::new(py),
+    };
+    let any_mm = step.rows.iter().any(|r| r.req.f.mm);
+    let updates = encoder::input_updates(&e.sched, any_mm, &scheduled, &out, &inputs)?;
+    let items: [Bound<'py, PyAny>; 9] = [
+        out.into_any(),
+        cached.into_any(),
+        scheduled.into_any(),
+        step.total.into_pyobject(py)?.into_any(),
+        py.None().into_bound(py),
+        drafts.into_any(),
+        pyo3::types::PyBool::new(py, step.skip_drafts)
+            .to_owned()
+            .into_any(),
+        inputs.into_any(),
+        match updates {
+            Some(u) => u.into_any(),
+            None => py.None().into_bound(py),
+        },
+    ];
+    PyTuple::new(py, items)
 }
 
 /// `structured_output_manager.accept_tokens(request, tokens)`; a rejection is logged on
@@ -91,12 +120,18 @@ pub fn check_sequence_repetition(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     check.call1((outs, params))?.is_truthy()
 }
 
-/// The same result with `has_structured_output_requests` true.
-pub fn mark_structured_output<'py>(out: &mut Bound<'py, PyTuple>) -> PyResult<()> {
+/// The same result with `structured` = `(has_structured_output_requests,
+/// pending_structured_output_tokens)`.
+pub fn mark_structured_output<'py>(
+    out: &mut Bound<'py, PyTuple>,
+    flags: StructuredFlags,
+) -> PyResult<()> {
     let py = out.py();
     let mut items: Vec<Bound<'py, PyAny>> = out.iter().collect();
-    if let Some(last) = items.last_mut() {
-        *last = pyo3::types::PyBool::new(py, true).to_owned().into_any();
+    if let Some(at) = items.get_mut(4) {
+        *at = (flags.has_requests, flags.pending_tokens)
+            .into_pyobject(py)?
+            .into_any();
     }
     *out = PyTuple::new(py, items)?;
     Ok(())
@@ -193,6 +228,9 @@ pub struct ModelOutput<'py> {
     has_sampled: bool,
     index: Bound<'py, PyDict>,
     logprobs: Bound<'py, PyAny>,
+    /// `sampling_masks`, read when the scheduler's `return_sampling_mask` is on and it is
+    /// not `None`.
+    sampling_masks: Option<Bound<'py, PyAny>>,
     /// The per-request dicts, when present and not empty.
     prompt_logprobs: Option<Bound<'py, PyDict>>,
     prompt_token_id_logprobs: Option<Bound<'py, PyDict>>,
@@ -209,10 +247,16 @@ fn nonempty_dict<'py>(
 }
 
 impl<'py> ModelOutput<'py> {
-    pub fn read(mro: &Bound<'py, PyAny>) -> PyResult<Self> {
+    /// `masks`: the scheduler's `return_sampling_mask`.
+    pub fn read(mro: &Bound<'py, PyAny>, masks: bool) -> PyResult<Self> {
         let py = mro.py();
         let sampled = mro.getattr(intern!(py, "sampled_token_ids"))?;
+        let sampling_masks = match masks {
+            true => Some(mro.getattr(intern!(py, "sampling_masks"))?).filter(|m| !m.is_none()),
+            false => None,
+        };
         Ok(ModelOutput {
+            sampling_masks,
             has_sampled: sampled.is_truthy()?,
             sampled,
             index: mro.getattr(intern!(py, "req_id_to_index"))?.cast_into()?,
@@ -269,6 +313,20 @@ impl<'py> ModelOutput<'py> {
         Ok(Some(sliced))
     }
 
+    /// `sampling_masks.slice_request(index, len(new_token_ids))` for a row that keeps tokens
+    /// (after a stop's truncation), when masks are on: one call per such row.
+    pub fn new_sampling_mask(&self, s: &Sampled<'py>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(masks) = &self.sampling_masks else {
+            return Ok(None);
+        };
+        if s.list.is_empty() {
+            return Ok(None);
+        }
+        let py = masks.py();
+        let sliced = masks.call_method1(intern!(py, "slice_request"), (&s.index, s.list.len()))?;
+        Ok(Some(sliced))
+    }
+
     pub fn set_nans(&self, request: &Bound<'py, PyAny>, id: &Bound<'py, PyString>) -> PyResult<()> {
         if let Some(nans) = &self.num_nans {
             if let Some(v) = nans.get_item(id)? {
@@ -283,6 +341,7 @@ pub struct OutputFields<'py> {
     pub tokens: Bound<'py, PyList>,
     pub stop: Option<Stop>,
     pub logprobs: Option<Bound<'py, PyAny>>,
+    pub sampling_mask: Option<Bound<'py, PyAny>>,
     pub prefill_stats: Option<Bound<'py, PyAny>>,
 }
 
@@ -310,6 +369,12 @@ fn output_fields<'py>(
     }
     if let Some(l) = f.logprobs {
         set.push((shape.new_logprobs, l));
+    }
+    if let Some(m) = f.sampling_mask {
+        let at = shape.new_sampling_mask.ok_or_else(|| {
+            crate::errors::invalid("EngineCoreOutput has no field \"new_sampling_mask\"")
+        })?;
+        set.push((at, m));
     }
     if let Some(p) = &mro.prompt_logprobs {
         if let Some(p) = p.get_item(id)? {
@@ -344,6 +409,14 @@ fn output_fields<'py>(
     }
     if let Some(s) = f.prefill_stats {
         set.push((shape.prefill_stats, s));
+    }
+    if let (Some(at), Some(_)) = (shape.spec_decode_metrics, f.stop) {
+        // A finished request's own speculative decoding metrics (kept when the engine's
+        // `per_request_spec_decode_metrics` is on).
+        let metrics = request.getattr(intern!(py, "spec_decode_metrics"))?;
+        if !metrics.is_none() {
+            set.push((at, metrics));
+        }
     }
     Ok(set)
 }
