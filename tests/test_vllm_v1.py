@@ -181,8 +181,9 @@ def test_vllm_v1_suite_in_vllm_env(version: str, inner_suites: dict) -> None:
     counts, skipped, names = junit_summary(junit)
     assert not skipped, f"skipped under vLLM {version} (a skipped oracle is a failure): {skipped}"
     assert counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, counts
-    has_e2e = any("test_e2e_cpu" in n for n in names)
-    assert has_e2e == (version in E2E_VERSIONS), f"e2e collected: {has_e2e}"
+    for e2e in ("test_e2e_cpu", "test_e2e_kinds_cpu"):
+        has_e2e = any(f"{e2e}." in n or f"{e2e}::" in n for n in names)
+        assert has_e2e == (version in E2E_VERSIONS), f"{e2e} collected: {has_e2e}"
     for name, value in junit_properties(junit):  # the e2e's tokens/s, reported, not asserted
         print(f"vLLM {version}: {name} = {value}")
 
@@ -235,7 +236,8 @@ def _bench(argv: list, env: dict, tmp_path: Path) -> subprocess.CompletedProcess
 
 def test_bench_compare_vllm_033_quick_runs_end_to_end(tmp_path: Path) -> None:
     """The README's v1 comparison, exactly as a user runs it: vLLM 0.33.0's own scheduler
-    and pagedkv's in lockstep, in that release's virtualenv, every step's decisions equal.
+    and pagedkv's in lockstep, in that release's virtualenv, every step's decisions equal,
+    and W1's plain requests, drafts or not, all on the native loop.
     (A broken virtualenv fails here, in CI, instead of at the user.)"""
     env_or_fail("0.33")
     out = tmp_path / "bench.json"
@@ -245,8 +247,15 @@ def test_bench_compare_vllm_033_quick_runs_end_to_end(tmp_path: Path) -> None:
     assert "== vLLM 0.33.0 (v1 engine), whole step" in proc.stdout
     sections = json.loads(out.read_text())["vllm_v1"]["0.33.0"]
     modes = {(name, s["mode"]) for name, secs in sections.items() for s in secs}
-    assert modes == {(w, m) for w in ("w1", "w2") for m in ("on", "off", "events")}, modes
+    # The mixed workload (W1 with structured-output, LoRA, ... requests) and the speculative
+    # one (W1 with n-gram drafts) join W1.
+    names = ("w1", "w2", "mixed", "spec")
+    assert modes == {(w, m) for w in names for m in ("on", "off", "events")}, modes
     assert all(s["ok"] for secs in sections.values() for s in secs)
+    for name in ("w1", "spec"):
+        native = [s["lanes"]["pagedkv-v1-0.33.0"]["loop_steps"] for s in sections[name]]
+        assert all(c["native"] == c["total"] > 0 for c in native), (name, native)
+    assert all(s["lanes"]["vllm-0.33.0"]["drafts"]["scheduled"] > 0 for s in sections["spec"])
 
 
 def test_bench_reports_a_vllm_engine_that_cannot_start_as_one_error(tmp_path: Path) -> None:

@@ -161,7 +161,19 @@ class FakeRequest:
         self.num_nans_in_logits = 0
         self.block_hashes: list = []
         self._block_hasher = None
-        self.sampling_params = type("P", (), {"eos_token_id": eos, "stop_token_ids": []})()
+        self.sampling_params = type(
+            "P",
+            (),
+            {
+                "eos_token_id": eos,
+                "stop_token_ids": [],
+                "min_tokens": 0,
+                "repetition_detection": None,
+            },
+        )()
+        self.lora_request = self.structured_output_request = self.prompt_embeds = None
+        self.mm_features: list = []
+        self.has_encoder_inputs = False
 
 
 class FakeQueue(list):
@@ -192,6 +204,9 @@ class FakeScheduler:
         self.max_num_running_reqs = self.max_num_active_reqs = 4
         self.policy, self.scheduler_reserve_full_isl = "fcfs", False
         self.use_v2_model_runner = False
+        self.return_sampling_mask = False
+        self.num_spec_tokens = self.num_lookahead_tokens = 0
+        self.lora_config = None
         self.current_step = self.num_executed_steps = 0
         self.running: list = []
         self.waiting = FakeQueue()
@@ -253,8 +268,15 @@ def loop_config(**overrides) -> dict:
         "PREEMPTED": PREEMPTED,
         "FINISHED_STOPPED": STOPPED,
         "FINISHED_LENGTH_CAPPED": CAPPED,
+        "FINISHED_ERROR": 9,
+        "FINISHED_REPETITION": 10,
         "reason_stop": "stop",
         "reason_length": "length",
+        "reason_error": "error",
+        "reason_repetition": "repetition",
+        "draft_slots": 0,
+        "observe_spec_metrics": lambda *args: None,
+        "spec_decoding_stats": lambda *args: args,
         "make_new": lambda req, ids, v2: ("new", req.request_id, ids),
         "monotonic": lambda: 0.0,
         "hash_name_of": lambda hasher: "sha256" if hasher == "vllm-sha256" else None,
@@ -264,6 +286,12 @@ def loop_config(**overrides) -> dict:
     }
     config.update(overrides)
     return config
+
+
+def scheduler_output_of(scheduled: dict) -> object:
+    """The fields of vLLM's ``SchedulerOutput`` ``update`` reads: no drafts."""
+    fields = {"num_scheduled_tokens": scheduled, "scheduled_spec_decode_tokens": {}}
+    return type("SO", (), fields)()
 
 
 def bound_manager() -> _native.V1Manager:
@@ -289,26 +317,66 @@ def test_v1_loop_admits_decodes_and_stops_over_the_schedulers_own_objects() -> N
     for r in (a, b):
         sched.waiting.append(r)
         sched.requests[r.request_id] = r
-    new, cached, scheduled, total = loop.schedule(sched)
+    new, cached, scheduled, total, *_ = loop.schedule(sched)
     assert [n[1] for n in new] == ["a", "b"] and dict(scheduled) == {"a": 6, "b": 9}
     assert total == 15 and sched.running == [a, b] and not sched.waiting
     assert a.status == RUNNING and a.num_computed_tokens == 6 and a.num_in_flight_tokens == 6
     assert sched.prev_step_scheduled_req_ids == {"a", "b"}
-    outs = loop.update(
-        sched,
-        None and 0 or type("SO", (), {"num_scheduled_tokens": scheduled})(),
-        FakeOutput(["a", "b"], [[7], [2]]),
+    outs, spec_stats = loop.update(
+        sched, scheduler_output_of(scheduled), FakeOutput(["a", "b"], [[7], [2]])
     )
     ((client, rows),) = outs
+    assert spec_stats is None
     assert client == 0 and [(o[0], list(o[1])) for o in rows] == [("a", [7]), ("b", [2])]
     assert a._all_token_ids[-1] == 7 and a._output_token_ids == [7] and a.status == RUNNING
     # b ignores EOS (eos None): its second token reaches max_tokens and caps it.
-    so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+    so = scheduler_output_of(loop.schedule(sched)[2])
     assert dict(so.num_scheduled_tokens) == {"a": 1, "b": 1}
-    ((_, rows),) = loop.update(sched, so, FakeOutput(["a", "b"], [[2], [9]]))
+    ((_, rows),), _ = loop.update(sched, so, FakeOutput(["a", "b"], [[2], [9]]))
     assert a.status == STOPPED and b.status == CAPPED
     assert [o[4] for o in rows] == ["stop", "length"] and sched.freed == ["a", "b"]
     assert sched.running == [] and m.num_requests == 0
+
+
+class RecordingMasks:
+    """A model output's ``sampling_masks``: records each ``slice_request`` call."""
+
+    def __init__(self) -> None:
+        self.calls: list = []
+
+    def slice_request(self, index: int, num_positions: int) -> tuple:
+        self.calls.append((index, num_positions))
+        return ("mask", index, num_positions)
+
+
+def test_v1_loop_slices_sampling_masks_once_per_row_by_the_kept_tokens() -> None:
+    """With ``return_sampling_mask`` on, each row that keeps tokens gets
+    ``sampling_masks.slice_request(row index, kept tokens)`` once, in its output's
+    ``new_sampling_mask``: a stop keeps the tokens up to it (here EOS second of three), a row
+    with no tokens gets no call; off, the masks are never read."""
+    m = bound_manager()
+    sched = FakeScheduler(m)
+    defaults = [None, *loop_config()["output_defaults"]]
+    config = loop_config(output_fields=["new_sampling_mask", *FIELDS], output_defaults=defaults)
+    loop = _native.V1Loop(m, config)
+    a, b, c = (FakeRequest(rid, [5] * 6, 8, eos=2) for rid in "abc")
+    for r in (a, b, c):
+        sched.waiting.append(r)
+        sched.requests[r.request_id] = r
+    so = scheduler_output_of(loop.schedule(sched)[2])
+    out = FakeOutput(["c", "b", "a"], [[4], [], [7, 2, 9]])
+    out.sampling_masks = masks = RecordingMasks()
+    sched.return_sampling_mask = True
+    ((_, rows),), _ = loop.update(sched, so, out)
+    assert masks.calls == [(2, 2), (0, 1)] and a.status == STOPPED
+    assert [(o[1], list(o[2])) for o in rows] == [("a", [7, 2]), ("c", [4])]
+    assert [o[0] for o in rows] == [("mask", 2, 2), ("mask", 0, 1)]
+    sched.return_sampling_mask = False
+    so = scheduler_output_of(loop.schedule(sched)[2])
+    out = FakeOutput(["c"], [[9]])
+    out.sampling_masks = masks = RecordingMasks()
+    ((_, rows),), _ = loop.update(sched, so, out)
+    assert masks.calls == [] and rows[0][0] is None and list(rows[0][2]) == [9]
 
 
 def test_v1_loop_hashes_the_blocks_it_fills_as_vllm_would() -> None:
@@ -326,10 +394,10 @@ def test_v1_loop_hashes_the_blocks_it_fills_as_vllm_would() -> None:
     r.block_hashes.append(b"\x11" * 32)  # the prompt's block, hashed by vLLM at arrival
     sched.waiting.append(r)
     sched.requests["r"] = r
-    so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+    so = scheduler_output_of(loop.schedule(sched)[2])
     for t in (300, 70_000, 1, 2, 3, 4, 5):
         loop.update(sched, so, FakeOutput(["r"], [[t]]))
-        so = type("SO", (), {"num_scheduled_tokens": loop.schedule(sched)[2]})()
+        so = scheduler_output_of(loop.schedule(sched)[2])
     want = [b"\x11" * 32]
     for k in range(1, len(r._all_token_ids) // 4):
         block = tuple(r._all_token_ids[4 * k : 4 * k + 4])
@@ -356,7 +424,7 @@ def test_v1_loop_refuses_bad_configuration_and_reentry() -> None:
         loop.schedule(sched)
 
     sched._free_request = reenter
-    so = type("SO", (), {"num_scheduled_tokens": scheduled})()
+    so = scheduler_output_of(scheduled)
     with pytest.raises(PagedKVError):
         loop.update(sched, so, FakeOutput(["r"], [[9]]))
 

@@ -72,7 +72,8 @@ def test_fast_seeds_cover_every_configuration_axis() -> None:
     cfgs = [h.random_config(random.Random(seed)) for seed in FAST_SEEDS]
     assert {c.hash_algo for c in cfgs} == set(h.HASH_ALGOS)
     switches = ("enable_caching", "async_scheduling", "kv_events", "reserve_full_isl")
-    for axis in (*switches, "adaptive_threshold", "include_finished_set"):
+    engine_options = ("perf_metrics", "iteration_details", "sampling_mask")
+    for axis in (*switches, "adaptive_threshold", "include_finished_set", *engine_options):
         assert Counter(getattr(c, axis) for c in cfgs).keys() == {True, False}, axis
     assert {c.block_size for c in cfgs} == {4, 8, 16}
     assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
@@ -424,3 +425,68 @@ def test_switch_to_vllms_loop_and_back(
         return  # the harness checking itself: no native loop
     first_vllm, last_vllm = loops.index("vllm"), len(loops) - 1 - loops[::-1].index("vllm")
     assert "native" in loops[:first_vllm] and "native" in loops[last_vllm + 1 :], loops
+
+
+#: SchedConfig's engine options, each served by pagedkv's native loop.
+ENGINE_OPTIONS = ("perf_metrics", "iteration_details", "sampling_mask")
+
+
+def option_in_effect(sched: VllmScheduler, option: str) -> bool:
+    """Whether the scheduler really has ``option`` on, as vLLM's loop reads it."""
+    if option == "perf_metrics":
+        return bool(sched.perf_metrics and sched.perf_metrics.is_enabled())
+    if option == "iteration_details":
+        return sched.log_stats and sched.observability_config.enable_logging_iteration_details
+    return sched.return_sampling_mask
+
+
+def option_output_seen(result: dict, option: str) -> bool:
+    """Whether one step's ``EngineCoreOutputs`` carry what ``option`` adds (iteration details
+    add nothing here: vLLM's count of no encoder inputs is ``None``)."""
+    if option == "perf_metrics":
+        return any(
+            eco.scheduler_stats.perf_stats is not None
+            for eco in result.values()
+            if eco.scheduler_stats
+        )
+    if option == "sampling_mask":
+        return any(o.new_sampling_mask is not None for eco in result.values() for o in eco.outputs)
+    return False
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("option", ENGINE_OPTIONS)
+def test_engine_option_runs_natively(
+    option: str, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """With an engine option on, a plain workload (stops, truncations, preemption, two
+    clients): every call matches vLLM's (decisions, outputs with their perf stats and
+    sampling masks, state), and pagedkv's Scheduler runs every step natively."""
+    cfg = dataclasses.replace(
+        PRESSURE,
+        async_scheduling=async_scheduling,
+        max_model_len=128,
+        num_blocks=40,
+        num_clients=2,
+        **{option: True},
+    )
+    rng = random.Random(11)
+    specs = [s for s in h.random_workload(rng, cfg) if not s.repetition]
+    run = h.Lockstep(cfg, specs, 11, tiny_model_dir, manager_cls)
+    assert option_in_effect(run.ref, option) and option_in_effect(run.test, option)
+    seen: list[bool] = []
+    update = run.test.update_from_output
+
+    def recording_update(*args: object) -> object:
+        result = update(*args)
+        seen.append(option_output_seen(result, option))
+        return result
+
+    run.test.update_from_output = recording_update  # type: ignore[method-assign]
+    stats = run.run()
+    assert stats["steps"] > 0 and stats["stopped_by_stop_id"] + stats["preemptions"] > 0
+    if option != "iteration_details":
+        assert any(seen)
+    if manager_cls.__module__.startswith("vllm."):
+        return  # the harness checking itself: no native loop
+    assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps

