@@ -77,6 +77,9 @@ def test_fast_seeds_cover_every_configuration_axis() -> None:
         assert Counter(getattr(c, axis) for c in cfgs).keys() == {True, False}, axis
     assert {c.block_size for c in cfgs} == {4, 8, 16}
     assert {c.num_spec_tokens for c in cfgs} == {0, 2, 4}
+    assert {(c.async_scheduling, c.num_spec_tokens > 0) for c in cfgs} == {
+        (a, s) for a in (False, True) for s in (False, True)
+    }
     assert {c.policy for c in cfgs} == {"fcfs", "priority"}
     assert {c.num_clients for c in cfgs} == {1, 2}
     assert {c.abort_rate > 0 for c in cfgs} == {True, False}
@@ -123,20 +126,24 @@ def pressure_workload() -> list[h.RequestSpec]:
 
 
 @pytest.mark.parametrize(
-    ("async_scheduling", "num_spec_tokens"), [(False, 0), (True, 0), (False, 3)]
+    ("async_scheduling", "num_spec_tokens"), [(False, 0), (True, 0), (False, 3), (True, 3)]
 )
 def test_pressure_workload_preempts_hits_and_evicts(
     async_scheduling: bool, num_spec_tokens: int, tiny_model_dir: Path, manager_cls: type
 ) -> None:
     """The paths that matter are really taken: preemption, prefix hits, KV events (and draft
-    tokens in lookahead slots)."""
+    tokens in lookahead slots: proposed between steps, or with async scheduling the
+    placeholders of vLLM's "ngram_gpu" drafter)."""
     changes = {"async_scheduling": async_scheduling, "num_spec_tokens": num_spec_tokens}
     cfg = dataclasses.replace(PRESSURE, **changes)
-    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    run = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls)
+    stats = run.run()
     assert stats["preemptions"] > 0, stats
     assert stats["hits"] > 0, stats
     assert stats["events"] > 0, stats
     assert (stats["drafts"] > 0) == (num_spec_tokens > 0), stats
+    if not manager_cls.__module__.startswith("vllm."):
+        assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
 def priority_workload() -> list[h.RequestSpec]:

@@ -97,6 +97,7 @@ def vllm_configs(
     hash_algo: str = "sha256",
     kv_events: Optional[bool] = None,
     num_spec_tokens: int = 0,
+    spec_method: str = "ngram",
     cache_fields: Optional[Mapping[str, Any]] = None,
     observability: Optional[Mapping[str, Any]] = None,
     lora_config: Optional[Any] = None,
@@ -106,7 +107,9 @@ def vllm_configs(
     :func:`model_config`): ``scheduler_fields`` are the ``SchedulerConfig``'s (chunked prefill on
     and ``is_encoder_decoder=False`` unless given), ``cache_fields`` more ``CacheConfig``
     fields; ``kv_events``: ``None`` no ``KVEventsConfig``, else one with events on or off and
-    the ``"null"`` publisher; ``num_spec_tokens``: ngram speculative decoding;
+    the ``"null"`` publisher; ``num_spec_tokens``: speculative decoding by ``spec_method``
+    (``"ngram"``, proposed on the CPU between steps, or ``"ngram_gpu"``, the drafter vLLM
+    accepts with async scheduling, whose drafts the scheduler only sees as placeholders);
     ``observability``: ``ObservabilityConfig`` fields (``enable_mfu_metrics``, ...);
     ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
     ``None``."""
@@ -133,7 +136,10 @@ def vllm_configs(
         events = KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null")
     spec = None
     if num_spec_tokens:
-        spec = SpeculativeConfig(model="ngram", num_speculative_tokens=num_spec_tokens)
+        if spec_method == "ngram":
+            spec = SpeculativeConfig(model="ngram", num_speculative_tokens=num_spec_tokens)
+        else:
+            spec = SpeculativeConfig(method=spec_method, num_speculative_tokens=num_spec_tokens)
     vllm_config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(**scheduler_fields),
