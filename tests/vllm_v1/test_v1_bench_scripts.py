@@ -208,6 +208,28 @@ def test_mixed_section_decides_as_vllm_and_reports_the_schedulers_loop_counts() 
     counts = sec["lanes"][leader.name]["loop_steps"]
     line = format_loop_steps(release, sec["lanes"])
     assert f"loop {counts['native']}/{counts['total']} steps" in line
+    _check_grammar_report(release, sec, engines)
+
+
+def _check_grammar_report(release: str, sec: dict, engines: list) -> None:
+    """Every lane reports the seconds its engine spent in get_grammar_bitmask(), and the
+    printed line gives them per step and the ratios of the steps without them."""
+    from pagedkv.bench.vllm_v1.section import format_grammar
+
+    lanes, steps = sec["lanes"], sec["steps"]
+    for engine in engines:
+        report = lanes[engine.name]["structured_output"]
+        assert report == {"get_grammar_bitmask_s": engine.grammar_seconds}
+        assert engine.grammar_seconds > 0
+    line = format_grammar(release, lanes, steps)
+    vllm, loop = lanes[engines[2].name], lanes[engines[0].name]
+
+    def rest(lane: dict) -> float:
+        return lane["mean_us"] - lane["structured_output"]["get_grammar_bitmask_s"] / steps * 1e6
+
+    grammar_us = vllm["structured_output"]["get_grammar_bitmask_s"] / steps * 1e6
+    assert f"get_grammar_bitmask vLLM {grammar_us:.0f} us" in line
+    assert f"loop {rest(vllm) / rest(loop):.2f}x" in line
 
 
 def test_a_plain_workload_reports_every_step_native() -> None:

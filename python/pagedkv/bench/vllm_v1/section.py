@@ -161,6 +161,8 @@ class V1Engine(EngineUnderTest):
         self.scheduler_drafts = {"draft_tokens": 0, "accepted_tokens": 0}
         #: Seconds in ``update_draft_token_ids()`` (part of each step's timed seconds).
         self.draft_seconds = 0.0
+        #: Seconds in ``get_grammar_bitmask()`` (part of each step's timed seconds).
+        self.grammar_seconds = 0.0
         self.kinds = dict(kinds or {})
         self.native = native
         self.loop = loop
@@ -203,6 +205,7 @@ class V1Engine(EngineUnderTest):
         if self.drafter is not None:
             self._count_scheduler_drafts(st.outputs)
             self.draft_seconds += st.draft_seconds
+        self.grammar_seconds += st.grammar_seconds
         return StepRecord(
             seconds=st.schedule_seconds + st.grammar_seconds + st.update_seconds + st.draft_seconds,
             scheduled=tuple(so.num_scheduled_tokens),
@@ -249,6 +252,13 @@ class V1Engine(EngineUnderTest):
             "scheduler": dict(self.scheduler_drafts),
             "update_draft_token_ids_s": self.draft_seconds,
         }
+
+    def grammar_report(self) -> Optional[Dict[str, Any]]:
+        """The seconds spent in ``get_grammar_bitmask()`` (``None`` without structured-output
+        requests): vLLM's ``StructuredOutputManager`` fills the bitmask in every lane."""
+        if "json" not in self.kinds.values():
+            return None
+        return {"get_grammar_bitmask_s": self.grammar_seconds}
 
     def loop_steps(self) -> Optional[Dict[str, Any]]:
         """Which loop scheduled this engine's steps (:func:`loop_steps`); ``None`` for
@@ -351,6 +361,9 @@ def run_section(
         drafts = lane.engine.draft_report()
         if drafts is not None:
             section["lanes"][lane.name]["drafts"] = drafts
+        grammar = lane.engine.grammar_report()
+        if grammar is not None:
+            section["lanes"][lane.name]["structured_output"] = grammar
     followers = run.lanes[1:]
     section["ok"] = run.ok and all(
         lane.error is None and lane.differs_at is None for lane in followers
@@ -558,7 +571,41 @@ def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> 
             lines.append(" " * 14 + format_loop_steps(release, lanes))
             if "drafts" in lanes[vllm]:
                 lines.append(" " * 14 + format_drafts(release, lanes, sec["steps"]))
+            if "structured_output" in lanes[vllm]:
+                lines.append(" " * 14 + format_grammar(release, lanes, sec["steps"]))
     return "\n".join(lines)
+
+
+def format_grammar(release: str, lanes: Dict[str, Any], steps: int) -> str:
+    """``get_grammar_bitmask vLLM X us, loop Y us, manager Z us (vLLM's structured-output
+    manager in every lane); without it loop A.AAx, manager B.BBx``: each lane's mean
+    ``get_grammar_bitmask()`` per step, and the whole-step ratios with that call taken out of
+    every lane's step."""
+
+    def per_step(lane: Dict[str, Any], key: str) -> float:
+        return lane[key] / steps * 1e6 if steps else 0.0
+
+    times, rest = [], {}
+    for label, native, loop in (
+        ("vLLM", False, True),
+        ("loop", True, True),
+        ("manager", True, False),
+    ):
+        lane = lanes.get(engine_name(release, native, loop))
+        if lane is None or "structured_output" not in lane:
+            continue
+        grammar = per_step(lane["structured_output"], "get_grammar_bitmask_s")
+        times.append(f"{label} {grammar:.0f} us")
+        rest[label] = lane["mean_us"] - grammar
+    ratios = [
+        f"{label} {rest['vLLM'] / rest[label]:.2f}x"
+        for label in ("loop", "manager")
+        if label in rest and rest[label] > 0
+    ]
+    return (
+        "get_grammar_bitmask " + ", ".join(times) + " (vLLM's structured-output manager in "
+        "every lane); the step without it: " + ", ".join(ratios)
+    )
 
 
 def format_drafts(release: str, lanes: Dict[str, Any], steps: int) -> str:
