@@ -8,6 +8,7 @@
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
 //!   one shared pool, for hybrid models (not yet used by the bindings);
+//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
 //! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
 //!   [`Mode`] (release, async) it runs in;
@@ -15,6 +16,7 @@
 //! * [`walk`]: vLLM v1's `schedule()` and `update_from_output()`, generic over [`Engine`].
 
 pub mod block_hash;
+pub mod coordinator;
 pub mod engine;
 pub mod free_queue;
 pub mod manager;
@@ -24,6 +26,8 @@ pub mod single_type;
 pub mod spec_stats;
 pub mod walk;
 
+#[cfg(test)]
+mod coordinator_tests;
 #[cfg(test)]
 mod single_type_tests;
 #[cfg(test)]
