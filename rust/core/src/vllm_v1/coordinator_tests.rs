@@ -278,22 +278,40 @@ fn equal_specs_share_one_lookup_full_first() {
 #[test]
 fn groups_with_different_block_sizes() {
     // vLLM allows block sizes that differ (each a multiple of the hash block size, the
-    // scheduler block size their lcm): full attention over 8-token blocks, a window of 8
-    // over 4-token blocks, scheduler block 8. 17 tokens: 3 + 5 blocks; cached up to
-    // round_down(17, 8) = 16 tokens: 2 full blocks (hashes 1 and 3), 4 window blocks
-    // (window 8 needs 2 blocks, a segment has 2: all reachable).
-    let mut h = hybrid(vec![full(8), swa(8, 4)], 8);
+    // scheduler block size their lcm): full attention over 4-token blocks, a window of 8
+    // over 8-token blocks (one block makes a hit: ceil(7 / 8)), scheduler block 8. 17
+    // tokens: 5 + 3 blocks; cached up to round_down(17, 8) = 16 tokens: 4 full-attention
+    // blocks, 2 window blocks under hashes 1 and 3 (BlockHashListWithBlockSize).
+    let mut h = hybrid(vec![full(4), swa(8, 8)], 8);
     let ks = keys(4);
     let new = h.allocate_slots("a", &prefill(17), &mut &ks[..]).unwrap();
-    assert_eq!(new, Some(vec![vec![1, 2, 3], vec![4, 5, 6, 7, 8]]));
-    assert_eq!(h.pool().get_cached_in(&key(1), 0), Some(1));
-    assert_eq!(h.pool().get_cached_in(&key(3), 0), Some(2));
-    assert_eq!(h.pool().get_cached_in(&key(0), 0), None);
+    assert_eq!(new, Some(vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8]]));
+    assert_eq!(h.pool().get_cached_in(&key(1), 1), Some(6));
+    assert_eq!(h.pool().get_cached_in(&key(3), 1), Some(7));
+    assert_eq!(h.pool().get_cached_in(&key(0), 1), None);
     h.free("a").unwrap();
+    let want: Vec<u32> = [8, 5]
+        .into_iter()
+        .chain(9..20)
+        .chain([4, 3, 2, 1, 7, 6])
+        .collect();
+    assert_eq!(h.pool().free_queue(), want);
+    // Within 16: full 16 (aligned), the window's last block -> [N, 7].
     let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
-    assert_eq!(hit.blocks, [vec![1, 2], vec![N, N, 6, 7]]);
+    assert_eq!(hit.blocks, [vec![1, 2, 3, 4], vec![N, 7]]);
     assert_eq!(hit.num_tokens, 16);
+    // Within 12: full 12 rounds down to 8; the window within 8 -> [6].
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 12).unwrap();
+    assert_eq!(hit.blocks, [vec![1, 2], vec![6]]);
+    assert_eq!(hit.num_tokens, 8);
     h.check().unwrap();
+    // Full attention over blocks larger than the hash block is refused (vLLM would also
+    // cache partial prompt-tail entries there).
+    let cfg = HybridConfig {
+        groups: vec![full(8), swa(8, 4)],
+        ..h.config().clone()
+    };
+    assert!(Hybrid::new(cfg).is_err());
 }
 
 #[test]
@@ -321,4 +339,135 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
     // One group is the unitary coordinator's, not this one.
     cfg.groups = vec![full(4)];
     assert!(Hybrid::new(cfg).is_err());
+}
+
+/// The hashes of a request of family `f` with `n` tokens: families share their first three
+/// blocks, then differ (chained hashes: different from there on).
+fn family_keys(f: u32, n: u64) -> Vec<HashKey> {
+    (0..(n / 4) as u32)
+        .map(|i| {
+            if i < 3 {
+                key(i)
+            } else {
+                key(100 * (f + 1) + i)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn randomized_runs_keep_every_invariant() {
+    // Seeded runs over three layouts: prefix hits, chunked prefill, decode, preemption,
+    // eviction and frees, checking the pool's and every table's invariants after each call
+    // and that each hit is aligned, within its bound and every group's share of it.
+    use crate::rng::Rng;
+    use std::fmt::Write as _;
+    // With PAGEDKV_HYBRID_TRACE=path, every call and its outcome is written there (one
+    // Python literal a line) for a replay on vLLM's own coordinator.
+    let trace_path = std::env::var("PAGEDKV_HYBRID_TRACE").ok();
+    let mut trace = String::new();
+    let opt =
+        |o: &Option<Vec<Vec<u32>>>| o.as_ref().map_or("None".to_string(), |v| format!("{v:?}"));
+    let layouts: [(Vec<GroupSpec>, u32); 4] = [
+        (vec![full(4), swa(8, 4)], 4),
+        (vec![swa(8, 4), full(4), chunked(8, 4)], 4),
+        (vec![full(4), swa(8, 8)], 8),
+        (vec![full(4), swa(5, 4)], 8),
+    ];
+    for (li, (layout, sbs)) in layouts.into_iter().enumerate() {
+        let mut rng = Rng::new(0x1d5eed);
+        let mut h = hybrid(layout, sbs);
+        // (id, family, tokens, computed)
+        let mut live: Vec<(String, u32, u64, u64)> = Vec::new();
+        for step in 0..3000 {
+            let traced = trace.len();
+            match rng.below(10) {
+                0..=2 if live.len() < 4 => {
+                    let (f, n) = (rng.below(3) as u32, 1 + rng.below(40) as u64);
+                    let ks = family_keys(f, n);
+                    let hit = h.find_longest_cache_hit(&mut &ks[..], n - 1).unwrap();
+                    assert!(hit.num_tokens < n && hit.num_tokens % u64::from(sbs) == 0);
+                    for (g, blocks) in hit.blocks.iter().enumerate() {
+                        let bs = u64::from(h.group(g).block_size());
+                        assert!(blocks.len() as u64 * bs >= hit.num_tokens, "{hit:?}");
+                    }
+                    let id = format!("r{step}");
+                    let chunk = 1 + rng.below((n - hit.num_tokens) as usize) as u64;
+                    let a = HybridSlots {
+                        num_tokens: n,
+                        num_new_tokens: chunk,
+                        num_new_computed_tokens: hit.num_tokens,
+                        new_computed: Some(&hit.blocks),
+                        waiting_or_preempted: true,
+                        ..Default::default()
+                    };
+                    let new = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
+                    let _ = write!(
+                        trace,
+                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}",
+                        hit.num_tokens,
+                        hit.blocks,
+                        opt(&new)
+                    );
+                    if new.is_some() {
+                        live.push((id, f, n, hit.num_tokens + chunk));
+                    }
+                }
+                0..=6 if !live.is_empty() => {
+                    let i = rng.below(live.len());
+                    let (id, f, n, c) = live[i].clone();
+                    let (tokens, new) = if c < n {
+                        (n, 1 + rng.below((n - c) as usize) as u64)
+                    } else {
+                        (n + 1, 1)
+                    };
+                    let ks = family_keys(f, tokens);
+                    let a = HybridSlots {
+                        num_computed_tokens: c,
+                        num_tokens: tokens,
+                        num_new_tokens: new,
+                        ..Default::default()
+                    };
+                    let out = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
+                    let _ = write!(
+                        trace,
+                        "('step', {li}, '{id}', {f}, {tokens}, {c}, {new}, {}",
+                        opt(&out)
+                    );
+                    if out.is_some() {
+                        live[i] = (id, f, tokens, c + new);
+                    } else {
+                        h.free(&id).unwrap();
+                        live.swap_remove(i);
+                    }
+                }
+                7 if !live.is_empty() => {
+                    let (id, ..) = live.swap_remove(rng.below(live.len()));
+                    h.free(&id).unwrap();
+                    let _ = write!(trace, "('free', {li}, '{id}'");
+                }
+                _ => {
+                    let b = 1 + rng.below(19) as u32;
+                    h.pool_mut().evict(b);
+                    let _ = write!(trace, "('evict', {li}, {b}");
+                }
+            }
+            if trace.len() > traced {
+                let tables: Vec<_> = live
+                    .iter()
+                    .map(|(id, ..)| (id.clone(), h.blocks(id)))
+                    .collect();
+                let _ = writeln!(trace, ", {:?}, {:?})", h.pool().free_queue(), tables);
+            }
+            h.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        }
+        for (id, ..) in live {
+            h.free(&id).unwrap();
+        }
+        h.check().unwrap();
+        assert_eq!(h.pool().num_free(), 19);
+    }
+    if let Some(p) = trace_path {
+        std::fs::write(p, trace).unwrap();
+    }
 }

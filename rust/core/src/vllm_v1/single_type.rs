@@ -20,7 +20,14 @@
 //! group): no EAGLE/MTP (no last-block drop, no `extra_retained_tokens`), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
 //! a Mamba "align" group), dense prefix-cache retention (`prefix_cache_retention_interval`
-//! unset), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba groups. Mamba
+//! unset), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba groups, and
+//! full-attention groups only at the hash block size: with larger blocks vLLM's
+//! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
+//! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
+//! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
+//! refuses rather than mirror half of (the lookup, [`find_longest_cache_hit`], reads such
+//! groups' hashes correctly; the caching would not match). Other kinds may use any multiple
+//! of the hash block size. Mamba
 //! would need its own kind: per-request state blocks (not one block per `block_size` tokens),
 //! "align"-mode checkpoints and their interior nulling, speculative-block relocation, and the
 //! fine-grained hits the coordinator enables only with it.
@@ -434,6 +441,15 @@ impl GroupManager {
         if p.hash_block_size == 0 || spec.block_size % p.hash_block_size != 0 {
             return Err(Error::invalid(format!(
                 "block size {} must be a positive multiple of the hash block size {}",
+                spec.block_size, p.hash_block_size
+            )));
+        }
+        if spec.kind == AttentionKind::Full && spec.block_size != p.hash_block_size {
+            // vLLM's FullAttentionManager.cache_blocks then also registers the prompt's last
+            // hash boundary inside a block as a second, partial cache entry on that block
+            // (`_cache_partial_tail_block`), which a pool of one hash per block cannot hold.
+            return Err(Error::invalid(format!(
+                "a full-attention group's block size ({}) must equal the hash block size ({}):                  vLLM caches partial prompt-tail entries otherwise, which pagedkv does not",
                 spec.block_size, p.hash_block_size
             )));
         }
