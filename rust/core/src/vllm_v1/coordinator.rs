@@ -23,7 +23,9 @@
 //!   any lookup returned, minus the final one, is `num_uncached_common_prefix_tokens`;
 //! * hits are aligned to the scheduler block size (a multiple of every group's block size,
 //!   which are multiples of the hash block size): groups may have different block sizes,
-//!   except that chunked local attention requires its block size to equal the alignment;
+//!   except that chunked local attention requires its block size to equal the alignment
+//!   (vLLM asserts it) and full attention here requires the hash block size (see
+//!   [`super::single_type`]: vLLM adds partial prompt-tail entries otherwise);
 //! * a group caches its blocks up to the computed tokens rounded down to the scheduler block
 //!   size (`get_num_cacheable_tokens`).
 //!
@@ -39,8 +41,9 @@
 //! group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!
-//! Invariants: every group's invariants ([`super::single_type`]); a block is in at most one
-//! group's tables (the pool hands each out once; hits come from the group's own cache).
+//! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
+//! number of tables, of any group, holding it; a block is only in tables of the group it is
+//! cached for (the pool hands each out once; hits come from the group's own cache).
 //!
 //! Costs: a lookup is at most a few passes (each pass that does not stop shortens the
 //! candidate) of every non-full attention group's lookup, plus one lookup of each full group;
@@ -65,7 +68,8 @@ pub struct HybridConfig {
     /// block size (the least common multiple of the block sizes, as vLLM's config makes it).
     pub scheduler_block_size: u32,
     pub max_model_len: u64,
-    /// `VllmConfig.max_in_flight_tokens` (for the sliding-window and chunked admission caps).
+    /// `VllmConfig.max_in_flight_tokens` (for the sliding-window and chunked admission caps;
+    /// vLLM's `KVCacheManager` takes `max_model_len` when it is not given).
     pub max_in_flight_tokens: u64,
     pub enable_caching: bool,
     pub enable_events: bool,
@@ -281,7 +285,7 @@ impl Hybrid {
                 .map(Option::unwrap_or_default)
                 .collect(),
             num_tokens: hit_length,
-            num_uncached_common_prefix_tokens: longest - hit_length,
+            num_uncached_common_prefix_tokens: longest.saturating_sub(hit_length),
         })
     }
 

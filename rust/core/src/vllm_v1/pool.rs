@@ -268,10 +268,17 @@ impl Pool {
     /// `get_one_block(make_block_hash_with_group_id(key, group))`).
     pub fn get_cached_in(&self, key: &HashKey, group: u32) -> Option<u32> {
         let (hash, groups) = (&self.hash, &self.group);
-        let group_of = |b: u32| groups.get(b as usize).copied().unwrap_or(0);
+        let h = self.hasher.hash_one(key);
+        if groups.is_empty() {
+            // One group: the hash alone (the single-group manager's lookup, as before).
+            return (group == 0)
+                .then(|| self.cached.find(h, |&b| hash[b as usize] == *key))
+                .flatten()
+                .copied();
+        }
         self.cached
-            .find(self.hasher.hash_one(key), |&b| {
-                hash[b as usize] == *key && group_of(b) == group
+            .find(h, |&b| {
+                hash[b as usize] == *key && groups[b as usize] == group
             })
             .copied()
     }
