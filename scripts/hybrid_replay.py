@@ -58,17 +58,20 @@ def family_keys(f, n):
     return [key(i) if i < 3 else key(100 * (f + 1) + i) for i in range(n // 4)]
 
 
-# (groups, scheduler block size), as in the Rust test; hash block 4, 20 blocks.
+# (groups, scheduler block size, prefix caching), as in the Rust test; hash block 4, 20 blocks.
 LAYOUTS = [
-    ([full(4), swa(8, 4)], 4),
-    ([swa(8, 4), full(4), chunked(8, 4)], 4),
-    ([full(4), swa(8, 8)], 8),
-    ([full(4), swa(5, 4)], 8),
+    ([full(4), swa(8, 4)], 4, True),
+    ([swa(8, 4), full(4), chunked(8, 4)], 4, True),
+    ([full(4), swa(8, 8)], 8, True),
+    ([full(4), swa(5, 4)], 8, True),
+    ([full(4), swa(8, 4), swa(16, 4)], 4, True),
+    ([swa(8, 4), swa(8, 4), full(4)], 4, True),
+    ([full(4), swa(8, 4), chunked(8, 4)], 4, False),
 ]
 
 
 def manager(layout):
-    specs, sbs = LAYOUTS[layout]
+    specs, sbs, caching = LAYOUTS[layout]
     cfg = KVCacheConfig(
         num_blocks=20,
         kv_cache_tensors=[],
@@ -80,7 +83,7 @@ def manager(layout):
         scheduler_block_size=sbs,
         hash_block_size=4,
         max_in_flight_tokens=16,
-        enable_caching=True,
+        enable_caching=caching,
     )
 
 
@@ -119,21 +122,30 @@ def main(path):
             managers[layout], reqs = manager(layout), {}
         m = managers[layout]
         if op == "new":
-            _, _, rid, f, tokens, chunk, hit_len, hit_blocks, new, queue, tables = t
+            _, _, rid, f, tokens, chunk, hit_len, hit_blocks, gate, new, queue, tables = t
             r = request(rid, f, tokens)
             blocks, length, _ = m.coordinator.find_longest_cache_hit(r.block_hashes, tokens - 1)
             if (length, ids(blocks)) != (hit_len, hit_blocks):
                 bad.append((n, "hit", (length, ids(blocks)), (hit_len, hit_blocks)))
-            got = new_ids(m.allocate_slots(r, chunk, length, KVCacheBlocks(tuple(blocks))))
+            got = new_ids(
+                m.allocate_slots(
+                    r,
+                    chunk,
+                    length,
+                    KVCacheBlocks(tuple(blocks)),
+                    full_sequence_must_fit=gate,
+                )
+            )
             if got != new:
                 bad.append((n, "new blocks", got, new))
             if got is not None:
                 r.status = RequestStatus.RUNNING
                 reqs[rid] = r
         elif op == "step":
-            _, _, rid, f, tokens, computed, num_new, new, queue, tables = t
+            _, _, rid, f, tokens, computed, in_flight, num_new, new, queue, tables = t
             r = reqs[rid]
             r.num_computed_tokens, r.num_tokens = computed, tokens
+            r.num_in_flight_tokens = in_flight
             r.block_hashes = family_keys(f, tokens)
             got = new_ids(m.allocate_slots(r, num_new))
             if got != new:

@@ -42,6 +42,10 @@ fn chunked(chunk: u32, bs: u32) -> GroupSpec {
 }
 
 fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {
+    hybrid_cached(groups, scheduler_block_size, true)
+}
+
+fn hybrid_cached(groups: Vec<GroupSpec>, scheduler_block_size: u32, caching: bool) -> Hybrid {
     Hybrid::new(HybridConfig {
         num_blocks: 20,
         groups,
@@ -49,7 +53,7 @@ fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {
         scheduler_block_size,
         max_model_len: 1000,
         max_in_flight_tokens: 16,
-        enable_caching: true,
+        enable_caching: caching,
         enable_events: true,
         watermark_blocks: 0,
         release: Release::V033,
@@ -357,8 +361,9 @@ fn family_keys(f: u32, n: u64) -> Vec<HashKey> {
 
 #[test]
 fn randomized_runs_keep_every_invariant() {
-    // Seeded runs over three layouts: prefix hits, chunked prefill, decode, preemption,
-    // eviction and frees, checking the pool's and every table's invariants after each call
+    // Seeded runs over seven layouts: prefix hits, chunked prefill (some admissions gated on
+    // the full sequence), decode (some with tokens still in flight), preemption, eviction and
+    // frees, checking the pool's and every table's invariants after each call
     // and that each hit is aligned, within its bound and every group's share of it.
     use crate::rng::Rng;
     use std::fmt::Write as _;
@@ -368,15 +373,19 @@ fn randomized_runs_keep_every_invariant() {
     let mut trace = String::new();
     let opt =
         |o: &Option<Vec<Vec<u32>>>| o.as_ref().map_or("None".to_string(), |v| format!("{v:?}"));
-    let layouts: [(Vec<GroupSpec>, u32); 4] = [
-        (vec![full(4), swa(8, 4)], 4),
-        (vec![swa(8, 4), full(4), chunked(8, 4)], 4),
-        (vec![full(4), swa(8, 8)], 8),
-        (vec![full(4), swa(5, 4)], 8),
+    // (groups, scheduler block size, prefix caching); scripts/hybrid_replay.py has the same.
+    let layouts: [(Vec<GroupSpec>, u32, bool); 7] = [
+        (vec![full(4), swa(8, 4)], 4, true),
+        (vec![swa(8, 4), full(4), chunked(8, 4)], 4, true),
+        (vec![full(4), swa(8, 8)], 8, true),
+        (vec![full(4), swa(5, 4)], 8, true),
+        (vec![full(4), swa(8, 4), swa(16, 4)], 4, true),
+        (vec![swa(8, 4), swa(8, 4), full(4)], 4, true),
+        (vec![full(4), swa(8, 4), chunked(8, 4)], 4, false),
     ];
-    for (li, (layout, sbs)) in layouts.into_iter().enumerate() {
+    for (li, (layout, sbs, caching)) in layouts.into_iter().enumerate() {
         let mut rng = Rng::new(0x1d5eed);
-        let mut h = hybrid(layout, sbs);
+        let mut h = hybrid_cached(layout, sbs, caching);
         // (id, family, tokens, computed)
         let mut live: Vec<(String, u32, u64, u64)> = Vec::new();
         for step in 0..3000 {
@@ -393,20 +402,23 @@ fn randomized_runs_keep_every_invariant() {
                     }
                     let id = format!("r{step}");
                     let chunk = 1 + rng.below((n - hit.num_tokens) as usize) as u64;
+                    let gate = rng.chance(30);
                     let a = HybridSlots {
                         num_tokens: n,
                         num_new_tokens: chunk,
                         num_new_computed_tokens: hit.num_tokens,
                         new_computed: Some(&hit.blocks),
                         waiting_or_preempted: true,
+                        full_sequence_must_fit: gate,
                         ..Default::default()
                     };
                     let new = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
                     let _ = write!(
                         trace,
-                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}",
+                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}, {}",
                         hit.num_tokens,
                         hit.blocks,
+                        if gate { "True" } else { "False" },
                         opt(&new)
                     );
                     if new.is_some() {
@@ -422,16 +434,22 @@ fn randomized_runs_keep_every_invariant() {
                         (n + 1, 1)
                     };
                     let ks = family_keys(f, tokens);
+                    let in_flight = if rng.chance(30) {
+                        rng.below(c as usize + 1) as u64
+                    } else {
+                        0
+                    };
                     let a = HybridSlots {
                         num_computed_tokens: c,
                         num_tokens: tokens,
                         num_new_tokens: new,
+                        num_in_flight_tokens: in_flight,
                         ..Default::default()
                     };
                     let out = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
                     let _ = write!(
                         trace,
-                        "('step', {li}, '{id}', {f}, {tokens}, {c}, {new}, {}",
+                        "('step', {li}, '{id}', {f}, {tokens}, {c}, {in_flight}, {new}, {}",
                         opt(&out)
                     );
                     if out.is_some() {
