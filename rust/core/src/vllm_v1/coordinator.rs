@@ -331,6 +331,17 @@ impl Hybrid {
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
         }
+        // A request never has more computed tokens than max_model_len; the bound also keeps a
+        // window's null padding (one entry per skipped block) within max_model_len's blocks.
+        let local = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens);
+        if local > self.cfg.max_model_len {
+            return Err(Error::invalid(format!(
+                "{local} computed tokens pass max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
         if let Some(nc) = a.new_computed {
             if nc.len() != self.managers.len() {
                 return Err(Error::invalid(format!(

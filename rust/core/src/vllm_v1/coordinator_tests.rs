@@ -340,6 +340,17 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
     // The scheduler block size must be a multiple of every block size (vLLM asserts it).
     cfg.groups = vec![full(8), swa(8, 4)];
     assert!(Hybrid::new(cfg.clone()).is_err());
+    // More computed tokens than max_model_len is refused before anything changes.
+    cfg.groups = vec![full(4), swa(8, 4)];
+    let mut h = Hybrid::new(cfg.clone()).unwrap();
+    let a = HybridSlots {
+        num_computed_tokens: 1001,
+        num_tokens: 1002,
+        num_new_tokens: 1,
+        ..Default::default()
+    };
+    assert!(h.allocate_slots("a", &a, &mut &ks[..]).is_err());
+    assert_eq!(h.pool().num_free(), 19);
     // One group is the unitary coordinator's, not this one.
     cfg.groups = vec![full(4)];
     assert!(Hybrid::new(cfg).is_err());

@@ -292,10 +292,12 @@ pub fn find_longest_cache_hit(
     max_length: u64,
     alignment: u64,
 ) -> Result<(Vec<Vec<u32>>, u64)> {
+    spec.check()?;
     let bs = u64::from(spec.block_size);
-    if spec.block_size % hash_block_size != 0 {
+    if hash_block_size == 0 || spec.block_size % hash_block_size != 0 || alignment == 0 {
         return Err(Error::invalid(format!(
-            "block size {} is not a multiple of the hash block size {hash_block_size}",
+            "block size {} must be a positive multiple of the hash block size \
+             {hash_block_size}, the alignment ({alignment}) positive",
             spec.block_size
         )));
     }
@@ -449,7 +451,8 @@ impl GroupManager {
             // hash boundary inside a block as a second, partial cache entry on that block
             // (`_cache_partial_tail_block`), which a pool of one hash per block cannot hold.
             return Err(Error::invalid(format!(
-                "a full-attention group's block size ({}) must equal the hash block size ({}):                  vLLM caches partial prompt-tail entries otherwise, which pagedkv does not",
+                "a full-attention group's block size ({}) must equal the hash block size \
+                 ({}): vLLM caches partial prompt-tail entries otherwise, which pagedkv does not",
                 spec.block_size, p.hash_block_size
             )));
         }
@@ -613,6 +616,12 @@ impl GroupManager {
         }
         // A table shorter than its full blocks (tokens past max_model_len): cache what it has.
         let full = full.min(held.max(first as usize));
+        if full as u64 * u64::from(self.spec.block_size) > u64::from(u32::MAX) {
+            return Err(Error::invalid(format!(
+                "a cached block would cover {} tokens; at most 2**32 - 1 are counted",
+                full as u64 * u64::from(self.spec.block_size)
+            )));
+        }
         let mut view = View {
             hashes,
             scale: (self.spec.block_size / self.hash_block_size) as usize,

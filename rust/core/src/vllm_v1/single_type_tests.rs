@@ -379,3 +379,21 @@ fn cache_blocks_skips_null_blocks_and_nothing_full_leaves_the_request_untracked(
     assert_eq!(p.get_cached(&key(1)), Some(2));
     p.check().unwrap();
 }
+
+#[test]
+fn bad_arguments_are_errors_not_panics() {
+    let p = Pool::new(4, true, false).unwrap();
+    let ks = keys(4);
+    let full = GroupSpec::new(AttentionKind::Full, 4);
+    // Zero alignment, zero or non-dividing hash block, zero block size or window.
+    assert!(find_longest_cache_hit(&full, &[0], &p, &mut &ks[..], 4, 16, 0).is_err());
+    assert!(find_longest_cache_hit(&full, &[0], &p, &mut &ks[..], 0, 16, 4).is_err());
+    assert!(find_longest_cache_hit(&full, &[0], &p, &mut &ks[..], 3, 16, 4).is_err());
+    let zero = GroupSpec::new(AttentionKind::Full, 0);
+    assert!(find_longest_cache_hit(&zero, &[0], &p, &mut &ks[..], 4, 16, 4).is_err());
+    assert!(find_longest_cache_hit(&swa(0, 4), &[0], &p, &mut &ks[..], 4, 16, 4).is_err());
+    assert!(GroupManager::new(chunked(0, 4), 0, params(4, true)).is_err());
+    assert!(GroupManager::new(swa(8, 6), 0, params(12, true)).is_err());
+    // A window group whose blocks do not divide the scheduler block.
+    assert!(GroupManager::new(swa(8, 8), 0, params(4, true)).is_err());
+}
