@@ -210,14 +210,20 @@ pub(crate) fn cached_prefix(
     out: &mut [Vec<u32>],
 ) -> Result<usize> {
     let mut view = View { hashes, scale };
-    let mut hit = Vec::with_capacity(groups.len());
     let n = max_blocks.min(view.count()?);
     for i in 0..n {
-        if !cached_in_all(pool, &view.key(i)?, groups, &mut hit) {
-            return Ok(i);
-        }
-        for (o, &b) in out.iter_mut().zip(&hit) {
-            o.push(b);
+        let key = view.key(i)?;
+        for (j, &g) in groups.iter().enumerate() {
+            match pool.get_cached_in(&key, g) {
+                Some(b) => out[j].push(b),
+                None => {
+                    // A miss in any group ends the run for all (no scratch list needed).
+                    for o in &mut out[..j] {
+                        o.pop();
+                    }
+                    return Ok(i);
+                }
+            }
         }
     }
     Ok(n)
