@@ -12,6 +12,9 @@
 //! `num_cached_block`; absent means "not tracked", which decides how a first allocation counts
 //! prefix hits).
 //!
+//! The per-group pieces (the prefix scan, the blocks-to-allocate count, caching full blocks)
+//! are [`super::single_type`]'s, shared with the hybrid groups' managers there.
+//!
 //! `allocate_slots` is planned first (every check, every hash read) and applied after, so a
 //! call that fails changes nothing.
 
@@ -19,7 +22,8 @@ use foldhash::fast::RandomState;
 
 use hashbrown::HashMap;
 
-use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
+use super::pool::{HashKey, Pool, NULL_BLOCK};
+use super::single_type::{blocks_to_allocate, cache_full_blocks, cached_prefix};
 use crate::error::{Error, Result};
 
 /// A request's block hashes, read on demand (`request.block_hashes` in vLLM): a call that
@@ -145,13 +149,9 @@ impl Manager {
         hashes: &mut dyn HashSource,
         max_blocks: usize,
     ) -> Result<Vec<u32>> {
-        let mut hit = Vec::new();
-        for i in 0..max_blocks.min(hashes.count()?) {
-            match self.pool.get_cached(&hashes.key(i)?) {
-                Some(b) => hit.push(b),
-                None => break,
-            }
-        }
+        let mut hit = [Vec::new()];
+        cached_prefix(&self.pool, &[0], hashes, 1, max_blocks, &mut hit)?;
+        let [hit] = hit;
         Ok(hit)
     }
 
@@ -178,20 +178,21 @@ impl Manager {
     ) -> Result<u64> {
         let required = cdiv(num_tokens, self.cfg.block_size as u64);
         let have = r.map_or(0, |r| r.blocks.len()) as u64;
-        if r.is_some_and(|r| r.num_cached.is_some()) {
-            if !new_computed.is_empty() {
-                return Err(Error::invalid(format!(
-                    "request {req} is running: it cannot adopt prefix-cache blocks"
-                )));
-            }
-            return Ok(required.saturating_sub(have));
+        let running = r.is_some_and(|r| r.num_cached.is_some());
+        if running && !new_computed.is_empty() {
+            return Err(Error::invalid(format!(
+                "request {req} is running: it cannot adopt prefix-cache blocks"
+            )));
         }
-        let local = new_computed.len() as u64 + have;
-        let evictable = new_computed
-            .iter()
-            .filter(|&&b| self.pool.is_evictable(b))
-            .count() as u64;
-        Ok(required.saturating_sub(local) + evictable)
+        // Full attention skips no tokens.
+        Ok(blocks_to_allocate(
+            &self.pool,
+            required,
+            have,
+            running,
+            new_computed,
+            0,
+        ))
     }
 
     /// vLLM's `allocate_slots`: `Ok(None)` when the blocks do not fit (nothing changes),
@@ -368,17 +369,9 @@ impl Manager {
         if keys.is_empty() {
             return;
         }
-        for (i, k) in keys.iter().enumerate() {
-            let idx = first + i as u32;
-            let b = r.blocks[idx as usize];
-            // A newly full block was handed out uncached (get_new_blocks evicts) and is past
-            // the request's cached prefix, so it has no hash yet: this cannot fail.
-            pool.insert_hash(b, *k, (idx + 1) * bs)
-                .expect("a newly full block has no hash yet");
-        }
-        let end = first + keys.len() as u32;
-        pool.push_event(Event::Stored { first, end });
-        r.num_cached = Some(end);
+        // One group (id 0), every block reachable; the table holds no null block.
+        cache_full_blocks(pool, 0, bs, &r.blocks, first, keys, |_| true);
+        r.num_cached = Some(first + keys.len() as u32);
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)` (a no-op with caching off).

@@ -6,6 +6,9 @@
 //! * [`free_queue`]: the free-block queue (intrusive doubly linked list, vLLM's order);
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
+//! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
+//!   one shared pool, for hybrid models (not yet used by the bindings);
+//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
 //! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
 //!   [`Mode`] (release, async) it runs in;
@@ -13,14 +16,20 @@
 //! * [`walk`]: vLLM v1's `schedule()` and `update_from_output()`, generic over [`Engine`].
 
 pub mod block_hash;
+pub mod coordinator;
 pub mod engine;
 pub mod free_queue;
 pub mod manager;
 pub mod policy;
 pub mod pool;
+pub mod single_type;
 pub mod spec_stats;
 pub mod walk;
 
+#[cfg(test)]
+mod coordinator_tests;
+#[cfg(test)]
+mod single_type_tests;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

@@ -17,8 +17,17 @@
 //! table of block ids (the first block cached under each hash; later ones chain through
 //! `next_holder`), compared through the blocks' hash slots, so a hash is stored once.
 //!
+//! KV cache groups: vLLM keys its map by the hash *and* the KV cache group id
+//! (`BlockHashWithGroupId`), so one pool serves several groups (hybrid models) without their
+//! blocks answering for one another. A pool made by [`Pool::new_grouped`] for two or more
+//! groups keeps each cached block's group id (`group[b]`, 4 B per block); every other pool
+//! has one group, id 0, and keeps no such table (no bytes, no change to its layout). A
+//! lookup hashes the block hash alone and compares hash and group, so a hash cached in `G`
+//! groups shares one probe sequence (`G` is a handful). Events carry the hash only, as
+//! vLLM's `BlockRemoved` hashes do; the group is not recorded in them (yet).
+//!
 //! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
-//! set iff `b` is on the chain the table keeps for that hash.
+//! set iff `b` is on the chain the table keeps for that hash and `b`'s group.
 //!
 //! Costs: every operation O(1) per block touched (a chain is as long as the number of identical
 //! blocks cached, almost always 1); 53 B per block (4 ref count, 8 queue links, 33 hash slot,
@@ -103,6 +112,10 @@ pub struct Pool {
     hashed_tokens: Vec<u32>,
     /// The next block cached under the same hash, in insertion order ([`NIL`]: the last).
     next_holder: Vec<u32>,
+    /// The KV cache group each cached block is cached for; empty in a one-group pool (every
+    /// block's group is 0 there).
+    group: Vec<u32>,
+    num_groups: u32,
     queue: FreeQueue,
     /// The first block cached under each hash, found through `hash[b]`.
     cached: HashTable<u32>,
@@ -119,6 +132,20 @@ pub struct Pool {
 
 impl Pool {
     pub fn new(num_blocks: u32, caching: bool, events: bool) -> Result<Self> {
+        Self::new_grouped(num_blocks, caching, events, 1)
+    }
+
+    /// A pool shared by `num_groups` KV cache groups (ids `0..num_groups`), as vLLM's one
+    /// `BlockPool` under a hybrid coordinator. `num_groups == 1` is [`Pool::new`].
+    pub fn new_grouped(
+        num_blocks: u32,
+        caching: bool,
+        events: bool,
+        num_groups: u32,
+    ) -> Result<Self> {
+        if num_groups == 0 {
+            return Err(Error::invalid("a pool serves at least one KV cache group"));
+        }
         if num_blocks == 0 || num_blocks >= u32::MAX - 2 {
             return Err(Error::invalid(format!(
                 "num_blocks must be in 1..{}, got {num_blocks}",
@@ -138,6 +165,11 @@ impl Pool {
         let ref_cnt = try_filled(0, n, "ref counts")?;
         let hashed_tokens = try_filled(0, n, "hashed token counts")?;
         let next_holder = try_filled(NIL, n, "holder links")?;
+        let group = if num_groups > 1 {
+            try_filled(0, n, "block groups")?
+        } else {
+            Vec::new()
+        };
         let mut queue = FreeQueue::new(num_blocks)?;
         let null = queue.popleft();
         debug_assert_eq!(null, Some(NULL_BLOCK));
@@ -146,6 +178,8 @@ impl Pool {
             hash,
             hashed_tokens,
             next_holder,
+            group,
+            num_groups,
             queue,
             cached,
             hasher,
@@ -215,11 +249,37 @@ impl Pool {
         Ok(b as u32)
     }
 
-    /// The first block cached under `key`.
+    /// How many KV cache groups the pool serves (1 unless made by [`Pool::new_grouped`]).
+    pub fn num_groups(&self) -> u32 {
+        self.num_groups
+    }
+
+    /// The group `b` is cached for (0 in a one-group pool or while `b` is uncached).
+    pub fn group_of(&self, b: u32) -> u32 {
+        self.group.get(b as usize).copied().unwrap_or(0)
+    }
+
+    /// The first block cached under `key` (in group 0).
     pub fn get_cached(&self, key: &HashKey) -> Option<u32> {
-        let hash = &self.hash;
+        self.get_cached_in(key, 0)
+    }
+
+    /// The first block cached under `key` for KV cache group `group` (vLLM's
+    /// `get_one_block(make_block_hash_with_group_id(key, group))`).
+    pub fn get_cached_in(&self, key: &HashKey, group: u32) -> Option<u32> {
+        let (hash, groups) = (&self.hash, &self.group);
+        let h = self.hasher.hash_one(key);
+        if groups.is_empty() {
+            // One group: the hash alone (the single-group manager's lookup, as before).
+            return (group == 0)
+                .then(|| self.cached.find(h, |&b| hash[b as usize] == *key))
+                .flatten()
+                .copied();
+        }
         self.cached
-            .find(self.hasher.hash_one(key), |&b| hash[b as usize] == *key)
+            .find(h, |&b| {
+                hash[b as usize] == *key && groups[b as usize] == group
+            })
             .copied()
     }
 
@@ -331,8 +391,25 @@ impl Pool {
     /// Cache `b` under `key`, its hash covering `num_tokens` tokens (vLLM's
     /// `_insert_block_hash` for a block without a hash).
     pub fn insert_hash(&mut self, b: u32, key: HashKey, num_tokens: u32) -> Result<()> {
+        self.insert_hash_in(b, key, 0, num_tokens)
+    }
+
+    /// [`Pool::insert_hash`] for KV cache group `group` (below the pool's group count).
+    pub fn insert_hash_in(
+        &mut self,
+        b: u32,
+        key: HashKey,
+        group: u32,
+        num_tokens: u32,
+    ) -> Result<()> {
+        if group >= self.num_groups {
+            return Err(Error::invalid(format!(
+                "KV cache group {group} in a pool of {} groups",
+                self.num_groups
+            )));
+        }
         match self.hash_of(b) {
-            Some(k) if *k == key => return Ok(()),
+            Some(k) if *k == key && self.group_of(b) == group => return Ok(()),
             Some(_) => {
                 return Err(Error::invalid(format!(
                     "block {b} is already cached under another hash"
@@ -340,7 +417,7 @@ impl Pool {
             }
             None => {}
         }
-        match self.get_cached(&key) {
+        match self.get_cached_in(&key, group) {
             Some(first) => {
                 let last = self.holders(first).last().unwrap_or(first);
                 self.next_holder[last as usize] = b;
@@ -355,6 +432,9 @@ impl Pool {
         self.hash[b as usize] = key;
         self.hashed_tokens[b as usize] = num_tokens;
         self.next_holder[b as usize] = NIL;
+        if let Some(g) = self.group.get_mut(b as usize) {
+            *g = group;
+        }
         Ok(())
     }
 
@@ -367,17 +447,26 @@ impl Pool {
         self.hash[b as usize] = HashKey::NONE;
         self.hashed_tokens[b as usize] = 0;
         self.next_holder[b as usize] = NIL;
+        if let Some(g) = self.group.get_mut(b as usize) {
+            *g = 0;
+        }
         if popped {
             self.push_event(Event::Removed(key));
         }
         popped
     }
 
-    /// Take `b` off the chain of `key` (its hash slot still set: the table compares through it).
+    /// Take `b` off the chain of `key` in `b`'s group (its hash slot still set: the table
+    /// compares through it).
     fn pop_holder(&mut self, key: &HashKey, b: u32) -> bool {
         let h = self.hasher.hash_one(key);
-        let hash = &self.hash;
-        let Ok(entry) = self.cached.find_entry(h, |&x| hash[x as usize] == *key) else {
+        let group = self.group_of(b);
+        let (hash, groups) = (&self.hash, &self.group);
+        let group_of = |x: u32| groups.get(x as usize).copied().unwrap_or(0);
+        let Ok(entry) = self
+            .cached
+            .find_entry(h, |&x| hash[x as usize] == *key && group_of(x) == group)
+        else {
             return false;
         };
         let first = *entry.get();
@@ -409,6 +498,7 @@ impl Pool {
         self.hash.fill(HashKey::NONE);
         self.hashed_tokens.fill(0);
         self.next_holder.fill(NIL);
+        self.group.fill(0);
         self.push_event(Event::Cleared);
         true
     }
@@ -441,6 +531,7 @@ impl Pool {
             + vec_bytes(&self.hash)
             + vec_bytes(&self.hashed_tokens)
             + vec_bytes(&self.next_holder)
+            + vec_bytes(&self.group)
             + self.queue.heap_bytes()
             + table_bytes(self.cached.capacity(), std::mem::size_of::<u32>())
             + events
@@ -464,7 +555,7 @@ impl Pool {
             }
             if let Some(k) = self.hash_of(b) {
                 if !self
-                    .get_cached(k)
+                    .get_cached_in(k, self.group_of(b))
                     .is_some_and(|f| self.holders(f).any(|x| x == b))
                 {
                     return Err(format!("block {b}'s hash is not mapped to it"));

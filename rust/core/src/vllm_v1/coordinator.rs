@@ -1,0 +1,542 @@
+//! vLLM v1's hybrid KV cache coordinator (`HybridKVCacheCoordinator` in
+//! `kv_cache_coordinator.py`, with the parts of `KVCacheManager.allocate_slots` that drive it):
+//! several KV cache groups, one [`GroupManager`] each, all over one [`Pool`].
+//!
+//! ```text
+//!   find_longest_cache_hit:  full groups first, then the others; each may only shorten the
+//!                            candidate length; repeat until a pass shortens nothing
+//!   allocate_slots:          remove_skipped_blocks (every group) -> count (every group) ->
+//!                            adopt the hit (every group) -> allocate (group 0, 1, ...) -> cache
+//!   free:                    group 0's table (last block first), then group 1's, ...
+//! ```
+//!
+//! What the installed vLLM (0.32 and 0.33 alike, for what is mirrored here) does, and this
+//! does:
+//! * groups whose specs are equal (kind, block size, the rest as [`GroupSpec::layout`]) form
+//!   one *attention group*, looked up together: a block position hits only when every member
+//!   group has it cached; attention groups are ordered full attention first (stable);
+//! * the candidate hit starts at `max_cache_hit_length`; each attention group's lookup is
+//!   capped by the candidate and replaces it; a full-attention group is looked up once and
+//!   afterwards only caps the candidate with its first result; passes repeat until the
+//!   candidate is stable, except that one full group plus one other ("simple hybrid") stops
+//!   after one pass; full-attention hits are then cut to the final length; the longest length
+//!   any lookup returned, minus the final one, is `num_uncached_common_prefix_tokens`;
+//! * hits are aligned to the scheduler block size (a multiple of every group's block size,
+//!   which are multiples of the hash block size): groups may have different block sizes,
+//!   except that chunked local attention requires its block size to equal the alignment
+//!   (vLLM asserts it) and full attention here requires the hash block size (see
+//!   [`super::single_type`]: vLLM adds partial prompt-tail entries otherwise);
+//! * a group caches its blocks up to the computed tokens rounded down to the scheduler block
+//!   size (`get_num_cacheable_tokens`).
+//!
+//! Differences between the releases that reach this code: `pop_blocks_for_free` leaves the
+//! leading null blocks out in 0.33 only (`trim_null_head`; the free queue ends up the same,
+//! as both skip the null block when freeing); 0.33 caps `cache_blocks` at the request's
+//! hashes. Everything else here is the same in both (EAGLE's drop set, partial hash hits and
+//! lookahead hashes changed, all out of this scope: see [`super::single_type`]).
+//!
+//! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE,
+//! Mamba groups, KV cache events with their group index (a [`super::pool::Event::Stored`] is
+//! logged per group, in group order, without the group), the unitary coordinator (one
+//! group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
+//! group is not covered).
+//!
+//! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
+//! number of tables, of any group, holding it; a block is only in tables of the group it is
+//! cached for (the pool hands each out once; hits come from the group's own cache).
+//!
+//! Costs: a lookup is at most a few passes (each pass that does not stop shortens the
+//! candidate) of every non-full attention group's lookup, plus one lookup of each full group;
+//! allocation and freeing are O(groups + blocks moved).
+
+use super::engine::Release;
+use super::manager::HashSource;
+use super::pool::Pool;
+use super::single_type::{
+    find_longest_cache_hit, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
+};
+use crate::error::{Error, Result};
+
+#[derive(Clone, Debug)]
+pub struct HybridConfig {
+    pub num_blocks: u32,
+    /// The KV cache groups, in vLLM's group order (group `i` is `groups[i]`).
+    pub groups: Vec<GroupSpec>,
+    /// Tokens per block hash (`hash_block_size`).
+    pub hash_block_size: u32,
+    /// vLLM's `scheduler_block_size`: a multiple of every group's block size and of the hash
+    /// block size (the least common multiple of the block sizes, as vLLM's config makes it).
+    pub scheduler_block_size: u32,
+    pub max_model_len: u64,
+    /// `VllmConfig.max_in_flight_tokens` (for the sliding-window and chunked admission caps;
+    /// vLLM's `KVCacheManager` takes `max_model_len` when it is not given).
+    pub max_in_flight_tokens: u64,
+    pub enable_caching: bool,
+    pub enable_events: bool,
+    /// `int(watermark * num_blocks)`, as vLLM computes it.
+    pub watermark_blocks: u64,
+    pub release: Release,
+}
+
+/// A prefix-cache hit across groups.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Hit {
+    /// Per group, the hit's blocks (skipped positions as the null block).
+    pub blocks: Vec<Vec<u32>>,
+    /// The hit in tokens, common to every group.
+    pub num_tokens: u64,
+    /// `num_uncached_common_prefix_tokens`: how much longer some group's own hit was.
+    pub num_uncached_common_prefix_tokens: u64,
+}
+
+/// One `allocate_slots` call's arguments (vLLM's names), the request's fields included.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct HybridSlots<'a> {
+    pub num_computed_tokens: u64,
+    pub num_tokens: u64,
+    /// `request.num_in_flight_tokens` (scheduled, not yet processed: not freed yet).
+    pub num_in_flight_tokens: u64,
+    pub waiting_or_preempted: bool,
+    pub num_new_tokens: u64,
+    pub num_new_computed_tokens: u64,
+    /// The hit to adopt, per group; `None` is vLLM's shared empty `KVCacheBlocks`.
+    pub new_computed: Option<&'a [Vec<u32>]>,
+    pub num_lookahead_tokens: u64,
+    pub delay_cache_blocks: bool,
+    pub full_sequence_must_fit: bool,
+    pub reserved_blocks: u64,
+    pub has_scheduled_reqs: bool,
+}
+
+/// Groups sharing a spec, looked up together (vLLM's `SpecGroup`).
+#[derive(Clone, Debug)]
+struct SpecGroup {
+    spec: GroupSpec,
+    ids: Vec<u32>,
+}
+
+#[derive(Clone, Debug)]
+pub struct Hybrid {
+    pool: Pool,
+    cfg: HybridConfig,
+    managers: Vec<GroupManager>,
+    attention_groups: Vec<SpecGroup>,
+}
+
+fn is_full(spec: &GroupSpec) -> bool {
+    spec.kind == AttentionKind::Full
+}
+
+impl Hybrid {
+    pub fn new(cfg: HybridConfig) -> Result<Self> {
+        let n = cfg.groups.len();
+        if n < 2 {
+            return Err(Error::invalid(
+                "a hybrid coordinator serves two or more KV cache groups",
+            ));
+        }
+        let (hbs, sbs) = (cfg.hash_block_size, cfg.scheduler_block_size);
+        if hbs == 0 || sbs == 0 || sbs % hbs != 0 {
+            return Err(Error::invalid(format!(
+                "the scheduler block size {sbs} must be a positive multiple of the hash block \
+                 size {hbs}"
+            )));
+        }
+        let params = GroupParams {
+            hash_block_size: hbs,
+            scheduler_block_size: sbs,
+            enable_caching: cfg.enable_caching,
+            max_in_flight_tokens: cfg.max_in_flight_tokens,
+            max_model_len: cfg.max_model_len,
+        };
+        let managers = cfg
+            .groups
+            .iter()
+            .enumerate()
+            .map(|(i, &spec)| GroupManager::new(spec, i as u32, params))
+            .collect::<Result<Vec<_>>>()?;
+        let pool = Pool::new_grouped(
+            cfg.num_blocks,
+            cfg.enable_caching,
+            cfg.enable_events,
+            n as u32,
+        )?;
+        // vLLM's `verify_and_split_kv_cache_groups`: equal specs share one lookup; full
+        // attention first (a stable sort keeps the rest in group order).
+        let mut attention_groups: Vec<SpecGroup> = Vec::new();
+        for (i, spec) in cfg.groups.iter().enumerate() {
+            match attention_groups.iter_mut().find(|g| g.spec == *spec) {
+                Some(g) => g.ids.push(i as u32),
+                None => attention_groups.push(SpecGroup {
+                    spec: *spec,
+                    ids: vec![i as u32],
+                }),
+            }
+        }
+        attention_groups.sort_by_key(|g| !is_full(&g.spec));
+        Ok(Hybrid {
+            pool,
+            cfg,
+            managers,
+            attention_groups,
+        })
+    }
+
+    pub fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    pub fn pool_mut(&mut self) -> &mut Pool {
+        &mut self.pool
+    }
+
+    pub fn config(&self) -> &HybridConfig {
+        &self.cfg
+    }
+
+    pub fn group(&self, i: usize) -> &GroupManager {
+        &self.managers[i]
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.managers.len()
+    }
+
+    /// The request's table in every group (vLLM's `get_blocks`).
+    pub fn blocks(&self, req: &str) -> Vec<Vec<u32>> {
+        self.managers
+            .iter()
+            .map(|m| m.blocks(req).to_vec())
+            .collect()
+    }
+
+    /// The attention groups' member ids, in lookup order (tests and introspection).
+    pub fn lookup_order(&self) -> Vec<Vec<u32>> {
+        self.attention_groups
+            .iter()
+            .map(|g| g.ids.clone())
+            .collect()
+    }
+
+    /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` (no EAGLE); with caching off,
+    /// vLLM's no-prefix-cache coordinator: no hit.
+    pub fn find_longest_cache_hit(
+        &self,
+        hashes: &mut dyn HashSource,
+        max_cache_hit_length: u64,
+    ) -> Result<Hit> {
+        let n = self.managers.len();
+        if !self.cfg.enable_caching {
+            return Ok(Hit {
+                blocks: vec![Vec::new(); n],
+                ..Default::default()
+            });
+        }
+        let alignment = u64::from(self.cfg.scheduler_block_size);
+        let mut hit_length = max_cache_hit_length;
+        let mut longest = 0u64;
+        let mut by_group: Vec<Option<Vec<u32>>> = vec![None; n];
+        let mut len_by_group = vec![0u64; n];
+        let simple = self.attention_groups.len() == 2 && is_full(&self.attention_groups[0].spec);
+        loop {
+            let mut curr = hit_length;
+            for g in &self.attention_groups {
+                let first = g.ids[0] as usize;
+                if is_full(&g.spec) && by_group[first].is_some() {
+                    // Full attention's hits are prefix-closed: looked up once.
+                    curr = curr.min(len_by_group[first]);
+                    continue;
+                }
+                let (blocks, len) = find_longest_cache_hit(
+                    &g.spec,
+                    &g.ids,
+                    &self.pool,
+                    hashes,
+                    self.cfg.hash_block_size,
+                    curr,
+                    alignment,
+                )?;
+                curr = len;
+                for (&id, b) in g.ids.iter().zip(blocks) {
+                    by_group[id as usize] = Some(b);
+                    len_by_group[id as usize] = len;
+                }
+                longest = longest.max(curr);
+            }
+            if curr >= hit_length {
+                break;
+            }
+            hit_length = curr;
+            if simple {
+                break;
+            }
+        }
+        for g in self.attention_groups.iter().filter(|g| is_full(&g.spec)) {
+            let keep = hit_length.div_ceil(u64::from(g.spec.block_size)) as usize;
+            for &id in &g.ids {
+                if let Some(b) = by_group[id as usize].as_mut() {
+                    b.truncate(keep);
+                }
+            }
+        }
+        Ok(Hit {
+            blocks: by_group
+                .into_iter()
+                .map(Option::unwrap_or_default)
+                .collect(),
+            num_tokens: hit_length,
+            num_uncached_common_prefix_tokens: longest.saturating_sub(hit_length),
+        })
+    }
+
+    /// vLLM's `get_num_blocks_to_allocate` across groups: the sum of every group's count.
+    pub fn num_blocks_to_allocate(
+        &self,
+        req: &str,
+        num_tokens: u64,
+        new_computed: Option<&[Vec<u32>]>,
+        total_computed_tokens: u64,
+        apply_admission_cap: bool,
+    ) -> Result<u64> {
+        let mut sum = 0u64;
+        for (i, m) in self.managers.iter().enumerate() {
+            let nc = new_computed.map_or(&[][..], |nc| nc.get(i).map_or(&[][..], |v| &v[..]));
+            sum += m.num_blocks_to_allocate(
+                &self.pool,
+                req,
+                num_tokens,
+                nc,
+                total_computed_tokens,
+                apply_admission_cap,
+            )?;
+        }
+        Ok(sum)
+    }
+
+    /// vLLM's `remove_skipped_blocks` across groups, in group order.
+    pub fn remove_skipped_blocks(
+        &mut self,
+        req: &str,
+        processed_computed_tokens: u64,
+    ) -> Result<()> {
+        for m in &mut self.managers {
+            m.remove_skipped_blocks(&mut self.pool, req, processed_computed_tokens)?;
+        }
+        Ok(())
+    }
+
+    fn check_args(&self, a: &HybridSlots) -> Result<()> {
+        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
+            return Err(Error::invalid(
+                "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
+            ));
+        }
+        // A request never has more computed tokens than max_model_len; the bound also keeps a
+        // window's null padding (one entry per skipped block) within max_model_len's blocks.
+        let local = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens);
+        if local > self.cfg.max_model_len {
+            return Err(Error::invalid(format!(
+                "{local} computed tokens pass max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        if let Some(nc) = a.new_computed {
+            if nc.len() != self.managers.len() {
+                return Err(Error::invalid(format!(
+                    "a hit for {} groups, the coordinator has {}",
+                    nc.len(),
+                    self.managers.len()
+                )));
+            }
+            for blocks in nc {
+                for &b in blocks {
+                    self.pool.check_block(i64::from(b))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// vLLM's `KVCacheManager.allocate_slots` over this coordinator (no external tokens, no
+    /// encoder tokens): `Ok(None)` when the blocks do not fit, else the new blocks per group.
+    /// As in vLLM, blocks that left the window are freed before the fit is checked, so a
+    /// refused call may still have freed some.
+    pub fn allocate_slots(
+        &mut self,
+        req: &str,
+        a: &HybridSlots,
+        hashes: &mut dyn HashSource,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        self.check_args(a)?;
+        let local = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens);
+        let total = local.min(self.cfg.max_model_len);
+        let watermark = if a.has_scheduled_reqs && a.waiting_or_preempted {
+            self.cfg.watermark_blocks
+        } else {
+            0
+        };
+        if a.full_sequence_must_fit {
+            let full = a.num_tokens.min(self.cfg.max_model_len);
+            let needed = self.num_blocks_to_allocate(req, full, a.new_computed, total, true)?;
+            if needed + watermark > self.pool.num_free() as u64 {
+                return Ok(None);
+            }
+        }
+        let main = total.saturating_add(a.num_new_tokens);
+        let need_slots = main
+            .saturating_add(a.num_lookahead_tokens)
+            .min(self.cfg.max_model_len);
+        self.remove_skipped_blocks(req, total.saturating_sub(a.num_in_flight_tokens))?;
+        let needed = self.num_blocks_to_allocate(req, need_slots, a.new_computed, local, false)?;
+        let free = self.pool.num_free() as u64;
+        // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
+        if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
+            return Ok(None);
+        }
+        // Plan what gets cached (every hash read) before anything else changes.
+        let running = self.managers.iter().any(|m| m.is_running(req));
+        let adopt = a.new_computed.is_some() && !running;
+        if adopt {
+            for m in &self.managers {
+                if !m.blocks(req).is_empty() {
+                    return Err(Error::invalid(format!(
+                        "request {req} holds blocks: it cannot adopt prefix-cache blocks"
+                    )));
+                }
+            }
+        } else if running
+            && a.new_computed
+                .is_some_and(|nc| nc.iter().any(|g| !g.is_empty()))
+        {
+            return Err(Error::invalid(format!(
+                "request {req} is running: it cannot adopt prefix-cache blocks"
+            )));
+        }
+        let to_cache = (!a.delay_cache_blocks).then(|| {
+            let t = total.saturating_add(a.num_new_tokens).min(a.num_tokens);
+            let s = u64::from(self.cfg.scheduler_block_size);
+            t / s * s
+        });
+        let mut plans: Vec<CachePlan> = Vec::with_capacity(self.managers.len());
+        if let Some(t) = to_cache {
+            for (i, m) in self.managers.iter().enumerate() {
+                let bs = u64::from(m.block_size());
+                let (first, have) = if adopt {
+                    let nc = a.new_computed.map_or(0, |nc| nc[i].len());
+                    let skipped = (m.spec().num_skipped_tokens(local) / bs) as usize;
+                    let len = skipped.max(nc);
+                    (len as u32, len)
+                } else {
+                    (m.num_cached_blocks(req).unwrap_or(0), m.blocks(req).len())
+                };
+                let held = have.max(need_slots.div_ceil(bs) as usize);
+                plans.push(m.plan_cache(first, held, t, hashes)?);
+            }
+        }
+        if adopt {
+            let nc = a.new_computed.unwrap_or(&[]);
+            for (m, blocks) in self.managers.iter_mut().zip(nc) {
+                m.add_local_computed_blocks(&mut self.pool, req, blocks, local)?;
+            }
+        }
+        let mut new = Vec::with_capacity(self.managers.len());
+        for m in &mut self.managers {
+            new.push(m.allocate_new_blocks(&mut self.pool, req, need_slots)?);
+        }
+        for (m, plan) in self.managers.iter_mut().zip(&plans) {
+            m.apply_cache(&mut self.pool, req, plan);
+        }
+        Ok(Some(new))
+    }
+
+    /// vLLM's `cache_blocks(request, num_computed_tokens)` across groups, each group caching up
+    /// to the tokens rounded down to the scheduler block size.
+    pub fn cache_blocks(
+        &mut self,
+        req: &str,
+        num_computed_tokens: u64,
+        hashes: &mut dyn HashSource,
+    ) -> Result<()> {
+        let s = u64::from(self.cfg.scheduler_block_size);
+        let t = num_computed_tokens / s * s;
+        let mut plans = Vec::with_capacity(self.managers.len());
+        for m in &self.managers {
+            let first = m.num_cached_blocks(req).unwrap_or(0);
+            plans.push(m.plan_cache(first, m.blocks(req).len(), t, hashes)?);
+        }
+        for (m, plan) in self.managers.iter_mut().zip(&plans) {
+            m.apply_cache(&mut self.pool, req, plan);
+        }
+        Ok(())
+    }
+
+    /// vLLM's `pop_blocks_for_free` across groups: every group's table, group order.
+    pub fn pop_blocks_for_free(&mut self, req: &str) -> Vec<u32> {
+        let release = self.cfg.release;
+        self.managers
+            .iter_mut()
+            .flat_map(|m| m.pop_blocks_for_free(req, release))
+            .collect()
+    }
+
+    /// vLLM's `free(request)`: group by group, each group's table last block first.
+    pub fn free(&mut self, req: &str) -> Result<()> {
+        for m in &mut self.managers {
+            m.free(&mut self.pool, req, self.cfg.release)?;
+        }
+        Ok(())
+    }
+
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        self.pool.reset_prefix_cache()
+    }
+
+    /// Heap bytes held (memory accounting).
+    pub fn heap_bytes(&self) -> usize {
+        self.pool.heap_bytes()
+            + self
+                .managers
+                .iter()
+                .map(GroupManager::heap_bytes)
+                .sum::<usize>()
+    }
+
+    /// Every invariant, tests only: the pool's; null blocks only lead a table; each block's
+    /// ref count equals the number of tables (of any group) holding it; a cached block is
+    /// cached for the group whose table holds it.
+    pub fn check(&self) -> std::result::Result<(), String> {
+        self.pool.check()?;
+        let mut holders = vec![0u32; self.pool.num_blocks() as usize];
+        for m in &self.managers {
+            for (req, t) in m.tables() {
+                let nulls = t.iter().take_while(|&&b| b == 0).count();
+                if t[nulls..].contains(&0) {
+                    return Err(format!(
+                        "group {}: {req}'s table has an inner null",
+                        m.group_id()
+                    ));
+                }
+                for &b in &t[nulls..] {
+                    holders[b as usize] += 1;
+                    if self.pool.hash_of(b).is_some() && self.pool.group_of(b) != m.group_id() {
+                        return Err(format!("block {b} is cached for another group"));
+                    }
+                }
+            }
+        }
+        for b in 1..self.pool.num_blocks() {
+            if self.pool.ref_cnt(b) != holders[b as usize] {
+                return Err(format!(
+                    "block {b}: ref {} but {} holders",
+                    self.pool.ref_cnt(b),
+                    holders[b as usize]
+                ));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,502 @@
+//! Unit tests of the hybrid coordinator, each expected value worked out by hand from the vLLM
+//! function named in the comment (`kv_cache_coordinator.py`'s `HybridKVCacheCoordinator`,
+//! `kv_cache_manager.py`'s `allocate_slots` / `free`; 0.32 and 0.33 alike unless stated).
+
+use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
+use super::engine::Release;
+use super::pool::{Event, HashKey, NULL_BLOCK};
+use super::single_type::{AttentionKind, GroupSpec};
+
+const N: u32 = NULL_BLOCK;
+
+fn key(i: u32) -> HashKey {
+    let mut b = [5u8; 32];
+    b[..4].copy_from_slice(&i.to_be_bytes());
+    HashKey::new(&b).unwrap()
+}
+
+fn keys(n: u32) -> Vec<HashKey> {
+    (0..n).map(key).collect()
+}
+
+fn full(bs: u32) -> GroupSpec {
+    GroupSpec::new(AttentionKind::Full, bs)
+}
+
+fn swa(window: u32, bs: u32) -> GroupSpec {
+    GroupSpec::new(
+        AttentionKind::SlidingWindow {
+            sliding_window: window,
+        },
+        bs,
+    )
+}
+
+fn chunked(chunk: u32, bs: u32) -> GroupSpec {
+    GroupSpec::new(
+        AttentionKind::ChunkedLocal {
+            attention_chunk_size: chunk,
+        },
+        bs,
+    )
+}
+
+fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {
+    hybrid_cached(groups, scheduler_block_size, true)
+}
+
+fn hybrid_cached(groups: Vec<GroupSpec>, scheduler_block_size: u32, caching: bool) -> Hybrid {
+    Hybrid::new(HybridConfig {
+        num_blocks: 20,
+        groups,
+        hash_block_size: 4,
+        scheduler_block_size,
+        max_model_len: 1000,
+        max_in_flight_tokens: 16,
+        enable_caching: caching,
+        enable_events: true,
+        watermark_blocks: 0,
+        release: Release::V033,
+    })
+    .unwrap()
+}
+
+fn prefill(num_tokens: u64) -> HybridSlots<'static> {
+    HybridSlots {
+        num_tokens,
+        num_new_tokens: num_tokens,
+        waiting_or_preempted: true,
+        ..Default::default()
+    }
+}
+
+/// GPT-OSS-like: group 0 full attention, group 1 a window of 8; block 4. Request "a" of 17
+/// tokens allocated, cached and freed.
+fn gpt_oss_after_a() -> Hybrid {
+    let mut h = hybrid(vec![full(4), swa(8, 4)], 4);
+    let ks = keys(4);
+    // allocate_slots: 5 blocks per group, group 0 first; cache_blocks: round_down(17, 4) =
+    // 16 tokens, 4 blocks per group (a window of 8 over 4-token blocks: every block cached).
+    let new = h.allocate_slots("a", &prefill(17), &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 10]]));
+    assert_eq!(
+        h.pool_mut().take_events(),
+        [
+            Event::Stored { first: 0, end: 4 },
+            Event::Stored { first: 0, end: 4 }
+        ]
+    );
+    h.check().unwrap();
+    h.free("a").unwrap();
+    h
+}
+
+#[test]
+fn free_goes_group_by_group_each_last_block_first() {
+    // KVCacheCoordinator.free: each manager's free in group order; BlockPool.free_blocks
+    // puts the uncached tail block at the head, the cached ones at the tail, per call:
+    // group 0 -> [5] + rest + [4, 3, 2, 1]; then group 1 -> [10] + that + [9, 8, 7, 6].
+    let h = gpt_oss_after_a();
+    let want: Vec<u32> = [10, 5]
+        .into_iter()
+        .chain(11..20)
+        .chain([4, 3, 2, 1, 9, 8, 7, 6])
+        .collect();
+    assert_eq!(h.pool().free_queue(), want);
+    assert_eq!(h.blocks("a"), [Vec::<u32>::new(), Vec::new()]);
+    h.check().unwrap();
+}
+
+#[test]
+fn simple_hybrid_hit_is_full_then_window() {
+    // find_longest_cache_hit, one full + one other group (one pass): full finds 4 blocks
+    // (16 tokens); the window (2 blocks in a row) then finds [N, N, 8, 9] within 16.
+    let mut h = gpt_oss_after_a();
+    let ks = keys(5);
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(
+        hit,
+        Hit {
+            blocks: vec![vec![1, 2, 3, 4], vec![N, N, 8, 9]],
+            num_tokens: 16,
+            num_uncached_common_prefix_tokens: 0,
+        }
+    );
+    // The window's block for hash 3 evicted: its run ends at block 2 -> [N, 7, 8], 12
+    // tokens; full attention is cut to 3 blocks; 16 - 12 = 4 tokens were a longer (full)
+    // hit: num_uncached_common_prefix_tokens.
+    assert!(h.pool_mut().evict(9));
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(
+        hit,
+        Hit {
+            blocks: vec![vec![1, 2, 3], vec![N, 7, 8]],
+            num_tokens: 12,
+            num_uncached_common_prefix_tokens: 4,
+        }
+    );
+}
+
+#[test]
+fn allocate_adopts_every_groups_hit_then_allocates_in_group_order() {
+    // allocate_slots with the hit of 16 tokens, 21 tokens in all (one new block each):
+    // counts: full 6 - 4 + 4 evictable = 6; window 6 - max(2 skipped, 4) + 2 evictable
+    // (the skipped nulls do not count) = 4. The hits leave the queue ([10, 5, 11.., 7, 6]
+    // remain), then group 0 takes 10, 5 and group 1 takes 11, 12.
+    let mut h = gpt_oss_after_a();
+    let ks = keys(5);
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 20).unwrap();
+    assert_eq!(hit.num_tokens, 16);
+    assert_eq!(
+        h.num_blocks_to_allocate("b", 21, Some(&hit.blocks), 16, false)
+            .unwrap(),
+        10
+    );
+    let a = HybridSlots {
+        num_tokens: 21,
+        num_new_tokens: 5,
+        num_new_computed_tokens: 16,
+        new_computed: Some(&hit.blocks),
+        waiting_or_preempted: true,
+        ..Default::default()
+    };
+    let new = h.allocate_slots("b", &a, &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![10, 5], vec![11, 12]]));
+    assert_eq!(
+        h.blocks("b"),
+        [vec![1, 2, 3, 4, 10, 5], vec![N, N, 8, 9, 11, 12]]
+    );
+    // Caching resumes after the adopted blocks: block 4 (hash 4) in both groups.
+    assert_eq!(h.pool().get_cached_in(&key(4), 0), Some(10));
+    assert_eq!(h.pool().get_cached_in(&key(4), 1), Some(11));
+    let rest: Vec<u32> = (13..20).chain([7, 6]).collect();
+    assert_eq!(h.pool().free_queue(), rest);
+    h.check().unwrap();
+
+    // A decode step at 21 computed: the window skips 21 - 8 + 1 = 14 tokens, 3 blocks;
+    // block 8 (position 2) leaves, the walk back stopping at the null at position 1, and
+    // joins the tail, still cached; nothing new is needed.
+    let step = HybridSlots {
+        num_computed_tokens: 21,
+        num_tokens: 22,
+        num_new_tokens: 1,
+        ..Default::default()
+    };
+    let new = h.allocate_slots("b", &step, &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![], vec![]]));
+    assert_eq!(h.blocks("b")[1], [N, N, N, 9, 11, 12]);
+    assert_eq!(h.pool().free_queue().last(), Some(&8));
+    assert_eq!(h.pool().get_cached_in(&key(2), 1), Some(8));
+    h.check().unwrap();
+
+    // A refused call still removed the blocks that left the window first (vLLM calls
+    // remove_skipped_blocks before its fit check): 25 computed -> block 9 freed.
+    let big = HybridSlots {
+        num_computed_tokens: 25,
+        num_tokens: 1000,
+        num_new_tokens: 900,
+        ..Default::default()
+    };
+    assert_eq!(h.allocate_slots("b", &big, &mut &ks[..]).unwrap(), None);
+    assert_eq!(h.blocks("b")[1], [N, N, N, N, 11, 12]);
+    assert_eq!(h.pool().free_queue().last(), Some(&9));
+    h.check().unwrap();
+    // Freeing: 0.33 pops group 1 without its null prefix.
+    assert_eq!(h.pop_blocks_for_free("b"), [1, 2, 3, 4, 10, 5, 11, 12]);
+}
+
+#[test]
+fn full_sequence_gate_caps_the_window_group() {
+    // allocate_slots(full_sequence_must_fit): get_num_blocks_to_allocate with
+    // apply_admission_cap; the window's cap is ceil(min(8 - 1 + 16, 1000) / 4) + 1 = 7.
+    // 100 tokens: 25 + 7 = 32 > 19 free -> refused; 40 tokens: 10 + 7 = 17 fits, and the
+    // first chunk of 16 takes 4 + 4.
+    let mut h = hybrid(vec![full(4), swa(8, 4)], 4);
+    let ks = keys(10);
+    let gate = |num_tokens| HybridSlots {
+        num_tokens,
+        num_new_tokens: 16,
+        full_sequence_must_fit: true,
+        waiting_or_preempted: true,
+        ..Default::default()
+    };
+    assert_eq!(
+        h.allocate_slots("a", &gate(100), &mut &ks[..]).unwrap(),
+        None
+    );
+    let new = h.allocate_slots("a", &gate(40), &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3, 4], vec![5, 6, 7, 8]]));
+    h.check().unwrap();
+}
+
+#[test]
+fn three_kinds_repeat_until_the_hit_is_stable() {
+    // find_longest_cache_hit with three attention groups (not "simple"): lookup order full
+    // (group 1), window (group 0), chunked (group 2). Hashes 0..6 (24 tokens), max 24.
+    // Cached: full at 0..5; the window at 0, 1, 3, 4; chunked nowhere.
+    // Pass 1: full 24; window from the right: 4, 3 -> [N, N, N, w3, w4] = 20; chunked at
+    //   20: chunk 16..24, block 4 missing -> 16.
+    // Pass 2 (16): full 16; window within 4 blocks: 3, then 2 misses, 1, 0 -> [w0, w1] = 8;
+    //   chunked at 8: [N, N] = 8.
+    // Pass 3 (8): full 8, window 8, chunked 8: stable. Full cut to 2 blocks; the longest
+    // lookup (full, 24) less 8 = 16 uncached common-prefix tokens.
+    let mut h = hybrid(vec![swa(8, 4), full(4), chunked(8, 4)], 4);
+    assert_eq!(h.lookup_order(), [vec![1], vec![0], vec![2]]);
+    let p = h.pool_mut();
+    let mut f = Vec::new();
+    p.get_new_blocks(6, &mut f).unwrap();
+    for (i, &b) in f.iter().enumerate() {
+        p.insert_hash_in(b, key(i as u32), 1, 4 * (i as u32 + 1))
+            .unwrap();
+    }
+    let mut w = Vec::new();
+    p.get_new_blocks(4, &mut w).unwrap();
+    for (&b, i) in w.iter().zip([0u32, 1, 3, 4]) {
+        p.insert_hash_in(b, key(i), 0, 4 * (i + 1)).unwrap();
+    }
+    let ks = keys(6);
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 24).unwrap();
+    assert_eq!(
+        hit,
+        Hit {
+            blocks: vec![vec![w[0], w[1]], vec![f[0], f[1]], vec![N, N]],
+            num_tokens: 8,
+            num_uncached_common_prefix_tokens: 16,
+        }
+    );
+}
+
+#[test]
+fn equal_specs_share_one_lookup_full_first() {
+    // verify_and_split_kv_cache_groups: equal specs form one attention group; full
+    // attention sorted first, the rest in group order.
+    let h = hybrid(vec![swa(8, 4), full(4), swa(8, 4), chunked(8, 4)], 4);
+    assert_eq!(h.lookup_order(), [vec![1], vec![0, 2], vec![3]]);
+    // A different layout tag (another head count, say) is another spec.
+    let mut other = swa(8, 4);
+    other.layout = 1;
+    let h = hybrid(vec![swa(8, 4), full(4), other], 4);
+    assert_eq!(h.lookup_order(), [vec![1], vec![0], vec![2]]);
+}
+
+#[test]
+fn groups_with_different_block_sizes() {
+    // vLLM allows block sizes that differ (each a multiple of the hash block size, the
+    // scheduler block size their lcm): full attention over 4-token blocks, a window of 8
+    // over 8-token blocks (one block makes a hit: ceil(7 / 8)), scheduler block 8. 17
+    // tokens: 5 + 3 blocks; cached up to round_down(17, 8) = 16 tokens: 4 full-attention
+    // blocks, 2 window blocks under hashes 1 and 3 (BlockHashListWithBlockSize).
+    let mut h = hybrid(vec![full(4), swa(8, 8)], 8);
+    let ks = keys(4);
+    let new = h.allocate_slots("a", &prefill(17), &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8]]));
+    assert_eq!(h.pool().get_cached_in(&key(1), 1), Some(6));
+    assert_eq!(h.pool().get_cached_in(&key(3), 1), Some(7));
+    assert_eq!(h.pool().get_cached_in(&key(0), 1), None);
+    h.free("a").unwrap();
+    let want: Vec<u32> = [8, 5]
+        .into_iter()
+        .chain(9..20)
+        .chain([4, 3, 2, 1, 7, 6])
+        .collect();
+    assert_eq!(h.pool().free_queue(), want);
+    // Within 16: full 16 (aligned), the window's last block -> [N, 7].
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(hit.blocks, [vec![1, 2, 3, 4], vec![N, 7]]);
+    assert_eq!(hit.num_tokens, 16);
+    // Within 12: full 12 rounds down to 8; the window within 8 -> [6].
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 12).unwrap();
+    assert_eq!(hit.blocks, [vec![1, 2], vec![6]]);
+    assert_eq!(hit.num_tokens, 8);
+    h.check().unwrap();
+    // Full attention over blocks larger than the hash block is refused (vLLM would also
+    // cache partial prompt-tail entries there).
+    let cfg = HybridConfig {
+        groups: vec![full(8), swa(8, 4)],
+        ..h.config().clone()
+    };
+    assert!(Hybrid::new(cfg).is_err());
+}
+
+#[test]
+fn caching_off_finds_no_hit_and_config_is_checked() {
+    // KVCacheCoordinatorNoPrefixCache: no hit, per group.
+    let mut cfg = HybridConfig {
+        num_blocks: 20,
+        groups: vec![full(4), swa(8, 4)],
+        hash_block_size: 4,
+        scheduler_block_size: 4,
+        max_model_len: 1000,
+        max_in_flight_tokens: 16,
+        enable_caching: false,
+        enable_events: false,
+        watermark_blocks: 0,
+        release: Release::V032,
+    };
+    let h = Hybrid::new(cfg.clone()).unwrap();
+    let ks = keys(4);
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(hit.blocks, [Vec::<u32>::new(), Vec::new()]);
+    // The scheduler block size must be a multiple of every block size (vLLM asserts it).
+    cfg.groups = vec![full(8), swa(8, 4)];
+    assert!(Hybrid::new(cfg.clone()).is_err());
+    // More computed tokens than max_model_len is refused before anything changes.
+    cfg.groups = vec![full(4), swa(8, 4)];
+    let mut h = Hybrid::new(cfg.clone()).unwrap();
+    let a = HybridSlots {
+        num_computed_tokens: 1001,
+        num_tokens: 1002,
+        num_new_tokens: 1,
+        ..Default::default()
+    };
+    assert!(h.allocate_slots("a", &a, &mut &ks[..]).is_err());
+    assert_eq!(h.pool().num_free(), 19);
+    // One group is the unitary coordinator's, not this one.
+    cfg.groups = vec![full(4)];
+    assert!(Hybrid::new(cfg).is_err());
+}
+
+/// The hashes of a request of family `f` with `n` tokens: families share their first three
+/// blocks, then differ (chained hashes: different from there on).
+fn family_keys(f: u32, n: u64) -> Vec<HashKey> {
+    (0..(n / 4) as u32)
+        .map(|i| {
+            if i < 3 {
+                key(i)
+            } else {
+                key(100 * (f + 1) + i)
+            }
+        })
+        .collect()
+}
+
+#[test]
+fn randomized_runs_keep_every_invariant() {
+    // Seeded runs over seven layouts: prefix hits, chunked prefill (some admissions gated on
+    // the full sequence), decode (some with tokens still in flight), preemption, eviction and
+    // frees, checking the pool's and every table's invariants after each call
+    // and that each hit is aligned, within its bound and every group's share of it.
+    use crate::rng::Rng;
+    use std::fmt::Write as _;
+    // With PAGEDKV_HYBRID_TRACE=path, every call and its outcome is written there (one
+    // Python literal a line) for a replay on vLLM's own coordinator.
+    let trace_path = std::env::var("PAGEDKV_HYBRID_TRACE").ok();
+    let mut trace = String::new();
+    let opt =
+        |o: &Option<Vec<Vec<u32>>>| o.as_ref().map_or("None".to_string(), |v| format!("{v:?}"));
+    // (groups, scheduler block size, prefix caching); scripts/hybrid_replay.py has the same.
+    let layouts: [(Vec<GroupSpec>, u32, bool); 7] = [
+        (vec![full(4), swa(8, 4)], 4, true),
+        (vec![swa(8, 4), full(4), chunked(8, 4)], 4, true),
+        (vec![full(4), swa(8, 8)], 8, true),
+        (vec![full(4), swa(5, 4)], 8, true),
+        (vec![full(4), swa(8, 4), swa(16, 4)], 4, true),
+        (vec![swa(8, 4), swa(8, 4), full(4)], 4, true),
+        (vec![full(4), swa(8, 4), chunked(8, 4)], 4, false),
+    ];
+    for (li, (layout, sbs, caching)) in layouts.into_iter().enumerate() {
+        let mut rng = Rng::new(0x1d5eed);
+        let mut h = hybrid_cached(layout, sbs, caching);
+        // (id, family, tokens, computed)
+        let mut live: Vec<(String, u32, u64, u64)> = Vec::new();
+        for step in 0..3000 {
+            let traced = trace.len();
+            match rng.below(10) {
+                0..=2 if live.len() < 4 => {
+                    let (f, n) = (rng.below(3) as u32, 1 + rng.below(40) as u64);
+                    let ks = family_keys(f, n);
+                    let hit = h.find_longest_cache_hit(&mut &ks[..], n - 1).unwrap();
+                    assert!(hit.num_tokens < n && hit.num_tokens % u64::from(sbs) == 0);
+                    for (g, blocks) in hit.blocks.iter().enumerate() {
+                        let bs = u64::from(h.group(g).block_size());
+                        assert!(blocks.len() as u64 * bs >= hit.num_tokens, "{hit:?}");
+                    }
+                    let id = format!("r{step}");
+                    let chunk = 1 + rng.below((n - hit.num_tokens) as usize) as u64;
+                    let gate = rng.chance(30);
+                    let a = HybridSlots {
+                        num_tokens: n,
+                        num_new_tokens: chunk,
+                        num_new_computed_tokens: hit.num_tokens,
+                        new_computed: Some(&hit.blocks),
+                        waiting_or_preempted: true,
+                        full_sequence_must_fit: gate,
+                        ..Default::default()
+                    };
+                    let new = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
+                    let _ = write!(
+                        trace,
+                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}, {}",
+                        hit.num_tokens,
+                        hit.blocks,
+                        if gate { "True" } else { "False" },
+                        opt(&new)
+                    );
+                    if new.is_some() {
+                        live.push((id, f, n, hit.num_tokens + chunk));
+                    }
+                }
+                0..=6 if !live.is_empty() => {
+                    let i = rng.below(live.len());
+                    let (id, f, n, c) = live[i].clone();
+                    let (tokens, new) = if c < n {
+                        (n, 1 + rng.below((n - c) as usize) as u64)
+                    } else {
+                        (n + 1, 1)
+                    };
+                    let ks = family_keys(f, tokens);
+                    let in_flight = if rng.chance(30) {
+                        rng.below(c as usize + 1) as u64
+                    } else {
+                        0
+                    };
+                    let a = HybridSlots {
+                        num_computed_tokens: c,
+                        num_tokens: tokens,
+                        num_new_tokens: new,
+                        num_in_flight_tokens: in_flight,
+                        ..Default::default()
+                    };
+                    let out = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
+                    let _ = write!(
+                        trace,
+                        "('step', {li}, '{id}', {f}, {tokens}, {c}, {in_flight}, {new}, {}",
+                        opt(&out)
+                    );
+                    if out.is_some() {
+                        live[i] = (id, f, tokens, c + new);
+                    } else {
+                        h.free(&id).unwrap();
+                        live.swap_remove(i);
+                    }
+                }
+                7 if !live.is_empty() => {
+                    let (id, ..) = live.swap_remove(rng.below(live.len()));
+                    h.free(&id).unwrap();
+                    let _ = write!(trace, "('free', {li}, '{id}'");
+                }
+                _ => {
+                    let b = 1 + rng.below(19) as u32;
+                    h.pool_mut().evict(b);
+                    let _ = write!(trace, "('evict', {li}, {b}");
+                }
+            }
+            if trace.len() > traced {
+                let tables: Vec<_> = live
+                    .iter()
+                    .map(|(id, ..)| (id.clone(), h.blocks(id)))
+                    .collect();
+                let _ = writeln!(trace, ", {:?}, {:?})", h.pool().free_queue(), tables);
+            }
+            h.check().unwrap_or_else(|e| panic!("step {step}: {e}"));
+        }
+        for (id, ..) in live {
+            h.free(&id).unwrap();
+        }
+        h.check().unwrap();
+        assert_eq!(h.pool().num_free(), 19);
+    }
+    if let Some(p) = trace_path {
+        std::fs::write(p, trace).unwrap();
+    }
+}
