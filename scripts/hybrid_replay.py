@@ -11,8 +11,9 @@ It needs only vLLM (no pagedkv build); run it in the release's virtualenv
     PAGEDKV_HYBRID_TRACE=/tmp/hybrid.trace cargo test -p pagedkv-core --lib randomized_runs
     ~/.cache/pagedkv/venvs/vllm-0.33/bin/python scripts/hybrid_replay.py /tmp/hybrid.trace
 
-Not part of the test suite yet (the lockstep differential through the bindings is what issue
-26 still needs); the layouts below must match the Rust test's.
+``tests/vllm_v1/test_hybrid_core_replay.py`` runs both steps in each release's virtualenv (the
+lockstep differential through the bindings is what issue 26 still needs); the layouts below
+must match the Rust test's.
 """
 
 import ast
@@ -113,6 +114,16 @@ def new_ids(out):
 
 
 def main(path):
+    calls, bad = replay(path)
+    for line, what, vllm, core in bad:
+        print(f"line {line}: {what}: vLLM {vllm}, pagedkv core {core}")
+    print(f"{calls} calls replayed, {len(bad)} differences")
+    return 1 if bad else 0
+
+
+def replay(path):
+    """``(calls replayed, differences)``: each difference ``(line, what, vLLM's, the core's)``;
+    the replay stops after the sixth."""
     register_all_kvcache_specs(None)
     managers, reqs, bad, n = {}, {}, [], 0
     for n, line in enumerate(open(path), 1):
@@ -167,10 +178,7 @@ def main(path):
                 bad.append((n, f"table of {rid}", got, table))
         if len(bad) > 5:
             break
-    for line, what, vllm, core in bad:
-        print(f"line {line}: {what}: vLLM {vllm}, pagedkv core {core}")
-    print(f"{n} calls replayed, {len(bad)} differences")
-    return 1 if bad else 0
+    return n, bad
 
 
 if __name__ == "__main__":
