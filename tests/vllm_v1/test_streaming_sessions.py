@@ -1,0 +1,225 @@
+"""The lockstep differential over vLLM's streaming sessions (resumable requests): a session's
+turn stops (``max_tokens``, EOS, a stop id) without finishing the request; its next input
+(``add_request`` for the same id, :class:`v1_harness.SessionUpdate`) is queued while the
+session runs or applied at once while it waits for input (``WAITING_FOR_STREAMING_REQ``,
+in ``kv_holding_waiting`` with its KV blocks); a final update ends it (at its next stop, or
+aborted while it waits); an abort may hit it while it waits. Beside plain requests, with
+preemption, prefix caching, async scheduling, drafts and both policies.
+
+Every step is compared (SchedulerOutput, EngineCoreOutputs with stats, KV events, the
+scheduler's and each request's state, block hashes included) against vLLM's own loop over
+vLLM's manager, on the release of the environment; and pagedkv's scheduler must run every step
+of these workloads natively.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import v1_harness as h
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+# Not imported as `Scheduler`: this module would be taken for a package with its own scheduler
+# classes (v1_harness.scheduler_module).
+from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+SEEDS = range(48)
+
+ROOMY = h.SchedConfig(
+    block_size=4, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128
+)
+
+
+def prompt(rng: random.Random, n: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(3, h.VOCAB_SIZE) for _ in range(n))
+
+
+def session(i: int, rng: random.Random, prefix: tuple[int, ...]) -> h.RequestSpec:
+    """A session of one to three updates after its first prompt, each arriving soon (queued
+    while the session runs) or late (the session waits for input), then a final update (soon
+    or late) or an abort (late: while it waits for input)."""
+    arrival = rng.randint(0, 8)
+    step = arrival
+    updates = []
+    for _ in range(rng.randint(1, 3)):
+        step += rng.choice((0, 1, 2, 8, 14, 20))
+        chunk = prompt(rng, rng.randint(1, 9))
+        updates.append(h.SessionUpdate(step, chunk, rng.randint(1, 6)))
+    step += rng.choice((1, 3, 16))
+    abort_step = None
+    if rng.random() < 0.3:
+        abort_step = step
+    else:
+        updates.append(h.SessionUpdate(step))
+    stops = rng.sample(h.STOP_TOKEN_IDS, 1) if rng.random() < 0.3 else []
+    first = (prefix if rng.random() < 0.5 else ()) + prompt(rng, rng.randint(2, 12))
+    return h.RequestSpec(
+        f"s{i}",
+        first,
+        rng.randint(1, 6),
+        ignore_eos=rng.random() < 0.5,
+        arrival_step=arrival,
+        abort_step=abort_step,
+        priority=rng.choice((0, 1, -1)),
+        stop_token_ids=tuple(stops),
+        updates=tuple(updates),
+    )
+
+
+def session_workload(rng: random.Random) -> list[h.RequestSpec]:
+    """Four to eight sessions beside four to eight plain requests, over a shared prefix."""
+    prefix = prompt(rng, 8)
+    specs = [session(i, rng, prefix) for i in range(rng.randint(4, 8))]
+    for i in range(rng.randint(4, 8)):
+        body = (prefix if rng.random() < 0.5 else ()) + prompt(rng, rng.randint(2, 20))
+        specs.append(
+            h.RequestSpec(f"p{i}", body, rng.randint(1, 16), rng.random() < 0.5, rng.randint(0, 20))
+        )
+    return specs
+
+
+def session_config(rng: random.Random) -> h.SchedConfig:
+    """Sync or async, either policy, caching on or off, a roomy or a starved pool (preemption),
+    drafts now and then (synchronous only), random aborts now and then."""
+    asynchronous = rng.random() < 0.5
+    return dataclasses.replace(
+        ROOMY,
+        async_scheduling=asynchronous,
+        policy=rng.choice(("fcfs", "priority")),
+        enable_caching=rng.random() < 0.7,
+        num_blocks=rng.choice((96, 40, 24)),
+        max_num_batched_tokens=rng.choice((64, 16)),
+        num_spec_tokens=0 if asynchronous else rng.choice((0, 0, 2)),
+        abort_rate=rng.choice((0.0, 0.0, 0.05)),
+    )
+
+
+_STATS: dict[tuple[int, str], dict] = {}
+
+
+def session_run(seed: int, model_dir: Path, manager_cls: type) -> h.Lockstep:
+    rng = random.Random(f"sessions{seed}")
+    cfg = session_config(rng)
+    run = h.Lockstep(cfg, session_workload(rng), seed, model_dir, manager_cls)
+    run.run()
+    _STATS[(seed, manager_cls.__qualname__)] = run.stats
+    return run
+
+
+def native_only(manager_cls: type) -> bool:
+    """pagedkv's scheduler (not the harness checking itself with vLLM's manager)."""
+    return not manager_cls.__module__.startswith("vllm.")
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+def test_sessions_in_lockstep_every_step_native(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    run = session_run(seed, tiny_model_dir, manager_cls)
+    assert run.stats["session_updates"] > 0
+    if native_only(manager_cls):
+        steps = run.test.pagedkv_steps
+        assert set(steps) == {"native"}, steps
+
+
+def test_session_seeds_reach_every_path(tiny_model_dir: Path, manager_cls: type) -> None:
+    """Updates queued and applied while waiting, turns, aborts while waiting, final updates,
+    preemption, prefix hits, async scheduling, drafts."""
+    total: Counter = Counter()
+    for seed in SEEDS:
+        stats = _STATS.get((seed, manager_cls.__qualname__))
+        if stats is None:
+            stats = session_run(seed, tiny_model_dir, manager_cls).stats
+        total.update({k: v for k, v in stats.items() if isinstance(v, int)})
+    for key in (
+        "updates_while_waiting",
+        "updates_queued",
+        "session_turns",
+        "aborts_while_waiting_for_input",
+        "preemptions",
+        "hits",
+        "drafts",
+    ):
+        assert total[key] > 0, (key, total)
+    configs = [session_config(random.Random(f"sessions{s}")) for s in SEEDS]
+    assert {c.async_scheduling for c in configs} == {True, False}
+    assert {c.policy for c in configs} == {"fcfs", "priority"}
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_session_waits_for_input_then_resumes_then_ends(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """One session beside a plain request: its first turn stops, it waits for input (holding
+    its blocks, counted against the active limit), resumes from its kept tokens with a prefix
+    of its own, takes a queued update, and ends with a final update while it waits."""
+    rng = random.Random(5)
+    updates = (
+        h.SessionUpdate(12, prompt(rng, 5), 3),  # waits for input until then
+        h.SessionUpdate(13, prompt(rng, 2), 2),  # queued: the session runs
+        h.SessionUpdate(40),  # the session waits again: aborted
+    )
+    specs = [
+        h.RequestSpec("s", prompt(rng, 9), 3, True, 0, updates=updates),
+        h.RequestSpec("p", prompt(rng, 7), 30, True, 1),
+    ]
+    cfg = dataclasses.replace(ROOMY, async_scheduling=async_scheduling, max_num_active_seqs=2)
+    run = h.Lockstep(cfg, specs, 5, tiny_model_dir, manager_cls)
+    stats = run.run()
+    assert stats["updates_while_waiting"] == 2 and stats["updates_queued"] == 1, stats
+    assert stats["session_turns"] == 3, stats
+    if native_only(manager_cls):
+        assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
+
+
+# --------------------------------------------------------------------------- planted differences
+
+
+class FinishesStoppedSessions(VllmScheduler):
+    """Treats a stopped session as finished: no next turn."""
+
+    def _handle_stopped_request(self, request: Any) -> bool:
+        request.resumable = False
+        return super()._handle_stopped_request(request)
+
+
+class ForgetsPausedSessions(VllmScheduler):
+    """Does not count paused sessions against the active limit."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        paused, self.num_waiting_for_streaming_input = self.num_waiting_for_streaming_input, 0
+        try:
+            return super().schedule(*args, **kwargs)
+        finally:
+            self.num_waiting_for_streaming_input = paused
+
+
+@pytest.mark.parametrize(
+    ("planted", "what"),
+    [(FinishesStoppedSessions, "EngineCoreOutputs"), (ForgetsPausedSessions, "SchedulerOutput")],
+)
+def test_the_differential_catches_a_planted_session_difference(
+    planted: type, what: str, tiny_model_dir: Path
+) -> None:
+    """vLLM's scheduler against a planted variant (vLLM's manager on both sides)."""
+    rng = random.Random(3)
+    specs = [
+        h.RequestSpec(
+            "s",
+            prompt(rng, 6),
+            2,
+            True,
+            0,
+            updates=(h.SessionUpdate(9, (5, 6), 2), h.SessionUpdate(20)),
+        ),
+        h.RequestSpec("p", prompt(rng, 6), 12, True, 4),
+    ]
+    cfg = dataclasses.replace(ROOMY, max_num_active_seqs=1)
+    run = h.Lockstep(cfg, specs, 3, tiny_model_dir, KVCacheManager, scheduler_cls=planted)
+    with pytest.raises(h.Divergence, match=what):
+        run.run()
