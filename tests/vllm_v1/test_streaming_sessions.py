@@ -177,6 +177,32 @@ def test_a_session_waits_for_input_then_resumes_then_ends(
         assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
+def test_a_session_across_switches_to_vllms_loop_and_back(
+    tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """A held request (out of scope) puts the engine on vLLM's loop in the middle of a
+    session's turns, updates and pause, and back: the session's state carries across."""
+    if not native_only(manager_cls):
+        return
+    rng = random.Random(8)
+    updates = tuple(h.SessionUpdate(step, prompt(rng, 3), 3) for step in (2, 9, 10, 18, 26, 27)) + (
+        h.SessionUpdate(40),
+    )
+    specs = [
+        h.RequestSpec("s", prompt(rng, 9), 3, True, 0, updates=updates),
+        h.RequestSpec("held", prompt(rng, 5), 8, True, 6, held=True),
+        h.RequestSpec("held2", prompt(rng, 5), 4, True, 24, held=True),
+        h.RequestSpec("p", prompt(rng, 7), 20, True, 1),
+    ]
+    for asynchronous in (False, True):
+        cfg = dataclasses.replace(ROOMY, async_scheduling=asynchronous)
+        run = h.Lockstep(cfg, specs, 8, tiny_model_dir, manager_cls)
+        stats = run.run()
+        steps = run.test.pagedkv_steps
+        assert steps.get("native", 0) > 0 and steps.get("priority", 0) > 0, steps
+        assert stats["updates_while_waiting"] > 0 and stats["updates_queued"] > 0, stats
+
+
 # --------------------------------------------------------------------------- planted differences
 
 
