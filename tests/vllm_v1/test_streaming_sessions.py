@@ -27,6 +27,7 @@ from vllm.v1.core.kv_cache_manager import KVCacheManager
 # Not imported as `Scheduler`: this module would be taken for a package with its own scheduler
 # classes (v1_harness.scheduler_module).
 from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+from vllm.v1.request import RequestStatus
 
 SEEDS = range(48)
 
@@ -201,6 +202,25 @@ def test_a_session_across_switches_to_vllms_loop_and_back(
         steps = run.test.pagedkv_steps
         assert steps.get("native", 0) > 0 and steps.get("priority", 0) > 0, steps
         assert stats["updates_while_waiting"] > 0 and stats["updates_queued"] > 0, stats
+
+
+def test_a_request_waiting_for_remote_kv_in_kv_holding_waiting_falls_back(
+    tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The walk serves streaming sessions in ``kv_holding_waiting``, not a request waiting
+    for remote KV there (a connector's): that step is vLLM's, with its reason."""
+    if not native_only(manager_cls):
+        return
+    sched = h.make_scheduler(ROOMY, tiny_model_dir, manager_cls)
+    spec = h.RequestSpec("s", (5, 6, 7), 2, True, 0, updates=(h.SessionUpdate(1),))
+    request = h.build_request(spec, h.request_block_hasher(ROOMY))
+    request.status = RequestStatus.WAITING_FOR_STREAMING_REQ
+    request.num_computed_tokens = 3
+    sched.requests[request.request_id] = request
+    sched.kv_holding_waiting.add_request(request)
+    assert sched._pagedkv_fallback() is None
+    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert sched._pagedkv_fallback() == "a request waiting for remote KV"
 
 
 # --------------------------------------------------------------------------- planted differences

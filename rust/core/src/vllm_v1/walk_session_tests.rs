@@ -206,3 +206,29 @@ fn async_a_stopped_session_resumes_from_its_materialized_frontier() {
     assert_eq!(e.r(a).stale, 0);
     assert_eq!(e.r(a).all.len(), 6 + 2);
 }
+
+#[test]
+fn a_session_stopped_by_stale_output_is_requeued_on_033_and_lost_on_032() {
+    // Preempted with its prefill's output in flight; that (stale, delivered) output stops the
+    // turn. Not running, so it is a `stopped_preempted` request: 0.33 takes it out of
+    // `waiting` and enqueues it again; 0.32's `_handle_stopped_request` enqueues it first and
+    // the removal then takes it out of every queue (vLLM 0.32's behaviour, mirrored).
+    for (release, requeued) in [(V33, true), (V32, false)] {
+        let mut e = TestEngine::new(64, 100);
+        e.release = release;
+        let mode = asynchronous(release);
+        let a = add_session(&mut e, 4, 2);
+        e.schedule(mode);
+        e.running.clear();
+        e.preempt(&a).unwrap();
+        e.scheduled = vec![(a, 4)];
+        e.next.insert(a, vec![EOS]);
+        e.update(mode);
+        assert_eq!(e.outputs.last().unwrap().2, Some(Stop::Eos));
+        assert!(e.freed.is_empty());
+        assert_eq!((e.r(a).status, e.paused), (Status::OtherWaiting, 1));
+        let expected: &[usize] = if requeued { &[a] } else { &[] };
+        assert_eq!(e.waiting.iter().copied().collect::<Vec<_>>(), expected);
+        assert_eq!(e.deferred.contains(&a), requeued);
+    }
+}
