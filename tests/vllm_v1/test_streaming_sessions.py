@@ -21,7 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import request_kinds as kinds
 import v1_harness as h
+import vllm
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 # Not imported as `Scheduler`: this module would be taken for a package with its own scheduler
@@ -30,6 +32,12 @@ from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.request import RequestStatus
 
 SEEDS = range(48)
+
+#: Drafts beside sessions on 0.33 only: vLLM 0.32 resumes a session from
+#: ``num_computed_tokens``, which a stop among accepted drafts leaves past the kept tokens,
+#: so its next turn can schedule no token and vLLM's own waiting pass asserts
+#: (``num_new_tokens > 0``); 0.33 trims the computed tokens at a stop.
+DRAFTS_WITH_SESSIONS = vllm.__version__.startswith("0.33")
 
 ROOMY = h.SchedConfig(
     block_size=4, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128
@@ -88,6 +96,9 @@ def session_config(rng: random.Random) -> h.SchedConfig:
     """Sync or async, either policy, caching on or off, a roomy or a starved pool (preemption),
     drafts now and then (synchronous only), random aborts now and then."""
     asynchronous = rng.random() < 0.5
+    num_spec_tokens = 0 if asynchronous else rng.choice((0, 0, 2))
+    if not DRAFTS_WITH_SESSIONS:
+        num_spec_tokens = 0
     return dataclasses.replace(
         ROOMY,
         async_scheduling=asynchronous,
@@ -95,8 +106,11 @@ def session_config(rng: random.Random) -> h.SchedConfig:
         enable_caching=rng.random() < 0.7,
         num_blocks=rng.choice((96, 40, 24)),
         max_num_batched_tokens=rng.choice((64, 16)),
-        num_spec_tokens=0 if asynchronous else rng.choice((0, 0, 2)),
+        num_spec_tokens=num_spec_tokens,
         abort_rate=rng.choice((0.0, 0.0, 0.05)),
+        # Sampling masks: the V2 model runner where the release has it (0.33).
+        sampling_mask=not num_spec_tokens and rng.random() < 0.25,
+        iteration_details=rng.random() < 0.2,
     )
 
 
@@ -107,9 +121,18 @@ def session_run(seed: int, model_dir: Path, manager_cls: type) -> h.Lockstep:
     rng = random.Random(f"sessions{seed}")
     cfg = session_config(rng)
     run = h.Lockstep(cfg, session_workload(rng), seed, model_dir, manager_cls)
+    if random.Random(f"v2{seed}").random() < 0.3:
+        v2_runner(run)
     run.run()
     _STATS[(seed, manager_cls.__qualname__)] = run.stats
     return run
+
+
+def v2_runner(run: h.Lockstep) -> None:
+    """Both schedulers serve vLLM's V2 model runner (``use_v2_model_runner``, set after
+    construction as vLLM's own tests set it: a resumed session is sent as new, with its
+    token ids; async decodes wait for ``next_decode_eligible_step``)."""
+    run.ref.use_v2_model_runner = run.test.use_v2_model_runner = True
 
 
 def native_only(manager_cls: type) -> bool:
@@ -123,6 +146,29 @@ def test_sessions_in_lockstep_every_step_native(
 ) -> None:
     run = session_run(seed, tiny_model_dir, manager_cls)
     assert run.stats["session_updates"] > 0
+    if native_only(manager_cls):
+        steps = run.test.pagedkv_steps
+        assert set(steps) == {"native"}, steps
+
+
+KIND_SEEDS = range(16)
+
+
+@pytest.mark.parametrize("seed", KIND_SEEDS)
+def test_sessions_with_request_kinds_every_step_native(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """Sessions and plain requests with structured output, LoRA and repetition detection
+    drawn over them (request_kinds; prompt embeddings only on plain requests: a streaming
+    update carries token ids)."""
+    rng = random.Random(f"sessions-kinds{seed}")
+    cfg, specs = kinds.with_request_kinds(rng, session_config(rng), session_workload(rng))
+    specs = [dataclasses.replace(s, embeds=False) if s.updates else s for s in specs]
+    run = h.Lockstep(cfg, specs, seed, tiny_model_dir, manager_cls)
+    if seed % 3 == 0:
+        v2_runner(run)
+    stats = run.run()
+    assert stats["session_updates"] > 0
     if native_only(manager_cls):
         steps = run.test.pagedkv_steps
         assert set(steps) == {"native"}, steps
@@ -144,7 +190,7 @@ def test_session_seeds_reach_every_path(tiny_model_dir: Path, manager_cls: type)
         "aborts_while_waiting_for_input",
         "preemptions",
         "hits",
-        "drafts",
+        *(("drafts",) if DRAFTS_WITH_SESSIONS else ()),
     ):
         assert total[key] > 0, (key, total)
     configs = [session_config(random.Random(f"sessions{s}")) for s in SEEDS]
