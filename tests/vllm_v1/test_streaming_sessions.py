@@ -20,6 +20,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import mm_harness as mm
 import pytest
 import request_kinds as kinds
 import v1_harness as h
@@ -172,6 +173,67 @@ def test_sessions_with_request_kinds_every_step_native(
     if native_only(manager_cls):
         steps = run.test.pagedkv_steps
         assert set(steps) == {"native"}, steps
+
+
+def mm_session_workload(rng: random.Random) -> tuple[list[h.RequestSpec], dict[Any, tuple]]:
+    """Sessions whose first prompt and updates carry images now and then (identifiers from a
+    small pool, each of one length: encoder cache hits across sessions), beside plain
+    requests with images."""
+    lengths: dict[str, int] = {}
+
+    def images_in(size: int) -> tuple:
+        if rng.random() < 0.4:
+            return ()
+        ident = f"img{rng.randrange(5)}"
+        length = lengths.setdefault(ident, rng.randint(2, 12))
+        if length > size:
+            return ()
+        return (mm.Image(rng.randrange(size - length + 1), length, ident),)
+
+    specs, images = [], {}
+    for i in range(rng.randint(3, 6)):
+        arrival = step = rng.randint(0, 6)
+        updates = []
+        for _ in range(rng.randint(1, 3)):
+            step += rng.choice((0, 1, 10, 18))
+            chunk = prompt(rng, rng.randint(4, 14))
+            updates.append(h.SessionUpdate(step, chunk, rng.randint(1, 5)))
+            images[(f"s{i}", step)] = images_in(len(chunk))
+        updates.append(h.SessionUpdate(step + rng.choice((1, 16))))
+        first = prompt(rng, rng.randint(6, 18))
+        images[f"s{i}"] = images_in(len(first))
+        specs.append(
+            h.RequestSpec(f"s{i}", first, rng.randint(1, 5), True, arrival, updates=tuple(updates))
+        )
+    for i in range(rng.randint(2, 5)):
+        body = prompt(rng, rng.randint(6, 24))
+        images[f"p{i}"] = images_in(len(body))
+        specs.append(h.RequestSpec(f"p{i}", body, rng.randint(1, 12), True, rng.randint(0, 12)))
+    return specs, images
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_multimodal_sessions_every_step_native(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """Updates bringing images (vLLM shifts them past the session's tokens): the encoder
+    budget and cache, ``encoder_input_updates`` with the V2 runner (0.33), every step native;
+    the encoder cache manager's state compared too (mm_harness)."""
+    rng = random.Random(f"mm-sessions{seed}")
+    cfg = dataclasses.replace(
+        ROOMY,
+        async_scheduling=seed % 2 == 1,
+        policy="priority" if seed % 4 >= 2 else "fcfs",
+        num_blocks=rng.choice((96, 32)),
+        enable_caching=rng.random() < 0.7,
+    )
+    encoder = mm.Encoder(budget=32, cache_size=48, v2_runner=seed % 3 == 0)
+    specs, images = mm_session_workload(rng)
+    run = mm.MmLockstep(cfg, specs, images, encoder, seed, tiny_model_dir, manager_cls)
+    stats = run.run()
+    assert stats["session_updates"] > 0 and stats["encoder_inputs"] > 0, stats
+    if native_only(manager_cls):
+        assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
 def test_session_seeds_reach_every_path(tiny_model_dir: Path, manager_cls: type) -> None:
