@@ -331,6 +331,24 @@ def test_a_request_waiting_for_remote_kv_in_kv_holding_waiting_falls_back(
     assert sched._pagedkv_fallback() == "a request waiting for remote KV"
 
 
+def test_an_update_out_of_scope_holds_its_session(tiny_model_dir: Path, manager_cls: type) -> None:
+    """An update whose sampling parameters the native loop does not hold (a stop id beyond
+    64 bits) puts the engine on vLLM's loop until the session leaves; a plain update does not."""
+    if not native_only(manager_cls):
+        return
+    sched = h.make_scheduler(ROOMY, tiny_model_dir, manager_cls)
+    hasher = h.request_block_hasher(ROOMY)
+    spec = h.RequestSpec("s", (5, 6, 7), 2, True, 0, updates=(h.SessionUpdate(1, (8, 9), 2),))
+    sched.add_request(h.build_request(spec, hasher))
+    sched.add_request(h.build_request(spec, hasher, spec.updates[0]))
+    assert sched._pagedkv_fallback() is None
+    wide = dataclasses.replace(spec, stop_token_ids=(2**70,))
+    sched.add_request(h.build_request(wide, hasher, spec.updates[0]))
+    assert sched._pagedkv_fallback() == "stop token ids beyond 64 bits"
+    sched.finish_requests("s", RequestStatus.FINISHED_ABORTED)
+    assert sched._pagedkv_fallback() is None
+
+
 # --------------------------------------------------------------------------- planted differences
 
 
