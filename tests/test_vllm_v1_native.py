@@ -151,6 +151,7 @@ class FakeRequest:
         self.num_in_flight_tokens = 0
         self.num_stale_output_tokens = 0
         self.drop_stale_output = False
+        self.resumable = False
         self.is_prefill_chunk = False
         self.num_preemptions = 0
         self.stop_reason = None
@@ -211,6 +212,7 @@ class FakeScheduler:
         self.running: list = []
         self.waiting = FakeQueue()
         self.kv_holding_waiting = FakeQueue()
+        self.num_waiting_for_streaming_input = 0
         self.deferred_waiting: set = set()
         self._inflight_prefills: set = set()
         self.prev_step_scheduled_req_ids: set = set()

@@ -45,10 +45,17 @@ class Encoder:
     v2_runner: bool = False  # ``use_v2_model_runner`` (0.33: ``encoder_input_updates``)
 
 
-def build_request(spec: h.RequestSpec, hasher: Any, images: tuple[Image, ...]) -> Request:
+def build_request(
+    spec: h.RequestSpec,
+    hasher: Any,
+    images: tuple[Image, ...],
+    update: Optional[h.SessionUpdate] = None,
+) -> Request:
     """:func:`v1_harness.build_request` with ``images`` as the request's ``mm_features`` (set
-    before the block hasher runs: the identifiers are extra keys of the blocks they touch)."""
-    request = _plain_build_request(spec, None)
+    before the block hasher runs: the identifiers are extra keys of the blocks they touch);
+    with ``update``, a streaming session's update (its images' offsets within the update's
+    prompt: vLLM shifts them past the session's tokens)."""
+    request = _plain_build_request(spec, None, update)
     features = [
         MultiModalFeatureSpec(
             data=_data(image.identifier),
@@ -60,7 +67,7 @@ def build_request(spec: h.RequestSpec, hasher: Any, images: tuple[Image, ...]) -
     ]
     return Request(
         request_id=request.request_id,
-        prompt_token_ids=list(spec.prompt),
+        prompt_token_ids=list(request.prompt_token_ids),
         sampling_params=request.sampling_params,
         pooling_params=None,
         mm_features=features or None,
@@ -68,6 +75,7 @@ def build_request(spec: h.RequestSpec, hasher: Any, images: tuple[Image, ...]) -
         arrival_time=request.arrival_time,
         priority=request.priority,
         block_hasher=hasher,
+        **({"resumable": True} if request.resumable else {}),
     )
 
 
@@ -115,7 +123,7 @@ class MmLockstep(h.Lockstep):
         self,
         cfg: h.SchedConfig,
         specs: list[h.RequestSpec],
-        images: dict[str, tuple[Image, ...]],
+        images: dict[Any, tuple[Image, ...]],
         encoder: Encoder,
         seed: int,
         model_dir: Path,
@@ -138,8 +146,13 @@ class MmLockstep(h.Lockstep):
         finally:
             h.build_request = _plain_build_request
 
-    def _build(self, spec: h.RequestSpec, hasher: Any) -> Request:
-        return build_request(spec, hasher, self.images.get(spec.req_id, ()))
+    def _build(
+        self, spec: h.RequestSpec, hasher: Any, update: Optional[h.SessionUpdate] = None
+    ) -> Request:
+        """``images`` keys a request's images by its id, a session update's by ``(id,
+        update step)``."""
+        key: Any = spec.req_id if update is None else (spec.req_id, update.step)
+        return build_request(spec, hasher, self.images.get(key, ()), update)
 
     def _update(self, p: Any) -> None:
         inputs = p.ref_out.scheduled_encoder_inputs

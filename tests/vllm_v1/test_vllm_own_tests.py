@@ -30,8 +30,14 @@ FILES = (
     "test_scheduler.py",
     "test_async_scheduler.py",
 )
-#: The files run against the scheduler class under test (the native loop).
-LOOP_FILES = ("test_scheduler.py", "test_async_scheduler.py")
+#: The files run against the scheduler class under test (the native loop); paths relative to
+#: ``tests/v1/core`` (vLLM's streaming-session scheduler tests live beside it; on 0.32 their
+#: schedulers are out of the native loop's scope, an encoder-only instance, and still pass).
+LOOP_FILES = (
+    "test_scheduler.py",
+    "test_async_scheduler.py",
+    "../streaming_input/test_scheduler_streaming.py",
+)
 #: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series: both model runners' output
 #: shapes are exercised. "1" (V2, the GPU default) where the release's configuration accepts it
 #: without Triton (0.33; 0.32 refuses). (vLLM's ``create_scheduler`` also sets

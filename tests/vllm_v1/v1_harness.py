@@ -416,6 +416,19 @@ def make_scheduler(
 
 
 @dataclasses.dataclass(frozen=True)
+class SessionUpdate:
+    """A streaming session's next input: at ``step``, ``add_request`` for the session's id
+    with ``prompt`` and ``max_tokens`` (vLLM applies it if the session waits for input, else
+    queues it); ``prompt`` ``None``: the final update (not ``resumable``), which ends the
+    session (at its next stop, or now, aborted, if it waits for input). An update for a
+    session no longer in the scheduler is not sent (it would start a new request)."""
+
+    step: int
+    prompt: Optional[tuple[int, ...]] = None
+    max_tokens: int = 8
+
+
+@dataclasses.dataclass(frozen=True)
 class RequestSpec:
     req_id: str
     prompt: tuple[int, ...]
@@ -436,6 +449,8 @@ class RequestSpec:
     grammar: Optional[kinds.GrammarSpec] = None  # structured output over a fake grammar
     lora: int = 0  # the LoRA adapter's id (0: none; needs SchedConfig.max_loras)
     embeds: bool = False  # prompt embeddings in place of the prompt's ids
+    # A streaming session (``resumable``) when not empty: its updates, by step.
+    updates: tuple[SessionUpdate, ...] = ()
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -494,9 +509,15 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
 HELD_PRIORITY = 2**64
 
 
-def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
+def build_request(
+    spec: RequestSpec, block_hasher: Callable, update: Optional[SessionUpdate] = None
+) -> Request:
+    """The request of ``spec``, or its session's ``update`` (same id and sampling
+    parameters, the update's prompt and ``max_tokens``; a final update is not resumable)."""
+    max_tokens = spec.max_tokens if update is None else update.max_tokens
+    prompt_ids = spec.prompt if update is None else (update.prompt or (FIRST_PROMPT_TOKEN,))
     params = SamplingParams(
-        max_tokens=spec.max_tokens,
+        max_tokens=max_tokens,
         ignore_eos=spec.ignore_eos,
         stop_token_ids=list(spec.stop_token_ids),
         min_tokens=spec.min_tokens,
@@ -507,10 +528,14 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
     )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
+    if update is not None:
+        arrival_time = update.step
+    resumable = bool(spec.updates) and (update is None or update.prompt is not None)
+    extra = {"resumable": True} if resumable else {}
     return Request(
         request_id=spec.req_id,
-        prompt_token_ids=None if spec.embeds else list(spec.prompt),
-        prompt_embeds=kinds.prompt_embeds(spec.prompt) if spec.embeds else None,
+        prompt_token_ids=None if spec.embeds else list(prompt_ids),
+        prompt_embeds=kinds.prompt_embeds(prompt_ids) if spec.embeds else None,
         lora_request=kinds.lora_request(spec.lora) if spec.lora else None,
         sampling_params=params,
         pooling_params=None,
@@ -518,6 +543,7 @@ def build_request(spec: RequestSpec, block_hasher: Callable) -> Request:
         arrival_time=float(arrival_time),
         priority=HELD_PRIORITY if spec.held else spec.priority,
         block_hasher=block_hasher,
+        **extra,
     )
 
 
@@ -677,6 +703,17 @@ class Pending:
     bitmask_taken: bool = False
 
 
+_WAITS_FOR_INPUT = RequestStatus.WAITING_FOR_STREAMING_REQ
+
+
+def _outcome(call: Callable[..., Any], *args: Any) -> Any:
+    """What ``call(*args)`` returned, or the type and text of the ``RuntimeError`` it raised."""
+    try:
+        return call(*args)
+    except RuntimeError as e:
+        return ("raised", type(e).__name__, str(e))
+
+
 #: Where an abort may hit (:meth:`Lockstep._random_aborts`); the last two abort nothing.
 ABORT_KINDS = ("waiting", "preempted", "running", "in_flight", "finished", "unknown")
 
@@ -717,6 +754,8 @@ class Lockstep:
         self.tracked: tuple[dict[str, Request], dict[str, Request]] = ({}, {})
         # What the run reached (the reference's view), for tests that a path was taken.
         counts = ("steps", "preemptions", "priority_preemptions", "events", "hits", "drafts")
+        counts += ("session_updates", "session_turns", "updates_while_waiting", "updates_queued")
+        counts += ("aborts_while_waiting_for_input",)
         finishes = (
             "stopped_by_stop_id",
             "stopped_under_min_tokens",
@@ -756,7 +795,10 @@ class Lockstep:
         raise Divergence(f"workload not finished after {self.max_steps} steps ({self.cfg})")
 
     def _done(self) -> bool:
-        all_arrived = all(s.arrival_step < self.step for s in self.specs)
+        all_arrived = all(
+            s.arrival_step < self.step and all(u.step < self.step for u in s.updates)
+            for s in self.specs
+        )
         idle = not self.ref.has_requests() and not self.test.has_requests()
         return all_arrived and idle and not self.pending
 
@@ -776,12 +818,34 @@ class Lockstep:
             if self.cap < self.cfg.max_model_len and len(spec.prompt) >= self.cap:
                 self._refuse(spec.req_id)
         self._compile_grammars()
+        updated = self._session_updates()
         aborts = [s.req_id for s in self.specs if s.abort_step == self.step]
         if aborts:
             self._abort(aborts, "finish_requests")
         aborted_at_random = self._random_aborts()
-        if arrivals or aborts or aborted_at_random:
+        if arrivals or updated or aborts or aborted_at_random:
             self._check_state("after arrivals and aborts")
+
+    def _session_updates(self) -> bool:
+        """The streaming updates due now, for the sessions still in the scheduler (both
+        sides must agree which are); whether any was sent."""
+        sent = False
+        for spec in self.specs:
+            for update in spec.updates:
+                if update.step != self.step:
+                    continue
+                live = spec.req_id in self.ref.requests
+                if live != (spec.req_id in self.test.requests):
+                    raise Divergence(f"step {self.step}: session {spec.req_id} live on one side")
+                if not live:
+                    continue
+                waits = self.ref.requests[spec.req_id].status == _WAITS_FOR_INPUT
+                self.stats["updates_while_waiting" if waits else "updates_queued"] += 1
+                for sched in (self.ref, self.test):
+                    sched.add_request(build_request(spec, self.hasher, update))
+                self.stats["session_updates"] += 1
+                sent = True
+        return sent
 
     def _compile_grammars(self) -> None:
         """The grammars due by now finish compiling, on both sides alike."""
@@ -829,6 +893,10 @@ class Lockstep:
         self.refused.clear()
 
     def _abort(self, req_ids: list[str], what: str) -> list[str]:
+        self.stats["aborts_while_waiting_for_input"] += sum(
+            r in self.ref.requests and self.ref.requests[r].status == _WAITS_FOR_INPUT
+            for r in req_ids
+        )
         ref = _ids(self.ref.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
         test = _ids(self.test.finish_requests(req_ids, RequestStatus.FINISHED_ABORTED))
         self.check(what, ref, test)
@@ -871,10 +939,12 @@ class Lockstep:
         if self.rng.random() >= 0.01:
             return
         preempt_running = self.rng.random() < 0.5
+        # vLLM raises when blocks stay held after preempting (a streaming session waiting
+        # with its KV blocks): both sides must, and leave the same state.
         self.check(
             "reset_prefix_cache",
-            self.ref.reset_prefix_cache(preempt_running),
-            self.test.reset_prefix_cache(preempt_running),
+            _outcome(self.ref.reset_prefix_cache, preempt_running),
+            _outcome(self.test.reset_prefix_cache, preempt_running),
         )
         self._check_state("after reset_prefix_cache")
 
@@ -948,6 +1018,9 @@ class Lockstep:
         self._check_state("after update_from_output")
 
     def _count_finish(self, out: Any) -> None:
+        if out.request_id in self.ref.requests:  # a streaming session's turn: it goes on
+            self.stats["session_turns"] += 1
+            return
         self.finished.add(out.request_id)
         self.stats["finish_reasons"][out.finish_reason.name] += 1
         request = self.tracked[0].get(out.request_id)

@@ -19,7 +19,7 @@ next step can be either loop's; a switch needs no hand-over.
 * every request the scheduler holds is in scope
   (:func:`pagedkv.vllm_v1._scope.request_out_of_scope`: plain
   sampling, structured output, LoRA, multimodal inputs, prompt embeddings, repetition
-  detection; no pooling, KV transfer or streaming sessions), and the scheduler is not paused.
+  detection, streaming sessions; no pooling or KV transfer), and the scheduler is not paused.
 
 A request out of scope puts the engine on vLLM's loop from the next step until it has left
 (finished or aborted): its decisions couple every request of the step (budgets, queue order,
@@ -37,7 +37,12 @@ from typing import Any, Dict, List, Optional
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
 from ._report import NATIVE, StepCounter, interval_from_env
-from ._scope import engine_out_of_scope, hashes_natively, request_out_of_scope
+from ._scope import (
+    engine_out_of_scope,
+    hashes_natively,
+    request_out_of_scope,
+    update_out_of_scope,
+)
 
 #: Out-of-scope requests the engine holds, per scheduler: request id -> why it is out of scope
 #: (pruned as requests leave).
@@ -67,6 +72,9 @@ class NativeLoop:
         setattr(self, _HELD, {})
         self._pagedkv_counter = StepCounter(interval_from_env())
         self._pagedkv_unpaused = PauseState.UNPAUSED  # compared every step
+        from vllm.v1.request import RequestStatus
+
+        self._pagedkv_remote_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
         native = self.kv_cache_manager._native
         #: Tokens the KV cache holds (the null block excluded): no request may outgrow it.
         self._pagedkv_pool_tokens = (native.num_blocks - 1) * native.block_size
@@ -108,8 +116,7 @@ class NativeLoop:
             not d[_HELD]
             and self._pause_state is self._pagedkv_unpaused
             and self.connector is None
-            and not self.kv_holding_waiting
-            and not self.num_waiting_for_streaming_input
+            and (not self.kv_holding_waiting or not self._pagedkv_awaits_remote_kv())
             and not self.grammar_compile_error_reqs
             and d.get("aux_output_connector") is None
             and d.get("ec_connector") is None
@@ -134,8 +141,10 @@ class NativeLoop:
             (self.connector is not None, "a KV connector"),
             (getattr(self, "aux_output_connector", None) is not None, "an aux output connector"),
             (getattr(self, "ec_connector", None) is not None, "an EC connector"),
-            (bool(self.kv_holding_waiting), "requests holding KV while waiting"),
-            (bool(self.num_waiting_for_streaming_input), "streaming input awaited"),
+            (
+                bool(self.kv_holding_waiting) and self._pagedkv_awaits_remote_kv(),
+                "a request waiting for remote KV",
+            ),
             (bool(self.grammar_compile_error_reqs), "grammar compile errors"),
             (bool(getattr(self, "encoder_cache_mismatch_reqs", None)), "encoder cache mismatch"),
             # Settings vLLM's own tests change after construction.
@@ -146,6 +155,13 @@ class NativeLoop:
         )
         return next((why for out, why in checks if out), None)
 
+    def _pagedkv_awaits_remote_kv(self) -> bool:
+        """A request in ``kv_holding_waiting`` the native walk does not serve: one waiting for
+        remote KV (``WAITING_FOR_REMOTE_KVS``, a connector's; the walk serves streaming
+        sessions there, paused or resumed)."""
+        remote = self._pagedkv_remote_kvs
+        return any(r.status == remote for r in self.kv_holding_waiting)
+
     def _pagedkv_start_hashing(self) -> None:
         """Native block hashing for in-scope requests (:mod:`pagedkv.vllm_v1._hashing`) when
         pagedkv's manager caches prefixes."""
@@ -154,7 +170,15 @@ class NativeLoop:
             self._pagedkv_hashers = NativeHashers(self.hash_block_size)
 
     def add_request(self, request: Any) -> None:
+        update = request.request_id in self.requests
         super().add_request(request)  # type: ignore[misc]
+        if update:
+            # A streaming update of a live session (vLLM applied or queued it): the session
+            # is held if the update brings what the native loop does not serve.
+            why = update_out_of_scope(request)
+            if why is not None and self._pagedkv_loop is not None:
+                getattr(self, _HELD)[request.request_id] = why
+            return
         if self._pagedkv_loop is None and self._pagedkv_hashers is None:
             return
         why = request_out_of_scope(request)

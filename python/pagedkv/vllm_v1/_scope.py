@@ -97,8 +97,9 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
 def request_out_of_scope(request: Any) -> Optional[str]:
     """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
     Structured output, LoRA, multimodal inputs (vLLM's encoder cache manager decides their
-    encoder inputs, called by the loop), prompt embeddings and repetition detection are in
-    scope."""
+    encoder inputs, called by the loop), prompt embeddings, repetition detection and streaming
+    sessions (``resumable``; each later update is checked by :func:`update_out_of_scope`) are
+    in scope."""
     from vllm.v1.request import RequestStatus
 
     params = request.sampling_params
@@ -107,7 +108,6 @@ def request_out_of_scope(request: Any) -> Optional[str]:
         (params is None or request.pooling_params is not None, "pooling"),
         (request.status not in arrival_statuses, "not waiting on arrival"),
         (request.kv_transfer_params is not None, "KV transfer"),
-        (bool(getattr(request, "resumable", False)), "a streaming session"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
         (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
         (not _repetition_fits_i64(params), "repetition detection beyond 64 bits"),
@@ -117,12 +117,33 @@ def request_out_of_scope(request: Any) -> Optional[str]:
     return next((why for out, why in checks if out), None)
 
 
+def update_out_of_scope(update: Any) -> Optional[str]:
+    """Why vLLM's own loop must schedule the session a streaming update (a request for the id
+    of a live session, vLLM's ``StreamingUpdate.from_request``) goes to (``None``: in scope).
+    Only what the update carries into the session counts (``_update_request_as_session``:
+    prompt tokens, multimodal inputs, ``max_tokens``, arrival time, sampling parameters); a
+    final update (not ``resumable``) carries nothing."""
+    if not getattr(update, "resumable", False):
+        return None
+    params = update.sampling_params
+    checks = (
+        (params is None, "pooling"),
+        (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
+        (not _repetition_fits_i64(params), "repetition detection beyond 64 bits"),
+        (not isinstance(update.arrival_time, (int, float)), "arrival time"),
+    )
+    return next((why for out, why in checks if out), None)
+
+
 def hashes_natively(request: Any, why: Optional[str]) -> bool:
     """Whether pagedkv may give ``request`` its native block hasher: in scope and without
     extra hash keys past the first block (LoRA, multimodal inputs, prompt embeddings: vLLM's
-    hasher keeps those; :mod:`pagedkv.vllm_v1._hashing`)."""
+    hasher keeps those; :mod:`pagedkv.vllm_v1._hashing`). Not a streaming session: a later
+    update may bring multimodal inputs (the native loop still hashes the blocks it fills for
+    one, checking its extra keys every step)."""
     return (
         why is None
+        and not getattr(request, "resumable", False)
         and request.lora_request is None
         and not request.mm_features
         and request.prompt_embeds is None

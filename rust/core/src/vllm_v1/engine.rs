@@ -7,8 +7,11 @@
 //! * `Req` names one request; `==` is identity (two handles of one request are equal).
 //! * `running_at(i)` for `i < running_len()` is the `i`-th running request; `running_remove`
 //!   and `running_push` change that list and nothing else.
-//! * `waiting_peek` is the request `waiting_pop` returns next (vLLM's queue order: FCFS or
-//!   PRIORITY, the queue's own).
+//! * `waiting_peek(q)` is the request `waiting_pop(q)` returns next (vLLM's queue order: FCFS
+//!   or PRIORITY, the queue's own), for either [`Queue`]; a request is in at most one queue.
+//! * A request in [`Queue::KvHolding`] holds KV blocks (`num_computed_tokens > 0`: a streaming
+//!   session between turns); no request the walk sees waits for remote KV (the bindings leave
+//!   such a step to vLLM's loop).
 //! * `num_tokens` is the request's token count (prompt + outputs, drafts not counted), and
 //!   `append_output_token` grows it and `num_output_tokens` by one.
 //! * Field writes (`set_*`) are seen by the next read of that field.
@@ -17,7 +20,9 @@
 //!
 //! Costs: the walk calls the per-request accessors O(1) times per scheduled request and step,
 //! `running_priority_keys` once per PRIORITY preemption (O(running)), the rare events once per
-//! admitted, preempted or finished request; with a LoRA limit, `lora_id` of every running
+//! admitted, preempted or finished request (`resumable` once per stopped request,
+//! `handle_stopped` and `enqueue_waiting` once per stopped session);
+//! `num_waiting_for_streaming_input` once per waiting pass; with a LoRA limit, `lora_id` of every running
 //! request once per step; `unblock` once per blocked request the waiting pass reaches;
 //! `repeats` once per appended token of a request with repetition detection (O(its pattern
 //! sizes)); `accept_tokens` once per structured-output row with tokens. The encoder calls
@@ -93,6 +98,16 @@ pub struct SpecSettings {
     pub can_skip_drafts: bool,
 }
 
+/// The scheduler's two waiting queues: the waiting pass drains `kv_holding_waiting` first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Queue {
+    /// `waiting`: requests holding no KV blocks (new or preempted).
+    Waiting,
+    /// `kv_holding_waiting`: requests waiting with KV blocks (streaming sessions between
+    /// turns, paused in `WAITING_FOR_STREAMING_REQ` or resumed by an update).
+    KvHolding,
+}
+
 /// A request's `status` as the walk distinguishes it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
@@ -101,8 +116,8 @@ pub enum Status {
     Preempted,
     /// Any finished status.
     Finished,
-    /// A blocked waiting status (structured-output grammar, remote KV, streaming): the
-    /// waiting pass asks [`Engine::unblock`] before it looks further.
+    /// A blocked waiting status (structured-output grammar, remote KV, a streaming session
+    /// waiting for input): the waiting pass asks [`Engine::unblock`] before it looks further.
     OtherWaiting,
 }
 
@@ -211,12 +226,13 @@ pub trait Engine {
     fn running_push(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     /// `(priority, arrival_time)` of every running request, in order.
     fn running_priority_keys(&self) -> Result<Vec<(i64, f64)>, Self::Error>;
-    fn waiting_len(&self) -> Result<usize, Self::Error>;
-    fn waiting_peek(&mut self) -> Result<Self::Req, Self::Error>;
-    fn waiting_pop(&mut self) -> Result<Self::Req, Self::Error>;
-    /// `waiting.prepend_requests(deque(skipped))`.
-    fn waiting_prepend(&mut self, skipped: Vec<Self::Req>) -> Result<(), Self::Error>;
-    fn kv_holding_len(&self) -> Result<usize, Self::Error>;
+    fn waiting_len(&self, q: Queue) -> Result<usize, Self::Error>;
+    fn waiting_peek(&mut self, q: Queue) -> Result<Self::Req, Self::Error>;
+    fn waiting_pop(&mut self, q: Queue) -> Result<Self::Req, Self::Error>;
+    /// `queue.prepend_requests(deque(skipped))`.
+    fn waiting_prepend(&mut self, q: Queue, skipped: Vec<Self::Req>) -> Result<(), Self::Error>;
+    /// `num_waiting_for_streaming_input`: paused sessions, which keep a model-runner slot.
+    fn num_waiting_for_streaming_input(&self) -> Result<usize, Self::Error>;
     fn deferred_len(&self) -> Result<usize, Self::Error>;
     fn deferred_add(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     fn deferred_discard(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
@@ -295,6 +311,17 @@ pub trait Engine {
     /// `record_event(SCHEDULED, timestamp)` when stats are on.
     fn record_scheduled(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     fn free_request(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
+    /// `resumable`: a streaming session (a stop ends its turn, not the request).
+    fn resumable(&self, r: &Self::Req) -> Result<bool, Self::Error>;
+    /// `_handle_stopped_request` for a stopped resumable request: the turn's in-flight work
+    /// dropped, then its next queued update applied (`_update_request_as_session`: status
+    /// `WAITING`) or it waits for input (`WAITING_FOR_STREAMING_REQ`). True when a final
+    /// (`None`) update ends the session (the walk then frees it). 0.32's also enqueues a
+    /// continuing request (`_enqueue_waiting_request`); 0.33's leaves that to the walk.
+    fn handle_stopped(&mut self, r: &Self::Req) -> Result<bool, Self::Error>;
+    /// `_enqueue_waiting_request`: `kv_holding_waiting` when the request holds KV blocks,
+    /// else `waiting` (and `deferred_waiting` in a blocked status).
+    fn enqueue_waiting(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     /// Out of `running` (the running ones), the waiting queues (the others).
     fn remove_stopped(
         &mut self,

@@ -35,7 +35,7 @@ mod tests;
 #[cfg(test)]
 mod walk_tests;
 
-pub use engine::{Engine, Mode, Release, Runner, Settings, Status};
+pub use engine::{Engine, Mode, Queue, Release, Runner, Settings, Status};
 pub use manager::{Config, HashSource, Manager, SlotRequest};
 pub use pool::{Event, HashKey, Pool, NULL_BLOCK};
 pub use walk::Walk;

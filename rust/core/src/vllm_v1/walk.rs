@@ -6,9 +6,15 @@
 //!
 //! Sources: `vllm/v1/core/sched/scheduler.py` and `async_scheduler.py` (0.32, 0.33). Cost per
 //! step: O(scheduled requests) engine calls, plus O(running) per PRIORITY preemption.
+//!
+//! Invariants kept between calls (as vLLM's loop keeps them): a live request is in exactly
+//! one of `running`, `waiting` and `kv_holding_waiting` (0.32 alone drops a stopped session
+//! that was not running from its queue, as vLLM 0.32 does); a request in `kv_holding_waiting`
+//! holds KV blocks; `num_waiting_for_streaming_input` counts the sessions there in
+//! `WAITING_FOR_STREAMING_REQ` (the walk changes it only through `handle_stopped`).
 
 use super::engine::{
-    Drafts, Engine, Mode, Release, Row, Runner, Settings, Status, Step, StructuredFlags,
+    Drafts, Engine, Mode, Queue, Release, Row, Runner, Settings, Status, Step, StructuredFlags,
 };
 use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
@@ -25,6 +31,29 @@ enum Admit {
     Full,
     /// Skipped this step (deferred), the pass goes on.
     Skip,
+}
+
+/// The requests the waiting pass skipped, by the queue each goes back to (each list in
+/// the order it is put back: the last skipped first).
+struct Skipped<R> {
+    waiting: Vec<R>,
+    kv_holding: Vec<R>,
+}
+
+impl<R> Default for Skipped<R> {
+    fn default() -> Self {
+        Skipped {
+            waiting: Vec::new(),
+            kv_holding: Vec::new(),
+        }
+    }
+}
+
+/// A row whose request stopped: whether it was running, and whether it goes on (a
+/// streaming session's next turn).
+struct Stopped {
+    was_running: bool,
+    continues: bool,
 }
 
 /// A running request's allocation: its new block ids (`None`: it was preempted itself) and
@@ -260,35 +289,42 @@ impl<'e, E: Engine> Walk<'e, E> {
         Ok(victim)
     }
 
-    /// The waiting pass: admit from the head of `waiting` while requests fit; a request with
-    /// stale output still to deliver is skipped (deferred) and put back at the head after.
+    /// The waiting pass: admit from the head of `kv_holding_waiting` while it has requests,
+    /// then of `waiting`, while requests fit and `running` plus the sessions waiting for input
+    /// stay under the active limit; a skipped request (deferred) goes back at the head of the
+    /// queue its KV blocks say (`_holds_kv_blocks`) after the pass.
     fn waiting_pass(
         &mut self,
         threshold: u64,
         budget: &mut Budget,
         rows: &mut Vec<Row<E::Req>>,
     ) -> Result<(), E::Error> {
-        let mut skipped = Vec::new();
+        let mut skipped = Skipped::default();
         let mut loras = self.running_loras(rows)?;
+        // Paused sessions are not in `running` but keep a model-runner slot; the count
+        // changes only outside `schedule()`.
+        let paused = self.e.num_waiting_for_streaming_input()?;
         while budget.tokens > 0 {
-            if self.e.waiting_len()? == 0 || !budget.has_input() {
+            let q = match self.e.waiting_len(Queue::KvHolding)? {
+                0 => Queue::Waiting,
+                _ => Queue::KvHolding,
+            };
+            if self.e.waiting_len(q)? == 0 || !budget.has_input() {
                 break;
             }
-            if self.e.running_len() >= self.set.max_num_active_reqs {
+            if self.e.running_len() + paused >= self.set.max_num_active_reqs {
                 break;
             }
-            let req = self.e.waiting_peek()?;
+            let req = self.e.waiting_peek(q)?;
             let admitted = match self.must_skip(&req, loras.as_ref())? {
                 true => Admit::Skip,
-                false => self.admit(&req, threshold, budget, rows)?,
+                false => self.admit(q, &req, threshold, budget, rows)?,
             };
             match admitted {
                 Admit::Scheduled => {}
                 Admit::Full => break,
                 Admit::Skip => {
-                    let r = self.e.waiting_pop()?;
-                    self.e.deferred_add(&r)?;
-                    skipped.insert(0, r);
+                    self.skip(q, &mut skipped)?;
                     continue;
                 }
             }
@@ -296,12 +332,35 @@ impl<'e, E: Engine> Walk<'e, E> {
                 set.insert(id);
             }
         }
-        if !skipped.is_empty() {
-            self.e.waiting_prepend(skipped)?;
-        }
-        let waiting = self.e.waiting_len()? + self.e.kv_holding_len()?;
+        self.requeue_skipped(skipped)?;
+        let waiting = self.e.waiting_len(Queue::Waiting)? + self.e.waiting_len(Queue::KvHolding)?;
         let bound = waiting > self.e.deferred_len()?;
         self.e.set_prefill_capacity_bound(bound)
+    }
+
+    /// vLLM's `skip_request`: the head of `q` leaves it, deferred, to be put back after the
+    /// pass ahead of the requests skipped before it: into `kv_holding_waiting` when it holds
+    /// KV blocks (`num_computed_tokens > 0`), else into `waiting`.
+    fn skip(&mut self, q: Queue, skipped: &mut Skipped<E::Req>) -> Result<(), E::Error> {
+        let r = self.e.waiting_pop(q)?;
+        self.e.deferred_add(&r)?;
+        match self.e.num_computed_tokens(&r)? > 0 {
+            true => skipped.kv_holding.insert(0, r),
+            false => skipped.waiting.insert(0, r),
+        }
+        Ok(())
+    }
+
+    /// The skipped requests back at the heads of their queues (`kv_holding_waiting` first).
+    fn requeue_skipped(&mut self, skipped: Skipped<E::Req>) -> Result<(), E::Error> {
+        if !skipped.kv_holding.is_empty() {
+            self.e
+                .waiting_prepend(Queue::KvHolding, skipped.kv_holding)?;
+        }
+        if !skipped.waiting.is_empty() {
+            self.e.waiting_prepend(Queue::Waiting, skipped.waiting)?;
+        }
+        Ok(())
     }
 
     /// Whether the waiting pass skips the head of `waiting` this step (vLLM's `skip_request`):
@@ -340,10 +399,11 @@ impl<'e, E: Engine> Walk<'e, E> {
         Ok(Some(ids.filter(|&id| id > 0).collect()))
     }
 
-    /// Admit the head of `waiting` (a prefix lookup when nothing is computed, then
+    /// Admit the head of `q` (a prefix lookup when nothing is computed, then
     /// `allocate_slots`); a request whose encoder inputs leave it no token is skipped.
     fn admit(
         &mut self,
+        q: Queue,
         req: &E::Req,
         threshold: u64,
         budget: &mut Budget,
@@ -400,13 +460,14 @@ impl<'e, E: Engine> Walk<'e, E> {
             true => self.set.spec.num_spec_tokens,
             false => 0,
         };
-        self.start_running(req, (n, drafts), num_computed, budget, rows)?;
+        self.start_running(q, req, (n, drafts), num_computed, budget, rows)?;
         Ok(Admit::Scheduled)
     }
 
     /// `scheduled`: the tokens and the padding drafts (0: not padded).
     fn start_running(
         &mut self,
+        q: Queue,
         peeked: &E::Req,
         scheduled: (u64, u64),
         num_computed: u64,
@@ -414,7 +475,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         rows: &mut Vec<Row<E::Req>>,
     ) -> Result<(), E::Error> {
         let (n, drafts) = scheduled;
-        let req = self.e.waiting_pop()?;
+        let req = self.e.waiting_pop(q)?;
         debug_assert!(req == *peeked);
         self.e.deferred_discard(&req)?;
         self.e.running_push(&req)?;
@@ -487,22 +548,42 @@ impl<'e, E: Engine> Walk<'e, E> {
     }
 
     /// `Scheduler.update_from_output()`: each scheduled row takes its sampled tokens; the
-    /// stopped requests are freed, then removed from their queues together.
+    /// stopped requests are freed (a streaming session's turn ends instead), then removed from
+    /// their queues together; 0.33 then enqueues the continuing sessions in output order
+    /// (0.32's `_handle_stopped_request` enqueued each already, so one that was not running
+    /// leaves its queue again with the removal, as in vLLM 0.32).
     pub fn update_from_output(mut self) -> Result<(), E::Error> {
         let mut stopped_running = Vec::new();
         let mut stopped_other = Vec::new();
+        let mut continuing = Vec::new();
         for (req, n, drafts) in self.e.scheduled_rows()? {
-            match self.update_row(&req, n, drafts)? {
-                Some(true) => stopped_running.push(req),
-                Some(false) => stopped_other.push(req),
-                None => {}
+            let Some(stopped) = self.update_row(&req, n, drafts)? else {
+                continue;
+            };
+            if stopped.continues {
+                continuing.push(req.clone());
+            }
+            match stopped.was_running {
+                true => stopped_running.push(req),
+                false => stopped_other.push(req),
             }
         }
-        self.e.remove_stopped(&stopped_running, &stopped_other)
+        self.e.remove_stopped(&stopped_running, &stopped_other)?;
+        if self.mode.release == Release::V033 {
+            for req in &continuing {
+                self.e.enqueue_waiting(req)?;
+            }
+        }
+        Ok(())
     }
 
-    /// One row of `update_from_output`; `Some(was_running)` when the request stopped.
-    fn update_row(&mut self, req: &E::Req, n: u64, drafts: u64) -> Result<Option<bool>, E::Error> {
+    /// One row of `update_from_output`; `Some` when the request stopped.
+    fn update_row(
+        &mut self,
+        req: &E::Req,
+        n: u64,
+        drafts: u64,
+    ) -> Result<Option<Stopped>, E::Error> {
         let in_flight = self.e.num_in_flight_tokens(req)?;
         self.e
             .set_num_in_flight_tokens(req, in_flight.saturating_sub(n))?;
@@ -537,11 +618,25 @@ impl<'e, E: Engine> Walk<'e, E> {
         }
         let emit = returned > 0 || stop.is_some();
         let pending = self.e.begin_output(req, &sampled, emit)?;
-        if stop.is_some() {
-            self.e.free_request(req)?;
-        }
+        let continues = match stop {
+            Some(_) => self.handle_stopped(req)?,
+            None => false,
+        };
         self.e.emit_output(req, pending, sampled, stop, emit)?;
-        Ok(stop.map(|_| was_running))
+        Ok(stop.map(|_| Stopped {
+            was_running,
+            continues,
+        }))
+    }
+
+    /// A stopped request is freed, unless it is a streaming session whose turn ended and
+    /// that goes on (then true: it is to be enqueued again).
+    fn handle_stopped(&mut self, req: &E::Req) -> Result<bool, E::Error> {
+        if self.e.resumable(req)? && !self.e.handle_stopped(req)? {
+            return Ok(true);
+        }
+        self.e.free_request(req)?;
+        Ok(false)
     }
 
     /// `_update_request_with_output`: append the sampled tokens one by one, stop at the first

@@ -3,8 +3,8 @@
 //! `scheduler.py`, `async_scheduler.py`, `utils.check_stop`, `_preempt_request`).
 
 use super::engine::{
-    Drafts, EncoderPlan, Engine, Mode, Release, Runner, Settings, SpecSettings, Start, Status,
-    Step, StructuredFlags,
+    Drafts, EncoderPlan, Engine, Mode, Queue, Release, Runner, Settings, SpecSettings, Start,
+    Status, Step, StructuredFlags,
 };
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
@@ -39,6 +39,18 @@ struct TReq {
     accepted: Vec<i64>,
     /// `spec_token_ids`: the drafts proposed for the next step.
     spec: Vec<i64>,
+    /// A streaming session (`resumable`), its queued updates (`None`: the final one) and
+    /// whether it waits for input (`WAITING_FOR_STREAMING_REQ`).
+    resumable: bool,
+    updates: VecDeque<Option<Update>>,
+    waiting_input: bool,
+}
+
+/// A streaming update: the next chunk's prompt tokens and `max_tokens`.
+#[derive(Clone, Debug)]
+struct Update {
+    prompt: Vec<i64>,
+    max_tokens: u64,
 }
 
 struct TestEngine {
@@ -47,6 +59,11 @@ struct TestEngine {
     known: BTreeSet<usize>,
     running: Vec<usize>,
     waiting: VecDeque<usize>,
+    kv_holding: VecDeque<usize>,
+    /// `num_waiting_for_streaming_input`.
+    paused: usize,
+    /// The release whose `_handle_stopped_request` / `_update_request_as_session` it mirrors.
+    release: Release,
     deferred: BTreeSet<usize>,
     inflight: BTreeSet<usize>,
     mgr: Manager,
@@ -98,6 +115,9 @@ impl TestEngine {
             known: BTreeSet::new(),
             running: Vec::new(),
             waiting: VecDeque::new(),
+            kv_holding: VecDeque::new(),
+            paused: 0,
+            release: V33,
             deferred: BTreeSet::new(),
             inflight: BTreeSet::new(),
             mgr: Manager::new(cfg).unwrap(),
@@ -160,6 +180,9 @@ impl TestEngine {
             grammar_rejects: None,
             accepted: Vec::new(),
             spec: Vec::new(),
+            resumable: false,
+            updates: VecDeque::new(),
+            waiting_input: false,
         });
         self.known.insert(i);
         self.waiting.push_back(i);
@@ -187,8 +210,12 @@ impl TestEngine {
 
     /// vLLM's `finish_requests(..., FINISHED_ABORTED)`: out of its queue, freed, forgotten.
     fn abort(&mut self, r: usize) {
+        if std::mem::take(&mut self.reqs[r].waiting_input) {
+            self.paused -= 1;
+        }
         self.running.retain(|&x| x != r);
         self.waiting.retain(|&x| x != r);
+        self.kv_holding.retain(|&x| x != r);
         self.deferred.remove(&r);
         self.reqs[r].status = Status::Finished;
         self.mgr.free(&self.reqs[r].id).unwrap();
@@ -197,6 +224,55 @@ impl TestEngine {
 
     fn r(&self, r: usize) -> &TReq {
         &self.reqs[r]
+    }
+
+    fn queue(&self, q: Queue) -> &VecDeque<usize> {
+        match q {
+            Queue::Waiting => &self.waiting,
+            Queue::KvHolding => &self.kv_holding,
+        }
+    }
+
+    fn queue_mut(&mut self, q: Queue) -> &mut VecDeque<usize> {
+        match q {
+            Queue::Waiting => &mut self.waiting,
+            Queue::KvHolding => &mut self.kv_holding,
+        }
+    }
+
+    /// vLLM's `_update_request_as_session`: the turn's outputs but the last sampled one
+    /// (0.33: all but the last token; 0.32: up to the computed tokens) join the prompt, then
+    /// the update's tokens; its `max_tokens`; `WAITING`.
+    fn update_as_session(&mut self, r: usize, u: Update) {
+        let release = self.release;
+        let q = &mut self.reqs[r];
+        let keep_end = match release {
+            Release::V033 => q.all.len() - 1,
+            Release::V032 => q.computed as usize,
+        };
+        assert!(keep_end as u64 >= q.computed);
+        q.all.truncate(keep_end);
+        q.outs.clear();
+        q.all.extend_from_slice(&u.prompt);
+        q.prompt = q.all.len() as u64;
+        q.rule.max_tokens = u.max_tokens;
+        if std::mem::take(&mut q.waiting_input) {
+            self.paused -= 1;
+        }
+        q.status = Status::Waiting;
+    }
+
+    /// vLLM's `add_request` for the id of a session: the update is applied now if the
+    /// session waits for input (a final `None` aborts it), else queued.
+    fn stream(&mut self, r: usize, u: Option<Update>) {
+        if !self.reqs[r].waiting_input {
+            self.reqs[r].updates.push_back(u);
+            return;
+        }
+        match u {
+            Some(u) => self.update_as_session(r, u),
+            None => self.abort(r),
+        }
     }
 }
 
@@ -235,7 +311,7 @@ impl Engine for TestEngine {
         Ok(Start {
             current_step: self.step,
             num_executed_steps: (mode.release == V33).then_some(self.executed),
-            num_eligible: (self.running.len() + self.waiting.len()) as u64,
+            num_eligible: (self.running.len() + self.waiting.len() + self.kv_holding.len()) as u64,
         })
     }
     fn set_current_step(&mut self, step: u64) -> Result<()> {
@@ -266,24 +342,24 @@ impl Engine for TestEngine {
             .map(|&r| (self.reqs[r].priority, self.reqs[r].arrival))
             .collect())
     }
-    fn waiting_len(&self) -> Result<usize> {
-        Ok(self.waiting.len())
+    fn waiting_len(&self, q: Queue) -> Result<usize> {
+        Ok(self.queue(q).len())
     }
-    fn waiting_peek(&mut self) -> Result<usize> {
-        Ok(self.waiting[0])
+    fn waiting_peek(&mut self, q: Queue) -> Result<usize> {
+        Ok(self.queue(q)[0])
     }
-    fn waiting_pop(&mut self) -> Result<usize> {
-        Ok(self.waiting.pop_front().unwrap())
+    fn waiting_pop(&mut self, q: Queue) -> Result<usize> {
+        Ok(self.queue_mut(q).pop_front().unwrap())
     }
-    fn waiting_prepend(&mut self, skipped: Vec<usize>) -> Result<()> {
+    fn waiting_prepend(&mut self, q: Queue, skipped: Vec<usize>) -> Result<()> {
         // `prepend_requests(deque)` keeps the deque's order at the head.
         for r in skipped.into_iter().rev() {
-            self.waiting.push_front(r);
+            self.queue_mut(q).push_front(r);
         }
         Ok(())
     }
-    fn kv_holding_len(&self) -> Result<usize> {
-        Ok(0)
+    fn num_waiting_for_streaming_input(&self) -> Result<usize> {
+        Ok(self.paused)
     }
     fn deferred_len(&self) -> Result<usize> {
         Ok(self.deferred.len())
@@ -414,9 +490,13 @@ impl Engine for TestEngine {
     fn uses_structured_output(&self, r: &usize) -> bool {
         self.reqs[*r].grammar_wait.is_some()
     }
-    /// A grammar becomes ready after `grammar_wait` asks (the request becomes `WAITING`).
+    /// A grammar becomes ready after `grammar_wait` asks (the request becomes `WAITING`); a
+    /// session waiting for input stays blocked.
     fn unblock(&mut self, r: &usize) -> Result<bool> {
         let q = &mut self.reqs[*r];
+        if q.waiting_input {
+            return Ok(false);
+        }
         match q.grammar_wait.as_mut() {
             Some(0) | None => {
                 q.status = Status::Waiting;
@@ -477,9 +557,45 @@ impl Engine for TestEngine {
         self.freed.push(*r);
         Ok(())
     }
+    fn resumable(&self, r: &usize) -> Result<bool> {
+        Ok(self.reqs[*r].resumable)
+    }
+    /// vLLM's `_handle_stopped_request` for a resumable request (0.32's enqueues it).
+    fn handle_stopped(&mut self, r: &usize) -> Result<bool> {
+        let q = &mut self.reqs[*r];
+        q.computed -= q.placeholders;
+        q.spec.clear();
+        q.drop_stale = true;
+        q.stale = q.in_flight;
+        q.placeholders = 0;
+        match q.updates.pop_front() {
+            Some(None) => return Ok(true),
+            Some(Some(u)) => self.update_as_session(*r, u),
+            None => {
+                q.status = Status::OtherWaiting;
+                q.waiting_input = true;
+                self.paused += 1;
+            }
+        }
+        if self.release == V32 {
+            self.enqueue_waiting(r)?;
+        }
+        Ok(false)
+    }
+    fn enqueue_waiting(&mut self, r: &usize) -> Result<()> {
+        if self.reqs[*r].status == Status::OtherWaiting {
+            self.deferred.insert(*r);
+        }
+        match self.reqs[*r].computed > 0 {
+            true => self.kv_holding.push_back(*r),
+            false => self.waiting.push_back(*r),
+        }
+        Ok(())
+    }
     fn remove_stopped(&mut self, running: &[usize], other: &[usize]) -> Result<()> {
         self.running.retain(|r| !running.contains(r));
         self.waiting.retain(|r| !other.contains(r));
+        self.kv_holding.retain(|r| !other.contains(r));
         self.deferred.retain(|r| !other.contains(r));
         Ok(())
     }
@@ -931,3 +1047,6 @@ mod spec;
 
 #[path = "walk_mm_tests.rs"]
 mod walk_mm_tests;
+
+#[path = "walk_session_tests.rs"]
+mod session;

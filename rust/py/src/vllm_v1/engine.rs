@@ -9,7 +9,8 @@ use crate::vllm_v1::hash::extend_block_hashes;
 use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
 use crate::vllm_v1::output::{self, ModelOutput};
 use pagedkv_core::vllm_v1::engine::{
-    Drafts, EncoderPlan, Engine, Mode, Release, Settings, Start, Status, Step, StructuredFlags,
+    Drafts, EncoderPlan, Engine, Mode, Queue, Release, Settings, Start, Status, Step,
+    StructuredFlags,
 };
 use pagedkv_core::vllm_v1::policy::{self, Repetition, Stop, StopRule};
 use pagedkv_core::vllm_v1::SlotRequest;
@@ -50,7 +51,11 @@ pub struct PyEngine<'a, 'py> {
     pub sched: Bound<'py, PyAny>,
     running: Bound<'py, PyList>,
     waiting: Bound<'py, PyAny>,
+    kv_holding: Bound<'py, PyAny>,
     map: FixedMap,
+    /// This call read the fixed fields of a streaming session (not kept for the next call:
+    /// a session's update replaces them between calls).
+    sessions: bool,
     /// The step's timestamp (`schedule`).
     ts: Option<Bound<'py, PyAny>>,
     /// The step's shared draft-placeholder list (`AsyncScheduler`).
@@ -83,13 +88,16 @@ impl<'a, 'py> PyEngine<'a, 'py> {
             .getattr(intern!(py, "running"))?
             .cast_into::<PyList>()?;
         let waiting = sched.getattr(intern!(py, "waiting"))?;
+        let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?;
         let map = lp.take_fixed()?;
         Ok(PyEngine {
             lp,
             sched: sched.clone(),
             running,
             waiting,
+            kv_holding,
             map,
+            sessions: false,
             ts: None,
             spec: None,
             drafts: None,
@@ -109,6 +117,7 @@ impl<'a, 'py> PyEngine<'a, 'py> {
             return Ok(PyReq { f: f.clone(), obj });
         }
         let f = Arc::new(Fixed::read(&obj, &self.lp.objs)?);
+        self.sessions |= f.session;
         self.map.insert(key, f.clone());
         Ok(PyReq { obj, f })
     }
@@ -139,6 +148,9 @@ impl<'a, 'py> PyEngine<'a, 'py> {
 impl Drop for PyEngine<'_, '_> {
     /// Hand the entries this call saw to the next call; the loop is free again.
     fn drop(&mut self) {
+        if self.sessions {
+            self.map.retain(|_, f| !f.session);
+        }
         self.lp.give_back_fixed(std::mem::take(&mut self.map));
     }
 }
@@ -188,6 +200,13 @@ impl<'py> PyEngine<'_, 'py> {
 
     fn attr(&self, name: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyAny>> {
         self.sched.getattr(name)
+    }
+
+    fn queue(&self, q: Queue) -> &Bound<'py, PyAny> {
+        match q {
+            Queue::Waiting => &self.waiting,
+            Queue::KvHolding => &self.kv_holding,
+        }
     }
 }
 
@@ -249,35 +268,36 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         Ok(keys)
     }
 
-    fn waiting_len(&self) -> PyResult<usize> {
-        self.waiting.len()
+    fn waiting_len(&self, q: Queue) -> PyResult<usize> {
+        self.queue(q).len()
     }
 
-    fn waiting_peek(&mut self) -> PyResult<PyReq<'py>> {
+    fn waiting_peek(&mut self, q: Queue) -> PyResult<PyReq<'py>> {
         let obj = self
-            .waiting
+            .queue(q)
             .call_method0(intern!(self.py(), "peek_request"))?;
         self.req(obj)
     }
 
-    fn waiting_pop(&mut self) -> PyResult<PyReq<'py>> {
+    fn waiting_pop(&mut self, q: Queue) -> PyResult<PyReq<'py>> {
         let obj = self
-            .waiting
+            .queue(q)
             .call_method0(intern!(self.py(), "pop_request"))?;
         self.req(obj)
     }
 
-    fn waiting_prepend(&mut self, skipped: Vec<PyReq<'py>>) -> PyResult<()> {
+    fn waiting_prepend(&mut self, q: Queue, skipped: Vec<PyReq<'py>>) -> PyResult<()> {
         let py = self.py();
         let objs: Vec<Bound<'py, PyAny>> = skipped.into_iter().map(|r| r.obj).collect();
         let deque = py.import("collections")?.getattr("deque")?.call1((objs,))?;
-        self.waiting
+        self.queue(q)
             .call_method1(intern!(py, "prepend_requests"), (deque,))
             .map(drop)
     }
 
-    fn kv_holding_len(&self) -> PyResult<usize> {
-        self.attr(intern!(self.py(), "kv_holding_waiting"))?.len()
+    fn num_waiting_for_streaming_input(&self) -> PyResult<usize> {
+        self.attr(intern!(self.py(), "num_waiting_for_streaming_input"))?
+            .extract()
     }
 
     fn deferred_len(&self) -> PyResult<usize> {
@@ -524,6 +544,24 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         let py = self.py();
         self.sched
             .call_method1(intern!(py, "_free_request"), (&r.obj,))
+            .map(drop)
+    }
+
+    fn resumable(&self, r: &PyReq<'py>) -> PyResult<bool> {
+        r.obj.getattr(intern!(self.py(), "resumable"))?.is_truthy()
+    }
+
+    fn handle_stopped(&mut self, r: &PyReq<'py>) -> PyResult<bool> {
+        let py = self.py();
+        self.sched
+            .call_method1(intern!(py, "_handle_stopped_request"), (&r.obj,))?
+            .is_truthy()
+    }
+
+    fn enqueue_waiting(&mut self, r: &PyReq<'py>) -> PyResult<()> {
+        let py = self.py();
+        self.sched
+            .call_method1(intern!(py, "_enqueue_waiting_request"), (&r.obj,))
             .map(drop)
     }
 

@@ -128,9 +128,12 @@ impl PyV1Loop {
 pub type FixedMap = std::collections::HashMap<usize, Arc<Fixed>, foldhash::fast::RandomState>;
 
 /// What the loop reads of a request that does not change while the request is in scope
-/// (vLLM sets these at construction; only streaming sessions, outside the native path,
-/// replace them). Kept for the requests of the last call only, keyed by the request's
-/// address; the entry holds the request, so the address cannot be reused while it exists.
+/// (vLLM sets these at construction). A streaming session's update replaces them
+/// (`_update_request_as_session`: prompt, `max_tokens`, sampling parameters, multimodal
+/// inputs), between calls or within `update_from_output` after the session's last read there:
+/// a session's entry is read afresh by every call (`session`). Kept for the requests of the
+/// last call only, keyed by the request's address; the entry holds the request, so the address
+/// cannot be reused while it exists.
 pub struct Fixed {
     _request: Py<PyAny>,
     pub id: Py<PyString>,
@@ -154,6 +157,8 @@ pub struct Fixed {
     pub mm: bool,
     /// `trace_headers` (set at construction, never replaced in scope).
     pub trace_headers: Py<PyAny>,
+    /// `resumable` when read: a streaming session, whose entry no later call reuses.
+    pub session: bool,
 }
 
 impl Fixed {
@@ -209,6 +214,7 @@ impl Fixed {
                 .getattr(intern!(py, "has_encoder_inputs"))?
                 .is_truthy()?,
             trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
+            session: request.getattr(intern!(py, "resumable"))?.is_truthy()?,
         })
     }
 }
