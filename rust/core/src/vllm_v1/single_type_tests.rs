@@ -86,10 +86,14 @@ fn pool_groups_answer_only_for_their_own_blocks() {
     assert_eq!(p.group_of(2), 1);
     // Evicting group 0's block leaves group 1's cached (one BlockRemoved for the hash).
     assert!(p.evict(1));
-    assert_eq!(p.take_events(), [Event::Removed(key(0))]);
+    assert_eq!(p.take_events(), [Event::RemovedIn(key(0), 0)]);
     assert_eq!(p.get_cached_in(&key(0), 0), None);
     assert_eq!(p.get_cached_in(&key(0), 1), Some(2));
     p.check().unwrap();
+    // Events carry the group (vLLM's BlockRemoved.group_idx).
+    assert!(p.evict(2));
+    assert_eq!(p.take_events(), [Event::RemovedIn(key(0), 1)]);
+    assert_eq!(p.get_cached_in(&key(0), 1), None);
     assert!(p.insert_hash_in(3, key(5), 2, 4).is_err());
     // A one-group pool keeps no group table and knows group 0 only.
     let mut one = Pool::new(8, true, false).unwrap();
