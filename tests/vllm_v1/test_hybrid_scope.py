@@ -115,3 +115,18 @@ def test_bad_input_raises_pagedkv_errors_and_changes_nothing() -> None:
     blocks = m.allocate_slots(req, 20)
     assert [len(g) for g in blocks.get_block_ids()] == [5] * len(hybrid_groups("gemma3", 4))
     m._native.check()
+
+
+def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
+    tiny_model_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import v1_harness as h
+
+    from pagedkv import vllm_v1 as pv
+
+    cfg = h.with_layout(h.SchedConfig(block_size=4, num_blocks=80), "gpt-oss")
+    with caplog.at_level("INFO", logger="pagedkv.vllm_v1"):
+        sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
+    assert type(sched.kv_cache_manager) is HybridKVCacheManager
+    assert getattr(sched, "_pagedkv_loop", None) is None
+    assert "KV cache manager native, scheduling loop vLLM's (hybrid KV cache groups" in caplog.text
