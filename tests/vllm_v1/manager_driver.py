@@ -99,7 +99,14 @@ def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCac
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
         )
         groups = [KVCacheGroupSpec(["layer.0"], spec)]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    # prefix_cache_retention_interval None: dense retention, the only one pagedkv mirrors for
+    # sliding windows (vLLM's engines default to 0, sparse: vLLM's manager runs there).
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=None,
+    )
 
 
 def manager_pair(num_blocks: int, block_size: int, layout: str = "", **kw: Any) -> tuple:

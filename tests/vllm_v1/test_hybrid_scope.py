@@ -130,3 +130,24 @@ def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
     assert type(sched.kv_cache_manager) is HybridKVCacheManager
     assert getattr(sched, "_pagedkv_loop", None) is None
     assert "KV cache manager native, scheduling loop vLLM's (hybrid KV cache groups" in caplog.text
+
+
+def test_sparse_window_retention_stays_vllms_where_it_changes_caching() -> None:
+    """vLLM's engines default to ``prefix_cache_retention_interval=0``: sliding windows then
+    cache only their replay boundaries and junctions (sparse), which pagedkv does not mirror.
+    Dense retention (None), caching off, or no window group (retention applies to none) are
+    in scope."""
+    for layout, caching, retention, native in (
+        ("gpt-oss", True, 0, False),
+        ("gemma3", True, 32, False),
+        ("gpt-oss", True, None, True),
+        ("gpt-oss", False, 0, True),
+        ("llama4", True, 0, True),
+    ):
+        cfg = dataclasses.replace(
+            kv_cache_config(32, 4, layout), prefix_cache_retention_interval=retention
+        )
+        why = _scope.out_of_scope(cfg, enable_caching=caching, **ARGS)
+        assert (why is None) == native, (layout, caching, retention, why)
+        if not native:
+            assert "sparse prefix-cache retention" in why

@@ -98,6 +98,21 @@ class _GroupView:
         self.block_pool = manager.block_pool
 
 
+class _BlockList:
+    """``block_pool.blocks``: every block of the pool as a live view, made when indexed."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def __len__(self) -> int:
+        return self._native.num_blocks
+
+    def __getitem__(self, block_id: int) -> HybridBlockView:
+        if not 0 <= block_id < self._native.num_blocks:
+            raise IndexError(f"block {block_id} of {self._native.num_blocks}")
+        return HybridBlockView(self._native, block_id)
+
+
 class _PoolView:
     """What vLLM's scheduler reaches through ``kv_cache_manager.block_pool``."""
 
@@ -108,6 +123,7 @@ class _PoolView:
         self.enable_caching = manager.enable_caching
         self.hash_block_size = manager.hash_block_size
         self.null_block = HybridBlockView(self._native, 0)
+        self.blocks = _BlockList(self._native)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
         self._native.free_blocks([b.block_id for b in ordered_blocks])

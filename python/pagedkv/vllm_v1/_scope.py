@@ -64,7 +64,9 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     (vLLM's plain managers for them), at least one full-attention group, full-attention
     groups at the hash block size (vLLM adds partial prompt-tail entries to larger blocks),
     chunked local groups at the scheduler block size (vLLM asserts it), every block size a
-    multiple of the hash block size and dividing the scheduler block size, and none of the
+    multiple of the hash block size and dividing the scheduler block size, dense prefix-cache
+    retention for sliding windows when caching is on (``prefix_cache_retention_interval``
+    ``None``; vLLM's engines default to 0, sparse: vLLM's manager then runs), and none of the
     features the one-group manager refuses. Otherwise the reason."""
     from vllm.v1.core.single_type_kv_cache_manager import (
         ChunkedLocalAttentionManager,
@@ -95,6 +97,13 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
         kinds.append(cls)
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if SlidingWindowManager in kinds and args.get("enable_caching", True) and retention is not None:
+        return _reason(
+            True,
+            f"sparse prefix-cache retention of sliding windows (prefix_cache_retention_interval"
+            f"={retention}; pagedkv mirrors dense retention, None)",
+        )
     return _common_reason(kv_cache_config, args)
 
 

@@ -365,6 +365,26 @@ fn sliding_window_caches_only_reachable_blocks() {
 }
 
 #[test]
+fn a_grouped_pool_logs_the_positions_really_cached_with_the_group() {
+    // vLLM's BlockStored for group 1 lists only the hashes it cached (blocks 3 and 7 of the
+    // range 0..8), with group_idx 1.
+    let mut p = Pool::new_grouped(12, true, true, 2).unwrap();
+    let mut m = GroupManager::new(swa(5, 4), 1, params(16, true)).unwrap();
+    m.allocate_new_blocks(&mut p, "a", 32).unwrap();
+    let ks = keys(8);
+    m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
+    assert_eq!(
+        p.take_events(),
+        [Event::StoredIn {
+            group: 1,
+            first: 0,
+            end: 8,
+            cached: vec![3, 7]
+        }]
+    );
+}
+
+#[test]
 fn cache_blocks_skips_null_blocks_and_nothing_full_leaves_the_request_untracked() {
     // cache_blocks -> cache_full_blocks skips null blocks. Fewer tokens than a block: vLLM
     // returns before setting num_cached_block, so the request stays untracked.
