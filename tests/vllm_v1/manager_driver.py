@@ -188,10 +188,14 @@ class Driver:
             self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))
         ]
         prompt = prompt[: self.max_model_len - 8]
+        extra = None
+        if self.layout and self.rng.random() < 0.2:
+            # vLLM's "full" report mode: BlockStored events for the prefix-cache hits too.
+            extra = {"kv_cache_report_mode": "full"}
         return Request(
             request_id=f"r{self.counter}",
             prompt_token_ids=prompt,
-            sampling_params=SamplingParams(max_tokens=64),
+            sampling_params=SamplingParams(max_tokens=64, extra_args=extra),
             pooling_params=None,
             cache_salt=self.rng.choice([None, None, None, "tenant-a"]),
             block_hasher=self.hasher,
@@ -206,6 +210,14 @@ class Driver:
         (hit_a, n_a, _), (hit_b, n_b, _) = self.both("get_computed_blocks", req)
         assert hit_a.get_block_ids() == hit_b.get_block_ids(), "prefix-cache hits differ"
         assert n_a == n_b
+        if self.layout and n_a and self.rng.random() < 0.3:
+            step = self.block_size * scheduler_scale(self.layout)
+            k = self.rng.randrange(n_a // step + 1) * step
+            a, b = (
+                m.truncate_computed_blocks(h, k)
+                for m, h in ((self.vllm, hit_a), (self.ours, hit_b))
+            )
+            assert a.get_block_ids() == b.get_block_ids(), "truncated hits differ"
         remaining = req.num_tokens - req.num_computed_tokens - n_a
         chunk = max(1, min(remaining, self.rng.choice([remaining, self.block_size, 7, 1])))
         kw = dict(
