@@ -172,6 +172,23 @@ def test_pressure_workload_preempts_hits_and_evicts(
         assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_hybrid_pressure_workload_preempts_hits_and_evicts(
+    layout: str, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The pressure workload over hybrid KV cache groups (the full group's 24 blocks and 6
+    more per window or chunked group, which hold a few blocks each): preemption, prefix hits
+    across groups (window blocks as null), KV events with groups."""
+    cfg = h.with_layout(dataclasses.replace(PRESSURE, async_scheduling=async_scheduling), layout)
+    groups = cfg.num_blocks // PRESSURE.num_blocks
+    cfg = dataclasses.replace(cfg, num_blocks=PRESSURE.num_blocks + 6 * (groups - 1))
+    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0, stats
+    assert stats["hits"] > 0, stats
+    assert stats["events"] > 0, stats
+
+
 def priority_workload() -> list[h.RequestSpec]:
     """Eight requests, each more urgent (smaller priority) than the one before, two arriving
     per step with one arrival time: the pool fills and the victims are the oldest (least
