@@ -24,6 +24,7 @@ __all__ = [
     "SchedulerCore",
     "BatchStep",
     "V1Manager",
+    "V1Hybrid",
     "V1Loop",
     "VllmBlockHasher",
     "hash_blocks",

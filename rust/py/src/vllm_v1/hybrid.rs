@@ -24,6 +24,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
+/// vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked local
+/// attention) over one pool; block ids per group. A failed call changes nothing.
 #[pyclass(module = "pagedkv._native", name = "V1Hybrid", frozen)]
 pub struct PyV1Hybrid {
     inner: Mutex<Hybrid>,
@@ -104,6 +106,7 @@ impl PyV1Hybrid {
 
 #[pymethods]
 impl PyV1Hybrid {
+    /// `groups`: `(kind, block_size, window or chunk size, layout)` per group.
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
@@ -311,14 +314,17 @@ impl PyV1Hybrid {
         Ok(self.lock()?.reset_prefix_cache())
     }
 
+    /// Free blocks (evictable cached ones included), the null block excluded.
     fn num_free_blocks(&self) -> PyResult<usize> {
         Ok(self.lock()?.pool().num_free())
     }
 
+    /// vLLM's KV cache usage: the used share of the blocks other than the null block.
     fn usage(&self) -> PyResult<f64> {
         Ok(self.lock()?.pool().usage())
     }
 
+    /// The block's reference count.
     fn ref_cnt(&self, block_id: Int64) -> PyResult<u32> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id.0).py()?;
@@ -346,6 +352,7 @@ impl PyV1Hybrid {
         Ok(m.pool().hashed_tokens(b))
     }
 
+    /// Whether the block is in the free-block queue.
     fn is_free(&self, block_id: Int64) -> PyResult<bool> {
         let m = self.lock()?;
         let b = m.pool().check_block(block_id.0).py()?;
@@ -364,16 +371,19 @@ impl PyV1Hybrid {
         events.iter().map(|e| event_tuple(py, e)).collect()
     }
 
+    /// Blocks in the pool, the null block included.
     #[getter]
     fn num_blocks(&self) -> PyResult<u32> {
         Ok(self.lock()?.pool().num_blocks())
     }
 
+    /// KV cache groups.
     #[getter]
     fn num_groups(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_groups())
     }
 
+    /// Heap bytes the manager holds.
     fn heap_bytes(&self) -> PyResult<usize> {
         Ok(self.lock()?.heap_bytes())
     }
