@@ -24,6 +24,7 @@ __all__ = [
     "SchedulerCore",
     "BatchStep",
     "V1Manager",
+    "V1Hybrid",
     "V1Loop",
     "VllmBlockHasher",
     "hash_blocks",
@@ -607,6 +608,104 @@ class V1Manager:
     def heap_bytes(self) -> int:
         """Heap bytes the manager holds."""
     def check(self, extra_refs: Optional[Dict[int, int]] = None) -> None:
+        """Check every invariant (``InvalidArgumentError`` naming the first broken one)."""
+
+@final
+class V1Hybrid:
+    """vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked
+    local attention) over one pool (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per
+    group, in vLLM's group order; block 0 is the null block. A failed call changes nothing;
+    one call at a time (``InUseError``)."""
+
+    def __new__(
+        cls,
+        num_blocks: int,
+        groups: Sequence[Tuple[str, int, int, int]],
+        hash_block_size: int,
+        scheduler_block_size: int,
+        max_model_len: int,
+        max_in_flight_tokens: int,
+        enable_caching: bool,
+        enable_events: bool,
+        watermark_blocks: int,
+        release: str,
+    ) -> V1Hybrid:
+        """``groups``: ``(kind, block_size, window or chunk size, layout)`` per group, kind
+        ``"full"``, ``"sliding_window"`` or ``"chunked_local"``; ``release``: ``"0.32"`` or
+        ``"0.33"``."""
+    def find_longest_cache_hit(
+        self, block_hashes: Sequence[bytes], max_cache_hit_length: int
+    ) -> Tuple[List[List[int]], int, int]:
+        """The hit's blocks per group, its tokens, ``num_uncached_common_prefix_tokens``."""
+    def allocate_slots(
+        self,
+        request_id: str,
+        num_computed_tokens: int,
+        num_tokens: int,
+        num_in_flight_tokens: int,
+        waiting_or_preempted: bool,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed: Optional[Sequence[Sequence[int]]],
+        num_lookahead_tokens: int,
+        delay_cache_blocks: bool,
+        full_sequence_must_fit: bool,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+        block_hashes: Sequence[bytes],
+    ) -> Optional[List[List[int]]]:
+        """vLLM's ``allocate_slots``: the new block ids per group, ``None`` when they do not fit."""
+    def num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed: Optional[Sequence[Sequence[int]]],
+        total_computed_tokens: int,
+        apply_admission_cap: bool = False,
+    ) -> int:
+        """vLLM's ``get_num_blocks_to_allocate``, summed over groups."""
+    def remove_skipped_blocks(self, request_id: str, processed: int) -> None:
+        """Blocks that left a window or chunk become the null block (freed)."""
+    def cache_blocks(self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> None:
+        """vLLM's ``cache_blocks`` in every group."""
+    def free(self, request_id: str) -> None:
+        """The request's blocks go back, group by group, each table tail first."""
+    def pop_blocks_for_free(self, request_id: str) -> List[int]:
+        """Forget the request; its block ids, still referenced."""
+    def free_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference per block, in eviction-priority order (all or nothing)."""
+    def evict_blocks(self, block_ids: Sequence[int]) -> None:
+        """Drop the cached hash of each listed block (all ids checked first)."""
+    def block_ids(self, request_id: str) -> List[List[int]]:
+        """The request's table in every group."""
+    def reset_prefix_cache(self) -> bool:
+        """Only when every block but the null block is free."""
+    def num_free_blocks(self) -> int:
+        """Free blocks (evictable cached ones included), the null block excluded."""
+    def usage(self) -> float:
+        """The used share of the blocks other than the null block."""
+    def ref_cnt(self, block_id: int) -> int:
+        """The block's reference count."""
+    def block_hash(self, block_id: int) -> Optional[Tuple[bytes, int]]:
+        """The hash and group the block is cached under (``None``: not cached)."""
+    def hashed_tokens(self, block_id: int) -> Optional[int]:
+        """Tokens the block's hash covers (``None``: not cached)."""
+    def is_free(self, block_id: int) -> bool:
+        """Whether the block is in the free-block queue."""
+    def free_queue(self) -> List[int]:
+        """The free-block queue, head (handed out next) first."""
+    def take_events(self) -> List[Tuple[Any, ...]]:
+        """``("stored", group, first, end, cached_positions)``, ``("removed", hash, group)``,
+        ``("cleared", 0, 0)``, oldest first."""
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in the pool, the null block included."""
+    @property
+    def num_groups(self) -> int:
+        """KV cache groups."""
+    def heap_bytes(self) -> int:
+        """Heap bytes the manager holds."""
+    def check(self) -> None:
         """Check every invariant (``InvalidArgumentError`` naming the first broken one)."""
 
 @final

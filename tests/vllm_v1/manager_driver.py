@@ -31,28 +31,100 @@ from pagedkv.vllm_v1 import KVCacheManager as PagedManager
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
-def kv_cache_config(num_blocks: int, block_size: int) -> KVCacheConfig:
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
-    )
+#: Hybrid layouts, as models lay their layers out: (name, per-layer kinds), a kind being
+#: ``"full"``, ``("swa", window in blocks + extra tokens)`` or ``("chunk", chunk in blocks)``.
+HYBRID_LAYOUTS = {
+    # GPT-OSS: full attention and a sliding window (128 tokens), alternating.
+    "gpt-oss": ["full", ("swa", 2, 0)] * 2,
+    # Gemma 3: five sliding-window layers to one full-attention layer.
+    "gemma3": [("swa", 1, 3)] * 5 + ["full"],
+    # Llama 4: chunked local attention, every fourth layer full.
+    "llama4": [("chunk", 2, 0)] * 3 + ["full"],
+    # Two windows and full attention (vLLM's lookup iterates to a fixed point).
+    "two-windows": ["full", ("swa", 1, 1), ("swa", 3, 0)],
+}
+
+
+def layer_spec(kind: Any, block_size: int) -> Any:
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    if kind == "full":
+        return FullAttentionSpec(**kw)
+    if kind[0] == "swa":
+        return SlidingWindowSpec(sliding_window=kind[1] * block_size + kind[2], **kw)
+    return ChunkedLocalAttentionSpec(attention_chunk_size=kind[1] * block_size, **kw)
+
+
+#: Layouts whose groups have different block sizes (as vLLM's page-size unification makes
+#: them for layers of different sizes): (kind, block size in hash blocks) per group; the
+#: scheduler block size is the largest. A window below the scheduler block size leaves
+#: blocks out of the prefix cache (vLLM's ``reachable_block_mask``), so a ``BlockStored``
+#: lists fewer hashes than its range has blocks.
+MIXED_LAYOUTS = {
+    "mixed-blocks": [("full", 1), (("swa", 1, 1), 1), (("swa", 2, 0), 2)],
+}
+
+
+def scheduler_scale(layout: str) -> int:
+    return max((k[1] for k in MIXED_LAYOUTS.get(layout, ())), default=1)
+
+
+def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
+    """The KV cache groups vLLM builds for the layout's layers (vLLM's own grouping)."""
+    if layout in MIXED_LAYOUTS:
+        return [
+            KVCacheGroupSpec([f"layer.{i}"], layer_spec(k, block_size * scale))
+            for i, (k, scale) in enumerate(MIXED_LAYOUTS[layout])
+        ]
+    try:
+        from vllm.v1.core.kv_cache_planning import (
+            _get_kv_cache_groups_uniform_page_size as grouping,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import (
+            _get_kv_cache_groups_uniform_page_size as grouping,
+        )
+    specs = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(HYBRID_LAYOUTS[layout])}
+    groups = grouping(specs)
+    assert len(groups) > 1, layout
+    return groups
+
+
+def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCacheConfig:
+    if layout:
+        groups = hybrid_groups(layout, block_size)
+    else:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
+        )
+        groups = [KVCacheGroupSpec(["layer.0"], spec)]
+    # prefix_cache_retention_interval None: dense retention, the only one pagedkv mirrors for
+    # sliding windows (vLLM's engines default to 0, sparse: vLLM's manager runs there).
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer.0"], spec)],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=None,
     )
 
 
-def manager_pair(num_blocks: int, block_size: int, **kw: Any) -> tuple:
+def manager_pair(num_blocks: int, block_size: int, layout: str = "", **kw: Any) -> tuple:
     args = dict(
         max_model_len=kw.pop("max_model_len", 4096),
-        scheduler_block_size=block_size,
+        scheduler_block_size=block_size * scheduler_scale(layout),
         hash_block_size=block_size,
         **kw,
     )
-    cfg = kv_cache_config(num_blocks, block_size)
+    cfg = kv_cache_config(num_blocks, block_size, layout)
     ours = PagedManager(cfg, **args)
-    assert type(ours) is PagedManager, "expected the native manager in scope"
-    return VLLMManager(kv_cache_config(num_blocks, block_size), **args), ours
+    if layout:
+        from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+        assert type(ours) is HybridKVCacheManager, "expected the native hybrid manager"
+    else:
+        assert type(ours) is PagedManager, "expected the native manager in scope"
+    return VLLMManager(kv_cache_config(num_blocks, block_size, layout), **args), ours
 
 
 def event_repr(e: Any) -> tuple:
@@ -81,6 +153,7 @@ class Driver:
     hash_algo: str = "sha256"
     watermark: float = 0.0
     max_model_len: int = 4096
+    layout: str = ""
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
     deferred: List[tuple] = field(default_factory=list)
@@ -95,6 +168,7 @@ class Driver:
         self.vllm, self.ours = manager_pair(
             self.num_blocks,
             self.block_size,
+            self.layout,
             enable_caching=self.caching,
             enable_kv_cache_events=self.events,
             log_stats=True,
@@ -114,10 +188,14 @@ class Driver:
             self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))
         ]
         prompt = prompt[: self.max_model_len - 8]
+        extra = None
+        if self.layout and self.rng.random() < 0.2:
+            # vLLM's "full" report mode: BlockStored events for the prefix-cache hits too.
+            extra = {"kv_cache_report_mode": "full"}
         return Request(
             request_id=f"r{self.counter}",
             prompt_token_ids=prompt,
-            sampling_params=SamplingParams(max_tokens=64),
+            sampling_params=SamplingParams(max_tokens=64, extra_args=extra),
             pooling_params=None,
             cache_salt=self.rng.choice([None, None, None, "tenant-a"]),
             block_hasher=self.hasher,
@@ -132,6 +210,14 @@ class Driver:
         (hit_a, n_a, _), (hit_b, n_b, _) = self.both("get_computed_blocks", req)
         assert hit_a.get_block_ids() == hit_b.get_block_ids(), "prefix-cache hits differ"
         assert n_a == n_b
+        if self.layout and n_a and self.rng.random() < 0.3:
+            step = self.block_size * scheduler_scale(self.layout)
+            k = self.rng.randrange(n_a // step + 1) * step
+            a, b = (
+                m.truncate_computed_blocks(h, k)
+                for m, h in ((self.vllm, hit_a), (self.ours, hit_b))
+            )
+            assert a.get_block_ids() == b.get_block_ids(), "truncated hits differ"
         remaining = req.num_tokens - req.num_computed_tokens - n_a
         chunk = max(1, min(remaining, self.rng.choice([remaining, self.block_size, 7, 1])))
         kw = dict(
@@ -154,6 +240,11 @@ class Driver:
     def step(self, req: Request) -> None:
         """One scheduled step of a running request: the rest of its prefill or one decode."""
         remaining = req.num_tokens - req.num_computed_tokens
+        if self.layout and req.num_tokens >= self.max_model_len:
+            # vLLM's scheduler stops a request at max_model_len (the hybrid core refuses
+            # computed tokens past it; the one-group manager caps them).
+            self.finish(req)
+            return
         if remaining <= 0:
             req.append_output_token_ids(self.rng.randrange(50))
             remaining = 1
@@ -217,9 +308,11 @@ class Driver:
     def check_views(self) -> None:
         """Blocks read through ``get_blocks`` show vLLM's ref counts and hashes."""
         for rid in list(self.live)[:3]:
-            for x, y in zip(
-                self.vllm.get_blocks(rid).blocks[0], self.ours.get_blocks(rid).blocks[0]
-            ):
+            pairs = zip(self.vllm.get_blocks(rid).blocks, self.ours.get_blocks(rid).blocks)
+            for x, y in (p for ga, gb in pairs for p in zip(ga, gb)):
+                if x.is_null:  # vLLM does not maintain the null block's ref count (0.32: < 0)
+                    assert y.is_null and y.block_id == x.block_id
+                    continue
                 assert (x.block_id, x.ref_cnt, x.block_hash, x.block_hash_num_tokens) == (
                     y.block_id,
                     y.ref_cnt,
@@ -265,6 +358,20 @@ class Driver:
             else:  # a connector's path: through the block pool, same events
                 self.vllm.block_pool.evict_blocks(ids)
                 self.ours.block_pool.evict_blocks(ids)
-        else:
+        elif r < 0.985 or not self.layout:
             a, b = self.both("reset_prefix_cache")
             assert a == b
+        else:
+            self.hybrid_reads()
+
+    def hybrid_reads(self) -> None:
+        """Calls vLLM's scheduler makes on a hybrid manager besides allocation."""
+        req = self.rng.choice(list(self.live.values()))
+        n = req.num_computed_tokens
+        a, b = self.both("get_block_ids_for_computed_tokens", req.request_id, n)
+        assert a == b
+        k = self.rng.randrange(n + 1)
+        self.both("remove_skipped_blocks", req.request_id, k)
+        assert self.vllm.get_num_common_prefix_blocks(req.request_id) == (
+            self.ours.get_num_common_prefix_blocks(req.request_id)
+        )

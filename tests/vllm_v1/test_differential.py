@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import v1_harness as h
+from manager_driver import HYBRID_LAYOUTS
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 # Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
@@ -57,6 +58,31 @@ def test_lockstep_cache_smaller_than_max_model_len(
         return  # vLLM's own scheduler stalls on a cache smaller than max_model_len
     stats = h.run_seed(seed, tiny_model_dir, manager_cls, small_cache=True)
     assert stats["capped_at_max_model_len"] + stats["refused_at_the_cap"] > 0, stats
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_lockstep_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    """Hybrid KV cache groups (GPT-OSS-, Gemma-3-, Llama-4-like layouts and two windows, as
+    vLLM groups the layers): pagedkv's hybrid manager under vLLM's loop, matched at every
+    step (preemption, prefix caching, chunked prefill, aborts, drafts, KV events)."""
+    layouts = sorted(HYBRID_LAYOUTS)
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls, layout=layouts[seed % len(layouts)])
+    assert stats["steps"] > 0
+
+
+def test_hybrid_seeds_cover_preemption_hits_events_and_aborts(
+    tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The hybrid seeds reach the paths they are there for."""
+    totals: Counter = Counter()
+    for seed in range(8):
+        stats = h.run_seed(
+            seed, tiny_model_dir, manager_cls, layout=sorted(HYBRID_LAYOUTS)[seed % 4]
+        )
+        totals.update({k: v for k, v in stats.items() if isinstance(v, int)})
+        totals["aborts"] += sum(stats["aborts"].values())
+    for key in ("preemptions", "hits", "events", "aborts"):
+        assert totals[key] > 0, (key, totals)
 
 
 @pytest.mark.slow
@@ -144,6 +170,23 @@ def test_pressure_workload_preempts_hits_and_evicts(
     assert (stats["drafts"] > 0) == (num_spec_tokens > 0), stats
     if not manager_cls.__module__.startswith("vllm."):
         assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
+
+
+@pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_hybrid_pressure_workload_preempts_hits_and_evicts(
+    layout: str, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The pressure workload over hybrid KV cache groups (the full group's 24 blocks and 6
+    more per window or chunked group, which hold a few blocks each): preemption, prefix hits
+    across groups (window blocks as null), KV events with groups."""
+    cfg = h.with_layout(dataclasses.replace(PRESSURE, async_scheduling=async_scheduling), layout)
+    groups = cfg.num_blocks // PRESSURE.num_blocks
+    cfg = dataclasses.replace(cfg, num_blocks=PRESSURE.num_blocks + 6 * (groups - 1))
+    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0, stats
+    assert stats["hits"] > 0, stats
+    assert stats["events"] > 0, stats
 
 
 def priority_workload() -> list[h.RequestSpec]:

@@ -6,12 +6,14 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import tempfile
+from typing import Any, Dict
 
 import pytest
 import vllm
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as VLLMAsync
 from vllm.v1.core.sched.scheduler import Scheduler as VLLMScheduler
+from vllm.v1.kv_cache_interface import SlidingWindowSpec
 
 import pagedkv.vllm_v1 as pv
 from pagedkv.bench import vllm_v1 as bench
@@ -58,12 +60,32 @@ def test_out_of_scope_configs_get_vllms_manager(caplog: pytest.LogCaptureFixture
     args = dict(max_model_len=256, scheduler_block_size=16, hash_block_size=16)
     _manager._LOGGED.clear()
     with caplog.at_level("DEBUG", logger="pagedkv.vllm_v1"):
+        # Two full-attention groups: the native hybrid manager (pagedkv.vllm_v1._hybrid).
         m = pv.KVCacheManager(two_groups, **args)
-        assert type(m) is VLLMManager
+        assert type(m).__name__ == "HybridKVCacheManager"
+        windows = dataclasses.replace(
+            cfg,
+            kv_cache_groups=[
+                dataclasses.replace(
+                    g,
+                    kv_cache_spec=SlidingWindowSpec(
+                        sliding_window=32, **_attention_fields(g.kv_cache_spec)
+                    ),
+                )
+                for g in cfg.kv_cache_groups * 2
+            ],
+        )
+        assert type(pv.KVCacheManager(windows, **args)) is VLLMManager
         assert type(pv.KVCacheManager(cfg, use_eagle=True, **args)) is VLLMManager
         assert type(pv.KVCacheManager(cfg, **args)) is pv.KVCacheManager
     text = caplog.text
-    assert "2 KV cache groups" in text and "EAGLE" in text and "native KV cache manager" in text
+    assert "without a full-attention group" in text and "EAGLE" in text
+    assert "native KV cache manager" in text
+
+
+def _attention_fields(spec: Any) -> Dict[str, Any]:
+    names = ("block_size", "num_kv_heads", "head_size", "dtype")
+    return {n: getattr(spec, n) for n in names}
 
 
 def test_other_vllm_releases_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:

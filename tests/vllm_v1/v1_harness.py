@@ -142,6 +142,9 @@ class SchedConfig:
     sampling_mask: bool = False
     # LoRA: None, no LoRAConfig; else vLLM's LoRAConfig with this many adapters per step
     max_loras: Optional[int] = None
+    # hybrid KV cache groups (manager_driver.HYBRID_LAYOUTS: GPT-OSS-, Gemma-3-, Llama-4-like,
+    # grouped by vLLM's own function); "" is one full-attention group
+    layout: str = ""
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -288,7 +291,17 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
 
 
 def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
-    """:func:`build_vllm_config`'s ``driver.vllm_configs`` call."""
+    """:func:`build_vllm_config`'s ``driver.vllm_configs`` call; with a ``layout``, the KV cache
+    config has the layout's groups (:func:`manager_driver.kv_cache_config`)."""
+    vllm_config, kv_cache_config = _driver_configs(cfg, model_dir, observability)
+    if cfg.layout:
+        import manager_driver
+
+        kv_cache_config = manager_driver.kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.layout)
+    return vllm_config, kv_cache_config
+
+
+def _driver_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
     return driver.vllm_configs(
         model_config(model_dir, cfg.max_model_len, masks_in_config(cfg)),
         cfg.block_size,
@@ -397,10 +410,13 @@ def make_scheduler(
         sched = driver.new_scheduler(cls, vllm_config, kv_cache_config, cfg.include_finished_set)
     if cfg.sampling_mask and not masks_in_config(cfg):
         sched.return_sampling_mask = True
-    if manager_cls is not None and type(sched.kv_cache_manager) is not manager_cls:
+    expected = manager_cls
+    if cfg.layout and manager_cls is not None and manager_cls.__module__.startswith("pagedkv"):
+        from pagedkv.vllm_v1._hybrid import HybridKVCacheManager as expected
+    if expected is not None and type(sched.kv_cache_manager) is not expected:
         raise Divergence(
             f"{cls.__qualname__} runs {type(sched.kv_cache_manager).__qualname__}, "
-            f"not the manager under test {manager_cls.__qualname__}"
+            f"not the manager under test {expected.__qualname__}"
         )
     sched.kv_event_publisher.shutdown()
     sched.kv_event_publisher = RecordingPublisher()
@@ -1221,6 +1237,7 @@ def run_seed(
     own_scheduler: bool = True,
     small_cache: bool = False,
     request_kinds: bool = False,
+    layout: str = "",
 ) -> dict:
     """One seeded differential run: a random configuration and workload. ``own_scheduler``
     False: vLLM's scheduler class over the manager even where its package has its own.
@@ -1229,9 +1246,10 @@ def run_seed(
     (:func:`with_cache_filling_prompts`). ``request_kinds``: structured output, LoRA, prompt
     embeddings and repetition detection drawn over the workload
     (:func:`request_kinds.with_request_kinds`, from a generator of its own: the rest of the
-    seed's draws are those of a run without them)."""
+    seed's draws are those of a run without them). ``layout``: hybrid KV cache groups
+    (:data:`manager_driver.HYBRID_LAYOUTS`; the seed's other draws unchanged)."""
     rng = random.Random(seed)
-    cfg = random_config(rng, small_cache)
+    cfg = with_layout(random_config(rng, small_cache), layout)
     capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
     specs = with_switch_requests(seed, random_workload(rng, capped))
     if request_kinds:
@@ -1239,6 +1257,18 @@ def run_seed(
     if small_cache:
         specs = with_cache_filling_prompts(rng, capped, specs)
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
+
+
+def with_layout(cfg: SchedConfig, layout: str) -> SchedConfig:
+    """``cfg`` with hybrid KV cache groups: each group past the first gets as many blocks as
+    the configuration gave the one group (the pool is shared: without them a long request
+    would never fit and both loops would stall)."""
+    if not layout:
+        return cfg
+    import manager_driver
+
+    extra = len(manager_driver.hybrid_groups(layout, cfg.block_size)) - 1
+    return dataclasses.replace(cfg, layout=layout, num_blocks=cfg.num_blocks * (1 + extra))
 
 
 def with_cache_filling_prompts(

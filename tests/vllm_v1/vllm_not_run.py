@@ -11,7 +11,8 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   leaves to vLLM's manager (the swap forces pagedkv's manager under vLLM's Scheduler, and it
   refuses external tokens). Deselected when the manager under test is not vLLM's own. Measured:
   every other test of the four files passes against pagedkv's manager (0.33 and 0.32; out of
-  scope configurations run vLLM's manager through pagedkv's fallback). The one behaviour
+  scope configurations run vLLM's manager through pagedkv's fallback; hybrid full + sliding
+  window / chunked local configurations with dense retention run pagedkv's hybrid manager). The one behaviour
   difference this found, ``test_prefix_caching.py::test_positive_retention_rejects_full_attention``
   (vLLM refuses a positive ``prefix_cache_retention_interval`` on full attention), was fixed,
   not listed: such a configuration is out of pagedkv's scope, so vLLM's manager refuses it.
@@ -157,6 +158,14 @@ ENVIRONMENT["0.32"] = {
     "test_scheduler.py::test_unavailable_encoder_input_fails_the_request_as_retryable": _HUB_LLAVA,
 }
 PAGEDKV["0.33"] = {
+    # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
+    # counts and null-block hits match (checked before the read that fails).
+    "test_prefix_caching.py::test_prefill_hybrid_model": _pool_internal(
+        "cached_block_hash_to_block"
+    ),
+    "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
+        "get_new_blocks, cache_full_blocks"
+    ),
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
@@ -197,6 +206,14 @@ PAGEDKV["0.33"] = {
     "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
 }
 PAGEDKV["0.32"] = {
+    # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
+    # counts and null-block hits match (checked before the read that fails).
+    "test_prefix_caching.py::test_prefill_hybrid_model": _pool_internal(
+        "cached_block_hash_to_block"
+    ),
+    "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
+        "get_new_blocks, cache_full_blocks"
+    ),
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),

@@ -1,7 +1,8 @@
 """``KVCacheManager``: vLLM v1's KV cache manager API on pagedkv's native core.
 
 Constructed with vLLM's own arguments. In scope (see :mod:`pagedkv.vllm_v1._scope`) it is the
-native manager; out of scope ``KVCacheManager(...)`` returns vLLM's own manager instead and
+native manager (for two or more KV cache groups, a :class:`pagedkv.vllm_v1._hybrid.
+HybridKVCacheManager`); out of scope ``KVCacheManager(...)`` returns vLLM's own manager instead and
 logs why, once per reason. What the scheduler, connectors and tests read back behaves as vLLM's:
 ``KVCacheBlocks`` (a subclass, answering ``get_block_ids`` from ids), blocks with ``block_id``,
 ``ref_cnt``, ``block_hash``, the same block ids in the same order, the same KV events and
@@ -112,6 +113,10 @@ class KVCacheManager:
         # are for a manager built on its own.
         if reason is None:
             log_once("pagedkv: native KV cache manager (vLLM %s)", release, level=logging.DEBUG)
+            if len(kv_cache_config.kv_cache_groups) > 1:
+                from ._hybrid import HybridKVCacheManager
+
+                return HybridKVCacheManager(kv_cache_config, _named_args(args, kwargs), release)
             return super().__new__(cls)
         log_once("pagedkv: vLLM's own KV cache manager runs: %s", reason, level=logging.DEBUG)
         from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager

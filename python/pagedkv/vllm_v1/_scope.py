@@ -1,14 +1,17 @@
-"""What pagedkv serves natively, in one place: the KV cache manager (:func:`out_of_scope`,
-decided once at construction), the scheduling loop for an engine (:func:`engine_out_of_scope`,
-once at construction) and for a request (:func:`request_out_of_scope`, once at
-``add_request``). Each returns ``None`` when in scope, else the reason (for the start line
-and the fallback counts, :mod:`pagedkv.vllm_v1._report`).
+"""What pagedkv serves natively, in one place: the KV cache manager (:func:`out_of_scope`, decided
+once at construction), the scheduling loop for an engine (:func:`engine_out_of_scope`, once at
+construction) and for a request (:func:`request_out_of_scope`, once at ``add_request``). Each
+returns ``None`` when in scope, else the reason (for the start line and the fallback counts,
+:mod:`pagedkv.vllm_v1._report`).
 
 The native manager mirrors vLLM's manager for one KV cache group handled by vLLM's plain
 ``FullAttentionManager`` (dense decoders: Llama, Qwen, Mistral...), with the hash block size
-equal to the block size, and none of: EAGLE/MTP block dropping, hash lookahead tokens, decode
-or prefill context parallelism, block zeroing (Mamba or mixed-precision caches), a KV cache
-metrics collector. Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
+equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4) each
+handled by vLLM's ``FullAttentionManager``, ``SlidingWindowManager`` or
+``ChunkedLocalAttentionManager`` (:func:`hybrid_out_of_scope`); in both cases none of:
+EAGLE/MTP block dropping, hash lookahead tokens, decode or prefill context parallelism, block
+zeroing (Mamba or mixed-precision caches), a KV cache metrics collector. Anything else runs
+vLLM's own manager; :func:`out_of_scope` says why.
 """
 
 from __future__ import annotations
@@ -19,11 +22,25 @@ from typing import Any, Optional
 def out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     """``None`` when the native manager applies; otherwise the reason, for the log line."""
     groups = kv_cache_config.kv_cache_groups
+    if len(groups) > 1:
+        return hybrid_out_of_scope(kv_cache_config, **args)
     if len(groups) != 1:
-        return f"{len(groups)} KV cache groups (hybrid model); pagedkv handles one"
+        return f"{len(groups)} KV cache groups; pagedkv handles one or more"
     reason = _group_reason(groups[0])
     if reason:
         return reason
+    return _common_reason(kv_cache_config, args) or _reason(
+        args.get("hash_block_size") != args.get("scheduler_block_size"),
+        "a hash block size other than the block size",
+    )
+
+
+def _reason(failed: Any, what: str) -> Optional[str]:
+    return f"{what} is not supported by pagedkv's manager" if failed else None
+
+
+def _common_reason(kv_cache_config: Any, args: Any) -> Optional[str]:
+    """What neither the one-group nor the hybrid manager serves."""
     checks = (
         (args.get("use_eagle"), "EAGLE/MTP block dropping"),
         (args.get("num_hash_lookahead_tokens"), "hash lookahead tokens"),
@@ -37,15 +54,57 @@ def out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
             "a positive prefix-cache retention interval (vLLM's manager refuses it for full "
             "attention)",
         ),
-        (
-            args.get("hash_block_size") != args.get("scheduler_block_size"),
-            "a hash block size other than the block size",
-        ),
     )
-    for failed, what in checks:
-        if failed:
-            return f"{what} is not supported by pagedkv's manager"
-    return None
+    return next((_reason(True, what) for failed, what in checks if failed), None)
+
+
+def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
+    """``None`` when pagedkv's hybrid manager (:mod:`pagedkv.vllm_v1._hybrid`) serves these
+    KV cache groups: every group full attention, sliding window or chunked local attention
+    (vLLM's plain managers for them), at least one full-attention group, full-attention
+    groups at the hash block size (vLLM adds partial prompt-tail entries to larger blocks),
+    chunked local groups at the scheduler block size (vLLM asserts it), every block size a
+    multiple of the hash block size and dividing the scheduler block size, dense prefix-cache
+    retention for sliding windows when caching is on (``prefix_cache_retention_interval``
+    ``None``; vLLM's engines default to 0, sparse: vLLM's manager then runs), and none of the
+    features the one-group manager refuses. Otherwise the reason."""
+    from vllm.v1.core.single_type_kv_cache_manager import (
+        ChunkedLocalAttentionManager,
+        FullAttentionManager,
+        SlidingWindowManager,
+    )
+
+    hbs, sbs = args.get("hash_block_size"), args.get("scheduler_block_size")
+    kinds = []
+    for group in kv_cache_config.kv_cache_groups:
+        cls = _manager_class(group)
+        spec = group.kv_cache_spec
+        if cls not in (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager):
+            name = getattr(cls, "__name__", cls)
+            return (
+                f"a hybrid KV cache group needs vLLM's {name}; pagedkv's hybrid manager "
+                "handles full, sliding-window and chunked local attention"
+            )
+        bs = spec.block_size
+        if not hbs or bs % hbs or not sbs or sbs % bs:
+            return _reason(True, f"a group block size {bs} (hash block {hbs}, scheduler {sbs})")
+        if cls is FullAttentionManager and bs != hbs:
+            return _reason(True, "a full-attention group with blocks larger than the hash block")
+        if cls is ChunkedLocalAttentionManager and bs != sbs:
+            return _reason(True, "a chunked local group below the scheduler block size")
+        if getattr(spec, "extra_retained_tokens", 0):
+            return _reason(True, "sliding-window extra retained tokens")
+        kinds.append(cls)
+    if FullAttentionManager not in kinds:
+        return _reason(True, "a hybrid configuration without a full-attention group")
+    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
+    if SlidingWindowManager in kinds and args.get("enable_caching", True) and retention is not None:
+        return _reason(
+            True,
+            f"sparse prefix-cache retention of sliding windows (prefix_cache_retention_interval"
+            f"={retention}; pagedkv mirrors dense retention, None)",
+        )
+    return _common_reason(kv_cache_config, args)
 
 
 def _group_reason(group: Any) -> Optional[str]:
@@ -67,8 +126,11 @@ def _manager_class(group: Any) -> Any:
 
 def engine_out_of_scope(sched: Any) -> Optional[str]:
     """Why the native loop cannot run this engine (``None``: it can)."""
+    from ._hybrid import HybridKVCacheManager
     from ._manager import KVCacheManager
 
+    if isinstance(sched.kv_cache_manager, HybridKVCacheManager):
+        return "hybrid KV cache groups (the native loop serves one group)"
     checks = (
         (not isinstance(sched.kv_cache_manager, KVCacheManager), "vLLM's KV cache manager runs"),
         (sched.connector is not None, "a KV connector"),

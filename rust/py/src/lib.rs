@@ -37,6 +37,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerCore>()?;
     m.add_class::<scheduler::batch::PyBatchStep>()?;
     m.add_class::<vllm_v1::manager::PyV1Manager>()?;
+    m.add_class::<vllm_v1::hybrid::PyV1Hybrid>()?;
     m.add_class::<vllm_v1::loop_::PyV1Loop>()?;
     m.add_class::<vllm_v1::hash::PyVllmBlockHasher>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;

@@ -36,9 +36,7 @@
 //! lookahead hashes changed, all out of this scope: see [`super::single_type`]).
 //!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE,
-//! Mamba groups, KV cache events with their group index (a [`super::pool::Event::Stored`] is
-//! logged per group, in group order, without the group), the unitary coordinator (one
-//! group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
+//! Mamba groups, the unitary coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!
 //! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
@@ -48,6 +46,11 @@
 //! Costs: a lookup is at most a few passes (each pass that does not stop shortens the
 //! candidate) of every non-full attention group's lookup, plus one lookup of each full group;
 //! allocation and freeing are O(groups + blocks moved).
+//!
+//! KV events: the pool is grouped, so caching logs [`super::pool::Event::StoredIn`] (per group,
+//! in group order, with the positions really cached) and eviction
+//! [`super::pool::Event::RemovedIn`], each with its group, as vLLM's `BlockStored` /
+//! `BlockRemoved` carry `group_idx`.
 
 use super::engine::Release;
 use super::manager::HashSource;

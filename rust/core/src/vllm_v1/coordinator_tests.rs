@@ -82,8 +82,18 @@ fn gpt_oss_after_a() -> Hybrid {
     assert_eq!(
         h.pool_mut().take_events(),
         [
-            Event::Stored { first: 0, end: 4 },
-            Event::Stored { first: 0, end: 4 }
+            Event::StoredIn {
+                group: 0,
+                first: 0,
+                end: 4,
+                cached: vec![0, 1, 2, 3]
+            },
+            Event::StoredIn {
+                group: 1,
+                first: 0,
+                end: 4,
+                cached: vec![0, 1, 2, 3]
+            }
         ]
     );
     h.check().unwrap();

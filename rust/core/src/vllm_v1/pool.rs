@@ -24,7 +24,8 @@
 //! has one group, id 0, and keeps no such table (no bytes, no change to its layout). A
 //! lookup hashes the block hash alone and compares hash and group, so a hash cached in `G`
 //! groups shares one probe sequence (`G` is a handful). Events carry the hash only, as
-//! vLLM's `BlockRemoved` hashes do; the group is not recorded in them (yet).
+//! vLLM's `BlockRemoved` hashes do; a pool of several groups logs each event with its group
+//! ([`Event::StoredIn`], [`Event::RemovedIn`]), a one-group pool without (as before).
 //!
 //! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
 //! set iff `b` is on the chain the table keeps for that hash and `b`'s group.
@@ -100,6 +101,19 @@ pub enum Event {
     Removed(HashKey),
     /// `reset_prefix_cache` succeeded (`AllBlocksCleared`).
     Cleared,
+    /// In a pool of several groups ([`Pool::new_grouped`]): blocks `first..end` of the
+    /// request at hand in KV cache group `group` went through caching (one `BlockStored`
+    /// with `group_idx`), and `cached` lists the positions really cached, ascending (vLLM's
+    /// event lists only their hashes: null and unreachable blocks are skipped).
+    StoredIn {
+        group: u32,
+        first: u32,
+        end: u32,
+        cached: Vec<u32>,
+    },
+    /// In a pool of several groups: a hash cached for `group` left the map (`BlockRemoved`
+    /// with `group_idx`).
+    RemovedIn(HashKey, u32),
 }
 
 #[derive(Clone, Debug)]
@@ -443,6 +457,7 @@ impl Pool {
         let Some(&key) = self.hash_of(b) else {
             return false;
         };
+        let group = self.group_of(b);
         let popped = self.pop_holder(&key, b);
         self.hash[b as usize] = HashKey::NONE;
         self.hashed_tokens[b as usize] = 0;
@@ -451,7 +466,11 @@ impl Pool {
             *g = 0;
         }
         if popped {
-            self.push_event(Event::Removed(key));
+            self.push_event(if self.group.is_empty() {
+                Event::Removed(key)
+            } else {
+                Event::RemovedIn(key, group)
+            });
         }
         popped
     }

@@ -269,6 +269,8 @@ pub(crate) fn cache_full_blocks(
     keys: &[HashKey],
     reachable: impl Fn(usize) -> bool,
 ) {
+    let grouped = pool.num_groups() > 1;
+    let mut cached = Vec::new();
     for (i, k) in keys.iter().enumerate() {
         let idx = first as usize + i;
         let b = blocks[idx];
@@ -279,9 +281,21 @@ pub(crate) fn cache_full_blocks(
         // request's cached prefix, so it has no hash yet: this cannot fail.
         pool.insert_hash_in(b, *k, group, (idx as u32 + 1) * block_size)
             .expect("a newly full block has no hash yet");
+        if grouped && pool.events_enabled() {
+            cached.push(idx as u32);
+        }
     }
     let end = first + keys.len() as u32;
-    pool.push_event(Event::Stored { first, end });
+    pool.push_event(if grouped {
+        Event::StoredIn {
+            group,
+            first,
+            end,
+            cached,
+        }
+    } else {
+        Event::Stored { first, end }
+    });
 }
 
 /// vLLM's `find_longest_cache_hit` of the manager for `spec`, over the groups `groups`

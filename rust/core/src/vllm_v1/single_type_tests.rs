@@ -86,10 +86,14 @@ fn pool_groups_answer_only_for_their_own_blocks() {
     assert_eq!(p.group_of(2), 1);
     // Evicting group 0's block leaves group 1's cached (one BlockRemoved for the hash).
     assert!(p.evict(1));
-    assert_eq!(p.take_events(), [Event::Removed(key(0))]);
+    assert_eq!(p.take_events(), [Event::RemovedIn(key(0), 0)]);
     assert_eq!(p.get_cached_in(&key(0), 0), None);
     assert_eq!(p.get_cached_in(&key(0), 1), Some(2));
     p.check().unwrap();
+    // Events carry the group (vLLM's BlockRemoved.group_idx).
+    assert!(p.evict(2));
+    assert_eq!(p.take_events(), [Event::RemovedIn(key(0), 1)]);
+    assert_eq!(p.get_cached_in(&key(0), 1), None);
     assert!(p.insert_hash_in(3, key(5), 2, 4).is_err());
     // A one-group pool keeps no group table and knows group 0 only.
     let mut one = Pool::new(8, true, false).unwrap();
@@ -358,6 +362,26 @@ fn sliding_window_caches_only_reachable_blocks() {
     let blocks = m.allocate_new_blocks(&mut p, "a", 32).unwrap();
     m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
     assert!(blocks.iter().all(|&b| p.hash_of(b).is_some()));
+}
+
+#[test]
+fn a_grouped_pool_logs_the_positions_really_cached_with_the_group() {
+    // vLLM's BlockStored for group 1 lists only the hashes it cached (blocks 3 and 7 of the
+    // range 0..8), with group_idx 1.
+    let mut p = Pool::new_grouped(12, true, true, 2).unwrap();
+    let mut m = GroupManager::new(swa(5, 4), 1, params(16, true)).unwrap();
+    m.allocate_new_blocks(&mut p, "a", 32).unwrap();
+    let ks = keys(8);
+    m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
+    assert_eq!(
+        p.take_events(),
+        [Event::StoredIn {
+            group: 1,
+            first: 0,
+            end: 8,
+            cached: vec![3, 7]
+        }]
+    );
 }
 
 #[test]

@@ -155,6 +155,11 @@ impl<'py> EventObjects<'_, 'py> {
                 ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
             }
             Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
+            // Only pools of several groups log these (the hybrid manager's own binding).
+            Event::StoredIn { first, end, .. } => ("stored", *first, *end).into_pyobject(py),
+            Event::RemovedIn(k, _) => {
+                ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py)
+            }
         }
     }
 

@@ -58,13 +58,13 @@ impl VllmBinding {
 
 /// `request.block_hashes`, read item by item (no Python code runs for a list of bytes); from
 /// a request, the attribute is read only when the core asks for a hash or the count.
-enum PyHashes<'py> {
+pub(crate) enum PyHashes<'py> {
     Seq(Bound<'py, PyAny>),
     Of(Bound<'py, PyAny>),
 }
 
 impl<'py> PyHashes<'py> {
-    fn new(seq: &Bound<'py, PyAny>) -> PyResult<Self> {
+    pub(crate) fn new(seq: &Bound<'py, PyAny>) -> PyResult<Self> {
         Ok(PyHashes::Seq(seq.clone()))
     }
 
@@ -283,7 +283,7 @@ fn computed_ids(
 
 /// Block ids given as Python ints: each must be a u32 (the pool checks its range); a
 /// negative or huge id is an `InvalidArgumentError`, never an OverflowError.
-fn block_ids(ids: &[Int64]) -> PyResult<Vec<u32>> {
+pub(crate) fn block_ids(ids: &[Int64]) -> PyResult<Vec<u32>> {
     ids.iter()
         .map(|b| {
             u32::try_from(b.0)

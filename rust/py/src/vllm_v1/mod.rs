@@ -7,6 +7,7 @@ pub mod encoder;
 pub mod engine;
 pub mod events;
 pub mod hash;
+pub mod hybrid;
 pub mod loop_;
 pub mod manager;
 pub mod output;

@@ -1,0 +1,503 @@
+"""``HybridKVCacheManager``: vLLM v1's ``KVCacheManager`` for hybrid models (several KV cache
+groups, each full attention, sliding window or chunked local attention) on pagedkv's native
+coordinator (``_native.V1Hybrid``, the core's ``coordinator::Hybrid``).
+
+:class:`pagedkv.vllm_v1.KVCacheManager` returns one when the configuration has two or more
+groups in scope (:func:`pagedkv.vllm_v1._scope.out_of_scope`). What the scheduler, connectors
+and tests read back behaves as vLLM's ``KVCacheManager`` over its ``HybridKVCacheCoordinator``
+(or ``KVCacheCoordinatorNoPrefixCache`` with caching off): ``KVCacheBlocks`` of one list per
+group (skipped positions as the null block), the same block ids in the same order, KV events
+with their ``group_idx`` (a ``BlockStored`` lists the hashes of the blocks really cached: null
+and unreachable ones skipped), prefix-cache stats.
+
+Invariants: each method crosses into Rust once (plus one call to drain events when events
+are on); a call that raises has changed nothing (the core plans, then applies). Costs: the
+core's, plus one block view per block handed back (views are made per call, never kept).
+vLLM's own Python scheduling loop runs over this manager (the native loop serves one group).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+from pagedkv.errors import InvalidArgumentError
+
+
+class HybridBlockView:
+    """A block of the native hybrid pool, read live, as vLLM's ``KVCacheBlock`` shows it."""
+
+    __slots__ = ("_native", "block_id")
+
+    def __init__(self, native: Any, block_id: int) -> None:
+        self._native = native
+        self.block_id = block_id
+
+    @property
+    def ref_cnt(self) -> int:
+        return 0 if self.block_id == 0 else self._native.ref_cnt(self.block_id)
+
+    @property
+    def is_null(self) -> bool:
+        return self.block_id == 0
+
+    @property
+    def block_hash(self) -> Optional[bytes]:
+        """vLLM's ``BlockHashWithGroupId``: the hash and its group (4 bytes, big endian)."""
+        cached = self._native.block_hash(self.block_id)
+        if cached is None:
+            return None
+        h, group = cached
+        return h + group.to_bytes(4, "big")
+
+    @property
+    def block_hash_num_tokens(self) -> Optional[int]:
+        return self._native.hashed_tokens(self.block_id)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, HybridBlockView):
+            return NotImplemented
+        return self.block_id == other.block_id and self._native is other._native
+
+    def __hash__(self) -> int:
+        return hash(self.block_id)
+
+    def __repr__(self) -> str:
+        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, native=pagedkv)"
+
+
+def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
+    """The native description of each group: ``(kind, block_size, window or chunk, layout)``;
+    ``layout`` numbers the distinct specs, so groups share a lookup exactly when vLLM's specs
+    are equal (as vLLM's coordinator compares them)."""
+    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+
+    distinct: List[Any] = []
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        if spec not in distinct:
+            distinct.append(spec)
+        layout = distinct.index(spec)
+        if isinstance(spec, SlidingWindowSpec):
+            out.append(("sliding_window", spec.block_size, spec.sliding_window, layout))
+        elif isinstance(spec, ChunkedLocalAttentionSpec):
+            out.append(("chunked_local", spec.block_size, spec.attention_chunk_size, layout))
+        else:
+            out.append(("full", spec.block_size, 0, layout))
+    return out
+
+
+class _GroupView:
+    """One single-type manager as vLLM's engine inspects it (block size, spec, group id)."""
+
+    def __init__(self, manager: HybridKVCacheManager, spec: Any, group_id: int) -> None:
+        self.kv_cache_spec = spec
+        self.block_size = spec.block_size
+        self.kv_cache_group_id = group_id
+        self.enable_caching = manager.enable_caching
+        self.block_pool = manager.block_pool
+
+
+class _BlockList:
+    """``block_pool.blocks``: every block of the pool as a live view, made when indexed."""
+
+    def __init__(self, native: Any) -> None:
+        self._native = native
+
+    def __len__(self) -> int:
+        return self._native.num_blocks
+
+    def __getitem__(self, block_id: int) -> HybridBlockView:
+        if not 0 <= block_id < self._native.num_blocks:
+            raise IndexError(f"block {block_id} of {self._native.num_blocks}")
+        return HybridBlockView(self._native, block_id)
+
+
+class _PoolView:
+    """What vLLM's scheduler reaches through ``kv_cache_manager.block_pool``."""
+
+    def __init__(self, manager: HybridKVCacheManager) -> None:
+        self._manager = manager
+        self._native = manager._native
+        self.num_gpu_blocks = self._native.num_blocks
+        self.enable_caching = manager.enable_caching
+        self.hash_block_size = manager.hash_block_size
+        self.null_block = HybridBlockView(self._native, 0)
+        self.blocks = _BlockList(self._native)
+
+    def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
+        self._native.free_blocks([b.block_id for b in ordered_blocks])
+
+    def get_num_free_blocks(self) -> int:
+        return self._native.num_free_blocks()
+
+    def get_usage(self) -> float:
+        return self._native.usage()
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._manager.evict_blocks(block_ids)
+
+
+class _CoordinatorView:
+    """What vLLM's scheduler reaches through ``kv_cache_manager.coordinator``."""
+
+    enable_partial_hash_hits = False
+
+    def __init__(self, manager: HybridKVCacheManager, kv_cache_config: Any) -> None:
+        self._manager = manager
+        self.block_pool = manager.block_pool
+        self.kv_cache_config = kv_cache_config
+        self.single_type_managers = tuple(
+            _GroupView(manager, g.kv_cache_spec, i)
+            for i, g in enumerate(kv_cache_config.kv_cache_groups)
+        )
+        self.eagle_group_ids: set = set()
+        self.num_reprefillable_tokens = 0
+
+    def get_num_blocks_to_allocate(
+        self,
+        request_id: str,
+        num_tokens: int,
+        new_computed_blocks: Sequence[Any],
+        num_encoder_tokens: int = 0,
+        total_computed_tokens: int = 0,
+        num_local_computed_tokens: int = 0,
+        num_tokens_main_model: int = 0,
+        apply_admission_cap: bool = False,
+        prefill_end: int = 0,
+    ) -> int:
+        if num_encoder_tokens:
+            raise InvalidArgumentError("encoder tokens are outside pagedkv's hybrid manager")
+        ids = [[b.block_id for b in g] for g in new_computed_blocks]
+        return self._manager._native.num_blocks_to_allocate(
+            request_id, num_tokens, ids, total_computed_tokens, apply_admission_cap
+        )
+
+
+class HybridKVCacheManager:
+    """vLLM v1's ``KVCacheManager`` for several KV cache groups, native (see the module)."""
+
+    def __init__(self, kv_cache_config: Any, a: Dict[str, Any], release: str) -> None:
+        from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+        from vllm.v1.metrics.stats import PrefixCacheStats
+        from vllm.v1.request import RequestStatus
+
+        from pagedkv import _native
+
+        self._KVCacheBlocks = KVCacheBlocks
+        self._PrefixCacheStats = PrefixCacheStats
+        self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        self.kv_cache_config = kv_cache_config
+        groups = kv_cache_config.kv_cache_groups
+        self.max_model_len = a["max_model_len"]
+        self.block_size = a["scheduler_block_size"]
+        self.hash_block_size = a["hash_block_size"]
+        self.enable_caching = a["enable_caching"]
+        self.enable_kv_cache_events = a["enable_kv_cache_events"]
+        self.use_eagle = False
+        self.log_stats = a["log_stats"]
+        self.metrics_collector = None
+        self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
+        self.num_kv_cache_groups = len(groups)
+        self.retained_hit_group_ids: Tuple[int, ...] = ()
+        self.mamba_shared_prefix_checkpoint = False
+        if a["watermark"] < 0:
+            raise InvalidArgumentError("watermark must be non-negative")
+        self.watermark_blocks = int(a["watermark"] * kv_cache_config.num_blocks)
+        in_flight = a["max_in_flight_tokens"]
+        self._native = _native.V1Hybrid(
+            kv_cache_config.num_blocks,
+            group_kinds(kv_cache_config),
+            self.hash_block_size,
+            self.block_size,
+            self.max_model_len,
+            self.max_model_len if in_flight is None else in_flight,
+            self.enable_caching,
+            self.enable_kv_cache_events,
+            self.watermark_blocks,
+            "0.32" if release == "0.32.0" else "0.33",
+        )
+        self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        self.kv_cache_event_metadata = tuple(
+            (get_kv_cache_spec_kind(g.kv_cache_spec).value, _window(g.kv_cache_spec))
+            for g in groups
+        )
+        self.block_pool = _PoolView(self)
+        self.coordinator = _CoordinatorView(self, kv_cache_config)
+        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self._events: List[Any] = []
+
+    # --- stats -------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        return self._native.usage()
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+    # --- blocks ------------------------------------------------------------------------
+    def create_kv_cache_blocks(self, blocks: Sequence[Sequence[Any]]) -> Any:
+        return self._KVCacheBlocks(tuple(blocks)) if any(blocks) else self.empty_kv_cache_blocks
+
+    def _wrap(self, ids: Sequence[Sequence[int]]) -> Any:
+        n = self._native
+        return self.create_kv_cache_blocks(tuple([HybridBlockView(n, b) for b in g] for g in ids))
+
+    def _computed_ids(self, blocks: Any) -> Optional[List[List[int]]]:
+        """The adopted hit's ids per group; ``None`` for vLLM's shared empty blocks."""
+        if blocks is None:
+            return None
+        groups = blocks.blocks
+        if groups is self.empty_kv_cache_blocks.blocks:
+            return None
+        if len(groups) != self.num_kv_cache_groups:
+            raise InvalidArgumentError(
+                f"blocks for {len(groups)} groups, the manager has {self.num_kv_cache_groups}"
+            )
+        return [[b.block_id for b in g] for g in groups]
+
+    # --- the scheduler's calls ---------------------------------------------------------------
+    def get_computed_blocks(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> Tuple[Any, int, int]:
+        if not self.prefix_cache_lookup_enabled(request):
+            return self.empty_kv_cache_blocks, 0, 0
+        if max_cache_hit_length is None:
+            max_cache_hit_length = request.num_tokens - 1
+        if max_cache_hit_length < 0:
+            raise InvalidArgumentError(
+                f"max_cache_hit_length must be non-negative, got {max_cache_hit_length}"
+            )
+        ids, num_tokens, uncached = self._native.find_longest_cache_hit(
+            request.block_hashes, max_cache_hit_length
+        )
+        if (
+            num_tokens > 0
+            and self.enable_kv_cache_events
+            and getattr(request, "kv_cache_report_mode", "incremental") == "full"
+        ):
+            for group, group_ids in enumerate(ids):
+                if group_ids:
+                    n = len(group_ids)
+                    self._events.append(self._stored(request, group, 0, n, range(n)))
+        boundary = num_tokens + uncached if uncached else 0
+        return self._wrap(ids), num_tokens, boundary
+
+    def get_computed_blocks_for_connector(
+        self, request: Any, max_cache_hit_length: Optional[int] = None
+    ) -> Tuple[Any, int, int, bool]:
+        return (*self.get_computed_blocks(request, max_cache_hit_length), False)
+
+    def allocate_slots(
+        self,
+        request: Any,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Any = None,
+        num_lookahead_tokens: int = 0,
+        num_external_computed_tokens: int = 0,
+        delay_cache_blocks: bool = False,
+        num_encoder_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        reserved_blocks: int = 0,
+        has_scheduled_reqs: bool = True,
+        skip_zeroing_group_ids: Tuple[int, ...] = (),
+    ) -> Any:
+        """vLLM's ``allocate_slots`` (same arguments and result): the new blocks per group,
+        ``None`` when they do not fit. Connector (external) and encoder tokens are outside the
+        scope: 0 or an error."""
+        if num_external_computed_tokens or num_encoder_tokens:
+            raise InvalidArgumentError(
+                "external (connector) and encoder tokens are outside pagedkv's manager"
+            )
+        ids = self._native.allocate_slots(
+            request.request_id,
+            request.num_computed_tokens,
+            request.num_tokens,
+            getattr(request, "num_in_flight_tokens", 0),
+            request.status in self._admitting,
+            num_new_tokens,
+            num_new_computed_tokens,
+            self._computed_ids(new_computed_blocks),
+            num_lookahead_tokens,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            reserved_blocks,
+            has_scheduled_reqs,
+            request.block_hashes,
+        )
+        self._drain_events(request)
+        return None if ids is None else self._wrap(ids)
+
+    def free(self, request: Any) -> None:
+        self._native.free(request.request_id)
+
+    def remove_skipped_blocks(
+        self, request_id: str, processed_computed_tokens: int, num_prompt_tokens: Any = None
+    ) -> None:
+        self._native.remove_skipped_blocks(request_id, processed_computed_tokens)
+
+    def pop_blocks_for_free(self, request: Any) -> List[HybridBlockView]:
+        n = self._native
+        return [HybridBlockView(n, b) for b in n.pop_blocks_for_free(request.request_id)]
+
+    def evict_blocks(self, block_ids: Iterable[int]) -> None:
+        self._native.evict_blocks(list(block_ids))
+        self._drain_events()
+
+    def reset_prefix_cache(self) -> bool:
+        if not self._native.reset_prefix_cache():
+            return False
+        self._drain_events()
+        if self.log_stats:
+            self.prefix_cache_stats.reset = True
+        return True
+
+    def get_num_common_prefix_blocks(self, running_request_id: str) -> List[int]:
+        return [0] * self.num_kv_cache_groups
+
+    def take_events(self) -> List[Any]:
+        events = self._events[:]
+        self._events.clear()
+        return events
+
+    def get_blocks(self, request_id: str) -> Any:
+        return self._wrap(self._native.block_ids(request_id))
+
+    def get_block_ids(self, request_id: str) -> Tuple[List[int], ...]:
+        return tuple(self._native.block_ids(request_id))
+
+    def get_block_ids_for_computed_tokens(
+        self, request_id: str, num_computed_tokens: int
+    ) -> Tuple[List[int], ...]:
+        ids = self._native.block_ids(request_id)
+        return tuple(
+            g[: -(-num_computed_tokens // bs)] for g, bs in zip(ids, self._group_block_sizes)
+        )
+
+    def estimate_cached_tokens(self, request: Any) -> int:
+        """vLLM's estimate: per group the most tokens a hash of its blocks covers, the least
+        over groups (every group in scope is prefix-cacheable)."""
+        n = self._native
+        per_group = [
+            max((n.hashed_tokens(b) or 0 for b in g if b), default=0)
+            for g in n.block_ids(request.request_id)
+        ]
+        return min(per_group, default=0)
+
+    def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
+        if self.enable_caching:
+            self._native.cache_blocks(request.request_id, num_computed_tokens, request.block_hashes)
+            self._drain_events(request)
+
+    def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        groups = self._computed_ids(blocks) or [[] for _ in self._group_block_sizes]
+        out = []
+        for g, bs in zip(groups, self._group_block_sizes):
+            if num_computed_tokens % bs or num_computed_tokens // bs > len(g):
+                raise InvalidArgumentError(
+                    f"cannot truncate a hit to {num_computed_tokens} tokens at block size {bs}"
+                )
+            out.append(g[: num_computed_tokens // bs])
+        return self._wrap(out)
+
+    # --- features outside the scope: nothing to hand out ------------------------------------
+    def take_new_block_ids(self) -> List[int]:
+        return []
+
+    def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
+        """No zeroing in scope (no Mamba, uniform precision)."""
+
+    def take_kv_cache_block_copies(self) -> Tuple[List[Any], List[Any]]:
+        return [], []
+
+    def take_boundary_state_offloads(self) -> Dict[str, List[Tuple[int, int, int]]]:
+        return {}
+
+    def finalize_partial_tail_offloads(self, request: Any) -> List[Tuple[int, int, int]]:
+        return []
+
+    def new_step_starts(self) -> None:
+        """Nothing per step for these kinds."""
+
+    # --- KV events ---------------------------------------------------------------------------
+    def _drain_events(self, request: Any = None) -> None:
+        if not self.enable_kv_cache_events:
+            return
+        for event in self._native.take_events():
+            if event[0] == "stored":
+                _, group, first, end, cached = event
+                self._events.append(self._stored(request, group, first, end, cached))
+            elif event[0] == "removed":
+                self._events.append(self._removed(event[1], event[2]))
+            else:
+                from vllm.distributed.kv_events import AllBlocksCleared
+
+                self._events.append(AllBlocksCleared())
+
+    def _removed(self, block_hash: bytes, group: int) -> Any:
+        from vllm.distributed.kv_events import MEDIUM_GPU, BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+        return BlockRemoved(
+            block_hashes=[maybe_convert_block_hash(block_hash)],
+            medium=MEDIUM_GPU,
+            group_idx=group,
+        )
+
+    def _stored(self, request: Any, group: int, first: int, end: int, cached: Iterable[int]) -> Any:
+        """vLLM's ``BlockStored`` for blocks ``first..end`` of ``group``, listing the hashes
+        (and extra keys) of the positions in ``cached``, as its block pool builds it; the
+        spec's kind and window as vLLM's ``take_events`` sets them."""
+        from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
+        from vllm.v1.core import kv_cache_utils as u
+
+        bs = self._group_block_sizes[group]
+        scale = bs // self.hash_block_size
+        hashes = request.block_hashes
+        extra, mm_idx = [], 0
+        for i in cached:
+            keys, mm_idx = u.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
+            extra.append(keys)
+        lora = request.lora_request
+        event = BlockStored(
+            block_hashes=[u.maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in cached],
+            parent_block_hash=(
+                u.maybe_convert_block_hash(hashes[first * scale - 1]) if first else None
+            ),
+            token_ids=request.all_token_ids[first * bs : end * bs],
+            block_size=bs,
+            lora_id=lora.adapter_id if lora else None,
+            medium=MEDIUM_GPU,
+            lora_name=lora.name if lora else None,
+            extra_keys=u.to_event_extra_keys(extra),
+            group_idx=group,
+            session_id=request.session_id,
+        )
+        event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = self.kv_cache_event_metadata[
+            group
+        ]
+        return event
+
+
+def _window(spec: Any) -> Any:
+    from vllm.v1.kv_cache_interface import get_kv_cache_spec_sliding_window
+
+    return get_kv_cache_spec_sliding_window(spec)

@@ -1,0 +1,395 @@
+//! `V1Hybrid`: vLLM v1's KV cache manager for several KV cache groups (hybrid models: full
+//! attention, sliding window, chunked local attention), over the core's
+//! [`pagedkv_core::vllm_v1::coordinator::Hybrid`], for `pagedkv.vllm_v1._hybrid`. Requests are
+//! named by their `request_id`; the Python caller reads the request's fields and passes them
+//! (one crossing per call, never per block); block hashes are read in place from
+//! `request.block_hashes`, only those a call needs.
+//!
+//! Invariants: every method reads and checks its arguments before it takes the manager, and
+//! the core plans before it mutates, so a raising call changes nothing (except, as in vLLM,
+//! an `allocate_slots` refused for lack of blocks may have freed blocks that left a window).
+//! One call at a time: a concurrent call raises `InUseError`. Block ids are per group,
+//! `list[list[int]]` in vLLM's group order.
+//!
+//! Costs: each call is the core's (O(groups + blocks moved); a lookup a few passes over the
+//! hashes it reads) plus building the per-group id lists it returns.
+
+use crate::args::{Count, Int64, SatCount};
+use crate::errors::{busy, IntoPyResult};
+use crate::vllm_v1::manager::{block_ids, PyHashes};
+use pagedkv_core::vllm_v1::coordinator::{Hybrid, HybridConfig, HybridSlots};
+use pagedkv_core::vllm_v1::single_type::{AttentionKind, GroupSpec};
+use pagedkv_core::vllm_v1::{Event, Release};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyString, PyTuple};
+use std::sync::{Mutex, MutexGuard, TryLockError};
+
+/// vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked local
+/// attention) over one pool; block ids per group. A failed call changes nothing.
+#[pyclass(module = "pagedkv._native", name = "V1Hybrid", frozen)]
+pub struct PyV1Hybrid {
+    inner: Mutex<Hybrid>,
+}
+
+/// One group as Python describes it: `(kind, block_size, size, layout)` with `kind` one of
+/// `"full"`, `"sliding_window"` (`size`: the window), `"chunked_local"` (`size`: the chunk).
+fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<GroupSpec> {
+    let kind = match kind {
+        "full" => AttentionKind::Full,
+        "sliding_window" => AttentionKind::SlidingWindow {
+            sliding_window: size,
+        },
+        "chunked_local" => AttentionKind::ChunkedLocal {
+            attention_chunk_size: size,
+        },
+        other => {
+            return Err(crate::errors::invalid(format!(
+                "unknown KV cache group kind {other:?}"
+            )))
+        }
+    };
+    Ok(GroupSpec {
+        kind,
+        block_size,
+        layout,
+    })
+}
+
+fn release_of(release: &str) -> PyResult<Release> {
+    match release {
+        "0.32" => Ok(Release::V032),
+        "0.33" => Ok(Release::V033),
+        other => Err(crate::errors::invalid(format!(
+            "unknown vLLM release {other:?}"
+        ))),
+    }
+}
+
+/// Per-group block ids from Python (each id checked to be a u32; the pool checks the range).
+fn group_ids(groups: &[Vec<Int64>]) -> PyResult<Vec<Vec<u32>>> {
+    groups.iter().map(|g| block_ids(g)).collect()
+}
+
+/// A pool event as `take_events` returns it: `("stored", group, first, end, cached)`,
+/// `("removed", hash, group)`, `("cleared", 0, 0)`.
+fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
+    match e {
+        Event::StoredIn {
+            group,
+            first,
+            end,
+            cached,
+        } => ("stored", *group, *first, *end, cached.clone()).into_pyobject(py),
+        Event::Stored { first, end } => (
+            "stored",
+            0u32,
+            *first,
+            *end,
+            (*first..*end).collect::<Vec<u32>>(),
+        )
+            .into_pyobject(py),
+        Event::RemovedIn(k, g) => ("removed", PyBytes::new(py, k.as_bytes()), *g).into_pyobject(py),
+        Event::Removed(k) => ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py),
+        Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
+    }
+}
+
+impl PyV1Hybrid {
+    fn lock(&self) -> PyResult<MutexGuard<'_, Hybrid>> {
+        match self.inner.try_lock() {
+            Ok(g) => Ok(g),
+            Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
+            Err(TryLockError::WouldBlock) => Err(busy("this V1Hybrid")),
+        }
+    }
+}
+
+#[pymethods]
+impl PyV1Hybrid {
+    /// `groups`: `(kind, block_size, window or chunk size, layout)` per group.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
+        max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
+        release))]
+    fn new(
+        num_blocks: Count,
+        groups: Vec<(String, Count, Count, Count)>,
+        hash_block_size: Count,
+        scheduler_block_size: Count,
+        max_model_len: SatCount,
+        max_in_flight_tokens: SatCount,
+        enable_caching: bool,
+        enable_events: bool,
+        watermark_blocks: SatCount,
+        release: &str,
+    ) -> PyResult<Self> {
+        let groups = groups
+            .iter()
+            .map(|(k, bs, size, layout)| {
+                group_spec(
+                    k,
+                    bs.u32("block_size")?,
+                    size.u32("window or chunk size")?,
+                    layout.u32("layout")?,
+                )
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        let cfg = HybridConfig {
+            num_blocks: num_blocks.u32("num_blocks")?,
+            groups,
+            hash_block_size: hash_block_size.u32("hash_block_size")?,
+            scheduler_block_size: scheduler_block_size.u32("scheduler_block_size")?,
+            max_model_len: max_model_len.0,
+            max_in_flight_tokens: max_in_flight_tokens.0,
+            enable_caching,
+            enable_events,
+            watermark_blocks: watermark_blocks.0,
+            release: release_of(release)?,
+        };
+        Ok(PyV1Hybrid {
+            inner: Mutex::new(Hybrid::new(cfg).py()?),
+        })
+    }
+
+    /// vLLM's `coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)`: the
+    /// hit's blocks per group, its length in tokens and `num_uncached_common_prefix_tokens`.
+    fn find_longest_cache_hit(
+        &self,
+        block_hashes: &Bound<'_, PyAny>,
+        max_cache_hit_length: SatCount,
+    ) -> PyResult<(Vec<Vec<u32>>, u64, u64)> {
+        let mut hashes = PyHashes::new(block_hashes)?;
+        let hit = self
+            .lock()?
+            .find_longest_cache_hit(&mut hashes, max_cache_hit_length.0)
+            .py()?;
+        Ok((
+            hit.blocks,
+            hit.num_tokens,
+            hit.num_uncached_common_prefix_tokens,
+        ))
+    }
+
+    /// vLLM's `KVCacheManager.allocate_slots` with the request's fields spelled out (no
+    /// external or encoder tokens): the new block ids per group, `None` when they do not fit.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (request_id, num_computed_tokens, num_tokens, num_in_flight_tokens,
+        waiting_or_preempted, num_new_tokens, num_new_computed_tokens, new_computed,
+        num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, reserved_blocks,
+        has_scheduled_reqs, block_hashes))]
+    fn allocate_slots(
+        &self,
+        request_id: &str,
+        num_computed_tokens: SatCount,
+        num_tokens: SatCount,
+        num_in_flight_tokens: SatCount,
+        waiting_or_preempted: bool,
+        num_new_tokens: SatCount,
+        num_new_computed_tokens: SatCount,
+        new_computed: Option<Vec<Vec<Int64>>>,
+        num_lookahead_tokens: SatCount,
+        delay_cache_blocks: bool,
+        full_sequence_must_fit: bool,
+        reserved_blocks: SatCount,
+        has_scheduled_reqs: bool,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<Vec<Vec<u32>>>> {
+        let mut hashes = PyHashes::new(block_hashes)?;
+        let new_computed = new_computed.map(|g| group_ids(&g)).transpose()?;
+        let a = HybridSlots {
+            num_computed_tokens: num_computed_tokens.0,
+            num_tokens: num_tokens.0,
+            num_in_flight_tokens: num_in_flight_tokens.0,
+            waiting_or_preempted,
+            num_new_tokens: num_new_tokens.0,
+            num_new_computed_tokens: num_new_computed_tokens.0,
+            new_computed: new_computed.as_deref(),
+            num_lookahead_tokens: num_lookahead_tokens.0,
+            delay_cache_blocks,
+            full_sequence_must_fit,
+            reserved_blocks: reserved_blocks.0,
+            has_scheduled_reqs,
+        };
+        self.lock()?
+            .allocate_slots(request_id, &a, &mut hashes)
+            .py()
+    }
+
+    /// vLLM's `coordinator.get_num_blocks_to_allocate` (no encoder tokens).
+    #[pyo3(signature = (request_id, num_tokens, new_computed, total_computed_tokens,
+        apply_admission_cap=false))]
+    fn num_blocks_to_allocate(
+        &self,
+        request_id: &str,
+        num_tokens: SatCount,
+        new_computed: Option<Vec<Vec<Int64>>>,
+        total_computed_tokens: SatCount,
+        apply_admission_cap: bool,
+    ) -> PyResult<u64> {
+        let new_computed = new_computed.map(|g| group_ids(&g)).transpose()?;
+        let m = self.lock()?;
+        if let Some(nc) = &new_computed {
+            if nc.len() != m.num_groups() {
+                return Err(crate::errors::invalid(format!(
+                    "blocks for {} groups, the manager has {}",
+                    nc.len(),
+                    m.num_groups()
+                )));
+            }
+            for &b in nc.iter().flatten() {
+                m.pool().check_block(i64::from(b)).py()?;
+            }
+        }
+        m.num_blocks_to_allocate(
+            request_id,
+            num_tokens.0,
+            new_computed.as_deref(),
+            total_computed_tokens.0,
+            apply_admission_cap,
+        )
+        .py()
+    }
+
+    /// vLLM's `remove_skipped_blocks(request_id, processed_computed_tokens)`.
+    fn remove_skipped_blocks(&self, request_id: &str, processed: SatCount) -> PyResult<()> {
+        self.lock()?
+            .remove_skipped_blocks(request_id, processed.0)
+            .py()
+    }
+
+    /// vLLM's `cache_blocks(request, num_computed_tokens)` (the caller checks caching is on).
+    fn cache_blocks(
+        &self,
+        request_id: &str,
+        num_tokens: SatCount,
+        block_hashes: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let mut hashes = PyHashes::new(block_hashes)?;
+        self.lock()?
+            .cache_blocks(request_id, num_tokens.0, &mut hashes)
+            .py()
+    }
+
+    /// vLLM's `free(request)`: group by group, each table last block first.
+    fn free(&self, request_id: &Bound<'_, PyString>) -> PyResult<()> {
+        self.lock()?.free(request_id.to_str()?).py()
+    }
+
+    /// vLLM's `pop_blocks_for_free`: the request forgotten, its blocks (group order, each
+    /// group's in allocation order) still referenced.
+    fn pop_blocks_for_free(&self, request_id: &Bound<'_, PyString>) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.pop_blocks_for_free(request_id.to_str()?))
+    }
+
+    /// Drop one reference per block, in eviction-priority order (all or nothing).
+    fn free_blocks(&self, block_ids: Vec<Int64>) -> PyResult<()> {
+        let ids = self::block_ids(&block_ids)?;
+        self.lock()?
+            .pool_mut()
+            .free_blocks(ids.iter().copied())
+            .py()
+    }
+
+    /// vLLM's `evict_blocks`: drop the cached hash of each listed block (all ids checked
+    /// first).
+    fn evict_blocks(&self, block_ids: Vec<Int64>) -> PyResult<()> {
+        let mut m = self.lock()?;
+        for b in &block_ids {
+            m.pool().check_block(b.0).py()?;
+        }
+        for b in &block_ids {
+            m.pool_mut().evict(b.0 as u32);
+        }
+        Ok(())
+    }
+
+    /// The request's block table in every group (empty lists for an unknown request).
+    fn block_ids(&self, request_id: &str) -> PyResult<Vec<Vec<u32>>> {
+        Ok(self.lock()?.blocks(request_id))
+    }
+
+    /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
+    fn reset_prefix_cache(&self) -> PyResult<bool> {
+        Ok(self.lock()?.reset_prefix_cache())
+    }
+
+    /// Free blocks (evictable cached ones included), the null block excluded.
+    fn num_free_blocks(&self) -> PyResult<usize> {
+        Ok(self.lock()?.pool().num_free())
+    }
+
+    /// vLLM's KV cache usage: the used share of the blocks other than the null block.
+    fn usage(&self) -> PyResult<f64> {
+        Ok(self.lock()?.pool().usage())
+    }
+
+    /// The block's reference count.
+    fn ref_cnt(&self, block_id: Int64) -> PyResult<u32> {
+        let m = self.lock()?;
+        let b = m.pool().check_block(block_id.0).py()?;
+        Ok(m.pool().ref_cnt(b))
+    }
+
+    /// The hash and group block `block_id` is cached under (`None` when it is not cached).
+    fn block_hash<'py>(
+        &self,
+        py: Python<'py>,
+        block_id: Int64,
+    ) -> PyResult<Option<(Bound<'py, PyBytes>, u32)>> {
+        let m = self.lock()?;
+        let b = m.pool().check_block(block_id.0).py()?;
+        let group = m.pool().group_of(b);
+        Ok(m.pool()
+            .hash_of(b)
+            .map(|k| (PyBytes::new(py, k.as_bytes()), group)))
+    }
+
+    /// Tokens the block's hash covers (vLLM's `block_hash_num_tokens`); `None` if uncached.
+    fn hashed_tokens(&self, block_id: Int64) -> PyResult<Option<u32>> {
+        let m = self.lock()?;
+        let b = m.pool().check_block(block_id.0).py()?;
+        Ok(m.pool().hashed_tokens(b))
+    }
+
+    /// Whether the block is in the free-block queue.
+    fn is_free(&self, block_id: Int64) -> PyResult<bool> {
+        let m = self.lock()?;
+        let b = m.pool().check_block(block_id.0).py()?;
+        Ok(m.pool().is_free(b))
+    }
+
+    /// The free-block queue, head (handed out next) first.
+    fn free_queue(&self) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.pool().free_queue())
+    }
+
+    /// Events since the last call: `("stored", group, first, end, cached_positions)`,
+    /// `("removed", hash, group)`, `("cleared", 0, 0)`.
+    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+        let events = self.lock()?.pool_mut().take_events();
+        events.iter().map(|e| event_tuple(py, e)).collect()
+    }
+
+    /// Blocks in the pool, the null block included.
+    #[getter]
+    fn num_blocks(&self) -> PyResult<u32> {
+        Ok(self.lock()?.pool().num_blocks())
+    }
+
+    /// KV cache groups.
+    #[getter]
+    fn num_groups(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_groups())
+    }
+
+    /// Heap bytes the manager holds.
+    fn heap_bytes(&self) -> PyResult<usize> {
+        Ok(self.lock()?.heap_bytes())
+    }
+
+    /// Check every invariant (tests).
+    fn check(&self) -> PyResult<()> {
+        self.lock()?.check().map_err(crate::errors::invalid)
+    }
+}

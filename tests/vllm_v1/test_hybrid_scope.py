@@ -1,0 +1,153 @@
+"""The hybrid manager's scope (what ``out_of_scope`` accepts and why it refuses the rest), the
+native loop's refusal, and bad input: pagedkv exceptions, nothing changed."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+from manager_driver import hybrid_groups, kv_cache_config, layer_spec
+from vllm.sampling_params import SamplingParams
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.kv_cache_interface import (
+    CrossAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.request import Request
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.vllm_v1 import KVCacheManager, _scope
+from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+ARGS = dict(max_model_len=256, scheduler_block_size=4, hash_block_size=4)
+
+
+def config(groups: list) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def group(i: int, spec: Any) -> KVCacheGroupSpec:
+    return KVCacheGroupSpec([f"layer.{i}"], spec)
+
+
+@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3", "llama4", "two-windows"])
+def test_model_layouts_are_in_scope(layout: str) -> None:
+    cfg = kv_cache_config(32, 4, layout)
+    assert _scope.out_of_scope(cfg, **ARGS) is None
+    assert type(KVCacheManager(cfg, **ARGS)) is HybridKVCacheManager
+
+
+def _reason(groups: list, **kw: Any) -> str:
+    why = _scope.out_of_scope(config(groups), **{**ARGS, **kw})
+    assert why is not None
+    return why
+
+
+def test_refusals_name_their_reason() -> None:
+    full4, swa4 = layer_spec("full", 4), layer_spec(("swa", 2, 0), 4)
+    kw = dict(block_size=4, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    cross = CrossAttentionSpec(**kw)
+    assert "CrossAttentionManager" in _reason([group(0, full4), group(1, cross)])
+    assert "without a full-attention group" in _reason(
+        [group(0, swa4), group(1, layer_spec(("swa", 3, 0), 4))]
+    )
+    assert "larger than the hash block" in _reason(
+        [group(0, layer_spec("full", 8)), group(1, layer_spec(("swa", 2, 0), 8))],
+        scheduler_block_size=8,
+    )
+    chunk4 = layer_spec(("chunk", 2, 0), 4)
+    assert "chunked local group below" in _reason(
+        [group(0, full4), group(1, chunk4), group(2, layer_spec(("swa", 2, 0), 8))],
+        scheduler_block_size=8,
+    )
+    retained = SlidingWindowSpec(sliding_window=8, extra_retained_tokens=2, **kw)
+    assert "extra retained" in _reason([group(0, full4), group(1, retained)])
+    assert "EAGLE" in _reason([group(0, full4), group(1, swa4)], use_eagle=True)
+    assert "block size 4" in _reason([group(0, full4), group(1, swa4)], hash_block_size=8)
+
+
+def test_the_native_loop_refuses_a_hybrid_manager() -> None:
+    sched = type("S", (), {})()
+    sched.kv_cache_manager = KVCacheManager(kv_cache_config(32, 4, "gpt-oss"), **ARGS)
+    assert _scope.engine_out_of_scope(sched) == (
+        "hybrid KV cache groups (the native loop serves one group)"
+    )
+
+
+def _request(n: int) -> Request:
+    hash_fn = kv_cache_utils.sha256 if hasattr(kv_cache_utils, "sha256") else None
+    from vllm.utils.hashing import get_hash_fn_by_name
+
+    hash_fn = get_hash_fn_by_name("sha256")
+    kv_cache_utils.init_none_hash(hash_fn)
+    return Request(
+        request_id="r",
+        prompt_token_ids=list(range(n)),
+        sampling_params=SamplingParams(max_tokens=4),
+        pooling_params=None,
+        block_hasher=kv_cache_utils.get_request_block_hasher(4, hash_fn),
+    )
+
+
+def test_bad_input_raises_pagedkv_errors_and_changes_nothing() -> None:
+    m = KVCacheManager(kv_cache_config(32, 4, "gemma3"), **ARGS)
+    req = _request(20)
+    free = m.block_pool.get_num_free_blocks()
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_slots(req, 4, num_external_computed_tokens=4)
+    with pytest.raises(ValueError):
+        m.allocate_slots(req, 0)
+    wrong_groups = m.empty_kv_cache_blocks.new_empty()
+    wrong_groups = dataclasses.replace(wrong_groups, blocks=((),))
+    with pytest.raises(InvalidArgumentError):
+        m.allocate_slots(req, 4, new_computed_blocks=wrong_groups)
+    with pytest.raises(InvalidArgumentError):
+        m.block_pool.free_blocks([m.block_pool.null_block.__class__(m._native, 99)])
+    with pytest.raises(InvalidArgumentError):
+        m.evict_blocks([1, 10**6])
+    with pytest.raises(InvalidArgumentError):
+        m.get_computed_blocks(req, max_cache_hit_length=-1)
+    assert m.block_pool.get_num_free_blocks() == free
+    blocks = m.allocate_slots(req, 20)
+    assert [len(g) for g in blocks.get_block_ids()] == [5] * len(hybrid_groups("gemma3", 4))
+    m._native.check()
+
+
+def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
+    tiny_model_dir: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import v1_harness as h
+
+    from pagedkv import vllm_v1 as pv
+
+    cfg = h.with_layout(h.SchedConfig(block_size=4, num_blocks=80), "gpt-oss")
+    with caplog.at_level("INFO", logger="pagedkv.vllm_v1"):
+        sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
+    assert type(sched.kv_cache_manager) is HybridKVCacheManager
+    assert getattr(sched, "_pagedkv_loop", None) is None
+    assert "KV cache manager native, scheduling loop vLLM's (hybrid KV cache groups" in caplog.text
+
+
+def test_sparse_window_retention_stays_vllms_where_it_changes_caching() -> None:
+    """vLLM's engines default to ``prefix_cache_retention_interval=0``: sliding windows then
+    cache only their replay boundaries and junctions (sparse), which pagedkv does not mirror.
+    Dense retention (None), caching off, or no window group (retention applies to none) are
+    in scope."""
+    for layout, caching, retention, native in (
+        ("gpt-oss", True, 0, False),
+        ("gemma3", True, 32, False),
+        ("gpt-oss", True, None, True),
+        ("gpt-oss", False, 0, True),
+        ("llama4", True, 0, True),
+    ):
+        cfg = dataclasses.replace(
+            kv_cache_config(32, 4, layout), prefix_cache_retention_interval=retention
+        )
+        why = _scope.out_of_scope(cfg, enable_caching=caching, **ARGS)
+        assert (why is None) == native, (layout, caching, retention, why)
+        if not native:
+            assert "sparse prefix-cache retention" in why
