@@ -22,23 +22,15 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pagedkv.errors import InvalidArgumentError
 
+from ._blocks import BlockView
+from ._manager import PrefixCacheStatsMixin
 
-class HybridBlockView:
-    """A block of the native hybrid pool, read live, as vLLM's ``KVCacheBlock`` shows it."""
 
-    __slots__ = ("_native", "block_id")
+class HybridBlockView(BlockView):
+    """A block of the native hybrid pool, read live, as vLLM's ``KVCacheBlock`` shows it: a
+    :class:`~pagedkv.vllm_v1._blocks.BlockView` whose hash carries its own group."""
 
-    def __init__(self, native: Any, block_id: int) -> None:
-        self._native = native
-        self.block_id = block_id
-
-    @property
-    def ref_cnt(self) -> int:
-        return 0 if self.block_id == 0 else self._native.ref_cnt(self.block_id)
-
-    @property
-    def is_null(self) -> bool:
-        return self.block_id == 0
+    __slots__ = ()
 
     @property
     def block_hash(self) -> Optional[bytes]:
@@ -48,21 +40,6 @@ class HybridBlockView:
             return None
         h, group = cached
         return h + group.to_bytes(4, "big")
-
-    @property
-    def block_hash_num_tokens(self) -> Optional[int]:
-        return self._native.hashed_tokens(self.block_id)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, HybridBlockView):
-            return NotImplemented
-        return self.block_id == other.block_id and self._native is other._native
-
-    def __hash__(self) -> int:
-        return hash(self.block_id)
-
-    def __repr__(self) -> str:
-        return f"KVCacheBlock(block_id={self.block_id}, ref_cnt={self.ref_cnt}, native=pagedkv)"
 
 
 def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
@@ -174,7 +151,7 @@ class _CoordinatorView:
         )
 
 
-class HybridKVCacheManager:
+class HybridKVCacheManager(PrefixCacheStatsMixin):
     """vLLM v1's ``KVCacheManager`` for several KV cache groups, native (see the module)."""
 
     def __init__(self, kv_cache_config: Any, a: Dict[str, Any], release: str) -> None:
@@ -227,30 +204,6 @@ class HybridKVCacheManager:
         self.coordinator = _CoordinatorView(self, kv_cache_config)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self._events: List[Any] = []
-
-    # --- stats -------------------------------------------------------------------------
-    @property
-    def usage(self) -> float:
-        return self._native.usage()
-
-    def make_prefix_cache_stats(self) -> Any:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._PrefixCacheStats()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
-        )
 
     # --- blocks ------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: Sequence[Sequence[Any]]) -> Any:

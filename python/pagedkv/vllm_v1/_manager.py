@@ -103,7 +103,42 @@ class _CoordinatorView:
         return self._manager._native.num_blocks_to_allocate(request_id, num_tokens, ids)
 
 
-class KVCacheManager:
+class PrefixCacheStatsMixin:
+    """vLLM's ``KVCacheManager`` usage and prefix-cache stats, shared by the single-group and
+    the hybrid native managers (each sets ``_native``, ``log_stats``, ``enable_caching``,
+    ``prefix_cache_stats`` and ``_PrefixCacheStats``, vLLM's class)."""
+
+    _native: Any
+    log_stats: bool
+    enable_caching: bool
+    prefix_cache_stats: Any
+    _PrefixCacheStats: Any
+
+    @property
+    def usage(self) -> float:
+        return self._native.usage()
+
+    def make_prefix_cache_stats(self) -> Any:
+        if not self.log_stats:
+            return None
+        stats = self.prefix_cache_stats
+        self.prefix_cache_stats = self._PrefixCacheStats()
+        return stats
+
+    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
+        return self.enable_caching and not request.skip_reading_prefix_cache
+
+    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
+        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
+            return
+        self.prefix_cache_stats.record(
+            num_tokens=request.num_tokens,
+            num_hits=num_hits,
+            preempted=request.num_preemptions > 0,
+        )
+
+
+class KVCacheManager(PrefixCacheStatsMixin):
     """vLLM v1's ``KVCacheManager`` (same constructor), native when the config is in scope."""
 
     def __new__(cls, kv_cache_config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -192,30 +227,6 @@ class KVCacheManager:
             _events.EventBuilder(self.block_size, kind, window)
             if self.enable_kv_cache_events
             else None
-        )
-
-    # --- stats -------------------------------------------------------------------------
-    @property
-    def usage(self) -> float:
-        return self._native.usage()
-
-    def make_prefix_cache_stats(self) -> Any:
-        if not self.log_stats:
-            return None
-        stats = self.prefix_cache_stats
-        self.prefix_cache_stats = self._PrefixCacheStats()
-        return stats
-
-    def prefix_cache_lookup_enabled(self, request: Any) -> bool:
-        return self.enable_caching and not request.skip_reading_prefix_cache
-
-    def record_prefix_cache_stats(self, request: Any, num_hits: int) -> None:
-        if not self.log_stats or not self.prefix_cache_lookup_enabled(request):
-            return
-        self.prefix_cache_stats.record(
-            num_tokens=request.num_tokens,
-            num_hits=num_hits,
-            preempted=request.num_preemptions > 0,
         )
 
     # --- the scheduler's calls ---------------------------------------------------------------
