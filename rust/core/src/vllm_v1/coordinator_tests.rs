@@ -6,6 +6,7 @@ use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::pool::{Event, HashKey, NULL_BLOCK};
 use super::single_type::{AttentionKind, GroupSpec};
+use super::single_type_tests::{chunked, swa};
 
 const N: u32 = NULL_BLOCK;
 
@@ -21,24 +22,6 @@ fn keys(n: u32) -> Vec<HashKey> {
 
 fn full(bs: u32) -> GroupSpec {
     GroupSpec::new(AttentionKind::Full, bs)
-}
-
-fn swa(window: u32, bs: u32) -> GroupSpec {
-    GroupSpec::new(
-        AttentionKind::SlidingWindow {
-            sliding_window: window,
-        },
-        bs,
-    )
-}
-
-fn chunked(chunk: u32, bs: u32) -> GroupSpec {
-    GroupSpec::new(
-        AttentionKind::ChunkedLocal {
-            attention_chunk_size: chunk,
-        },
-        bs,
-    )
 }
 
 fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {

@@ -20,7 +20,8 @@ fn keys(n: u32) -> Vec<HashKey> {
     (0..n).map(key).collect()
 }
 
-fn swa(window: u32, bs: u32) -> GroupSpec {
+/// A sliding-window group spec (shared with `coordinator_tests`).
+pub(super) fn swa(window: u32, bs: u32) -> GroupSpec {
     GroupSpec::new(
         AttentionKind::SlidingWindow {
             sliding_window: window,
@@ -29,7 +30,8 @@ fn swa(window: u32, bs: u32) -> GroupSpec {
     )
 }
 
-fn chunked(chunk: u32, bs: u32) -> GroupSpec {
+/// A chunked-local-attention group spec (shared with `coordinator_tests`).
+pub(super) fn chunked(chunk: u32, bs: u32) -> GroupSpec {
     GroupSpec::new(
         AttentionKind::ChunkedLocal {
             attention_chunk_size: chunk,
