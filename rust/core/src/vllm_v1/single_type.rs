@@ -322,98 +322,148 @@ pub fn find_longest_cache_hit(
         )));
     }
     let scale = (spec.block_size / hash_block_size) as usize;
-    let max_blocks = usize::try_from(max_length / bs).unwrap_or(usize::MAX);
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); groups.len()];
+    let search = HitSearch {
+        pool,
+        groups,
+        bs,
+        max_blocks: usize::try_from(max_length / bs).unwrap_or(usize::MAX),
+        alignment,
+        out: vec![Vec::new(); groups.len()],
+    };
     match spec.kind {
-        AttentionKind::Full => {
-            let n = cached_prefix(pool, groups, hashes, scale, max_blocks, &mut out)?;
-            // Round down to the alignment, then drop the blocks past the new tail.
-            let mut hit = n as u64 * bs;
-            hit -= hit % alignment;
-            let keep = hit.div_ceil(bs) as usize;
-            for o in &mut out {
-                o.truncate(keep);
-            }
-            Ok((out, hit))
-        }
+        AttentionKind::Full => search.full(hashes, scale),
         AttentionKind::SlidingWindow { sliding_window } => {
             let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size);
-            let mut view = View { hashes, scale };
-            // vLLM indexes the view for every block below max_length // block_size; the
-            // request's hashes cover those (a hit is capped below its length).
-            let max_blocks = max_blocks.min(view.count()?);
-            for o in &mut out {
-                o.resize(max_blocks, NULL_BLOCK);
-            }
-            let mut run = 0usize;
-            let mut found = false;
-            let mut hit = Vec::with_capacity(groups.len());
-            // From the right; the first run of `need` cached blocks wins.
-            for i in (0..max_blocks).rev() {
-                if cached_in_all(pool, &view.key(i)?, groups, &mut hit) {
-                    // A run may only end where the hit length stays aligned.
-                    if run == 0 && bs != alignment && ((i as u64 + 1) * bs) % alignment != 0 {
-                        continue;
-                    }
-                    for (o, &b) in out.iter_mut().zip(&hit) {
-                        o[i] = b;
-                    }
-                    run += 1;
-                    if run >= need {
-                        for o in &mut out {
-                            o.truncate(i + run);
-                        }
-                        found = true;
-                        break;
-                    }
-                } else {
-                    run = 0;
-                }
-            }
-            if !found {
-                // The run reaching block 0 is a hit even when shorter than the window.
-                for o in &mut out {
-                    o.truncate(run);
-                }
-                while bs != alignment && (out[0].len() as u64 * bs) % alignment != 0 {
-                    for o in &mut out {
-                        o.pop();
-                    }
-                }
-            }
-            let hit = out[0].len() as u64 * bs;
-            Ok((out, hit))
+            search.sliding_window(View { hashes, scale }, need)
         }
         AttentionKind::ChunkedLocal {
             attention_chunk_size,
-        } => {
-            if bs != alignment {
-                // vLLM asserts this (AssertionError) in the same place.
-                return Err(Error::invalid(
-                    "KV cache groups with different block sizes are not compatible with \
-                     chunked local attention (vLLM asserts the same)",
-                ));
-            }
-            let chunk = u64::from(attention_chunk_size);
-            // Blocks wholly before the chunk the next token is in count as hits (null).
-            let start = max_length / chunk * chunk;
-            let start_block = (start / bs) as usize;
-            for o in &mut out {
-                o.resize(start_block, NULL_BLOCK);
-            }
-            let mut view = View { hashes, scale };
-            let mut hit = Vec::with_capacity(groups.len());
-            for i in start_block..max_blocks.min(view.count()?) {
-                if !cached_in_all(pool, &view.key(i)?, groups, &mut hit) {
+        } => search.chunked_local(
+            View { hashes, scale },
+            u64::from(attention_chunk_size),
+            max_length,
+        ),
+    }
+}
+
+/// One `find_longest_cache_hit` once its arguments are checked: a method per attention kind,
+/// each returning the groups' tables (`out`) and the hit in tokens.
+struct HitSearch<'a> {
+    pool: &'a Pool,
+    groups: &'a [u32],
+    /// The group's block size in tokens.
+    bs: u64,
+    /// `max_length // block_size`.
+    max_blocks: usize,
+    alignment: u64,
+    out: Vec<Vec<u32>>,
+}
+
+impl HitSearch<'_> {
+    /// Full attention: the cached prefix from the left, rounded down to the alignment.
+    fn full(mut self, hashes: &mut dyn HashSource, scale: usize) -> Result<(Vec<Vec<u32>>, u64)> {
+        let (bs, alignment) = (self.bs, self.alignment);
+        let n = cached_prefix(
+            self.pool,
+            self.groups,
+            hashes,
+            scale,
+            self.max_blocks,
+            &mut self.out,
+        )?;
+        // Round down to the alignment, then drop the blocks past the new tail.
+        let mut hit = n as u64 * bs;
+        hit -= hit % alignment;
+        let keep = hit.div_ceil(bs) as usize;
+        for o in &mut self.out {
+            o.truncate(keep);
+        }
+        Ok((self.out, hit))
+    }
+
+    /// Sliding window: from the right, the first run of `need` cached blocks (null blocks
+    /// before it); a run reaching block 0 is a hit even when shorter.
+    fn sliding_window(mut self, mut view: View<'_>, need: usize) -> Result<(Vec<Vec<u32>>, u64)> {
+        let (bs, alignment) = (self.bs, self.alignment);
+        // vLLM indexes the view for every block below max_length // block_size; the
+        // request's hashes cover those (a hit is capped below its length).
+        let max_blocks = self.max_blocks.min(view.count()?);
+        for o in &mut self.out {
+            o.resize(max_blocks, NULL_BLOCK);
+        }
+        let mut run = 0usize;
+        let mut found = false;
+        let mut hit = Vec::with_capacity(self.groups.len());
+        // From the right; the first run of `need` cached blocks wins.
+        for i in (0..max_blocks).rev() {
+            if cached_in_all(self.pool, &view.key(i)?, self.groups, &mut hit) {
+                // A run may only end where the hit length stays aligned.
+                if run == 0 && bs != alignment && ((i as u64 + 1) * bs) % alignment != 0 {
+                    continue;
+                }
+                for (o, &b) in self.out.iter_mut().zip(&hit) {
+                    o[i] = b;
+                }
+                run += 1;
+                if run >= need {
+                    for o in &mut self.out {
+                        o.truncate(i + run);
+                    }
+                    found = true;
                     break;
                 }
-                for (o, &b) in out.iter_mut().zip(&hit) {
-                    o.push(b);
+            } else {
+                run = 0;
+            }
+        }
+        if !found {
+            // The run reaching block 0 is a hit even when shorter than the window.
+            for o in &mut self.out {
+                o.truncate(run);
+            }
+            while bs != alignment && (self.out[0].len() as u64 * bs) % alignment != 0 {
+                for o in &mut self.out {
+                    o.pop();
                 }
             }
-            let hit = out[0].len() as u64 * bs;
-            Ok((out, hit))
         }
+        let hit = self.out[0].len() as u64 * bs;
+        Ok((self.out, hit))
+    }
+
+    /// Chunked local attention: the blocks wholly before the next token's chunk are null
+    /// hits, then the cached blocks from the chunk's start.
+    fn chunked_local(
+        mut self,
+        mut view: View<'_>,
+        chunk: u64,
+        max_length: u64,
+    ) -> Result<(Vec<Vec<u32>>, u64)> {
+        let bs = self.bs;
+        if bs != self.alignment {
+            // vLLM asserts this (AssertionError) in the same place.
+            return Err(Error::invalid(
+                "KV cache groups with different block sizes are not compatible with \
+                 chunked local attention (vLLM asserts the same)",
+            ));
+        }
+        // Blocks wholly before the chunk the next token is in count as hits (null).
+        let start = max_length / chunk * chunk;
+        let start_block = (start / bs) as usize;
+        for o in &mut self.out {
+            o.resize(start_block, NULL_BLOCK);
+        }
+        let mut hit = Vec::with_capacity(self.groups.len());
+        for i in start_block..self.max_blocks.min(view.count()?) {
+            if !cached_in_all(self.pool, &view.key(i)?, self.groups, &mut hit) {
+                break;
+            }
+            for (o, &b) in self.out.iter_mut().zip(&hit) {
+                o.push(b);
+            }
+        }
+        let hit = self.out[0].len() as u64 * bs;
+        Ok((self.out, hit))
     }
 }
 
