@@ -27,7 +27,10 @@
 //!   (vLLM asserts it) and full attention here requires the hash block size (see
 //!   [`super::single_type`]: vLLM adds partial prompt-tail entries otherwise);
 //! * a group caches its blocks up to the computed tokens rounded down to the scheduler block
-//!   size (`get_num_cacheable_tokens`).
+//!   size (`get_num_cacheable_tokens`); a sliding window caches those its retention mode
+//!   keeps ([`super::retention`]: `prefix_cache_retention_interval`, validated here as vLLM's
+//!   coordinator validates it, caching on or off), reading the request's prompt length and
+//!   shared-prefix junction ([`Boundaries`]) at each caching call.
 //!
 //! Differences between the releases that reach this code: `pop_blocks_for_free` leaves the
 //! leading null blocks out in 0.33 only (`trim_null_head`; the free queue ends up the same,
@@ -55,6 +58,7 @@
 use super::engine::Release;
 use super::manager::HashSource;
 use super::pool::Pool;
+use super::retention::{Boundaries, Retention};
 use super::single_type::{
     find_longest_cache_hit, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
 };
@@ -79,6 +83,8 @@ pub struct HybridConfig {
     /// `int(watermark * num_blocks)`, as vLLM computes it.
     pub watermark_blocks: u64,
     pub release: Release,
+    /// `KVCacheConfig.prefix_cache_retention_interval` (vLLM's engines default to 0, sparse).
+    pub retention: Retention,
 }
 
 /// A prefix-cache hit across groups.
@@ -90,6 +96,17 @@ pub struct Hit {
     pub num_tokens: u64,
     /// `num_uncached_common_prefix_tokens`: how much longer some group's own hit was.
     pub num_uncached_common_prefix_tokens: u64,
+}
+
+impl Hit {
+    /// `get_computed_blocks`' `shared_prefix_boundary` (the scheduler stores it on the
+    /// request): the longest single-group hit when some group's was longer, else 0.
+    pub fn shared_prefix_boundary(&self) -> u64 {
+        match self.num_uncached_common_prefix_tokens {
+            0 => 0,
+            u => self.num_tokens + u,
+        }
+    }
 }
 
 /// One `allocate_slots` call's arguments (vLLM's names), the request's fields included.
@@ -109,6 +126,9 @@ pub struct HybridSlots<'a> {
     pub full_sequence_must_fit: bool,
     pub reserved_blocks: u64,
     pub has_scheduled_reqs: bool,
+    /// `request.num_prompt_tokens` and `request.shared_prefix_boundary` (what sparse
+    /// retention caches around).
+    pub boundaries: Boundaries,
 }
 
 /// Groups sharing a spec, looked up together (vLLM's `SpecGroup`).
@@ -145,12 +165,18 @@ impl Hybrid {
                  size {hbs}"
             )));
         }
+        let has_window = cfg
+            .groups
+            .iter()
+            .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+        let retention = Retention::from_interval(cfg.retention.interval(), sbs, has_window)?;
         let params = GroupParams {
             hash_block_size: hbs,
             scheduler_block_size: sbs,
             enable_caching: cfg.enable_caching,
             max_in_flight_tokens: cfg.max_in_flight_tokens,
             max_model_len: cfg.max_model_len,
+            retention,
         };
         let managers = cfg
             .groups
@@ -437,7 +463,7 @@ impl Hybrid {
                     (m.num_cached_blocks(req).unwrap_or(0), m.blocks(req).len())
                 };
                 let held = have.max(need_slots.div_ceil(bs) as usize);
-                plans.push(m.plan_cache(first, held, t, hashes)?);
+                plans.push(m.plan_cache(first, held, t, a.boundaries, hashes)?);
             }
         }
         if adopt {
@@ -457,11 +483,12 @@ impl Hybrid {
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)` across groups, each group caching up
-    /// to the tokens rounded down to the scheduler block size.
+    /// to the tokens rounded down to the scheduler block size, the request at `boundaries`.
     pub fn cache_blocks(
         &mut self,
         req: &str,
         num_computed_tokens: u64,
+        boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
         let s = u64::from(self.cfg.scheduler_block_size);
@@ -469,7 +496,7 @@ impl Hybrid {
         let mut plans = Vec::with_capacity(self.managers.len());
         for m in &self.managers {
             let first = m.num_cached_blocks(req).unwrap_or(0);
-            plans.push(m.plan_cache(first, m.blocks(req).len(), t, hashes)?);
+            plans.push(m.plan_cache(first, m.blocks(req).len(), t, boundaries, hashes)?);
         }
         for (m, plan) in self.managers.iter_mut().zip(&plans) {
             m.apply_cache(&mut self.pool, req, plan);

@@ -5,6 +5,7 @@
 use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::pool::{Event, HashKey, NULL_BLOCK};
+use super::retention::{Boundaries, Retention};
 use super::single_type::{AttentionKind, GroupSpec};
 use super::single_type_tests::{chunked, swa};
 
@@ -29,6 +30,15 @@ fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {
 }
 
 fn hybrid_cached(groups: Vec<GroupSpec>, scheduler_block_size: u32, caching: bool) -> Hybrid {
+    hybrid_retaining(groups, scheduler_block_size, caching, Retention::Dense)
+}
+
+fn hybrid_retaining(
+    groups: Vec<GroupSpec>,
+    scheduler_block_size: u32,
+    caching: bool,
+    retention: Retention,
+) -> Hybrid {
     Hybrid::new(HybridConfig {
         num_blocks: 20,
         groups,
@@ -40,6 +50,7 @@ fn hybrid_cached(groups: Vec<GroupSpec>, scheduler_block_size: u32, caching: boo
         enable_events: true,
         watermark_blocks: 0,
         release: Release::V033,
+        retention,
     })
     .unwrap()
 }
@@ -325,6 +336,7 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
         enable_events: false,
         watermark_blocks: 0,
         release: Release::V032,
+        retention: Retention::Dense,
     };
     let h = Hybrid::new(cfg.clone()).unwrap();
     let ks = keys(4);
@@ -349,6 +361,112 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
     assert!(Hybrid::new(cfg).is_err());
 }
 
+/// A request's hashes: `key(i)` for the first `shared` blocks, then `key(base + i)`.
+fn sibling_keys(shared: u32, base: u32, n: u32) -> Vec<HashKey> {
+    (0..n)
+        .map(|i| if i < shared { key(i) } else { key(base + i) })
+        .collect()
+}
+
+#[test]
+fn zero_retention_caches_the_replay_tail_and_the_junction_tail() {
+    // prefix_cache_retention_interval=0, GPT-OSS-like (full + window 8 over 4-token blocks:
+    // a hit needs 2 window blocks). "a" (17 tokens) caches 16: full attention all 4 blocks;
+    // the window only the tail ending on the replay boundary 16 (positions 2, 3).
+    let mut h = hybrid_retaining(vec![full(4), swa(8, 4)], 4, true, sparse(0));
+    let ks = keys(4);
+    let a = HybridSlots {
+        boundaries: Boundaries {
+            num_prompt_tokens: 17,
+            shared_prefix_boundary: 0,
+        },
+        ..prefill(17)
+    };
+    let new = h.allocate_slots("a", &a, &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2, 3, 4, 5], vec![6, 7, 8, 9, 10]]));
+    let stored = h.pool_mut().take_events();
+    assert_eq!(
+        stored[1],
+        Event::StoredIn {
+            group: 1,
+            first: 0,
+            end: 4,
+            cached: vec![2, 3]
+        }
+    );
+    // free: the uncached window blocks 10, 7, 6 go to the head (in freeing order), the
+    // cached 9, 8 to the tail.
+    h.free("a").unwrap();
+    let want: Vec<u32> = [10, 7, 6, 5]
+        .into_iter()
+        .chain(11..20)
+        .chain([4, 3, 2, 1, 9, 8])
+        .collect();
+    assert_eq!(h.pool().free_queue(), want);
+    // A resend of "a" hits at its replay boundary in both groups.
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(hit.blocks, [vec![1, 2, 3, 4], vec![N, N, 8, 9]]);
+    // "c" shares 3 blocks: full attention hits 12 tokens, the window nothing (its 12-token
+    // tail was not kept): 12 uncached common-prefix tokens, the junction at 12.
+    let kc = sibling_keys(3, 50, 5);
+    let hit = h.find_longest_cache_hit(&mut &kc[..], 19).unwrap();
+    assert_eq!((hit.num_tokens, hit.shared_prefix_boundary()), (0, 12));
+    // "c" (20 tokens, no hit) then keeps the tails ending on 16 (replay: 19 -> 16) and on its
+    // junction 12: window positions 1, 2, 3 (blocks 13, 14, 15).
+    let c = HybridSlots {
+        new_computed: Some(&hit.blocks),
+        boundaries: Boundaries {
+            num_prompt_tokens: 20,
+            shared_prefix_boundary: 12,
+        },
+        ..prefill(20)
+    };
+    let new = h.allocate_slots("c", &c, &mut &kc[..]).unwrap();
+    assert_eq!(
+        new,
+        Some(vec![vec![10, 7, 6, 5, 11], vec![12, 13, 14, 15, 16]])
+    );
+    // A third sibling now hits the junction in both groups (the window run: position 1 from
+    // "c", position 2 from "a", the first block cached under that hash).
+    let kd = sibling_keys(3, 60, 5);
+    let hit = h.find_longest_cache_hit(&mut &kd[..], 19).unwrap();
+    assert_eq!(hit.blocks, [vec![1, 2, 3], vec![N, 13, 8]]);
+    assert_eq!((hit.num_tokens, hit.shared_prefix_boundary()), (12, 0));
+    h.check().unwrap();
+}
+
+#[test]
+fn retention_is_checked_as_vllms_coordinator_checks_it() {
+    // _validate_prefix_cache_retention_interval runs for every coordinator, caching on or
+    // off: 0 is allowed without a window (Llama 4: full + chunked), a positive interval is
+    // not; with a window the interval must be a multiple of the scheduler block size.
+    let cfg = |groups, retention, caching| HybridConfig {
+        num_blocks: 20,
+        groups,
+        hash_block_size: 4,
+        scheduler_block_size: 8,
+        max_model_len: 1000,
+        max_in_flight_tokens: 16,
+        enable_caching: caching,
+        enable_events: false,
+        watermark_blocks: 0,
+        release: Release::V033,
+        retention,
+    };
+    let llama4 = || vec![full(4), chunked(8, 8)];
+    assert!(Hybrid::new(cfg(llama4(), sparse(0), true)).is_ok());
+    let err = Hybrid::new(cfg(llama4(), sparse(16), false)).unwrap_err();
+    assert!(err.to_string().contains("no sliding-window"), "{err}");
+    let gpt_oss = || vec![full(4), swa(8, 4)];
+    assert!(Hybrid::new(cfg(gpt_oss(), sparse(16), true)).is_ok());
+    let err = Hybrid::new(cfg(gpt_oss(), sparse(12), false)).unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("multiple of scheduler_block_size (8)"),
+        "{err}"
+    );
+}
+
 /// The hashes of a request of family `f` with `n` tokens: families share their first three
 /// blocks, then differ (chained hashes: different from there on).
 fn family_keys(f: u32, n: u64) -> Vec<HashKey> {
@@ -363,12 +481,19 @@ fn family_keys(f: u32, n: u64) -> Vec<HashKey> {
         .collect()
 }
 
+/// `Retention::Sparse` with an interval.
+const fn sparse(interval: u64) -> Retention {
+    Retention::Sparse { interval }
+}
+
 #[test]
 fn randomized_runs_keep_every_invariant() {
-    // Seeded runs over seven layouts: prefix hits, chunked prefill (some admissions gated on
-    // the full sequence), decode (some with tokens still in flight), preemption, eviction and
-    // frees, checking the pool's and every table's invariants after each call
-    // and that each hit is aligned, within its bound and every group's share of it.
+    // Seeded runs over sixteen layouts (dense retention, then sparse: 0 and periodic):
+    // prefix hits (resends stop at the replay boundary, families share a junction), chunked
+    // prefill (some admissions gated on the full sequence), decode (some with tokens still in
+    // flight), preemption, eviction and frees, checking the pool's and every table's
+    // invariants after each call and that each hit is aligned, within its bound and every
+    // group's share of it.
     use crate::rng::Rng;
     use std::fmt::Write as _;
     // With PAGEDKV_HYBRID_TRACE=path, every call and its outcome is written there (one
@@ -377,21 +502,32 @@ fn randomized_runs_keep_every_invariant() {
     let mut trace = String::new();
     let opt =
         |o: &Option<Vec<Vec<u32>>>| o.as_ref().map_or("None".to_string(), |v| format!("{v:?}"));
-    // (groups, scheduler block size, prefix caching); scripts/hybrid_replay.py has the same.
-    let layouts: [(Vec<GroupSpec>, u32, bool); 7] = [
-        (vec![full(4), swa(8, 4)], 4, true),
-        (vec![swa(8, 4), full(4), chunked(8, 4)], 4, true),
-        (vec![full(4), swa(8, 8)], 8, true),
-        (vec![full(4), swa(5, 4)], 8, true),
-        (vec![full(4), swa(8, 4), swa(16, 4)], 4, true),
-        (vec![swa(8, 4), swa(8, 4), full(4)], 4, true),
-        (vec![full(4), swa(8, 4), chunked(8, 4)], 4, false),
+    // (groups, scheduler block size, prefix caching, retention); scripts/hybrid_replay.py
+    // has the same.
+    let dense = Retention::Dense;
+    let layouts: [(Vec<GroupSpec>, u32, bool, Retention); 16] = [
+        (vec![full(4), swa(8, 4)], 4, true, dense),
+        (vec![swa(8, 4), full(4), chunked(8, 4)], 4, true, dense),
+        (vec![full(4), swa(8, 8)], 8, true, dense),
+        (vec![full(4), swa(5, 4)], 8, true, dense),
+        (vec![full(4), swa(8, 4), swa(16, 4)], 4, true, dense),
+        (vec![swa(8, 4), swa(8, 4), full(4)], 4, true, dense),
+        (vec![full(4), swa(8, 4), chunked(8, 4)], 4, false, dense),
+        (vec![full(4), swa(8, 4)], 4, true, sparse(0)),
+        (vec![full(4), swa(8, 4)], 4, true, sparse(16)),
+        (vec![swa(8, 4), full(4), chunked(8, 4)], 4, true, sparse(0)),
+        (vec![full(4), swa(8, 8)], 8, true, sparse(0)),
+        (vec![full(4), swa(5, 4)], 8, true, sparse(0)),
+        (vec![full(4), swa(5, 4)], 8, true, sparse(16)),
+        (vec![full(4), swa(8, 4), swa(16, 4)], 4, true, sparse(0)),
+        (vec![swa(5, 4), swa(5, 4), full(4)], 4, true, sparse(12)),
+        (vec![full(4), swa(8, 4), chunked(8, 4)], 4, false, sparse(0)),
     ];
-    for (li, (layout, sbs, caching)) in layouts.into_iter().enumerate() {
+    for (li, (layout, sbs, caching, retention)) in layouts.into_iter().enumerate() {
         let mut rng = Rng::new(0x1d5eed);
-        let mut h = hybrid_cached(layout, sbs, caching);
-        // (id, family, tokens, computed)
-        let mut live: Vec<(String, u32, u64, u64)> = Vec::new();
+        let mut h = hybrid_retaining(layout, sbs, caching, retention);
+        // (id, family, tokens, computed, the prompt and junction it caches around)
+        let mut live: Vec<(String, u32, u64, u64, Boundaries)> = Vec::new();
         for step in 0..3000 {
             let traced = trace.len();
             match rng.below(10) {
@@ -407,6 +543,10 @@ fn randomized_runs_keep_every_invariant() {
                     let id = format!("r{step}");
                     let chunk = 1 + rng.below((n - hit.num_tokens) as usize) as u64;
                     let gate = rng.chance(30);
+                    let boundaries = Boundaries {
+                        num_prompt_tokens: n,
+                        shared_prefix_boundary: hit.shared_prefix_boundary(),
+                    };
                     let a = HybridSlots {
                         num_tokens: n,
                         num_new_tokens: chunk,
@@ -414,24 +554,26 @@ fn randomized_runs_keep_every_invariant() {
                         new_computed: Some(&hit.blocks),
                         waiting_or_preempted: true,
                         full_sequence_must_fit: gate,
+                        boundaries,
                         ..Default::default()
                     };
                     let new = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
                     let _ = write!(
                         trace,
-                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}, {}",
+                        "('new', {li}, '{id}', {f}, {n}, {chunk}, {}, {:?}, {}, {}, {}",
                         hit.num_tokens,
                         hit.blocks,
                         if gate { "True" } else { "False" },
-                        opt(&new)
+                        opt(&new),
+                        boundaries.shared_prefix_boundary,
                     );
                     if new.is_some() {
-                        live.push((id, f, n, hit.num_tokens + chunk));
+                        live.push((id, f, n, hit.num_tokens + chunk, boundaries));
                     }
                 }
                 0..=6 if !live.is_empty() => {
                     let i = rng.below(live.len());
-                    let (id, f, n, c) = live[i].clone();
+                    let (id, f, n, c, boundaries) = live[i].clone();
                     let (tokens, new) = if c < n {
                         (n, 1 + rng.below((n - c) as usize) as u64)
                     } else {
@@ -448,6 +590,7 @@ fn randomized_runs_keep_every_invariant() {
                         num_tokens: tokens,
                         num_new_tokens: new,
                         num_in_flight_tokens: in_flight,
+                        boundaries,
                         ..Default::default()
                     };
                     let out = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
@@ -457,7 +600,7 @@ fn randomized_runs_keep_every_invariant() {
                         opt(&out)
                     );
                     if out.is_some() {
-                        live[i] = (id, f, tokens, c + new);
+                        live[i] = (id, f, tokens, c + new, boundaries);
                     } else {
                         h.free(&id).unwrap();
                         live.swap_remove(i);

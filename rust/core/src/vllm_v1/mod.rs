@@ -7,8 +7,10 @@
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
-//!   one shared pool, for hybrid models (not yet used by the bindings);
-//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
+//!   one shared pool, for hybrid models;
+//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (`_native.V1Hybrid`);
+//! * [`retention`]: which blocks a sliding-window group caches under each
+//!   `prefix_cache_retention_interval` (dense, replay boundaries and junctions, periodic);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
 //! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
 //!   [`Mode`] (release, async) it runs in;
@@ -22,6 +24,7 @@ pub mod free_queue;
 pub mod manager;
 pub mod policy;
 pub mod pool;
+pub mod retention;
 pub mod single_type;
 pub mod spec_stats;
 pub mod walk;

@@ -11,17 +11,16 @@
 //! (`SlidingWindowManager`) and chunked local attention (`ChunkedLocalAttentionManager`), each
 //! with vLLM's `find_longest_cache_hit`, `get_num_skipped_tokens`, `remove_skipped_blocks`,
 //! `get_num_blocks_to_allocate`, `add_local_computed_blocks`, `allocate_new_blocks`,
-//! `cache_blocks` (with the sliding window's dense `reachable_block_mask`) and `free`. The
-//! single-group [`super::manager::Manager`] is the full-attention path of this file with one
-//! group: it calls the shared pieces below ([`cached_prefix`], [`blocks_to_allocate`],
-//! [`cache_full_blocks`]) rather than a copy of them.
+//! `cache_blocks` (with the sliding window's `reachable_block_mask` under each retention mode,
+//! [`super::retention`]) and `free`. The single-group [`super::manager::Manager`] is the
+//! full-attention path of this file with one group: it calls the shared pieces below
+//! ([`cached_prefix`], [`blocks_to_allocate`], [`cache_full_blocks`]) rather than a copy of them.
 //!
 //! Scope (what the callers must rule out, as `pagedkv.vllm_v1`'s scope does for the single
 //! group): no EAGLE/MTP (no last-block drop, no `extra_retained_tokens`), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
-//! a Mamba "align" group), dense prefix-cache retention (`prefix_cache_retention_interval`
-//! unset), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba groups, and
-//! full-attention groups only at the hash block size: with larger blocks vLLM's
+//! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba
+//! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
 //! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
 //! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
@@ -50,6 +49,7 @@ use hashbrown::HashMap;
 use super::engine::Release;
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
+use super::retention::{Boundaries, Retained, Retention};
 use crate::error::{Error, Result};
 
 /// The attention kinds a group can serve (vLLM's `KVCacheSpec` subclasses mirrored here).
@@ -146,25 +146,8 @@ impl GroupSpec {
     }
 
     /// Blocks a sliding-window hit needs in a row (`_contiguous_blocks_for_hit`, no EAGLE).
-    fn contiguous_blocks_for_hit(sliding_window: u32, block_size: u32) -> usize {
+    pub(crate) fn contiguous_blocks_for_hit(sliding_window: u32, block_size: u32) -> usize {
         (sliding_window as usize - 1).div_ceil(block_size as usize)
-    }
-
-    /// The sliding window's `reachable_block_mask` under dense retention, no EAGLE: `None`
-    /// when every block can serve a hit, else `(per_segment, need)`: block `i` can iff
-    /// `i % per_segment >= per_segment - need` (the last `need` blocks before each
-    /// `alignment`-token boundary). Other kinds cache every block.
-    fn reachable(&self, alignment: u64) -> Option<(usize, usize)> {
-        let AttentionKind::SlidingWindow { sliding_window } = self.kind else {
-            return None;
-        };
-        let bs = u64::from(self.block_size);
-        if alignment % bs != 0 {
-            return None;
-        }
-        let need = Self::contiguous_blocks_for_hit(sliding_window, self.block_size);
-        let per_segment = (alignment / bs) as usize;
-        (need < per_segment).then_some((per_segment, need))
     }
 }
 
@@ -474,11 +457,12 @@ struct ReqBlocks {
 }
 
 /// What a `cache_blocks` call will cache, read before anything changes: blocks
-/// `first..first + keys.len()`.
+/// `first..first + keys.len()`, those `retained` holds.
 #[derive(Clone, Debug, Default)]
 pub struct CachePlan {
     pub first: u32,
     pub keys: Vec<HashKey>,
+    pub retained: Retained,
     /// `false`: nothing becomes full (vLLM returns before touching anything).
     pub active: bool,
 }
@@ -494,6 +478,7 @@ pub struct GroupManager {
     alignment: u64,
     admission_cap: Option<u64>,
     caching: bool,
+    retention: Retention,
     reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
 }
 
@@ -505,6 +490,8 @@ pub struct GroupParams {
     pub enable_caching: bool,
     pub max_in_flight_tokens: u64,
     pub max_model_len: u64,
+    /// `prefix_cache_retention_interval` (checked by the coordinator, as vLLM checks it).
+    pub retention: Retention,
 }
 
 impl GroupManager {
@@ -539,6 +526,7 @@ impl GroupManager {
             alignment: u64::from(p.scheduler_block_size),
             admission_cap: spec.max_admission_blocks(p.max_in_flight_tokens, p.max_model_len),
             caching: p.enable_caching,
+            retention: p.retention,
             reqs: HashMap::with_hasher(RandomState::default()),
         })
     }
@@ -661,7 +649,8 @@ impl GroupManager {
     }
 
     /// Read the hashes a `cache_blocks(req, num_tokens)` call would cache, the request then
-    /// holding `held` blocks and its first uncached one being `first` (nothing changes).
+    /// holding `held` blocks and its first uncached one being `first`, and which of them its
+    /// `boundaries` retain (nothing changes).
     /// vLLM 0.33 caps the full blocks at the hashes the request has; 0.32 does not, and raises
     /// IndexError past them, which the cap turns into caching fewer (callers keep within).
     pub fn plan_cache(
@@ -669,6 +658,7 @@ impl GroupManager {
         first: u32,
         held: usize,
         num_tokens: u64,
+        boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<CachePlan> {
         let mut plan = CachePlan {
@@ -699,6 +689,7 @@ impl GroupManager {
         for i in first as usize..full {
             plan.keys.push(view.key(i)?);
         }
+        plan.retained = Retained::new(&self.spec, self.retention, self.alignment, boundaries);
         plan.active = true;
         Ok(plan)
     }
@@ -712,7 +703,6 @@ impl GroupManager {
         let Some(r) = self.reqs.get_mut(req) else {
             return;
         };
-        let reachable = self.spec.reachable(self.alignment);
         cache_full_blocks(
             pool,
             self.group_id,
@@ -720,21 +710,28 @@ impl GroupManager {
             &r.blocks,
             plan.first,
             &plan.keys,
-            |i| reachable.is_none_or(|(per, need)| i % per >= per - need),
+            |i| plan.retained.contains(i),
         );
         r.num_cached = Some(plan.first + plan.keys.len() as u32);
     }
 
-    /// vLLM's `cache_blocks(request, num_tokens)`.
+    /// vLLM's `cache_blocks(request, num_tokens)`, the request at `boundaries`.
     pub fn cache_blocks(
         &mut self,
         pool: &mut Pool,
         req: &str,
         num_tokens: u64,
+        boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
         let first = self.num_cached_blocks(req).unwrap_or(0);
-        let plan = self.plan_cache(first, self.blocks(req).len(), num_tokens, hashes)?;
+        let plan = self.plan_cache(
+            first,
+            self.blocks(req).len(),
+            num_tokens,
+            boundaries,
+            hashes,
+        )?;
         self.apply_cache(pool, req, &plan);
         Ok(())
     }

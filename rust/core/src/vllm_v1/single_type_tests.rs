@@ -4,6 +4,7 @@
 
 use super::engine::Release;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
+use super::retention::{Boundaries, Retention};
 use super::single_type::{
     find_longest_cache_hit, AttentionKind, GroupManager, GroupParams, GroupSpec,
 };
@@ -47,6 +48,7 @@ fn params(scheduler_block_size: u32, caching: bool) -> GroupParams {
         enable_caching: caching,
         max_in_flight_tokens: 16,
         max_model_len: 1000,
+        retention: Retention::Dense,
     }
 }
 
@@ -230,7 +232,8 @@ fn swa_with_16_cached(caching: bool) -> (Pool, GroupManager) {
         [1, 2, 3, 4]
     );
     let ks = keys(4);
-    m.cache_blocks(&mut p, "a", 16, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 16, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     (p, m)
 }
 
@@ -347,7 +350,8 @@ fn sliding_window_caches_only_reachable_blocks() {
     let mut m = GroupManager::new(swa(5, 4), 0, params(16, true)).unwrap();
     let blocks = m.allocate_new_blocks(&mut p, "a", 32).unwrap();
     let ks = keys(8);
-    m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     let cached: Vec<u32> = blocks
         .iter()
         .filter(|&&b| p.hash_of(b).is_some())
@@ -362,7 +366,8 @@ fn sliding_window_caches_only_reachable_blocks() {
     let mut p = Pool::new(12, true, false).unwrap();
     let mut m = GroupManager::new(swa(14, 4), 0, params(16, true)).unwrap();
     let blocks = m.allocate_new_blocks(&mut p, "a", 32).unwrap();
-    m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     assert!(blocks.iter().all(|&b| p.hash_of(b).is_some()));
 }
 
@@ -374,7 +379,8 @@ fn a_grouped_pool_logs_the_positions_really_cached_with_the_group() {
     let mut m = GroupManager::new(swa(5, 4), 1, params(16, true)).unwrap();
     m.allocate_new_blocks(&mut p, "a", 32).unwrap();
     let ks = keys(8);
-    m.cache_blocks(&mut p, "a", 32, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     assert_eq!(
         p.take_events(),
         [Event::StoredIn {
@@ -394,12 +400,14 @@ fn cache_blocks_skips_null_blocks_and_nothing_full_leaves_the_request_untracked(
     let mut m = GroupManager::new(swa(4, 4), 0, params(4, true)).unwrap();
     m.allocate_new_blocks(&mut p, "a", 3).unwrap();
     let ks = keys(2);
-    m.cache_blocks(&mut p, "a", 3, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 3, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     assert_eq!(m.num_cached_blocks("a"), None);
     m.allocate_new_blocks(&mut p, "a", 8).unwrap();
     m.remove_skipped_blocks(&mut p, "a", 7).unwrap(); // 7 - 4 + 1 = 4 skipped: block 0
     assert_eq!(m.blocks("a"), [N, 2]);
-    m.cache_blocks(&mut p, "a", 8, &mut &ks[..]).unwrap();
+    m.cache_blocks(&mut p, "a", 8, Boundaries::default(), &mut &ks[..])
+        .unwrap();
     assert_eq!(m.num_cached_blocks("a"), Some(2));
     assert_eq!(p.get_cached(&key(0)), None);
     assert_eq!(p.get_cached(&key(1)), Some(2));

@@ -1,0 +1,324 @@
+//! vLLM v1's prefix-cache retention for sliding-window groups (`CacheConfig.
+//! prefix_cache_retention_interval`, resolved into `KVCacheConfig`): which of a request's newly
+//! full blocks a sliding-window group puts in the prefix cache (`SlidingWindowManager.
+//! reachable_block_mask`, called from `SingleTypeKVCacheManager.cache_blocks`). A block left out
+//! goes back to the free queue uncached (to its head), so retention also decides later block ids.
+//!
+//! ```text
+//!   a window needing 1 block, 4-token blocks, hits aligned to 8 tokens, a prompt of 43:
+//!   block         0 1 2 3 4 5 6 7 8 9 10
+//!   None (dense)    x   x   x   x   x   the tail before every alignment boundary
+//!   0                               x   the replay boundary 42 -> 40: its tail only
+//!   16                  x       x   x   and the tail before every 16 tokens
+//! ```
+//!
+//! The three modes vLLM 0.32 and 0.33 offer (the same in both, for what is mirrored here):
+//! * `None` ([`Retention::Dense`]): a window hit needs `need` blocks in a row ending on a
+//!   hit-alignment boundary, so the `need` blocks before each boundary are cached, the rest not;
+//! * `0` ([`Retention::Sparse`] with interval 0, vLLM's engine default): only the `need` blocks
+//!   ending on the request's *boundaries*: its replay boundary (`num_prompt_tokens - 1`, where a
+//!   resend of the same prompt stops; vLLM's `replay_boundaries` without EAGLE) and its
+//!   shared-prefix junction (`request.shared_prefix_boundary`, set by the scheduler from
+//!   `get_computed_blocks`: where another group's longer hit says a prefix is shared), each
+//!   rounded down to the alignment;
+//! * a positive multiple of the scheduler block size: those boundary tails plus the tail before
+//!   every `interval`-token boundary.
+//!
+//! In every mode, when a hit needs at least a segment's blocks (`need >= per_segment`), every
+//! block is cached (the boundaries are not consulted). Full-attention and chunked local groups
+//! ignore retention (they cache every block). vLLM validates the interval when it builds a
+//! coordinator, caching on or off ([`Retention::from_interval`]): a nonzero interval needs a
+//! sliding-window (or Mamba) group, and must be non-negative and a multiple of the scheduler
+//! block size. Mamba's retention (one state per segment) belongs to Mamba groups, outside
+//! pagedkv's scope; EAGLE's extra boundary and peek block (`use_eagle`), and
+//! `final_segment_end_block` (passed only by offloading connectors) likewise.
+//!
+//! Invariants: [`Retained::contains`] answers exactly what vLLM's mask holds at that position
+//! (for positions at or past the request's first uncached block); [`Retained::All`] is vLLM's
+//! `None` mask.
+//! Costs: [`Retained::new`] O(1), [`Retained::contains`] O(1); nothing allocated.
+
+use super::single_type::{AttentionKind, GroupSpec};
+use crate::error::{Error, Result};
+
+/// vLLM's `prefix_cache_retention_interval`, as sliding-window groups read it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Retention {
+    /// `None`: a tail before every hit-alignment boundary.
+    #[default]
+    Dense,
+    /// `Some(interval)`: the tails ending on the request's boundaries, plus (interval > 0) the
+    /// tail before every `interval`-token boundary.
+    Sparse { interval: u64 },
+}
+
+impl Retention {
+    /// vLLM's `_validate_prefix_cache_retention_interval`, checks in vLLM's order: `None` is
+    /// dense; without a sliding-window group only 0 is allowed (and changes nothing); else a
+    /// non-negative multiple of `scheduler_block_size`.
+    pub fn from_interval(
+        interval: Option<i64>,
+        scheduler_block_size: u32,
+        has_window: bool,
+    ) -> Result<Self> {
+        let Some(interval) = interval else {
+            return Ok(Retention::Dense);
+        };
+        if !has_window && interval != 0 {
+            return Err(Error::invalid(
+                "prefix_cache_retention_interval is set but this model has no sliding-window \
+                 or Mamba KV cache group, so retention has no effect; set it to 0 (it only \
+                 applies to sliding-window and Mamba attention)",
+            ));
+        }
+        let sbs = i64::from(scheduler_block_size);
+        if interval < 0 || sbs == 0 || interval % sbs != 0 {
+            return Err(Error::invalid(format!(
+                "prefix_cache_retention_interval ({interval}) must be non-negative and a \
+                 multiple of scheduler_block_size ({scheduler_block_size})"
+            )));
+        }
+        Ok(Retention::Sparse {
+            interval: interval as u64,
+        })
+    }
+
+    /// The interval as vLLM spells it (`None`: dense).
+    pub fn interval(&self) -> Option<i64> {
+        match *self {
+            Retention::Dense => None,
+            Retention::Sparse { interval } => Some(i64::try_from(interval).unwrap_or(i64::MAX)),
+        }
+    }
+}
+
+/// The request's fields sparse retention reads when it caches (vLLM reads them off the
+/// `Request` at each `cache_blocks`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Boundaries {
+    /// `request.num_prompt_tokens`: the replay boundary is one token before its end.
+    pub num_prompt_tokens: u64,
+    /// `request.shared_prefix_boundary` (0: none).
+    pub shared_prefix_boundary: u64,
+}
+
+/// Which blocks of a request one group caches: vLLM's `reachable_block_mask`, no EAGLE.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Retained {
+    /// Every block (vLLM's `None` mask).
+    #[default]
+    All,
+    /// Block `i` is cached iff `i % per_segment >= per_segment - need` (when `per_segment` is
+    /// set) or `ends[k] - need <= i < ends[k]` for a boundary tail `k` (0: no tail).
+    Tails {
+        per_segment: Option<u64>,
+        need: u64,
+        ends: [u64; 2],
+    },
+}
+
+impl Retained {
+    /// The mask of group `spec` under `retention`, hits aligned to `alignment` tokens, for a
+    /// request at `boundaries`.
+    pub fn new(
+        spec: &GroupSpec,
+        retention: Retention,
+        alignment: u64,
+        boundaries: Boundaries,
+    ) -> Self {
+        let AttentionKind::SlidingWindow { sliding_window } = spec.kind else {
+            return Retained::All;
+        };
+        let bs = u64::from(spec.block_size);
+        if alignment == 0 || alignment % bs != 0 {
+            // A sub-block alignment cannot be masked by block: vLLM keeps every block.
+            return Retained::All;
+        }
+        let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64;
+        let segment = match retention {
+            Retention::Dense => Some(alignment),
+            Retention::Sparse { interval: 0 } => None,
+            Retention::Sparse { interval } => Some(interval),
+        };
+        let per_segment = segment.map(|s| s / bs);
+        if per_segment.is_some_and(|p| need >= p) {
+            return Retained::All;
+        }
+        let end = |tokens: u64| tokens / alignment * alignment / bs;
+        let ends = match retention {
+            Retention::Dense => [0, 0],
+            Retention::Sparse { .. } => [
+                end(boundaries.num_prompt_tokens.saturating_sub(1)),
+                end(boundaries.shared_prefix_boundary),
+            ],
+        };
+        Retained::Tails {
+            per_segment,
+            need,
+            ends,
+        }
+    }
+
+    /// Whether the block at position `i` of the request's table is cached.
+    pub fn contains(&self, i: usize) -> bool {
+        let Retained::Tails {
+            per_segment,
+            need,
+            ends,
+        } = *self
+        else {
+            return true;
+        };
+        let i = i as u64;
+        per_segment.is_some_and(|p| i % p >= p - need)
+            || ends.iter().any(|&e| i < e && i + need >= e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn swa(window: u32, bs: u32) -> GroupSpec {
+        GroupSpec::new(
+            AttentionKind::SlidingWindow {
+                sliding_window: window,
+            },
+            bs,
+        )
+    }
+
+    fn at(prompt: u64, junction: u64) -> Boundaries {
+        Boundaries {
+            num_prompt_tokens: prompt,
+            shared_prefix_boundary: junction,
+        }
+    }
+
+    fn cached(r: Retained, n: usize) -> Vec<usize> {
+        (0..n).filter(|&i| r.contains(i)).collect()
+    }
+
+    #[test]
+    fn validation_follows_vllms_order() {
+        // _validate_prefix_cache_retention_interval.
+        let ok = |i, w| Retention::from_interval(i, 32, w);
+        assert_eq!(ok(None, false).unwrap(), Retention::Dense);
+        assert_eq!(
+            ok(Some(0), false).unwrap(),
+            Retention::Sparse { interval: 0 }
+        );
+        assert_eq!(
+            ok(Some(64), true).unwrap(),
+            Retention::Sparse { interval: 64 }
+        );
+        let msg = |i, w| ok(i, w).unwrap_err().to_string();
+        // No window: any nonzero value is refused for that reason first, negative included.
+        assert!(msg(Some(16), false).contains("no sliding-window or Mamba"));
+        assert!(msg(Some(-32), false).contains("no sliding-window or Mamba"));
+        assert!(msg(Some(33), true).contains("multiple of scheduler_block_size (32)"));
+        // -32 % 32 == 0: refused as negative all the same.
+        assert!(msg(Some(-32), true).contains("non-negative"));
+        assert_eq!(Retention::Sparse { interval: 64 }.interval(), Some(64));
+        assert_eq!(Retention::Dense.interval(), None);
+    }
+
+    #[test]
+    fn dense_keeps_the_tail_before_every_alignment_boundary() {
+        // reachable_block_mask(None): segment = alignment 16 over 4-token blocks -> 4 per
+        // segment; window 5 needs 1 block -> i % 4 == 3. The boundaries are not consulted.
+        let r = Retained::new(&swa(5, 4), Retention::Dense, 16, at(43, 20));
+        assert_eq!(cached(r, 11), [3, 7]);
+        // A window needing the whole segment (window 14: 4 blocks): every block.
+        assert_eq!(
+            Retained::new(&swa(14, 4), Retention::Dense, 16, at(43, 0)),
+            Retained::All
+        );
+    }
+
+    #[test]
+    fn zero_keeps_only_the_replay_tail_and_the_junction_tail() {
+        // vLLM's test_pure_swa_retention_latest_only: block 16, window 16 (need 1), a prompt
+        // of 256: the replay boundary 255 -> 240 -> block 15 ends there: block 14 only.
+        let r = Retained::new(
+            &swa(16, 16),
+            Retention::Sparse { interval: 0 },
+            16,
+            at(256, 0),
+        );
+        assert_eq!(cached(r, 16), [14]);
+        // test_hybrid_local_kv_retention_latest_only_reuses_replay_boundary: block 8, window
+        // 8, alignment 32, prompt 128: 127 -> 96 -> block 12: block 11 only.
+        let r = Retained::new(
+            &swa(8, 8),
+            Retention::Sparse { interval: 0 },
+            32,
+            at(128, 0),
+        );
+        assert_eq!(cached(r, 16), [11]);
+        // Block 4, window 9 (need 2), alignment 16: the replay boundary 59 -> 48 -> blocks 10
+        // and 11; the junction 70 -> 64 -> blocks 14 and 15.
+        let r = Retained::new(
+            &swa(9, 4),
+            Retention::Sparse { interval: 0 },
+            16,
+            at(60, 70),
+        );
+        assert_eq!(cached(r, 20), [10, 11, 14, 15]);
+    }
+
+    #[test]
+    fn a_positive_interval_adds_periodic_tails() {
+        // test_pure_swa_retention_interval_caches_sparse_tails: interval 64 over 16-token
+        // blocks -> 4 per segment, need 1 -> {3, 7, 11, 15}; replay 255 -> block 14.
+        let r = Retained::new(
+            &swa(16, 16),
+            Retention::Sparse { interval: 64 },
+            16,
+            at(256, 0),
+        );
+        assert_eq!(cached(r, 16), [3, 7, 11, 14, 15]);
+        // test_hybrid_local_kv_retention_interval_aligns_in_manager: alignment 32, interval
+        // 64, block 8 -> 8 per segment: {7, 15}; replay 127 -> 96 -> block 11.
+        let r = Retained::new(
+            &swa(8, 8),
+            Retention::Sparse { interval: 64 },
+            32,
+            at(128, 0),
+        );
+        assert_eq!(cached(r, 16), [7, 11, 15]);
+        // A hit needing a whole segment caches every block, the boundaries unread.
+        let r = Retained::new(
+            &swa(64, 16),
+            Retention::Sparse { interval: 64 },
+            16,
+            at(256, 0),
+        );
+        assert_eq!(r, Retained::All);
+    }
+
+    #[test]
+    fn short_prompts_and_other_kinds_cache_what_vllm_caches() {
+        // A replay boundary below one alignment unit (prompt of 1..=alignment tokens) has no
+        // tail; no junction (0) has none.
+        let r = Retained::new(&swa(5, 4), Retention::Sparse { interval: 0 }, 8, at(8, 0));
+        assert_eq!(cached(r, 4), Vec::<usize>::new());
+        let r = Retained::new(&swa(5, 4), Retention::Sparse { interval: 0 }, 8, at(0, 0));
+        assert_eq!(cached(r, 4), Vec::<usize>::new());
+        // Window 1 needs no block: nothing is ever cached, even at a boundary.
+        let r = Retained::new(&swa(1, 4), Retention::Sparse { interval: 0 }, 4, at(40, 12));
+        assert_eq!(cached(r, 10), Vec::<usize>::new());
+        // Full and chunked local attention ignore retention.
+        let full = GroupSpec::new(AttentionKind::Full, 4);
+        let chunk = GroupSpec::new(
+            AttentionKind::ChunkedLocal {
+                attention_chunk_size: 8,
+            },
+            4,
+        );
+        for spec in [full, chunk] {
+            let r = Retained::new(&spec, Retention::Sparse { interval: 0 }, 4, at(40, 0));
+            assert_eq!(r, Retained::All);
+        }
+    }
+}
