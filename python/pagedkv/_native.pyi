@@ -629,14 +629,19 @@ class V1Hybrid:
         enable_events: bool,
         watermark_blocks: int,
         release: str,
+        prefix_cache_retention_interval: Optional[int] = None,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, window or chunk size, layout)`` per group, kind
         ``"full"``, ``"sliding_window"`` or ``"chunked_local"``; ``release``: ``"0.32"`` or
-        ``"0.33"``."""
+        ``"0.33"``; ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay
+        boundaries and junctions only, a positive multiple of ``scheduler_block_size`` those
+        and one tail per interval; ``InvalidArgumentError`` as vLLM's ``ValueError``
+        otherwise)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:
-        """The hit's blocks per group, its tokens, ``num_uncached_common_prefix_tokens``."""
+        """The hit's blocks per group, its tokens, and the ``shared_prefix_boundary``
+        (``get_computed_blocks``': the longest single-group hit when longer, else 0)."""
     def allocate_slots(
         self,
         request_id: str,
@@ -653,8 +658,12 @@ class V1Hybrid:
         reserved_blocks: int,
         has_scheduled_reqs: bool,
         block_hashes: Sequence[bytes],
+        num_prompt_tokens: int = 0,
+        shared_prefix_boundary: int = 0,
     ) -> Optional[List[List[int]]]:
-        """vLLM's ``allocate_slots``: the new block ids per group, ``None`` when they do not fit."""
+        """vLLM's ``allocate_slots``: the new block ids per group, ``None`` when they do not fit
+        (``num_prompt_tokens`` and ``shared_prefix_boundary``: the request's, for sparse
+        retention)."""
     def num_blocks_to_allocate(
         self,
         request_id: str,
@@ -666,8 +675,16 @@ class V1Hybrid:
         """vLLM's ``get_num_blocks_to_allocate``, summed over groups."""
     def remove_skipped_blocks(self, request_id: str, processed: int) -> None:
         """Blocks that left a window or chunk become the null block (freed)."""
-    def cache_blocks(self, request_id: str, num_tokens: int, block_hashes: Sequence[bytes]) -> None:
-        """vLLM's ``cache_blocks`` in every group."""
+    def cache_blocks(
+        self,
+        request_id: str,
+        num_tokens: int,
+        block_hashes: Sequence[bytes],
+        num_prompt_tokens: int = 0,
+        shared_prefix_boundary: int = 0,
+    ) -> None:
+        """vLLM's ``cache_blocks`` in every group (the request's prompt length and junction,
+        for sparse retention)."""
     def free(self, request_id: str) -> None:
         """The request's blocks go back, group by group, each table tail first."""
     def pop_blocks_for_free(self, request_id: str) -> List[int]:

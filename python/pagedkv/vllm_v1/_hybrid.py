@@ -8,7 +8,11 @@ and tests read back behaves as vLLM's ``KVCacheManager`` over its ``HybridKVCach
 (or ``KVCacheCoordinatorNoPrefixCache`` with caching off): ``KVCacheBlocks`` of one list per
 group (skipped positions as the null block), the same block ids in the same order, KV events
 with their ``group_idx`` (a ``BlockStored`` lists the hashes of the blocks really cached: null
-and unreachable ones skipped), prefix-cache stats.
+and unreachable ones skipped), prefix-cache stats. Sliding windows cache what the config's
+``prefix_cache_retention_interval`` keeps (dense ``None``; ``0``, vLLM's engine default: the
+tails at the request's replay boundary and shared-prefix junction; positive: those and one per
+interval), reading ``request.num_prompt_tokens`` and ``request.shared_prefix_boundary`` at
+each caching call.
 
 Invariants: each method crosses into Rust once (plus one call to drain events when events
 are on); a call that raises has changed nothing (the core plans, then applies). Costs: the
@@ -194,6 +198,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             self.enable_kv_cache_events,
             self.watermark_blocks,
             "0.32" if release == "0.32.0" else "0.33",
+            getattr(kv_cache_config, "prefix_cache_retention_interval", None),
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self.kv_cache_event_metadata = tuple(
@@ -238,7 +243,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             raise InvalidArgumentError(
                 f"max_cache_hit_length must be non-negative, got {max_cache_hit_length}"
             )
-        ids, num_tokens, uncached = self._native.find_longest_cache_hit(
+        ids, num_tokens, boundary = self._native.find_longest_cache_hit(
             request.block_hashes, max_cache_hit_length
         )
         if (
@@ -250,7 +255,6 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
                 if group_ids:
                     n = len(group_ids)
                     self._events.append(self._stored(request, group, 0, n, range(n)))
-        boundary = num_tokens + uncached if uncached else 0
         return self._wrap(ids), num_tokens, boundary
 
     def get_computed_blocks_for_connector(
@@ -295,6 +299,8 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             reserved_blocks,
             has_scheduled_reqs,
             request.block_hashes,
+            request.num_prompt_tokens,
+            request.shared_prefix_boundary,
         )
         self._drain_events(request)
         return None if ids is None else self._wrap(ids)
@@ -357,7 +363,13 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:
-            self._native.cache_blocks(request.request_id, num_computed_tokens, request.block_hashes)
+            self._native.cache_blocks(
+                request.request_id,
+                num_computed_tokens,
+                request.block_hashes,
+                request.num_prompt_tokens,
+                request.shared_prefix_boundary,
+            )
             self._drain_events(request)
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:

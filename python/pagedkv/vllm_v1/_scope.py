@@ -29,9 +29,17 @@ def out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     reason = _group_reason(groups[0])
     if reason:
         return reason
-    return _common_reason(kv_cache_config, args) or _reason(
-        args.get("hash_block_size") != args.get("scheduler_block_size"),
-        "a hash block size other than the block size",
+    return (
+        _common_reason(kv_cache_config, args)
+        or _reason(
+            (getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0) > 0,
+            "a positive prefix-cache retention interval (vLLM's manager refuses it for full "
+            "attention)",
+        )
+        or _reason(
+            args.get("hash_block_size") != args.get("scheduler_block_size"),
+            "a hash block size other than the block size",
+        )
     )
 
 
@@ -49,11 +57,6 @@ def _common_reason(kv_cache_config: Any, args: Any) -> Optional[str]:
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
         (args.get("metrics_collector") is not None, "KV cache residency metrics"),
         (getattr(kv_cache_config, "needs_kv_cache_zeroing", False), "KV block zeroing"),
-        (
-            (getattr(kv_cache_config, "prefix_cache_retention_interval", None) or 0) > 0,
-            "a positive prefix-cache retention interval (vLLM's manager refuses it for full "
-            "attention)",
-        ),
     )
     return next((_reason(True, what) for failed, what in checks if failed), None)
 
@@ -64,10 +67,11 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     (vLLM's plain managers for them), at least one full-attention group, full-attention
     groups at the hash block size (vLLM adds partial prompt-tail entries to larger blocks),
     chunked local groups at the scheduler block size (vLLM asserts it), every block size a
-    multiple of the hash block size and dividing the scheduler block size, dense prefix-cache
-    retention for sliding windows when caching is on (``prefix_cache_retention_interval``
-    ``None``; vLLM's engines default to 0, sparse: vLLM's manager then runs), and none of the
-    features the one-group manager refuses. Otherwise the reason."""
+    multiple of the hash block size and dividing the scheduler block size, and none of the
+    features the one-group manager refuses. Otherwise the reason. Every
+    ``prefix_cache_retention_interval`` is in scope (dense ``None``, sparse ``0`` as vLLM's
+    engines default, periodic); the native manager refuses an invalid one as vLLM's
+    coordinator does (a ``ValueError``)."""
     from vllm.v1.core.single_type_kv_cache_manager import (
         ChunkedLocalAttentionManager,
         FullAttentionManager,
@@ -97,13 +101,6 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
         kinds.append(cls)
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
-    retention = getattr(kv_cache_config, "prefix_cache_retention_interval", None)
-    if SlidingWindowManager in kinds and args.get("enable_caching", True) and retention is not None:
-        return _reason(
-            True,
-            f"sparse prefix-cache retention of sliding windows (prefix_cache_retention_interval"
-            f"={retention}; pagedkv mirrors dense retention, None)",
-        )
     return _common_reason(kv_cache_config, args)
 
 

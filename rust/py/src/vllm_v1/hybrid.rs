@@ -18,6 +18,7 @@ use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::manager::{block_ids, PyHashes};
 use pagedkv_core::vllm_v1::coordinator::{Hybrid, HybridConfig, HybridSlots};
+use pagedkv_core::vllm_v1::retention::{Boundaries, Retention};
 use pagedkv_core::vllm_v1::single_type::{AttentionKind, GroupSpec};
 use pagedkv_core::vllm_v1::{Event, Release};
 use pyo3::prelude::*;
@@ -106,12 +107,14 @@ impl PyV1Hybrid {
 
 #[pymethods]
 impl PyV1Hybrid {
-    /// `groups`: `(kind, block_size, window or chunk size, layout)` per group.
+    /// `groups`: `(kind, block_size, window or chunk size, layout)` per group;
+    /// `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as vLLM's
+    /// coordinator checks it).
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
-        release))]
+        release, prefix_cache_retention_interval=None))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -123,6 +126,7 @@ impl PyV1Hybrid {
         enable_events: bool,
         watermark_blocks: SatCount,
         release: &str,
+        prefix_cache_retention_interval: Option<Int64>,
     ) -> PyResult<Self> {
         let groups = groups
             .iter()
@@ -135,17 +139,28 @@ impl PyV1Hybrid {
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;
+        let scheduler_block_size = scheduler_block_size.u32("scheduler_block_size")?;
+        let has_window = groups
+            .iter()
+            .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+        let retention = Retention::from_interval(
+            prefix_cache_retention_interval.map(|i| i.0),
+            scheduler_block_size,
+            has_window,
+        )
+        .py()?;
         let cfg = HybridConfig {
             num_blocks: num_blocks.u32("num_blocks")?,
             groups,
             hash_block_size: hash_block_size.u32("hash_block_size")?,
-            scheduler_block_size: scheduler_block_size.u32("scheduler_block_size")?,
+            scheduler_block_size,
             max_model_len: max_model_len.0,
             max_in_flight_tokens: max_in_flight_tokens.0,
             enable_caching,
             enable_events,
             watermark_blocks: watermark_blocks.0,
             release: release_of(release)?,
+            retention,
         };
         Ok(PyV1Hybrid {
             inner: Mutex::new(Hybrid::new(cfg).py()?),
@@ -153,7 +168,8 @@ impl PyV1Hybrid {
     }
 
     /// vLLM's `coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)`: the
-    /// hit's blocks per group, its length in tokens and `num_uncached_common_prefix_tokens`.
+    /// hit's blocks per group, its length in tokens and the `shared_prefix_boundary`
+    /// `get_computed_blocks` makes of it.
     fn find_longest_cache_hit(
         &self,
         block_hashes: &Bound<'_, PyAny>,
@@ -164,11 +180,8 @@ impl PyV1Hybrid {
             .lock()?
             .find_longest_cache_hit(&mut hashes, max_cache_hit_length.0)
             .py()?;
-        Ok((
-            hit.blocks,
-            hit.num_tokens,
-            hit.num_uncached_common_prefix_tokens,
-        ))
+        let boundary = hit.shared_prefix_boundary();
+        Ok((hit.blocks, hit.num_tokens, boundary))
     }
 
     /// vLLM's `KVCacheManager.allocate_slots` with the request's fields spelled out (no
@@ -177,7 +190,8 @@ impl PyV1Hybrid {
     #[pyo3(signature = (request_id, num_computed_tokens, num_tokens, num_in_flight_tokens,
         waiting_or_preempted, num_new_tokens, num_new_computed_tokens, new_computed,
         num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, reserved_blocks,
-        has_scheduled_reqs, block_hashes))]
+        has_scheduled_reqs, block_hashes, num_prompt_tokens=SatCount(0),
+        shared_prefix_boundary=SatCount(0)))]
     fn allocate_slots(
         &self,
         request_id: &str,
@@ -194,6 +208,8 @@ impl PyV1Hybrid {
         reserved_blocks: SatCount,
         has_scheduled_reqs: bool,
         block_hashes: &Bound<'_, PyAny>,
+        num_prompt_tokens: SatCount,
+        shared_prefix_boundary: SatCount,
     ) -> PyResult<Option<Vec<Vec<u32>>>> {
         let mut hashes = PyHashes::new(block_hashes)?;
         let new_computed = new_computed.map(|g| group_ids(&g)).transpose()?;
@@ -210,6 +226,10 @@ impl PyV1Hybrid {
             full_sequence_must_fit,
             reserved_blocks: reserved_blocks.0,
             has_scheduled_reqs,
+            boundaries: Boundaries {
+                num_prompt_tokens: num_prompt_tokens.0,
+                shared_prefix_boundary: shared_prefix_boundary.0,
+            },
         };
         self.lock()?
             .allocate_slots(request_id, &a, &mut hashes)
@@ -258,16 +278,25 @@ impl PyV1Hybrid {
             .py()
     }
 
-    /// vLLM's `cache_blocks(request, num_computed_tokens)` (the caller checks caching is on).
+    /// vLLM's `cache_blocks(request, num_computed_tokens)` (the caller checks caching is on),
+    /// the request's `num_prompt_tokens` and `shared_prefix_boundary` spelled out.
+    #[pyo3(signature = (request_id, num_tokens, block_hashes, num_prompt_tokens=SatCount(0),
+        shared_prefix_boundary=SatCount(0)))]
     fn cache_blocks(
         &self,
         request_id: &str,
         num_tokens: SatCount,
         block_hashes: &Bound<'_, PyAny>,
+        num_prompt_tokens: SatCount,
+        shared_prefix_boundary: SatCount,
     ) -> PyResult<()> {
         let mut hashes = PyHashes::new(block_hashes)?;
+        let boundaries = Boundaries {
+            num_prompt_tokens: num_prompt_tokens.0,
+            shared_prefix_boundary: shared_prefix_boundary.0,
+        };
         self.lock()?
-            .cache_blocks(request_id, num_tokens.0, &mut hashes)
+            .cache_blocks(request_id, num_tokens.0, boundaries, &mut hashes)
             .py()
     }
 
