@@ -4,16 +4,17 @@ The Rust test ``vllm_v1::coordinator_tests::randomized_runs_keep_every_invariant
 ``PAGEDKV_HYBRID_TRACE=path``, every call it makes on ``core::vllm_v1::coordinator::Hybrid``
 and what came of it (hit blocks and length, new blocks per group, the free queue, every live
 request's table per group), one Python literal a line. This script makes the same calls on
-vLLM's ``KVCacheManager`` (hybrid coordinator, same layouts) and reports every difference.
+vLLM's ``KVCacheManager`` (hybrid coordinator, same layouts and ``prefix_cache_retention_interval``:
+dense, 0 and periodic) and reports every difference; the request's ``shared_prefix_boundary`` is
+set from vLLM's own lookup, as vLLM's scheduler sets it.
 It needs only vLLM (no pagedkv build); run it in the release's virtualenv
 (``scripts/vllm_envs.sh``)::
 
     PAGEDKV_HYBRID_TRACE=/tmp/hybrid.trace cargo test -p pagedkv-core --lib randomized_runs
     ~/.cache/pagedkv/venvs/vllm-0.33/bin/python scripts/hybrid_replay.py /tmp/hybrid.trace
 
-``tests/vllm_v1/test_hybrid_core_replay.py`` runs both steps in each release's virtualenv (the
-lockstep differential through the bindings is what issue 26 still needs); the layouts below
-must match the Rust test's.
+``tests/vllm_v1/test_hybrid_core_replay.py`` runs both steps in each release's virtualenv; the
+layouts below must match the Rust test's.
 """
 
 import ast
@@ -59,24 +60,35 @@ def family_keys(f, n):
     return [key(i) if i < 3 else key(100 * (f + 1) + i) for i in range(n // 4)]
 
 
-# (groups, scheduler block size, prefix caching), as in the Rust test; hash block 4, 20 blocks.
+# (groups, scheduler block size, prefix caching, prefix_cache_retention_interval), as in the
+# Rust test; hash block 4, 20 blocks.
 LAYOUTS = [
-    ([full(4), swa(8, 4)], 4, True),
-    ([swa(8, 4), full(4), chunked(8, 4)], 4, True),
-    ([full(4), swa(8, 8)], 8, True),
-    ([full(4), swa(5, 4)], 8, True),
-    ([full(4), swa(8, 4), swa(16, 4)], 4, True),
-    ([swa(8, 4), swa(8, 4), full(4)], 4, True),
-    ([full(4), swa(8, 4), chunked(8, 4)], 4, False),
+    ([full(4), swa(8, 4)], 4, True, None),
+    ([swa(8, 4), full(4), chunked(8, 4)], 4, True, None),
+    ([full(4), swa(8, 8)], 8, True, None),
+    ([full(4), swa(5, 4)], 8, True, None),
+    ([full(4), swa(8, 4), swa(16, 4)], 4, True, None),
+    ([swa(8, 4), swa(8, 4), full(4)], 4, True, None),
+    ([full(4), swa(8, 4), chunked(8, 4)], 4, False, None),
+    ([full(4), swa(8, 4)], 4, True, 0),
+    ([full(4), swa(8, 4)], 4, True, 16),
+    ([swa(8, 4), full(4), chunked(8, 4)], 4, True, 0),
+    ([full(4), swa(8, 8)], 8, True, 0),
+    ([full(4), swa(5, 4)], 8, True, 0),
+    ([full(4), swa(5, 4)], 8, True, 16),
+    ([full(4), swa(8, 4), swa(16, 4)], 4, True, 0),
+    ([swa(5, 4), swa(5, 4), full(4)], 4, True, 12),
+    ([full(4), swa(8, 4), chunked(8, 4)], 4, False, 0),
 ]
 
 
 def manager(layout):
-    specs, sbs, caching = LAYOUTS[layout]
+    specs, sbs, caching, retention = LAYOUTS[layout]
     cfg = KVCacheConfig(
         num_blocks=20,
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec([f"l{i}"], s) for i, s in enumerate(specs)],
+        prefix_cache_retention_interval=retention,
     )
     return KVCacheManager(
         cfg,
@@ -133,11 +145,16 @@ def replay(path):
             managers[layout], reqs = manager(layout), {}
         m = managers[layout]
         if op == "new":
-            _, _, rid, f, tokens, chunk, hit_len, hit_blocks, gate, new, queue, tables = t
+            _, _, rid, f, tokens, chunk, hit_len, hit_blocks, gate, new, junction, queue, tables = t
             r = request(rid, f, tokens)
-            blocks, length, _ = m.coordinator.find_longest_cache_hit(r.block_hashes, tokens - 1)
-            if (length, ids(blocks)) != (hit_len, hit_blocks):
-                bad.append((n, "hit", (length, ids(blocks)), (hit_len, hit_blocks)))
+            blocks, length, uncached = m.coordinator.find_longest_cache_hit(
+                r.block_hashes, tokens - 1
+            )
+            # The scheduler's request.shared_prefix_boundary, as get_computed_blocks makes it.
+            r.shared_prefix_boundary = length + uncached if uncached else 0
+            got = (length, ids(blocks), r.shared_prefix_boundary)
+            if got != (hit_len, hit_blocks, junction):
+                bad.append((n, "hit", got, (hit_len, hit_blocks, junction)))
             got = new_ids(
                 m.allocate_slots(
                     r,

@@ -26,9 +26,9 @@ RULES = (
     (
         r"SlidingWindowSpec|new_sliding_window_spec|MambaSpec|new_mamba_spec|ChunkedLocal"
         r"|CrossAttentionSpec|MLAAttentionSpec|new_mla_spec|hybrid|Hybrid",
-        "not one full-attention KV cache group: Mamba, cross-attention, MLA or sparse "
-        "retention are out of pagedkv.vllm_v1's scope (vLLM's manager); full + sliding "
-        "window / chunked local run pagedkv's hybrid manager (review: may run)",
+        "not one full-attention KV cache group: Mamba, cross-attention or MLA are out of "
+        "pagedkv.vllm_v1's scope (vLLM's manager); full + sliding window / chunked local "
+        "run pagedkv's hybrid manager, any retention (review: may run)",
     ),
     (
         r"use_kv_connector|kv_connector|Connector|hisparse|HiSparse",

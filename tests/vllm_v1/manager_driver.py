@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from vllm.sampling_params import SamplingParams
@@ -70,6 +70,26 @@ def scheduler_scale(layout: str) -> int:
     return max((k[1] for k in MIXED_LAYOUTS.get(layout, ())), default=1)
 
 
+def has_window(layout: str) -> bool:
+    """Whether the layout has a sliding-window group (what retention applies to)."""
+    kinds = HYBRID_LAYOUTS.get(layout) or [k for k, _ in MIXED_LAYOUTS.get(layout, ())]
+    return any(k != "full" and k[0] == "swa" for k in kinds)
+
+
+#: ``prefix_cache_retention_interval`` modes: dense (``None``), vLLM's engine default (``0``:
+#: the tails at replay boundaries and junctions) and periodic (this many scheduler blocks).
+RETENTIONS = (None, 0, 3)
+
+
+def retention_interval(mode: Optional[int], layout: str, block_size: int) -> Optional[int]:
+    """The interval for retention ``mode`` (an entry of :data:`RETENTIONS`) on the layout: a
+    periodic mode is that many scheduler blocks, or 0 without a window (vLLM refuses a
+    positive interval there)."""
+    if not mode:
+        return mode
+    return mode * block_size * scheduler_scale(layout) if has_window(layout) else 0
+
+
 def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
     """The KV cache groups vLLM builds for the layout's layers (vLLM's own grouping)."""
     if layout in MIXED_LAYOUTS:
@@ -91,7 +111,11 @@ def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
     return groups
 
 
-def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCacheConfig:
+def kv_cache_config(
+    num_blocks: int, block_size: int, layout: str = "", retention: Optional[int] = None
+) -> KVCacheConfig:
+    """``retention``: ``prefix_cache_retention_interval`` (``None``, dense, is
+    ``KVCacheConfig``'s default; vLLM's engines default to 0)."""
     if layout:
         groups = hybrid_groups(layout, block_size)
     else:
@@ -99,24 +123,24 @@ def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCac
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
         )
         groups = [KVCacheGroupSpec(["layer.0"], spec)]
-    # prefix_cache_retention_interval None: dense retention, the only one pagedkv mirrors for
-    # sliding windows (vLLM's engines default to 0, sparse: vLLM's manager runs there).
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
-        prefix_cache_retention_interval=None,
+        prefix_cache_retention_interval=retention,
     )
 
 
-def manager_pair(num_blocks: int, block_size: int, layout: str = "", **kw: Any) -> tuple:
+def manager_pair(
+    num_blocks: int, block_size: int, layout: str = "", retention: Optional[int] = None, **kw: Any
+) -> tuple:
     args = dict(
         max_model_len=kw.pop("max_model_len", 4096),
         scheduler_block_size=block_size * scheduler_scale(layout),
         hash_block_size=block_size,
         **kw,
     )
-    cfg = kv_cache_config(num_blocks, block_size, layout)
+    cfg = kv_cache_config(num_blocks, block_size, layout, retention)
     ours = PagedManager(cfg, **args)
     if layout:
         from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
@@ -124,7 +148,7 @@ def manager_pair(num_blocks: int, block_size: int, layout: str = "", **kw: Any) 
         assert type(ours) is HybridKVCacheManager, "expected the native hybrid manager"
     else:
         assert type(ours) is PagedManager, "expected the native manager in scope"
-    return VLLMManager(kv_cache_config(num_blocks, block_size, layout), **args), ours
+    return VLLMManager(kv_cache_config(num_blocks, block_size, layout, retention), **args), ours
 
 
 def event_repr(e: Any) -> tuple:
@@ -154,6 +178,8 @@ class Driver:
     watermark: float = 0.0
     max_model_len: int = 4096
     layout: str = ""
+    #: ``prefix_cache_retention_interval`` of both managers.
+    retention: Optional[int] = None
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
     deferred: List[tuple] = field(default_factory=list)
@@ -169,6 +195,7 @@ class Driver:
             self.num_blocks,
             self.block_size,
             self.layout,
+            self.retention,
             enable_caching=self.caching,
             enable_kv_cache_events=self.events,
             log_stats=True,
@@ -179,6 +206,7 @@ class Driver:
             [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 4 * self.block_size))]
             for _ in range(3)
         ]
+        self.sent: List[List[int]] = []
 
     # --- operations ------------------------------------------------------------------------
     def new_request(self) -> Request:
@@ -188,6 +216,11 @@ class Driver:
             self.rng.randrange(50) for _ in range(self.rng.randrange(1, 3 * self.block_size))
         ]
         prompt = prompt[: self.max_model_len - 8]
+        if self.layout:
+            # Hybrid: some prompts are resent as they were (hits end at a replay boundary).
+            if self.sent and self.rng.random() < 0.2:
+                prompt = list(self.rng.choice(self.sent))
+            self.sent = (self.sent + [prompt])[-8:]
         extra = None
         if self.layout and self.rng.random() < 0.2:
             # vLLM's "full" report mode: BlockStored events for the prefix-cache hits too.
@@ -207,9 +240,11 @@ class Driver:
         return a, b
 
     def admit(self, req: Request) -> None:
-        (hit_a, n_a, _), (hit_b, n_b, _) = self.both("get_computed_blocks", req)
+        (hit_a, n_a, junction_a), (hit_b, n_b, junction_b) = self.both("get_computed_blocks", req)
         assert hit_a.get_block_ids() == hit_b.get_block_ids(), "prefix-cache hits differ"
-        assert n_a == n_b
+        assert (n_a, junction_a) == (n_b, junction_b)
+        # The scheduler keeps the junction on the request (sparse retention caches around it).
+        req.shared_prefix_boundary = junction_a
         if self.layout and n_a and self.rng.random() < 0.3:
             step = self.block_size * scheduler_scale(self.layout)
             k = self.rng.randrange(n_a // step + 1) * step

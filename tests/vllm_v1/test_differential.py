@@ -11,10 +11,11 @@ import dataclasses
 import random
 from collections import Counter
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import v1_harness as h
-from manager_driver import HYBRID_LAYOUTS
+from manager_driver import HYBRID_LAYOUTS, RETENTIONS, retention_interval
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 # Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
@@ -64,25 +65,39 @@ def test_lockstep_cache_smaller_than_max_model_len(
 def test_lockstep_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
     """Hybrid KV cache groups (GPT-OSS-, Gemma-3-, Llama-4-like layouts and two windows, as
     vLLM groups the layers): pagedkv's hybrid manager under vLLM's loop, matched at every
-    step (preemption, prefix caching, chunked prefill, aborts, drafts, KV events)."""
-    layouts = sorted(HYBRID_LAYOUTS)
-    stats = h.run_seed(seed, tiny_model_dir, manager_cls, layout=layouts[seed % len(layouts)])
+    step (preemption, prefix caching, chunked prefill, aborts, drafts, KV events), under
+    each ``prefix_cache_retention_interval`` (every layout meets each mode twice; the
+    scheduler sets each request's junction)."""
+    stats = h.run_seed(seed, tiny_model_dir, manager_cls, **hybrid_seed(seed))
     assert stats["steps"] > 0
+
+
+def hybrid_seed(seed: int) -> dict:
+    """The layout and retention of hybrid lockstep seed ``seed`` (the block size is the
+    seed's draw, so a periodic interval is set in scheduler blocks by the run)."""
+    layouts = sorted(HYBRID_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    mode = RETENTIONS[seed // len(layouts) % len(RETENTIONS)]
+    block_size = h.random_config(random.Random(seed)).block_size
+    return dict(layout=layout, retention=retention_interval(mode, layout, block_size))
 
 
 def test_hybrid_seeds_cover_preemption_hits_events_and_aborts(
     tiny_model_dir: Path, manager_cls: type
 ) -> None:
-    """The hybrid seeds reach the paths they are there for."""
+    """The hybrid seeds reach the paths they are there for, prefix hits under every
+    retention mode."""
     totals: Counter = Counter()
-    for seed in range(8):
-        stats = h.run_seed(
-            seed, tiny_model_dir, manager_cls, layout=sorted(HYBRID_LAYOUTS)[seed % 4]
-        )
+    for seed in range(12):
+        kw = hybrid_seed(seed)
+        stats = h.run_seed(seed, tiny_model_dir, manager_cls, **kw)
         totals.update({k: v for k, v in stats.items() if isinstance(v, int)})
         totals["aborts"] += sum(stats["aborts"].values())
+        totals[("hits", kw["retention"] and "periodic")] += stats["hits"]
     for key in ("preemptions", "hits", "events", "aborts"):
         assert totals[key] > 0, (key, totals)
+    for mode in (None, 0, "periodic"):
+        assert totals[("hits", mode)] > 0, (mode, totals)
 
 
 @pytest.mark.slow
@@ -174,13 +189,20 @@ def test_pressure_workload_preempts_hits_and_evicts(
 
 @pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
 @pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("retention", [None, 0])
 def test_hybrid_pressure_workload_preempts_hits_and_evicts(
-    layout: str, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+    layout: str,
+    async_scheduling: bool,
+    retention: Optional[int],
+    tiny_model_dir: Path,
+    manager_cls: type,
 ) -> None:
     """The pressure workload over hybrid KV cache groups (the full group's 24 blocks and 6
     more per window or chunked group, which hold a few blocks each): preemption, prefix hits
-    across groups (window blocks as null), KV events with groups."""
-    cfg = h.with_layout(dataclasses.replace(PRESSURE, async_scheduling=async_scheduling), layout)
+    across groups (window blocks as null), KV events with groups; dense retention and vLLM's
+    engine default (0)."""
+    cfg = dataclasses.replace(PRESSURE, async_scheduling=async_scheduling)
+    cfg = h.with_layout(cfg, layout, retention)
     groups = cfg.num_blocks // PRESSURE.num_blocks
     cfg = dataclasses.replace(cfg, num_blocks=PRESSURE.num_blocks + 6 * (groups - 1))
     stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()

@@ -132,22 +132,57 @@ def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
     assert "KV cache manager native, scheduling loop vLLM's (hybrid KV cache groups" in caplog.text
 
 
-def test_sparse_window_retention_stays_vllms_where_it_changes_caching() -> None:
-    """vLLM's engines default to ``prefix_cache_retention_interval=0``: sliding windows then
-    cache only their replay boundaries and junctions (sparse), which pagedkv does not mirror.
-    Dense retention (None), caching off, or no window group (retention applies to none) are
-    in scope."""
-    for layout, caching, retention, native in (
-        ("gpt-oss", True, 0, False),
-        ("gemma3", True, 32, False),
-        ("gpt-oss", True, None, True),
-        ("gpt-oss", False, 0, True),
-        ("llama4", True, 0, True),
+@pytest.mark.parametrize("caching", [True, False])
+def test_every_retention_runs_the_native_hybrid_manager(caching: bool) -> None:
+    """``prefix_cache_retention_interval``: dense (None), vLLM's engine default (0) and
+    periodic (a multiple of the scheduler block size) all run pagedkv's hybrid manager, with
+    caching on or off; a layout without a window (Llama 4) takes 0 (retention applies to
+    none)."""
+    for layout, retention in (
+        ("gpt-oss", None),
+        ("gpt-oss", 0),
+        ("gemma3", 0),
+        ("gemma3", 32),
+        ("two-windows", 8),
+        ("llama4", 0),
     ):
-        cfg = dataclasses.replace(
-            kv_cache_config(32, 4, layout), prefix_cache_retention_interval=retention
-        )
-        why = _scope.out_of_scope(cfg, enable_caching=caching, **ARGS)
-        assert (why is None) == native, (layout, caching, retention, why)
-        if not native:
-            assert "sparse prefix-cache retention" in why
+        cfg = kv_cache_config(32, 4, layout, retention)
+        assert _scope.out_of_scope(cfg, enable_caching=caching, **ARGS) is None
+        manager = KVCacheManager(cfg, enable_caching=caching, **ARGS)
+        assert type(manager) is HybridKVCacheManager
+
+
+@pytest.mark.parametrize(
+    ("layout", "retention", "match"),
+    [
+        ("gpt-oss", 6, "multiple of scheduler_block_size"),
+        ("gemma3", -4, "non-negative"),
+        ("llama4", 4, "no sliding-window or Mamba"),
+        ("llama4", -4, "no sliding-window or Mamba"),
+    ],
+)
+def test_an_invalid_retention_is_refused_as_vllm_refuses_it(
+    layout: str, retention: int, match: str
+) -> None:
+    """vLLM's coordinator checks the interval when it is built (caching on or off), before
+    anything else; pagedkv's manager, built in its place, refuses the same values with the same
+    meaning (a ValueError: InvalidArgumentError)."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
+
+    for caching in (True, False):
+        cfg = kv_cache_config(32, 4, layout, retention)
+        with pytest.raises(ValueError, match=match):
+            VLLMManager(cfg, enable_caching=caching, **ARGS)
+        assert _scope.out_of_scope(cfg, enable_caching=caching, **ARGS) is None
+        with pytest.raises(InvalidArgumentError, match=match):
+            KVCacheManager(cfg, enable_caching=caching, **ARGS)
+
+
+def test_a_positive_retention_on_one_full_attention_group_stays_vllms() -> None:
+    """One full-attention group: vLLM's manager refuses a positive interval, so pagedkv's
+    scope hands it to vLLM's (which raises); 0 is in scope."""
+    cfg = kv_cache_config(32, 4, "", 16)
+    assert "positive prefix-cache retention" in _scope.out_of_scope(cfg, **ARGS)
+    with pytest.raises(ValueError, match="no sliding-window or Mamba"):
+        KVCacheManager(cfg, **ARGS)
+    assert _scope.out_of_scope(kv_cache_config(32, 4, "", 0), **ARGS) is None

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 import pytest
-from manager_driver import HASH_ALGOS, HYBRID_LAYOUTS, MIXED_LAYOUTS, Driver
+from manager_driver import (
+    HASH_ALGOS,
+    HYBRID_LAYOUTS,
+    MIXED_LAYOUTS,
+    RETENTIONS,
+    Driver,
+    manager_pair,
+    retention_interval,
+)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -26,17 +36,84 @@ def test_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize("seed", range(30))
 def test_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-OSS-, Gemma-3- and Llama-4-like layouts (vLLM's own grouping of the layers), with
-    prefix caching, chunked prefill, preemption, deferred frees, evictions and KV events."""
+    prefix caching (resent prompts, shared prefixes: replay boundaries and junctions),
+    chunked prefill, preemption, deferred frees, evictions and KV events, under each
+    ``prefix_cache_retention_interval``: every layout meets every mode twice."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    hybrid_driver(seed).run(300)
+
+
+def hybrid_driver(seed: int, **kw: Any) -> Driver:
     layouts = sorted(HYBRID_LAYOUTS) + sorted(MIXED_LAYOUTS)
-    Driver(
+    layout = layouts[seed % len(layouts)]
+    block_size = (4, 8, 16)[seed % 3]
+    mode = RETENTIONS[seed // len(layouts) % len(RETENTIONS)]
+    args: Dict[str, Any] = dict(
         seed=seed,
         num_blocks=12 + seed % 50,
-        block_size=(4, 8, 16)[seed % 3],
+        block_size=block_size,
         caching=seed % 6 != 5,
         events=seed % 2 == 0,
         hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
         watermark=(0.0, 0.0, 0.1)[seed % 3],
         max_model_len=(4096, 64)[seed % 7 == 0],
-        layout=layouts[seed % len(layouts)],
-    ).run(300)
+        layout=layout,
+        retention=retention_interval(mode, layout, block_size),
+    )
+    return Driver(**{**args, **kw})
+
+
+def test_hybrid_seeds_run_every_retention_on_every_layout() -> None:
+    layouts = sorted(HYBRID_LAYOUTS) + sorted(MIXED_LAYOUTS)
+    seen = set()
+    for seed in range(30):
+        d = hybrid_driver(seed)
+        seen.add((d.layout, d.retention is None, d.retention == 0))
+    assert len(seen) == 3 * len(layouts) - 1, seen  # llama4 has no window: 0 for periodic
+
+
+@pytest.mark.parametrize("plant", ["dense", "no junction"])
+def test_a_planted_retention_difference_is_caught(plant: str) -> None:
+    """pagedkv caching densely where vLLM keeps only the boundary tails (retention 0), or
+    ignoring the request's junction: the call-by-call comparison fails."""
+    failures = 0
+    # gemma3, gpt-oss, two-windows, gemma3: seeds whose runs reach a junction tail vLLM keeps
+    # (a run need not: the junction's tail may coincide with a replay tail)
+    for seed in (0, 1, 3, 10):
+        d = hybrid_driver(seed, retention=0)
+        if plant == "dense":
+            d.ours = manager_pair(d.num_blocks, d.block_size, d.layout, None, **_same_args(d))[1]
+        else:
+            d.ours = _ForgetsJunction(d.ours)
+        try:
+            d.run(300)
+        except AssertionError:
+            failures += 1
+    assert failures == 4
+
+
+def _same_args(d: Driver) -> Dict[str, Any]:
+    return dict(
+        enable_caching=d.caching,
+        enable_kv_cache_events=d.events,
+        log_stats=True,
+        watermark=d.watermark,
+        max_model_len=d.max_model_len,
+    )
+
+
+class _ForgetsJunction:
+    """pagedkv's manager, shown every request with no shared-prefix junction."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+    def allocate_slots(self, request: Any, *args: Any, **kw: Any) -> Any:
+        junction, request.shared_prefix_boundary = request.shared_prefix_boundary, 0
+        try:
+            return self._m.allocate_slots(request, *args, **kw)
+        finally:
+            request.shared_prefix_boundary = junction

@@ -145,6 +145,9 @@ class SchedConfig:
     # hybrid KV cache groups (manager_driver.HYBRID_LAYOUTS: GPT-OSS-, Gemma-3-, Llama-4-like,
     # grouped by vLLM's own function); "" is one full-attention group
     layout: str = ""
+    # with a layout: its KVCacheConfig's prefix_cache_retention_interval (None dense; 0, vLLM's
+    # engine default; positive: periodic)
+    retention: Optional[int] = None
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -297,7 +300,9 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
     if cfg.layout:
         import manager_driver
 
-        kv_cache_config = manager_driver.kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.layout)
+        kv_cache_config = manager_driver.kv_cache_config(
+            cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention
+        )
     return vllm_config, kv_cache_config
 
 
@@ -1238,6 +1243,7 @@ def run_seed(
     small_cache: bool = False,
     request_kinds: bool = False,
     layout: str = "",
+    retention: Optional[int] = None,
 ) -> dict:
     """One seeded differential run: a random configuration and workload. ``own_scheduler``
     False: vLLM's scheduler class over the manager even where its package has its own.
@@ -1247,9 +1253,10 @@ def run_seed(
     embeddings and repetition detection drawn over the workload
     (:func:`request_kinds.with_request_kinds`, from a generator of its own: the rest of the
     seed's draws are those of a run without them). ``layout``: hybrid KV cache groups
-    (:data:`manager_driver.HYBRID_LAYOUTS`; the seed's other draws unchanged)."""
+    (:data:`manager_driver.HYBRID_LAYOUTS`; the seed's other draws unchanged), with
+    ``prefix_cache_retention_interval`` ``retention``."""
     rng = random.Random(seed)
-    cfg = with_layout(random_config(rng, small_cache), layout)
+    cfg = with_layout(random_config(rng, small_cache), layout, retention)
     capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
     specs = with_switch_requests(seed, random_workload(rng, capped))
     if request_kinds:
@@ -1259,16 +1266,19 @@ def run_seed(
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
 
 
-def with_layout(cfg: SchedConfig, layout: str) -> SchedConfig:
+def with_layout(cfg: SchedConfig, layout: str, retention: Optional[int] = None) -> SchedConfig:
     """``cfg`` with hybrid KV cache groups: each group past the first gets as many blocks as
     the configuration gave the one group (the pool is shared: without them a long request
-    would never fit and both loops would stall)."""
+    would never fit and both loops would stall); ``retention``: the
+    ``prefix_cache_retention_interval``."""
     if not layout:
         return cfg
     import manager_driver
 
     extra = len(manager_driver.hybrid_groups(layout, cfg.block_size)) - 1
-    return dataclasses.replace(cfg, layout=layout, num_blocks=cfg.num_blocks * (1 + extra))
+    return dataclasses.replace(
+        cfg, layout=layout, num_blocks=cfg.num_blocks * (1 + extra), retention=retention
+    )
 
 
 def with_cache_filling_prompts(

@@ -12,8 +12,8 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   refuses external tokens). Deselected when the manager under test is not vLLM's own. Measured:
   every other test of the four files passes against pagedkv's manager (0.33 and 0.32; out of
   scope configurations run vLLM's manager through pagedkv's fallback; hybrid full + sliding
-  window / chunked local configurations with dense retention run pagedkv's hybrid manager). The one behaviour
-  difference this found, ``test_prefix_caching.py::test_positive_retention_rejects_full_attention``
+  window / chunked local configurations, under every prefix-cache retention, run pagedkv's
+  hybrid manager). The one behaviour difference this found, ``test_prefix_caching.py::test_positive_retention_rejects_full_attention``
   (vLLM refuses a positive ``prefix_cache_retention_interval`` on full attention), was fixed,
   not listed: such a configuration is out of pagedkv's scope, so vLLM's manager refuses it.
   classify_vllm_tests.py proposes entries by source patterns for a new release.
