@@ -191,7 +191,12 @@ impl PyV1Hybrid {
         waiting_or_preempted, num_new_tokens, num_new_computed_tokens, new_computed,
         num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, reserved_blocks,
         has_scheduled_reqs, block_hashes, num_prompt_tokens=SatCount(0),
-        shared_prefix_boundary=SatCount(0)))]
+        shared_prefix_boundary=SatCount(0)),
+        text_signature = "($self, request_id, num_computed_tokens, num_tokens, \
+        num_in_flight_tokens, waiting_or_preempted, num_new_tokens, num_new_computed_tokens, \
+        new_computed, num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, \
+        reserved_blocks, has_scheduled_reqs, block_hashes, num_prompt_tokens=0, \
+        shared_prefix_boundary=0)")]
     fn allocate_slots(
         &self,
         request_id: &str,
@@ -281,7 +286,9 @@ impl PyV1Hybrid {
     /// vLLM's `cache_blocks(request, num_computed_tokens)` (the caller checks caching is on),
     /// the request's `num_prompt_tokens` and `shared_prefix_boundary` spelled out.
     #[pyo3(signature = (request_id, num_tokens, block_hashes, num_prompt_tokens=SatCount(0),
-        shared_prefix_boundary=SatCount(0)))]
+        shared_prefix_boundary=SatCount(0)),
+        text_signature = "($self, request_id, num_tokens, block_hashes, num_prompt_tokens=0, \
+        shared_prefix_boundary=0)")]
     fn cache_blocks(
         &self,
         request_id: &str,
