@@ -24,8 +24,8 @@
 //! * a positive multiple of the scheduler block size: those boundary tails plus the tail before
 //!   every `interval`-token boundary.
 //!
-//! In every mode, when a hit needs at least a segment's blocks (`need >= per_segment`), every
-//! block is cached (the boundaries are not consulted). Full-attention and chunked local groups
+//! In the dense and periodic modes, when a hit needs at least a segment's blocks
+//! (`need >= per_segment`), every block is cached (the boundaries are not consulted). Full-attention and chunked local groups
 //! ignore retention (they cache every block). vLLM validates the interval when it builds a
 //! coordinator, caching on or off ([`Retention::from_interval`]): a nonzero interval needs a
 //! sliding-window (or Mamba) group, and must be non-negative and a multiple of the scheduler
