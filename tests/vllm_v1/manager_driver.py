@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 from vllm.sampling_params import SamplingParams
@@ -91,7 +91,10 @@ def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
     return groups
 
 
-def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCacheConfig:
+def kv_cache_config(
+    num_blocks: int, block_size: int, layout: str = "", retention: Optional[int] = None
+) -> KVCacheConfig:
+    """``retention``: ``prefix_cache_retention_interval`` (vLLM's engines default to 0)."""
     if layout:
         groups = hybrid_groups(layout, block_size)
     else:
@@ -99,13 +102,14 @@ def kv_cache_config(num_blocks: int, block_size: int, layout: str = "") -> KVCac
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
         )
         groups = [KVCacheGroupSpec(["layer.0"], spec)]
-    # prefix_cache_retention_interval None: dense retention, the only one pagedkv mirrors for
-    # sliding windows (vLLM's engines default to 0, sparse: vLLM's manager runs there).
+    # prefix_cache_retention_interval None by default: dense retention, the only one pagedkv
+    # mirrors for sliding windows (vLLM's engines default to 0, sparse: vLLM's manager runs
+    # there; chunked local groups are unaffected by it).
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
         kv_cache_groups=groups,
-        prefix_cache_retention_interval=None,
+        prefix_cache_retention_interval=retention,
     )
 
 

@@ -145,6 +145,9 @@ class SchedConfig:
     # hybrid KV cache groups (manager_driver.HYBRID_LAYOUTS: GPT-OSS-, Gemma-3-, Llama-4-like,
     # grouped by vLLM's own function); "" is one full-attention group
     layout: str = ""
+    # the hybrid KV cache config's prefix_cache_retention_interval (None: dense retention;
+    # vLLM's engines default to 0, in pagedkv's scope for chunked local layouts only)
+    retention: Optional[int] = None
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -297,7 +300,9 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
     if cfg.layout:
         import manager_driver
 
-        kv_cache_config = manager_driver.kv_cache_config(cfg.num_blocks, cfg.block_size, cfg.layout)
+        kv_cache_config = manager_driver.kv_cache_config(
+            cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention
+        )
     return vllm_config, kv_cache_config
 
 
@@ -803,6 +808,8 @@ class Lockstep:
     def run(self) -> dict:
         while self.step < self.max_steps:
             if self._done():
+                # Steps by loop on the side under test ("native", or why vLLM's ran).
+                self.stats["loops"] = dict(getattr(self.test, "pagedkv_steps", {}))
                 return self.stats
             self._arrivals_and_aborts()
             self._maybe_reset_prefix_cache()
