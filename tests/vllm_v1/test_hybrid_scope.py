@@ -138,7 +138,9 @@ def test_pagedkv_scheduler_runs_its_native_loop_over_the_native_hybrid_manager(
         sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
     assert type(sched.kv_cache_manager) is HybridKVCacheManager
     assert sched._pagedkv_loop is not None
-    assert "KV cache manager native, scheduling loop native" in caplog.text
+    line = "KV cache manager native, scheduling loop native, block hashing native"
+    assert line in caplog.text
+    assert sched._pagedkv_hashers is not None  # the stand-in hasher for in-scope requests
 
 
 @pytest.mark.parametrize(

@@ -164,9 +164,13 @@ class NativeLoop:
 
     def _pagedkv_start_hashing(self) -> None:
         """Native block hashing for in-scope requests (:mod:`pagedkv.vllm_v1._hashing`) when
-        pagedkv's manager caches prefixes."""
+        pagedkv's manager (one group or hybrid: every group's hashes are the requests' at the
+        hash block size) caches prefixes."""
+        from ._hybrid import HybridKVCacheManager
+
         manager = self.kv_cache_manager
-        if isinstance(manager, KVCacheManager) and manager.enable_caching:
+        native = isinstance(manager, (KVCacheManager, HybridKVCacheManager))
+        if native and manager.enable_caching:
             self._pagedkv_hashers = NativeHashers(self.hash_block_size)
 
     def add_request(self, request: Any) -> None:
