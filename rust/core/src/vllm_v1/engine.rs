@@ -17,6 +17,9 @@
 //! * Field writes (`set_*`) are seen by the next read of that field.
 //! * The rare events (`preempt`, `free_request`, `prefix_hit`, ...) do what vLLM's methods
 //!   of those names do (the bindings call those methods).
+//! * `Blocks` is the KV cache manager's own shape of a request's block ids (one group, or one
+//!   list per group): the walk carries them from `prefix_hit`, `allocate` and `block_table`
+//!   to `scheduler_output` unchanged, whatever the number of groups.
 //!
 //! Costs: the walk calls the per-request accessors O(1) times per scheduled request and step,
 //! `running_priority_keys` once per PRIORITY preemption (O(running)), the rare events once per

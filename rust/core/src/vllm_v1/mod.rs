@@ -7,7 +7,7 @@
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
-//!   one shared pool, for hybrid models (not yet used by the bindings);
+//!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
 //! * [`engine`]: the [`Engine`] trait the walk reads and writes the engine through, and the
