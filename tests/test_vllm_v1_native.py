@@ -415,6 +415,8 @@ def test_v1_loop_refuses_bad_configuration_and_reentry() -> None:
         _native.V1Loop(m, loop_config(output_defaults=[None]))
     with pytest.raises(InvalidArgumentError, match="no field"):
         _native.V1Loop(m, loop_config(output_fields=FIELDS[:-1], output_defaults=[None] * 9))
+    with pytest.raises(TypeError, match="V1Manager or a V1Hybrid"):
+        _native.V1Loop(object(), loop_config())
     sched = FakeScheduler(m)
     loop = _native.V1Loop(m, loop_config())
     r = FakeRequest("r", [5] * 4, 1)

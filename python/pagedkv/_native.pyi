@@ -729,10 +729,11 @@ class V1Hybrid:
 class V1Loop:
     """vLLM v1's ``Scheduler.schedule()`` / ``update_from_output()`` for the in-scope path,
     walking a vLLM scheduler's own queues and requests (``pagedkv.vllm_v1._native_loop`` builds
-    and drives it). ``config`` holds the release switches and vLLM's objects the walk compares
-    against or builds with. A call while another runs raises ``InUseError``."""
+    and drives it), over the native manager of one KV cache group or of several (hybrid).
+    ``config`` holds the release switches and vLLM's objects the walk compares against or
+    builds with. A call while another runs raises ``InUseError``."""
 
-    def __new__(cls, manager: V1Manager, config: Dict[str, Any]) -> V1Loop: ...
+    def __new__(cls, manager: Union[V1Manager, V1Hybrid], config: Dict[str, Any]) -> V1Loop: ...
     def schedule(
         self, sched: Any
     ) -> Tuple[

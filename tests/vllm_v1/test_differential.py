@@ -24,6 +24,9 @@ from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
 from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType
 from vllm.v1.request import RequestStatus
 
+from pagedkv.vllm_v1 import KVCacheManager as PagedKVCacheManager
+from pagedkv.vllm_v1 import Scheduler as PagedScheduler
+
 FAST_SEEDS = range(100)
 SLOW_SEEDS = range(100, 1100)
 
@@ -61,15 +64,32 @@ def test_lockstep_cache_smaller_than_max_model_len(
     assert stats["capped_at_max_model_len"] + stats["refused_at_the_cap"] > 0, stats
 
 
+def assert_native_loop(stats: dict, manager_cls: type, held: bool = False) -> None:
+    """pagedkv's scheduler ran every step natively (``pagedkv_steps``); ``held``: the seed holds
+    out-of-scope requests (``v1_harness.with_switch_requests``), so vLLM's loop ran while one
+    was held, for no other reason, and the native loop ran the others."""
+    if manager_cls.__module__.startswith("vllm."):
+        return  # vLLM's own scheduler: no native loop
+    loops = stats["loops"]
+    assert loops.get("native", 0) > 0, loops
+    if held:
+        assert set(loops) <= {"native", "priority"}, loops
+    else:
+        assert set(loops) == {"native"}, loops
+
+
 @pytest.mark.parametrize("seed", range(24))
 def test_lockstep_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
     """Hybrid KV cache groups (GPT-OSS-, Gemma-3-, Llama-4-like layouts and two windows, as
-    vLLM groups the layers): pagedkv's hybrid manager under vLLM's loop, matched at every
-    step (preemption, prefix caching, chunked prefill, aborts, drafts, KV events), under
-    each ``prefix_cache_retention_interval`` (every layout meets each mode twice; the
-    scheduler sets each request's junction)."""
+    vLLM groups the layers): pagedkv's native loop over its hybrid manager, matched with
+    vLLM's scheduler over vLLM's manager at every step (preemption, prefix caching on and off,
+    chunked prefill, aborts, drafts, KV events, sync and async), under each
+    ``prefix_cache_retention_interval`` (every layout meets each mode twice; the scheduler
+    sets each request's junction), every step native (vLLM's loop only while an
+    out-of-scope request is held, one seed in four)."""
     stats = h.run_seed(seed, tiny_model_dir, manager_cls, **hybrid_seed(seed))
     assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=seed % 4 == 3)
 
 
 def hybrid_seed(seed: int) -> dict:
@@ -86,7 +106,7 @@ def test_hybrid_seeds_cover_preemption_hits_events_and_aborts(
     tiny_model_dir: Path, manager_cls: type
 ) -> None:
     """The hybrid seeds reach the paths they are there for, prefix hits under every
-    retention mode."""
+    retention mode (drafts: with async scheduling)."""
     totals: Counter = Counter()
     for seed in range(12):
         kw = hybrid_seed(seed)
@@ -94,7 +114,7 @@ def test_hybrid_seeds_cover_preemption_hits_events_and_aborts(
         totals.update({k: v for k, v in stats.items() if isinstance(v, int)})
         totals["aborts"] += sum(stats["aborts"].values())
         totals[("hits", kw["retention"] and "periodic")] += stats["hits"]
-    for key in ("preemptions", "hits", "events", "aborts"):
+    for key in ("preemptions", "hits", "events", "aborts", "drafts"):
         assert totals[key] > 0, (key, totals)
     for mode in (None, 0, "periodic"):
         assert totals[("hits", mode)] > 0, (mode, totals)
@@ -187,6 +207,16 @@ def test_pressure_workload_preempts_hits_and_evicts(
         assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
+def hybrid_pressure(
+    cfg: h.SchedConfig, layout: str, retention: Optional[int] = None
+) -> h.SchedConfig:
+    """``cfg`` (the pressure configuration) over the layout's groups: the full group's 24
+    blocks and 6 more per window or chunked group, which hold a few blocks each."""
+    cfg = h.with_layout(cfg, layout, retention)
+    groups = cfg.num_blocks // PRESSURE.num_blocks
+    return dataclasses.replace(cfg, num_blocks=PRESSURE.num_blocks + 6 * (groups - 1))
+
+
 @pytest.mark.parametrize("layout", sorted(HYBRID_LAYOUTS))
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("retention", [None, 0])
@@ -202,13 +232,26 @@ def test_hybrid_pressure_workload_preempts_hits_and_evicts(
     across groups (window blocks as null), KV events with groups; dense retention and vLLM's
     engine default (0)."""
     cfg = dataclasses.replace(PRESSURE, async_scheduling=async_scheduling)
-    cfg = h.with_layout(cfg, layout, retention)
-    groups = cfg.num_blocks // PRESSURE.num_blocks
-    cfg = dataclasses.replace(cfg, num_blocks=PRESSURE.num_blocks + 6 * (groups - 1))
+    cfg = hybrid_pressure(cfg, layout, retention)
     stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
     assert stats["preemptions"] > 0, stats
     assert stats["hits"] > 0, stats
     assert stats["events"] > 0, stats
+    assert_native_loop(stats, manager_cls)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chunked_local_layout_runs_natively_under_vllms_default_retention(
+    async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """Llama-4-like groups (chunked local + full) with vLLM's engines' default
+    ``prefix_cache_retention_interval=0`` (retention concerns sliding windows only): the
+    pressure workload on the native loop, every step, matched with vLLM's."""
+    cfg = dataclasses.replace(PRESSURE, async_scheduling=async_scheduling)
+    cfg = hybrid_pressure(cfg, "llama4", 0)
+    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0 and stats["hits"] > 0 and stats["events"] > 0, stats
+    assert_native_loop(stats, manager_cls)
 
 
 def priority_workload() -> list[h.RequestSpec]:
@@ -330,6 +373,55 @@ def test_the_differential_catches_a_planted_difference(
 ) -> None:
     with pytest.raises(h.Divergence, match=what):
         h.Lockstep(PRESSURE, pressure_workload(), 1, tiny_model_dir, planted).run()
+
+
+class SendsOneGroup(PagedScheduler):
+    """The native loop's output with every request's block ids cut to the first KV cache
+    group (what a loop serving one group would send the model runner)."""
+
+    def schedule(self, *args, **kwargs):
+        out = super().schedule(*args, **kwargs)
+        for new in out.scheduled_new_reqs:
+            new.block_ids = new.block_ids[:1]
+        cached = out.scheduled_cached_reqs
+        cached.new_block_ids = [b if b is None else b[:1] for b in cached.new_block_ids]
+        return out
+
+
+class LosesLaterGroupsEvents(PagedScheduler):
+    """The hybrid manager's KV events of groups past the first are lost as the native loop
+    hands them on."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        manager = self.kv_cache_manager
+        drain = manager._drain_events
+
+        def lossy(request=None) -> None:
+            before = len(manager._events)
+            drain(request)
+            kept = [e for e in manager._events[before:] if getattr(e, "group_idx", 0) == 0]
+            manager._events[before:] = kept
+
+        manager._drain_events = lossy
+
+
+@pytest.mark.parametrize(
+    ("planted", "what"), [(SendsOneGroup, "SchedulerOutput"), (LosesLaterGroupsEvents, "KV events")]
+)
+def test_the_differential_catches_a_planted_hybrid_loop_difference(
+    planted: type, what: str, tiny_model_dir: Path
+) -> None:
+    """Over hybrid groups, pagedkv's scheduler on its native loop (every step native) with a
+    planted difference in what the loop hands on: caught where it first shows."""
+    cfg = hybrid_pressure(PRESSURE, "gpt-oss")
+    run = h.Lockstep(
+        cfg, pressure_workload(), 1, tiny_model_dir, PagedKVCacheManager, scheduler_cls=planted
+    )
+    with pytest.raises(h.Divergence, match=what):
+        run.run()
+    assert run.test._pagedkv_loop is not None
+    assert set(run.test.pagedkv_steps) == {"native"}, run.test.pagedkv_steps
 
 
 class DoesNotCountSteps(VllmScheduler):

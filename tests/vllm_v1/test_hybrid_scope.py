@@ -1,5 +1,6 @@
 """The hybrid manager's scope (what ``out_of_scope`` accepts and why it refuses the rest), the
-native loop's refusal, and bad input: pagedkv exceptions, nothing changed."""
+native loop over it (its scope and length cap), and bad input: pagedkv exceptions, nothing
+changed."""
 
 from __future__ import annotations
 
@@ -70,12 +71,20 @@ def test_refusals_name_their_reason() -> None:
     assert "block size 4" in _reason([group(0, full4), group(1, swa4)], hash_block_size=8)
 
 
-def test_the_native_loop_refuses_a_hybrid_manager() -> None:
-    sched = type("S", (), {})()
-    sched.kv_cache_manager = KVCacheManager(kv_cache_config(32, 4, "gpt-oss"), **ARGS)
-    assert _scope.engine_out_of_scope(sched) == (
-        "hybrid KV cache groups (the native loop serves one group)"
-    )
+def test_the_native_loop_serves_a_hybrid_manager_and_refuses_what_it_refuses_for_one(
+    tiny_model_dir: Any,
+) -> None:
+    """The hybrid manager is no reason for vLLM's loop; the engine's other refusals still are
+    (a prefill schedule interval here)."""
+    import v1_harness as h
+
+    from pagedkv import vllm_v1 as pv
+
+    cfg = h.with_layout(h.SchedConfig(block_size=4, num_blocks=80), "gemma3")
+    sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
+    assert _scope.engine_out_of_scope(sched) is None
+    sched.local_prefill_interval = 2
+    assert _scope.engine_out_of_scope(sched) == "a prefill schedule interval"
 
 
 def _request(n: int) -> Request:
@@ -117,7 +126,7 @@ def test_bad_input_raises_pagedkv_errors_and_changes_nothing() -> None:
     m._native.check()
 
 
-def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
+def test_pagedkv_scheduler_runs_its_native_loop_over_the_native_hybrid_manager(
     tiny_model_dir: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     import v1_harness as h
@@ -128,8 +137,36 @@ def test_pagedkv_scheduler_runs_vllms_loop_over_the_native_hybrid_manager(
     with caplog.at_level("INFO", logger="pagedkv.vllm_v1"):
         sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
     assert type(sched.kv_cache_manager) is HybridKVCacheManager
-    assert getattr(sched, "_pagedkv_loop", None) is None
-    assert "KV cache manager native, scheduling loop vLLM's (hybrid KV cache groups" in caplog.text
+    assert sched._pagedkv_loop is not None
+    line = "KV cache manager native, scheduling loop native, block hashing native"
+    assert line in caplog.text
+    assert sched._pagedkv_hashers is not None  # the stand-in hasher for in-scope requests
+
+
+@pytest.mark.parametrize(
+    ("layout", "full_groups"), [("gpt-oss", 1), ("gemma3", 1), ("llama4", 1), ("two-full", 2)]
+)
+def test_the_length_cap_counts_the_full_attention_groups(
+    layout: str, full_groups: int, tiny_model_dir: Any
+) -> None:
+    """No request can hold more tokens than the full-attention groups' share of the pool (a
+    block per hash block in each): the native loop's length cap. A cache that holds
+    ``max_model_len`` leaves it as it is."""
+    import v1_harness as h
+
+    from pagedkv import vllm_v1 as pv
+    from pagedkv.vllm_v1._native_loop import pool_tokens
+
+    if layout == "two-full":
+        groups = [group(0, layer_spec("full", 4)), group(1, layer_spec("full", 4))]
+        assert pool_tokens(KVCacheManager(config(groups), **ARGS)) == 31 // 2 * 4
+        return
+    cfg = h.with_layout(h.SchedConfig(block_size=4, num_blocks=20, max_model_len=64), layout)
+    sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
+    m = sched.kv_cache_manager
+    assert pool_tokens(m) == (cfg.num_blocks - 1) // full_groups * 4
+    assert sched.max_model_len == 64  # the cache holds it
+    assert not sched._pagedkv_loop.refuses_prompt(63, 64)
 
 
 @pytest.mark.parametrize("caching", [True, False])

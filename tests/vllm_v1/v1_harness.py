@@ -808,6 +808,8 @@ class Lockstep:
     def run(self) -> dict:
         while self.step < self.max_steps:
             if self._done():
+                # Steps by loop on the side under test ("native", or why vLLM's ran).
+                self.stats["loops"] = dict(getattr(self.test, "pagedkv_steps", {}))
                 return self.stats
             self._arrivals_and_aborts()
             self._maybe_reset_prefix_cache()

@@ -17,7 +17,9 @@ each caching call.
 Invariants: each method crosses into Rust once (plus one call to drain events when events
 are on); a call that raises has changed nothing (the core plans, then applies). Costs: the
 core's, plus one block view per block handed back (views are made per call, never kept).
-vLLM's own Python scheduling loop runs over this manager (the native loop serves one group).
+pagedkv's native loop runs over it through ``_native`` (``rust/py/src/vllm_v1/loop_kv.rs``: its
+``allocate_slots`` and ``cache_blocks`` in Rust, its ``_drain_events`` and ``_computed_ids``
+called back), vLLM's own loop through these methods.
 """
 
 from __future__ import annotations

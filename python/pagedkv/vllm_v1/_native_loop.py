@@ -76,8 +76,8 @@ class NativeLoop:
 
         self._pagedkv_remote_kvs = RequestStatus.WAITING_FOR_REMOTE_KVS
         native = self.kv_cache_manager._native
-        #: Tokens the KV cache holds (the null block excluded): no request may outgrow it.
-        self._pagedkv_pool_tokens = (native.num_blocks - 1) * native.block_size
+        #: Tokens the KV cache holds for one request: no request may outgrow it.
+        self._pagedkv_pool_tokens = pool_tokens(self.kv_cache_manager)
         self._pagedkv_rejected: List[Any] = []
         self._pagedkv_output = _OutputBuilder(self)
         config = _loop_config(self)
@@ -164,9 +164,13 @@ class NativeLoop:
 
     def _pagedkv_start_hashing(self) -> None:
         """Native block hashing for in-scope requests (:mod:`pagedkv.vllm_v1._hashing`) when
-        pagedkv's manager caches prefixes."""
+        pagedkv's manager (one group or hybrid: every group's hashes are the requests' at the
+        hash block size) caches prefixes."""
+        from ._hybrid import HybridKVCacheManager
+
         manager = self.kv_cache_manager
-        if isinstance(manager, KVCacheManager) and manager.enable_caching:
+        native = isinstance(manager, (KVCacheManager, HybridKVCacheManager))
+        if native and manager.enable_caching:
             self._pagedkv_hashers = NativeHashers(self.hash_block_size)
 
     def add_request(self, request: Any) -> None:
@@ -259,6 +263,21 @@ class NativeLoop:
             rejected, self._pagedkv_rejected = self._pagedkv_rejected, []
             self._pagedkv_output.report_errors(result, rejected)
         return result
+
+
+def pool_tokens(manager: Any) -> int:
+    """The most tokens one request can hold in the KV cache (the null block excluded): the
+    length cap. One group: every block. Hybrid groups: the blocks the full-attention groups
+    alone need (one per hash block, in each of them); a longer request can never fit, however
+    little its window and chunk groups hold (their blocks are not counted, so a request under
+    the cap may still not fit, as in vLLM)."""
+    native = manager._native
+    if manager.num_kv_cache_groups == 1:
+        return (native.num_blocks - 1) * native.block_size
+    from ._hybrid import group_kinds
+
+    full = sum(1 for kind, *_ in group_kinds(manager.kv_cache_config) if kind == "full")
+    return (native.num_blocks - 1) // max(full, 1) * manager.hash_block_size
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:

@@ -126,10 +126,9 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
     from ._hybrid import HybridKVCacheManager
     from ._manager import KVCacheManager
 
-    if isinstance(sched.kv_cache_manager, HybridKVCacheManager):
-        return "hybrid KV cache groups (the native loop serves one group)"
+    native = isinstance(sched.kv_cache_manager, (KVCacheManager, HybridKVCacheManager))
     checks = (
-        (not isinstance(sched.kv_cache_manager, KVCacheManager), "vLLM's KV cache manager runs"),
+        (not native, "vLLM's KV cache manager runs"),
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),

@@ -26,7 +26,7 @@ fn fill_with_cached_blocks(m: &mut Manager, num_blocks: u32) -> u32 {
     for r in 0..reqs {
         let keys: Vec<HashKey> = (0..PER_REQ).map(|i| key(r * PER_REQ + i)).collect();
         let n = (PER_REQ * BLOCK) as u64;
-        let a = SlotRequest {
+        let a: SlotRequest = SlotRequest {
             num_tokens: n,
             num_new_tokens: n,
             has_scheduled_reqs: true,

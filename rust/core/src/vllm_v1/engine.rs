@@ -17,6 +17,9 @@
 //! * Field writes (`set_*`) are seen by the next read of that field.
 //! * The rare events (`preempt`, `free_request`, `prefix_hit`, ...) do what vLLM's methods
 //!   of those names do (the bindings call those methods).
+//! * `Blocks` is the KV cache manager's own shape of a request's block ids (one group, or one
+//!   list per group): the walk carries them from `prefix_hit`, `allocate` and `block_table`
+//!   to `scheduler_output` unchanged, whatever the number of groups.
 //!
 //! Costs: the walk calls the per-request accessors O(1) times per scheduled request and step,
 //! `running_priority_keys` once per PRIORITY preemption (O(running)), the rare events once per
@@ -148,13 +151,36 @@ pub struct Start {
     pub num_eligible: u64,
 }
 
-/// One scheduled row of a step.
+/// A request's block ids as the engine's KV cache manager gives them (a prefix hit, an
+/// allocation's new blocks, a block table): one list for one KV cache group (`Vec<u32>`), one
+/// list per group for several (`Vec<Vec<u32>>`, vLLM's group order), or the engine's own
+/// type. The walk only carries them from the manager to the output, and asks whether any
+/// group has a block.
+pub trait BlockIds {
+    /// No group holds a block (vLLM's `get_block_ids(allow_none=True)` is `None`).
+    fn is_empty(&self) -> bool;
+}
+
+impl BlockIds for Vec<u32> {
+    fn is_empty(&self) -> bool {
+        <[u32]>::is_empty(self)
+    }
+}
+
+impl BlockIds for Vec<Vec<u32>> {
+    fn is_empty(&self) -> bool {
+        self.iter().all(|g| g.is_empty())
+    }
+}
+
+/// One scheduled row of a step (`B`: the engine's [`Engine::Blocks`]).
 #[derive(Clone, Debug)]
-pub struct Row<R> {
+pub struct Row<R, B = Vec<u32>> {
     pub req: R,
     pub tokens: u64,
-    /// The request's new blocks (`None`: none new); an admitted one carries its whole table.
-    pub blocks: Option<Vec<u32>>,
+    /// The request's new blocks (`None`: none new in any group); an admitted one carries its
+    /// whole table.
+    pub blocks: Option<B>,
     /// Admitted from any status but `WAITING` (a resumed request).
     pub resumed: bool,
     /// `num_computed_tokens` before this step's advance.
@@ -180,8 +206,8 @@ pub enum Drafts {
 
 /// One `schedule()`'s rows: the running pass's rows first, then the admitted ones.
 #[derive(Clone, Debug)]
-pub struct Step<R> {
-    pub rows: Vec<Row<R>>,
+pub struct Step<R, B = Vec<u32>> {
+    pub rows: Vec<Row<R, B>>,
     pub num_running_rows: usize,
     pub total: u64,
     pub runner: Runner,
@@ -211,6 +237,9 @@ pub trait Engine {
     type Pending;
     /// What `schedule()` returns (the bindings: the parts of vLLM's `SchedulerOutput`).
     type Scheduled;
+    /// A request's block ids, in whatever shape the KV cache manager has (one group or
+    /// several): the walk never looks inside.
+    type Blocks: BlockIds;
 
     fn error(&self, e: crate::Error) -> Self::Error;
 
@@ -306,7 +335,7 @@ pub trait Engine {
     fn preempt(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     /// `_get_local_prefix_cache_hit`: the hit's block ids (`None`: vLLM's shared empty
     /// blocks) and its token count; also the first admission's prefill stats.
-    fn prefix_hit(&mut self, r: &Self::Req) -> Result<(Option<Vec<u32>>, u64), Self::Error>;
+    fn prefix_hit(&mut self, r: &Self::Req) -> Result<(Option<Self::Blocks>, u64), Self::Error>;
     fn record_prefix_cache_stats(&mut self, r: &Self::Req, hit: u64) -> Result<(), Self::Error>;
     /// `record_event(SCHEDULED, timestamp)` when stats are on.
     fn record_scheduled(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
@@ -330,15 +359,18 @@ pub trait Engine {
     ) -> Result<(), Self::Error>;
 
     // The KV cache manager.
-    /// `allocate_slots`: the new block ids (empty: none new), `None` when they do not fit.
+    /// `allocate_slots` (the hit to adopt in `a.new_computed`): the new block ids (empty in
+    /// every group: none new), `None` when they do not fit. An engine over a hybrid manager
+    /// reads the request's `num_in_flight_tokens` itself, as vLLM's manager does.
     fn allocate(
         &mut self,
         r: &Self::Req,
-        a: &SlotRequest<'_>,
-    ) -> Result<Option<Vec<u32>>, Self::Error>;
+        a: &SlotRequest<'_, Self::Blocks>,
+    ) -> Result<Option<Self::Blocks>, Self::Error>;
     /// `cache_blocks(request, num_tokens)` (nothing with caching off).
     fn cache_blocks(&mut self, r: &Self::Req, num_tokens: u64) -> Result<(), Self::Error>;
-    fn block_table(&self, r: &Self::Req) -> Result<Vec<u32>, Self::Error>;
+    /// `get_blocks(request_id)`: the request's table in every group.
+    fn block_table(&self, r: &Self::Req) -> Result<Self::Blocks, Self::Error>;
 
     // Multimodal encoder inputs: called only for requests with `has_encoder_inputs`.
     /// `has_encoder_inputs` (fixed at construction: the request has multimodal inputs).
@@ -366,7 +398,10 @@ pub trait Engine {
 
     // What leaves the scheduler.
     /// The step's output, built before `_update_after_schedule` writes the requests.
-    fn scheduler_output(&mut self, step: &Step<Self::Req>) -> Result<Self::Scheduled, Self::Error>;
+    fn scheduler_output(
+        &mut self,
+        step: &Step<Self::Req, Self::Blocks>,
+    ) -> Result<Self::Scheduled, Self::Error>;
     /// `_update_after_schedule` found structured-output rows: the output's flags become
     /// those of `s` (called only when one is set).
     fn mark_structured_output(

@@ -55,8 +55,10 @@ pub struct Config {
 }
 
 /// One `allocate_slots` call's arguments (vLLM's names), the request's fields included.
-#[derive(Clone, Copy, Debug, Default)]
-pub struct SlotRequest<'a> {
+/// `B` is how the adopted hit's block ids are held: one group's list (`[u32]`, this
+/// manager's), or another engine's (the walk carries the engine's own block ids).
+#[derive(Debug)]
+pub struct SlotRequest<'a, B: ?Sized = [u32]> {
     pub num_computed_tokens: u64,
     pub num_tokens: u64,
     /// `request.status` is WAITING or PREEMPTED (the watermark applies to those).
@@ -64,12 +66,57 @@ pub struct SlotRequest<'a> {
     pub num_new_tokens: u64,
     pub num_new_computed_tokens: u64,
     /// The prefix-cache hit to adopt; `None` is vLLM's shared empty `KVCacheBlocks`.
-    pub new_computed: Option<&'a [u32]>,
+    pub new_computed: Option<&'a B>,
     pub num_lookahead_tokens: u64,
     pub delay_cache_blocks: bool,
     pub full_sequence_must_fit: bool,
     pub reserved_blocks: u64,
     pub has_scheduled_reqs: bool,
+}
+
+impl<B: ?Sized> Clone for SlotRequest<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: ?Sized> Copy for SlotRequest<'_, B> {}
+
+impl<B: ?Sized> Default for SlotRequest<'_, B> {
+    fn default() -> Self {
+        SlotRequest {
+            num_computed_tokens: 0,
+            num_tokens: 0,
+            waiting_or_preempted: false,
+            num_new_tokens: 0,
+            num_new_computed_tokens: 0,
+            new_computed: None,
+            num_lookahead_tokens: 0,
+            delay_cache_blocks: false,
+            full_sequence_must_fit: false,
+            reserved_blocks: 0,
+            has_scheduled_reqs: false,
+        }
+    }
+}
+
+impl<B: ?Sized> SlotRequest<'_, B> {
+    /// The same arguments with the hit held as `hit` (the caller's view of the same ids).
+    pub fn with_hit<'b, C: ?Sized>(&self, hit: Option<&'b C>) -> SlotRequest<'b, C> {
+        SlotRequest {
+            num_computed_tokens: self.num_computed_tokens,
+            num_tokens: self.num_tokens,
+            waiting_or_preempted: self.waiting_or_preempted,
+            num_new_tokens: self.num_new_tokens,
+            num_new_computed_tokens: self.num_new_computed_tokens,
+            new_computed: hit,
+            num_lookahead_tokens: self.num_lookahead_tokens,
+            delay_cache_blocks: self.delay_cache_blocks,
+            full_sequence_must_fit: self.full_sequence_must_fit,
+            reserved_blocks: self.reserved_blocks,
+            has_scheduled_reqs: self.has_scheduled_reqs,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -196,13 +243,15 @@ impl Manager {
     }
 
     /// vLLM's `allocate_slots`: `Ok(None)` when the blocks do not fit (nothing changes),
-    /// else the newly allocated block ids. Caches the request's newly full blocks.
-    pub fn allocate_slots(
+    /// else the newly allocated block ids. Caches the request's newly full blocks. The hit
+    /// may be held in any list of ids (`[u32]`, `Vec<u32>`, ...).
+    pub fn allocate_slots<B: AsRef<[u32]> + ?Sized>(
         &mut self,
         req: &str,
-        a: &SlotRequest,
+        a: &SlotRequest<'_, B>,
         hashes: &mut dyn HashSource,
     ) -> Result<Option<Vec<u32>>> {
+        let a = &a.with_hit(a.new_computed.map(AsRef::as_ref));
         let Some(plan) = self.plan(req, a)? else {
             return Ok(None);
         };

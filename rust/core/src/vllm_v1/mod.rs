@@ -7,8 +7,8 @@
 //! * [`pool`]: ref counts, the queue and the hash -> blocks map, with KV cache events;
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
-//!   one shared pool, for hybrid models;
-//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (`_native.V1Hybrid`);
+//!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
+//! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`retention`]: which blocks a sliding-window group caches under each
 //!   `prefix_cache_retention_interval` (dense, replay boundaries and junctions, periodic);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);

@@ -205,7 +205,7 @@ fn a_refused_allocation_changes_nothing() {
     ));
     let stale = SlotRequest {
         num_new_computed_tokens: 4,
-        new_computed: Some(&[2]),
+        new_computed: Some(&[2][..]),
         ..prefill(8)
     };
     assert!(m.allocate_slots("a", &stale, &mut &[][..]).is_err());
@@ -288,7 +288,7 @@ fn randomized_invariants() {
                 2 if !live.is_empty() => {
                     let i = rng.below(live.len());
                     let (id, n, keys) = &mut live[i];
-                    let a = SlotRequest {
+                    let a: SlotRequest = SlotRequest {
                         num_computed_tokens: *n,
                         num_tokens: *n + 1,
                         num_new_tokens: 1,

@@ -14,7 +14,8 @@
 //! `WAITING_FOR_STREAMING_REQ` (the walk changes it only through `handle_stopped`).
 
 use super::engine::{
-    Drafts, Engine, Mode, Queue, Release, Row, Runner, Settings, Status, Step, StructuredFlags,
+    BlockIds, Drafts, Engine, Mode, Queue, Release, Row, Runner, Settings, Status, Step,
+    StructuredFlags,
 };
 use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
@@ -58,10 +59,13 @@ struct Stopped {
 
 /// A running request's allocation: its new block ids (`None`: it was preempted itself) and
 /// whether anything was preempted for it.
-struct Allocated {
-    ids: Option<Vec<u32>>,
+struct Allocated<B> {
+    ids: Option<B>,
     preempted: bool,
 }
+
+/// The rows of a step being built, with the engine's block ids.
+type Rows<E> = Vec<Row<<E as Engine>::Req, <E as Engine>::Blocks>>;
 
 /// One call of the walk: the engine, its mode and the settings read at the call's start.
 pub struct Walk<'e, E: Engine> {
@@ -145,7 +149,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         step: u64,
         threshold: u64,
         budget: &mut Budget,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
     ) -> Result<bool, E::Error> {
         let mut preempted_any = false;
         let mut i = 0;
@@ -206,11 +210,11 @@ impl<'e, E: Engine> Walk<'e, E> {
     fn allocate_or_preempt(
         &mut self,
         req: &E::Req,
-        slots: &SlotRequest<'_>,
+        slots: &SlotRequest<'_, E::Blocks>,
         i: &mut usize,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
         budget: &mut Budget,
-    ) -> Result<Allocated, E::Error> {
+    ) -> Result<Allocated<E::Blocks>, E::Error> {
         let mut preempted = false;
         loop {
             if let Some(ids) = self.e.allocate(req, slots)? {
@@ -261,7 +265,7 @@ impl<'e, E: Engine> Walk<'e, E> {
     fn pick_victim(
         &mut self,
         i: &mut usize,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
         budget: &mut Budget,
     ) -> Result<E::Req, E::Error> {
         if !self.set.priority {
@@ -297,7 +301,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         &mut self,
         threshold: u64,
         budget: &mut Budget,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
     ) -> Result<(), E::Error> {
         let mut skipped = Skipped::default();
         let mut loras = self.running_loras(rows)?;
@@ -382,7 +386,10 @@ impl<'e, E: Engine> Walk<'e, E> {
     /// With a LoRA limit: the adapters (ids above 0) of the running requests (0.33: all of
     /// `running`, scheduled this step or not; 0.32: the running pass's rows), which the
     /// waiting pass grows by each admitted request's adapter.
-    fn running_loras(&mut self, rows: &[Row<E::Req>]) -> Result<Option<HashSet<i64>>, E::Error> {
+    fn running_loras(
+        &mut self,
+        rows: &[Row<E::Req, E::Blocks>],
+    ) -> Result<Option<HashSet<i64>>, E::Error> {
         if self.set.max_loras.is_none() {
             return Ok(None);
         }
@@ -407,7 +414,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         req: &E::Req,
         threshold: u64,
         budget: &mut Budget,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
     ) -> Result<Admit, E::Error> {
         let computed_before = self.e.num_computed_tokens(req)?;
         let lookup = computed_before == 0;
@@ -443,7 +450,7 @@ impl<'e, E: Engine> Walk<'e, E> {
             waiting_or_preempted: status.waiting_or_preempted(),
             num_new_tokens: n,
             num_new_computed_tokens: num_local,
-            new_computed: hit.as_deref(),
+            new_computed: hit.as_ref(),
             num_lookahead_tokens: self.set.spec.num_lookahead_tokens,
             full_sequence_must_fit: self.set.reserve_full_isl,
             has_scheduled_reqs: self.e.running_len() > 0,
@@ -472,7 +479,7 @@ impl<'e, E: Engine> Walk<'e, E> {
         scheduled: (u64, u64),
         num_computed: u64,
         budget: &mut Budget,
-        rows: &mut Vec<Row<E::Req>>,
+        rows: &mut Rows<E>,
     ) -> Result<(), E::Error> {
         let (n, drafts) = scheduled;
         let req = self.e.waiting_pop(q)?;
@@ -516,7 +523,7 @@ impl<'e, E: Engine> Walk<'e, E> {
     fn update_after_schedule(
         &mut self,
         step: u64,
-        rows: &[Row<E::Req>],
+        rows: &[Row<E::Req, E::Blocks>],
     ) -> Result<StructuredFlags, E::Error> {
         let any_inflight = self.e.inflight_prefills_len()? > 0;
         let mut flags = StructuredFlags::default();

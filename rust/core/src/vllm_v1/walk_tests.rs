@@ -2,9 +2,10 @@
 //! core's own v1 manager), each test written from vLLM's scheduler semantics (0.32 / 0.33
 //! `scheduler.py`, `async_scheduler.py`, `utils.check_stop`, `_preempt_request`).
 
+use super::coordinator::{Hybrid, HybridSlots};
 use super::engine::{
-    Drafts, EncoderPlan, Engine, Mode, Queue, Release, Runner, Settings, SpecSettings, Start,
-    Status, Step, StructuredFlags,
+    BlockIds, Drafts, EncoderPlan, Engine, Mode, Queue, Release, Runner, Settings, SpecSettings,
+    Start, Status, Step, StructuredFlags,
 };
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
@@ -53,7 +54,75 @@ struct Update {
     max_tokens: u64,
 }
 
-struct TestEngine {
+/// The KV cache manager under the test engine: the core's one-group [`Manager`], or its
+/// hybrid coordinator ([`Hybrid`], block ids per group), each with the walk's block ids.
+trait TestKv {
+    type Blocks: BlockIds + Clone + std::fmt::Debug;
+    fn allocate(
+        &mut self,
+        id: &str,
+        in_flight: u64,
+        a: &SlotRequest<'_, Self::Blocks>,
+    ) -> Result<Option<Self::Blocks>>;
+    fn free(&mut self, id: &str) -> Result<()>;
+    fn table(&self, id: &str) -> Self::Blocks;
+}
+
+impl TestKv for Manager {
+    type Blocks = Vec<u32>;
+    fn allocate(
+        &mut self,
+        id: &str,
+        _: u64,
+        a: &SlotRequest<'_, Vec<u32>>,
+    ) -> Result<Option<Vec<u32>>> {
+        let mut none: &[HashKey] = &[];
+        self.allocate_slots(id, a, &mut none)
+    }
+    fn free(&mut self, id: &str) -> Result<()> {
+        Manager::free(self, id)
+    }
+    fn table(&self, id: &str) -> Vec<u32> {
+        self.blocks(id).to_vec()
+    }
+}
+
+impl TestKv for Hybrid {
+    type Blocks = Vec<Vec<u32>>;
+    fn allocate(
+        &mut self,
+        id: &str,
+        in_flight: u64,
+        a: &SlotRequest<'_, Vec<Vec<u32>>>,
+    ) -> Result<Option<Vec<Vec<u32>>>> {
+        let slots = HybridSlots {
+            num_computed_tokens: a.num_computed_tokens,
+            num_tokens: a.num_tokens,
+            num_in_flight_tokens: in_flight,
+            waiting_or_preempted: a.waiting_or_preempted,
+            num_new_tokens: a.num_new_tokens,
+            num_new_computed_tokens: a.num_new_computed_tokens,
+            new_computed: a.new_computed.map(Vec::as_slice),
+            num_lookahead_tokens: a.num_lookahead_tokens,
+            delay_cache_blocks: a.delay_cache_blocks,
+            full_sequence_must_fit: a.full_sequence_must_fit,
+            reserved_blocks: a.reserved_blocks,
+            has_scheduled_reqs: a.has_scheduled_reqs,
+            // caching is off in these tests: retention never reads the request's boundaries
+            boundaries: Default::default(),
+        };
+        let mut none: &[HashKey] = &[];
+        self.allocate_slots(id, &slots, &mut none)
+    }
+    fn free(&mut self, id: &str) -> Result<()> {
+        Hybrid::free(self, id)
+    }
+    fn table(&self, id: &str) -> Vec<Vec<u32>> {
+        self.blocks(id)
+    }
+}
+
+struct TestEngine<K: TestKv = Manager> {
     reqs: Vec<TReq>,
     /// Requests still in the scheduler's `requests` dict (an abort removes one).
     known: BTreeSet<usize>,
@@ -66,7 +135,9 @@ struct TestEngine {
     release: Release,
     deferred: BTreeSet<usize>,
     inflight: BTreeSet<usize>,
-    mgr: Manager,
+    mgr: K,
+    /// The last `schedule()`'s rows with their block ids (`Row::blocks`).
+    tables: Vec<(usize, Option<K::Blocks>)>,
     set: Settings,
     step: u64,
     executed: u64,
@@ -92,7 +163,7 @@ struct TestEngine {
 
 const EOS: i64 = 2;
 
-impl TestEngine {
+impl TestEngine<Manager> {
     /// `num_blocks` blocks of 4 tokens (one is the null block), caching off.
     fn new(num_blocks: u32, budget: u64) -> Self {
         let cfg = Config {
@@ -103,6 +174,13 @@ impl TestEngine {
             enable_events: false,
             watermark_blocks: 0,
         };
+        TestEngine::with_kv(Manager::new(cfg).unwrap(), budget)
+    }
+}
+
+impl<K: TestKv> TestEngine<K> {
+    /// An engine over `mgr` with a token budget of `budget`.
+    fn with_kv(mgr: K, budget: u64) -> Self {
         let limits = Limits {
             max_model_len: 1 << 20,
             long_prefill_token_threshold: 0,
@@ -120,7 +198,8 @@ impl TestEngine {
             release: V33,
             deferred: BTreeSet::new(),
             inflight: BTreeSet::new(),
-            mgr: Manager::new(cfg).unwrap(),
+            mgr,
+            tables: Vec::new(),
             set: Settings {
                 limits,
                 max_num_scheduled_tokens: budget,
@@ -294,12 +373,13 @@ fn asynchronous(release: Release) -> Mode {
 const V33: Release = Release::V033;
 const V32: Release = Release::V032;
 
-impl Engine for TestEngine {
+impl<K: TestKv> Engine for TestEngine<K> {
     type Req = usize;
     type Error = Error;
     type Sampled = Vec<i64>;
     type Pending = ();
     type Scheduled = Vec<(usize, u64)>;
+    type Blocks = K::Blocks;
 
     fn error(&self, e: Error) -> Error {
         e
@@ -541,7 +621,7 @@ impl Engine for TestEngine {
         self.waiting.push_front(*r);
         Ok(())
     }
-    fn prefix_hit(&mut self, _r: &usize) -> Result<(Option<Vec<u32>>, u64)> {
+    fn prefix_hit(&mut self, _r: &usize) -> Result<(Option<K::Blocks>, u64)> {
         Ok((None, 0)) // caching off
     }
     fn record_prefix_cache_stats(&mut self, _r: &usize, _hit: u64) -> Result<()> {
@@ -599,16 +679,16 @@ impl Engine for TestEngine {
         self.deferred.retain(|r| !other.contains(r));
         Ok(())
     }
-    fn allocate(&mut self, r: &usize, a: &SlotRequest<'_>) -> Result<Option<Vec<u32>>> {
-        let mut none: &[HashKey] = &[];
-        self.mgr.allocate_slots(&self.reqs[*r].id, a, &mut none)
+    fn allocate(&mut self, r: &usize, a: &SlotRequest<'_, K::Blocks>) -> Result<Option<K::Blocks>> {
+        let q = &self.reqs[*r];
+        self.mgr.allocate(&q.id, q.in_flight, a)
     }
     fn cache_blocks(&mut self, r: &usize, num_tokens: u64) -> Result<()> {
         self.cached.push((*r, num_tokens)); // caching off: only recorded
         Ok(())
     }
-    fn block_table(&self, r: &usize) -> Result<Vec<u32>> {
-        Ok(self.mgr.blocks(&self.reqs[*r].id).to_vec())
+    fn block_table(&self, r: &usize) -> Result<K::Blocks> {
+        Ok(self.mgr.table(&self.reqs[*r].id))
     }
     fn has_encoder_inputs(&self, r: &usize) -> bool {
         self.mm.images.contains_key(r)
@@ -641,8 +721,13 @@ impl Engine for TestEngine {
         self.mm.done.push(*r);
         Ok(())
     }
-    fn scheduler_output(&mut self, step: &Step<usize>) -> Result<Vec<(usize, u64)>> {
+    fn scheduler_output(&mut self, step: &Step<usize, K::Blocks>) -> Result<Vec<(usize, u64)>> {
         self.scheduled = step.rows.iter().map(|r| (r.req, r.tokens)).collect();
+        self.tables = step
+            .rows
+            .iter()
+            .map(|r| (r.req, r.blocks.clone()))
+            .collect();
         self.structured_step = StructuredFlags::default();
         self.drafts = std::mem::take(&mut self.drafts_building);
         self.skip_drafts = step.skip_drafts;
@@ -1050,3 +1135,6 @@ mod walk_mm_tests;
 
 #[path = "walk_session_tests.rs"]
 mod session;
+
+#[path = "walk_hybrid_tests.rs"]
+mod hybrid;

@@ -7,6 +7,7 @@
 use crate::vllm_v1::drafts;
 use crate::vllm_v1::hash::extend_block_hashes;
 use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
+use crate::vllm_v1::loop_kv::PyBlocks;
 use crate::vllm_v1::output::{self, ModelOutput};
 use pagedkv_core::vllm_v1::engine::{
     Drafts, EncoderPlan, Engine, Mode, Queue, Release, Settings, Start, Status, Step,
@@ -216,6 +217,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     type Sampled = Sampled<'py>;
     type Pending = Pending<'py>;
     type Scheduled = Bound<'py, PyTuple>;
+    type Blocks = PyBlocks;
 
     fn error(&self, e: pagedkv_core::Error) -> PyErr {
         crate::errors::to_py(e)
@@ -518,9 +520,9 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             .map(drop)
     }
 
-    fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<Vec<u32>>, u64)> {
+    fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<PyBlocks>, u64)> {
         let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
-        let ids = self.lp.manager.get().hit_ids(self.py(), &blocks)?;
+        let ids = self.lp.kv.hit_ids(&self.sched, &blocks)?;
         Ok((ids, num_local))
     }
 
@@ -574,18 +576,22 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         crate::vllm_v1::queues::remove_stopped(&self.sched, &running, &other)
     }
 
-    fn allocate(&mut self, r: &PyReq<'py>, a: &SlotRequest<'_>) -> PyResult<Option<Vec<u32>>> {
-        let mgr = self.lp.manager.get();
-        mgr.allocate_prepared(self.py(), &r.obj, &r.f.rid, a)
+    fn allocate(
+        &mut self,
+        r: &PyReq<'py>,
+        a: &SlotRequest<'_, PyBlocks>,
+    ) -> PyResult<Option<PyBlocks>> {
+        self.lp.kv.allocate(&self.sched, &r.obj, &r.f.rid, a)
     }
 
     fn cache_blocks(&mut self, r: &PyReq<'py>, num_tokens: u64) -> PyResult<()> {
-        let mgr = self.lp.manager.get();
-        mgr.cache_for(self.py(), &r.obj, &r.f.rid, num_tokens)
+        self.lp
+            .kv
+            .cache_blocks(&self.sched, &r.obj, &r.f.rid, num_tokens)
     }
 
-    fn block_table(&self, r: &PyReq<'py>) -> PyResult<Vec<u32>> {
-        self.lp.manager.get().table_of(&r.f.rid)
+    fn block_table(&self, r: &PyReq<'py>) -> PyResult<PyBlocks> {
+        self.lp.kv.table(&r.f.rid)
     }
 
     fn has_encoder_inputs(&self, r: &PyReq<'py>) -> bool {
@@ -632,7 +638,10 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             .map(drop)
     }
 
-    fn scheduler_output(&mut self, step: &Step<PyReq<'py>>) -> PyResult<Bound<'py, PyTuple>> {
+    fn scheduler_output(
+        &mut self,
+        step: &Step<PyReq<'py>, PyBlocks>,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         output::scheduler_output(self, step)
     }
 

@@ -96,7 +96,7 @@ fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>>
 }
 
 impl PyV1Hybrid {
-    fn lock(&self) -> PyResult<MutexGuard<'_, Hybrid>> {
+    pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, Hybrid>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),

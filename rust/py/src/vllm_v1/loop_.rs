@@ -17,7 +17,7 @@
 //! multimodal row (`crate::vllm_v1::encoder`).
 
 use crate::vllm_v1::engine::{PyEngine, UpdateIo};
-use crate::vllm_v1::manager::PyV1Manager;
+use crate::vllm_v1::loop_kv::LoopKv;
 use crate::vllm_v1::output::ModelOutput;
 use pagedkv_core::vllm_v1::block_hash::HashFn;
 use pagedkv_core::vllm_v1::policy::{self, Repetition, StopRule};
@@ -86,7 +86,8 @@ pub struct OutputShape {
 
 #[pyclass(module = "pagedkv._native", name = "V1Loop", frozen)]
 pub struct PyV1Loop {
-    pub manager: Py<PyV1Manager>,
+    /// The KV cache manager: one group or hybrid (`crate::vllm_v1::loop_kv`).
+    pub kv: LoopKv,
     pub objs: Objects,
     /// The release and scheduler kind (decided at construction).
     mode: Mode,
@@ -263,9 +264,11 @@ impl OutputShape {
 
 #[pymethods]
 impl PyV1Loop {
-    /// `config`: the scheduler's settings and vLLM's objects (see `_native_loop.py`).
+    /// `manager`: the native manager (`V1Manager`, or `V1Hybrid` for several KV cache
+    /// groups); `config`: the scheduler's settings and vLLM's objects (see `_native_loop.py`).
     #[new]
-    fn new(manager: Py<PyV1Manager>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+    fn new(manager: &Bound<'_, PyAny>, config: &Bound<'_, PyDict>) -> PyResult<Self> {
+        let kv = LoopKv::new(manager)?;
         let d = config;
         let get_bool = |k: &str| -> PyResult<bool> {
             item(d, k)?
@@ -319,7 +322,7 @@ impl PyV1Loop {
             decode_stagger,
         };
         Ok(PyV1Loop {
-            manager,
+            kv,
             objs,
             mode,
             hash_block_size,

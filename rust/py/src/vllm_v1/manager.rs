@@ -68,7 +68,7 @@ impl<'py> PyHashes<'py> {
         Ok(PyHashes::Seq(seq.clone()))
     }
 
-    fn of_request(request: &Bound<'py, PyAny>) -> Self {
+    pub(crate) fn of_request(request: &Bound<'py, PyAny>) -> Self {
         PyHashes::Of(request.clone())
     }
 

@@ -9,6 +9,7 @@ pub mod events;
 pub mod hash;
 pub mod hybrid;
 pub mod loop_;
+pub mod loop_kv;
 pub mod manager;
 pub mod output;
 pub mod queues;

@@ -5,11 +5,15 @@
 use crate::vllm_v1::encoder;
 use crate::vllm_v1::engine::{PyEngine, PyReq, Sampled};
 use crate::vllm_v1::loop_::PyV1Loop;
+use crate::vllm_v1::loop_kv::PyBlocks;
 use pagedkv_core::vllm_v1::engine::{Row, Runner, Step, StructuredFlags};
 use pagedkv_core::vllm_v1::policy::Stop;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
+
+/// A scheduled row with the loop's block ids.
+type PyRow<'py> = Row<PyReq<'py>, PyBlocks>;
 
 /// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total,
 /// structured, scheduled_spec_decode_tokens, skip_drafts, scheduled_encoder_inputs,
@@ -20,7 +24,7 @@ use pyo3::types::{PyDict, PyList, PySet, PyString, PyTuple};
 /// row; vLLM's would be empty); also `prev_step_scheduled_req_ids` (v1 runner).
 pub fn scheduler_output<'py>(
     e: &PyEngine<'_, 'py>,
-    step: &Step<PyReq<'py>>,
+    step: &Step<PyReq<'py>, PyBlocks>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = e.sched.py();
     let v2 = step.runner == Runner::V2;
@@ -30,19 +34,22 @@ pub fn scheduler_output<'py>(
         scheduled.set_item(r.req.f.id.bind(py), r.tokens)?;
     }
     let (running_rows, admitted) = step.rows.split_at(step.num_running_rows);
-    let mut new: Vec<&Row<PyReq<'py>>> = admitted.iter().filter(|r| !r.resumed).collect();
-    let mut resumed: Vec<&Row<PyReq<'py>>> = admitted.iter().filter(|r| r.resumed).collect();
+    let mut new: Vec<&PyRow<'py>> = admitted.iter().filter(|r| !r.resumed).collect();
+    let mut resumed: Vec<&PyRow<'py>> = admitted.iter().filter(|r| r.resumed).collect();
     if v2 {
         new.append(&mut resumed);
     }
     let out = PyList::empty(py);
     for r in &new {
-        let ids = r.blocks.clone().unwrap_or_default();
-        let block_ids = (PyList::new(py, ids)?,).into_pyobject(py)?;
+        // `get_blocks(request_id).get_block_ids()`: every group's list, empty ones included.
+        let block_ids = match &r.blocks {
+            Some(b) => b.to_py(py)?,
+            None => e.lp.kv.empty_table()?.to_py(py)?,
+        };
         let make_new = e.lp.objs.make_new.bind(py);
         out.append(make_new.call1((&r.req.obj, block_ids, v2))?)?;
     }
-    let running_rows: Vec<&Row<PyReq<'py>>> = running_rows.iter().collect();
+    let running_rows: Vec<&PyRow<'py>> = running_rows.iter().collect();
     let cached = cached_request_data(&e.sched, v2, &running_rows, &resumed)?;
     if !v2 {
         let prev = e
@@ -141,8 +148,8 @@ pub fn mark_structured_output<'py>(
 fn cached_request_data<'py>(
     sched: &Bound<'py, PyAny>,
     v2: bool,
-    running: &[&Row<PyReq<'py>>],
-    resumed: &[&Row<PyReq<'py>>],
+    running: &[&PyRow<'py>],
+    resumed: &[&PyRow<'py>],
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = sched.py();
     let prev = sched.getattr(intern!(py, "prev_step_scheduled_req_ids"))?;
@@ -165,7 +172,7 @@ fn cached_request_data<'py>(
         }
         match &r.blocks {
             None => new_blocks.append(py.None())?,
-            Some(b) => new_blocks.append((PyList::new(py, b)?,))?,
+            Some(b) => new_blocks.append(b.to_py(py)?)?,
         }
         computed.append(r.num_computed_tokens)?;
         // `len(_output_token_ids)`: the tokens past the prompt (in scope, `_all_token_ids`
