@@ -181,7 +181,7 @@ def test_vllm_v1_suite_in_vllm_env(version: str, inner_suites: dict) -> None:
     counts, skipped, names = junit_summary(junit)
     assert not skipped, f"skipped under vLLM {version} (a skipped oracle is a failure): {skipped}"
     assert counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, counts
-    for e2e in ("test_e2e_cpu", "test_e2e_kinds_cpu"):
+    for e2e in ("test_e2e_cpu", "test_e2e_kinds_cpu", "test_e2e_hybrid_cpu"):
         has_e2e = any(f"{e2e}." in n or f"{e2e}::" in n for n in names)
         assert has_e2e == (version in E2E_VERSIONS), f"{e2e} collected: {has_e2e}"
     for name, value in junit_properties(junit):  # the e2e's tokens/s, reported, not asserted

@@ -26,6 +26,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request, RequestStatus
 
+from pagedkv.bench.vllm_v1 import driver
 from pagedkv.vllm_v1 import KVCacheManager as PagedManager
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
@@ -46,14 +47,10 @@ HYBRID_LAYOUTS = {
 
 
 def layer_spec(kind: Any, block_size: int) -> Any:
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
-
-    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    if kind == "full":
-        return FullAttentionSpec(**kw)
-    if kind[0] == "swa":
-        return SlidingWindowSpec(sliding_window=kind[1] * block_size + kind[2], **kw)
-    return ChunkedLocalAttentionSpec(attention_chunk_size=kind[1] * block_size, **kw)
+    """The driver's spec of a layer of ``kind`` (sizes here in blocks, there in tokens)."""
+    if kind != "full":
+        kind = (kind[0], kind[1] * block_size + (kind[2] if kind[0] == "swa" else 0))
+    return driver.layer_spec(kind, block_size)
 
 
 #: Layouts whose groups have different block sizes (as vLLM's page-size unification makes
@@ -97,16 +94,8 @@ def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
             KVCacheGroupSpec([f"layer.{i}"], layer_spec(k, block_size * scale))
             for i, (k, scale) in enumerate(MIXED_LAYOUTS[layout])
         ]
-    try:
-        from vllm.v1.core.kv_cache_planning import (
-            _get_kv_cache_groups_uniform_page_size as grouping,
-        )
-    except ImportError:  # vLLM 0.32
-        from vllm.v1.core.kv_cache_utils import (
-            _get_kv_cache_groups_uniform_page_size as grouping,
-        )
     specs = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(HYBRID_LAYOUTS[layout])}
-    groups = grouping(specs)
+    groups = driver.kv_cache_groups(specs)
     assert len(groups) > 1, layout
     return groups
 

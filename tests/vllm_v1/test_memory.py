@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pagedkv.bench.vllm_v1 import memory_per_cached_block
+import pytest
+
+from pagedkv.bench.vllm_v1 import hybrid, memory_per_cached_block
 
 
 def test_a_cached_block_costs_at_most_a_quarter_of_vllms() -> None:
@@ -10,3 +12,13 @@ def test_a_cached_block_costs_at_most_a_quarter_of_vllms() -> None:
     # worth cached and evictable.
     mem = memory_per_cached_block(24_576, 16, 256)
     assert mem["pagedkv_bytes_per_block"] * 4 <= mem["vllm_bytes_per_block"], mem
+
+
+@pytest.mark.parametrize("layout", sorted(hybrid.LAYOUTS))
+def test_a_cached_block_of_a_hybrid_pool_costs_at_most_a_third_of_vllms(layout: str) -> None:
+    # The bench's hybrid pool (W1's memory: 24,576 blocks per group), every group's blocks
+    # cached and evictable, pagedkv's native hybrid manager against vLLM's coordinator.
+    mem = memory_per_cached_block(hybrid.num_blocks(layout, 24_576, 16), 16, 256, layout)
+    assert mem["num_groups"] == len(hybrid.groups(layout, 16)) > 1
+    assert mem["cached_blocks"] > 0.98 * mem["num_blocks"], mem
+    assert mem["pagedkv_bytes_per_block"] * 3 <= mem["vllm_bytes_per_block"], mem

