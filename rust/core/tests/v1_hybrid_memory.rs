@@ -74,6 +74,8 @@ fn bytes_per_cached_block() {
             enable_events: false,
             watermark_blocks: 0,
             release: Release::V033,
+            // dense: every full block cached, the most memory per request
+            retention: pagedkv_core::vllm_v1::retention::Retention::Dense,
         })
         .unwrap();
         let cached = fill_with_cached_blocks(&mut h, num_blocks, n);

@@ -217,7 +217,9 @@ fn hybrid_slots<'a>(
 fn boundaries_of(request: &Bound<'_, PyAny>) -> PyResult<Boundaries> {
     let py = request.py();
     Ok(Boundaries {
-        num_prompt_tokens: request.getattr(intern!(py, "num_prompt_tokens"))?.extract()?,
+        num_prompt_tokens: request
+            .getattr(intern!(py, "num_prompt_tokens"))?
+            .extract()?,
         shared_prefix_boundary: request
             .getattr(intern!(py, "shared_prefix_boundary"))?
             .extract()?,
@@ -262,7 +264,8 @@ impl PyV1Hybrid {
         if !m.config().enable_caching {
             return Ok(false);
         }
-        m.cache_blocks(rid, num_tokens, boundaries, &mut hashes).py()?;
+        m.cache_blocks(rid, num_tokens, boundaries, &mut hashes)
+            .py()?;
         Ok(m.pool().has_events())
     }
 
