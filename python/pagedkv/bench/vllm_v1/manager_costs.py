@@ -37,7 +37,10 @@ def memory_per_cached_block(
     """Bytes per block of a KV cache manager whose pool is full of cached (free, evictable)
     blocks, vLLM's and pagedkv's, after the same calls (each request allocated, its full blocks
     cached in every group, then freed). ``layout``: a hybrid layout's KV cache groups
-    (:mod:`.hybrid`, the bench's retention setting), else one full-attention group. vLLM's:
+    (:mod:`.hybrid`) under dense retention (``prefix_cache_retention_interval`` ``None``: every
+    full block of every group stays cached; under vLLM's default 0 a sliding-window group keeps
+    only its boundary blocks, so the pool would not fill with cached blocks), else one
+    full-attention group. vLLM's:
     everything its manager allocated, by ``tracemalloc`` (per block a ``KVCacheBlock``, its
     ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry, the block list).
     pagedkv's: the native manager's ``heap_bytes()`` (every buffer's capacity; checked against
@@ -52,9 +55,9 @@ def memory_per_cached_block(
     def config() -> Any:
         if not layout:
             return driver.kv_cache_config(num_blocks, block_size)
-        setting = hybrid.retention(hybrid.LAYOUTS[layout], block_size, caching=True)
+        dense = None
         return driver.kv_cache_config(
-            num_blocks, block_size, hybrid.groups(layout, block_size), setting
+            num_blocks, block_size, hybrid.groups(layout, block_size), dense
         )
 
     num_groups = len(config().kv_cache_groups)
