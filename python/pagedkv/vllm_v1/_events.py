@@ -8,12 +8,14 @@ fields vLLM's ``BlockPool`` fills (vLLM's helpers for extra keys and hash conver
 so the content is vLLM's by construction), right after each native call, while the request is
 at hand; the order is the pool's. The native manager builds the frequent ones itself, with the
 same contents (``rust/py/src/vllm_v1/events.rs``): ``BlockRemoved``, and ``BlockStored`` for a
-request without extra hash keys; they arrive here as ``("event", object, 0)``.
+request without extra hash keys; they arrive here as ``("event", object, 0)``. The hybrid
+manager (``_hybrid.py``) binds the same native builder through :func:`bind_native`, one entry
+per KV cache group.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import Any, List, Sequence, Tuple
 
 #: ``BlockStored``'s fields in vLLM 0.32 and 0.33, in order (0.33 adds
 #: ``lookahead_token_ids`` after them): the native builder passes them positionally.
@@ -35,6 +37,47 @@ STORED_FIELDS = (
 )
 
 
+def int_hashes_enabled() -> bool:
+    """vLLM's ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES``: vLLM reads it on every conversion;
+    pagedkv reads it once per manager (here, at construction)."""
+    from vllm import envs
+
+    return bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+
+
+def published(block_hash: bytes, int_hashes: bool) -> Any:
+    """The hash as events publish it: the bytes, or (vLLM's integer mode) its last 8 bytes
+    read as a big-endian unsigned integer, as vLLM's converter gives."""
+    return int.from_bytes(block_hash[-8:], "big") if int_hashes else block_hash
+
+
+def bind_native(
+    native: Any, groups: Sequence[Tuple[Any, Any, int]], hash_block_size: int, int_hashes: bool
+) -> None:
+    """Have ``native`` (a ``V1Manager`` or ``V1Hybrid``) build ``BlockRemoved`` (one per
+    evicted block) and, for requests without extra hash keys, ``BlockStored`` itself, where
+    the structs' fields start as this module writes them (``rust/py/src/vllm_v1/events.rs``;
+    equal objects). ``groups``: ``(spec_kind, sliding_window, block_size)`` per KV cache
+    group, in vLLM's order; each block size a multiple of ``hash_block_size``."""
+    from vllm.distributed import kv_events
+
+    removed_fields = getattr(kv_events.BlockRemoved, "__struct_fields__", ())
+    if removed_fields[:3] == ("block_hashes", "medium", "group_idx"):
+        native.bind_removed_events(kv_events.BlockRemoved, kv_events.MEDIUM_GPU, int_hashes)
+    stored_fields = getattr(kv_events.BlockStored, "__struct_fields__", ())
+    if tuple(stored_fields[: len(STORED_FIELDS)]) == STORED_FIELDS:
+        from vllm.v1.request import Request
+
+        native.bind_stored_events(
+            kv_events.BlockStored,
+            kv_events.MEDIUM_GPU,
+            int_hashes,
+            list(groups),
+            hash_block_size,
+            Request,
+        )
+
+
 class EventBuilder:
     """Builds vLLM event objects for one group-0 full-attention cache of ``block_size``."""
 
@@ -54,11 +97,7 @@ class EventBuilder:
         self._spec = (spec_kind, sliding_window)
         fields = getattr(kv_events.BlockStored, "__struct_fields__", ())
         self._has_lookahead = "lookahead_token_ids" in fields
-        self._stored_positional = tuple(fields[: len(STORED_FIELDS)]) == STORED_FIELDS
-        # vLLM reads this variable on every conversion; it is read once here (per manager).
-        from vllm import envs
-
-        self._int_hashes = bool(envs.VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+        self._int_hashes = int_hashes_enabled()
 
     def build(self, native_events: List[Tuple[str, Any, Any]], request: Any) -> List[Any]:
         out = []
@@ -75,37 +114,22 @@ class EventBuilder:
         return out
 
     def bind_native(self, native: Any) -> None:
-        """Have ``native`` build ``BlockRemoved`` (one per evicted block) and, for requests
-        without extra hash keys, ``BlockStored`` itself where the structs' fields start as
-        this module writes them (``rust/py/src/vllm_v1/events.rs``; equal objects)."""
-        if self._removed_positional:
-            native.bind_removed_events(self._removed_cls, self._medium, self._int_hashes)
-        if self._stored_positional:
-            from vllm.v1.request import Request
-
-            kind, window = self._spec
-            native.bind_stored_events(
-                self._ev.BlockStored,
-                self._medium,
-                self._int_hashes,
-                kind,
-                window,
-                self._block_size,
-                Request,
-            )
+        """Have ``native`` build ``BlockRemoved`` and, for plain requests, ``BlockStored``
+        itself (see :func:`bind_native`)."""
+        kind, window = self._spec
+        bind_native(native, [(kind, window, self._block_size)], self._block_size, self._int_hashes)
 
     def removed(self, block_hash: bytes) -> Any:
-        h = int.from_bytes(block_hash[-8:], "big") if self._int_hashes else block_hash
+        h = published(block_hash, self._int_hashes)
         if self._removed_positional:
             return self._removed_cls([h], self._medium, 0)
         return self._removed_cls(block_hashes=[h], medium=self._medium, group_idx=0)
 
     def _hashes(self, hashes: Any) -> List[Any]:
-        """The hashes as events publish them: the bytes, or (vLLM's integer mode) the hash's
-        last 8 bytes read as a big-endian unsigned integer, as vLLM's converter gives."""
+        """The hashes as events publish them (:func:`published`)."""
         if not self._int_hashes:
             return list(hashes)
-        return [int.from_bytes(h[-8:], "big") for h in hashes]
+        return [published(h, True) for h in hashes]
 
     def _extra_keys(self, request: Any, first: int, end: int) -> Any:
         """vLLM's per-block extra keys, untagged for events. A request with no multimodal

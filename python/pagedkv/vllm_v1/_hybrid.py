@@ -28,6 +28,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pagedkv.errors import InvalidArgumentError
 
+from . import _events
 from ._blocks import BlockView
 from ._manager import PrefixCacheStatsMixin
 
@@ -211,6 +212,19 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         self.coordinator = _CoordinatorView(self, kv_cache_config)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
         self._events: List[Any] = []
+        self._int_hashes = False
+        if self.enable_kv_cache_events:
+            self._int_hashes = _events.int_hashes_enabled()
+            metadata = zip(self.kv_cache_event_metadata, self._group_block_sizes)
+            _events.bind_native(
+                self._native,
+                [(kind, window, bs) for (kind, window), bs in metadata],
+                self.hash_block_size,
+                self._int_hashes,
+            )
+            # `_drain_events` appends to this list natively (the list object stays the same:
+            # `take_events` copies and clears it); `_build_events` builds what it leaves.
+            self._native.bind_event_sink(self._events, self._build_events)
 
     # --- blocks ------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: Sequence[Sequence[Any]]) -> Any:
@@ -406,25 +420,33 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
 
     # --- KV events ---------------------------------------------------------------------------
     def _drain_events(self, request: Any = None) -> None:
-        if not self.enable_kv_cache_events:
-            return
-        for event in self._native.take_events():
-            if event[0] == "stored":
+        """The logged events as vLLM's objects into ``_events``: built natively (``BlockRemoved``;
+        ``BlockStored`` of a plain ``Request``), the rest by :meth:`_build_events`."""
+        if self.enable_kv_cache_events:
+            self._native.drain_events(request)
+
+    def _build_events(self, native_events: List[Tuple[Any, ...]], request: Any) -> List[Any]:
+        """vLLM's objects for raw native events (``V1Hybrid.take_events``' tuples)."""
+        out = []
+        for event in native_events:
+            if event[0] == "event":
+                out.append(event[1])
+            elif event[0] == "stored":
                 _, group, first, end, cached = event
-                self._events.append(self._stored(request, group, first, end, cached))
+                out.append(self._stored(request, group, first, end, cached))
             elif event[0] == "removed":
-                self._events.append(self._removed(event[1], event[2]))
+                out.append(self._removed(event[1], event[2]))
             else:
                 from vllm.distributed.kv_events import AllBlocksCleared
 
-                self._events.append(AllBlocksCleared())
+                out.append(AllBlocksCleared())
+        return out
 
     def _removed(self, block_hash: bytes, group: int) -> Any:
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockRemoved
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         return BlockRemoved(
-            block_hashes=[maybe_convert_block_hash(block_hash)],
+            block_hashes=[_events.published(block_hash, self._int_hashes)],
             medium=MEDIUM_GPU,
             group_idx=group,
         )
@@ -432,22 +454,25 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
     def _stored(self, request: Any, group: int, first: int, end: int, cached: Iterable[int]) -> Any:
         """vLLM's ``BlockStored`` for blocks ``first..end`` of ``group``, listing the hashes
         (and extra keys) of the positions in ``cached``, as its block pool builds it; the
-        spec's kind and window as vLLM's ``take_events`` sets them."""
+        spec's kind and window as vLLM's ``take_events`` sets them. The Python builder: for
+        requests with extra hash keys or not of vLLM's ``Request`` class, and vLLM's "full"
+        report mode (``events.rs`` builds the others)."""
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
         from vllm.v1.core import kv_cache_utils as u
 
         bs = self._group_block_sizes[group]
         scale = bs // self.hash_block_size
         hashes = request.block_hashes
+        publish = self._int_hashes
         extra, mm_idx = [], 0
         for i in cached:
             keys, mm_idx = u.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
             extra.append(keys)
         lora = request.lora_request
         event = BlockStored(
-            block_hashes=[u.maybe_convert_block_hash(hashes[(i + 1) * scale - 1]) for i in cached],
+            block_hashes=[_events.published(hashes[(i + 1) * scale - 1], publish) for i in cached],
             parent_block_hash=(
-                u.maybe_convert_block_hash(hashes[first * scale - 1]) if first else None
+                _events.published(hashes[first * scale - 1], publish) if first else None
             ),
             token_ids=request.all_token_ids[first * bs : end * bs],
             block_size=bs,

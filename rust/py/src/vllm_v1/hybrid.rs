@@ -16,20 +16,25 @@
 
 use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
+use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
 use crate::vllm_v1::manager::{block_ids, PyHashes};
 use pagedkv_core::vllm_v1::coordinator::{Hybrid, HybridConfig, HybridSlots};
 use pagedkv_core::vllm_v1::retention::{Boundaries, Retention};
 use pagedkv_core::vllm_v1::single_type::{AttentionKind, GroupSpec};
-use pagedkv_core::vllm_v1::{Event, Release};
+use pagedkv_core::vllm_v1::Release;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyString, PyTuple};
-use std::sync::{Mutex, MutexGuard, TryLockError};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
+use std::sync::{Mutex, MutexGuard, OnceLock, TryLockError};
 
 /// vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked local
 /// attention) over one pool; block ids per group. A failed call changes nothing.
 #[pyclass(module = "pagedkv._native", name = "V1Hybrid", frozen)]
 pub struct PyV1Hybrid {
     inner: Mutex<Hybrid>,
+    /// Set once by `bind_removed_events` / `bind_stored_events` / `bind_event_sink`.
+    removed_events: OnceLock<RemovedEvents>,
+    stored_events: OnceLock<StoredEvents>,
+    event_sink: OnceLock<EventSink>,
 }
 
 /// One group as Python describes it: `(kind, block_size, size, layout)` with `kind` one of
@@ -71,31 +76,19 @@ fn group_ids(groups: &[Vec<Int64>]) -> PyResult<Vec<Vec<u32>>> {
     groups.iter().map(|g| block_ids(g)).collect()
 }
 
-/// A pool event as `take_events` returns it: `("stored", group, first, end, cached)`,
-/// `("removed", hash, group)`, `("cleared", 0, 0)`.
-fn event_tuple<'py>(py: Python<'py>, e: &Event) -> PyResult<Bound<'py, PyTuple>> {
-    match e {
-        Event::StoredIn {
-            group,
-            first,
-            end,
-            cached,
-        } => ("stored", *group, *first, *end, cached.clone()).into_pyobject(py),
-        Event::Stored { first, end } => (
-            "stored",
-            0u32,
-            *first,
-            *end,
-            (*first..*end).collect::<Vec<u32>>(),
-        )
-            .into_pyobject(py),
-        Event::RemovedIn(k, g) => ("removed", PyBytes::new(py, k.as_bytes()), *g).into_pyobject(py),
-        Event::Removed(k) => ("removed", PyBytes::new(py, k.as_bytes()), 0u32).into_pyobject(py),
-        Event::Cleared => ("cleared", 0u32, 0u32).into_pyobject(py),
-    }
-}
-
 impl PyV1Hybrid {
+    /// What this manager's events can be built with natively (`request`: the one the
+    /// logged calls concerned).
+    fn event_objects<'a, 'py>(
+        &'a self,
+        request: Option<&'a Bound<'py, PyAny>>,
+    ) -> EventObjects<'a, 'py> {
+        EventObjects {
+            removed: self.removed_events.get(),
+            stored: self.stored_events.get().zip(request),
+        }
+    }
+
     pub(crate) fn lock(&self) -> PyResult<MutexGuard<'_, Hybrid>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
@@ -164,6 +157,9 @@ impl PyV1Hybrid {
         };
         Ok(PyV1Hybrid {
             inner: Mutex::new(Hybrid::new(cfg).py()?),
+            removed_events: OnceLock::new(),
+            stored_events: OnceLock::new(),
+            event_sink: OnceLock::new(),
         })
     }
 
@@ -401,10 +397,95 @@ impl PyV1Hybrid {
     }
 
     /// Events since the last call: `("stored", group, first, end, cached_positions)`,
-    /// `("removed", hash, group)`, `("cleared", 0, 0)`.
-    fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyTuple>>> {
+    /// `("removed", hash, group)`, `("cleared", 0, 0)`; an event built natively (after
+    /// `bind_removed_events` / `bind_stored_events`; a `BlockStored` needs `request`, the
+    /// request the last call concerned) comes as `("event", object, 0)`.
+    #[pyo3(signature = (request=None))]
+    fn take_events<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Vec<Bound<'py, PyTuple>>> {
         let events = self.lock()?.pool_mut().take_events();
-        events.iter().map(|e| event_tuple(py, e)).collect()
+        let built = self.event_objects(request);
+        events.iter().map(|e| built.tuple(py, e)).collect()
+    }
+
+    /// The events since the last call, as vLLM's objects, appended to the bound sink's list
+    /// (see `bind_event_sink`; `request`: the request the last call concerned, `None` after
+    /// an eviction or reset).
+    #[pyo3(signature = (request=None))]
+    fn drain_events<'py>(
+        &self,
+        py: Python<'py>,
+        request: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<()> {
+        let sink = self
+            .event_sink
+            .get()
+            .ok_or_else(|| crate::errors::invalid("drain_events needs bind_event_sink first"))?;
+        let events = self.lock()?.pool_mut().take_events();
+        sink.publish(py, &self.event_objects(request), &events, request)
+    }
+
+    /// Have events build vLLM's `BlockRemoved(block_hashes=[hash], medium, group)` natively
+    /// (`cls`'s first fields must be those three, in that order; the caller checks).
+    fn bind_removed_events(
+        &self,
+        cls: Py<PyAny>,
+        medium: Py<PyAny>,
+        int_hashes: bool,
+    ) -> PyResult<()> {
+        let removed = RemovedEvents {
+            cls,
+            medium,
+            int_hashes,
+        };
+        self.removed_events
+            .set(removed)
+            .map_err(|_| crate::errors::invalid("bind_removed_events was already called"))
+    }
+
+    /// Have events build vLLM's `BlockStored` natively for a plain request (see
+    /// [`StoredEvents`]; `cls`'s first 14 fields must be `BlockStored`'s of vLLM 0.32 and 0.33,
+    /// in that order; the caller checks). `groups`: `(spec_kind, sliding_window, block_size)`
+    /// per group, in vLLM's group order.
+    fn bind_stored_events(
+        &self,
+        cls: Py<PyAny>,
+        medium: Py<PyAny>,
+        int_hashes: bool,
+        groups: Vec<(Py<PyAny>, Py<PyAny>, usize)>,
+        hash_block_size: usize,
+        request_cls: Py<PyAny>,
+    ) -> PyResult<()> {
+        let n = self.lock()?.num_groups();
+        if groups.len() != n {
+            return Err(crate::errors::invalid(format!(
+                "stored events for {} groups, the manager has {n}",
+                groups.len()
+            )));
+        }
+        let stored = StoredEvents::new(
+            cls,
+            medium,
+            int_hashes,
+            groups,
+            hash_block_size,
+            request_cls,
+        )?;
+        self.stored_events
+            .set(stored)
+            .map_err(|_| crate::errors::invalid("bind_stored_events was already called"))
+    }
+
+    /// Have `drain_events` append vLLM's event objects to `events` (no Python call unless an
+    /// event is built in Python: then `build(raw_events, request)` builds it, `raw_events` as
+    /// `take_events` gives them).
+    fn bind_event_sink(&self, events: Py<PyList>, build: Py<PyAny>) -> PyResult<()> {
+        self.event_sink
+            .set(EventSink { events, build })
+            .map_err(|_| crate::errors::invalid("bind_event_sink was already called"))
     }
 
     /// Blocks in the pool, the null block included.

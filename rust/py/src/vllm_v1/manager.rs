@@ -230,19 +230,7 @@ impl PyV1Manager {
             removed: self.removed_events.get(),
             stored: self.stored_events.get().zip(Some(request)),
         };
-        let list = sink.events.bind(py);
-        for e in &events {
-            match built.object(py, e)? {
-                Some(obj) => list.append(obj)?,
-                None => {
-                    let raw = PyList::new(py, [built.raw(py, e)?])?;
-                    for obj in sink.build.bind(py).call1((raw, request))?.try_iter()? {
-                        list.append(obj?)?;
-                    }
-                }
-            }
-        }
-        Ok(())
+        sink.publish(py, &built, &events, Some(request))
     }
 
     fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
@@ -640,28 +628,27 @@ impl PyV1Manager {
 
     /// Have `take_events(request)` build vLLM's `BlockStored` itself for a plain request
     /// (see [`StoredEvents`]; `cls`'s first 14 fields must be `BlockStored`'s of vLLM 0.32 and
-    /// 0.33, in that order; the caller checks).
-    #[allow(clippy::too_many_arguments)]
+    /// 0.33, in that order; the caller checks). `groups`: `[(spec_kind, sliding_window,
+    /// block_size)]`, this manager's one group.
     fn bind_stored_events(
         &self,
         cls: Py<PyAny>,
         medium: Py<PyAny>,
         int_hashes: bool,
-        spec_kind: Py<PyAny>,
-        sliding_window: Py<PyAny>,
-        block_size: usize,
+        groups: Vec<(Py<PyAny>, Py<PyAny>, usize)>,
+        hash_block_size: usize,
         request_cls: Py<PyAny>,
     ) -> PyResult<()> {
+        let stored = StoredEvents::new(
+            cls,
+            medium,
+            int_hashes,
+            groups,
+            hash_block_size,
+            request_cls,
+        )?;
         self.stored_events
-            .set(StoredEvents {
-                cls,
-                medium,
-                int_hashes,
-                spec_kind,
-                sliding_window,
-                block_size,
-                request_cls,
-            })
+            .set(stored)
             .map_err(|_| crate::errors::invalid("bind_stored_events was already called"))
     }
 
