@@ -519,13 +519,12 @@ class V1Manager:
         cls: Any,
         medium: Any,
         int_hashes: bool,
-        spec_kind: Any,
-        sliding_window: Any,
-        block_size: int,
+        groups: List[Tuple[Any, Any, int]],
+        hash_block_size: int,
         request_cls: Any,
     ) -> None:
         """Have ``take_events(request)`` build vLLM's ``BlockStored`` itself for a request
-        without extra hash keys."""
+        without extra hash keys; ``groups``: ``[(spec_kind, sliding_window, block_size)]``."""
     def vllm_allocate_slots(
         self,
         request: Any,
@@ -711,9 +710,29 @@ class V1Hybrid:
         """Whether the block is in the free-block queue."""
     def free_queue(self) -> List[int]:
         """The free-block queue, head (handed out next) first."""
-    def take_events(self) -> List[Tuple[Any, ...]]:
+    def take_events(self, request: Any = None) -> List[Tuple[Any, ...]]:
         """``("stored", group, first, end, cached_positions)``, ``("removed", hash, group)``,
-        ``("cleared", 0, 0)``, oldest first."""
+        ``("cleared", 0, 0)``, oldest first; one built natively (after the ``bind_*_events``
+        calls; a ``BlockStored`` needs ``request``) as ``("event", object, 0)``."""
+    def drain_events(self, request: Any = None) -> None:
+        """The logged events as vLLM's objects appended to the bound sink's list (built
+        natively where bound, else by the sink's builder)."""
+    def bind_removed_events(self, cls: Any, medium: Any, int_hashes: bool) -> None:
+        """Have events build vLLM's ``BlockRemoved`` natively."""
+    def bind_stored_events(
+        self,
+        cls: Any,
+        medium: Any,
+        int_hashes: bool,
+        groups: List[Tuple[Any, Any, int]],
+        hash_block_size: int,
+        request_cls: Any,
+    ) -> None:
+        """Have events build vLLM's ``BlockStored`` natively for a request without extra hash
+        keys; ``groups``: ``(spec_kind, sliding_window, block_size)`` per group."""
+    def bind_event_sink(self, events: List[Any], build: Any) -> None:
+        """Have ``drain_events`` append vLLM's event objects to ``events`` (``build`` builds
+        the ones not built natively)."""
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool, the null block included."""

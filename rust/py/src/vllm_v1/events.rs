@@ -180,12 +180,14 @@ impl StoredEvents {
         let scale = g.block_size / self.hash_block_size;
         let positions = r.positions();
         let parent = match r.first {
-            0 => Some(vec![py.None().into_bound(py)]),
-            first => self.hashes_at(hashes, std::iter::once(first * scale - 1))?,
+            0 => Some(py.None().into_bound(py)),
+            first => self
+                .hashes_at(hashes, std::iter::once(first * scale - 1))?
+                .and_then(|mut h| h.pop()),
         };
         let published_hashes =
             self.hashes_at(hashes, positions.iter().map(|i| (i + 1) * scale - 1))?;
-        let (Some(mut parent), Some(published_hashes)) = (parent, published_hashes) else {
+        let (Some(parent), Some(published_hashes)) = (parent, published_hashes) else {
             return Ok(None);
         };
         let extra_keys = match positions.len() {
@@ -195,7 +197,7 @@ impl StoredEvents {
         let bs = g.block_size;
         let args = [
             PyList::new(py, published_hashes)?.into_any(),
-            parent.swap_remove(0),
+            parent,
             tokens.get_slice(r.first * bs, r.end * bs).into_any(),
             bs.into_pyobject(py)?.into_any(),
             py.None().into_bound(py),
