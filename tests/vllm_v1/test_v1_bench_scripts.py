@@ -264,7 +264,8 @@ def test_the_drafter_stand_in_is_deterministic_and_verifies_a_prefix() -> None:
 
 
 def test_spec_joins_w1_in_the_compare_run() -> None:
-    """``pagedkv bench --compare`` runs MIXED and SPEC over W1's configuration with W1."""
+    """``pagedkv bench --compare`` runs MIXED, SPEC, GPTOSS and GEMMA3 over W1's configuration
+    with W1."""
     import dataclasses
 
     from pagedkv.bench.vllm_v1 import section as v1
@@ -272,8 +273,9 @@ def test_spec_joins_w1_in_the_compare_run() -> None:
 
     w1 = dataclasses.replace(W1_QUICK, num_requests=7)
     got = dict(v1.with_w1_variants([("w1", w1)], quick=True))
-    assert list(got) == ["w1", "mixed", "spec"]
-    assert got["mixed"].base == w1 and got["spec"].base == w1
+    assert list(got) == ["w1", "mixed", "spec", "gptoss", "gemma3"]
+    assert all(got[name].base == w1 for name in ("mixed", "spec", "gptoss", "gemma3"))
+    assert (got["gptoss"].layout, got["gemma3"].layout) == ("gptoss", "gemma3")
     assert v1.with_w1_variants([("w2", w1)], quick=True) == [("w2", w1)]
 
 

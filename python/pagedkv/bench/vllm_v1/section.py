@@ -438,7 +438,7 @@ def run_release(
 ) -> Dict[str, List[Dict[str, Any]]]:
     """The sections for ``release``: in this process when that vLLM is installed here, else
     in its virtualenv (this checkout's pagedkv first on the path there), output streamed.
-    The mixed and the speculative workloads join W1 (:func:`with_w1_variants`)."""
+    The mixed, the speculative and two hybrid workloads join W1 (:func:`with_w1_variants`)."""
     workloads = with_w1_variants(workloads, quick)
     names = [name for name, _ in workloads]
     if installed_release() == release:
@@ -544,8 +544,9 @@ def make_workload(cfg: Any, seed: int) -> Workload:
     return generate(cfg, seed=seed)
 
 
-#: The workloads over W1's configuration that join it in ``pagedkv bench --compare``.
-W1_VARIANTS = ("mixed", "spec")
+#: The workloads over W1's configuration that join it in ``pagedkv bench --compare``: the mixed
+#: request kinds, speculative decoding, and W1 over GPT-OSS's and Gemma 3's KV cache groups.
+W1_VARIANTS = ("mixed", "spec", "gptoss", "gemma3")
 
 
 def with_w1_variants(workloads: List[Tuple[str, Any]], quick: bool) -> List[Tuple[str, Any]]:
