@@ -57,7 +57,7 @@
 
 use super::engine::Release;
 use super::manager::HashSource;
-use super::pool::Pool;
+use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
 use super::single_type::{
     find_longest_cache_hit, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
@@ -354,7 +354,7 @@ impl Hybrid {
         Ok(())
     }
 
-    fn check_args(&self, a: &HybridSlots) -> Result<()> {
+    fn check_args(&self, req: &str, a: &HybridSlots) -> Result<()> {
         if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
             return Err(Error::invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
@@ -371,18 +371,69 @@ impl Hybrid {
                 self.cfg.max_model_len
             )));
         }
-        if let Some(nc) = a.new_computed {
-            if nc.len() != self.managers.len() {
+        match a.new_computed {
+            Some(nc) => self.check_hit(req, a.num_new_computed_tokens, nc),
+            None => Ok(()),
+        }
+    }
+
+    /// An adopted hit is what `find_longest_cache_hit` makes: one list per group, none for a
+    /// running request (or one already holding blocks), each `hit tokens / block_size` long,
+    /// its blocks cached in that group, null blocks only leading and only in a group that
+    /// skips tokens. Checked before anything changes; O(blocks listed).
+    fn check_hit(&self, req: &str, tokens: u64, nc: &[Vec<u32>]) -> Result<()> {
+        if nc.len() != self.managers.len() {
+            return Err(Error::invalid(format!(
+                "a hit for {} groups, the coordinator has {}",
+                nc.len(),
+                self.managers.len()
+            )));
+        }
+        let any = nc.iter().any(|g| !g.is_empty());
+        if self.managers.iter().any(|m| m.is_running(req)) {
+            return match any {
+                true => Err(Error::invalid(format!(
+                    "request {req} is running: it cannot adopt prefix-cache blocks"
+                ))),
+                false => Ok(()),
+            };
+        }
+        if self.managers.iter().any(|m| !m.blocks(req).is_empty()) {
+            return Err(Error::invalid(format!(
+                "request {req} holds blocks: it cannot adopt prefix-cache blocks"
+            )));
+        }
+        if any && !self.cfg.enable_caching {
+            return Err(Error::invalid("computed blocks without prefix caching"));
+        }
+        for (m, blocks) in self.managers.iter().zip(nc) {
+            self.check_group_hit(m, tokens, blocks)?;
+        }
+        Ok(())
+    }
+
+    fn check_group_hit(&self, m: &GroupManager, tokens: u64, blocks: &[u32]) -> Result<()> {
+        let group = m.group_id();
+        if !blocks.is_empty() && blocks.len() as u64 * u64::from(m.block_size()) != tokens {
+            return Err(Error::invalid(format!(
+                "num_new_computed_tokens ({tokens}) must cover group {group}'s {} adopted \
+                 blocks exactly",
+                blocks.len()
+            )));
+        }
+        let nulls = blocks.iter().take_while(|&&b| b == NULL_BLOCK).count();
+        if nulls > 0 && is_full(m.spec()) {
+            return Err(Error::invalid(format!(
+                "group {group} (full attention) cannot adopt the null block"
+            )));
+        }
+        for &b in &blocks[nulls..] {
+            self.pool.check_block(i64::from(b))?;
+            let cached_here = self.pool.hash_of(b).is_some() && self.pool.group_of(b) == group;
+            if b == NULL_BLOCK || !cached_here {
                 return Err(Error::invalid(format!(
-                    "a hit for {} groups, the coordinator has {}",
-                    nc.len(),
-                    self.managers.len()
+                    "block {b} is not a cached block of group {group}"
                 )));
-            }
-            for blocks in nc {
-                for &b in blocks {
-                    self.pool.check_block(i64::from(b))?;
-                }
             }
         }
         Ok(())
@@ -398,7 +449,7 @@ impl Hybrid {
         a: &HybridSlots,
         hashes: &mut dyn HashSource,
     ) -> Result<Option<Vec<Vec<u32>>>> {
-        self.check_args(a)?;
+        self.check_args(req, a)?;
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
@@ -428,23 +479,7 @@ impl Hybrid {
         }
         // Plan what gets cached (every hash read) before anything else changes.
         let running = self.managers.iter().any(|m| m.is_running(req));
-        let adopt = a.new_computed.is_some() && !running;
-        if adopt {
-            for m in &self.managers {
-                if !m.blocks(req).is_empty() {
-                    return Err(Error::invalid(format!(
-                        "request {req} holds blocks: it cannot adopt prefix-cache blocks"
-                    )));
-                }
-            }
-        } else if running
-            && a.new_computed
-                .is_some_and(|nc| nc.iter().any(|g| !g.is_empty()))
-        {
-            return Err(Error::invalid(format!(
-                "request {req} is running: it cannot adopt prefix-cache blocks"
-            )));
-        }
+        let adopt = a.new_computed.is_some() && !running; // check_hit refused the rest
         let to_cache = (!a.delay_cache_blocks).then(|| {
             let t = total.saturating_add(a.num_new_tokens).min(a.num_tokens);
             let s = u64::from(self.cfg.scheduler_block_size);

@@ -209,6 +209,55 @@ fn allocate_adopts_every_groups_hit_then_allocates_in_group_order() {
     assert_eq!(h.pop_blocks_for_free("b"), [1, 2, 3, 4, 10, 5, 11, 12]);
 }
 
+/// Every hit `find_longest_cache_hit` cannot make is refused before anything changes: the
+/// pool's queue, every table and every invariant stay as they were.
+#[test]
+fn a_hit_vllm_cannot_make_is_refused_unchanged() {
+    let mut h = gpt_oss_after_a();
+    let ks = keys(5);
+    let before = h.pool().free_queue();
+    let bad: [(Vec<Vec<u32>>, u64); 8] = [
+        (vec![vec![1], vec![7, 8]], 4), // group 1's list does not cover 4 tokens
+        (vec![vec![1, 2], vec![N, 8]], 4), // group 0's list does not cover 4 tokens
+        (vec![vec![N, 2], vec![N, 7]], 8), // a null block in full attention
+        (vec![vec![1, 2], vec![7, N]], 8), // a null block after a real one
+        (vec![vec![1, 7], vec![N, 8]], 8), // block 7 is cached for group 1, not 0
+        (vec![vec![1, 2], vec![N, 2]], 8), // block 2 is cached for group 0, not 1
+        (vec![vec![1, 11], vec![N, 8]], 8), // block 11 is free and uncached
+        (vec![vec![1, 2], vec![N, 8], vec![]], 8), // three lists for two groups
+    ];
+    for (blocks, tokens) in &bad {
+        let a = HybridSlots {
+            num_tokens: 12,
+            num_new_tokens: 12 - tokens,
+            num_new_computed_tokens: *tokens,
+            new_computed: Some(blocks),
+            waiting_or_preempted: true,
+            ..Default::default()
+        };
+        let got = h.allocate_slots("b", &a, &mut &ks[..]);
+        assert!(got.is_err(), "{blocks:?} over {tokens} tokens was adopted");
+        assert_eq!(h.pool().free_queue(), before);
+        assert_eq!(h.blocks("b"), [Vec::<u32>::new(), Vec::new()]);
+        h.check().unwrap();
+    }
+    // A request holding blocks cannot adopt a hit, nor can a running one.
+    let step = prefill(4);
+    h.allocate_slots("c", &step, &mut &ks[..]).unwrap().unwrap();
+    let hit = vec![vec![1], vec![6]];
+    let a = HybridSlots {
+        num_tokens: 8,
+        num_new_tokens: 4,
+        num_new_computed_tokens: 4,
+        new_computed: Some(&hit),
+        ..Default::default()
+    };
+    let held = h.blocks("c");
+    assert!(h.allocate_slots("c", &a, &mut &ks[..]).is_err());
+    assert_eq!(h.blocks("c"), held);
+    h.check().unwrap();
+}
+
 #[test]
 fn full_sequence_gate_caps_the_window_group() {
     // allocate_slots(full_sequence_must_fit): get_num_blocks_to_allocate with
