@@ -490,7 +490,13 @@ class V1Manager:
         enable_caching: bool,
         enable_events: bool,
         watermark_blocks: int,
-    ) -> Self: ...
+        use_eagle: bool = False,
+        eagle_group: bool = False,
+        release: str = "0.33",
+    ) -> Self:
+        """``use_eagle``: the manager's (EAGLE/MTP); ``eagle_group``: the group's
+        ``is_eagle_group``; with ``release`` (``"0.32"`` or ``"0.33"``) they decide whether a
+        prefix-cache hit drops its last block (``drops_eagle_block``)."""
     @property
     def num_blocks(self) -> int:
         """Blocks in the pool, the null block included."""
@@ -500,6 +506,10 @@ class V1Manager:
     @property
     def num_requests(self) -> int:
         """Requests holding a block table."""
+    @property
+    def drops_eagle_block(self) -> bool:
+        """Whether a prefix-cache hit drops its last block (EAGLE/MTP, per the release's
+        rule)."""
     def bind_vllm(
         self,
         empty: Any,
@@ -629,13 +639,16 @@ class V1Hybrid:
         watermark_blocks: int,
         release: str,
         prefix_cache_retention_interval: Optional[int] = None,
+        use_eagle: bool = False,
+        eagle_groups: Optional[Sequence[bool]] = None,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, window or chunk size, layout)`` per group, kind
         ``"full"``, ``"sliding_window"`` or ``"chunked_local"``; ``release``: ``"0.32"`` or
         ``"0.33"``; ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay
         boundaries and junctions only, a positive multiple of ``scheduler_block_size`` those
         and one tail per interval; ``InvalidArgumentError`` as vLLM's ``ValueError``
-        otherwise)."""
+        otherwise); ``use_eagle``: the manager's (EAGLE/MTP), ``eagle_groups``: each group's
+        ``is_eagle_group`` (``None``: none flagged; else one per group)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:
@@ -739,6 +752,10 @@ class V1Hybrid:
     @property
     def num_groups(self) -> int:
         """KV cache groups."""
+    @property
+    def eagle_groups(self) -> List[bool]:
+        """Per group, its ``use_eagle``: it drops EAGLE/MTP's block (every member of an
+        attention group holding a dropping group)."""
     def heap_bytes(self) -> int:
         """Heap bytes the manager holds."""
     def check(self) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 from vllm.sampling_params import SamplingParams
@@ -101,10 +101,15 @@ def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
 
 
 def kv_cache_config(
-    num_blocks: int, block_size: int, layout: str = "", retention: Optional[int] = None
+    num_blocks: int,
+    block_size: int,
+    layout: str = "",
+    retention: Optional[int] = None,
+    eagle_groups: Sequence[int] = (),
 ) -> KVCacheConfig:
     """``retention``: ``prefix_cache_retention_interval`` (``None``, dense, is
-    ``KVCacheConfig``'s default; vLLM's engines default to 0)."""
+    ``KVCacheConfig``'s default; vLLM's engines default to 0). ``eagle_groups``: the groups
+    flagged ``is_eagle_group`` (an EAGLE drafter's layers)."""
     if layout:
         groups = hybrid_groups(layout, block_size)
     else:
@@ -112,6 +117,8 @@ def kv_cache_config(
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
         )
         groups = [KVCacheGroupSpec(["layer.0"], spec)]
+    for i in eagle_groups:
+        groups[i].is_eagle_group = True
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=[],
@@ -121,7 +128,12 @@ def kv_cache_config(
 
 
 def manager_pair(
-    num_blocks: int, block_size: int, layout: str = "", retention: Optional[int] = None, **kw: Any
+    num_blocks: int,
+    block_size: int,
+    layout: str = "",
+    retention: Optional[int] = None,
+    eagle_groups: Sequence[int] = (),
+    **kw: Any,
 ) -> tuple:
     args = dict(
         max_model_len=kw.pop("max_model_len", 4096),
@@ -129,7 +141,7 @@ def manager_pair(
         hash_block_size=block_size,
         **kw,
     )
-    cfg = kv_cache_config(num_blocks, block_size, layout, retention)
+    cfg = kv_cache_config(num_blocks, block_size, layout, retention, eagle_groups)
     ours = PagedManager(cfg, **args)
     if layout:
         from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
@@ -137,7 +149,8 @@ def manager_pair(
         assert type(ours) is HybridKVCacheManager, "expected the native hybrid manager"
     else:
         assert type(ours) is PagedManager, "expected the native manager in scope"
-    return VLLMManager(kv_cache_config(num_blocks, block_size, layout, retention), **args), ours
+    theirs = kv_cache_config(num_blocks, block_size, layout, retention, eagle_groups)
+    return VLLMManager(theirs, **args), ours
 
 
 def event_repr(e: Any) -> tuple:
@@ -169,6 +182,9 @@ class Driver:
     layout: str = ""
     #: ``prefix_cache_retention_interval`` of both managers.
     retention: Optional[int] = None
+    #: The managers' ``use_eagle`` and the groups flagged ``is_eagle_group``.
+    use_eagle: bool = False
+    eagle_groups: Sequence[int] = ()
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
     deferred: List[tuple] = field(default_factory=list)
@@ -185,6 +201,8 @@ class Driver:
             self.block_size,
             self.layout,
             self.retention,
+            self.eagle_groups,
+            use_eagle=self.use_eagle,
             enable_caching=self.caching,
             enable_kv_cache_events=self.events,
             log_stats=True,

@@ -67,7 +67,10 @@ def test_refusals_name_their_reason() -> None:
     )
     retained = SlidingWindowSpec(sliding_window=8, extra_retained_tokens=2, **kw)
     assert "extra retained" in _reason([group(0, full4), group(1, retained)])
-    assert "EAGLE" in _reason([group(0, full4), group(1, swa4)], use_eagle=True)
+    # EAGLE is native except with a chunked local group (vLLM's lookup asserts against it).
+    assert "EAGLE" in _reason([group(0, full4), group(1, chunk4)], use_eagle=True)
+    eagle = {**ARGS, "use_eagle": True}
+    assert _scope.out_of_scope(config([group(0, full4), group(1, swa4)]), **eagle) is None
     assert "block size 4" in _reason([group(0, full4), group(1, swa4)], hash_block_size=8)
 
 

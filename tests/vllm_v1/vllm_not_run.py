@@ -75,6 +75,12 @@ def _coordinator_internal(attr: str) -> str:
     return f"reads vLLM's coordinator internals (coordinator.{attr}), not in pagedkv's view"
 
 
+_EXTERNAL_FREE_QUEUE = (
+    _pool_internal("free_block_queue")
+    + "; then allocates external (connector) tokens, which pagedkv's manager refuses"
+)
+
+
 #: The aux output connector (put in after construction: vLLM's loop runs) reads vLLM's pool.
 _AUX_POOL = (
     _pool_internal("get_cached_block")
@@ -166,6 +172,21 @@ PAGEDKV["0.33"] = {
     "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
         "get_new_blocks, cache_full_blocks"
     ),
+    # EAGLE on a hybrid (full + two windows), native: its hits (each group's dropped block)
+    # and new blocks match (checked before the read that fails).
+    "test_prefix_caching.py::test_prefill_hybrid_model_eagle": _pool_internal(
+        "cached_block_hash_to_block"
+    ),
+    # EAGLE managers (native since EAGLE is) that take blocks off vLLM's free queue by hand
+    # and then allocate external (connector) tokens, which pagedkv's manager refuses.
+    "test_prefix_caching.py::test_cache_hit_local_and_external": _EXTERNAL_FREE_QUEUE,
+    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups": _EXTERNAL_FREE_QUEUE,
+    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups_preempt_and_reallocate": (
+        _EXTERNAL_FREE_QUEUE
+    ),
+    "test_prefix_caching.py::test_cache_hit_local_and_external_two_groups_preempt_and_reallocate": (
+        _EXTERNAL_FREE_QUEUE
+    ),
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
@@ -213,6 +234,21 @@ PAGEDKV["0.32"] = {
     ),
     "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
         "get_new_blocks, cache_full_blocks"
+    ),
+    # EAGLE on a hybrid (full + two windows), native: its hits (each group's dropped block)
+    # and new blocks match (checked before the read that fails).
+    "test_prefix_caching.py::test_prefill_hybrid_model_eagle": _pool_internal(
+        "cached_block_hash_to_block"
+    ),
+    # EAGLE managers (native since EAGLE is) that take blocks off vLLM's free queue by hand
+    # and then allocate external (connector) tokens, which pagedkv's manager refuses.
+    "test_prefix_caching.py::test_cache_hit_local_and_external": _EXTERNAL_FREE_QUEUE,
+    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups": _EXTERNAL_FREE_QUEUE,
+    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups_preempt_and_reallocate": (
+        _EXTERNAL_FREE_QUEUE
+    ),
+    "test_prefix_caching.py::test_cache_hit_local_and_external_two_groups_preempt_and_reallocate": (
+        _EXTERNAL_FREE_QUEUE
     ),
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"

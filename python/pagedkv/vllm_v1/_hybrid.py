@@ -82,6 +82,11 @@ class _GroupView:
         self.block_pool = manager.block_pool
 
 
+def _eagle_flag(group: Any) -> bool:
+    """The group's ``is_eagle_group`` (draft-model layers: EAGLE's drop applies to it)."""
+    return bool(getattr(group, "is_eagle_group", False))
+
+
 class _BlockList:
     """``block_pool.blocks``: every block of the pool as a live view, made when indexed."""
 
@@ -135,7 +140,12 @@ class _CoordinatorView:
             _GroupView(manager, g.kv_cache_spec, i)
             for i, g in enumerate(kv_cache_config.kv_cache_groups)
         )
-        self.eagle_group_ids: set = set()
+        flagged = {i for i, g in enumerate(kv_cache_config.kv_cache_groups) if _eagle_flag(g)}
+        if manager.use_eagle and not flagged:
+            flagged = set(range(len(kv_cache_config.kv_cache_groups)))
+        self.eagle_group_ids: set = flagged
+        drops = manager._native.eagle_groups
+        self.drop_eagle_group_ids: set = {i for i in flagged if drops[i]}
         self.num_reprefillable_tokens = 0
 
     def get_num_blocks_to_allocate(
@@ -179,7 +189,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         self.hash_block_size = a["hash_block_size"]
         self.enable_caching = a["enable_caching"]
         self.enable_kv_cache_events = a["enable_kv_cache_events"]
-        self.use_eagle = False
+        self.use_eagle = a["use_eagle"]
         self.log_stats = a["log_stats"]
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
@@ -202,6 +212,8 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             self.watermark_blocks,
             "0.32" if release == "0.32.0" else "0.33",
             getattr(kv_cache_config, "prefix_cache_retention_interval", None),
+            use_eagle=bool(self.use_eagle),
+            eagle_groups=[_eagle_flag(g) for g in groups],
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         self.kv_cache_event_metadata = tuple(

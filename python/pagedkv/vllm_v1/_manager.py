@@ -84,7 +84,10 @@ class _CoordinatorView:
         self._manager = manager
         self.block_pool = manager.block_pool
         self.single_type_managers = (_GroupView(manager, spec),)
-        self.eagle_group_ids: set = set()
+        group = manager.kv_cache_config.kv_cache_groups[0]
+        flagged = bool(getattr(group, "is_eagle_group", False))
+        self.eagle_group_ids: set = {0} if flagged or manager.use_eagle else set()
+        self.drop_eagle_group_ids: set = {0} if manager._native.drops_eagle_block else set()
         self.num_reprefillable_tokens = 0
 
     def get_num_blocks_to_allocate(
@@ -173,7 +176,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
         self.block_size = a["scheduler_block_size"]
         self.enable_caching = a["enable_caching"]
         self.enable_kv_cache_events = a["enable_kv_cache_events"]
-        self.use_eagle = False
+        self.use_eagle = a["use_eagle"]
         self.log_stats = a["log_stats"]
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
@@ -184,6 +187,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
         if watermark < 0:
             raise InvalidArgumentError("watermark must be non-negative")
         self.watermark_blocks = int(watermark * kv_cache_config.num_blocks)
+        group = kv_cache_config.kv_cache_groups[0]
         self._native = _native.V1Manager(
             kv_cache_config.num_blocks,
             self.block_size,
@@ -191,8 +195,11 @@ class KVCacheManager(PrefixCacheStatsMixin):
             self.enable_caching,
             self.enable_kv_cache_events,
             self.watermark_blocks,
+            use_eagle=bool(self.use_eagle),
+            eagle_group=bool(getattr(group, "is_eagle_group", False)),
+            release="0.32" if require_supported_vllm() == "0.32.0" else "0.33",
         )
-        spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+        spec = group.kv_cache_spec
         self._init_metadata(spec)
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, spec)

@@ -151,7 +151,7 @@ class NativeLoop:
             (bool(getattr(self, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
             (getattr(self, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
             (getattr(self, "dynamic_sd_lookup", None) is not None, "dynamic speculative decoding"),
-            (bool(getattr(self, "num_prefill_lookahead", 0)), "prefill lookahead"),
+            (getattr(self, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         )
         return next((why for out, why in checks if out), None)
 

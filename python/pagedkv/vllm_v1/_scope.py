@@ -9,9 +9,12 @@ The native manager mirrors vLLM's manager for one KV cache group handled by vLLM
 equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4) each
 handled by vLLM's ``FullAttentionManager``, ``SlidingWindowManager`` or
 ``ChunkedLocalAttentionManager`` (:func:`hybrid_out_of_scope`); in both cases none of:
-EAGLE/MTP block dropping, hash lookahead tokens, decode or prefill context parallelism, block
-zeroing (Mamba or mixed-precision caches), a KV cache metrics collector. Anything else runs
-vLLM's own manager; :func:`out_of_scope` says why.
+hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or prefill
+context parallelism, block zeroing (Mamba or mixed-precision caches), a KV cache metrics
+collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively,
+its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
+a chunked local group, whose lookup vLLM asserts against. Anything else runs vLLM's own
+manager; :func:`out_of_scope` says why.
 """
 
 from __future__ import annotations
@@ -50,9 +53,8 @@ def _reason(failed: Any, what: str) -> Optional[str]:
 def _common_reason(kv_cache_config: Any, args: Any) -> Optional[str]:
     """What neither the one-group nor the hybrid manager serves."""
     checks = (
-        (args.get("use_eagle"), "EAGLE/MTP block dropping"),
         (args.get("num_hash_lookahead_tokens"), "hash lookahead tokens"),
-        (args.get("num_prefill_lookahead"), "multi-module MTP prefill lookahead"),
+        ((args.get("num_prefill_lookahead") or 0) > 1, "multi-module MTP prefill lookahead"),
         (args.get("dcp_world_size", 1) != 1, "decode context parallelism"),
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
         (args.get("metrics_collector") is not None, "KV cache residency metrics"),
@@ -79,6 +81,8 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     )
 
     hbs, sbs = args.get("hash_block_size"), args.get("scheduler_block_size")
+    groups = kv_cache_config.kv_cache_groups
+    eagle = args.get("use_eagle") or any(getattr(g, "is_eagle_group", False) for g in groups)
     kinds = []
     for group in kv_cache_config.kv_cache_groups:
         cls = _manager_class(group)
@@ -98,6 +102,11 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
             return _reason(True, "a chunked local group below the scheduler block size")
         if getattr(spec, "extra_retained_tokens", 0):
             return _reason(True, "sliding-window extra retained tokens")
+        if cls is ChunkedLocalAttentionManager and eagle:
+            return (
+                "EAGLE/MTP with a chunked local group runs vLLM's manager (its lookup asserts "
+                "against the combination)"
+            )
         kinds.append(cls)
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
@@ -141,7 +150,7 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
         (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
-        (bool(getattr(sched, "num_prefill_lookahead", 0)), "prefill lookahead"),
+        (getattr(sched, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),

@@ -76,6 +76,8 @@ fn bytes_per_cached_block() {
             release: Release::V033,
             // dense: every full block cached, the most memory per request
             retention: pagedkv_core::vllm_v1::retention::Retention::Dense,
+            use_eagle: false,
+            eagle_groups: Vec::new(),
         })
         .unwrap();
         let cached = fill_with_cached_blocks(&mut h, num_blocks, n);

@@ -35,11 +35,19 @@
 //! Differences between the releases that reach this code: `pop_blocks_for_free` leaves the
 //! leading null blocks out in 0.33 only (`trim_null_head`; the free queue ends up the same,
 //! as both skip the null block when freeing); 0.33 caps `cache_blocks` at the request's
-//! hashes. Everything else here is the same in both (EAGLE's drop set, partial hash hits and
-//! lookahead hashes changed, all out of this scope: see [`super::single_type`]).
+//! hashes; EAGLE's drop set differs ([`super::eagle::drop_groups`]: a group flagged
+//! `is_eagle_group` drops without `use_eagle` in 0.32 only), and so does what a dropping sliding
+//! window retains at a junction (0.33 also keeps the tail one block below it). Everything else
+//! here is the same in both (partial hash hits and lookahead hashes changed, out of this scope).
 //!
-//! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE,
-//! Mamba groups, the unitary coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
+//! EAGLE/MTP ([`super::eagle`]): attention groups holding a dropping group drop for all their
+//! members; such a group's lookup is capped one of its blocks past the candidate (at most the
+//! hashes' tokens) and drops once per candidate length (a lookup that shortens the candidate
+//! without dropping re-arms every dropping group); it caches one block past the aligned
+//! boundary.
+//!
+//! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
+//! a chunked local group, Mamba groups, the unitary coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!
 //! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
@@ -55,12 +63,13 @@
 //! [`super::pool::Event::RemovedIn`], each with its group, as vLLM's `BlockStored` /
 //! `BlockRemoved` carry `group_idx`.
 
+use super::eagle::{self, GroupEagle};
 use super::engine::Release;
 use super::manager::HashSource;
 use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
 use super::single_type::{
-    find_longest_cache_hit, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
+    find_longest_cache_hit_eagle, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
 };
 use crate::error::{Error, Result};
 
@@ -85,6 +94,10 @@ pub struct HybridConfig {
     pub release: Release,
     /// `KVCacheConfig.prefix_cache_retention_interval` (vLLM's engines default to 0, sparse).
     pub retention: Retention,
+    /// The manager's `use_eagle` (the scheduler's `use_eagle_block_drop`).
+    pub use_eagle: bool,
+    /// Each group's `is_eagle_group` (group order; empty: none flagged).
+    pub eagle_groups: Vec<bool>,
 }
 
 /// A prefix-cache hit across groups.
@@ -136,6 +149,8 @@ pub struct HybridSlots<'a> {
 struct SpecGroup {
     spec: GroupSpec,
     ids: Vec<u32>,
+    /// Some member drops EAGLE's last block (vLLM's `SpecGroup.use_eagle`).
+    eagle: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -190,25 +205,54 @@ impl Hybrid {
             cfg.enable_events,
             n as u32,
         )?;
-        // vLLM's `verify_and_split_kv_cache_groups`: equal specs share one lookup; full
-        // attention first (a stable sort keeps the rest in group order).
-        let mut attention_groups: Vec<SpecGroup> = Vec::new();
-        for (i, spec) in cfg.groups.iter().enumerate() {
-            match attention_groups.iter_mut().find(|g| g.spec == *spec) {
-                Some(g) => g.ids.push(i as u32),
-                None => attention_groups.push(SpecGroup {
-                    spec: *spec,
-                    ids: vec![i as u32],
-                }),
-            }
-        }
-        attention_groups.sort_by_key(|g| !is_full(&g.spec));
+        let mut managers = managers;
+        let attention_groups = Self::split_groups(&cfg, &mut managers)?;
         Ok(Hybrid {
             pool,
             cfg,
             managers,
             attention_groups,
         })
+    }
+
+    /// vLLM's `verify_and_split_kv_cache_groups`: equal specs share one lookup; full attention
+    /// first (a stable sort keeps the rest in group order); an attention group holding a
+    /// group that drops EAGLE's block drops for all its members ([`super::eagle`]), which is
+    /// set on their managers.
+    fn split_groups(cfg: &HybridConfig, managers: &mut [GroupManager]) -> Result<Vec<SpecGroup>> {
+        let n = cfg.groups.len();
+        let mut flagged = cfg.eagle_groups.clone();
+        if flagged.is_empty() {
+            flagged = vec![false; n];
+        } else if flagged.len() != n {
+            return Err(Error::invalid(format!(
+                "{} is_eagle_group flags for {n} KV cache groups",
+                flagged.len()
+            )));
+        }
+        let drops = eagle::drop_groups(cfg.release, cfg.use_eagle, &flagged);
+        let mut attention_groups: Vec<SpecGroup> = Vec::new();
+        for (i, spec) in cfg.groups.iter().enumerate() {
+            match attention_groups.iter_mut().find(|g| g.spec == *spec) {
+                Some(g) => {
+                    g.ids.push(i as u32);
+                    g.eagle |= drops[i];
+                }
+                None => attention_groups.push(SpecGroup {
+                    spec: *spec,
+                    ids: vec![i as u32],
+                    eagle: drops[i],
+                }),
+            }
+        }
+        attention_groups.sort_by_key(|g| !is_full(&g.spec));
+        let replay = drops.contains(&true);
+        for g in &attention_groups {
+            for &id in &g.ids {
+                managers[id as usize].set_eagle(GroupEagle::new(cfg.release, g.eagle, replay));
+            }
+        }
+        Ok(attention_groups)
     }
 
     pub fn pool(&self) -> &Pool {
@@ -247,8 +291,11 @@ impl Hybrid {
             .collect()
     }
 
-    /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` (no EAGLE); with caching off,
-    /// vLLM's no-prefix-cache coordinator: no hit.
+    /// vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit`; with caching off, vLLM's
+    /// no-prefix-cache coordinator: no hit. An attention group that drops EAGLE's block looks
+    /// one of its blocks past the candidate (at most the hashes' length) and drops once per
+    /// candidate length: a lookup that shortens the candidate without dropping makes every
+    /// such group drop again.
     pub fn find_longest_cache_hit(
         &self,
         hashes: &mut dyn HashSource,
@@ -261,30 +308,29 @@ impl Hybrid {
                 ..Default::default()
             });
         }
-        let alignment = u64::from(self.cfg.scheduler_block_size);
         let mut hit_length = max_cache_hit_length;
         let mut longest = 0u64;
         let mut by_group: Vec<Option<Vec<u32>>> = vec![None; n];
         let mut len_by_group = vec![0u64; n];
         let simple = self.attention_groups.len() == 2 && is_full(&self.attention_groups[0].spec);
+        let hashed = self.eagle_lookup_limit(hashes)?;
+        let mut verified = vec![false; self.attention_groups.len()];
         loop {
             let mut curr = hit_length;
-            for g in &self.attention_groups {
+            for (idx, g) in self.attention_groups.iter().enumerate() {
                 let first = g.ids[0] as usize;
                 if is_full(&g.spec) && by_group[first].is_some() {
                     // Full attention's hits are prefix-closed: looked up once.
                     curr = curr.min(len_by_group[first]);
                     continue;
                 }
-                let (blocks, len) = find_longest_cache_hit(
-                    &g.spec,
-                    &g.ids,
-                    &self.pool,
-                    hashes,
-                    self.cfg.hash_block_size,
-                    curr,
-                    alignment,
-                )?;
+                let drop = g.eagle && !verified[idx];
+                let (blocks, len) = self.lookup(g, curr, drop, hashed, hashes)?;
+                if drop {
+                    verified[idx] = true;
+                } else if len < curr {
+                    verified.iter_mut().for_each(|v| *v = false);
+                }
                 curr = len;
                 for (&id, b) in g.ids.iter().zip(blocks) {
                     by_group[id as usize] = Some(b);
@@ -316,6 +362,36 @@ impl Hybrid {
             num_tokens: hit_length,
             num_uncached_common_prefix_tokens: longest.saturating_sub(hit_length),
         })
+    }
+
+    /// The hashes' length in tokens when some attention group drops EAGLE's block (the cap of
+    /// its one-block-further lookup), else 0 (unread).
+    fn eagle_lookup_limit(&self, hashes: &mut dyn HashSource) -> Result<u64> {
+        if !self.attention_groups.iter().any(|g| g.eagle) {
+            return Ok(0);
+        }
+        Ok((hashes.count()? as u64).saturating_mul(u64::from(self.cfg.hash_block_size)))
+    }
+
+    /// One attention group's lookup within a candidate of `curr` tokens; dropping EAGLE's
+    /// block (`drop`), it looks one of its blocks further, at most `hashed` tokens.
+    fn lookup(
+        &self,
+        g: &SpecGroup,
+        curr: u64,
+        drop: bool,
+        hashed: u64,
+        hashes: &mut dyn HashSource,
+    ) -> Result<(Vec<Vec<u32>>, u64)> {
+        let max_len = match drop {
+            true => curr
+                .saturating_add(eagle::margin(g.spec.block_size))
+                .min(hashed),
+            false => curr,
+        };
+        let alignment = u64::from(self.cfg.scheduler_block_size);
+        let args = (self.cfg.hash_block_size, max_len, alignment);
+        find_longest_cache_hit_eagle(&g.spec, &g.ids, &self.pool, hashes, args, drop)
     }
 
     /// vLLM's `get_num_blocks_to_allocate` across groups: the sum of every group's count.
@@ -480,14 +556,12 @@ impl Hybrid {
         // Plan what gets cached (every hash read) before anything else changes.
         let running = self.managers.iter().any(|m| m.is_running(req));
         let adopt = a.new_computed.is_some() && !running; // check_hit refused the rest
-        let to_cache = (!a.delay_cache_blocks).then(|| {
-            let t = total.saturating_add(a.num_new_tokens).min(a.num_tokens);
-            let s = u64::from(self.cfg.scheduler_block_size);
-            t / s * s
-        });
+        let to_cache = (!a.delay_cache_blocks)
+            .then(|| total.saturating_add(a.num_new_tokens).min(a.num_tokens));
         let mut plans: Vec<CachePlan> = Vec::with_capacity(self.managers.len());
-        if let Some(t) = to_cache {
+        if let Some(n) = to_cache {
             for (i, m) in self.managers.iter().enumerate() {
+                let t = self.cacheable_tokens(m, n);
                 let bs = u64::from(m.block_size());
                 let (first, have) = if adopt {
                     let nc = a.new_computed.map_or(0, |nc| nc[i].len());
@@ -526,10 +600,9 @@ impl Hybrid {
         boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
-        let s = u64::from(self.cfg.scheduler_block_size);
-        let t = num_computed_tokens / s * s;
         let mut plans = Vec::with_capacity(self.managers.len());
         for m in &self.managers {
+            let t = self.cacheable_tokens(m, num_computed_tokens);
             let first = m.num_cached_blocks(req).unwrap_or(0);
             plans.push(m.plan_cache(first, m.blocks(req).len(), t, boundaries, hashes)?);
         }
@@ -537,6 +610,12 @@ impl Hybrid {
             m.apply_cache(&mut self.pool, req, plan);
         }
         Ok(())
+    }
+
+    /// vLLM's `get_num_cacheable_tokens` for group `m` ([`eagle::cacheable_tokens`]).
+    fn cacheable_tokens(&self, m: &GroupManager, num_computed_tokens: u64) -> u64 {
+        let sbs = u64::from(self.cfg.scheduler_block_size);
+        eagle::cacheable_tokens(num_computed_tokens, sbs, m.block_size(), m.use_eagle())
     }
 
     /// vLLM's `pop_blocks_for_free` across groups: every group's table, group order.

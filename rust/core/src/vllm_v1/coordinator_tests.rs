@@ -51,6 +51,8 @@ fn hybrid_retaining(
         watermark_blocks: 0,
         release: Release::V033,
         retention,
+        use_eagle: false,
+        eagle_groups: Vec::new(),
     })
     .unwrap()
 }
@@ -386,6 +388,8 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
         watermark_blocks: 0,
         release: Release::V032,
         retention: Retention::Dense,
+        use_eagle: false,
+        eagle_groups: Vec::new(),
     };
     let h = Hybrid::new(cfg.clone()).unwrap();
     let ks = keys(4);
@@ -501,6 +505,8 @@ fn retention_is_checked_as_vllms_coordinator_checks_it() {
         watermark_blocks: 0,
         release: Release::V033,
         retention,
+        use_eagle: false,
+        eagle_groups: Vec::new(),
     };
     let llama4 = || vec![full(4), chunked(8, 8)];
     assert!(Hybrid::new(cfg(llama4(), sparse(0), true)).is_ok());

@@ -2,7 +2,7 @@
 //!
 //! This is the whole path vLLM runs through `KVCacheManager` -> `UnitaryKVCacheCoordinator` /
 //! `KVCacheCoordinatorNoPrefixCache` -> `FullAttentionManager` -> `BlockPool` when the cache has
-//! one full-attention group, no KV connector, no EAGLE and no context parallelism (the scope
+//! one full-attention group, no KV connector and no context parallelism (the scope
 //! `pagedkv.vllm_v1` checks before it builds this). In that scope vLLM's sliding-window
 //! removal, partial-hit copy-on-write, external (connector) blocks and block zeroing are all
 //! inactive, and the hash block size equals the block size.
@@ -11,6 +11,10 @@
 //! cached or adopted from the cache, the number of its leading blocks already cached (vLLM's
 //! `num_cached_block`; absent means "not tracked", which decides how a first allocation counts
 //! prefix hits).
+//!
+//! EAGLE/MTP: a hit loses its last block when the group is in the release's drop set
+//! ([`Manager::set_eagle`], [`super::eagle::drop_groups`]); nothing else changes for one group
+//! (vLLM's unitary coordinator caches every computed block either way).
 //!
 //! The per-group pieces (the prefix scan, the blocks-to-allocate count, caching full blocks)
 //! are [`super::single_type`]'s, shared with the hybrid groups' managers there.
@@ -22,6 +26,8 @@ use foldhash::fast::RandomState;
 
 use hashbrown::HashMap;
 
+use super::eagle::drop_groups;
+use super::engine::Release;
 use super::pool::{HashKey, Pool, NULL_BLOCK};
 use super::single_type::{blocks_to_allocate, cache_full_blocks, cached_prefix};
 use crate::error::{Error, Result};
@@ -139,6 +145,8 @@ struct Plan {
 pub struct Manager {
     pool: Pool,
     cfg: Config,
+    /// The group drops the last block of a prefix-cache hit (EAGLE/MTP: [`super::eagle`]).
+    drop_eagle: bool,
     /// Keyed by request id, hashed with foldhash under a random seed per manager: vLLM's
     /// engine appends a random suffix to every client's id, so clients cannot choose keys that
     /// collide, and the seed keeps the probe pattern private (SipHash, looked up a few times
@@ -160,6 +168,7 @@ impl Manager {
         Ok(Manager {
             pool: Pool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_events)?,
             cfg,
+            drop_eagle: false,
             reqs: HashMap::with_hasher(RandomState::default()),
             keys: Vec::new(),
         })
@@ -190,7 +199,21 @@ impl Manager {
         self.reqs.len()
     }
 
-    /// The longest run of cached blocks from the start, at most `max_blocks` long.
+    /// Set the EAGLE/MTP rule: vLLM's unitary coordinator drops the last matched block when
+    /// the group is in the drop set of `release` ([`super::eagle::drop_groups`] for this one
+    /// group, flagged `is_eagle_group` or not, under the manager's `use_eagle`).
+    pub fn set_eagle(&mut self, release: Release, use_eagle: bool, eagle_group: bool) {
+        self.drop_eagle = drop_groups(release, use_eagle, &[eagle_group])[0];
+    }
+
+    /// Whether a prefix-cache hit drops its last block.
+    pub fn drops_eagle_block(&self) -> bool {
+        self.drop_eagle
+    }
+
+    /// The longest run of cached blocks from the start, at most `max_blocks` long, less its
+    /// last block when the group drops EAGLE's block (vLLM's full-attention lookup at the
+    /// block size's alignment).
     pub fn longest_cache_hit(
         &self,
         hashes: &mut dyn HashSource,
@@ -198,7 +221,10 @@ impl Manager {
     ) -> Result<Vec<u32>> {
         let mut hit = [Vec::new()];
         cached_prefix(&self.pool, &[0], hashes, 1, max_blocks, &mut hit)?;
-        let [hit] = hit;
+        let [mut hit] = hit;
+        if self.drop_eagle {
+            hit.pop();
+        }
         Ok(hit)
     }
 

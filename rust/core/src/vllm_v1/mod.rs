@@ -9,6 +9,8 @@
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
 //!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
+//! * [`eagle`]: EAGLE/MTP's last-block drop (which groups drop, per release) and what it
+//!   changes in lookups and caching;
 //! * [`retention`]: which blocks a sliding-window group caches under each
 //!   `prefix_cache_retention_interval` (dense, replay boundaries and junctions, periodic);
 //! * [`policy`]: the scheduling rules of vLLM's v1 `Scheduler` (O(1) each);
@@ -19,6 +21,7 @@
 
 pub mod block_hash;
 pub mod coordinator;
+pub mod eagle;
 pub mod engine;
 pub mod free_queue;
 pub mod manager;
@@ -31,6 +34,8 @@ pub mod walk;
 
 #[cfg(test)]
 mod coordinator_tests;
+#[cfg(test)]
+mod eagle_tests;
 #[cfg(test)]
 mod single_type_tests;
 #[cfg(test)]

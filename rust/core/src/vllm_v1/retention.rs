@@ -30,14 +30,18 @@
 //! coordinator, caching on or off ([`Retention::from_interval`]): a nonzero interval needs a
 //! sliding-window (or Mamba) group, and must be non-negative and a multiple of the scheduler
 //! block size. Mamba's retention (one state per segment) belongs to Mamba groups, outside
-//! pagedkv's scope; EAGLE's extra boundary and peek block (`use_eagle`), and
-//! `final_segment_end_block` (passed only by offloading connectors) likewise.
+//! pagedkv's scope; `final_segment_end_block` (passed only by offloading connectors) likewise.
+//! EAGLE ([`GroupEagle`], [`super::eagle`]): a dropping group's hit needs one more block and
+//! ends one block past its boundary (the peek: `shift` 1); with any group dropping the replay
+//! boundaries are vLLM's EAGLE pair; 0.33 adds the junction one block lower for a dropping
+//! group.
 //!
 //! Invariants: [`Retained::contains`] answers exactly what vLLM's mask holds at that position
 //! (for positions at or past the request's first uncached block); [`Retained::All`] is vLLM's
 //! `None` mask.
 //! Costs: [`Retained::new`] O(1), [`Retained::contains`] O(1); nothing allocated.
 
+use super::eagle::{replay_boundaries, GroupEagle};
 use super::single_type::{AttentionKind, GroupSpec};
 use crate::error::{Error, Result};
 
@@ -102,29 +106,33 @@ pub struct Boundaries {
     pub shared_prefix_boundary: u64,
 }
 
-/// Which blocks of a request one group caches: vLLM's `reachable_block_mask`, no EAGLE.
+/// Which blocks of a request one group caches: vLLM's `reachable_block_mask`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Retained {
     /// Every block (vLLM's `None` mask).
     #[default]
     All,
-    /// Block `i` is cached iff `i % per_segment >= per_segment - need` (when `per_segment` is
-    /// set) or `ends[k] - need <= i < ends[k]` for a boundary tail `k` (0: no tail).
+    /// Block `i` is cached iff `i >= shift` and `(i - shift) % per_segment >= per_segment -
+    /// need` (when `per_segment` is set) or `ends[k] - need <= i < ends[k]` for a boundary
+    /// tail `k` (0: no tail). `shift` is 1 for an EAGLE group (its run ends one block past
+    /// the boundary: the peek block it drops), else 0.
     Tails {
         per_segment: Option<u64>,
         need: u64,
-        ends: [u64; 2],
+        shift: u64,
+        ends: [u64; 4],
     },
 }
 
 impl Retained {
     /// The mask of group `spec` under `retention`, hits aligned to `alignment` tokens, for a
-    /// request at `boundaries`.
+    /// request at `boundaries`, the group's EAGLE state `eagle` ([`GroupEagle`]).
     pub fn new(
         spec: &GroupSpec,
         retention: Retention,
         alignment: u64,
         boundaries: Boundaries,
+        eagle: GroupEagle,
     ) -> Self {
         let AttentionKind::SlidingWindow { sliding_window } = spec.kind else {
             return Retained::All;
@@ -134,7 +142,8 @@ impl Retained {
             // A sub-block alignment cannot be masked by block: vLLM keeps every block.
             return Retained::All;
         }
-        let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64;
+        let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64
+            + u64::from(eagle.group);
         let segment = match retention {
             Retention::Dense => Some(alignment),
             Retention::Sparse { interval: 0 } => None,
@@ -144,19 +153,44 @@ impl Retained {
         if per_segment.is_some_and(|p| need >= p) {
             return Retained::All;
         }
-        let end = |tokens: u64| tokens / alignment * alignment / bs;
+        let shift = u64::from(eagle.group);
         let ends = match retention {
-            Retention::Dense => [0, 0],
-            Retention::Sparse { .. } => [
-                end(boundaries.num_prompt_tokens.saturating_sub(1)),
-                end(boundaries.shared_prefix_boundary),
-            ],
+            Retention::Dense => [0; 4],
+            Retention::Sparse { .. } => {
+                Self::boundary_ends(boundaries, alignment, bs, shift, eagle)
+            }
         };
         Retained::Tails {
             per_segment,
             need,
+            shift,
             ends,
         }
+    }
+
+    /// The (exclusive) end block of each boundary tail: the replay boundaries
+    /// ([`super::eagle::replay_boundaries`]), the shared-prefix junction and (0.33, EAGLE
+    /// group) the junction one block lower, each rounded down to the alignment, plus `shift`.
+    fn boundary_ends(
+        b: Boundaries,
+        alignment: u64,
+        bs: u64,
+        shift: u64,
+        e: GroupEagle,
+    ) -> [u64; 4] {
+        let end = |tokens: u64| tokens / alignment * alignment / bs + shift;
+        let mut ends = [0; 4];
+        let (first, second) = replay_boundaries(b.num_prompt_tokens, alignment, e.replay);
+        ends[0] = end(first);
+        ends[1] = second.map_or(0, end);
+        let junction = b.shared_prefix_boundary;
+        if junction > 0 {
+            ends[2] = end(junction);
+            if e.junction_peek && junction >= bs {
+                ends[3] = end(junction - bs);
+            }
+        }
+        ends
     }
 
     /// Whether the block at position `i` of the request's table is cached.
@@ -164,13 +198,14 @@ impl Retained {
         let Retained::Tails {
             per_segment,
             need,
+            shift,
             ends,
         } = *self
         else {
             return true;
         };
         let i = i as u64;
-        per_segment.is_some_and(|p| i % p >= p - need)
+        per_segment.is_some_and(|p| i >= shift && (i - shift) % p >= p - need)
             || ends.iter().any(|&e| i < e && i + need >= e)
     }
 }
@@ -227,11 +262,23 @@ mod tests {
     fn dense_keeps_the_tail_before_every_alignment_boundary() {
         // reachable_block_mask(None): segment = alignment 16 over 4-token blocks -> 4 per
         // segment; window 5 needs 1 block -> i % 4 == 3. The boundaries are not consulted.
-        let r = Retained::new(&swa(5, 4), Retention::Dense, 16, at(43, 20));
+        let r = Retained::new(
+            &swa(5, 4),
+            Retention::Dense,
+            16,
+            at(43, 20),
+            GroupEagle::default(),
+        );
         assert_eq!(cached(r, 11), [3, 7]);
         // A window needing the whole segment (window 14: 4 blocks): every block.
         assert_eq!(
-            Retained::new(&swa(14, 4), Retention::Dense, 16, at(43, 0)),
+            Retained::new(
+                &swa(14, 4),
+                Retention::Dense,
+                16,
+                at(43, 0),
+                GroupEagle::default()
+            ),
             Retained::All
         );
     }
@@ -245,6 +292,7 @@ mod tests {
             Retention::Sparse { interval: 0 },
             16,
             at(256, 0),
+            GroupEagle::default(),
         );
         assert_eq!(cached(r, 16), [14]);
         // test_hybrid_local_kv_retention_latest_only_reuses_replay_boundary: block 8, window
@@ -254,6 +302,7 @@ mod tests {
             Retention::Sparse { interval: 0 },
             32,
             at(128, 0),
+            GroupEagle::default(),
         );
         assert_eq!(cached(r, 16), [11]);
         // Block 4, window 9 (need 2), alignment 16: the replay boundary 59 -> 48 -> blocks 10
@@ -263,6 +312,7 @@ mod tests {
             Retention::Sparse { interval: 0 },
             16,
             at(60, 70),
+            GroupEagle::default(),
         );
         assert_eq!(cached(r, 20), [10, 11, 14, 15]);
     }
@@ -276,6 +326,7 @@ mod tests {
             Retention::Sparse { interval: 64 },
             16,
             at(256, 0),
+            GroupEagle::default(),
         );
         assert_eq!(cached(r, 16), [3, 7, 11, 14, 15]);
         // test_hybrid_local_kv_retention_interval_aligns_in_manager: alignment 32, interval
@@ -285,6 +336,7 @@ mod tests {
             Retention::Sparse { interval: 64 },
             32,
             at(128, 0),
+            GroupEagle::default(),
         );
         assert_eq!(cached(r, 16), [7, 11, 15]);
         // A hit needing a whole segment caches every block, the boundaries unread.
@@ -293,6 +345,7 @@ mod tests {
             Retention::Sparse { interval: 64 },
             16,
             at(256, 0),
+            GroupEagle::default(),
         );
         assert_eq!(r, Retained::All);
     }
@@ -301,12 +354,30 @@ mod tests {
     fn short_prompts_and_other_kinds_cache_what_vllm_caches() {
         // A replay boundary below one alignment unit (prompt of 1..=alignment tokens) has no
         // tail; no junction (0) has none.
-        let r = Retained::new(&swa(5, 4), Retention::Sparse { interval: 0 }, 8, at(8, 0));
+        let r = Retained::new(
+            &swa(5, 4),
+            Retention::Sparse { interval: 0 },
+            8,
+            at(8, 0),
+            GroupEagle::default(),
+        );
         assert_eq!(cached(r, 4), Vec::<usize>::new());
-        let r = Retained::new(&swa(5, 4), Retention::Sparse { interval: 0 }, 8, at(0, 0));
+        let r = Retained::new(
+            &swa(5, 4),
+            Retention::Sparse { interval: 0 },
+            8,
+            at(0, 0),
+            GroupEagle::default(),
+        );
         assert_eq!(cached(r, 4), Vec::<usize>::new());
         // Window 1 needs no block: nothing is ever cached, even at a boundary.
-        let r = Retained::new(&swa(1, 4), Retention::Sparse { interval: 0 }, 4, at(40, 12));
+        let r = Retained::new(
+            &swa(1, 4),
+            Retention::Sparse { interval: 0 },
+            4,
+            at(40, 12),
+            GroupEagle::default(),
+        );
         assert_eq!(cached(r, 10), Vec::<usize>::new());
         // Full and chunked local attention ignore retention.
         let full = GroupSpec::new(AttentionKind::Full, 4);
@@ -317,7 +388,13 @@ mod tests {
             4,
         );
         for spec in [full, chunk] {
-            let r = Retained::new(&spec, Retention::Sparse { interval: 0 }, 4, at(40, 0));
+            let r = Retained::new(
+                &spec,
+                Retention::Sparse { interval: 0 },
+                4,
+                at(40, 0),
+                GroupEagle::default(),
+            );
             assert_eq!(r, Retained::All);
         }
     }

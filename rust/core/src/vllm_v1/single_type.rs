@@ -16,8 +16,10 @@
 //! full-attention path of this file with one group: it calls the shared pieces below
 //! ([`cached_prefix`], [`blocks_to_allocate`], [`cache_full_blocks`]) rather than a copy of them.
 //!
-//! Scope (what the callers must rule out, as `pagedkv.vllm_v1`'s scope does for the single
-//! group): no EAGLE/MTP (no last-block drop, no `extra_retained_tokens`), no KV connector
+//! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
+//! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
+//! `pagedkv.vllm_v1`'s scope does for the single group): no `extra_retained_tokens` (multi-
+//! module MTP), EAGLE never with chunked local attention (vLLM asserts), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
 //! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
@@ -46,6 +48,7 @@ use foldhash::fast::RandomState;
 
 use hashbrown::HashMap;
 
+use super::eagle::GroupEagle;
 use super::engine::Release;
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
@@ -295,6 +298,22 @@ pub fn find_longest_cache_hit(
     max_length: u64,
     alignment: u64,
 ) -> Result<(Vec<Vec<u32>>, u64)> {
+    let args = (hash_block_size, max_length, alignment);
+    find_longest_cache_hit_eagle(spec, groups, pool, hashes, args, false)
+}
+
+/// [`find_longest_cache_hit`] with vLLM's `drop_eagle_block` ([`super::eagle`]): full
+/// attention drops the last matched block, a sliding window needs one more block in a row and
+/// pops it, chunked local attention refuses (vLLM asserts). `args` is `(hash_block_size,
+/// max_length, alignment)`.
+pub fn find_longest_cache_hit_eagle(
+    spec: &GroupSpec,
+    groups: &[u32],
+    pool: &Pool,
+    hashes: &mut dyn HashSource,
+    (hash_block_size, max_length, alignment): (u32, u64, u64),
+    drop_eagle: bool,
+) -> Result<(Vec<Vec<u32>>, u64)> {
     spec.check()?;
     let bs = u64::from(spec.block_size);
     if hash_block_size == 0 || spec.block_size % hash_block_size != 0 || alignment == 0 {
@@ -311,14 +330,19 @@ pub fn find_longest_cache_hit(
         bs,
         max_blocks: usize::try_from(max_length / bs).unwrap_or(usize::MAX),
         alignment,
+        drop_eagle,
         out: vec![Vec::new(); groups.len()],
     };
     match spec.kind {
         AttentionKind::Full => search.full(hashes, scale),
         AttentionKind::SlidingWindow { sliding_window } => {
-            let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size);
+            let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size)
+                + usize::from(drop_eagle);
             search.sliding_window(View { hashes, scale }, need)
         }
+        AttentionKind::ChunkedLocal { .. } if drop_eagle => Err(Error::invalid(
+            "EAGLE with chunked local attention is not supported (vLLM asserts the same)",
+        )),
         AttentionKind::ChunkedLocal {
             attention_chunk_size,
         } => search.chunked_local(
@@ -339,6 +363,8 @@ struct HitSearch<'a> {
     /// `max_length // block_size`.
     max_blocks: usize,
     alignment: u64,
+    /// vLLM's `drop_eagle_block`.
+    drop_eagle: bool,
     out: Vec<Vec<u32>>,
 }
 
@@ -354,8 +380,12 @@ impl HitSearch<'_> {
             self.max_blocks,
             &mut self.out,
         )?;
-        // Round down to the alignment, then drop the blocks past the new tail.
+        // EAGLE drops one block; round down to the alignment, then drop the blocks past the
+        // new tail.
         let mut hit = n as u64 * bs;
+        if self.drop_eagle && hit > 0 {
+            hit -= alignment.min(bs);
+        }
         hit -= hit % alignment;
         let keep = hit.div_ceil(bs) as usize;
         for o in &mut self.out {
@@ -380,8 +410,9 @@ impl HitSearch<'_> {
         // From the right; the first run of `need` cached blocks wins.
         for i in (0..max_blocks).rev() {
             if cached_in_all(self.pool, &view.key(i)?, self.groups, &mut hit) {
-                // A run may only end where the hit length stays aligned.
-                if run == 0 && bs != alignment && ((i as u64 + 1) * bs) % alignment != 0 {
+                // A run may only end where the hit length (after EAGLE's pop) stays aligned.
+                let kept = i as u64 + u64::from(!self.drop_eagle);
+                if run == 0 && bs != alignment && (kept * bs) % alignment != 0 {
                     continue;
                 }
                 for (o, &b) in self.out.iter_mut().zip(&hit) {
@@ -404,14 +435,27 @@ impl HitSearch<'_> {
             for o in &mut self.out {
                 o.truncate(run);
             }
-            while bs != alignment && (self.out[0].len() as u64 * bs) % alignment != 0 {
-                for o in &mut self.out {
-                    o.pop();
-                }
+            self.realign();
+        }
+        if self.drop_eagle && !self.out[0].is_empty() {
+            // EAGLE's peek block goes; the pop may break the alignment.
+            for o in &mut self.out {
+                o.pop();
             }
+            self.realign();
         }
         let hit = self.out[0].len() as u64 * bs;
         Ok((self.out, hit))
+    }
+
+    /// Pop blocks until the hit's length is a multiple of the alignment.
+    fn realign(&mut self) {
+        let (bs, alignment) = (self.bs, self.alignment);
+        while bs != alignment && (self.out[0].len() as u64 * bs) % alignment != 0 {
+            for o in &mut self.out {
+                o.pop();
+            }
+        }
     }
 
     /// Chunked local attention: the blocks wholly before the next token's chunk are null
@@ -479,6 +523,8 @@ pub struct GroupManager {
     admission_cap: Option<u64>,
     caching: bool,
     retention: Retention,
+    /// EAGLE's effect on this group's caching (set by the coordinator; none by default).
+    eagle: GroupEagle,
     reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
 }
 
@@ -527,8 +573,19 @@ impl GroupManager {
             admission_cap: spec.max_admission_blocks(p.max_in_flight_tokens, p.max_model_len),
             caching: p.enable_caching,
             retention: p.retention,
+            eagle: GroupEagle::default(),
             reqs: HashMap::with_hasher(RandomState::default()),
         })
+    }
+
+    /// Set EAGLE's effect on this group ([`super::eagle`]; the coordinator decides it once).
+    pub fn set_eagle(&mut self, eagle: GroupEagle) {
+        self.eagle = eagle;
+    }
+
+    /// The group's `use_eagle` (it caches one block past the aligned boundary).
+    pub fn use_eagle(&self) -> bool {
+        self.eagle.group
     }
 
     pub fn spec(&self) -> &GroupSpec {
@@ -689,7 +746,13 @@ impl GroupManager {
         for i in first as usize..full {
             plan.keys.push(view.key(i)?);
         }
-        plan.retained = Retained::new(&self.spec, self.retention, self.alignment, boundaries);
+        plan.retained = Retained::new(
+            &self.spec,
+            self.retention,
+            self.alignment,
+            boundaries,
+            self.eagle,
+        );
         plan.active = true;
         Ok(plan)
     }

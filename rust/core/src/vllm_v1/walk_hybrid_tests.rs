@@ -24,6 +24,8 @@ fn two_groups(num_blocks: u32, budget: u64) -> TestEngine<Hybrid> {
         watermark_blocks: 0,
         release: V33,
         retention: crate::vllm_v1::retention::Retention::Dense,
+        use_eagle: false,
+        eagle_groups: Vec::new(),
     };
     TestEngine::with_kv(Hybrid::new(cfg).unwrap(), budget)
 }

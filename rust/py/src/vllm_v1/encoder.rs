@@ -33,7 +33,9 @@ struct Pending<'py> {
 }
 
 impl<'py> EncoderIo<'py> {
-    /// `_try_schedule_encoder_inputs(request, num_computed, n, budget)`.
+    /// `_try_schedule_encoder_inputs(request, num_computed, n, budget,
+    /// shift_computed_tokens=sched.num_prefill_lookahead)` (a drafter's prefill lookahead:
+    /// 1 with EAGLE, else 0; the keyword is only passed when nonzero).
     pub fn plan(
         &mut self,
         sched: &Bound<'py, PyAny>,
@@ -44,7 +46,17 @@ impl<'py> EncoderIo<'py> {
     ) -> PyResult<EncoderPlan> {
         let py = sched.py();
         let name = intern!(py, "_try_schedule_encoder_inputs");
-        let got = sched.call_method1(name, (request, num_computed, n, budget))?;
+        let args = (request, num_computed, n, budget);
+        let shift: u64 = sched
+            .getattr(intern!(py, "num_prefill_lookahead"))?
+            .extract()?;
+        let got = if shift == 0 {
+            sched.call_method1(name, args)?
+        } else {
+            let kwargs = PyDict::new(py);
+            kwargs.set_item(intern!(py, "shift_computed_tokens"), shift)?;
+            sched.call_method(name, args, Some(&kwargs))?
+        };
         let got = got.cast_into::<PyTuple>()?;
         let to_schedule = got.get_item(0)?;
         let plan = EncoderPlan {

@@ -61,7 +61,7 @@ fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<G
     })
 }
 
-fn release_of(release: &str) -> PyResult<Release> {
+pub(crate) fn release_of(release: &str) -> PyResult<Release> {
     match release {
         "0.32" => Ok(Release::V032),
         "0.33" => Ok(Release::V033),
@@ -107,7 +107,7 @@ impl PyV1Hybrid {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
-        release, prefix_cache_retention_interval=None))]
+        release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -120,6 +120,8 @@ impl PyV1Hybrid {
         watermark_blocks: SatCount,
         release: &str,
         prefix_cache_retention_interval: Option<Int64>,
+        use_eagle: bool,
+        eagle_groups: Option<Vec<bool>>,
     ) -> PyResult<Self> {
         let groups = groups
             .iter()
@@ -154,6 +156,8 @@ impl PyV1Hybrid {
             watermark_blocks: watermark_blocks.0,
             release: release_of(release)?,
             retention,
+            use_eagle,
+            eagle_groups: eagle_groups.unwrap_or_default(),
         };
         Ok(PyV1Hybrid {
             inner: Mutex::new(Hybrid::new(cfg).py()?),
@@ -498,6 +502,16 @@ impl PyV1Hybrid {
     #[getter]
     fn num_groups(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_groups())
+    }
+
+    /// Per group, its `use_eagle` (it drops EAGLE/MTP's block: every member of an attention
+    /// group that holds a dropping group).
+    #[getter]
+    fn eagle_groups(&self) -> PyResult<Vec<bool>> {
+        let h = self.lock()?;
+        Ok((0..h.num_groups())
+            .map(|i| h.group(i).use_eagle())
+            .collect())
     }
 
     /// Heap bytes the manager holds.

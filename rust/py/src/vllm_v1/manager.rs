@@ -9,6 +9,7 @@ use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::call::SlotArgs;
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
+use crate::vllm_v1::hybrid::release_of;
 use pagedkv_core::vllm_v1::{self as v1, HashKey, HashSource, SlotRequest};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -310,7 +311,9 @@ fn slot_request<'a>(
 #[pymethods]
 impl PyV1Manager {
     #[new]
-    #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_caching, enable_events, watermark_blocks))]
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_caching, enable_events,
+        watermark_blocks, use_eagle=false, eagle_group=false, release="0.33"))]
     fn new(
         num_blocks: Count,
         block_size: Count,
@@ -318,6 +321,9 @@ impl PyV1Manager {
         enable_caching: bool,
         enable_events: bool,
         watermark_blocks: SatCount,
+        use_eagle: bool,
+        eagle_group: bool,
+        release: &str,
     ) -> PyResult<Self> {
         let cfg = v1::Config {
             num_blocks: num_blocks.u32("num_blocks")?,
@@ -327,8 +333,10 @@ impl PyV1Manager {
             enable_events,
             watermark_blocks: watermark_blocks.0,
         };
+        let mut manager = v1::Manager::new(cfg).py()?;
+        manager.set_eagle(release_of(release)?, use_eagle, eagle_group);
         Ok(PyV1Manager {
-            inner: Mutex::new(v1::Manager::new(cfg).py()?),
+            inner: Mutex::new(manager),
             vllm: std::sync::OnceLock::new(),
             removed_events: std::sync::OnceLock::new(),
             stored_events: std::sync::OnceLock::new(),
@@ -668,6 +676,12 @@ impl PyV1Manager {
     #[getter]
     fn num_requests(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_requests())
+    }
+
+    /// Whether a prefix-cache hit drops its last block (EAGLE/MTP, per the release's rule).
+    #[getter]
+    fn drops_eagle_block(&self) -> PyResult<bool> {
+        Ok(self.lock()?.drops_eagle_block())
     }
 
     /// Heap bytes the manager holds.

@@ -1,0 +1,162 @@
+"""EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``): pagedkv's native managers
+against vLLM's own, call by call (``manager_driver``), one group and hybrid, on the installed
+release. The drop set differs between releases: a flagged group without ``use_eagle`` drops
+in 0.32, not in 0.33; both are compared here as they are."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Sequence
+
+import pytest
+from manager_driver import (
+    HASH_ALGOS,
+    HYBRID_LAYOUTS,
+    MIXED_LAYOUTS,
+    RETENTIONS,
+    Driver,
+    hybrid_groups,
+    kv_cache_config,
+    manager_pair,
+    retention_interval,
+)
+
+from pagedkv.vllm_v1 import KVCacheManager as PagedManager
+from pagedkv.vllm_v1._version import require_supported_vllm
+
+#: (use_eagle, which groups are flagged ``is_eagle_group``): vLLM's fallback to every group,
+#: a flagged subset, and a flagged group without ``use_eagle`` (the releases differ there).
+EAGLE_MODES = ((True, "none"), (True, "last"), (True, "first"), (False, "last"))
+
+#: Hybrid layouts EAGLE runs natively on (a chunked local group stays vLLM's: its lookup
+#: asserts against EAGLE).
+EAGLE_LAYOUTS = sorted(k for k in HYBRID_LAYOUTS if k != "llama4") + sorted(MIXED_LAYOUTS)
+
+
+def flagged(which: str, num_groups: int) -> Sequence[int]:
+    return {"none": (), "last": (num_groups - 1,), "first": (0,)}[which]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_eagle_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One full-attention group: a hit drops its last block (when the group is in the
+    release's drop set), through admissions, chunked prefill, lookahead slots, preemption,
+    frees, evictions and resets."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    use_eagle, which = EAGLE_MODES[seed % len(EAGLE_MODES)]
+    Driver(
+        seed=seed,
+        num_blocks=8 + seed % 40,
+        block_size=(4, 8, 16)[seed % 3],
+        caching=seed % 6 != 5,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        use_eagle=use_eagle,
+        eagle_groups=flagged(which, 1),
+    ).run(300)
+
+
+def eagle_hybrid_driver(seed: int) -> Driver:
+    layout = EAGLE_LAYOUTS[seed % len(EAGLE_LAYOUTS)]
+    block_size = (4, 8, 16)[seed % 3]
+    mode = RETENTIONS[seed // len(EAGLE_LAYOUTS) % len(RETENTIONS)]
+    use_eagle, which = EAGLE_MODES[seed // 3 % len(EAGLE_MODES)]
+    num_groups = len(hybrid_groups(layout, block_size))
+    args: Dict[str, Any] = dict(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=block_size,
+        caching=seed % 8 != 7,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        layout=layout,
+        retention=retention_interval(mode, layout, block_size),
+        use_eagle=use_eagle,
+        eagle_groups=flagged(which, num_groups),
+    )
+    return Driver(**args)
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_eagle_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPT-OSS-, Gemma-3-like, two-window and mixed-block layouts under each retention mode:
+    the coordinator's EAGLE margin and once-per-length drop, the sliding window's extra
+    block, caching one block past the boundary, the peek block and EAGLE's replay
+    boundaries (and, 0.33, the junction one block lower) in sparse retention."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    eagle_hybrid_driver(seed).run(300)
+
+
+def test_eagle_seeds_cover_every_layout_mode_and_retention() -> None:
+    seen = set()
+    for seed in range(60):
+        d = eagle_hybrid_driver(seed)
+        seen.add((d.layout, d.use_eagle, bool(d.eagle_groups)))
+        seen.add((d.layout, d.retention is None, d.retention == 0))
+    for layout in EAGLE_LAYOUTS:
+        assert (layout, True, False) in seen and (layout, True, True) in seen, layout
+        assert (layout, False, True) in seen, layout
+
+
+@pytest.mark.parametrize("use_eagle,which", EAGLE_MODES)
+def test_the_native_manager_takes_each_releases_drop_set(use_eagle: bool, which: str) -> None:
+    """The native manager serves EAGLE (no fallback) and drops for the groups vLLM's
+    coordinator drops for, on the installed release."""
+    v032 = require_supported_vllm() == "0.32.0"
+    vllm, ours = manager_pair(16, 4, eagle_groups=flagged(which, 1), use_eagle=use_eagle)
+    expected = use_eagle or v032
+    assert ours._native.drops_eagle_block is expected
+    assert ours.coordinator.drop_eagle_group_ids == ({0} if expected else set())
+    assert vllm.coordinator.single_type_managers[0].use_eagle == (
+        expected if not v032 else vllm.coordinator.single_type_managers[0].use_eagle
+    )
+    vllm, ours = manager_pair(
+        24, 4, "gpt-oss", 0, eagle_groups=flagged(which, 2), use_eagle=use_eagle
+    )
+    drops = [vllm.coordinator.single_type_managers[i].use_eagle for i in range(2)]
+    assert ours._native.eagle_groups == drops
+    assert ours.coordinator.eagle_group_ids == vllm.coordinator.eagle_group_ids
+
+
+def test_eagle_with_a_chunked_local_group_stays_vllms() -> None:
+    """vLLM's chunked local lookup asserts against EAGLE: that layout keeps vLLM's manager."""
+    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
+
+    cfg = kv_cache_config(24, 4, "llama4", 0)
+    m = PagedManager(
+        cfg, max_model_len=4096, scheduler_block_size=4, hash_block_size=4, use_eagle=True
+    )
+    assert type(m) is VLLMManager
+
+
+@pytest.mark.parametrize("layout", ["", "gpt-oss", "gemma3"])
+def test_a_planted_eagle_difference_is_caught(layout: str) -> None:
+    """pagedkv built without EAGLE while vLLM drops: the call-by-call comparison fails."""
+    failures = 0
+    for seed in range(6):
+        d = Driver(
+            seed=seed,
+            num_blocks=40,
+            block_size=4,
+            caching=True,
+            events=False,
+            layout=layout,
+            retention=0 if layout else None,
+            use_eagle=True,
+        )
+        _, d.ours = manager_pair(
+            40,
+            4,
+            layout,
+            d.retention,
+            enable_caching=True,
+            enable_kv_cache_events=False,
+            log_stats=True,
+            max_model_len=4096,
+        )
+        try:
+            d.run(150)
+        except AssertionError:
+            failures += 1
+    assert failures >= 4, failures

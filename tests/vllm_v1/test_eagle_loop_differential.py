@@ -1,0 +1,102 @@
+"""vLLM's scheduler with EAGLE's KV cache rules (``use_eagle_block_drop``): vLLM's own loop
+and manager against pagedkv's native loop and manager, lockstep (``v1_harness.Lockstep``),
+one group and hybrid layouts, with preemption, aborts and prefix caching.
+
+Scheduler-only EAGLE, as vLLM's own scheduler tests do it: the harness's n-gram speculative
+configuration reports itself as an EAGLE method (``SpeculativeConfig.use_eagle``) while both
+schedulers are built, so each builds its manager with ``use_eagle=True`` and reads a prefill
+lookahead of 1 (``VllmConfig.num_prefill_lookahead_tokens``); on 0.33 its lookahead block
+hashes are off (``disable_lookahead_block_hashes``: they would put the engine outside
+pagedkv's scope), which is what makes 0.33 drop blocks at all. Drafts stay the harness's."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+from typing import Iterator, Optional
+
+import pytest
+import v1_harness as h
+from manager_driver import HYBRID_LAYOUTS, RETENTIONS, retention_interval
+from test_differential import assert_native_loop
+from vllm.config import SpeculativeConfig, VllmConfig
+
+#: Layouts EAGLE runs natively on (a chunked local group stays vLLM's manager).
+LAYOUTS = [""] + sorted(k for k in HYBRID_LAYOUTS if k != "llama4")
+
+
+@pytest.fixture
+def eagle(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every speculative configuration built meanwhile is an EAGLE one to the scheduler."""
+    monkeypatch.setattr(SpeculativeConfig, "use_eagle", lambda self: True)
+    if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
+        monkeypatch.setattr(VllmConfig, "num_hash_lookahead_tokens", property(lambda self: 0))
+    yield
+
+
+def eagle_seed(seed: int) -> tuple:
+    layout = LAYOUTS[seed % len(LAYOUTS)]
+    mode = RETENTIONS[seed // len(LAYOUTS) % len(RETENTIONS)]
+    return layout, mode
+
+
+def run_eagle_seed(seed: int, model_dir: Path, manager_cls: type) -> dict:
+    """``v1_harness.run_seed`` with drafts (2 or 4) and prefix caching on, the layout and
+    retention of :func:`eagle_seed`."""
+    rng = random.Random(seed)
+    layout, mode = eagle_seed(seed)
+    cfg = h.random_config(rng)
+    cfg = dataclasses.replace(cfg, num_spec_tokens=(2, 4)[seed % 2], enable_caching=seed % 7 != 6)
+    retention: Optional[int] = retention_interval(mode, layout, cfg.block_size) if layout else None
+    cfg = h.with_layout(cfg, layout, retention)
+    capped = dataclasses.replace(cfg, max_model_len=h.length_cap(cfg))
+    specs = h.with_switch_requests(seed, h.random_workload(rng, capped))
+    return h.Lockstep(cfg, specs, seed, model_dir, manager_cls).run()
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_eagle_lockstep(seed: int, tiny_model_dir: Path, manager_cls: type, eagle: None) -> None:
+    stats = run_eagle_seed(seed, tiny_model_dir, manager_cls)
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=True)
+
+
+def test_the_eagle_scheduler_builds_an_eagle_manager(tiny_model_dir: Path, eagle: None) -> None:
+    """The fixture's engine: vLLM's scheduler asks for the drop (``use_eagle_block_drop``),
+    pagedkv's native manager drops and its native loop runs the engine."""
+    from pagedkv.vllm_v1 import KVCacheManager
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    cfg = dataclasses.replace(h.SchedConfig(), num_spec_tokens=2)
+    sched = h.make_scheduler(cfg, tiny_model_dir, KVCacheManager)
+    assert sched.use_eagle_block_drop and sched.num_prefill_lookahead == 1
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    assert sched.kv_cache_manager._native.drops_eagle_block
+    assert engine_out_of_scope(sched) is None
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_eagle_multimodal_lockstep(
+    seed: int, tiny_model_dir: Path, manager_cls: type, eagle: None
+) -> None:
+    """Images under EAGLE: the encoder inputs are scheduled one token ahead (the prefill
+    lookahead of 1 shifts ``_try_schedule_encoder_inputs``) and freed one token later, every
+    step native."""
+    import mm_harness as mm
+    from test_multimodal_native import SMALL, _run
+
+    rng = random.Random(seed * 17 + 3)
+    # A cache holding max_model_len (96 tokens): pagedkv caps lengths at a smaller cache, the
+    # reference then being vLLM at that length, which drafts' lookahead slots do not follow
+    # (v1_harness.random_config keeps drafts off such caches too).
+    cfg = dataclasses.replace(
+        SMALL,
+        num_blocks=rng.choice((26, 30, 40)),
+        num_spec_tokens=2,
+        enable_caching=seed % 3 != 2,
+        async_scheduling=seed % 2 == 1,
+        abort_rate=rng.choice((0.0, 0.05)),
+    )
+    encoder = mm.Encoder(budget=32, cache_size=48, no_chunking=False, v2_runner=False)
+    assert _run(cfg, encoder, seed, tiny_model_dir, manager_cls)["steps"] > 0
