@@ -8,6 +8,7 @@
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
 //!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
+//! * [`mamba`]: the Mamba group kind's rules (mode "none") and block zeroing;
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`retention`]: which blocks a sliding-window group caches under each
 //!   `prefix_cache_retention_interval` (dense, replay boundaries and junctions, periodic);
@@ -21,6 +22,7 @@ pub mod block_hash;
 pub mod coordinator;
 pub mod engine;
 pub mod free_queue;
+pub mod mamba;
 pub mod manager;
 pub mod policy;
 pub mod pool;
@@ -31,6 +33,8 @@ pub mod walk;
 
 #[cfg(test)]
 mod coordinator_tests;
+#[cfg(test)]
+mod mamba_tests;
 #[cfg(test)]
 mod single_type_tests;
 #[cfg(test)]
