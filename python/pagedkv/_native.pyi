@@ -612,9 +612,10 @@ class V1Manager:
 @final
 class V1Hybrid:
     """vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked
-    local attention, Mamba in ``mamba_cache_mode`` "none") over one pool (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per
-    group, in vLLM's group order; block 0 is the null block. A failed call changes nothing;
-    one call at a time (``InUseError``)."""
+    local attention, Mamba in ``mamba_cache_mode`` "none") over one pool
+    (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per group, in vLLM's group order;
+    block 0 is the null block. A failed call changes nothing; one call at a time
+    (``InUseError``)."""
 
     def __new__(
         cls,
@@ -635,11 +636,11 @@ class V1Hybrid:
         ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk) or
         ``"mamba"`` (its ``num_speculative_blocks``; prefix caching must be off: "align" mode
         is not mirrored); ``zero_new_blocks``: vLLM's ``needs_kv_cache_zeroing`` (the
-        attention groups record their new blocks, :meth:`take_new_block_ids`); ``release``: ``"0.32"`` or
-        ``"0.33"``; ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay
-        boundaries and junctions only, a positive multiple of ``scheduler_block_size`` those
-        and one tail per interval; ``InvalidArgumentError`` as vLLM's ``ValueError``
-        otherwise)."""
+        attention groups record their new blocks, :meth:`take_new_block_ids`); ``release``:
+        ``"0.32"`` or ``"0.33"``; ``prefix_cache_retention_interval``: vLLM's (``None``
+        dense, ``0`` replay boundaries and junctions only, a positive multiple of
+        ``scheduler_block_size`` those and one tail per interval; ``InvalidArgumentError`` as
+        vLLM's ``ValueError`` otherwise)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:
