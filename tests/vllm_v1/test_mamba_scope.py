@@ -122,3 +122,14 @@ def test_bad_mamba_input_raises_pagedkv_errors_and_changes_nothing() -> None:
         ours.allocate_slots(_request(10), 0)  # nothing to allocate, nothing to adopt
     assert ours.block_pool.get_num_free_blocks() == before
     assert ours.take_new_block_ids() == []
+
+
+def test_the_length_cap_counts_attention_blocks_not_the_hash_block() -> None:
+    """Without caching the hash block is the scheduler block (the lcm with the Mamba block,
+    here 256): the native loop's length cap still counts the full-attention group's own
+    blocks (31 of 4 tokens, the null block excluded)."""
+    from pagedkv.vllm_v1._native_loop import pool_tokens
+
+    ours = _pair("granite4")[1]
+    assert ours.hash_block_size == MAX_LEN
+    assert pool_tokens(ours) == 31 * 4
