@@ -622,9 +622,10 @@ class V1Manager:
 @final
 class V1Hybrid:
     """vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked
-    local attention) over one pool (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per
-    group, in vLLM's group order; block 0 is the null block. A failed call changes nothing;
-    one call at a time (``InUseError``)."""
+    local attention, Mamba in ``mamba_cache_mode`` "none") over one pool
+    (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per group, in vLLM's group order;
+    block 0 is the null block. A failed call changes nothing; one call at a time
+    (``InUseError``)."""
 
     def __new__(
         cls,
@@ -641,14 +642,19 @@ class V1Hybrid:
         prefix_cache_retention_interval: Optional[int] = None,
         use_eagle: bool = False,
         eagle_groups: Optional[Sequence[bool]] = None,
+        zero_new_blocks: bool = False,
     ) -> V1Hybrid:
-        """``groups``: ``(kind, block_size, window or chunk size, layout)`` per group, kind
-        ``"full"``, ``"sliding_window"`` or ``"chunked_local"``; ``release``: ``"0.32"`` or
-        ``"0.33"``; ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay
-        boundaries and junctions only, a positive multiple of ``scheduler_block_size`` those
-        and one tail per interval; ``InvalidArgumentError`` as vLLM's ``ValueError``
-        otherwise); ``use_eagle``: the manager's (EAGLE/MTP), ``eagle_groups``: each group's
-        ``is_eagle_group`` (``None``: none flagged; else one per group)."""
+        """``groups``: ``(kind, block_size, size, layout)`` per group, kind ``"full"``,
+        ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk) or
+        ``"mamba"`` (its ``num_speculative_blocks``; prefix caching must be off: "align" mode
+        is not mirrored); ``release``: ``"0.32"`` or ``"0.33"``;
+        ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay boundaries and
+        junctions only, a positive multiple of ``scheduler_block_size`` those and one tail per
+        interval; ``InvalidArgumentError`` as vLLM's ``ValueError`` otherwise); ``use_eagle``:
+        the manager's (EAGLE/MTP), ``eagle_groups``: each group's ``is_eagle_group`` (``None``:
+        none flagged; else one per group); ``zero_new_blocks``: vLLM's
+        ``needs_kv_cache_zeroing`` (the attention groups record their new blocks,
+        :meth:`take_new_block_ids`)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:
@@ -705,6 +711,9 @@ class V1Hybrid:
         """Drop one reference per block, in eviction-priority order (all or nothing)."""
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop the cached hash of each listed block (all ids checked first)."""
+    def take_new_block_ids(self) -> List[int]:
+        """vLLM's ``take_new_block_ids``: the attention groups' blocks handed out since the
+        last call, group by group, for the worker to zero (empty unless ``zero_new_blocks``)."""
     def block_ids(self, request_id: str) -> List[List[int]]:
         """The request's table in every group."""
     def reset_prefix_cache(self) -> bool:

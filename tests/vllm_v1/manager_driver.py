@@ -10,6 +10,7 @@ free-block counts, usage, KV events, prefix-cache stats and cached-token estimat
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
@@ -23,6 +24,7 @@ from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
+    MambaSpec,
 )
 from vllm.v1.request import Request, RequestStatus
 
@@ -63,13 +65,57 @@ MIXED_LAYOUTS = {
 }
 
 
+#: Mamba hybrids in ``mamba_cache_mode`` "none" (prefix caching off, vLLM's default): the
+#: per-layer kinds (``"mamba"`` or ``"full"``), the Mamba block size (``None``: max_model_len,
+#: as vLLM's model config sets it without prefix caching; else in attention blocks, as vLLM's
+#: own tests build Mamba specs) and ``num_speculative_blocks`` (vLLM sets it to the draft
+#: tokens per step).
+MAMBA_LAYOUTS = {
+    # Granite 4 / Nemotron-H: mostly Mamba layers, every fourth one full attention.
+    "granite4": (["mamba"] * 3 + ["full"], None, 0),
+    # The same with two draft tokens per step (two speculative state blocks per request).
+    "nemotron-h-spec": (["mamba", "full", "mamba", "mamba"], None, 2),
+    # Mamba state blocks at the attention block size: the state of all but the last computed
+    # token is freed as the request advances (get_num_skipped_tokens = n - 1).
+    "mamba-block": (["mamba", "full"], 1, 0),
+}
+
+
 def scheduler_scale(layout: str) -> int:
     return max((k[1] for k in MIXED_LAYOUTS.get(layout, ())), default=1)
+
+
+def mamba_spec(block_size: int, attention: Any, num_speculative_blocks: int = 0) -> MambaSpec:
+    """A Mamba layer's spec in mode "none", its page padded to the attention layers' (as
+    vLLM's page-size unification pads it, so that vLLM's grouping accepts the layers)."""
+    return MambaSpec(
+        block_size=block_size,
+        shapes=((2,),),
+        dtypes=(torch.float32,),
+        page_size_padded=attention.page_size_bytes,
+        mamba_cache_mode="none",
+        num_speculative_blocks=num_speculative_blocks,
+    )
+
+
+def block_sizes(layout: str, block_size: int, max_model_len: int) -> tuple:
+    """``(scheduler_block_size, hash_block_size)`` as vLLM resolves them for the layout: the
+    least common multiple of the group block sizes; without prefix caching (every Mamba
+    layout) the hash block size is the scheduler block size."""
+    if layout in MAMBA_LAYOUTS:
+        sizes = [
+            g.kv_cache_spec.block_size for g in hybrid_groups(layout, block_size, max_model_len)
+        ]
+        sbs = math.lcm(*sizes)
+        return sbs, sbs
+    return block_size * scheduler_scale(layout), block_size
 
 
 def has_window(layout: str) -> bool:
     """Whether the layout has a sliding-window group (what retention applies to)."""
     kinds = HYBRID_LAYOUTS.get(layout) or [k for k, _ in MIXED_LAYOUTS.get(layout, ())]
+    if layout in MAMBA_LAYOUTS:
+        return False
     return any(k != "full" and k[0] == "swa" for k in kinds)
 
 
@@ -87,8 +133,17 @@ def retention_interval(mode: Optional[int], layout: str, block_size: int) -> Opt
     return mode * block_size * scheduler_scale(layout) if has_window(layout) else 0
 
 
-def hybrid_groups(layout: str, block_size: int) -> List[KVCacheGroupSpec]:
+def hybrid_groups(
+    layout: str, block_size: int, max_model_len: int = 4096
+) -> List[KVCacheGroupSpec]:
     """The KV cache groups vLLM builds for the layout's layers (vLLM's own grouping)."""
+    if layout in MAMBA_LAYOUTS:
+        kinds, mamba_blocks, spec_blocks = MAMBA_LAYOUTS[layout]
+        attention = layer_spec("full", block_size)
+        mbs = max_model_len if mamba_blocks is None else mamba_blocks * block_size
+        mamba = mamba_spec(mbs, attention, spec_blocks)
+        layers = {f"layer.{i}": mamba if k == "mamba" else attention for i, k in enumerate(kinds)}
+        return driver.kv_cache_groups(layers)
     if layout in MIXED_LAYOUTS:
         return [
             KVCacheGroupSpec([f"layer.{i}"], layer_spec(k, block_size * scale))
@@ -105,13 +160,14 @@ def kv_cache_config(
     block_size: int,
     layout: str = "",
     retention: Optional[int] = None,
+    max_model_len: int = 4096,
     eagle_groups: Sequence[int] = (),
 ) -> KVCacheConfig:
     """``retention``: ``prefix_cache_retention_interval`` (``None``, dense, is
     ``KVCacheConfig``'s default; vLLM's engines default to 0). ``eagle_groups``: the groups
     flagged ``is_eagle_group`` (an EAGLE drafter's layers)."""
     if layout:
-        groups = hybrid_groups(layout, block_size)
+        groups = hybrid_groups(layout, block_size, max_model_len)
     else:
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
@@ -135,13 +191,10 @@ def manager_pair(
     eagle_groups: Sequence[int] = (),
     **kw: Any,
 ) -> tuple:
-    args = dict(
-        max_model_len=kw.pop("max_model_len", 4096),
-        scheduler_block_size=block_size * scheduler_scale(layout),
-        hash_block_size=block_size,
-        **kw,
-    )
-    cfg = kv_cache_config(num_blocks, block_size, layout, retention, eagle_groups)
+    max_model_len = kw.pop("max_model_len", 4096)
+    sbs, hbs = block_sizes(layout, block_size, max_model_len)
+    args = dict(max_model_len=max_model_len, scheduler_block_size=sbs, hash_block_size=hbs, **kw)
+    cfg = kv_cache_config(num_blocks, block_size, layout, retention, max_model_len, eagle_groups)
     ours = PagedManager(cfg, **args)
     if layout:
         from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
@@ -149,7 +202,7 @@ def manager_pair(
         assert type(ours) is HybridKVCacheManager, "expected the native hybrid manager"
     else:
         assert type(ours) is PagedManager, "expected the native manager in scope"
-    theirs = kv_cache_config(num_blocks, block_size, layout, retention, eagle_groups)
+    theirs = kv_cache_config(num_blocks, block_size, layout, retention, max_model_len, eagle_groups)
     return VLLMManager(theirs, **args), ours
 
 
@@ -333,6 +386,8 @@ class Driver:
         v, o = self.vllm, self.ours
         assert v.block_pool.get_num_free_blocks() == o.block_pool.get_num_free_blocks()
         assert v.usage == o.usage
+        # The blocks to zero (Mamba layouts: every attention block handed out; else none).
+        assert v.take_new_block_ids() == o.take_new_block_ids(), "blocks to zero differ"
         for rid, req in self.live.items():
             assert v.get_block_ids(rid) == o.get_block_ids(rid), f"table of {rid}"
             assert v.get_blocks(rid).get_block_ids() == o.get_blocks(rid).get_block_ids()

@@ -15,7 +15,7 @@ from typing import Optional
 
 import pytest
 import v1_harness as h
-from manager_driver import HYBRID_LAYOUTS, RETENTIONS, retention_interval
+from manager_driver import HYBRID_LAYOUTS, MAMBA_LAYOUTS, RETENTIONS, retention_interval
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 # Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
@@ -251,6 +251,40 @@ def test_chunked_local_layout_runs_natively_under_vllms_default_retention(
     cfg = hybrid_pressure(cfg, "llama4", 0)
     stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
     assert stats["preemptions"] > 0 and stats["hits"] > 0 and stats["events"] > 0, stats
+    assert_native_loop(stats, manager_cls)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lockstep_mamba_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    """Mamba layers beside full attention (Granite-4- / Nemotron-H-like layouts as vLLM
+    groups the layers) in ``mamba_cache_mode`` "none" (prefix caching off; the state block
+    spanning max_model_len, the scheduler block size their lcm as vLLM's engine resolves it;
+    or state blocks at the attention block size): pagedkv's native loop over its hybrid
+    manager matched with vLLM's scheduler over vLLM's ``MambaManager`` at every step
+    (preemption, chunked prefill, aborts, drafts, the blocks to zero in every
+    ``SchedulerOutput``, sync and async), every step native (vLLM's loop only while an
+    out-of-scope request is held, one seed in four)."""
+    layouts = sorted(MAMBA_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    stats = h.run_seed(
+        seed, tiny_model_dir, manager_cls, layout=layout, retention=(None, 0)[seed % 2]
+    )
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=seed % 4 == 3)
+
+
+@pytest.mark.parametrize("layout", sorted(MAMBA_LAYOUTS))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_mamba_pressure_workload_preempts_natively(
+    layout: str, async_scheduling: bool, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """The pressure workload over Mamba hybrid groups (prefix caching off): preemption with
+    the state blocks and the attention blocks to zero matched step by step, on the native
+    loop every step."""
+    cfg = dataclasses.replace(PRESSURE, async_scheduling=async_scheduling)
+    cfg = hybrid_pressure(cfg, layout)
+    stats = h.Lockstep(cfg, pressure_workload(), 1, tiny_model_dir, manager_cls).run()
+    assert stats["preemptions"] > 0, stats
     assert_native_loop(stats, manager_cls)
 
 

@@ -8,6 +8,7 @@ import pytest
 from manager_driver import (
     HASH_ALGOS,
     HYBRID_LAYOUTS,
+    MAMBA_LAYOUTS,
     MIXED_LAYOUTS,
     RETENTIONS,
     Driver,
@@ -61,6 +62,30 @@ def hybrid_driver(seed: int, **kw: Any) -> Driver:
         retention=retention_interval(mode, layout, block_size),
     )
     return Driver(**{**args, **kw})
+
+
+@pytest.mark.parametrize("seed", range(18))
+def test_mamba_hybrid_random_calls_match_vllm(seed: int) -> None:
+    """Granite-4- / Nemotron-H-like layouts (Mamba layers beside full attention, vLLM's own
+    grouping of the layers) in ``mamba_cache_mode`` "none" (prefix caching off, the state
+    block spanning max_model_len, with and without speculative state blocks) and with Mamba
+    blocks at the attention block size (states freed as the request advances): pagedkv's
+    hybrid manager against vLLM's ``MambaManager`` in its no-prefix-cache coordinator, call by
+    call (chunked prefill, lookahead slots, preemption, deferred frees, evictions), the
+    blocks to zero included."""
+    layouts = sorted(MAMBA_LAYOUTS)
+    block_size = (4, 8, 16)[seed % 3]
+    Driver(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=block_size,
+        caching=False,
+        events=seed % 2 == 0,
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        max_model_len=(4096, 64, 256)[seed // 3 % 3],
+        layout=layouts[seed % len(layouts)],
+        retention=(None, 0)[seed % 2],
+    ).run(300)
 
 
 def test_hybrid_seeds_run_every_retention_on_every_layout() -> None:

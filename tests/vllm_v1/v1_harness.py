@@ -301,7 +301,7 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
         import manager_driver
 
         kv_cache_config = manager_driver.kv_cache_config(
-            cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention
+            cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention, cfg.max_model_len
         )
     return vllm_config, kv_cache_config
 
@@ -411,8 +411,17 @@ def make_scheduler(
         cls = base
     else:
         cls = scheduler_class_under_test(manager_cls, cfg.async_scheduling, own_scheduler)
+    sizes = None
+    if cfg.layout:
+        import manager_driver
+
+        if cfg.layout in manager_driver.MAMBA_LAYOUTS:
+            # As vLLM's engine resolves them: the lcm of the group block sizes.
+            sizes = manager_driver.block_sizes(cfg.layout, cfg.block_size, cfg.max_model_len)
     with model_runner_env(cfg):
-        sched = driver.new_scheduler(cls, vllm_config, kv_cache_config, cfg.include_finished_set)
+        sched = driver.new_scheduler(
+            cls, vllm_config, kv_cache_config, cfg.include_finished_set, sizes
+        )
     if cfg.sampling_mask and not masks_in_config(cfg):
         sched.return_sampling_mask = True
     expected = manager_cls
@@ -569,8 +578,16 @@ def build_request(
 
 
 def request_block_hasher(cfg: SchedConfig) -> Callable:
-    """What vLLM's EngineCore sets up for the configured ``prefix_caching_hash_algo``."""
-    hasher = driver.request_block_hasher(cfg.block_size, cfg.hash_algo)
+    """What vLLM's EngineCore sets up for the configured ``prefix_caching_hash_algo``, at the
+    hash block size (a Mamba layout's: the lcm of its group block sizes)."""
+    hash_block_size = cfg.block_size
+    if cfg.layout:
+        import manager_driver
+
+        if cfg.layout in manager_driver.MAMBA_LAYOUTS:
+            sizes = manager_driver.block_sizes(cfg.layout, cfg.block_size, cfg.max_model_len)
+            hash_block_size = sizes[1]
+    hasher = driver.request_block_hasher(hash_block_size, cfg.hash_algo)
     assert kv_cache_utils.NONE_HASH is not None
     return hasher
 
@@ -1272,14 +1289,20 @@ def with_layout(cfg: SchedConfig, layout: str, retention: Optional[int] = None) 
     """``cfg`` with hybrid KV cache groups: each group past the first gets as many blocks as
     the configuration gave the one group (the pool is shared: without them a long request
     would never fit and both loops would stall); ``retention``: the
-    ``prefix_cache_retention_interval``."""
+    ``prefix_cache_retention_interval``. A Mamba layout (``mamba_cache_mode`` "none") turns
+    prefix caching off, as vLLM's model config does for that mode."""
     if not layout:
         return cfg
     import manager_driver
 
-    extra = len(manager_driver.hybrid_groups(layout, cfg.block_size)) - 1
+    extra = len(manager_driver.hybrid_groups(layout, cfg.block_size, cfg.max_model_len)) - 1
+    caching = cfg.enable_caching and layout not in manager_driver.MAMBA_LAYOUTS
     return dataclasses.replace(
-        cfg, layout=layout, num_blocks=cfg.num_blocks * (1 + extra), retention=retention
+        cfg,
+        layout=layout,
+        num_blocks=cfg.num_blocks * (1 + extra),
+        retention=retention,
+        enable_caching=caching,
     )
 
 

@@ -1,6 +1,7 @@
 """``HybridKVCacheManager``: vLLM v1's ``KVCacheManager`` for hybrid models (several KV cache
-groups, each full attention, sliding window or chunked local attention) on pagedkv's native
-coordinator (``_native.V1Hybrid``, the core's ``coordinator::Hybrid``).
+groups, each full attention, sliding window, chunked local attention or Mamba in
+``mamba_cache_mode`` "none") on pagedkv's native coordinator (``_native.V1Hybrid``, the core's
+``coordinator::Hybrid``).
 
 :class:`pagedkv.vllm_v1.KVCacheManager` returns one when the configuration has two or more
 groups in scope (:func:`pagedkv.vllm_v1._scope.out_of_scope`). What the scheduler, connectors
@@ -12,7 +13,9 @@ and unreachable ones skipped), prefix-cache stats. Sliding windows cache what th
 ``prefix_cache_retention_interval`` keeps (dense ``None``; ``0``, vLLM's engine default: the
 tails at the request's replay boundary and shared-prefix junction; positive: those and one per
 interval), reading ``request.num_prompt_tokens`` and ``request.shared_prefix_boundary`` at
-each caching call.
+each caching call. With Mamba layers (prefix caching off) the attention groups' new blocks
+are recorded for zeroing and drained by :meth:`HybridKVCacheManager.take_new_block_ids` into
+the step's ``new_block_ids_to_zero``, as vLLM's managers do.
 
 Invariants: each method crosses into Rust once (plus one call to drain events when events
 are on); a call that raises has changed nothing (the core plans, then applies). Costs: the
@@ -50,10 +53,15 @@ class HybridBlockView(BlockView):
 
 
 def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
-    """The native description of each group: ``(kind, block_size, window or chunk, layout)``;
-    ``layout`` numbers the distinct specs, so groups share a lookup exactly when vLLM's specs
-    are equal (as vLLM's coordinator compares them)."""
-    from vllm.v1.kv_cache_interface import ChunkedLocalAttentionSpec, SlidingWindowSpec
+    """The native description of each group: ``(kind, block_size, size, layout)``, ``size``
+    the window, the chunk or a Mamba group's ``num_speculative_blocks``; ``layout`` numbers
+    the distinct specs, so groups share a lookup exactly when vLLM's specs are equal (as
+    vLLM's coordinator compares them)."""
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     distinct: List[Any] = []
     out = []
@@ -66,6 +74,8 @@ def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
             out.append(("sliding_window", spec.block_size, spec.sliding_window, layout))
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             out.append(("chunked_local", spec.block_size, spec.attention_chunk_size, layout))
+        elif isinstance(spec, MambaSpec):
+            out.append(("mamba", spec.block_size, spec.num_speculative_blocks, layout))
         else:
             out.append(("full", spec.block_size, 0, layout))
     return out
@@ -214,8 +224,11 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             getattr(kv_cache_config, "prefix_cache_retention_interval", None),
             use_eagle=bool(self.use_eagle),
             eagle_groups=[_eagle_flag(g) for g in groups],
+            zero_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
+        # vLLM clips to the computed tokens only the attention groups' tables.
+        self._clipped = [_is_attention(g.kv_cache_spec) for g in groups]
         self.kv_cache_event_metadata = tuple(
             (get_kv_cache_spec_kind(g.kv_cache_spec).value, _window(g.kv_cache_spec))
             for g in groups
@@ -228,12 +241,15 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         if self.enable_kv_cache_events:
             self._int_hashes = _events.int_hashes_enabled()
             metadata = zip(self.kv_cache_event_metadata, self._group_block_sizes)
-            _events.bind_native(
-                self._native,
-                [(kind, window, bs) for (kind, window), bs in metadata],
-                self.hash_block_size,
-                self._int_hashes,
-            )
+            if self.enable_caching:
+                # Without caching no block is stored or removed (and the hash block size,
+                # then the scheduler's, need not divide every group's block size).
+                _events.bind_native(
+                    self._native,
+                    [(kind, window, bs) for (kind, window), bs in metadata],
+                    self.hash_block_size,
+                    self._int_hashes,
+                )
             # `_drain_events` appends to this list natively (the list object stays the same:
             # `take_events` copies and clears it); `_build_events` builds what it leaves.
             self._native.bind_event_sink(self._events, self._build_events)
@@ -376,7 +392,8 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
     ) -> Tuple[List[int], ...]:
         ids = self._native.block_ids(request_id)
         return tuple(
-            g[: -(-num_computed_tokens // bs)] for g, bs in zip(ids, self._group_block_sizes)
+            g[: -(-num_computed_tokens // bs)] if clip else g
+            for g, bs, clip in zip(ids, self._group_block_sizes, self._clipped)
         )
 
     def estimate_cached_tokens(self, request: Any) -> int:
@@ -411,12 +428,15 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             out.append(g[: num_computed_tokens // bs])
         return self._wrap(out)
 
-    # --- features outside the scope: nothing to hand out ------------------------------------
     def take_new_block_ids(self) -> List[int]:
-        return []
+        """vLLM's: the attention groups' blocks handed out since the last call, group by
+        group, for the worker to zero (none unless the config needs zeroing: Mamba layers)."""
+        return self._native.take_new_block_ids()
 
+    # --- features outside the scope: nothing to hand out ------------------------------------
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """No zeroing in scope (no Mamba, uniform precision)."""
+        """vLLM calls it only after a failed KV connector load (a connector is outside the
+        scope, so this is never reached)."""
 
     def take_kv_cache_block_copies(self) -> Tuple[List[Any], List[Any]]:
         return [], []
@@ -499,6 +519,13 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             group
         ]
         return event
+
+
+def _is_attention(spec: Any) -> bool:
+    """vLLM's ``AttentionSpec`` (every kind in scope but Mamba)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec
+
+    return isinstance(spec, AttentionSpec)
 
 
 def _window(spec: Any) -> Any:

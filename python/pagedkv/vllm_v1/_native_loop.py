@@ -268,16 +268,18 @@ class NativeLoop:
 def pool_tokens(manager: Any) -> int:
     """The most tokens one request can hold in the KV cache (the null block excluded): the
     length cap. One group: every block. Hybrid groups: the blocks the full-attention groups
-    alone need (one per hash block, in each of them); a longer request can never fit, however
-    little its window and chunk groups hold (their blocks are not counted, so a request under
-    the cap may still not fit, as in vLLM)."""
+    alone need (one per block of each); a longer request can never fit, however little its
+    window, chunk and Mamba groups hold (their blocks are not counted, so a request under the
+    cap may still not fit, as in vLLM). Full-attention groups sit at the hash block size with
+    caching on; without it (Mamba hybrids: the hash block is the scheduler's) at their own,
+    the largest counted (a cap never below what fits)."""
     native = manager._native
     if manager.num_kv_cache_groups == 1:
         return (native.num_blocks - 1) * native.block_size
     from ._hybrid import group_kinds
 
-    full = sum(1 for kind, *_ in group_kinds(manager.kv_cache_config) if kind == "full")
-    return (native.num_blocks - 1) // max(full, 1) * manager.hash_block_size
+    sizes = [bs for kind, bs, *_ in group_kinds(manager.kv_cache_config) if kind == "full"]
+    return (native.num_blocks - 1) // max(len(sizes), 1) * max(sizes, default=1)
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:

@@ -6,15 +6,19 @@ returns ``None`` when in scope, else the reason (for the start line and the fall
 
 The native manager mirrors vLLM's manager for one KV cache group handled by vLLM's plain
 ``FullAttentionManager`` (dense decoders: Llama, Qwen, Mistral...), with the hash block size
-equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4) each
-handled by vLLM's ``FullAttentionManager``, ``SlidingWindowManager`` or
-``ChunkedLocalAttentionManager`` (:func:`hybrid_out_of_scope`); in both cases none of:
-hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or prefill
-context parallelism, block zeroing (Mamba or mixed-precision caches), a KV cache metrics
-collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively,
-its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
-a chunked local group, whose lookup vLLM asserts against. Anything else runs vLLM's own
-manager; :func:`out_of_scope` says why.
+equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4;
+Granite 4, Nemotron-H, Jamba, Qwen3-Next without prefix caching) each handled by vLLM's
+``FullAttentionManager``, ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or
+``MambaManager`` in ``mamba_cache_mode`` "none" (:func:`hybrid_out_of_scope`); in both cases
+none of: hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or
+prefill context parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV
+cache metrics collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served
+natively, its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``),
+except with a chunked local group, whose lookup vLLM asserts against. Mamba "align" mode
+(Mamba with prefix caching: block-aligned prefill splits, per-step state blocks with interior
+nulling, prefill checkpoints, partial hits with copy-on-write) is not mirrored: such a model
+runs vLLM's own manager, and vLLM's loop (the scheduler's ``need_mamba_block_aligned_split``).
+Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
 """
 
 from __future__ import annotations
@@ -50,53 +54,64 @@ def _reason(failed: Any, what: str) -> Optional[str]:
     return f"{what} is not supported by pagedkv's manager" if failed else None
 
 
-def _common_reason(kv_cache_config: Any, args: Any) -> Optional[str]:
-    """What neither the one-group nor the hybrid manager serves."""
+def _common_reason(kv_cache_config: Any, args: Any, mamba_zeroing: bool = False) -> Optional[str]:
+    """What neither the one-group nor the hybrid manager serves; ``mamba_zeroing``: the
+    hybrid manager zeroes as vLLM does for Mamba layers (not for mixed precision)."""
+    zeroing = getattr(kv_cache_config, "needs_kv_cache_zeroing", False) and not (
+        mamba_zeroing and not getattr(kv_cache_config, "has_mixed_precision_kv_cache", False)
+    )
     checks = (
         (args.get("num_hash_lookahead_tokens"), "hash lookahead tokens"),
         ((args.get("num_prefill_lookahead") or 0) > 1, "multi-module MTP prefill lookahead"),
         (args.get("dcp_world_size", 1) != 1, "decode context parallelism"),
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
         (args.get("metrics_collector") is not None, "KV cache residency metrics"),
-        (getattr(kv_cache_config, "needs_kv_cache_zeroing", False), "KV block zeroing"),
+        (zeroing, "KV block zeroing other than for Mamba layers"),
     )
     return next((_reason(True, what) for failed, what in checks if failed), None)
 
 
 def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     """``None`` when pagedkv's hybrid manager (:mod:`pagedkv.vllm_v1._hybrid`) serves these
-    KV cache groups: every group full attention, sliding window or chunked local attention
-    (vLLM's plain managers for them), at least one full-attention group, full-attention
-    groups at the hash block size (vLLM adds partial prompt-tail entries to larger blocks),
-    chunked local groups at the scheduler block size (vLLM asserts it), every block size a
-    multiple of the hash block size and dividing the scheduler block size, and none of the
-    features the one-group manager refuses. Otherwise the reason. Every
+    KV cache groups: every group full attention, sliding window, chunked local attention
+    (vLLM's plain managers for them) or Mamba in ``mamba_cache_mode`` "none" with prefix
+    caching off (``MambaManager``; "align" is not mirrored), at least one full-attention
+    group, chunked local groups at the scheduler block size (vLLM asserts it), every block
+    size dividing the scheduler block size and, with prefix caching on, a multiple of the
+    hash block size, full-attention groups at the hash block size (vLLM adds partial
+    prompt-tail entries to larger blocks), and none of the features the one-group manager
+    refuses (block zeroing only for Mamba layers). Otherwise the reason. Every
     ``prefix_cache_retention_interval`` is in scope (dense ``None``, sparse ``0`` as vLLM's
     engines default, periodic); the native manager refuses an invalid one as vLLM's
     coordinator does (a ``ValueError``)."""
     from vllm.v1.core.single_type_kv_cache_manager import (
         ChunkedLocalAttentionManager,
         FullAttentionManager,
+        MambaManager,
         SlidingWindowManager,
     )
 
     hbs, sbs = args.get("hash_block_size"), args.get("scheduler_block_size")
     groups = kv_cache_config.kv_cache_groups
     eagle = args.get("use_eagle") or any(getattr(g, "is_eagle_group", False) for g in groups)
+    caching = bool(args.get("enable_caching", True))
+    served = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
     kinds = []
     for group in kv_cache_config.kv_cache_groups:
         cls = _manager_class(group)
         spec = group.kv_cache_spec
-        if cls not in (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager):
+        if cls not in (*served, MambaManager):
             name = getattr(cls, "__name__", cls)
             return (
                 f"a hybrid KV cache group needs vLLM's {name}; pagedkv's hybrid manager "
-                "handles full, sliding-window and chunked local attention"
+                "handles full, sliding-window and chunked local attention and Mamba"
             )
+        if cls is MambaManager and (caching or spec.mamba_cache_mode != "none"):
+            return _reason(True, 'Mamba with prefix caching (mamba_cache_mode "align")')
         bs = spec.block_size
-        if not hbs or bs % hbs or not sbs or sbs % bs:
+        if not hbs or not sbs or sbs % bs or (caching and bs % hbs):
             return _reason(True, f"a group block size {bs} (hash block {hbs}, scheduler {sbs})")
-        if cls is FullAttentionManager and bs != hbs:
+        if caching and cls is FullAttentionManager and bs != hbs:
             return _reason(True, "a full-attention group with blocks larger than the hash block")
         if cls is ChunkedLocalAttentionManager and bs != sbs:
             return _reason(True, "a chunked local group below the scheduler block size")
@@ -110,7 +125,7 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
         kinds.append(cls)
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
-    return _common_reason(kv_cache_config, args)
+    return _common_reason(kv_cache_config, args, mamba_zeroing=MambaManager in kinds)
 
 
 def _group_reason(group: Any) -> Optional[str]:

@@ -373,19 +373,28 @@ def scheduler_over_manager(base: type, manager_cls: type) -> type:
 
 
 def new_scheduler(
-    cls: type, vllm_config: Any, kv_cache_config: Any, include_finished_set: bool = False
+    cls: type,
+    vllm_config: Any,
+    kv_cache_config: Any,
+    include_finished_set: bool = False,
+    block_sizes: Optional[Tuple[int, int]] = None,
 ) -> Any:
     """A scheduler of class ``cls`` built as vLLM's ``EngineCore`` builds one (stats on, a
-    structured-output manager, the block size of the cache config)."""
+    structured-output manager, the block size of the cache config); ``block_sizes``: the
+    ``(scheduler_block_size, hash_block_size)`` vLLM's engine resolves for hybrid groups of
+    different block sizes (``resolve_kv_cache_block_sizes``)."""
     from vllm.v1.structured_output import StructuredOutputManager
 
+    sizes: Dict[str, int] = {"block_size": vllm_config.cache_config.block_size}
+    if block_sizes is not None:
+        sizes = {"block_size": block_sizes[0], "hash_block_size": block_sizes[1]}
     return cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=vllm_config.cache_config.block_size,
         include_finished_set=include_finished_set,
         log_stats=True,
+        **sizes,
     )
 
 

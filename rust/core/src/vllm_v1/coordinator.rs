@@ -46,8 +46,13 @@
 //! without dropping re-arms every dropping group); it caches one block past the aligned
 //! boundary.
 //!
+//! Mamba groups (mode "none": prefix caching off, so this is vLLM's
+//! `KVCacheCoordinatorNoPrefixCache`) are a group kind ([`super::mamba`]); with them the
+//! attention groups record their new blocks for zeroing ([`Hybrid::with_zeroing`]).
+//!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
-//! a chunked local group, Mamba groups, the unitary coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
+//! a chunked local group, Mamba "align" mode (prefix caching with Mamba), the unitary
+//! coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!
 //! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
@@ -65,6 +70,7 @@
 
 use super::eagle::{self, GroupEagle};
 use super::engine::Release;
+use super::mamba::ZeroList;
 use super::manager::HashSource;
 use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
@@ -159,6 +165,8 @@ pub struct Hybrid {
     cfg: HybridConfig,
     managers: Vec<GroupManager>,
     attention_groups: Vec<SpecGroup>,
+    /// The attention groups' new blocks to zero (`None`: no zeroing; [`super::mamba`]).
+    zeroing: Option<ZeroList>,
 }
 
 fn is_full(spec: &GroupSpec) -> bool {
@@ -180,10 +188,7 @@ impl Hybrid {
                  size {hbs}"
             )));
         }
-        let has_window = cfg
-            .groups
-            .iter()
-            .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+        let has_window = cfg.groups.iter().any(|g| g.kind.retention_applies());
         let retention = Retention::from_interval(cfg.retention.interval(), sbs, has_window)?;
         let params = GroupParams {
             hash_block_size: hbs,
@@ -212,6 +217,7 @@ impl Hybrid {
             cfg,
             managers,
             attention_groups,
+            zeroing: None,
         })
     }
 
@@ -253,6 +259,19 @@ impl Hybrid {
             }
         }
         Ok(attention_groups)
+    }
+
+    /// With `on`, the attention groups record the blocks they hand out for zeroing, as vLLM's
+    /// managers do when `KVCacheConfig.needs_kv_cache_zeroing` (a Mamba layer) holds.
+    pub fn with_zeroing(mut self, on: bool) -> Self {
+        self.zeroing = on.then(|| ZeroList::new(self.managers.len()));
+        self
+    }
+
+    /// vLLM's `KVCacheManager.take_new_block_ids`: the blocks handed out since the last call,
+    /// attention groups only, group by group (empty without zeroing).
+    pub fn take_new_block_ids(&mut self) -> Vec<u32> {
+        self.zeroing.as_mut().map_or_else(Vec::new, ZeroList::take)
     }
 
     pub fn pool(&self) -> &Pool {
@@ -582,8 +601,12 @@ impl Hybrid {
             }
         }
         let mut new = Vec::with_capacity(self.managers.len());
-        for m in &mut self.managers {
-            new.push(m.allocate_new_blocks(&mut self.pool, req, need_slots)?);
+        for (i, m) in self.managers.iter_mut().enumerate() {
+            let blocks = m.allocate_new_blocks(&mut self.pool, req, need_slots)?;
+            if let Some(z) = self.zeroing.as_mut() {
+                z.record(i, m.spec().kind, &blocks);
+            }
+            new.push(blocks);
         }
         for (m, plan) in self.managers.iter_mut().zip(&plans) {
             m.apply_cache(&mut self.pool, req, plan);
@@ -642,6 +665,7 @@ impl Hybrid {
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
         self.pool.heap_bytes()
+            + self.zeroing.as_ref().map_or(0, ZeroList::heap_bytes)
             + self
                 .managers
                 .iter()

@@ -8,6 +8,7 @@
 //! * [`manager`]: per-request block tables and `allocate_slots` for one full-attention group;
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
 //!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
+//! * [`mamba`]: the Mamba group kind's rules (mode "none") and block zeroing;
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`eagle`]: EAGLE/MTP's last-block drop (which groups drop, per release) and what it
 //!   changes in lookups and caching;
@@ -24,6 +25,7 @@ pub mod coordinator;
 pub mod eagle;
 pub mod engine;
 pub mod free_queue;
+pub mod mamba;
 pub mod manager;
 pub mod policy;
 pub mod pool;
@@ -36,6 +38,8 @@ pub mod walk;
 mod coordinator_tests;
 #[cfg(test)]
 mod eagle_tests;
+#[cfg(test)]
+mod mamba_tests;
 #[cfg(test)]
 mod single_type_tests;
 #[cfg(test)]

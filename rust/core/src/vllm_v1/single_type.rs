@@ -21,17 +21,17 @@
 //! `pagedkv.vllm_v1`'s scope does for the single group): no `extra_retained_tokens` (multi-
 //! module MTP), EAGLE never with chunked local attention (vLLM asserts), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
-//! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention, HiSparse or Mamba
+//! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
 //! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
 //! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
 //! refuses rather than mirror half of (the lookup, [`find_longest_cache_hit`], reads such
 //! groups' hashes correctly; the caching would not match). Other kinds may use any multiple
-//! of the hash block size. Mamba
-//! would need its own kind: per-request state blocks (not one block per `block_size` tokens),
-//! "align"-mode checkpoints and their interior nulling, speculative-block relocation, and the
-//! fine-grained hits the coordinator enables only with it.
+//! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`], their rules in
+//! [`super::mamba`] (mode "none" only: no prefix caching; its "align"-mode checkpoints,
+//! interior nulling, speculative-block relocation and fine-grained hits are not mirrored).
+//! Without prefix caching no hash is read, so the hash block size constrains no group.
 //!
 //! Invariants (per group): a request's table holds its blocks in token order; null blocks
 //! ([`NULL_BLOCK`]) only form a prefix of it (the skipped part); `num_cached`, once set, counts
@@ -50,6 +50,7 @@ use hashbrown::HashMap;
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
+use super::mamba;
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retained, Retention};
@@ -64,6 +65,8 @@ pub enum AttentionKind {
     SlidingWindow { sliding_window: u32 },
     /// `ChunkedLocalAttentionSpec`: a token attends to its own `attention_chunk_size` chunk.
     ChunkedLocal { attention_chunk_size: u32 },
+    /// `MambaSpec` in mode `"none"`: one state per request ([`super::mamba`]).
+    Mamba { num_speculative_blocks: u32 },
 }
 
 /// One KV cache group's spec: what vLLM's hybrid coordinator compares to batch lookups.
@@ -76,6 +79,17 @@ pub struct GroupSpec {
     /// groups share one lookup only when kind, block size and this tag are all equal (vLLM
     /// compares the whole spec).
     pub layout: u32,
+}
+
+impl AttentionKind {
+    /// Whether `prefix_cache_retention_interval` applies to this kind (vLLM validates a
+    /// positive interval only when some sliding-window or Mamba group has it).
+    pub fn retention_applies(&self) -> bool {
+        matches!(
+            self,
+            AttentionKind::SlidingWindow { .. } | AttentionKind::Mamba { .. }
+        )
+    }
 }
 
 impl GroupSpec {
@@ -117,6 +131,18 @@ impl GroupSpec {
                 let c = u64::from(attention_chunk_size);
                 num_computed_tokens / c * c
             }
+            AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
+        }
+    }
+
+    /// The token slots this kind counts and allocates for `num_tokens` (Mamba adds its
+    /// speculative blocks; every other kind `num_tokens`).
+    pub fn slot_tokens(&self, num_tokens: u64) -> u64 {
+        match self.kind {
+            AttentionKind::Mamba {
+                num_speculative_blocks,
+            } => mamba::slot_tokens(num_tokens, self.block_size, num_speculative_blocks),
+            _ => num_tokens,
         }
     }
 
@@ -130,7 +156,7 @@ impl GroupSpec {
     ) -> Option<u64> {
         let bs = u64::from(self.block_size);
         match self.kind {
-            AttentionKind::Full => None,
+            AttentionKind::Full | AttentionKind::Mamba { .. } => None,
             // The window may start inside a block: one block more.
             AttentionKind::SlidingWindow { sliding_window } => Some(
                 (u64::from(sliding_window) - 1 + max_in_flight_tokens)
@@ -350,6 +376,8 @@ pub fn find_longest_cache_hit_eagle(
             u64::from(attention_chunk_size),
             max_length,
         ),
+        // Mamba hits exist only with prefix caching (mode "align"), not mirrored.
+        AttentionKind::Mamba { .. } => mamba::check(spec.kind, true).map(|()| (Vec::new(), 0)),
     }
 }
 
@@ -543,13 +571,16 @@ pub struct GroupParams {
 impl GroupManager {
     pub fn new(spec: GroupSpec, group_id: u32, p: GroupParams) -> Result<Self> {
         spec.check()?;
-        if p.hash_block_size == 0 || spec.block_size % p.hash_block_size != 0 {
+        mamba::check(spec.kind, p.enable_caching)?;
+        // Without caching no hash is read (vLLM then hashes at the scheduler block size).
+        let hashed = p.enable_caching;
+        if hashed && (p.hash_block_size == 0 || spec.block_size % p.hash_block_size != 0) {
             return Err(Error::invalid(format!(
                 "block size {} must be a positive multiple of the hash block size {}",
                 spec.block_size, p.hash_block_size
             )));
         }
-        if spec.kind == AttentionKind::Full && spec.block_size != p.hash_block_size {
+        if hashed && spec.kind == AttentionKind::Full && spec.block_size != p.hash_block_size {
             // vLLM's FullAttentionManager.cache_blocks then also registers the prompt's last
             // hash boundary inside a block as a second, partial cache entry on that block
             // (`_cache_partial_tail_block`), which a pool of one hash per block cannot hold.
@@ -633,6 +664,7 @@ impl GroupManager {
         total_computed_tokens: u64,
         apply_admission_cap: bool,
     ) -> Result<u64> {
+        let num_tokens = self.spec.slot_tokens(num_tokens);
         let mut required = num_tokens.div_ceil(u64::from(self.spec.block_size));
         if apply_admission_cap {
             if let Some(cap) = self.admission_cap {
@@ -694,6 +726,7 @@ impl GroupManager {
         req: &str,
         num_tokens: u64,
     ) -> Result<Vec<u32>> {
+        let num_tokens = self.spec.slot_tokens(num_tokens);
         let required = num_tokens.div_ceil(u64::from(self.spec.block_size)) as usize;
         let have = self.blocks(req).len();
         if required <= have {

@@ -38,7 +38,8 @@ pub struct PyV1Hybrid {
 }
 
 /// One group as Python describes it: `(kind, block_size, size, layout)` with `kind` one of
-/// `"full"`, `"sliding_window"` (`size`: the window), `"chunked_local"` (`size`: the chunk).
+/// `"full"`, `"sliding_window"` (`size`: the window), `"chunked_local"` (`size`: the chunk),
+/// `"mamba"` (mode "none"; `size`: its `num_speculative_blocks`).
 fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<GroupSpec> {
     let kind = match kind {
         "full" => AttentionKind::Full,
@@ -47,6 +48,9 @@ fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<G
         },
         "chunked_local" => AttentionKind::ChunkedLocal {
             attention_chunk_size: size,
+        },
+        "mamba" => AttentionKind::Mamba {
+            num_speculative_blocks: size,
         },
         other => {
             return Err(crate::errors::invalid(format!(
@@ -100,14 +104,15 @@ impl PyV1Hybrid {
 
 #[pymethods]
 impl PyV1Hybrid {
-    /// `groups`: `(kind, block_size, window or chunk size, layout)` per group;
-    /// `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as vLLM's
-    /// coordinator checks it).
+    /// `groups`: `(kind, block_size, size, layout)` per group (`size`: the window, the chunk
+    /// or a Mamba group's speculative blocks); `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as
+    /// vLLM's coordinator checks it); `zero_new_blocks`: vLLM's `needs_kv_cache_zeroing`.
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
-        release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None))]
+        release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
+        zero_new_blocks=false))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -122,6 +127,7 @@ impl PyV1Hybrid {
         prefix_cache_retention_interval: Option<Int64>,
         use_eagle: bool,
         eagle_groups: Option<Vec<bool>>,
+        zero_new_blocks: bool,
     ) -> PyResult<Self> {
         let groups = groups
             .iter()
@@ -135,9 +141,7 @@ impl PyV1Hybrid {
             })
             .collect::<PyResult<Vec<_>>>()?;
         let scheduler_block_size = scheduler_block_size.u32("scheduler_block_size")?;
-        let has_window = groups
-            .iter()
-            .any(|g| matches!(g.kind, AttentionKind::SlidingWindow { .. }));
+        let has_window = groups.iter().any(|g| g.kind.retention_applies());
         let retention = Retention::from_interval(
             prefix_cache_retention_interval.map(|i| i.0),
             scheduler_block_size,
@@ -160,7 +164,7 @@ impl PyV1Hybrid {
             eagle_groups: eagle_groups.unwrap_or_default(),
         };
         Ok(PyV1Hybrid {
-            inner: Mutex::new(Hybrid::new(cfg).py()?),
+            inner: Mutex::new(Hybrid::new(cfg).py()?.with_zeroing(zero_new_blocks)),
             removed_events: OnceLock::new(),
             stored_events: OnceLock::new(),
             event_sink: OnceLock::new(),
@@ -343,6 +347,12 @@ impl PyV1Hybrid {
     /// The request's block table in every group (empty lists for an unknown request).
     fn block_ids(&self, request_id: &str) -> PyResult<Vec<Vec<u32>>> {
         Ok(self.lock()?.blocks(request_id))
+    }
+
+    /// vLLM's `take_new_block_ids`: the attention groups' blocks handed out since the last
+    /// call, group by group, for the worker to zero (empty unless `zero_new_blocks`).
+    fn take_new_block_ids(&self) -> PyResult<Vec<u32>> {
+        Ok(self.lock()?.take_new_block_ids())
     }
 
     /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
