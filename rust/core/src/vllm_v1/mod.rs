@@ -21,16 +21,19 @@
 //! * [`walk`]: vLLM v1's `schedule()` and `update_from_output()`, generic over [`Engine`].
 
 pub mod block_hash;
+pub mod chunked_local;
 pub mod coordinator;
 pub mod eagle;
 pub mod engine;
 pub mod free_queue;
+pub mod full_attention;
 pub mod mamba;
 pub mod manager;
 pub mod policy;
 pub mod pool;
 pub mod retention;
 pub mod single_type;
+pub mod sliding_window;
 pub mod spec_stats;
 pub mod walk;
 

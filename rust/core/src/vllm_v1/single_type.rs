@@ -12,7 +12,10 @@
 //! with vLLM's `find_longest_cache_hit`, `get_num_skipped_tokens`, `remove_skipped_blocks`,
 //! `get_num_blocks_to_allocate`, `add_local_computed_blocks`, `allocate_new_blocks`,
 //! `cache_blocks` (with the sliding window's `reachable_block_mask` under each retention mode,
-//! [`super::retention`]) and `free`. The single-group [`super::manager::Manager`] is the
+//! [`super::retention`]) and `free`. This file holds what the kinds share (the group manager,
+//! the table bookkeeping, the lookup's driver); each kind's own rules (its skipped tokens,
+//! admission cap and lookup) are in a file of its own: [`super::full_attention`],
+//! [`super::sliding_window`], [`super::chunked_local`], [`super::mamba`]. The single-group [`super::manager::Manager`] is the
 //! full-attention path of this file with one group: it calls the shared pieces below
 //! ([`cached_prefix`], [`blocks_to_allocate`], [`cache_full_blocks`]) rather than a copy of them.
 //!
@@ -50,10 +53,10 @@ use hashbrown::HashMap;
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
-use super::mamba;
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retained, Retention};
+use super::{chunked_local, mamba, sliding_window};
 use crate::error::{Error, Result};
 
 /// The attention kinds a group can serve (vLLM's `KVCacheSpec` subclasses mirrored here).
@@ -123,14 +126,11 @@ impl GroupSpec {
         match self.kind {
             AttentionKind::Full => 0,
             AttentionKind::SlidingWindow { sliding_window } => {
-                (num_computed_tokens + 1).saturating_sub(u64::from(sliding_window))
+                sliding_window::num_skipped_tokens(sliding_window, num_computed_tokens)
             }
             AttentionKind::ChunkedLocal {
                 attention_chunk_size,
-            } => {
-                let c = u64::from(attention_chunk_size);
-                num_computed_tokens / c * c
-            }
+            } => chunked_local::num_skipped_tokens(attention_chunk_size, num_computed_tokens),
             AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
         }
     }
@@ -155,22 +155,20 @@ impl GroupSpec {
         max_model_len: u64,
     ) -> Option<u64> {
         let bs = u64::from(self.block_size);
+        let (in_flight, max_len) = (max_in_flight_tokens, max_model_len);
         match self.kind {
             AttentionKind::Full | AttentionKind::Mamba { .. } => None,
-            // The window may start inside a block: one block more.
             AttentionKind::SlidingWindow { sliding_window } => Some(
-                (u64::from(sliding_window) - 1 + max_in_flight_tokens)
-                    .min(max_model_len)
-                    .div_ceil(bs)
-                    + 1,
+                sliding_window::max_admission_blocks(sliding_window, bs, in_flight, max_len),
             ),
             AttentionKind::ChunkedLocal {
                 attention_chunk_size,
-            } => Some(
-                (u64::from(attention_chunk_size) + max_in_flight_tokens)
-                    .min(max_model_len)
-                    .div_ceil(bs),
-            ),
+            } => Some(chunked_local::max_admission_blocks(
+                attention_chunk_size,
+                bs,
+                in_flight,
+                max_len,
+            )),
         }
     }
 
@@ -182,24 +180,29 @@ impl GroupSpec {
 
 /// The hashes viewed at `scale` hash blocks per block (`BlockHashListWithBlockSize`: a block's
 /// hash is the hash at its last hash-block boundary, chained over the whole prefix).
-struct View<'a> {
-    hashes: &'a mut dyn HashSource,
-    scale: usize,
+pub(super) struct View<'a> {
+    pub(super) hashes: &'a mut dyn HashSource,
+    pub(super) scale: usize,
 }
 
 impl View<'_> {
-    fn count(&mut self) -> Result<usize> {
+    pub(super) fn count(&mut self) -> Result<usize> {
         Ok(self.hashes.count()? / self.scale)
     }
 
-    fn key(&mut self, i: usize) -> Result<HashKey> {
+    pub(super) fn key(&mut self, i: usize) -> Result<HashKey> {
         self.hashes.key((i + 1) * self.scale - 1)
     }
 }
 
 /// vLLM's `BlockPool.get_cached_block(hash, group_ids)`: the first block cached under `key`
 /// in each group, into `out`; `false` (and `out` unspecified) when any group misses.
-fn cached_in_all(pool: &Pool, key: &HashKey, groups: &[u32], out: &mut Vec<u32>) -> bool {
+pub(super) fn cached_in_all(
+    pool: &Pool,
+    key: &HashKey,
+    groups: &[u32],
+    out: &mut Vec<u32>,
+) -> bool {
     out.clear();
     for &g in groups {
         match pool.get_cached_in(key, g) {
@@ -383,143 +386,19 @@ pub fn find_longest_cache_hit_eagle(
 
 /// One `find_longest_cache_hit` once its arguments are checked: a method per attention kind,
 /// each returning the groups' tables (`out`) and the hit in tokens.
-struct HitSearch<'a> {
-    pool: &'a Pool,
-    groups: &'a [u32],
+/// The kinds' own searches live beside their other rules: [`super::full_attention`],
+/// [`super::sliding_window`], [`super::chunked_local`].
+pub(super) struct HitSearch<'a> {
+    pub(super) pool: &'a Pool,
+    pub(super) groups: &'a [u32],
     /// The group's block size in tokens.
-    bs: u64,
+    pub(super) bs: u64,
     /// `max_length // block_size`.
-    max_blocks: usize,
-    alignment: u64,
+    pub(super) max_blocks: usize,
+    pub(super) alignment: u64,
     /// vLLM's `drop_eagle_block`.
-    drop_eagle: bool,
-    out: Vec<Vec<u32>>,
-}
-
-impl HitSearch<'_> {
-    /// Full attention: the cached prefix from the left, rounded down to the alignment.
-    fn full(mut self, hashes: &mut dyn HashSource, scale: usize) -> Result<(Vec<Vec<u32>>, u64)> {
-        let (bs, alignment) = (self.bs, self.alignment);
-        let n = cached_prefix(
-            self.pool,
-            self.groups,
-            hashes,
-            scale,
-            self.max_blocks,
-            &mut self.out,
-        )?;
-        // EAGLE drops one block; round down to the alignment, then drop the blocks past the
-        // new tail.
-        let mut hit = n as u64 * bs;
-        if self.drop_eagle && hit > 0 {
-            hit -= alignment.min(bs);
-        }
-        hit -= hit % alignment;
-        let keep = hit.div_ceil(bs) as usize;
-        for o in &mut self.out {
-            o.truncate(keep);
-        }
-        Ok((self.out, hit))
-    }
-
-    /// Sliding window: from the right, the first run of `need` cached blocks (null blocks
-    /// before it); a run reaching block 0 is a hit even when shorter.
-    fn sliding_window(mut self, mut view: View<'_>, need: usize) -> Result<(Vec<Vec<u32>>, u64)> {
-        let (bs, alignment) = (self.bs, self.alignment);
-        // vLLM indexes the view for every block below max_length // block_size; the
-        // request's hashes cover those (a hit is capped below its length).
-        let max_blocks = self.max_blocks.min(view.count()?);
-        for o in &mut self.out {
-            o.resize(max_blocks, NULL_BLOCK);
-        }
-        let mut run = 0usize;
-        let mut found = false;
-        let mut hit = Vec::with_capacity(self.groups.len());
-        // From the right; the first run of `need` cached blocks wins.
-        for i in (0..max_blocks).rev() {
-            if cached_in_all(self.pool, &view.key(i)?, self.groups, &mut hit) {
-                // A run may only end where the hit length (after EAGLE's pop) stays aligned.
-                let kept = i as u64 + u64::from(!self.drop_eagle);
-                if run == 0 && bs != alignment && (kept * bs) % alignment != 0 {
-                    continue;
-                }
-                for (o, &b) in self.out.iter_mut().zip(&hit) {
-                    o[i] = b;
-                }
-                run += 1;
-                if run >= need {
-                    for o in &mut self.out {
-                        o.truncate(i + run);
-                    }
-                    found = true;
-                    break;
-                }
-            } else {
-                run = 0;
-            }
-        }
-        if !found {
-            // The run reaching block 0 is a hit even when shorter than the window.
-            for o in &mut self.out {
-                o.truncate(run);
-            }
-            self.realign();
-        }
-        if self.drop_eagle && !self.out[0].is_empty() {
-            // EAGLE's peek block goes; the pop may break the alignment.
-            for o in &mut self.out {
-                o.pop();
-            }
-            self.realign();
-        }
-        let hit = self.out[0].len() as u64 * bs;
-        Ok((self.out, hit))
-    }
-
-    /// Pop blocks until the hit's length is a multiple of the alignment.
-    fn realign(&mut self) {
-        let (bs, alignment) = (self.bs, self.alignment);
-        while bs != alignment && (self.out[0].len() as u64 * bs) % alignment != 0 {
-            for o in &mut self.out {
-                o.pop();
-            }
-        }
-    }
-
-    /// Chunked local attention: the blocks wholly before the next token's chunk are null
-    /// hits, then the cached blocks from the chunk's start.
-    fn chunked_local(
-        mut self,
-        mut view: View<'_>,
-        chunk: u64,
-        max_length: u64,
-    ) -> Result<(Vec<Vec<u32>>, u64)> {
-        let bs = self.bs;
-        if bs != self.alignment {
-            // vLLM asserts this (AssertionError) in the same place.
-            return Err(Error::invalid(
-                "KV cache groups with different block sizes are not compatible with \
-                 chunked local attention (vLLM asserts the same)",
-            ));
-        }
-        // Blocks wholly before the chunk the next token is in count as hits (null).
-        let start = max_length / chunk * chunk;
-        let start_block = (start / bs) as usize;
-        for o in &mut self.out {
-            o.resize(start_block, NULL_BLOCK);
-        }
-        let mut hit = Vec::with_capacity(self.groups.len());
-        for i in start_block..self.max_blocks.min(view.count()?) {
-            if !cached_in_all(self.pool, &view.key(i)?, self.groups, &mut hit) {
-                break;
-            }
-            for (o, &b) in self.out.iter_mut().zip(&hit) {
-                o.push(b);
-            }
-        }
-        let hit = self.out[0].len() as u64 * bs;
-        Ok((self.out, hit))
-    }
+    pub(super) drop_eagle: bool,
+    pub(super) out: Vec<Vec<u32>>,
 }
 
 #[derive(Clone, Debug, Default)]
