@@ -76,10 +76,13 @@ def test_out_of_scope_configs_get_vllms_manager(caplog: pytest.LogCaptureFixture
             ],
         )
         assert type(pv.KVCacheManager(windows, **args)) is VLLMManager
-        assert type(pv.KVCacheManager(cfg, use_eagle=True, **args)) is VLLMManager
+        # EAGLE/MTP is native; decode context parallelism is not.
+        assert type(pv.KVCacheManager(cfg, use_eagle=True, **args)) is pv.KVCacheManager
+        dcp = dict(args, scheduler_block_size=32, hash_block_size=32, dcp_world_size=2)
+        assert type(pv.KVCacheManager(cfg, **dcp)) is VLLMManager  # its blocks 16 x 2 ranks
         assert type(pv.KVCacheManager(cfg, **args)) is pv.KVCacheManager
     text = caplog.text
-    assert "without a full-attention group" in text and "EAGLE" in text
+    assert "without a full-attention group" in text and "context parallelism" in text
     assert "native KV cache manager" in text
 
 
