@@ -247,12 +247,12 @@ def test_bench_compare_vllm_033_quick_runs_end_to_end(tmp_path: Path) -> None:
     assert "== vLLM 0.33.0 (v1 engine), whole step" in proc.stdout
     sections = json.loads(out.read_text())["vllm_v1"]["0.33.0"]
     modes = {(name, s["mode"]) for name, secs in sections.items() for s in secs}
-    # The mixed workload (W1 with structured-output, LoRA, ... requests) and the speculative
-    # one (W1 with n-gram drafts) join W1.
-    names = ("w1", "w2", "mixed", "spec")
+    # The mixed workload (W1 with structured-output, LoRA, ... requests), the speculative one
+    # (W1 with n-gram drafts) and W1 over GPT-OSS's and Gemma 3's KV cache groups join W1.
+    names = ("w1", "w2", "mixed", "spec", "gptoss", "gemma3")
     assert modes == {(w, m) for w in names for m in ("on", "off", "events")}, modes
     assert all(s["ok"] for secs in sections.values() for s in secs)
-    for name in ("w1", "spec"):
+    for name in ("w1", "spec", "gptoss", "gemma3"):
         native = [s["lanes"]["pagedkv-v1-0.33.0"]["loop_steps"] for s in sections[name]]
         assert all(c["native"] == c["total"] > 0 for c in native), (name, native)
     assert all(s["lanes"]["vllm-0.33.0"]["drafts"]["scheduled"] > 0 for s in sections["spec"])
