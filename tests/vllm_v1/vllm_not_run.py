@@ -163,15 +163,8 @@ ENVIRONMENT["0.32"] = {
     "test_scheduler.py::test_schedule_partial_requests": _HUB_LLAVA,
     "test_scheduler.py::test_unavailable_encoder_input_fails_the_request_as_retryable": _HUB_LLAVA,
 }
-PAGEDKV["0.33"] = {
-    # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
-    # counts and null-block hits match (checked before the read that fails).
-    "test_prefix_caching.py::test_prefill_hybrid_model": _pool_internal(
-        "cached_block_hash_to_block"
-    ),
-    "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
-        "get_new_blocks, cache_full_blocks"
-    ),
+#: Tests that reach pagedkv's manager since EAGLE is native, in both releases.
+_EAGLE_NATIVE = {
     # EAGLE on a hybrid (full + two windows), native: its hits (each group's dropped block)
     # and new blocks match (checked before the read that fails).
     "test_prefix_caching.py::test_prefill_hybrid_model_eagle": _pool_internal(
@@ -187,6 +180,18 @@ PAGEDKV["0.33"] = {
     "test_prefix_caching.py::test_cache_hit_local_and_external_two_groups_preempt_and_reallocate": (
         _EXTERNAL_FREE_QUEUE
     ),
+}
+
+PAGEDKV["0.33"] = {
+    # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
+    # counts and null-block hits match (checked before the read that fails).
+    "test_prefix_caching.py::test_prefill_hybrid_model": _pool_internal(
+        "cached_block_hash_to_block"
+    ),
+    "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
+        "get_new_blocks, cache_full_blocks"
+    ),
+    **_EAGLE_NATIVE,
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
@@ -235,21 +240,7 @@ PAGEDKV["0.32"] = {
     "test_prefix_caching.py::test_block_stored_event_group_idx_multiple_groups": _pool_internal(
         "get_new_blocks, cache_full_blocks"
     ),
-    # EAGLE on a hybrid (full + two windows), native: its hits (each group's dropped block)
-    # and new blocks match (checked before the read that fails).
-    "test_prefix_caching.py::test_prefill_hybrid_model_eagle": _pool_internal(
-        "cached_block_hash_to_block"
-    ),
-    # EAGLE managers (native since EAGLE is) that take blocks off vLLM's free queue by hand
-    # and then allocate external (connector) tokens, which pagedkv's manager refuses.
-    "test_prefix_caching.py::test_cache_hit_local_and_external": _EXTERNAL_FREE_QUEUE,
-    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups": _EXTERNAL_FREE_QUEUE,
-    "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups_preempt_and_reallocate": (
-        _EXTERNAL_FREE_QUEUE
-    ),
-    "test_prefix_caching.py::test_cache_hit_local_and_external_two_groups_preempt_and_reallocate": (
-        _EXTERNAL_FREE_QUEUE
-    ),
+    **_EAGLE_NATIVE,
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
