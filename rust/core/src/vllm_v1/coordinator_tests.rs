@@ -6,24 +6,10 @@ use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::pool::{Event, HashKey, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
-use super::single_type::{AttentionKind, GroupSpec};
-use super::single_type_tests::{chunked, swa};
+use super::single_type::GroupSpec;
+use super::single_type_tests::{chunked, full, key, keys, swa};
 
 const N: u32 = NULL_BLOCK;
-
-fn key(i: u32) -> HashKey {
-    let mut b = [5u8; 32];
-    b[..4].copy_from_slice(&i.to_be_bytes());
-    HashKey::new(&b).unwrap()
-}
-
-fn keys(n: u32) -> Vec<HashKey> {
-    (0..n).map(key).collect()
-}
-
-fn full(bs: u32) -> GroupSpec {
-    GroupSpec::new(AttentionKind::Full, bs)
-}
 
 fn hybrid(groups: Vec<GroupSpec>, scheduler_block_size: u32) -> Hybrid {
     hybrid_cached(groups, scheduler_block_size, true)

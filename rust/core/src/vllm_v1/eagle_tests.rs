@@ -6,27 +6,13 @@
 
 use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
-use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
+use super::pool::{Event, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retained, Retention};
-use super::single_type::{find_longest_cache_hit_eagle, AttentionKind, GroupSpec};
-use super::single_type_tests::{chunked, swa};
+use super::single_type::{find_longest_cache_hit_eagle, GroupSpec};
+use super::single_type_tests::{chunked, full, key, keys, swa};
 use super::{eagle::GroupEagle, Config, Manager};
 
 const N: u32 = NULL_BLOCK;
-
-fn key(i: u32) -> HashKey {
-    let mut b = [7u8; 32];
-    b[..4].copy_from_slice(&i.to_be_bytes());
-    HashKey::new(&b).unwrap()
-}
-
-fn keys(n: u32) -> Vec<HashKey> {
-    (0..n).map(key).collect()
-}
-
-fn full(bs: u32) -> GroupSpec {
-    GroupSpec::new(AttentionKind::Full, bs)
-}
 
 /// Blocks 1..=n handed out in order, block `i` cached under `key(i)` in `group` (4 tokens
 /// per hash).

@@ -11,14 +11,20 @@ use super::single_type::{
 
 const N: u32 = NULL_BLOCK;
 
-fn key(i: u32) -> HashKey {
+/// The test hash of block `i` (shared with `coordinator_tests` and `eagle_tests`).
+pub(super) fn key(i: u32) -> HashKey {
     let mut b = [9u8; 32];
     b[..4].copy_from_slice(&i.to_be_bytes());
     HashKey::new(&b).unwrap()
 }
 
-fn keys(n: u32) -> Vec<HashKey> {
+pub(super) fn keys(n: u32) -> Vec<HashKey> {
     (0..n).map(key).collect()
+}
+
+/// A full-attention group spec (shared with `coordinator_tests` and `eagle_tests`).
+pub(super) fn full(bs: u32) -> GroupSpec {
+    GroupSpec::new(AttentionKind::Full, bs)
 }
 
 /// A sliding-window group spec (shared with `coordinator_tests`).
