@@ -607,11 +607,13 @@ impl<'e, E: Engine> Walk<'e, E> {
             return Ok(None);
         }
         let mut sampled = self.e.sampled(req)?;
-        self.encoder_done(req)?;
         let returned = self.e.sampled_len(&sampled);
         if drafts > 0 && returned > 0 {
             self.reject_drafts(req, drafts, returned as u64, stale)?;
         }
+        // After the rollback, as in vLLM: the inputs freed are those behind the computed
+        // tokens that remain.
+        self.encoder_done(req)?;
         let mut stop = None;
         if returned > 0 {
             stop = self.update_request_with_output(req, &mut sampled, stale)?;

@@ -32,8 +32,8 @@ pub(super) struct MmSim {
     pub(super) scheduled: Vec<(usize, Vec<usize>)>,
     /// Requests `encoder_cache_manager.free` ran for (an admission that did not fit).
     pub(super) unfit: Vec<usize>,
-    /// Requests `_free_encoder_inputs` ran for.
-    pub(super) done: Vec<usize>,
+    /// Requests `_free_encoder_inputs` ran for, with their computed tokens at the call.
+    pub(super) done: Vec<(usize, u64)>,
 }
 
 impl MmSim {
@@ -119,7 +119,7 @@ fn the_encoder_budget_caps_a_row_before_an_image_that_does_not_fit() {
     update(&mut e, &[b]);
     assert_eq!(
         e.mm.done,
-        [a, b],
+        [(a, 8), (b, 2)],
         "update frees each multimodal row's consumed inputs"
     );
     // The next step's budget is whole again: b's image fits and b finishes its prompt.
@@ -239,4 +239,26 @@ fn the_preempting_rows_own_plan_overwrites_a_budget_given_back() {
     assert_eq!(schedule(&mut e), vec![(r, 4), (w, 2)]);
     assert_eq!(e.r(v).status, Status::Preempted);
     assert_eq!(e.mm.scheduled, vec![(r, vec![0])]);
+}
+
+#[test]
+fn encoder_inputs_are_freed_after_rejected_drafts_roll_back() {
+    let mut e = TestEngine::new(64, 100);
+    e.set.spec = SpecSettings {
+        num_spec_tokens: 3,
+        num_lookahead_tokens: 3,
+        draft_slots: 0,
+        can_skip_drafts: false,
+    };
+    e.mm.budget = 100;
+    let a = add_mm(&mut e, 4, &[(0, 4, "x")]);
+    assert_eq!(schedule(&mut e), vec![(a, 4)]);
+    update(&mut e, &[]);
+    e.reqs[a].spec = vec![60, 61, 62];
+    assert_eq!(schedule(&mut e), vec![(a, 4)]); // the sampled token + 3 drafts
+    e.mm.done.clear();
+    e.next.insert(a, vec![60, 70]); // one draft accepted: two rejected
+    e.update(sync(V33));
+    // vLLM frees behind the computed tokens that remain: 8 computed, 2 rejected.
+    assert_eq!(e.mm.done, [(a, 6)]);
 }

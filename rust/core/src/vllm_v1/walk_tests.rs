@@ -718,7 +718,7 @@ impl<K: TestKv> Engine for TestEngine<K> {
         Ok(())
     }
     fn free_encoder_inputs(&mut self, r: &usize) -> Result<()> {
-        self.mm.done.push(*r);
+        self.mm.done.push((*r, self.reqs[*r].computed));
         Ok(())
     }
     fn scheduler_output(&mut self, step: &Step<usize, K::Blocks>) -> Result<Vec<(usize, u64)>> {
