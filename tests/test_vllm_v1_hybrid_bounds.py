@@ -183,3 +183,27 @@ def test_bad_construction_is_a_pagedkv_error(over: dict) -> None:
     with pytest.raises(PagedKVError) as err:
         hybrid(**over)
     assert isinstance(err.value, (ValueError, OverflowError, TypeError))
+
+
+def test_a_capped_max_model_len_bounds_slots_and_admission() -> None:
+    """``cap_max_model_len`` (the native loop's cap where the cache is smaller): slot counts
+    stop at the cap, as vLLM's manager built at that length stops them."""
+    h = hybrid(num_blocks=9)  # 8 blocks: a 15-token prompt takes 4 + 4 blocks at most
+    args = ("a", 0, 15, 0, True, 15, 0, None, 4, False, False, 0, False)
+    assert h.allocate_slots(*args, HASHES[:3], 15, 0) is None  # 19 slots: 5 + 5 blocks
+    h.cap_max_model_len(16, 16)
+    assert [len(g) for g in h.allocate_slots(*args, HASHES[:3], 15, 0)] == [4, 4]
+    h.check()
+
+
+@pytest.mark.parametrize("cap", [-1, -(2**64), "16", None])
+def test_a_bad_cap_is_refused_and_a_held_request_blocks_it(cap: Any) -> None:
+    h = with_a_cached_request()
+    before = state(h)
+    with pytest.raises(PagedKVError) as err:
+        h.cap_max_model_len(cap, 16)
+    assert isinstance(err.value, (ValueError, TypeError))
+    with pytest.raises(PagedKVError) as err:
+        h.cap_max_model_len(16, 16)  # "a" is held
+    assert isinstance(err.value, ValueError)
+    assert state(h) == before

@@ -85,6 +85,58 @@ def test_refused_and_failing_calls_change_nothing() -> None:
     m.check()
 
 
+def test_only_cached_blocks_are_adopted_and_only_on_arrival() -> None:
+    """What vLLM's lookup can hand over: a cached block, to a request that holds none. Another
+    request's uncached block, or any hit for a running request (vLLM asserts it has none), is
+    refused with nothing changed."""
+    m = manager()
+    alloc(m, "a", 8, H[:1])  # block 1 cached, block 2 held uncached
+    before = (m.free_queue(), m.ref_cnt(1), m.ref_cnt(2))
+    with pytest.raises(InvalidArgumentError):
+        alloc(m, "b", 4, H[:1], computed=[2], n_computed=4)
+    with pytest.raises(InvalidArgumentError):
+        alloc(m, "a", 4, H[:1], computed=[1], n_computed=4)
+    assert (m.free_queue(), m.ref_cnt(1), m.ref_cnt(2)) == before and m.num_requests == 1
+    assert alloc(m, "b", 4, H[:1], computed=[1], n_computed=4) == [3]
+    assert m.ref_cnt(1) == 2
+    m.check()
+
+
+def _prefill_with_lookahead(m: _native.V1Manager, rid: str, n: int, lookahead: int) -> object:
+    return m.allocate_slots(rid, 0, n, True, n, 0, None, lookahead, False, False, 0, False, [])
+
+
+def test_a_capped_max_model_len_bounds_the_lookahead_slots() -> None:
+    """vLLM caps the slots a request needs (lookahead included) at ``max_model_len``; the
+    native loop lowers the manager's to the cache's size (16 tokens here), so a 15-token
+    prompt with 4 lookahead slots takes the 4 blocks there are instead of asking for 5."""
+    m = manager(num_blocks=5)
+    assert _prefill_with_lookahead(m, "a", 15, 4) is None  # 19 slots at max_model_len 2**20
+    m.cap_max_model_len(16)
+    assert _prefill_with_lookahead(m, "a", 15, 4) == [1, 2, 3, 4]
+    m.check()
+
+
+@pytest.mark.parametrize("cap", [-1, -(2**64), "16", 1.5, None])
+def test_a_bad_cap_is_refused_unchanged(cap: object) -> None:
+    m = manager(num_blocks=5)
+    with pytest.raises(PagedKVError) as err:
+        m.cap_max_model_len(cap)
+    assert isinstance(err.value, (ValueError, TypeError))
+    assert _prefill_with_lookahead(m, "a", 15, 4) is None  # still 2**20
+
+
+def test_the_cap_is_refused_once_a_request_is_held() -> None:
+    m = manager(num_blocks=5)
+    assert alloc(m, "a", 4) == [1]
+    with pytest.raises(InvalidArgumentError):
+        m.cap_max_model_len(8)
+    m.free("a")
+    m.cap_max_model_len(2**70)  # above the current length: nothing changes
+    assert _prefill_with_lookahead(m, "b", 15, 4) is None
+    m.check()
+
+
 def test_errors_derive_from_builtins() -> None:
     m = manager()
     with pytest.raises(ValueError):

@@ -591,6 +591,8 @@ class V1Manager:
         """The request's block table (empty for an unknown request)."""
     def num_cached_blocks(self, request_id: str) -> Optional[int]:
         """Leading blocks of the request that are cached (``None``: not tracked)."""
+    def cap_max_model_len(self, cap: int) -> None:
+        """Lower ``max_model_len`` to ``cap`` before any request is held."""
     def reset_prefix_cache(self) -> bool:
         """Only when every block but the null block is free."""
     def num_free_blocks(self) -> int:
@@ -716,6 +718,9 @@ class V1Hybrid:
         last call, group by group, for the worker to zero (empty unless ``zero_new_blocks``)."""
     def block_ids(self, request_id: str) -> List[List[int]]:
         """The request's table in every group."""
+    def cap_max_model_len(self, cap: int, in_flight: int) -> None:
+        """Lower ``max_model_len`` to ``cap`` and ``max_in_flight_tokens`` to
+        ``in_flight`` before any request is held."""
     def reset_prefix_cache(self) -> bool:
         """Only when every block but the null block is free."""
     def num_free_blocks(self) -> int:

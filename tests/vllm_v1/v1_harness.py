@@ -153,8 +153,8 @@ class SchedConfig:
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
     """``small_cache``: a KV cache smaller than ``max_model_len``, from vLLM's own minimum
     (``cdiv(max_model_len, block_size)`` GPU blocks, the null block one of them) down to a
-    quarter of it (see :func:`length_cap`), and no speculative decoding (outside the native
-    loop, the only place pagedkv caps lengths at the cache)."""
+    quarter of it (see :func:`length_cap`); drafts as in any configuration (their lookahead
+    slots are capped at the cache's size as vLLM caps them at ``max_model_len``)."""
     block_size = rng.choice((4, 8, 16))
     max_model_len = 256
     # From "barely fits one long request" (heavy preemption) to roomy.
@@ -178,7 +178,7 @@ def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
         long_prefill_token_threshold=long_prefill_token_threshold,
         watermark=rng.choice((0.0, 0.0, 0.05)),
         kv_events=rng.random() < 0.8,
-        num_spec_tokens=0 if small_cache else rng.choice((0, 0, 0, 2, 4)),
+        num_spec_tokens=rng.choice((0, 0, 0, 2, 4)),
         policy="priority" if rng.random() < 0.3 else "fcfs",
         reserve_full_isl=rng.random() < 0.75,
         adaptive_threshold=long_prefill_token_threshold > 0 and rng.random() < 0.5,

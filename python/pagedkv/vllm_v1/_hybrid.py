@@ -210,6 +210,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             raise InvalidArgumentError("watermark must be non-negative")
         self.watermark_blocks = int(a["watermark"] * kv_cache_config.num_blocks)
         in_flight = a["max_in_flight_tokens"]
+        self._max_in_flight_tokens = in_flight
         self._native = _native.V1Hybrid(
             kv_cache_config.num_blocks,
             group_kinds(kv_cache_config),
@@ -253,6 +254,15 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             # `_drain_events` appends to this list natively (the list object stays the same:
             # `take_events` copies and clears it); `_build_events` builds what it leaves.
             self._native.bind_event_sink(self._events, self._build_events)
+
+    def cap_max_model_len(self, cap: int) -> None:
+        """Decide from now on as vLLM's manager built at ``max_model_len`` = ``cap`` (the
+        native loop's length cap, where the KV cache holds fewer tokens): slot counts and the
+        window and chunk admission caps, with ``max_in_flight_tokens`` at ``cap`` too where
+        vLLM's config left it unset. Only before any request is held."""
+        in_flight = self._max_in_flight_tokens
+        self._native.cap_max_model_len(cap, cap if in_flight is None else in_flight)
+        self.max_model_len = min(self.max_model_len, cap)
 
     # --- blocks ------------------------------------------------------------------------
     def create_kv_cache_blocks(self, blocks: Sequence[Sequence[Any]]) -> Any:

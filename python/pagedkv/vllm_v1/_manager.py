@@ -221,6 +221,13 @@ class KVCacheManager(PrefixCacheStatsMixin):
         # the method below, which stays for class-level access).
         self.allocate_slots = self._native.vllm_allocate_slots
 
+    def cap_max_model_len(self, cap: int) -> None:
+        """Decide from now on as vLLM's manager built at ``max_model_len`` = ``cap`` (the
+        native loop's length cap, where the KV cache holds fewer tokens): slot counts,
+        lookahead slots included, stop at ``cap``. Only before any request is held."""
+        self._native.cap_max_model_len(cap)
+        self.max_model_len = min(self.max_model_len, cap)
+
     def _init_metadata(self, spec: Any) -> None:
         from vllm.v1.kv_cache_interface import (
             get_kv_cache_spec_kind,

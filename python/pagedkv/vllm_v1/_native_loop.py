@@ -94,6 +94,8 @@ class NativeLoop:
                 self.max_model_len,
             )
             self.max_model_len = cap
+            # The manager caps slot counts (lookahead slots included) at the same length.
+            self.kv_cache_manager.cap_max_model_len(cap)
         return None
 
     @property

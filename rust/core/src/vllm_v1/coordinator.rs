@@ -221,6 +221,25 @@ impl Hybrid {
         })
     }
 
+    /// Lower `max_model_len` to `cap` (the KV cache's size where it holds fewer tokens), and
+    /// `max_in_flight_tokens` to `in_flight`: the coordinator then decides as vLLM's built at
+    /// that length (slot counts, lookahead slots and the window and chunk admission caps,
+    /// recomputed). Only before any request is held; values above the current ones change
+    /// nothing.
+    pub fn cap_max_model_len(&mut self, cap: u64, in_flight: u64) -> Result<()> {
+        if self.managers.iter().any(|m| m.num_requests() > 0) {
+            return Err(Error::invalid(
+                "max_model_len can be capped only before any request is held",
+            ));
+        }
+        self.cfg.max_model_len = self.cfg.max_model_len.min(cap);
+        self.cfg.max_in_flight_tokens = self.cfg.max_in_flight_tokens.min(in_flight);
+        for m in &mut self.managers {
+            m.set_admission_cap(self.cfg.max_in_flight_tokens, self.cfg.max_model_len);
+        }
+        Ok(())
+    }
+
     /// vLLM's `verify_and_split_kv_cache_groups`: equal specs share one lookup; full attention
     /// first (a stable sort keeps the rest in group order); an attention group holding a
     /// group that drops EAGLE's block drops for all its members ([`super::eagle`]), which is

@@ -199,6 +199,20 @@ impl Manager {
         self.reqs.len()
     }
 
+    /// Lower `max_model_len` to `cap` (the KV cache's size where it holds fewer tokens):
+    /// the manager then caps every slot count, lookahead slots included, as vLLM's caps them
+    /// at its own `max_model_len`. Only before any request is held (state would otherwise
+    /// have been decided under the old length); a cap above the current length changes nothing.
+    pub fn cap_max_model_len(&mut self, cap: u64) -> Result<()> {
+        if !self.reqs.is_empty() {
+            return Err(Error::invalid(
+                "max_model_len can be capped only before any request is held",
+            ));
+        }
+        self.cfg.max_model_len = self.cfg.max_model_len.min(cap);
+        Ok(())
+    }
+
     /// Set the EAGLE/MTP rule: vLLM's unitary coordinator drops the last matched block when
     /// the group is in the drop set of `release` ([`super::eagle::drop_groups`] for this one
     /// group, flagged `is_eagle_group` or not, under the manager's `use_eagle`).
@@ -300,14 +314,21 @@ impl Manager {
                     nc.len()
                 )));
             }
+            // Only what vLLM's lookup can hand over: cached blocks (a hash in the pool, held
+            // or evictable), never a block another request holds uncached.
             for &b in nc {
                 self.pool.check_block(b as i64)?;
-                if b == NULL_BLOCK || (self.pool.ref_cnt(b) == 0 && self.pool.hash_of(b).is_none())
-                {
+                if b == NULL_BLOCK || self.pool.hash_of(b).is_none() {
                     return Err(Error::invalid(format!("block {b} is not a cached block")));
                 }
             }
             let tracked = r.is_some_and(|r| r.num_cached.is_some());
+            if tracked && !nc.is_empty() {
+                // vLLM asserts a running request has no new prefix-cache hits.
+                return Err(Error::invalid(format!(
+                    "request {req} is running: it cannot adopt prefix-cache blocks"
+                )));
+            }
             if !tracked && r.is_some_and(|r| !r.blocks.is_empty()) {
                 return Err(Error::invalid(format!(
                     "request {req} holds blocks: it cannot adopt prefix-cache blocks"

@@ -498,6 +498,13 @@ impl GroupManager {
         self.eagle.group
     }
 
+    /// Recompute the admission cap for these lengths (`max_admission_blocks`).
+    pub fn set_admission_cap(&mut self, max_in_flight_tokens: u64, max_model_len: u64) {
+        self.admission_cap = self
+            .spec
+            .max_admission_blocks(max_in_flight_tokens, max_model_len);
+    }
+
     pub fn spec(&self) -> &GroupSpec {
         &self.spec
     }

@@ -213,6 +213,45 @@ fn a_refused_allocation_changes_nothing() {
 }
 
 #[test]
+fn only_a_cached_block_is_adopted_and_only_on_arrival() {
+    // "a" holds 1 (cached) and 2 (uncached: no hash for its tokens yet).
+    let mut m = mgr(6, true);
+    let keys = [key(1)];
+    m.allocate_slots("a", &prefill(8), &mut &keys[..])
+        .unwrap()
+        .unwrap();
+    let before = (
+        m.pool().free_queue(),
+        m.pool().ref_cnt(1),
+        m.pool().ref_cnt(2),
+    );
+    let adopt = |blocks: &'static [u32]| SlotRequest {
+        num_new_computed_tokens: 4 * blocks.len() as u64,
+        new_computed: Some(blocks),
+        ..prefill(12)
+    };
+    // another request's uncached block is not a hit vLLM's lookup can return
+    let err = m.allocate_slots("b", &adopt(&[2]), &mut &keys[..]);
+    assert!(matches!(err, Err(Error::InvalidArgument(_))));
+    // a running request (vLLM asserts it has no new hits) adopts nothing
+    let err = m.allocate_slots("a", &adopt(&[1]), &mut &keys[..]);
+    assert!(matches!(err, Err(Error::InvalidArgument(_))));
+    let after = (
+        m.pool().free_queue(),
+        m.pool().ref_cnt(1),
+        m.pool().ref_cnt(2),
+    );
+    assert_eq!(after, before);
+    assert_eq!(m.num_requests(), 1);
+    // the real hit is still adopted
+    assert!(m
+        .allocate_slots("b", &adopt(&[1]), &mut &keys[..])
+        .unwrap()
+        .is_some());
+    assert_eq!(m.pool().ref_cnt(1), 2);
+}
+
+#[test]
 fn watermark_and_reserved_blocks_gate_admission() {
     let mut m = Manager::new(Config {
         num_blocks: 5,

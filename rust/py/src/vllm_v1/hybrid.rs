@@ -355,6 +355,12 @@ impl PyV1Hybrid {
         Ok(self.lock()?.take_new_block_ids())
     }
 
+    /// Lower `max_model_len` to `cap` and `max_in_flight_tokens` to `in_flight` before any
+    /// request is held (the native loop's length cap where the KV cache holds fewer tokens).
+    fn cap_max_model_len(&self, cap: SatCount, in_flight: SatCount) -> PyResult<()> {
+        self.lock()?.cap_max_model_len(cap.0, in_flight.0).py()
+    }
+
     /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())

@@ -528,6 +528,12 @@ impl PyV1Manager {
         Ok(self.lock()?.num_cached_blocks(request_id))
     }
 
+    /// Lower `max_model_len` to `cap` before any request is held (the native loop's length
+    /// cap where the KV cache holds fewer tokens than `max_model_len`).
+    fn cap_max_model_len(&self, cap: SatCount) -> PyResult<()> {
+        self.lock()?.cap_max_model_len(cap.0).py()
+    }
+
     /// vLLM's `reset_prefix_cache`: only when every block but the null block is free.
     fn reset_prefix_cache(&self) -> PyResult<bool> {
         Ok(self.lock()?.reset_prefix_cache())
