@@ -139,6 +139,9 @@ class SchedConfig:
     # ObservabilityConfig.per_request_spec_decode_metrics (with drafts): each request keeps its
     # own acceptance metrics, delivered with its final output
     spec_metrics: str = "none"
+    # SpeculativeConfig.num_speculative_tokens_per_batch_size (with drafts): dynamic
+    # speculative decoding, the draft count per step looked up by the step's batch size
+    dynamic_sd: Optional[tuple] = None
     sampling_mask: bool = False
     # LoRA: None, no LoRAConfig; else vLLM's LoRAConfig with this many adapters per step
     max_loras: Optional[int] = None
@@ -205,7 +208,21 @@ def _engine_options(rng: random.Random, cfg: SchedConfig) -> dict[str, Any]:
     }
     if cfg.num_spec_tokens and side.random() < 0.35:
         options["spec_metrics"] = side.choice(("summary", "detailed"))
+    if cfg.num_spec_tokens and side.random() < 0.3:
+        options["dynamic_sd"] = dynamic_schedule(side, cfg)
     return options
+
+
+def dynamic_schedule(rng: random.Random, cfg: SchedConfig) -> tuple:
+    """A ``num_speculative_tokens_per_batch_size`` schedule: ranges of batch sizes from 1
+    (with a gap vLLM fills from the range before), each with a draft count up to the static
+    one, 0 included."""
+    k = cfg.num_spec_tokens
+    cut = rng.randint(1, max(1, cfg.max_num_seqs // 2))
+    gap = rng.choice((0, 1))
+    first = (1, cut, rng.randint(1, k))
+    second = (cut + 1 + gap, max(cut + 1 + gap, cfg.max_num_seqs), rng.randint(0, k))
+    return (first, second)
 
 
 def length_cap(cfg: SchedConfig) -> int:
@@ -316,6 +333,7 @@ def _driver_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> t
         kv_events=cfg.kv_events,
         num_spec_tokens=cfg.num_spec_tokens,
         spec_method="ngram_gpu" if cfg.async_scheduling else "ngram",
+        dynamic_sd=cfg.dynamic_sd,
         cache_fields={"gpu_memory_utilization": 0.9, "cache_dtype": "auto"},
         max_num_seqs=cfg.max_num_seqs,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
@@ -424,6 +442,14 @@ def make_scheduler(
         )
     if cfg.sampling_mask and not masks_in_config(cfg):
         sched.return_sampling_mask = True
+    if cfg.dynamic_sd and sched.dynamic_sd_lookup is None:
+        # vLLM's config keeps the schedule for "ngram_gpu" (async) only on the V2 model
+        # runner; the lookup is what that runner's scheduler would hold.
+        from vllm.v1.spec_decode.dynamic.utils import build_dynamic_sd_schedule_lookup
+
+        sched.dynamic_sd_lookup = build_dynamic_sd_schedule_lookup(
+            [list(r) for r in cfg.dynamic_sd], cfg.max_num_seqs, cfg.num_spec_tokens
+        )
     expected = manager_cls
     if cfg.layout and manager_cls is not None and manager_cls.__module__.startswith("pagedkv"):
         from pagedkv.vllm_v1._hybrid import HybridKVCacheManager as expected
@@ -1107,7 +1133,8 @@ class Lockstep:
         """What the engine does after a synchronous step with a drafter: new draft tokens for
         the step's requests (sometimes fewer than the maximum, as ngram proposes)."""
         req_ids = [r for r, s in zip(p.req_ids, p.samples) if s]
-        k = self.cfg.num_spec_tokens
+        # At most the step's draft count: a dynamic schedule's for the step's batch size.
+        k = p.ref_out.num_spec_tokens_to_schedule
         drafts = [[self._sample() for _ in range(self.rng.randint(0, k))] for _ in req_ids]
         self.ref.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))
         self.test.update_draft_token_ids(DraftTokenIds(list(req_ids), [list(d) for d in drafts]))

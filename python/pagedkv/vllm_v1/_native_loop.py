@@ -125,7 +125,6 @@ class NativeLoop:
             and not d.get("encoder_cache_mismatch_reqs")
             and not d.get("need_mamba_block_aligned_split")
             and d.get("num_sampled_tokens_per_step", 1) == 1
-            and d.get("dynamic_sd_lookup") is None
         ):
             return None
         return self._pagedkv_fallback_reason()
@@ -152,7 +151,6 @@ class NativeLoop:
             # Settings vLLM's own tests change after construction.
             (bool(getattr(self, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
             (getattr(self, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
-            (getattr(self, "dynamic_sd_lookup", None) is not None, "dynamic speculative decoding"),
             (getattr(self, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         )
         return next((why for out, why in checks if out), None)
@@ -415,10 +413,12 @@ class _OutputBuilder:
         skip_drafts: bool,
         encoder_inputs: Dict[str, List[int]],
         encoder_updates: Optional[Dict[str, Any]],
+        num_spec_tokens_to_schedule: int,
     ) -> Any:
         """``encoder_updates``: ``_get_encoder_input_updates``' result, computed by the loop
         before ``_update_after_schedule`` as vLLM computes it (``None``: no multimodal row,
-        vLLM's would be empty)."""
+        vLLM's would be empty); ``num_spec_tokens_to_schedule``: the step's draft count (a
+        dynamic schedule's for its batch size, else ``num_spec_tokens``)."""
         s = self.sched
         req_ids, resumed, all_tokens, new_blocks, computed, outputs = cached
         cached_data = self._Cached(
@@ -446,7 +446,7 @@ class _OutputBuilder:
             has_sync_kv_loads=False,
             kv_cache_block_copies=None,
             kv_connector_block_state=None,
-            num_spec_tokens_to_schedule=s.num_spec_tokens,
+            num_spec_tokens_to_schedule=num_spec_tokens_to_schedule,
             ec_manager_metadata=encoders.get_manager_metadata(),
         )
         if "encoder_input_updates" in self._fields:

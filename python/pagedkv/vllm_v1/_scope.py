@@ -156,7 +156,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
-        (getattr(sched, "dynamic_sd_lookup", None) is not None, "dynamic speculative decoding"),
         (
             bool(sched.num_lookahead_tokens) and not sched.num_spec_tokens,
             "lookahead without drafts",

@@ -233,6 +233,7 @@ def vllm_configs(
     kv_events: Optional[bool] = None,
     num_spec_tokens: int = 0,
     spec_method: str = "ngram",
+    dynamic_sd: Optional[Any] = None,
     cache_fields: Optional[Mapping[str, Any]] = None,
     observability: Optional[Mapping[str, Any]] = None,
     lora_config: Optional[Any] = None,
@@ -245,7 +246,8 @@ def vllm_configs(
     fields; ``kv_events``: ``None`` no ``KVEventsConfig``, else one with events on or off and
     the ``"null"`` publisher; ``num_spec_tokens``: speculative decoding by ``spec_method``
     (``"ngram"``, proposed on the CPU between steps, or ``"ngram_gpu"``, the drafter vLLM
-    accepts with async scheduling, whose drafts the scheduler only sees as placeholders);
+    accepts with async scheduling, whose drafts the scheduler only sees as placeholders),
+    ``dynamic_sd`` its ``num_speculative_tokens_per_batch_size`` schedule, if any;
     ``observability``: ``ObservabilityConfig`` fields (``enable_mfu_metrics``, ...);
     ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
     ``None``; ``layers``: the layers' kinds (:func:`layer_groups`: hybrid KV cache groups,
@@ -274,10 +276,13 @@ def vllm_configs(
         events = KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null")
     spec = None
     if num_spec_tokens:
+        fields: Dict[str, Any] = dict(num_speculative_tokens=num_spec_tokens)
+        if dynamic_sd:
+            fields["num_speculative_tokens_per_batch_size"] = [list(r) for r in dynamic_sd]
         if spec_method == "ngram":
-            spec = SpeculativeConfig(model="ngram", num_speculative_tokens=num_spec_tokens)
+            spec = SpeculativeConfig(model="ngram", **fields)
         else:
-            spec = SpeculativeConfig(method=spec_method, num_speculative_tokens=num_spec_tokens)
+            spec = SpeculativeConfig(method=spec_method, **fields)
     vllm_config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(**scheduler_fields),

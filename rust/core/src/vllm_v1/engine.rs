@@ -87,7 +87,9 @@ pub struct Settings {
 }
 
 /// The scheduler's speculative decoding settings (`num_spec_tokens > 0`: drafts are
-/// scheduled; vLLM's static schedule, no per-batch-size draft counts).
+/// scheduled). Under a dynamic schedule (`dynamic_sd_lookup`) the draft count per step is the
+/// bindings' to report (it depends only on the step's batch size); the walk's one change is
+/// that no resumed decode is padded.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SpecSettings {
     /// `num_spec_tokens`: drafts per request, and the padding of a resumed decode.
@@ -99,6 +101,9 @@ pub struct SpecSettings {
     /// `can_skip_drafts` (0.33): `skip_drafts` is set when no scheduled request can use the
     /// drafts proposed after the step.
     pub can_skip_drafts: bool,
+    /// A dynamic speculative decoding schedule (`num_speculative_tokens_per_batch_size`):
+    /// vLLM then never pads a resumed decode to `1 + num_spec_tokens`.
+    pub dynamic: bool,
 }
 
 /// The scheduler's two waiting queues: the waiting pass drains `kv_holding_waiting` first.

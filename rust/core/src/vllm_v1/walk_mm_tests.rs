@@ -249,6 +249,7 @@ fn encoder_inputs_are_freed_after_rejected_drafts_roll_back() {
         num_lookahead_tokens: 3,
         draft_slots: 0,
         can_skip_drafts: false,
+        dynamic: false,
     };
     e.mm.budget = 100;
     let a = add_mm(&mut e, 4, &[(0, 4, "x")]);

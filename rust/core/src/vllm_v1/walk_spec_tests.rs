@@ -12,6 +12,7 @@ fn with_spec(e: &mut TestEngine, k: u64) {
         num_lookahead_tokens: k,
         draft_slots: 0,
         can_skip_drafts: false,
+        dynamic: false,
     };
 }
 
@@ -101,6 +102,23 @@ fn a_resumed_decode_is_padded_to_a_uniform_spec_decode() {
     e.schedule(sync(V33));
     assert_eq!(e.scheduled, vec![(a, 1), (b, 3)]);
     assert_eq!(e.drafts[&b], [-1, -1]);
+}
+
+#[test]
+fn a_dynamic_schedule_pads_no_resumed_decode() {
+    let mut e = TestEngine::new(64, 100);
+    with_spec(&mut e, 2);
+    e.set.spec.dynamic = true;
+    let a = decoding(&mut e, sync(V33), &[]);
+    let b = decoding(&mut e, sync(V33), &[]);
+    e.running.retain(|&r| r != b);
+    e.preempt(&b).unwrap();
+    e.reqs[b].computed = 4;
+    e.schedule(sync(V33));
+    // The same step as above, under num_speculative_tokens_per_batch_size: b takes its one
+    // token and no placeholder drafts.
+    assert_eq!(e.scheduled, vec![(a, 1), (b, 1)]);
+    assert!(!e.drafts.contains_key(&b));
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! request's list emptied as vLLM's `schedule()` empties it, a PRIORITY victim's entry taken
 //! back, and in `update_from_output` vLLM's `make_spec_decoding_stats` tallied natively
 //! (`pagedkv_core::vllm_v1::spec_stats`, vLLM's object built once per step) and the
-//! per-request metrics vLLM keeps where a request has them. Cost: one dict write and one
+//! per-request metrics vLLM keeps where a request has them; the step's
+//! `num_spec_tokens_to_schedule` (a dynamic schedule's count for the step's batch size) and,
+//! under `AsyncScheduler`, the placeholder list of that length. Cost: one dict write and one
 //! attribute write per scheduled row with drafts; per row with drafts in `update_from_output`
 //! an attribute read (and a Python call where the request keeps metrics).
 
@@ -13,6 +15,31 @@ use pagedkv_core::vllm_v1::spec_stats::SpecTally;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+
+/// vLLM's `num_spec_tokens_to_schedule` for a step of `rows` scheduled requests:
+/// `dynamic_sd_lookup[rows]` under a dynamic schedule with a row scheduled, else
+/// `num_spec_tokens`. Under `AsyncScheduler` the step's placeholder list
+/// (`_spec_token_placeholders`, each decoding row's `spec_token_ids`) takes that length, as
+/// vLLM's `_update_after_schedule` makes it.
+pub fn spec_tokens_to_schedule<'py>(e: &mut PyEngine<'_, 'py>, rows: usize) -> PyResult<u64> {
+    let py = e.sched.py();
+    let k: u64 = e.sched.getattr(intern!(py, "num_spec_tokens"))?.extract()?;
+    let lookup = match e.sched.getattr(intern!(py, "dynamic_sd_lookup")) {
+        Ok(l) if !l.is_none() && rows > 0 => l,
+        _ => return Ok(k),
+    };
+    let n: u64 = lookup.get_item(rows)?.extract()?;
+    if let Some(spec) = &e.spec {
+        if spec.len() as u64 != n {
+            let len = usize::try_from(n).unwrap_or(usize::MAX);
+            let list = PyList::new(py, std::iter::repeat_n(-1i64, len))?;
+            e.sched
+                .setattr(intern!(py, "_spec_token_placeholders"), &list)?;
+            e.spec = Some(list);
+        }
+    }
+    Ok(n)
+}
 
 /// `Drafts::Proposed`: the first `k` proposed drafts go into the step's
 /// `scheduled_spec_decode_tokens` and the request's list is emptied; `Drafts::Padding`:

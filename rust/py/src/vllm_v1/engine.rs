@@ -60,7 +60,7 @@ pub struct PyEngine<'a, 'py> {
     /// The step's timestamp (`schedule`).
     ts: Option<Bound<'py, PyAny>>,
     /// The step's shared draft-placeholder list (`AsyncScheduler`).
-    spec: Option<Bound<'py, PyList>>,
+    pub spec: Option<Bound<'py, PyList>>,
     /// `scheduled_spec_decode_tokens` being built (created at the first drafts).
     pub drafts: Option<Bound<'py, PyDict>>,
     /// `update_from_output`'s inputs and outputs (grouped by client, in vLLM's order).
@@ -642,7 +642,8 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         &mut self,
         step: &Step<PyReq<'py>, PyBlocks>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        output::scheduler_output(self, step)
+        let to_schedule = drafts::spec_tokens_to_schedule(self, step.rows.len())?;
+        output::scheduler_output(self, step, to_schedule)
     }
 
     fn mark_structured_output(

@@ -17,7 +17,7 @@ type PyRow<'py> = Row<PyReq<'py>, PyBlocks>;
 
 /// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total,
 /// structured, scheduled_spec_decode_tokens, skip_drafts, scheduled_encoder_inputs,
-/// encoder_input_updates)` where `cached` is `(req_ids, resumed_req_ids, all_token_ids,
+/// encoder_input_updates, num_spec_tokens_to_schedule)` where `cached` is `(req_ids, resumed_req_ids, all_token_ids,
 /// new_block_ids, num_computed_tokens, num_output_tokens)`, `structured` is `None` here
 /// ([`mark_structured_output`] sets it) and `encoder_input_updates` is computed here, before
 /// `_update_after_schedule` advances the rows, as vLLM computes it (`None`: no multimodal
@@ -25,6 +25,7 @@ type PyRow<'py> = Row<PyReq<'py>, PyBlocks>;
 pub fn scheduler_output<'py>(
     e: &PyEngine<'_, 'py>,
     step: &Step<PyReq<'py>, PyBlocks>,
+    num_spec_tokens_to_schedule: u64,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = e.sched.py();
     let v2 = step.runner == Runner::V2;
@@ -71,7 +72,7 @@ pub fn scheduler_output<'py>(
     };
     let any_mm = step.rows.iter().any(|r| r.req.f.mm);
     let updates = encoder::input_updates(&e.sched, any_mm, &scheduled, &out, &inputs)?;
-    let items: [Bound<'py, PyAny>; 9] = [
+    let items: [Bound<'py, PyAny>; 10] = [
         out.into_any(),
         cached.into_any(),
         scheduled.into_any(),
@@ -86,6 +87,7 @@ pub fn scheduler_output<'py>(
             Some(u) => u.into_any(),
             None => py.None().into_bound(py),
         },
+        num_spec_tokens_to_schedule.into_pyobject(py)?.into_any(),
     ];
     PyTuple::new(py, items)
 }

@@ -77,5 +77,8 @@ fn spec_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<SpecSettin
         num_lookahead_tokens: get_u64(sched, intern!(py, "num_lookahead_tokens"))?,
         draft_slots: lp.draft_slots,
         can_skip_drafts: flag(sched, intern!(py, "can_skip_drafts"))?,
+        dynamic: !sched
+            .getattr_opt(intern!(py, "dynamic_sd_lookup"))?
+            .is_none_or(|l| l.is_none()),
     })
 }

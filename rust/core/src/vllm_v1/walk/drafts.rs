@@ -73,10 +73,13 @@ impl<E: Engine> Walk<'_, E> {
 
     /// vLLM pads a waiting request with one token left (a resumed decode) to `1 +
     /// num_spec_tokens` when no running row this step is a prefill chunk and it is not the
-    /// step's first row (or it has computed tokens).
+    /// step's first row (or it has computed tokens); never under a dynamic schedule.
     pub(super) fn draft_padding(&self, num_computed: u64) -> Option<u64> {
         let k = self.set.spec.num_spec_tokens;
-        let pad = k > 0 && !self.prefill_scheduled && (self.running_rows > 0 || num_computed > 0);
+        let pad = k > 0
+            && !self.set.spec.dynamic
+            && !self.prefill_scheduled
+            && (self.running_rows > 0 || num_computed > 0);
         pad.then_some(1 + k)
     }
 
