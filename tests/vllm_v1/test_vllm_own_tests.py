@@ -32,11 +32,13 @@ FILES = (
 )
 #: The files run against the scheduler class under test (the native loop); paths relative to
 #: ``tests/v1/core`` (vLLM's streaming-session scheduler tests live beside it; on 0.32 their
-#: schedulers are out of the native loop's scope, an encoder-only instance, and still pass).
+#: schedulers are out of the native loop's scope, an encoder-only instance, and still pass;
+#: its dynamic speculative decoding tests, in ``spec_decode``, build schedulers too).
 LOOP_FILES = (
     "test_scheduler.py",
     "test_async_scheduler.py",
     "../streaming_input/test_scheduler_streaming.py",
+    "../spec_decode/test_dynamic_sd.py",
 )
 #: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series: both model runners' output
 #: shapes are exercised. "1" (V2, the GPU default) where the release's configuration accepts it
