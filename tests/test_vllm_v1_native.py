@@ -204,6 +204,7 @@ class FakeRequest:
         self.num_stale_output_tokens = 0
         self.drop_stale_output = False
         self.resumable = False
+        self.pooling_params = None
         self.is_prefill_chunk = False
         self.num_preemptions = 0
         self.stop_reason = None
@@ -361,6 +362,7 @@ class FakeOutput:
         self.logprobs = None
         self.prompt_logprobs_dict = {}
         self.num_nans_in_logits = None
+        self.pooler_output: list = []
 
 
 def test_v1_loop_admits_decodes_and_stops_over_the_schedulers_own_objects() -> None:

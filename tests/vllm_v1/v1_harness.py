@@ -142,6 +142,9 @@ class SchedConfig:
     # SpeculativeConfig.num_speculative_tokens_per_batch_size (with drafts): dynamic
     # speculative decoding, the draft count per step looked up by the step's batch size
     dynamic_sd: Optional[tuple] = None
+    # a pooling model (ModelConfig runner "pooling"): every request has pooling parameters,
+    # samples nothing and stops at the pooler output its prompt's last chunk returns
+    pooling: bool = False
     sampling_mask: bool = False
     # LoRA: None, no LoRAConfig; else vLLM's LoRAConfig with this many adapters per step
     max_loras: Optional[int] = None
@@ -233,17 +236,22 @@ def length_cap(cfg: SchedConfig) -> int:
     return min(cfg.max_model_len, (cfg.num_blocks - 1) * cfg.block_size)
 
 
-_MODEL_CONFIGS: dict[tuple[str, int, bool], ModelConfig] = {}
+_MODEL_CONFIGS: dict[tuple[str, int, bool, bool], ModelConfig] = {}
 
 
-def model_config(model_dir: Path, max_model_len: int, sampling_mask: bool = False) -> ModelConfig:
-    """One ModelConfig per (model, length, masks): building one reads the HF config (slow-ish).
-    ``sampling_mask``: ``return_sampling_mask``, with the logprobs mode vLLM requires of it."""
-    key = (str(model_dir), max_model_len, sampling_mask)
+def model_config(
+    model_dir: Path, max_model_len: int, sampling_mask: bool = False, pooling: bool = False
+) -> ModelConfig:
+    """One ModelConfig per (model, length, masks, runner): building one reads the HF config
+    (slow-ish). ``sampling_mask``: ``return_sampling_mask``, with the logprobs mode vLLM
+    requires of it; ``pooling``: the pooling runner (an embedding model)."""
+    key = (str(model_dir), max_model_len, sampling_mask, pooling)
     if key not in _MODEL_CONFIGS:
         fields: dict[str, Any] = {"dtype": "float32"}
         if sampling_mask:
             fields.update(return_sampling_mask=True, logprobs_mode="processed_logprobs")
+        if pooling:
+            fields.update(runner="pooling")
         _MODEL_CONFIGS[key] = driver.model_config(model_dir, max_model_len, **fields)
     return _MODEL_CONFIGS[key]
 
@@ -325,7 +333,7 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
 
 def _driver_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
     return driver.vllm_configs(
-        model_config(model_dir, cfg.max_model_len, masks_in_config(cfg)),
+        model_config(model_dir, cfg.max_model_len, masks_in_config(cfg), cfg.pooling),
         cfg.block_size,
         cfg.num_blocks,
         caching=cfg.enable_caching,
@@ -507,6 +515,7 @@ class RequestSpec:
     embeds: bool = False  # prompt embeddings in place of the prompt's ids
     # A streaming session (``resumable``) when not empty: its updates, by step.
     updates: tuple[SessionUpdate, ...] = ()
+    pooling: bool = False  # pooling parameters in place of sampling ones (a pooling model)
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -588,6 +597,19 @@ def build_request(
         arrival_time = update.step
     resumable = bool(spec.updates) and (update is None or update.prompt is not None)
     extra = {"resumable": True} if resumable else {}
+    if spec.pooling:
+        from vllm.pooling_params import PoolingParams
+
+        return Request(
+            request_id=spec.req_id,
+            prompt_token_ids=list(prompt_ids),
+            sampling_params=None,
+            pooling_params=PoolingParams(task="embed"),
+            client_index=spec.client_index,
+            arrival_time=float(arrival_time),
+            priority=HELD_PRIORITY if spec.held else spec.priority,
+            block_hasher=block_hasher,
+        )
     return Request(
         request_id=spec.req_id,
         prompt_token_ids=None if spec.embeds else list(prompt_ids),
@@ -831,6 +853,7 @@ class Lockstep:
         self.stats["finished"] = Counter()  # final RequestStatus names (the reference's)
         self.stats["finish_reasons"] = Counter()  # FinishReason names of the outputs
         self.stats["bitmasks"] = 0  # grammar bitmasks compared (not None)
+        self.stats["pooled"] = 0  # pooler outputs given (a pooling model)
         # Structured output: per request, its grammar's spec and both sides' futures, until
         # resolved (request_kinds.resolve); requests whose outputs now loop (repetition).
         self.grammars: dict[str, tuple[kinds.GrammarSpec, list[Any]]] = {}
@@ -1061,10 +1084,15 @@ class Lockstep:
         drafts = p.ref_out.scheduled_spec_decode_tokens
         tokens = [self._sampled(r, s, len(drafts.get(r, ()))) for r, s in zip(p.req_ids, p.samples)]
         masks = self.cfg.sampling_mask
-        ref_mro = model_runner_output(p.req_ids, tokens, sampling_masks(tokens) if masks else None)
+        pooled = self._pooler_output(p)
+        ref_mro = model_runner_output(
+            p.req_ids, tokens, sampling_masks(tokens) if masks else None, pooled
+        )
         ref = self.ref.update_from_output(p.ref_out, ref_mro)
         self._report_refused(ref)
-        test_mro = model_runner_output(p.req_ids, tokens, sampling_masks(tokens) if masks else None)
+        test_mro = model_runner_output(
+            p.req_ids, tokens, sampling_masks(tokens) if masks else None, pooled
+        )
         test = self.test.update_from_output(p.test_out, test_mro)
         self.check("EngineCoreOutputs", ref, test)
         if self.cfg.num_spec_tokens and not self.cfg.async_scheduling:
@@ -1095,8 +1123,9 @@ class Lockstep:
         self.stats["finished"][request.status.name] += 1
         if out.stop_reason is not None:
             self.stats["stopped_by_stop_id"] += 1
+        params = request.sampling_params  # None: a pooling request
         if out.finish_reason == FinishReason.STOP and (
-            request.num_output_tokens < request.sampling_params.min_tokens
+            params is not None and request.num_output_tokens < params.min_tokens
         ):
             self.stats["stopped_under_min_tokens"] += 1
         if out.finish_reason == FinishReason.LENGTH and (
@@ -1104,10 +1133,21 @@ class Lockstep:
         ):
             self.stats["capped_at_max_model_len"] += 1
 
+    def _pooler_output(self, p: Pending) -> Optional[list]:
+        """A pooling model's outputs: a vector per row whose prompt the step finished, ``None``
+        for a prefill chunk (vLLM's runner pools only a whole prompt)."""
+        if not self.cfg.pooling:
+            return None
+        self.stats["pooled"] += sum(p.samples)
+        return [
+            torch.tensor([float(len(r)), float(self.step)]) if s else None
+            for r, s in zip(p.req_ids, p.samples)
+        ]
+
     def _sampled(self, req_id: str, samples: bool, num_drafts: int) -> list[int]:
         """The tokens one request gets from a step: none for a prefill chunk, else one plus
         the accepted part of its drafts."""
-        if not samples:
+        if not samples or self.cfg.pooling:
             return []
         request = self.ref.requests.get(req_id)
         num_outputs = request.num_output_tokens if request is not None else 0

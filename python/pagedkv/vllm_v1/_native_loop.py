@@ -19,7 +19,8 @@ next step can be either loop's; a switch needs no hand-over.
 * every request the scheduler holds is in scope
   (:func:`pagedkv.vllm_v1._scope.request_out_of_scope`: plain
   sampling, structured output, LoRA, multimodal inputs, prompt embeddings, repetition
-  detection, streaming sessions; no pooling or KV transfer), and the scheduler is not paused.
+  detection, streaming sessions, pooling requests in a pooling model; no KV transfer), and
+  the scheduler is not paused.
 
 A request out of scope puts the engine on vLLM's loop from the next step until it has left
 (finished or aborted): its decisions couple every request of the step (budgets, queue order,
@@ -40,6 +41,7 @@ from ._report import NATIVE, StepCounter, interval_from_env
 from ._scope import (
     engine_out_of_scope,
     hashes_natively,
+    is_pooling_model,
     request_out_of_scope,
     update_out_of_scope,
 )
@@ -70,6 +72,9 @@ class NativeLoop:
         from pagedkv import _native
 
         setattr(self, _HELD, {})
+        #: Tokens sampled per step the native loop serves: 1, or 0 for a pooling model (a
+        #: diffusion model's 0 stays vLLM's; vLLM's own tests set it after construction).
+        self._pagedkv_sampled_per_step = 0 if is_pooling_model(self) else 1
         self._pagedkv_counter = StepCounter(interval_from_env())
         self._pagedkv_unpaused = PauseState.UNPAUSED  # compared every step
         from vllm.v1.request import RequestStatus
@@ -124,7 +129,7 @@ class NativeLoop:
             and d.get("ec_connector") is None
             and not d.get("encoder_cache_mismatch_reqs")
             and not d.get("need_mamba_block_aligned_split")
-            and d.get("num_sampled_tokens_per_step", 1) == 1
+            and d.get("num_sampled_tokens_per_step", 1) == d["_pagedkv_sampled_per_step"]
         ):
             return None
         return self._pagedkv_fallback_reason()
@@ -150,7 +155,10 @@ class NativeLoop:
             (bool(getattr(self, "encoder_cache_mismatch_reqs", None)), "encoder cache mismatch"),
             # Settings vLLM's own tests change after construction.
             (bool(getattr(self, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
-            (getattr(self, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
+            (
+                getattr(self, "num_sampled_tokens_per_step", 1) != self._pagedkv_sampled_per_step,
+                "a diffusion model",
+            ),
             (getattr(self, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         )
         return next((why for out, why in checks if out), None)
@@ -192,12 +200,15 @@ class NativeLoop:
             return
         if why is not None:
             getattr(self, _HELD)[request.request_id] = why
-        elif self._pagedkv_loop.refuses_prompt(request.num_prompt_tokens, self.max_model_len):
+        elif self._pagedkv_loop.refuses_prompt(
+            request.num_prompt_tokens, self.max_model_len, self._pagedkv_sampled_per_step
+        ):
             self._pagedkv_reject(request)
 
     def _pagedkv_reject(self, request: Any) -> None:
         """A prompt at or past the length cap (``min(max_model_len, cache tokens)``; a request
-        stops at the cap, so such a prompt leaves no room for an output token) never runs:
+        stops at the cap, so such a prompt leaves no room for an output token; a pooling
+        model's, which samples none, past it) never runs:
         vLLM's loop would keep it at the head of the queue forever, or, prefilled in chunks,
         RUNNING without its last prompt token (the room rule leaves ``cap - 1`` tokens),
         blocking every request behind it. Finished with an error now, reported by the next
@@ -283,12 +294,12 @@ def pool_tokens(manager: Any) -> int:
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
-    """No connector or pooler outputs in this step (drafts and encoder inputs are the
-    native loop's: it rolls rejected drafts back and frees encoder inputs as vLLM does)."""
+    """No connector outputs in this step (drafts, encoder inputs and pooler outputs are the
+    native loop's: it rolls rejected drafts back, frees encoder inputs and stops a pooling
+    request at its pooler output as vLLM does)."""
     return (
         getattr(model_runner_output, "kv_connector_output", None) is None
         and getattr(model_runner_output, "ec_connector_output", None) is None
-        and not model_runner_output.pooler_output
     )
 
 

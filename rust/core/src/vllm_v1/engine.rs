@@ -420,6 +420,10 @@ pub trait Engine {
     fn scheduled_rows(&mut self) -> Result<Vec<ScheduledRow<Self::Req>>, Self::Error>;
     /// The model runner's sampled tokens for the row (an error when it has none).
     fn sampled(&mut self, r: &Self::Req) -> Result<Self::Sampled, Self::Error>;
+    /// A pooling request (`pooling_params`) whose pooler output arrived with this step's
+    /// model output (vLLM's `request.pooling_params and pooler_output is not None`): the
+    /// output carries it and the request stops.
+    fn pooled(&mut self, r: &Self::Req) -> Result<bool, Self::Error>;
     fn sampled_len(&self, s: &Self::Sampled) -> usize;
     fn truncate_sampled(&mut self, s: &mut Self::Sampled, kept: usize) -> Result<(), Self::Error>;
     /// `append_output_token_ids(s[k])` (block hashes extended as blocks fill): the token, or

@@ -178,13 +178,14 @@ pub fn length_cap(max_model_len: u64, pool_tokens: u64) -> u64 {
     max_model_len.min(pool_tokens)
 }
 
-/// A prompt the request can never be prefilled and sampled within: `num_prompt >= cap`.
-/// vLLM's input processor refuses a generation prompt of `max_model_len` tokens or more
-/// (there must be room for one output token); pagedkv refuses the same prompts at the cache's
-/// size. Where the cache holds `max_model_len`, these are exactly the prompts vLLM's processor
+/// A prompt the request can never be prefilled and sampled within: `num_prompt +
+/// sampled_per_step > cap`. vLLM's input processor refuses a generation prompt of
+/// `max_model_len` tokens or more (there must be room for one output token) and a pooling
+/// model's of more (it samples none); pagedkv refuses the same prompts at the cache's size.
+/// Where the cache holds `max_model_len`, these are exactly the prompts vLLM's processor
 /// never lets reach the scheduler.
-pub fn refuses_prompt(num_prompt: u64, cap: u64) -> bool {
-    num_prompt >= cap
+pub fn refuses_prompt(num_prompt: u64, cap: u64, sampled_per_step: u64) -> bool {
+    num_prompt > cap.saturating_sub(sampled_per_step)
 }
 
 /// `check_stop`'s length rule: a request of `num_tokens >= cap` tokens is finished with
@@ -208,6 +209,9 @@ pub enum Stop {
     /// The structured-output grammar rejected the row's tokens (`update_from_output`, after
     /// `check_stop`): `FINISHED_ERROR`.
     Error,
+    /// A pooling request's pooler output arrived (pooling stops at its first output):
+    /// `FINISHED_STOPPED`, no stop reason.
+    Pooled,
 }
 
 /// `SamplingParams.repetition_detection` (`RepetitionDetectionParams`), as given.
@@ -475,13 +479,18 @@ mod tests {
     fn a_prompt_of_the_caps_size_is_refused_as_vllms_processor_refuses_max_model_len() {
         // Block 16, max_model_len 64, 4 GPU blocks: a 48-token cache.
         let cap = length_cap(64, 48);
-        assert!(refuses_prompt(49, cap));
-        assert!(refuses_prompt(48, cap));
-        assert!(!refuses_prompt(47, cap));
+        assert!(refuses_prompt(49, cap, 1));
+        assert!(refuses_prompt(48, cap, 1));
+        assert!(!refuses_prompt(47, cap, 1));
         // The cache holds max_model_len: only what vLLM's processor refuses (>= 64).
         let cap = length_cap(64, 80);
-        assert!(refuses_prompt(64, cap));
-        assert!(!refuses_prompt(63, cap));
+        assert!(refuses_prompt(64, cap, 1));
+        assert!(!refuses_prompt(63, cap, 1));
+        // A pooling model samples nothing: vLLM's processor lets a prompt of max_model_len in.
+        assert!(refuses_prompt(65, cap, 0));
+        assert!(!refuses_prompt(64, cap, 0));
+        assert!(!refuses_prompt(u64::MAX, u64::MAX, 0));
+        assert!(refuses_prompt(u64::MAX, u64::MAX, 1));
     }
 
     #[test]

@@ -546,7 +546,9 @@ impl<'e, E: Engine> Walk<'e, E> {
                 self.e.inflight_prefills_discard(&r.req)?;
             }
             if self.mode.asynchronous && !chunk {
-                let placeholders = r.placeholders + 1 + r.drafts;
+                // The tokens the step samples (none for a pooling model) and its drafts.
+                let sampled = self.set.limits.sampled_per_step;
+                let placeholders = r.placeholders + sampled + r.drafts;
                 self.e.set_num_output_placeholders(&r.req, placeholders)?;
                 self.e.set_async_decode(&r.req, eligible)?;
             }
@@ -624,6 +626,9 @@ impl<'e, E: Engine> Walk<'e, E> {
                 self.e.set_stopped(req, Stop::Error)?;
                 stop = Some(Stop::Error);
             }
+        } else if self.e.pooled(req)? {
+            self.e.set_stopped(req, Stop::Pooled)?;
+            stop = Some(Stop::Pooled);
         }
         let emit = returned > 0 || stop.is_some();
         let pending = self.e.begin_output(req, &sampled, emit)?;

@@ -171,3 +171,25 @@ fn loras_of_running_requests_not_scheduled_count_on_033_only() {
         assert!(!rows.iter().any(|&(r, _)| r == a));
     }
 }
+
+#[test]
+fn a_pooling_request_stops_at_its_pooler_output_and_only_then_emits() {
+    // A pooling model samples no token: no slot is kept for one (`sampled_per_step` 0).
+    let mut e = TestEngine::new(64, 6);
+    e.set.limits.sampled_per_step = 0;
+    e.set.limits.max_model_len = 10;
+    let a = e.add(10, 1);
+    // The whole prompt of max_model_len fits: 6, then 4 (a sampling model would stop at 9).
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 6)]);
+    e.next.insert(a, vec![]);
+    e.update(sync(V33)); // a chunk: no pooler output, nothing emitted
+    assert!(e.outputs.is_empty());
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 4)]);
+    e.next.insert(a, vec![]);
+    e.pooled.insert(a);
+    e.update(sync(V33));
+    assert_eq!(e.outputs, vec![(a, vec![], Some(Stop::Pooled))]);
+    assert_eq!(e.r(a).status, Status::Finished);
+    assert_eq!(e.freed, [a]);
+    assert!(e.running.is_empty());
+}

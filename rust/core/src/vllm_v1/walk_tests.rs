@@ -145,6 +145,8 @@ struct TestEngine<K: TestKv = Manager> {
     scheduled: Vec<(usize, u64)>,
     /// The tokens the model returns for each request at the next update.
     next: HashMap<usize, Vec<i64>>,
+    /// Pooling requests whose pooler output arrives at the next update.
+    pooled: BTreeSet<usize>,
     /// Emitted outputs: (request, tokens, finish).
     outputs: Vec<(usize, Vec<i64>, Option<Stop>)>,
     freed: Vec<usize>,
@@ -216,6 +218,7 @@ impl<K: TestKv> TestEngine<K> {
             executed: 0,
             scheduled: Vec::new(),
             next: HashMap::new(),
+            pooled: BTreeSet::new(),
             outputs: Vec::new(),
             freed: Vec::new(),
             structured_step: StructuredFlags::default(),
@@ -754,6 +757,9 @@ impl<K: TestKv> Engine for TestEngine<K> {
     fn sampled(&mut self, r: &usize) -> Result<Vec<i64>> {
         Ok(self.next.remove(r).unwrap_or_default())
     }
+    fn pooled(&mut self, r: &usize) -> Result<bool> {
+        Ok(self.pooled.remove(r))
+    }
     fn sampled_len(&self, s: &Vec<i64>) -> usize {
         s.len()
     }
@@ -1046,7 +1052,7 @@ fn tokens_after_a_stop_are_dropped_and_033_trims_them_from_computed() {
 fn a_prompt_of_the_caches_size_is_refused_and_the_cap_finishes_length() {
     // 5 blocks of 4 (one null): a 16-token cache under a larger max_model_len.
     let cap = policy::length_cap(1 << 20, 16);
-    assert!(policy::refuses_prompt(16, cap));
+    assert!(policy::refuses_prompt(16, cap, 1));
     let mut e = TestEngine::new(5, 100);
     e.set.limits.max_model_len = cap;
     let a = e.add(15, 100); // the largest prompt admitted

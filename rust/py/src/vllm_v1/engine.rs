@@ -367,7 +367,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         let o = &self.lp.objs;
         let status = match stop {
             Stop::Length => &o.length_capped,
-            Stop::Eos | Stop::StopToken(_) => &o.stopped,
+            Stop::Eos | Stop::StopToken(_) | Stop::Pooled => &o.stopped,
             Stop::Repetition => &o.finished_repetition,
             Stop::Error => &o.finished_error,
         };
@@ -378,7 +378,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
                 .obj
                 .setattr(intern!(py, "stop_reason"), "repetition_detected"),
             Stop::Error => r.obj.setattr(intern!(py, "resumable"), false),
-            Stop::Eos | Stop::Length => Ok(()),
+            Stop::Eos | Stop::Length | Stop::Pooled => Ok(()),
         }
     }
 
@@ -682,6 +682,14 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         self.io()?.mro.sampled(r.f.id.bind(self.py()))
     }
 
+    fn pooled(&mut self, r: &PyReq<'py>) -> PyResult<bool> {
+        if !r.f.pooling {
+            return Ok(false);
+        }
+        let id = r.f.id.bind(self.py());
+        Ok(self.io()?.mro.pooler_output(id)?.is_some())
+    }
+
     fn sampled_len(&self, s: &Sampled<'py>) -> usize {
         s.list.len()
     }
@@ -749,7 +757,12 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         if !emit {
             return Ok(());
         }
+        let pooling = match r.f.pooling {
+            true => io.mro.pooler_output(r.f.id.bind(py))?,
+            false => None,
+        };
         let fields = output::OutputFields {
+            pooling,
             tokens: s.list,
             stop,
             logprobs: p.logprobs,

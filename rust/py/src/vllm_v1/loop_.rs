@@ -82,6 +82,8 @@ pub struct OutputShape {
     pub prefill_stats: usize,
     pub trace_headers: usize,
     pub num_nans_in_logits: usize,
+    /// Absent from a class without pooling (then no pooler output can be returned).
+    pub pooling_output: Option<usize>,
 }
 
 #[pyclass(module = "pagedkv._native", name = "V1Loop", frozen)]
@@ -160,6 +162,8 @@ pub struct Fixed {
     pub trace_headers: Py<PyAny>,
     /// `resumable` when read: a streaming session, whose entry no later call reuses.
     pub session: bool,
+    /// `pooling_params` is set: a pooling request (no sampling parameters).
+    pub pooling: bool,
 }
 
 impl Fixed {
@@ -216,6 +220,7 @@ impl Fixed {
                 .is_truthy()?,
             trace_headers: request.getattr(intern!(py, "trace_headers"))?.unbind(),
             session: request.getattr(intern!(py, "resumable"))?.is_truthy()?,
+            pooling: !request.getattr(intern!(py, "pooling_params"))?.is_none(),
         })
     }
 }
@@ -257,6 +262,7 @@ impl OutputShape {
             prefill_stats: at("prefill_stats")?,
             trace_headers: at("trace_headers")?,
             num_nans_in_logits: at("num_nans_in_logits")?,
+            pooling_output: at("pooling_output").ok(),
             defaults,
         })
     }
@@ -388,11 +394,12 @@ impl PyV1Loop {
     }
 
     /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens
-    /// that `add_request` finishes with an error.
-    fn refuses_prompt(&self, num_prompt: u64, max_model_len: u64) -> bool {
+    /// that `add_request` finishes with an error (`sampled_per_step`: 0 for a pooling model).
+    fn refuses_prompt(&self, num_prompt: u64, max_model_len: u64, sampled_per_step: u64) -> bool {
         policy::refuses_prompt(
             num_prompt,
             policy::length_cap(max_model_len, self.pool_tokens),
+            sampled_per_step,
         )
     }
 
@@ -406,6 +413,16 @@ impl PyV1Loop {
 fn stop_rule(request: &Bound<'_, PyAny>) -> PyResult<StopRule> {
     let py = request.py();
     let params = request.getattr(intern!(py, "sampling_params"))?;
+    if params.is_none() {
+        // A pooling request: `max_tokens` (1) is its only rule; it stops at its pooler output.
+        return Ok(StopRule {
+            eos_token_id: None,
+            stop_token_ids: Vec::new(),
+            max_tokens: get_u64(request, intern!(py, "max_tokens"))?,
+            min_tokens: 0,
+            repetition: None,
+        });
+    }
     let eos = params.getattr(intern!(py, "eos_token_id"))?;
     let stops = params.getattr(intern!(py, "stop_token_ids"))?;
     let rep = params.getattr(intern!(py, "repetition_detection"))?;

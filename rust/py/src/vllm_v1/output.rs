@@ -244,6 +244,8 @@ pub struct ModelOutput<'py> {
     prompt_logprobs: Option<Bound<'py, PyDict>>,
     prompt_token_id_logprobs: Option<Bound<'py, PyDict>>,
     num_nans: Option<Bound<'py, PyDict>>,
+    /// `pooler_output` (a pooling model's outputs, one per row), when not empty.
+    pooler: Option<Bound<'py, PyAny>>,
 }
 
 /// `obj.name` when it is a non-empty dict.
@@ -276,7 +278,22 @@ impl<'py> ModelOutput<'py> {
                 intern!(py, "prompt_token_id_logprobs_dict"),
             ),
             num_nans: nonempty_dict(mro, intern!(py, "num_nans_in_logits")),
+            pooler: Some(mro.getattr(intern!(py, "pooler_output"))?)
+                .filter(|p| p.is_truthy().unwrap_or(false)),
         })
+    }
+
+    /// The row's pooler output, `None` when the model gave none (a sampling model, or a
+    /// pooling request's prefill chunk).
+    pub fn pooler_output(&self, id: &Bound<'py, PyString>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let Some(pooler) = &self.pooler else {
+            return Ok(None);
+        };
+        let Some(index) = self.index.get_item(id)? else {
+            return Ok(None);
+        };
+        let out = pooler.get_item(index)?;
+        Ok((!out.is_none()).then_some(out))
     }
 
     /// The row's sampled tokens as a list the loop may trim (the runner's own list).
@@ -347,6 +364,8 @@ impl<'py> ModelOutput<'py> {
 }
 
 pub struct OutputFields<'py> {
+    /// A pooling request's pooler output (`pooling_output`).
+    pub pooling: Option<Bound<'py, PyAny>>,
     pub tokens: Bound<'py, PyList>,
     pub stop: Option<Stop>,
     pub logprobs: Option<Bound<'py, PyAny>>,
@@ -370,7 +389,7 @@ fn output_fields<'py>(
     if let Some(stop) = f.stop {
         let reason = match stop {
             Stop::Length => &objs.reason_length,
-            Stop::Eos | Stop::StopToken(_) => &objs.reason_stop,
+            Stop::Eos | Stop::StopToken(_) | Stop::Pooled => &objs.reason_stop,
             Stop::Repetition => &objs.reason_repetition,
             Stop::Error => &objs.reason_error,
         };
@@ -378,6 +397,12 @@ fn output_fields<'py>(
     }
     if let Some(l) = f.logprobs {
         set.push((shape.new_logprobs, l));
+    }
+    if let Some(p) = f.pooling {
+        let at = shape.pooling_output.ok_or_else(|| {
+            crate::errors::invalid("EngineCoreOutput has no field \"pooling_output\"")
+        })?;
+        set.push((at, p));
     }
     if let Some(m) = f.sampling_mask {
         let at = shape.new_sampling_mask.ok_or_else(|| {

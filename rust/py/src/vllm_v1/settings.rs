@@ -34,7 +34,11 @@ pub fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settin
         long_prefill_token_threshold: get_u64(&cfg, intern!(py, "long_prefill_token_threshold"))?,
         adaptive_threshold: flag(sched, intern!(py, "adaptive_long_prefill_threshold"))?,
         chunked_prefill: flag(&cfg, intern!(py, "enable_chunked_prefill"))?,
-        sampled_per_step: 1,
+        // 0 for a pooling model (no sampled token after prefill; diffusion stays vLLM's).
+        sampled_per_step: match sched.getattr(intern!(py, "num_sampled_tokens_per_step")) {
+            Ok(v) => v.extract()?,
+            Err(_) => 1,
+        },
     };
     let running = get_u64(sched, intern!(py, "max_num_running_reqs"))?;
     let active = match sched.getattr(intern!(py, "max_num_active_reqs")) {
