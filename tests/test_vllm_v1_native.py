@@ -534,3 +534,21 @@ def test_native_block_hash_declines_what_it_does_not_encode() -> None:
     assert len(_native.vllm_block_hash("xxhash", parent, [1, 2, 3, 4])) == 16
     with pytest.raises(InvalidArgumentError, match="unknown vLLM hash function"):
         _native.vllm_block_hash("md5", parent, [1, 2, 3, 4])
+
+
+def test_v1_loop_length_rules_saturate_and_refuse_negative_counts() -> None:
+    """``refuses_prompt`` / ``length_cap`` at the loop's cache size: a prompt plus the tokens a
+    step samples must fit (a pooling model's, sampling none, may fill it); counts past u64
+    saturate as Python's unbounded ints compare, a negative one is a pagedkv error that is
+    also a ``ValueError``."""
+    loop = _native.V1Loop(bound_manager(), loop_config(pool_tokens=64))
+    assert loop.length_cap(100) == 64 and loop.length_cap(2**70) == 64
+    assert loop.refuses_prompt(64, 100, 1) and not loop.refuses_prompt(63, 100, 1)
+    assert not loop.refuses_prompt(64, 100, 0) and loop.refuses_prompt(65, 100, 0)
+    assert loop.refuses_prompt(2**70, 2**70, 0)
+    for bad in ((-1, 100, 1), (64, -1, 1), (64, 100, -(2**70))):
+        with pytest.raises(PagedKVError) as err:
+            loop.refuses_prompt(*bad)
+        assert isinstance(err.value, ValueError)
+    with pytest.raises(PagedKVError):
+        loop.length_cap(-5)

@@ -16,6 +16,7 @@
 //! sampled token; one Python call per admitted, preempted or finished request, and a few per
 //! multimodal row (`crate::vllm_v1::encoder`).
 
+use crate::args::SatCount;
 use crate::vllm_v1::engine::{PyEngine, UpdateIo};
 use crate::vllm_v1::loop_kv::LoopKv;
 use crate::vllm_v1::output::ModelOutput;
@@ -395,18 +396,24 @@ impl PyV1Loop {
 
     /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens
     /// that `add_request` finishes with an error (`sampled_per_step`: 0 for a pooling model).
-    fn refuses_prompt(&self, num_prompt: u64, max_model_len: u64, sampled_per_step: u64) -> bool {
+    /// Counts saturate past u64 (Python ints are unbounded); a negative one is refused.
+    fn refuses_prompt(
+        &self,
+        num_prompt: SatCount,
+        max_model_len: SatCount,
+        sampled_per_step: SatCount,
+    ) -> bool {
         policy::refuses_prompt(
-            num_prompt,
-            policy::length_cap(max_model_len, self.pool_tokens),
-            sampled_per_step,
+            num_prompt.0,
+            policy::length_cap(max_model_len.0, self.pool_tokens),
+            sampled_per_step.0,
         )
     }
 
     /// `policy::length_cap` for this cache: what the scheduler's `max_model_len` becomes, so
     /// that vLLM's own loop (its running room and `check_stop`) applies it too.
-    fn length_cap(&self, max_model_len: u64) -> u64 {
-        policy::length_cap(max_model_len, self.pool_tokens)
+    fn length_cap(&self, max_model_len: SatCount) -> u64 {
+        policy::length_cap(max_model_len.0, self.pool_tokens)
     }
 }
 
