@@ -8,6 +8,7 @@ import pytest
 from manager_driver import (
     HASH_ALGOS,
     HYBRID_LAYOUTS,
+    MAMBA_ALIGN_LAYOUTS,
     MAMBA_LAYOUTS,
     MIXED_LAYOUTS,
     RETENTIONS,
@@ -85,6 +86,31 @@ def test_mamba_hybrid_random_calls_match_vllm(seed: int) -> None:
         max_model_len=(4096, 64, 256)[seed // 3 % 3],
         layout=layouts[seed % len(layouts)],
         retention=(None, 0)[seed % 2],
+    ).run(300)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_mamba_align_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite-4-, Nemotron-H- and Qwen3-Next-like layouts in ``mamba_cache_mode`` "align"
+    (prefix caching on, the Mamba block at the attention block, with and without prefill
+    checkpoint blocks and speculative state blocks), prefills split as vLLM's scheduler splits
+    them at block boundaries, under dense and sparse (0) retention: pagedkv's hybrid manager
+    against vLLM's ``MambaManager`` call by call (prefix hits on single state blocks after
+    null padding, hits deferred on states cached this step, per-step state blocks freed two
+    steps on, checkpoints, preemption, deferred frees, evictions, KV events)."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    layouts = sorted(MAMBA_ALIGN_LAYOUTS)
+    Driver(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=(4, 8, 16)[seed % 3],
+        caching=True,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        max_model_len=(4096, 256)[seed % 4 == 3],
+        layout=layouts[seed // 3 % len(layouts)],
+        retention=(None, 0)[seed // 9 % 2],
     ).run(300)
 
 

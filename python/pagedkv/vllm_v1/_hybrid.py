@@ -52,6 +52,19 @@ class HybridBlockView(BlockView):
         return h + group.to_bytes(4, "big")
 
 
+def checkpoint_alignments(kv_cache_config: Any) -> List[int]:
+    """Each group's prefill checkpoint alignment as the native manager takes it: a Mamba
+    spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0 (no
+    checkpoint: vLLM's ``has_prefill_checkpoint_blocks`` false or the alignment ``None``)."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = getattr(spec, "num_prefill_checkpoint_blocks", 0)
+        alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+        out.append(int(alignment) if blocks > 0 and alignment else 0)
+    return out
+
+
 def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
     """The native description of each group: ``(kind, block_size, size, layout)``, ``size``
     the window, the chunk or a Mamba group's ``num_speculative_blocks``; ``layout`` numbers
@@ -75,7 +88,8 @@ def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             out.append(("chunked_local", spec.block_size, spec.attention_chunk_size, layout))
         elif isinstance(spec, MambaSpec):
-            out.append(("mamba", spec.block_size, spec.num_speculative_blocks, layout))
+            kind = "mamba_align" if spec.mamba_cache_mode == "align" else "mamba"
+            out.append((kind, spec.block_size, spec.num_speculative_blocks, layout))
         else:
             out.append(("full", spec.block_size, 0, layout))
     return out
@@ -174,7 +188,13 @@ class _CoordinatorView:
             raise InvalidArgumentError("encoder tokens are outside pagedkv's hybrid manager")
         ids = [[b.block_id for b in g] for g in new_computed_blocks]
         return self._manager._native.num_blocks_to_allocate(
-            request_id, num_tokens, ids, total_computed_tokens, apply_admission_cap
+            request_id,
+            num_tokens,
+            ids,
+            total_computed_tokens,
+            apply_admission_cap,
+            num_tokens_main_model,
+            prefill_end,
         )
 
 
@@ -225,6 +245,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             use_eagle=bool(self.use_eagle),
             eagle_groups=[_eagle_flag(g) for g in groups],
             zero_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
+            checkpoint_alignments=checkpoint_alignments(kv_cache_config),
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # vLLM clips to the computed tokens only the attention groups' tables.
@@ -448,7 +469,9 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         return []
 
     def new_step_starts(self) -> None:
-        """Nothing per step for these kinds."""
+        """vLLM's: a Mamba "align" group forgets the states it cached during the last step
+        (a hit on one defers its request a step); nothing for the other kinds."""
+        self._native.new_step_starts()
 
     # --- KV events ---------------------------------------------------------------------------
     def _drain_events(self, request: Any = None) -> None:

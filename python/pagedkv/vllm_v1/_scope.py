@@ -106,8 +106,9 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
                 f"a hybrid KV cache group needs vLLM's {name}; pagedkv's hybrid manager "
                 "handles full, sliding-window and chunked local attention and Mamba"
             )
-        if cls is MambaManager and (caching or spec.mamba_cache_mode != "none"):
-            return _reason(True, 'Mamba with prefix caching (mamba_cache_mode "align")')
+        reason = _mamba_reason(spec, caching, hbs, eagle) if cls is MambaManager else None
+        if reason:
+            return reason
         bs = spec.block_size
         if not hbs or not sbs or sbs % bs or (caching and bs % hbs):
             return _reason(True, f"a group block size {bs} (hash block {hbs}, scheduler {sbs})")
@@ -126,6 +127,25 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
     return _common_reason(kv_cache_config, args, mamba_zeroing=MambaManager in kinds)
+
+
+def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[str]:
+    """What a Mamba group needs beyond the other kinds: mode "none" with prefix caching off,
+    or mode "align" with it on, its block at the hash block size (no fine-grained partial hits,
+    whose copy-on-write tails pagedkv does not mirror) and no EAGLE/MTP drop (align mode's
+    checkpoints then follow EAGLE's replay boundary)."""
+    mode = spec.mamba_cache_mode
+    if mode not in ("none", "align") or (mode == "align") != caching:
+        return _reason(True, f'Mamba mamba_cache_mode "{mode}" with prefix caching {caching}')
+    if mode == "align" and spec.block_size != hbs:
+        return _reason(
+            True,
+            'Mamba "align" blocks larger than the hash block (fine-grained partial hits with '
+            "copy-on-write)",
+        )
+    if mode == "align" and eagle:
+        return _reason(True, 'EAGLE/MTP with Mamba "align" (checkpoints at its replay boundary)')
+    return None
 
 
 def _group_reason(group: Any) -> Optional[str]:
