@@ -135,8 +135,15 @@ def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[s
     whose copy-on-write tails pagedkv does not mirror) and no EAGLE/MTP drop (align mode's
     checkpoints then follow EAGLE's replay boundary)."""
     mode = spec.mamba_cache_mode
-    if mode not in ("none", "align") or (mode == "align") != caching:
-        return _reason(True, f'Mamba mamba_cache_mode "{mode}" with prefix caching {caching}')
+    if mode not in ("none", "align"):
+        return _reason(True, f'Mamba mamba_cache_mode "{mode}"')
+    if (mode == "align") != caching:
+        with_caching = "with" if caching else "without"
+        return _reason(
+            True,
+            f'Mamba mamba_cache_mode "{mode}" {with_caching} prefix caching (vLLM pairs '
+            '"align" with prefix caching, "none" without)',
+        )
     if mode == "align" and spec.block_size != hbs:
         return _reason(
             True,
