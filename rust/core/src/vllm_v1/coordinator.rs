@@ -528,6 +528,16 @@ impl Hybrid {
                 self.cfg.max_model_len
             )));
         }
+        // A Mamba align group sizes its table by the main-model tokens, uncapped (vLLM's
+        // scheduler keeps them within max_model_len): bound them so a table stays bounded.
+        let main = local.saturating_add(a.num_new_tokens);
+        if main > self.cfg.max_model_len && self.managers.iter().any(|m| m.is_mamba_align()) {
+            return Err(Error::invalid(format!(
+                "{main} tokens pass max_model_len {} (a Mamba align group sizes its states by \
+                 them)",
+                self.cfg.max_model_len
+            )));
+        }
         match a.new_computed {
             Some(nc) => self.check_hit(req, a.num_new_computed_tokens, nc),
             None => Ok(()),
