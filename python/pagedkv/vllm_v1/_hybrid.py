@@ -1,7 +1,7 @@
 """``HybridKVCacheManager``: vLLM v1's ``KVCacheManager`` for hybrid models (several KV cache
 groups, each full attention, sliding window, chunked local attention or Mamba in
-``mamba_cache_mode`` "none") on pagedkv's native coordinator (``_native.V1Hybrid``, the core's
-``coordinator::Hybrid``).
+``mamba_cache_mode`` "none" or "align") on pagedkv's native coordinator
+(``_native.V1Hybrid``, the core's ``coordinator::Hybrid``).
 
 :class:`pagedkv.vllm_v1.KVCacheManager` returns one when the configuration has two or more
 groups in scope (:func:`pagedkv.vllm_v1._scope.out_of_scope`). What the scheduler, connectors
@@ -13,8 +13,11 @@ and unreachable ones skipped), prefix-cache stats. Sliding windows cache what th
 ``prefix_cache_retention_interval`` keeps (dense ``None``; ``0``, vLLM's engine default: the
 tails at the request's replay boundary and shared-prefix junction; positive: those and one per
 interval), reading ``request.num_prompt_tokens`` and ``request.shared_prefix_boundary`` at
-each caching call. With Mamba layers (prefix caching off) the attention groups' new blocks
-are recorded for zeroing and drained by :meth:`HybridKVCacheManager.take_new_block_ids` into
+each caching call. A Mamba "align" group (prefix caching on) counts, allocates and caches its
+per-step state blocks as vLLM's ``MambaManager`` does, and
+:meth:`HybridKVCacheManager.new_step_starts` clears the states it cached this step. With Mamba
+layers the attention groups' new blocks are recorded for zeroing and drained by
+:meth:`HybridKVCacheManager.take_new_block_ids` into
 the step's ``new_block_ids_to_zero``, as vLLM's managers do.
 
 Invariants: each method crosses into Rust once (plus one call to drain events when events

@@ -48,10 +48,15 @@
 //!
 //! Mamba groups (mode "none": prefix caching off, so this is vLLM's
 //! `KVCacheCoordinatorNoPrefixCache`) are a group kind ([`super::mamba`]); with them the
-//! attention groups record their new blocks for zeroing ([`Hybrid::with_zeroing`]).
+//! attention groups record their new blocks for zeroing ([`Hybrid::with_zeroing`]). Mamba
+//! groups in mode "align" (prefix caching on) are another ([`super::mamba_align`]): their
+//! counts read the main-model tokens and the prefill end (passed only under retention 0, as
+//! vLLM's coordinator passes it), may be negative or defer the request, and record the
+//! chunk's checkpoint; [`Hybrid::new_step_starts`] clears what they cached this step.
 //!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
-//! a chunked local group, Mamba "align" mode (prefix caching with Mamba), the unitary
+//! a chunked local group, Mamba "align" with blocks larger than the hash block (fine-grained
+//! hits) or with EAGLE, the unitary
 //! coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!

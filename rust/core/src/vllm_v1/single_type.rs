@@ -24,20 +24,22 @@
 //! `pagedkv.vllm_v1`'s scope does for the single group): no `extra_retained_tokens` (multi-
 //! module MTP), EAGLE never with chunked local attention (vLLM asserts), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
-//! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
+//! a Mamba "align" group with blocks larger than the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
 //! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
 //! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
 //! refuses rather than mirror half of (the lookup, [`find_longest_cache_hit`], reads such
 //! groups' hashes correctly; the caching would not match). Other kinds may use any multiple
-//! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`], their rules in
-//! [`super::mamba`] (mode "none" only: no prefix caching; its "align"-mode checkpoints,
-//! interior nulling, speculative-block relocation and fine-grained hits are not mirrored).
+//! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`] (mode "none",
+//! no prefix caching), rules in [`super::mamba`], or [`AttentionKind::MambaAlign`] (mode
+//! "align", at the hash block size), rules in [`super::mamba_align`], its per-request
+//! bookkeeping kept beside the table ([`ReqBlocks`]).
 //! Without prefix caching no hash is read, so the hash block size constrains no group.
 //!
 //! Invariants (per group): a request's table holds its blocks in token order; null blocks
-//! ([`NULL_BLOCK`]) only form a prefix of it (the skipped part); `num_cached`, once set, counts
+//! ([`NULL_BLOCK`]) only form a prefix of it (the skipped part), except in a Mamba align
+//! group's (retired and unwritten states are null anywhere); `num_cached`, once set, counts
 //! the table's leading blocks that are cached or skipped (vLLM's `num_cached_block`; `None`
 //! while the request is not tracked, which is what makes a first allocation count prefix
 //! hits). Every non-null block in a table holds one reference for it.

@@ -1,5 +1,5 @@
 //! `V1Hybrid`: vLLM v1's KV cache manager for several KV cache groups (hybrid models: full
-//! attention, sliding window, chunked local attention), over the core's
+//! attention, sliding window, chunked local attention, Mamba in mode "none" or "align"), over the core's
 //! [`pagedkv_core::vllm_v1::coordinator::Hybrid`], for `pagedkv.vllm_v1._hybrid`. Requests are
 //! named by their `request_id`; the Python caller reads the request's fields and passes them
 //! (one crossing per call, never per block); block hashes are read in place from
