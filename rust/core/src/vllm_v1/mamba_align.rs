@@ -15,7 +15,7 @@
 //! Rules mirrored (0.32 and 0.33 agree except where said):
 //! * the lookup scans the group's hashes right to left and takes the first block cached in
 //!   every group of the spec whose end is a multiple of the hit alignment: the hit is that one
-//!   block, after `i` null blocks ([`HitSearch::mamba_align`]);
+//!   block, after `i` null blocks (`HitSearch::mamba_align`);
 //! * counting ([`AlignRules::count`]) ignores lookahead (draft) slots: `cdiv(main, block) +
 //!   num_speculative_blocks` blocks are required, minus the table and the hit; a positive
 //!   count is capped at one running-state block, plus one prefill checkpoint block when this
@@ -37,7 +37,7 @@
 //!   remembers the previous running state (`last_state_block_idx`), which
 //!   [`AlignRules::remove_skipped`] frees two steps on; the skipped prefix is freed past the
 //!   retired mark (`_num_retired_blocks`), null gaps stepped over;
-//! * caching ([`AlignRules::cache_tail`]) caches the full blocks (nulls skipped, sparse
+//! * caching ([`AlignGroup::cache_tail`]) caches the full blocks (nulls skipped, sparse
 //!   retention's mask with one block per boundary) and then the prompt's tail: the checkpoint
 //!   block at its position (or, when no boundary keeps it, its hash dropped), or the block
 //!   ending on the prompt's last hash boundary; 0.33 leaves a block already keyed there alone,

@@ -34,7 +34,7 @@
 //! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`] (mode "none",
 //! no prefix caching), rules in [`super::mamba`], or [`AttentionKind::MambaAlign`] (mode
 //! "align", at the hash block size), rules in [`super::mamba_align`], its per-request
-//! bookkeeping kept beside the table ([`ReqBlocks`]).
+//! bookkeeping kept beside the table (`ReqBlocks`).
 //! Without prefix caching no hash is read, so the hash block size constrains no group.
 //!
 //! Invariants (per group): a request's table holds its blocks in token order; null blocks
