@@ -99,8 +99,12 @@ def test_mamba_align_random_calls_match_vllm(seed: int, monkeypatch: pytest.Monk
     null padding, hits deferred on states cached this step, per-step state blocks freed two
     steps on, checkpoints, preemption, deferred frees, evictions, KV events)."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    align_driver(seed).run(300)
+
+
+def align_driver(seed: int) -> Driver:
     layouts = sorted(MAMBA_ALIGN_LAYOUTS)
-    Driver(
+    return Driver(
         seed=seed,
         num_blocks=12 + seed % 50,
         block_size=(4, 8, 16)[seed % 3],
@@ -111,7 +115,34 @@ def test_mamba_align_random_calls_match_vllm(seed: int, monkeypatch: pytest.Monk
         max_model_len=(4096, 256)[seed % 4 == 3],
         layout=layouts[seed // 3 % len(layouts)],
         retention=(None, 0)[seed // 9 % 2],
-    ).run(300)
+    )
+
+
+def test_a_planted_step_deferral_difference_is_caught() -> None:
+    """pagedkv's manager never told a new step started (its states cached in earlier steps
+    keep deferring hits on them): the call-by-call comparison fails."""
+    failures = 0
+    for seed in range(12):
+        d = align_driver(seed)
+        d.ours = _MissesNewSteps(d.ours)
+        try:
+            d.run(300)
+        except AssertionError:
+            failures += 1
+    assert failures >= 3, failures
+
+
+class _MissesNewSteps:
+    """pagedkv's manager, ``new_step_starts`` a no-op."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+    def new_step_starts(self) -> None:
+        pass
 
 
 def test_hybrid_seeds_run_every_retention_on_every_layout() -> None:
