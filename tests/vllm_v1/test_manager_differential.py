@@ -94,10 +94,10 @@ def test_mamba_align_random_calls_match_vllm(seed: int, monkeypatch: pytest.Monk
     """Granite-4-, Nemotron-H- and Qwen3-Next-like layouts in ``mamba_cache_mode`` "align"
     (prefix caching on, the Mamba block at the attention block, with and without prefill
     checkpoint blocks and speculative state blocks), prefills split as vLLM's scheduler splits
-    them at block boundaries, under dense and sparse (0) retention: pagedkv's hybrid manager
-    against vLLM's ``MambaManager`` call by call (prefix hits on single state blocks after
-    null padding, hits deferred on states cached this step, per-step state blocks freed two
-    steps on, checkpoints, preemption, deferred frees, evictions, KV events)."""
+    them at block boundaries, under dense, sparse (0) and periodic retention: pagedkv's hybrid
+    manager against vLLM's ``MambaManager`` call by call (prefix hits on single state blocks
+    after null padding, hits deferred on states cached this step, running states retired as
+    the request passes them, checkpoints, preemption, deferred frees, evictions, KV events)."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
     align_driver(seed).run(300)
 
@@ -114,7 +114,9 @@ def align_driver(seed: int) -> Driver:
         watermark=(0.0, 0.0, 0.1)[seed % 3],
         max_model_len=(4096, 256)[seed % 4 == 3],
         layout=layouts[seed // 3 % len(layouts)],
-        retention=(None, 0)[seed // 9 % 2],
+        # Dense, vLLM's engine default (0: the replay boundary's and junction's states) and
+        # periodic (one state per three blocks).
+        retention=(None, 0, 3 * (4, 8, 16)[seed % 3])[seed // 8 % 3],
     )
 
 
