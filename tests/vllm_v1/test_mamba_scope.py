@@ -20,7 +20,7 @@ from manager_driver import (
 )
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
 from pagedkv import _native
@@ -160,3 +160,24 @@ def test_the_length_cap_counts_attention_blocks_not_the_hash_block() -> None:
     ours = _pair("granite4")[1]
     assert ours.hash_block_size == MAX_LEN
     assert pool_tokens(ours) == 31 * 4
+
+
+def test_a_short_mamba_hit_truncates_as_vllms() -> None:
+    """``truncate_computed_blocks`` keeps what a Mamba group's hit has when the endpoint lies
+    past it (vLLM's rule, for a connector's deeper endpoint); an attention group's must reach
+    it."""
+    kw = args("granite4-align", caching=True)
+    theirs = VLLMManager(kv_cache_config(64, 4, "granite4-align", None, MAX_LEN), **kw)
+    cfg = kv_cache_config(64, 4, "granite4-align", None, MAX_LEN)
+    ours = KVCacheManager(cfg, **kw)
+    mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.kv_cache_groups]
+    ids = [
+        [0, 10 * i + 5] if m else [10 * i + 1, 10 * i + 2, 10 * i + 3] for i, m in enumerate(mamba)
+    ]
+    pool = theirs.block_pool.blocks
+    vllm_hit = theirs.create_kv_cache_blocks(tuple([pool[b] for b in g] for g in ids))
+    want = theirs.truncate_computed_blocks(vllm_hit, 12).get_block_ids()
+    assert ours.truncate_computed_blocks(ours._wrap(ids), 12).get_block_ids() == want
+    short = [g[:2] for g in ids]
+    with pytest.raises(InvalidArgumentError):
+        ours.truncate_computed_blocks(ours._wrap(short), 12)

@@ -442,10 +442,13 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             self._drain_events(request)
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        """vLLM's: each group's hit cut at ``num_computed_tokens`` (block-aligned); a Mamba
+        group's may be shorter (vLLM keeps what it has), an attention group's may not."""
         groups = self._computed_ids(blocks) or [[] for _ in self._group_block_sizes]
         out = []
-        for g, bs in zip(groups, self._group_block_sizes):
-            if num_computed_tokens % bs or num_computed_tokens // bs > len(g):
+        for g, bs, attention in zip(groups, self._group_block_sizes, self._clipped):
+            too_short = attention and num_computed_tokens // bs > len(g)
+            if num_computed_tokens % bs or too_short:
                 raise InvalidArgumentError(
                     f"cannot truncate a hit to {num_computed_tokens} tokens at block size {bs}"
                 )
