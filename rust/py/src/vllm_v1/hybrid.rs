@@ -276,7 +276,9 @@ impl PyV1Hybrid {
     /// records the chunk's checkpoint (uncapped counts), as vLLM does.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, num_tokens, new_computed, total_computed_tokens,
-        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=SatCount(0)))]
+        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=SatCount(0)),
+        text_signature = "($self, request_id, num_tokens, new_computed, total_computed_tokens, \
+        apply_admission_cap=False, num_tokens_main_model=None, prefill_end=0)")]
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
