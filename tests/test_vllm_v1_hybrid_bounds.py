@@ -145,12 +145,11 @@ def entry_cases(h: Any) -> List[Tuple[str, Callable[[], Any]]]:
     return cases
 
 
-def test_every_entry_refuses_out_of_range_values_unchanged() -> None:
-    """A refusal is a pagedkv error (never a panic or a bare builtin) and changes nothing; a
-    call that is accepted (vLLM accepts some: a saturated count) keeps the invariants."""
+def refusal_problems(make: Callable[[], Any], extra: Callable[[Any], List[Any]]) -> List[str]:
+    """Run every entry case (and ``extra``'s) on a manager from ``make``: what went wrong."""
     problems = []
-    h = with_a_cached_request()
-    for name, call in entry_cases(h):
+    h = make()
+    for name, call in entry_cases(h) + extra(h):
         before = state(h)
         try:
             call()
@@ -161,7 +160,51 @@ def test_every_entry_refuses_out_of_range_values_unchanged() -> None:
             problems.append(f"{name}: {type(e).__module__}.{type(e).__name__}: {e}")
         else:
             h.check()
-            h = with_a_cached_request()  # an accepted call may change state: start afresh
+            h = make()  # an accepted call may change state: start afresh
+    return problems
+
+
+def test_every_entry_refuses_out_of_range_values_unchanged() -> None:
+    """A refusal is a pagedkv error (never a panic or a bare builtin) and changes nothing; a
+    call that is accepted (vLLM accepts some: a saturated count) keeps the invariants."""
+    problems = refusal_problems(with_a_cached_request, lambda h: [])
+    assert not problems, "\n".join(problems)
+
+
+#: Full attention beside a Mamba group in "align" mode with prefill checkpoints (alignment 1).
+ALIGN_GROUPS = [("full", 4, 0, 0), ("mamba_align", 4, 0, 1)]
+
+
+def with_an_align_request() -> Any:
+    """Request ``a`` (12 tokens) prefilled: blocks 1-3 (full); null, the checkpoint 4 (the
+    state at 8) and the running state 5 (Mamba)."""
+    h = hybrid(groups=ALIGN_GROUPS, checkpoint_alignments=[0, 1])
+    assert alloc(h, "a", 12) == [[1, 2, 3], [0, 4, 5]]
+    h.take_events()
+    return h
+
+
+def align_cases(h: Any) -> List[Tuple[str, Callable[[], Any]]]:
+    """The align-only arguments out of range (and a step boundary, always accepted)."""
+    cases: List[Tuple[str, Callable[[], Any]]] = [("new_step_starts()", h.new_step_starts)]
+    for v in (-1, -(2**64), "x"):
+        cases += [
+            (
+                f"num_blocks_to_allocate(main={v!r})",
+                lambda v=v: h.num_blocks_to_allocate("b", 8, None, 4, False, v),
+            ),
+            (
+                f"num_blocks_to_allocate(prefill_end={v!r})",
+                lambda v=v: h.num_blocks_to_allocate("b", 8, None, 4, False, 8, v),
+            ),
+        ]
+    return cases
+
+
+def test_an_align_manager_refuses_out_of_range_values_unchanged() -> None:
+    """The same over a Mamba "align" group (inner null blocks in its tables), with its own
+    arguments too."""
+    problems = refusal_problems(with_an_align_request, align_cases)
     assert not problems, "\n".join(problems)
 
 
@@ -176,7 +219,13 @@ def test_every_entry_refuses_out_of_range_values_unchanged() -> None:
     + [{"hash_block_size": v} for v in (0, 3, *BAD_COUNTS)]
     + [{"scheduler_block_size": v} for v in (0, 3, *BAD_COUNTS)]
     + [{"release": r} for r in ("0.31", "", "v0.33")]
-    + [{"prefix_cache_retention_interval": v} for v in (-1, 3, 2**64)],
+    + [{"prefix_cache_retention_interval": v} for v in (-1, 3, 2**64)]
+    + [{"groups": ALIGN_GROUPS, "checkpoint_alignments": c} for c in ([1], [0, -1], [0, 2**40])]
+    + [
+        {"groups": ALIGN_GROUPS, "enable_caching": False},
+        {"groups": ALIGN_GROUPS, "use_eagle": True},
+    ]
+    + [{"groups": [("full", 4, 0, 0), ("mamba_align", 8, 0, 1)], "scheduler_block_size": 8}],
     ids=repr,
 )
 def test_bad_construction_is_a_pagedkv_error(over: dict) -> None:

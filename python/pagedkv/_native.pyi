@@ -624,7 +624,7 @@ class V1Manager:
 @final
 class V1Hybrid:
     """vLLM v1's KV cache manager for several KV cache groups (full, sliding-window, chunked
-    local attention, Mamba in ``mamba_cache_mode`` "none") over one pool
+    local attention, Mamba in ``mamba_cache_mode`` "none" or "align") over one pool
     (``pagedkv.vllm_v1._hybrid`` wraps it). Block ids come per group, in vLLM's group order;
     block 0 is the null block. A failed call changes nothing; one call at a time
     (``InUseError``)."""
@@ -645,18 +645,22 @@ class V1Hybrid:
         use_eagle: bool = False,
         eagle_groups: Optional[Sequence[bool]] = None,
         zero_new_blocks: bool = False,
+        checkpoint_alignments: Optional[Sequence[int]] = None,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, size, layout)`` per group, kind ``"full"``,
-        ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk) or
-        ``"mamba"`` (its ``num_speculative_blocks``; prefix caching must be off: "align" mode
-        is not mirrored); ``release``: ``"0.32"`` or ``"0.33"``;
+        ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk),
+        ``"mamba"`` (mode "none", prefix caching off; ``size``: its ``num_speculative_blocks``)
+        or ``"mamba_align"`` (mode "align", prefix caching on, its block the hash block;
+        likewise); ``release``: ``"0.32"`` or ``"0.33"``;
         ``prefix_cache_retention_interval``: vLLM's (``None`` dense, ``0`` replay boundaries and
         junctions only, a positive multiple of ``scheduler_block_size`` those and one tail per
         interval; ``InvalidArgumentError`` as vLLM's ``ValueError`` otherwise); ``use_eagle``:
         the manager's (EAGLE/MTP), ``eagle_groups``: each group's ``is_eagle_group`` (``None``:
         none flagged; else one per group); ``zero_new_blocks``: vLLM's
         ``needs_kv_cache_zeroing`` (the attention groups record their new blocks,
-        :meth:`take_new_block_ids`)."""
+        :meth:`take_new_block_ids`); ``checkpoint_alignments``: per group, a Mamba align
+        spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0
+        (``None``: all 0)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:
@@ -691,8 +695,15 @@ class V1Hybrid:
         new_computed: Optional[Sequence[Sequence[int]]],
         total_computed_tokens: int,
         apply_admission_cap: bool = False,
+        num_tokens_main_model: Optional[int] = None,
+        prefill_end: int = 0,
     ) -> int:
-        """vLLM's ``get_num_blocks_to_allocate``, summed over groups."""
+        """vLLM's ``get_num_blocks_to_allocate``, summed over groups (a Mamba align group's
+        count reads ``num_tokens_main_model``, default ``num_tokens``, and ``prefill_end``, may
+        be negative, is ``num_blocks + 1`` to defer a hit on a state cached this step, and
+        records the chunk's checkpoint unless ``apply_admission_cap``)."""
+    def new_step_starts(self) -> None:
+        """vLLM's: Mamba align groups forget the states they cached during the last step."""
     def remove_skipped_blocks(self, request_id: str, processed: int) -> None:
         """Blocks that left a window or chunk become the null block (freed)."""
     def cache_blocks(

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import random
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -81,20 +82,47 @@ MAMBA_LAYOUTS = {
 }
 
 
+#: Mamba hybrids in ``mamba_cache_mode`` "align" (prefix caching on, as vLLM's model config
+#: forces it for them): the per-layer kinds, ``num_speculative_blocks`` and the prefill
+#: checkpoint alignment (0: no checkpoint blocks; Mamba2 layers declare one block at alignment
+#: 1). The Mamba block is the attention block, as vLLM's config aligns them.
+MAMBA_ALIGN_LAYOUTS = {
+    # Granite 4: mostly Mamba layers, every fourth one full attention, no checkpoints.
+    "granite4-align": (["mamba"] * 3 + ["full"], 0, 0),
+    # Nemotron-H (Mamba2): a prefill checkpoint block per chunk that reaches the prefill end.
+    "nemotron-h-align": (["mamba", "full", "mamba", "mamba"], 0, 1),
+    # Two speculative state blocks per request (MTP-style drafts), with checkpoints.
+    "qwen3-next-align-spec": (["mamba"] * 3 + ["full"], 2, 1),
+}
+
+
 def scheduler_scale(layout: str) -> int:
     return max((k[1] for k in MIXED_LAYOUTS.get(layout, ())), default=1)
 
 
-def mamba_spec(block_size: int, attention: Any, num_speculative_blocks: int = 0) -> MambaSpec:
-    """A Mamba layer's spec in mode "none", its page padded to the attention layers' (as
-    vLLM's page-size unification pads it, so that vLLM's grouping accepts the layers)."""
+def mamba_spec(
+    block_size: int,
+    attention: Any,
+    num_speculative_blocks: int = 0,
+    mode: str = "none",
+    checkpoint_alignment: int = 0,
+) -> MambaSpec:
+    """A Mamba layer's spec in ``mode``, its page padded to the attention layers' (as vLLM's
+    page-size unification pads it, so that vLLM's grouping accepts the layers); a positive
+    ``checkpoint_alignment`` gives it one prefill checkpoint block at that alignment."""
+    checkpoint = (
+        dict(num_prefill_checkpoint_blocks=1, prefill_checkpoint_alignment=checkpoint_alignment)
+        if checkpoint_alignment
+        else {}
+    )
     return MambaSpec(
         block_size=block_size,
         shapes=((2,),),
         dtypes=(torch.float32,),
         page_size_padded=attention.page_size_bytes,
-        mamba_cache_mode="none",
+        mamba_cache_mode=mode,
         num_speculative_blocks=num_speculative_blocks,
+        **checkpoint,
     )
 
 
@@ -102,7 +130,7 @@ def block_sizes(layout: str, block_size: int, max_model_len: int) -> tuple:
     """``(scheduler_block_size, hash_block_size)`` as vLLM resolves them for the layout: the
     least common multiple of the group block sizes; without prefix caching (every Mamba
     layout) the hash block size is the scheduler block size."""
-    if layout in MAMBA_LAYOUTS:
+    if layout in MAMBA_LAYOUTS or layout in MAMBA_ALIGN_LAYOUTS:
         sizes = [
             g.kv_cache_spec.block_size for g in hybrid_groups(layout, block_size, max_model_len)
         ]
@@ -114,7 +142,7 @@ def block_sizes(layout: str, block_size: int, max_model_len: int) -> tuple:
 def has_window(layout: str) -> bool:
     """Whether the layout has a sliding-window group (what retention applies to)."""
     kinds = HYBRID_LAYOUTS.get(layout) or [k for k, _ in MIXED_LAYOUTS.get(layout, ())]
-    if layout in MAMBA_LAYOUTS:
+    if layout in MAMBA_LAYOUTS or layout in MAMBA_ALIGN_LAYOUTS:
         return False
     return any(k != "full" and k[0] == "swa" for k in kinds)
 
@@ -142,6 +170,12 @@ def hybrid_groups(
         attention = layer_spec("full", block_size)
         mbs = max_model_len if mamba_blocks is None else mamba_blocks * block_size
         mamba = mamba_spec(mbs, attention, spec_blocks)
+        layers = {f"layer.{i}": mamba if k == "mamba" else attention for i, k in enumerate(kinds)}
+        return driver.kv_cache_groups(layers)
+    if layout in MAMBA_ALIGN_LAYOUTS:
+        kinds, spec_blocks, checkpoint = MAMBA_ALIGN_LAYOUTS[layout]
+        attention = layer_spec("full", block_size)
+        mamba = mamba_spec(block_size, attention, spec_blocks, "align", checkpoint)
         layers = {f"layer.{i}": mamba if k == "mamba" else attention for i, k in enumerate(kinds)}
         return driver.kv_cache_groups(layers)
     if layout in MIXED_LAYOUTS:
@@ -206,6 +240,28 @@ def manager_pair(
     return VLLMManager(theirs, **args), ours
 
 
+def mamba_splitter(layout: str, block_size: int) -> Any:
+    """For a Mamba "align" layout, what vLLM's scheduler reads when it splits a prefill at
+    block boundaries (``need_mamba_block_aligned_split``), for its own split method; else
+    ``None``."""
+    if layout not in MAMBA_ALIGN_LAYOUTS:
+        return None
+    checkpoint = MAMBA_ALIGN_LAYOUTS[layout][2]
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(block_size=block_size),
+        block_size=block_size,
+        hash_block_size=block_size,
+        mamba_partial_cache_hit=False,
+        use_eagle_block_drop=False,
+        num_hash_lookahead_tokens=0,
+        mamba_has_prefill_checkpoint_blocks=checkpoint > 0,
+        mamba_prefill_checkpoint_alignment=checkpoint or None,
+        max_num_scheduled_tokens=8192,
+        scheduler_config=SimpleNamespace(long_prefill_token_threshold=0),
+        mamba_shared_prefix_checkpoint=False,
+    )
+
+
 def event_repr(e: Any) -> tuple:
     fields = getattr(type(e), "__struct_fields__", ())
     return (
@@ -262,6 +318,7 @@ class Driver:
             watermark=self.watermark,
             max_model_len=self.max_model_len,
         )
+        self.splitter = mamba_splitter(self.layout, self.block_size)
         self.prefixes = [
             [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 4 * self.block_size))]
             for _ in range(3)
@@ -315,6 +372,7 @@ class Driver:
             assert a.get_block_ids() == b.get_block_ids(), "truncated hits differ"
         remaining = req.num_tokens - req.num_computed_tokens - n_a
         chunk = max(1, min(remaining, self.rng.choice([remaining, self.block_size, 7, 1])))
+        chunk = self.split(req, chunk, remaining, n_a)
         kw = dict(
             num_new_computed_tokens=n_a,
             num_lookahead_tokens=self.rng.choice([0, 0, 2]),
@@ -344,6 +402,7 @@ class Driver:
             req.append_output_token_ids(self.rng.randrange(50))
             remaining = 1
         n = min(remaining, self.rng.choice([remaining, self.block_size, 1]))
+        n = self.split(req, n, remaining)
         look = self.rng.choice([0, 0, 1, 3])
         a, b = self.both("allocate_slots", req, n, num_lookahead_tokens=look)
         self.same_result(a, b)
@@ -351,6 +410,17 @@ class Driver:
             self.preempt(req)
         else:
             req.num_computed_tokens += n
+
+    def split(self, req: Request, n: int, remaining: int, hit: int = 0) -> int:
+        """Mamba "align" layouts: the chunk vLLM's scheduler makes of ``n`` new tokens
+        (its own ``_mamba_block_aligned_split``); one it would put off (0 tokens) becomes the
+        split of the whole rest."""
+        if self.splitter is None:
+            return n
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        split = Scheduler._mamba_block_aligned_split
+        return split(self.splitter, req, n, hit) or split(self.splitter, req, remaining, hit)
 
     def preempt(self, req: Request) -> None:
         self.both("free", req)
@@ -430,6 +500,9 @@ class Driver:
         assert self.vllm.block_pool.get_num_free_blocks() == self.num_blocks - 1
 
     def one_op(self) -> None:
+        if self.splitter is not None and self.rng.random() < 0.4:
+            # A new scheduler step: Mamba forgets the states it cached during the last one.
+            self.both("new_step_starts")
         r = self.rng.random()
         if r < 0.3 or not self.live:
             if self.waiting and self.rng.random() < 0.5:

@@ -15,7 +15,13 @@ from typing import Optional
 
 import pytest
 import v1_harness as h
-from manager_driver import HYBRID_LAYOUTS, MAMBA_LAYOUTS, RETENTIONS, retention_interval
+from manager_driver import (
+    HYBRID_LAYOUTS,
+    MAMBA_ALIGN_LAYOUTS,
+    MAMBA_LAYOUTS,
+    RETENTIONS,
+    retention_interval,
+)
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
 # Not imported as `Scheduler`: this module (where the planted managers live) would be taken for
@@ -271,6 +277,23 @@ def test_lockstep_mamba_hybrid(seed: int, tiny_model_dir: Path, manager_cls: typ
     )
     assert stats["steps"] > 0
     assert_native_loop(stats, manager_cls, held=seed % 4 == 3)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_lockstep_mamba_align_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    """Mamba hybrids with prefix caching (``mamba_cache_mode`` "align": Granite-4-,
+    Nemotron-H- and Qwen3-Next-like layouts, with and without prefill checkpoints and
+    speculative state blocks): vLLM's scheduler, splitting prefills at block boundaries, over
+    pagedkv's hybrid manager matched with vLLM's scheduler over vLLM's ``MambaManager`` at every
+    step (prefix hits, preemption, chunked prefill, aborts, drafts, KV events, the blocks to
+    zero, sync and async), under dense and sparse retention. The loop is vLLM's: the native
+    loop does not split prefills at block boundaries."""
+    layouts = sorted(MAMBA_ALIGN_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    stats = h.run_seed(
+        seed, tiny_model_dir, manager_cls, layout=layout, retention=(None, 0)[seed // 3 % 2]
+    )
+    assert stats["steps"] > 0
 
 
 @pytest.mark.parametrize("layout", sorted(MAMBA_LAYOUTS))

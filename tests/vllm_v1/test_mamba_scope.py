@@ -1,6 +1,7 @@
 """Mamba hybrid groups in pagedkv's hybrid manager: what the scope accepts (``mamba_cache_mode``
-"none", prefix caching off) and why it refuses the rest ("align", zeroing for mixed
-precision), the calls vLLM's scheduler makes that treat Mamba groups apart, and bad input:
+"none" with prefix caching off, "align" with it on at the hash block size) and why it refuses
+the rest (modes against the caching flag, align's fine-grained hits, EAGLE with align, zeroing
+for mixed precision), the calls vLLM's scheduler makes that treat Mamba groups apart, and bad input:
 pagedkv exceptions, nothing changed."""
 
 from __future__ import annotations
@@ -9,10 +10,17 @@ import dataclasses
 
 import pytest
 import torch
-from manager_driver import MAMBA_LAYOUTS, block_sizes, kv_cache_config, layer_spec, mamba_spec
+from manager_driver import (
+    MAMBA_ALIGN_LAYOUTS,
+    MAMBA_LAYOUTS,
+    block_sizes,
+    kv_cache_config,
+    layer_spec,
+    mamba_spec,
+)
 from vllm.sampling_params import SamplingParams
 from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 from vllm.v1.request import Request
 
 from pagedkv import _native
@@ -41,18 +49,37 @@ def test_mamba_layouts_without_prefix_caching_are_in_scope(layout: str) -> None:
     assert type(KVCacheManager(cfg, **args(layout))) is HybridKVCacheManager
 
 
-def test_mamba_with_prefix_caching_names_align_mode() -> None:
-    """vLLM's model config turns prefix caching into mamba_cache_mode "align" (not
-    mirrored); a spec in "align" is refused whatever the caching flag says."""
+def test_mamba_modes_pair_with_prefix_caching_as_vllms_config_pairs_them() -> None:
+    """vLLM's model config turns prefix caching into mamba_cache_mode "align" and its absence
+    into "none": a "none" spec with caching, or an "align" spec without, is refused."""
     cfg = kv_cache_config(32, 4, "mamba-block", None, MAX_LEN)
     why = _scope.out_of_scope(cfg, **args("mamba-block", caching=True))
-    assert why is not None and "align" in why, why
+    assert why is not None and '"none" with prefix caching' in why, why
+    cfg = kv_cache_config(32, 4, "nemotron-h-align", None, MAX_LEN)
+    why = _scope.out_of_scope(cfg, **args("nemotron-h-align"))
+    assert why is not None and '"align" without prefix caching' in why, why
+
+
+@pytest.mark.parametrize("layout", sorted(MAMBA_ALIGN_LAYOUTS))
+def test_mamba_align_layouts_with_prefix_caching_are_in_scope(layout: str) -> None:
+    cfg = kv_cache_config(32, 4, layout, None, MAX_LEN)
+    assert _scope.out_of_scope(cfg, **args(layout, caching=True)) is None
+    assert type(KVCacheManager(cfg, **args(layout, caching=True))) is HybridKVCacheManager
+
+
+def test_mamba_align_outside_the_mirrored_part_keeps_vllms_manager() -> None:
+    """Align mode with Mamba blocks larger than the hash block (vLLM's fine-grained partial
+    hits, with copy-on-write tails) or with EAGLE/MTP's drop stays vLLM's."""
     full = layer_spec("full", 4)
-    aligned = dataclasses.replace(mamba_spec(4, full), mamba_cache_mode="align")
+    aligned = dataclasses.replace(mamba_spec(8, full), mamba_cache_mode="align")
     groups = [KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], aligned)]
     cfg = KVCacheConfig(num_blocks=32, kv_cache_tensors=[], kv_cache_groups=groups)
-    why = _scope.out_of_scope(cfg, **args("mamba-block"))
-    assert why is not None and "align" in why, why
+    kw = dict(max_model_len=MAX_LEN, scheduler_block_size=8, hash_block_size=4)
+    why = _scope.out_of_scope(cfg, enable_caching=True, **kw)
+    assert why is not None and "larger than the hash block" in why, why
+    cfg = kv_cache_config(32, 4, "granite4-align", None, MAX_LEN)
+    why = _scope.out_of_scope(cfg, use_eagle=True, **args("granite4-align", caching=True))
+    assert why is not None and "EAGLE" in why, why
 
 
 def test_zeroing_for_mixed_precision_stays_out_of_scope() -> None:
@@ -133,3 +160,24 @@ def test_the_length_cap_counts_attention_blocks_not_the_hash_block() -> None:
     ours = _pair("granite4")[1]
     assert ours.hash_block_size == MAX_LEN
     assert pool_tokens(ours) == 31 * 4
+
+
+def test_a_short_mamba_hit_truncates_as_vllms() -> None:
+    """``truncate_computed_blocks`` keeps what a Mamba group's hit has when the endpoint lies
+    past it (vLLM's rule, for a connector's deeper endpoint); an attention group's must reach
+    it."""
+    kw = args("granite4-align", caching=True)
+    theirs = VLLMManager(kv_cache_config(64, 4, "granite4-align", None, MAX_LEN), **kw)
+    cfg = kv_cache_config(64, 4, "granite4-align", None, MAX_LEN)
+    ours = KVCacheManager(cfg, **kw)
+    mamba = [isinstance(g.kv_cache_spec, MambaSpec) for g in cfg.kv_cache_groups]
+    ids = [
+        [0, 10 * i + 5] if m else [10 * i + 1, 10 * i + 2, 10 * i + 3] for i, m in enumerate(mamba)
+    ]
+    pool = theirs.block_pool.blocks
+    vllm_hit = theirs.create_kv_cache_blocks(tuple([pool[b] for b in g] for g in ids))
+    want = theirs.truncate_computed_blocks(vllm_hit, 12).get_block_ids()
+    assert ours.truncate_computed_blocks(ours._wrap(ids), 12).get_block_ids() == want
+    short = [g[:2] for g in ids]
+    with pytest.raises(InvalidArgumentError):
+        ours.truncate_computed_blocks(ours._wrap(short), 12)

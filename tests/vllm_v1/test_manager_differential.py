@@ -8,6 +8,7 @@ import pytest
 from manager_driver import (
     HASH_ALGOS,
     HYBRID_LAYOUTS,
+    MAMBA_ALIGN_LAYOUTS,
     MAMBA_LAYOUTS,
     MIXED_LAYOUTS,
     RETENTIONS,
@@ -86,6 +87,64 @@ def test_mamba_hybrid_random_calls_match_vllm(seed: int) -> None:
         layout=layouts[seed % len(layouts)],
         retention=(None, 0)[seed % 2],
     ).run(300)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_mamba_align_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Granite-4-, Nemotron-H- and Qwen3-Next-like layouts in ``mamba_cache_mode`` "align"
+    (prefix caching on, the Mamba block at the attention block, with and without prefill
+    checkpoint blocks and speculative state blocks), prefills split as vLLM's scheduler splits
+    them at block boundaries, under dense, sparse (0) and periodic retention: pagedkv's hybrid
+    manager against vLLM's ``MambaManager`` call by call (prefix hits on single state blocks
+    after null padding, hits deferred on states cached this step, running states retired as
+    the request passes them, checkpoints, preemption, deferred frees, evictions, KV events)."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    align_driver(seed).run(300)
+
+
+def align_driver(seed: int) -> Driver:
+    layouts = sorted(MAMBA_ALIGN_LAYOUTS)
+    return Driver(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=(4, 8, 16)[seed % 3],
+        caching=True,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        max_model_len=(4096, 256)[seed % 4 == 3],
+        layout=layouts[seed // 3 % len(layouts)],
+        # Dense, vLLM's engine default (0: the replay boundary's and junction's states) and
+        # periodic (one state per three blocks).
+        retention=(None, 0, 3 * (4, 8, 16)[seed % 3])[seed // 8 % 3],
+    )
+
+
+def test_a_planted_step_deferral_difference_is_caught() -> None:
+    """pagedkv's manager never told a new step started (its states cached in earlier steps
+    keep deferring hits on them): the call-by-call comparison fails."""
+    failures = 0
+    for seed in range(12):
+        d = align_driver(seed)
+        d.ours = _MissesNewSteps(d.ours)
+        try:
+            d.run(300)
+        except AssertionError:
+            failures += 1
+    assert failures >= 3, failures
+
+
+class _MissesNewSteps:
+    """pagedkv's manager, ``new_step_starts`` a no-op."""
+
+    def __init__(self, manager: Any) -> None:
+        self._m = manager
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._m, name)
+
+    def new_step_starts(self) -> None:
+        pass
 
 
 def test_hybrid_seeds_run_every_retention_on_every_layout() -> None:

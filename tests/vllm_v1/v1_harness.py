@@ -328,6 +328,10 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
         kv_cache_config = manager_driver.kv_cache_config(
             cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention, cfg.max_model_len
         )
+        if cfg.layout in manager_driver.MAMBA_ALIGN_LAYOUTS:
+            # What vLLM's model config sets for a Mamba hybrid with prefix caching: the
+            # scheduler then splits prefills at block boundaries.
+            vllm_config.cache_config.mamba_cache_mode = "align"
     return vllm_config, kv_cache_config
 
 
@@ -1357,19 +1361,24 @@ def with_layout(cfg: SchedConfig, layout: str, retention: Optional[int] = None) 
     the configuration gave the one group (the pool is shared: without them a long request
     would never fit and both loops would stall); ``retention``: the
     ``prefix_cache_retention_interval``. A Mamba layout (``mamba_cache_mode`` "none") turns
-    prefix caching off, as vLLM's model config does for that mode."""
+    prefix caching off, a Mamba "align" layout on, as vLLM's model config pairs them."""
     if not layout:
         return cfg
     import manager_driver
 
     extra = len(manager_driver.hybrid_groups(layout, cfg.block_size, cfg.max_model_len)) - 1
     caching = cfg.enable_caching and layout not in manager_driver.MAMBA_LAYOUTS
+    align = layout in manager_driver.MAMBA_ALIGN_LAYOUTS
+    if align:
+        # vLLM's own manager asserts when a checkpoint lands past the request's hashes, which
+        # unverified draft tokens make happen: align seeds run without drafts.
+        cfg = dataclasses.replace(cfg, num_spec_tokens=0, spec_metrics="none")
     return dataclasses.replace(
         cfg,
         layout=layout,
         num_blocks=cfg.num_blocks * (1 + extra),
         retention=retention,
-        enable_caching=caching,
+        enable_caching=caching or align,
     )
 
 

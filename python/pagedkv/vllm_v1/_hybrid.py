@@ -1,7 +1,7 @@
 """``HybridKVCacheManager``: vLLM v1's ``KVCacheManager`` for hybrid models (several KV cache
 groups, each full attention, sliding window, chunked local attention or Mamba in
-``mamba_cache_mode`` "none") on pagedkv's native coordinator (``_native.V1Hybrid``, the core's
-``coordinator::Hybrid``).
+``mamba_cache_mode`` "none" or "align") on pagedkv's native coordinator
+(``_native.V1Hybrid``, the core's ``coordinator::Hybrid``).
 
 :class:`pagedkv.vllm_v1.KVCacheManager` returns one when the configuration has two or more
 groups in scope (:func:`pagedkv.vllm_v1._scope.out_of_scope`). What the scheduler, connectors
@@ -13,8 +13,11 @@ and unreachable ones skipped), prefix-cache stats. Sliding windows cache what th
 ``prefix_cache_retention_interval`` keeps (dense ``None``; ``0``, vLLM's engine default: the
 tails at the request's replay boundary and shared-prefix junction; positive: those and one per
 interval), reading ``request.num_prompt_tokens`` and ``request.shared_prefix_boundary`` at
-each caching call. With Mamba layers (prefix caching off) the attention groups' new blocks
-are recorded for zeroing and drained by :meth:`HybridKVCacheManager.take_new_block_ids` into
+each caching call. A Mamba "align" group (prefix caching on) counts, allocates and caches its
+per-step state blocks as vLLM's ``MambaManager`` does, and
+:meth:`HybridKVCacheManager.new_step_starts` clears the states it cached this step. With Mamba
+layers the attention groups' new blocks are recorded for zeroing and drained by
+:meth:`HybridKVCacheManager.take_new_block_ids` into
 the step's ``new_block_ids_to_zero``, as vLLM's managers do.
 
 Invariants: each method crosses into Rust once (plus one call to drain events when events
@@ -52,6 +55,19 @@ class HybridBlockView(BlockView):
         return h + group.to_bytes(4, "big")
 
 
+def checkpoint_alignments(kv_cache_config: Any) -> List[int]:
+    """Each group's prefill checkpoint alignment as the native manager takes it: a Mamba
+    spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0 (no
+    checkpoint: vLLM's ``has_prefill_checkpoint_blocks`` false or the alignment ``None``)."""
+    out = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        blocks = getattr(spec, "num_prefill_checkpoint_blocks", 0)
+        alignment = getattr(spec, "prefill_checkpoint_alignment", None)
+        out.append(int(alignment) if blocks > 0 and alignment else 0)
+    return out
+
+
 def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
     """The native description of each group: ``(kind, block_size, size, layout)``, ``size``
     the window, the chunk or a Mamba group's ``num_speculative_blocks``; ``layout`` numbers
@@ -75,7 +91,8 @@ def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
         elif isinstance(spec, ChunkedLocalAttentionSpec):
             out.append(("chunked_local", spec.block_size, spec.attention_chunk_size, layout))
         elif isinstance(spec, MambaSpec):
-            out.append(("mamba", spec.block_size, spec.num_speculative_blocks, layout))
+            kind = "mamba_align" if spec.mamba_cache_mode == "align" else "mamba"
+            out.append((kind, spec.block_size, spec.num_speculative_blocks, layout))
         else:
             out.append(("full", spec.block_size, 0, layout))
     return out
@@ -174,7 +191,13 @@ class _CoordinatorView:
             raise InvalidArgumentError("encoder tokens are outside pagedkv's hybrid manager")
         ids = [[b.block_id for b in g] for g in new_computed_blocks]
         return self._manager._native.num_blocks_to_allocate(
-            request_id, num_tokens, ids, total_computed_tokens, apply_admission_cap
+            request_id,
+            num_tokens,
+            ids,
+            total_computed_tokens,
+            apply_admission_cap,
+            num_tokens_main_model,
+            prefill_end,
         )
 
 
@@ -226,6 +249,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             use_eagle=bool(self.use_eagle),
             eagle_groups=[_eagle_flag(g) for g in groups],
             zero_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
+            checkpoint_alignments=checkpoint_alignments(kv_cache_config),
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # vLLM clips to the computed tokens only the attention groups' tables.
@@ -428,10 +452,13 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             self._drain_events(request)
 
     def truncate_computed_blocks(self, blocks: Any, num_computed_tokens: int) -> Any:
+        """vLLM's: each group's hit cut at ``num_computed_tokens`` (block-aligned); a Mamba
+        group's may be shorter (vLLM keeps what it has), an attention group's may not."""
         groups = self._computed_ids(blocks) or [[] for _ in self._group_block_sizes]
         out = []
-        for g, bs in zip(groups, self._group_block_sizes):
-            if num_computed_tokens % bs or num_computed_tokens // bs > len(g):
+        for g, bs, attention in zip(groups, self._group_block_sizes, self._clipped):
+            too_short = attention and num_computed_tokens // bs > len(g)
+            if num_computed_tokens % bs or too_short:
                 raise InvalidArgumentError(
                     f"cannot truncate a hit to {num_computed_tokens} tokens at block size {bs}"
                 )
@@ -458,7 +485,9 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         return []
 
     def new_step_starts(self) -> None:
-        """Nothing per step for these kinds."""
+        """vLLM's: a Mamba "align" group forgets the states it cached during the last step
+        (a hit on one defers its request a step); nothing for the other kinds."""
+        self._native.new_step_starts()
 
     # --- KV events ---------------------------------------------------------------------------
     def _drain_events(self, request: Any = None) -> None:

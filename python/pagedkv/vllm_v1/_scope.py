@@ -7,17 +7,18 @@ returns ``None`` when in scope, else the reason (for the start line and the fall
 The native manager mirrors vLLM's manager for one KV cache group handled by vLLM's plain
 ``FullAttentionManager`` (dense decoders: Llama, Qwen, Mistral...), with the hash block size
 equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4;
-Granite 4, Nemotron-H, Jamba, Qwen3-Next without prefix caching) each handled by vLLM's
-``FullAttentionManager``, ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or
-``MambaManager`` in ``mamba_cache_mode`` "none" (:func:`hybrid_out_of_scope`); in both cases
+Granite 4, Nemotron-H, Jamba, Qwen3-Next) each handled by vLLM's ``FullAttentionManager``,
+``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or ``MambaManager`` in
+``mamba_cache_mode`` "none" (prefix caching off) or "align" (prefix caching on, the Mamba block
+at the hash block size) (:func:`hybrid_out_of_scope`); in both cases
 none of: hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or
 prefill context parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV
 cache metrics collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served
 natively, its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``),
-except with a chunked local group, whose lookup vLLM asserts against. Mamba "align" mode
-(Mamba with prefix caching: block-aligned prefill splits, per-step state blocks with interior
-nulling, prefill checkpoints, partial hits with copy-on-write) is not mirrored: such a model
-runs vLLM's own manager, and vLLM's loop (the scheduler's ``need_mamba_block_aligned_split``).
+except with a chunked local group, whose lookup vLLM asserts against, or with a Mamba group in
+"align" mode. Align mode with Mamba blocks larger than the hash block (fine-grained partial
+hits with copy-on-write) runs vLLM's own manager; every align model runs vLLM's loop (the
+scheduler's ``need_mamba_block_aligned_split``, :func:`engine_out_of_scope`).
 Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
 """
 
@@ -74,8 +75,9 @@ def _common_reason(kv_cache_config: Any, args: Any, mamba_zeroing: bool = False)
 def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     """``None`` when pagedkv's hybrid manager (:mod:`pagedkv.vllm_v1._hybrid`) serves these
     KV cache groups: every group full attention, sliding window, chunked local attention
-    (vLLM's plain managers for them) or Mamba in ``mamba_cache_mode`` "none" with prefix
-    caching off (``MambaManager``; "align" is not mirrored), at least one full-attention
+    (vLLM's plain managers for them) or Mamba (``MambaManager``) in ``mamba_cache_mode``
+    "none" with prefix caching off or "align" with it on (:func:`_mamba_reason`), at least
+    one full-attention
     group, chunked local groups at the scheduler block size (vLLM asserts it), every block
     size dividing the scheduler block size and, with prefix caching on, a multiple of the
     hash block size, full-attention groups at the hash block size (vLLM adds partial
@@ -106,8 +108,9 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
                 f"a hybrid KV cache group needs vLLM's {name}; pagedkv's hybrid manager "
                 "handles full, sliding-window and chunked local attention and Mamba"
             )
-        if cls is MambaManager and (caching or spec.mamba_cache_mode != "none"):
-            return _reason(True, 'Mamba with prefix caching (mamba_cache_mode "align")')
+        reason = _mamba_reason(spec, caching, hbs, eagle) if cls is MambaManager else None
+        if reason:
+            return reason
         bs = spec.block_size
         if not hbs or not sbs or sbs % bs or (caching and bs % hbs):
             return _reason(True, f"a group block size {bs} (hash block {hbs}, scheduler {sbs})")
@@ -126,6 +129,32 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     if FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
     return _common_reason(kv_cache_config, args, mamba_zeroing=MambaManager in kinds)
+
+
+def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[str]:
+    """What a Mamba group needs beyond the other kinds: mode "none" with prefix caching off,
+    or mode "align" with it on, its block at the hash block size (no fine-grained partial hits,
+    whose copy-on-write tails pagedkv does not mirror) and no EAGLE/MTP drop (align mode's
+    checkpoints then follow EAGLE's replay boundary)."""
+    mode = spec.mamba_cache_mode
+    if mode not in ("none", "align"):
+        return _reason(True, f'Mamba mamba_cache_mode "{mode}"')
+    if (mode == "align") != caching:
+        with_caching = "with" if caching else "without"
+        return _reason(
+            True,
+            f'Mamba mamba_cache_mode "{mode}" {with_caching} prefix caching (vLLM pairs '
+            '"align" with prefix caching, "none" without)',
+        )
+    if mode == "align" and spec.block_size != hbs:
+        return _reason(
+            True,
+            'Mamba "align" blocks larger than the hash block (fine-grained partial hits with '
+            "copy-on-write)",
+        )
+    if mode == "align" and eagle:
+        return _reason(True, 'EAGLE/MTP with Mamba "align" (checkpoints at its replay boundary)')
+    return None
 
 
 def _group_reason(group: Any) -> Optional[str]:

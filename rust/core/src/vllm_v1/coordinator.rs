@@ -48,10 +48,15 @@
 //!
 //! Mamba groups (mode "none": prefix caching off, so this is vLLM's
 //! `KVCacheCoordinatorNoPrefixCache`) are a group kind ([`super::mamba`]); with them the
-//! attention groups record their new blocks for zeroing ([`Hybrid::with_zeroing`]).
+//! attention groups record their new blocks for zeroing ([`Hybrid::with_zeroing`]). Mamba
+//! groups in mode "align" (prefix caching on) are another ([`super::mamba_align`]): their
+//! counts read the main-model tokens and the prefill end (passed only under retention 0, as
+//! vLLM's coordinator passes it), may be negative or defer the request, and record the
+//! chunk's checkpoint; [`Hybrid::new_step_starts`] clears what they cached this step.
 //!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
-//! a chunked local group, Mamba "align" mode (prefix caching with Mamba), the unitary
+//! a chunked local group, Mamba "align" with blocks larger than the hash block (fine-grained
+//! hits) or with EAGLE, the unitary
 //! coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
 //! group is not covered).
 //!
@@ -71,6 +76,7 @@
 use super::eagle::{self, GroupEagle};
 use super::engine::Release;
 use super::mamba::ZeroList;
+use super::mamba_align::CountArgs;
 use super::manager::HashSource;
 use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
@@ -150,6 +156,32 @@ pub struct HybridSlots<'a> {
     pub boundaries: Boundaries,
 }
 
+/// One `get_num_blocks_to_allocate` call's token counts (vLLM's names).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Count {
+    /// `num_tokens`: the slots needed, lookahead included.
+    pub num_tokens: u64,
+    /// `num_tokens_main_model`: without the lookahead (draft) slots.
+    pub num_tokens_main: u64,
+    /// `total_computed_tokens`.
+    pub total_computed: u64,
+    /// The request's prefill end (`max(num_prompt_tokens, num_tokens - 1)`).
+    pub prefill_end: u64,
+    pub apply_admission_cap: bool,
+}
+
+impl Count {
+    /// A count without lookahead slots or a prefill end, uncapped.
+    pub fn new(num_tokens: u64, total_computed: u64) -> Self {
+        Count {
+            num_tokens,
+            num_tokens_main: num_tokens,
+            total_computed,
+            ..Default::default()
+        }
+    }
+}
+
 /// Groups sharing a spec, looked up together (vLLM's `SpecGroup`).
 #[derive(Clone, Debug)]
 struct SpecGroup {
@@ -189,6 +221,16 @@ impl Hybrid {
             )));
         }
         let has_window = cfg.groups.iter().any(|g| g.kind.retention_applies());
+        let align = cfg
+            .groups
+            .iter()
+            .any(|g| matches!(g.kind, AttentionKind::MambaAlign { .. }));
+        if align && (cfg.use_eagle || cfg.eagle_groups.contains(&true)) {
+            return Err(Error::invalid(
+                "EAGLE/MTP with a Mamba \"align\" group (its checkpoints follow EAGLE's replay \
+                 boundary) is not mirrored",
+            ));
+        }
         let retention = Retention::from_interval(cfg.retention.interval(), sbs, has_window)?;
         let params = GroupParams {
             hash_block_size: hbs,
@@ -197,6 +239,7 @@ impl Hybrid {
             max_in_flight_tokens: cfg.max_in_flight_tokens,
             max_model_len: cfg.max_model_len,
             retention,
+            release: cfg.release,
         };
         let managers = cfg
             .groups
@@ -432,28 +475,52 @@ impl Hybrid {
         find_longest_cache_hit_eagle(&g.spec, &g.ids, &self.pool, hashes, args, drop)
     }
 
-    /// vLLM's `get_num_blocks_to_allocate` across groups: the sum of every group's count.
+    /// vLLM's `get_num_blocks_to_allocate` across groups: the sum of every group's count (a
+    /// Mamba align group's may be negative, or the pool's size plus one to defer a hit on a
+    /// state cached this step; it records the chunk's checkpoint, as vLLM does).
     pub fn num_blocks_to_allocate(
-        &self,
+        &mut self,
         req: &str,
-        num_tokens: u64,
+        c: &Count,
         new_computed: Option<&[Vec<u32>]>,
-        total_computed_tokens: u64,
-        apply_admission_cap: bool,
-    ) -> Result<u64> {
-        let mut sum = 0u64;
-        for (i, m) in self.managers.iter().enumerate() {
+    ) -> Result<i64> {
+        // vLLM's coordinator passes the prefill end only under retention 0.
+        let prefill_end = match self.cfg.retention {
+            Retention::Sparse { interval: 0 } => c.prefill_end,
+            _ => 0,
+        };
+        let mut sum = 0i64;
+        for (i, m) in self.managers.iter_mut().enumerate() {
             let nc = new_computed.map_or(&[][..], |nc| nc.get(i).map_or(&[][..], |v| &v[..]));
-            sum += m.num_blocks_to_allocate(
+            let args = CountArgs {
+                num_tokens_main: c.num_tokens_main,
+                new_computed: nc,
+                total_computed: c.total_computed,
+                prefill_end,
+                apply_admission_cap: c.apply_admission_cap,
+            };
+            if let Some(n) = m.align_count(&self.pool, req, &args) {
+                sum += n;
+                continue;
+            }
+            let n = m.num_blocks_to_allocate(
                 &self.pool,
                 req,
-                num_tokens,
+                c.num_tokens,
                 nc,
-                total_computed_tokens,
-                apply_admission_cap,
+                c.total_computed,
+                c.apply_admission_cap,
             )?;
+            sum += i64::try_from(n).unwrap_or(i64::MAX);
         }
         Ok(sum)
+    }
+
+    /// vLLM's `new_step_starts`: every Mamba align group forgets what it cached this step.
+    pub fn new_step_starts(&mut self) {
+        self.managers
+            .iter_mut()
+            .for_each(GroupManager::new_step_starts);
     }
 
     /// vLLM's `remove_skipped_blocks` across groups, in group order.
@@ -482,6 +549,16 @@ impl Hybrid {
         if local > self.cfg.max_model_len {
             return Err(Error::invalid(format!(
                 "{local} computed tokens pass max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        // A Mamba align group sizes its table by the main-model tokens, uncapped (vLLM's
+        // scheduler keeps them within max_model_len): bound them so a table stays bounded.
+        let main = local.saturating_add(a.num_new_tokens);
+        if main > self.cfg.max_model_len && self.managers.iter().any(|m| m.is_mamba_align()) {
+            return Err(Error::invalid(format!(
+                "{main} tokens pass max_model_len {} (a Mamba align group sizes its states by \
+                 them)",
                 self.cfg.max_model_len
             )));
         }
@@ -573,10 +650,22 @@ impl Hybrid {
         } else {
             0
         };
+        let watermark = i64::try_from(watermark).unwrap_or(i64::MAX);
+        let prefill_end = a
+            .boundaries
+            .num_prompt_tokens
+            .max(a.num_tokens.saturating_sub(1));
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(self.cfg.max_model_len);
-            let needed = self.num_blocks_to_allocate(req, full, a.new_computed, total, true)?;
-            if needed + watermark > self.pool.num_free() as u64 {
+            let c = Count {
+                num_tokens: full,
+                num_tokens_main: full,
+                total_computed: total,
+                prefill_end,
+                apply_admission_cap: true,
+            };
+            let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
+            if needed.saturating_add(watermark) > self.pool.num_free() as i64 {
                 return Ok(None);
             }
         }
@@ -585,10 +674,18 @@ impl Hybrid {
             .saturating_add(a.num_lookahead_tokens)
             .min(self.cfg.max_model_len);
         self.remove_skipped_blocks(req, total.saturating_sub(a.num_in_flight_tokens))?;
-        let needed = self.num_blocks_to_allocate(req, need_slots, a.new_computed, local, false)?;
-        let free = self.pool.num_free() as u64;
+        let c = Count {
+            num_tokens: need_slots,
+            num_tokens_main: main,
+            total_computed: local,
+            prefill_end,
+            apply_admission_cap: false,
+        };
+        let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
-        if a.reserved_blocks > free || needed + watermark > free - a.reserved_blocks {
+        let available =
+            self.pool.num_free() as i64 - i64::try_from(a.reserved_blocks).unwrap_or(i64::MAX);
+        if needed.saturating_add(watermark) > available {
             return Ok(None);
         }
         // Plan what gets cached (every hash read) before anything else changes.
@@ -610,7 +707,9 @@ impl Hybrid {
                     (m.num_cached_blocks(req).unwrap_or(0), m.blocks(req).len())
                 };
                 let held = have.max(need_slots.div_ceil(bs) as usize);
-                plans.push(m.plan_cache(first, held, t, a.boundaries, hashes)?);
+                let mut plan = m.plan_cache(first, held, t, a.boundaries, hashes)?;
+                plan.tail = m.plan_tail(req, t, a.boundaries, hashes)?;
+                plans.push(plan);
             }
         }
         if adopt {
@@ -621,7 +720,7 @@ impl Hybrid {
         }
         let mut new = Vec::with_capacity(self.managers.len());
         for (i, m) in self.managers.iter_mut().enumerate() {
-            let blocks = m.allocate_new_blocks(&mut self.pool, req, need_slots)?;
+            let blocks = m.allocate_new_blocks(&mut self.pool, req, need_slots, main)?;
             if let Some(z) = self.zeroing.as_mut() {
                 z.record(i, m.spec().kind, &blocks);
             }
@@ -646,7 +745,9 @@ impl Hybrid {
         for m in &self.managers {
             let t = self.cacheable_tokens(m, num_computed_tokens);
             let first = m.num_cached_blocks(req).unwrap_or(0);
-            plans.push(m.plan_cache(first, m.blocks(req).len(), t, boundaries, hashes)?);
+            let mut plan = m.plan_cache(first, m.blocks(req).len(), t, boundaries, hashes)?;
+            plan.tail = m.plan_tail(req, t, boundaries, hashes)?;
+            plans.push(plan);
         }
         for (m, plan) in self.managers.iter_mut().zip(&plans) {
             m.apply_cache(&mut self.pool, req, plan);
@@ -701,13 +802,13 @@ impl Hybrid {
         for m in &self.managers {
             for (req, t) in m.tables() {
                 let nulls = t.iter().take_while(|&&b| b == 0).count();
-                if t[nulls..].contains(&0) {
+                if t[nulls..].contains(&0) && !m.is_mamba_align() {
                     return Err(format!(
                         "group {}: {req}'s table has an inner null",
                         m.group_id()
                     ));
                 }
-                for &b in &t[nulls..] {
+                for &b in t[nulls..].iter().filter(|&&b| b != NULL_BLOCK) {
                     holders[b as usize] += 1;
                     if self.pool.hash_of(b).is_some() && self.pool.group_of(b) != m.group_id() {
                         return Err(format!("block {b} is cached for another group"));

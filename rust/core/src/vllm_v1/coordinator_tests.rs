@@ -2,7 +2,7 @@
 //! function named in the comment (`kv_cache_coordinator.py`'s `HybridKVCacheCoordinator`,
 //! `kv_cache_manager.py`'s `allocate_slots` / `free`; 0.32 and 0.33 alike unless stated).
 
-use super::coordinator::{Hit, Hybrid, HybridConfig, HybridSlots};
+use super::coordinator::{Count, Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::pool::{Event, HashKey, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
@@ -140,7 +140,7 @@ fn allocate_adopts_every_groups_hit_then_allocates_in_group_order() {
     let hit = h.find_longest_cache_hit(&mut &ks[..], 20).unwrap();
     assert_eq!(hit.num_tokens, 16);
     assert_eq!(
-        h.num_blocks_to_allocate("b", 21, Some(&hit.blocks), 16, false)
+        h.num_blocks_to_allocate("b", &Count::new(21, 16), Some(&hit.blocks))
             .unwrap(),
         10
     );

@@ -23,14 +23,10 @@
 //! and no admission cap (`MambaSpec` declares none). The coordinator then is vLLM's
 //! `KVCacheCoordinatorNoPrefixCache`: no hits, no caching, no hash lookups.
 //!
-//! Not mirrored (refused by [`check`], and by `pagedkv.vllm_v1`'s scope before it): mode
-//! `"align"`, i.e. a Mamba group with prefix caching on: block-aligned prefill splitting in
-//! the scheduler, per-step state blocks whose predecessor is nulled (`last_state_block_idx`,
-//! `_num_retired_blocks`), prefill checkpoint blocks, speculative-block relocation,
-//! fine-grained partial hits with copy-on-write, same-step hit deferral
-//! (`cached_blocks_this_step`) and sparse state retention. vLLM 0.33 also asserts that a
-//! Mamba group with caching on is in `"align"` mode; 0.32 does not (a `"none"` spec with
-//! caching on would cache state blocks as full attention does) — out of scope in both.
+//! Mode `"align"` (a Mamba group with prefix caching on) is its own kind,
+//! [`AttentionKind::MambaAlign`], with its rules in [`super::mamba_align`]. A mode-`"none"`
+//! group with caching on is refused by [`check`] (and by `pagedkv.vllm_v1`'s scope before
+//! it): vLLM 0.33 asserts against it; 0.32 would cache state blocks as full attention does.
 //!
 //! Zeroing: a Mamba layer makes vLLM's `KVCacheConfig.needs_kv_cache_zeroing` true; every
 //! attention group (full, sliding window, chunked local: `AttentionSpec`s; not the Mamba
@@ -59,13 +55,14 @@ pub fn slot_tokens(num_tokens: u64, block_size: u32, num_speculative_blocks: u32
     num_tokens.saturating_add(u64::from(block_size) * u64::from(num_speculative_blocks))
 }
 
-/// Whether a group of `kind` may be built with caching `enable_caching`: a Mamba group only
-/// without prefix caching (mode `"none"`; `"align"` is not mirrored).
+/// Whether a group of `kind` may be built with caching `enable_caching`: a mode-`"none"`
+/// Mamba group only without prefix caching (with it, vLLM uses mode `"align"`:
+/// [`AttentionKind::MambaAlign`]).
 pub fn check(kind: AttentionKind, enable_caching: bool) -> Result<()> {
     if matches!(kind, AttentionKind::Mamba { .. }) && enable_caching {
         return Err(Error::invalid(
-            "a Mamba KV cache group with prefix caching (mamba_cache_mode \"align\") is not \
-             mirrored by pagedkv: only mode \"none\" (prefix caching off) is",
+            "a Mamba KV cache group in mamba_cache_mode \"none\" with prefix caching is not \
+             mirrored by pagedkv: with prefix caching vLLM uses mode \"align\"",
         ));
     }
     Ok(())
@@ -74,7 +71,10 @@ pub fn check(kind: AttentionKind, enable_caching: bool) -> Result<()> {
 /// Whether vLLM's manager for `kind` records its new blocks for zeroing (an `AttentionSpec`:
 /// every kind here but Mamba).
 pub fn records_new_blocks(kind: AttentionKind) -> bool {
-    !matches!(kind, AttentionKind::Mamba { .. })
+    !matches!(
+        kind,
+        AttentionKind::Mamba { .. } | AttentionKind::MambaAlign { .. }
+    )
 }
 
 /// The blocks handed out since the last drain, per group, to be zeroed by the worker
@@ -139,7 +139,7 @@ mod tests {
     }
 
     #[test]
-    fn align_mode_is_refused_none_mode_accepted() {
+    fn mode_none_is_refused_with_caching_accepted_without() {
         assert!(check(MAMBA, true).is_err());
         assert!(check(MAMBA, false).is_ok());
         assert!(check(AttentionKind::Full, true).is_ok());

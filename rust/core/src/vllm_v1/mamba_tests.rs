@@ -3,7 +3,7 @@
 //! the attention managers (`kv_cache_manager.py`'s `allocate_slots`, `free`,
 //! `take_new_block_ids`; 0.32 and 0.33 alike).
 
-use super::coordinator::{Hybrid, HybridConfig, HybridSlots};
+use super::coordinator::{Count, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::pool::{HashKey, NULL_BLOCK};
 use super::retention::Retention;
@@ -120,7 +120,8 @@ fn speculative_blocks_add_whole_state_blocks() {
     let mut h = Hybrid::new(config(vec![full(4), mamba(32, 2)], 32, false)).unwrap();
     // The Mamba group counts 10 + 2 * 32 tokens: ceil(74 / 32) = 3 blocks.
     assert_eq!(
-        h.num_blocks_to_allocate("a", 10, None, 0, false).unwrap(),
+        h.num_blocks_to_allocate("a", &Count::new(10, 0), None)
+            .unwrap(),
         3 + 3
     );
     assert_eq!(
@@ -150,7 +151,8 @@ fn a_small_state_block_frees_all_but_the_last_tokens_state() {
 }
 
 #[test]
-fn prefix_caching_with_mamba_align_mode_is_refused() {
+fn prefix_caching_with_a_mode_none_group_is_refused() {
+    // Prefix caching needs the group in mode "align" (AttentionKind::MambaAlign).
     let err = Hybrid::new(config(vec![full(4), mamba(4, 0)], 4, true)).unwrap_err();
     assert!(err.to_string().contains("align"), "{err}");
 }

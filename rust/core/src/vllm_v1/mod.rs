@@ -9,6 +9,8 @@
 //! * [`single_type`]: one manager per KV cache group (full, sliding window, chunked local) over
 //!   one shared pool, for hybrid models (the bindings' `V1Hybrid`);
 //! * [`mamba`]: the Mamba group kind's rules (mode "none") and block zeroing;
+//! * [`mamba_align`]: Mamba groups with prefix caching (mode "align"): per-step state blocks,
+//!   checkpoints, the right-to-left lookup and the prompt-tail caching;
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`eagle`]: EAGLE/MTP's last-block drop (which groups drop, per release) and what it
 //!   changes in lookups and caching;
@@ -28,6 +30,7 @@ pub mod engine;
 pub mod free_queue;
 pub mod full_attention;
 pub mod mamba;
+pub mod mamba_align;
 pub mod manager;
 pub mod policy;
 pub mod pool;
@@ -41,6 +44,8 @@ pub mod walk;
 mod coordinator_tests;
 #[cfg(test)]
 mod eagle_tests;
+#[cfg(test)]
+mod mamba_align_tests;
 #[cfg(test)]
 mod mamba_tests;
 #[cfg(test)]

@@ -29,8 +29,10 @@
 //! ignore retention (they cache every block). vLLM validates the interval when it builds a
 //! coordinator, caching on or off ([`Retention::from_interval`]): a nonzero interval needs a
 //! sliding-window (or Mamba) group, and must be non-negative and a multiple of the scheduler
-//! block size. Mamba's retention (one state per segment) belongs to Mamba groups, outside
-//! pagedkv's scope; `final_segment_end_block` (passed only by offloading connectors) likewise.
+//! block size. Mamba "align" groups ([`super::mamba_align`]) keep one state block per
+//! boundary (a hit needs only the block ending on it: `need` 1, never an EAGLE shift) and
+//! every block when dense; `final_segment_end_block` (passed only by offloading connectors)
+//! is outside pagedkv's scope.
 //! EAGLE ([`GroupEagle`], [`super::eagle`]): a dropping group's hit needs one more block and
 //! ends one block past its boundary (the peek: `shift` 1); with any group dropping the replay
 //! boundaries are vLLM's EAGLE pair; 0.33 adds the junction one block lower for a dropping
@@ -134,16 +136,21 @@ impl Retained {
         boundaries: Boundaries,
         eagle: GroupEagle,
     ) -> Self {
-        let AttentionKind::SlidingWindow { sliding_window } = spec.kind else {
-            return Retained::All;
-        };
         let bs = u64::from(spec.block_size);
+        let need = match spec.kind {
+            AttentionKind::SlidingWindow { sliding_window } => {
+                GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64
+                    + u64::from(eagle.group)
+            }
+            // Mamba (align): a hit needs the one state block ending on the boundary; dense
+            // retention keeps every block.
+            AttentionKind::MambaAlign { .. } if retention != Retention::Dense => 1,
+            _ => return Retained::All,
+        };
         if alignment == 0 || alignment % bs != 0 {
             // A sub-block alignment cannot be masked by block: vLLM keeps every block.
             return Retained::All;
         }
-        let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64
-            + u64::from(eagle.group);
         let segment = match retention {
             Retention::Dense => Some(alignment),
             Retention::Sparse { interval: 0 } => None,

@@ -24,20 +24,22 @@
 //! `pagedkv.vllm_v1`'s scope does for the single group): no `extra_retained_tokens` (multi-
 //! module MTP), EAGLE never with chunked local attention (vLLM asserts), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
-//! a Mamba "align" group), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
+//! a Mamba "align" group with blocks larger than the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
 //! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
 //! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
 //! refuses rather than mirror half of (the lookup, [`find_longest_cache_hit`], reads such
 //! groups' hashes correctly; the caching would not match). Other kinds may use any multiple
-//! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`], their rules in
-//! [`super::mamba`] (mode "none" only: no prefix caching; its "align"-mode checkpoints,
-//! interior nulling, speculative-block relocation and fine-grained hits are not mirrored).
+//! of the hash block size. Mamba groups are the kind [`AttentionKind::Mamba`] (mode "none",
+//! no prefix caching), rules in [`super::mamba`], or [`AttentionKind::MambaAlign`] (mode
+//! "align", at the hash block size), rules in [`super::mamba_align`], its per-request
+//! bookkeeping kept beside the table (`ReqBlocks`).
 //! Without prefix caching no hash is read, so the hash block size constrains no group.
 //!
 //! Invariants (per group): a request's table holds its blocks in token order; null blocks
-//! ([`NULL_BLOCK`]) only form a prefix of it (the skipped part); `num_cached`, once set, counts
+//! ([`NULL_BLOCK`]) only form a prefix of it (the skipped part), except in a Mamba align
+//! group's (retired and unwritten states are null anywhere); `num_cached`, once set, counts
 //! the table's leading blocks that are cached or skipped (vLLM's `num_cached_block`; `None`
 //! while the request is not tracked, which is what makes a first allocation count prefix
 //! hits). Every non-null block in a table holds one reference for it.
@@ -53,6 +55,7 @@ use hashbrown::HashMap;
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
+use super::mamba_align::{self, AlignGroup, AlignReq, AlignRules, CountArgs, TailCtx, TailPlan};
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retained, Retention};
@@ -70,6 +73,13 @@ pub enum AttentionKind {
     ChunkedLocal { attention_chunk_size: u32 },
     /// `MambaSpec` in mode `"none"`: one state per request ([`super::mamba`]).
     Mamba { num_speculative_blocks: u32 },
+    /// `MambaSpec` in mode `"align"` (prefix caching on): per-step state blocks
+    /// ([`super::mamba_align`]); `checkpoint_alignment` is the spec's
+    /// `prefill_checkpoint_alignment` when it has prefill checkpoint blocks, else 0.
+    MambaAlign {
+        num_speculative_blocks: u32,
+        checkpoint_alignment: u32,
+    },
 }
 
 /// One KV cache group's spec: what vLLM's hybrid coordinator compares to batch lookups.
@@ -90,7 +100,9 @@ impl AttentionKind {
     pub fn retention_applies(&self) -> bool {
         matches!(
             self,
-            AttentionKind::SlidingWindow { .. } | AttentionKind::Mamba { .. }
+            AttentionKind::SlidingWindow { .. }
+                | AttentionKind::Mamba { .. }
+                | AttentionKind::MambaAlign { .. }
         )
     }
 }
@@ -131,7 +143,9 @@ impl GroupSpec {
             AttentionKind::ChunkedLocal {
                 attention_chunk_size,
             } => chunked_local::num_skipped_tokens(attention_chunk_size, num_computed_tokens),
-            AttentionKind::Mamba { .. } => mamba::num_skipped_tokens(num_computed_tokens),
+            AttentionKind::Mamba { .. } | AttentionKind::MambaAlign { .. } => {
+                mamba::num_skipped_tokens(num_computed_tokens)
+            }
         }
     }
 
@@ -157,7 +171,9 @@ impl GroupSpec {
         let bs = u64::from(self.block_size);
         let (in_flight, max_len) = (max_in_flight_tokens, max_model_len);
         match self.kind {
-            AttentionKind::Full | AttentionKind::Mamba { .. } => None,
+            AttentionKind::Full
+            | AttentionKind::Mamba { .. }
+            | AttentionKind::MambaAlign { .. } => None,
             AttentionKind::SlidingWindow { sliding_window } => Some(
                 sliding_window::max_admission_blocks(sliding_window, bs, in_flight, max_len),
             ),
@@ -379,8 +395,10 @@ pub fn find_longest_cache_hit_eagle(
             u64::from(attention_chunk_size),
             max_length,
         ),
-        // Mamba hits exist only with prefix caching (mode "align"), not mirrored.
+        // Mode "none" has no prefix caching, hence no hits.
         AttentionKind::Mamba { .. } => mamba::check(spec.kind, true).map(|()| (Vec::new(), 0)),
+        // Align mode's finder never drops EAGLE's block (draft models have no Mamba layers).
+        AttentionKind::MambaAlign { .. } => search.mamba_align(View { hashes, scale }),
     }
 }
 
@@ -405,6 +423,8 @@ pub(super) struct HitSearch<'a> {
 struct ReqBlocks {
     blocks: Vec<u32>,
     num_cached: Option<u32>,
+    /// A Mamba align group's per-request bookkeeping (unused by the other kinds).
+    align: AlignReq,
 }
 
 /// What a `cache_blocks` call will cache, read before anything changes: blocks
@@ -416,6 +436,8 @@ pub struct CachePlan {
     pub retained: Retained,
     /// `false`: nothing becomes full (vLLM returns before touching anything).
     pub active: bool,
+    /// A Mamba align group's tail (cached even when no block becomes full).
+    pub tail: Option<TailPlan>,
 }
 
 /// One KV cache group's manager (vLLM's `SingleTypeKVCacheManager` subclass for its kind),
@@ -432,6 +454,9 @@ pub struct GroupManager {
     retention: Retention,
     /// EAGLE's effect on this group's caching (set by the coordinator; none by default).
     eagle: GroupEagle,
+    /// A Mamba align group's rules and `cached_blocks_this_step` (`None` for other kinds).
+    align: Option<AlignGroup>,
+    release: Release,
     reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
 }
 
@@ -445,12 +470,14 @@ pub struct GroupParams {
     pub max_model_len: u64,
     /// `prefix_cache_retention_interval` (checked by the coordinator, as vLLM checks it).
     pub retention: Retention,
+    pub release: Release,
 }
 
 impl GroupManager {
     pub fn new(spec: GroupSpec, group_id: u32, p: GroupParams) -> Result<Self> {
         spec.check()?;
         mamba::check(spec.kind, p.enable_caching)?;
+        mamba_align::check_group(&spec, p.enable_caching, p.hash_block_size)?;
         // Without caching no hash is read (vLLM then hashes at the scheduler block size).
         let hashed = p.enable_caching;
         if hashed && (p.hash_block_size == 0 || spec.block_size % p.hash_block_size != 0) {
@@ -484,6 +511,9 @@ impl GroupManager {
             caching: p.enable_caching,
             retention: p.retention,
             eagle: GroupEagle::default(),
+            align: AlignRules::new(&spec, p.hash_block_size, u64::from(p.scheduler_block_size))
+                .map(AlignGroup::new),
+            release: p.release,
             reqs: HashMap::with_hasher(RandomState::default()),
         })
     }
@@ -575,6 +605,31 @@ impl GroupManager {
         ))
     }
 
+    /// A Mamba align group's `get_num_blocks_to_allocate` ([`super::mamba_align`]), recording
+    /// the chunk's checkpoint as vLLM does; `None` for every other kind.
+    pub fn align_count(&mut self, pool: &Pool, req: &str, a: &CountArgs) -> Option<i64> {
+        let g = self.align.as_ref()?;
+        let deferred = g.defers(pool, a.new_computed);
+        let r = self.reqs.entry_ref(req).or_default();
+        let (n, record) = g.rules.count(pool, &r.blocks, &r.align, a, deferred);
+        if let Some(c) = record {
+            r.align.checkpoint = c;
+        }
+        Some(n)
+    }
+
+    /// vLLM's `new_step_starts`: a Mamba align group forgets what it cached this step.
+    pub fn new_step_starts(&mut self) {
+        if let Some(g) = self.align.as_mut() {
+            g.cached_this_step.clear();
+        }
+    }
+
+    /// Whether this is a Mamba align group (its tables may hold inner null blocks).
+    pub fn is_mamba_align(&self) -> bool {
+        self.align.is_some()
+    }
+
     /// vLLM's `add_local_computed_blocks` (no external tokens): the hit's skipped blocks become
     /// null blocks, the rest are touched and adopted; the request becomes tracked.
     pub fn add_local_computed_blocks(
@@ -611,7 +666,14 @@ impl GroupManager {
         pool: &mut Pool,
         req: &str,
         num_tokens: u64,
+        num_tokens_main: u64,
     ) -> Result<Vec<u32>> {
+        if let Some(g) = self.align.as_ref() {
+            let r = self.reqs.entry_ref(req).or_default();
+            return g
+                .rules
+                .allocate(pool, &mut r.blocks, &mut r.align, num_tokens_main);
+        }
         let num_tokens = self.spec.slot_tokens(num_tokens);
         let required = num_tokens.div_ceil(u64::from(self.spec.block_size)) as usize;
         let have = self.blocks(req).len();
@@ -676,25 +738,54 @@ impl GroupManager {
         Ok(plan)
     }
 
+    /// A Mamba align group's tail reads for `cache_blocks(req, num_tokens)` (`None` for every
+    /// other kind).
+    pub fn plan_tail(
+        &self,
+        req: &str,
+        num_tokens: u64,
+        boundaries: Boundaries,
+        hashes: &mut dyn HashSource,
+    ) -> Result<Option<TailPlan>> {
+        let Some(g) = self.align.as_ref() else {
+            return Ok(None);
+        };
+        let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
+        g.rules
+            .plan_tail(&st, num_tokens, boundaries, hashes)
+            .map(Some)
+    }
+
     /// Apply a [`CachePlan`] (vLLM's `cache_blocks` after its reads): cache the planned
-    /// blocks this kind can serve hits from and count them cached.
+    /// blocks this kind can serve hits from and count them cached; a Mamba align group then
+    /// caches its tail and notes what it cached this step.
     pub fn apply_cache(&mut self, pool: &mut Pool, req: &str, plan: &CachePlan) {
-        if !plan.active {
-            return;
-        }
         let Some(r) = self.reqs.get_mut(req) else {
             return;
         };
-        cache_full_blocks(
-            pool,
-            self.group_id,
-            self.spec.block_size,
-            &r.blocks,
-            plan.first,
-            &plan.keys,
-            |i| plan.retained.contains(i),
-        );
-        r.num_cached = Some(plan.first + plan.keys.len() as u32);
+        let before = r.num_cached.unwrap_or(0) as usize;
+        if plan.active {
+            cache_full_blocks(
+                pool,
+                self.group_id,
+                self.spec.block_size,
+                &r.blocks,
+                plan.first,
+                &plan.keys,
+                |i| plan.retained.contains(i),
+            );
+            r.num_cached = Some(plan.first + plan.keys.len() as u32);
+        }
+        if let (Some(g), Some(tail)) = (self.align.as_mut(), plan.tail.as_ref()) {
+            let ctx = TailCtx {
+                group: self.group_id,
+                retention: self.retention,
+                v033: self.release == Release::V033,
+            };
+            g.cache_tail(pool, &r.blocks, &r.align, tail, ctx);
+            let after = r.num_cached.unwrap_or(0) as usize;
+            g.note_cached(pool, &r.blocks, before, after);
+        }
     }
 
     /// vLLM's `cache_blocks(request, num_tokens)`, the request at `boundaries`.
@@ -707,13 +798,14 @@ impl GroupManager {
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
         let first = self.num_cached_blocks(req).unwrap_or(0);
-        let plan = self.plan_cache(
+        let mut plan = self.plan_cache(
             first,
             self.blocks(req).len(),
             num_tokens,
             boundaries,
             hashes,
         )?;
+        plan.tail = self.plan_tail(req, num_tokens, boundaries, hashes)?;
         self.apply_cache(pool, req, &plan);
         Ok(())
     }
@@ -727,6 +819,17 @@ impl GroupManager {
         req: &str,
         processed_computed_tokens: u64,
     ) -> Result<()> {
+        if let Some(g) = self.align.as_ref() {
+            let Some(r) = self.reqs.get_mut(req) else {
+                return Ok(());
+            };
+            return g.rules.remove_skipped(
+                pool,
+                &mut r.blocks,
+                &mut r.align,
+                processed_computed_tokens,
+            );
+        }
         let skipped = self.skipped_blocks(processed_computed_tokens) as usize;
         if skipped == 0 {
             return Ok(());
@@ -781,6 +884,7 @@ impl GroupManager {
             .map(|(k, r)| k.len() + vec_bytes(&r.blocks))
             .sum();
         per_req
+            + self.align.as_ref().map_or(0, AlignGroup::heap_bytes)
             + table_bytes(
                 self.reqs.capacity(),
                 std::mem::size_of::<(Box<str>, ReqBlocks)>(),

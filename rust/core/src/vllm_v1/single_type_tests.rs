@@ -55,6 +55,7 @@ fn params(scheduler_block_size: u32, caching: bool) -> GroupParams {
         max_in_flight_tokens: 16,
         max_model_len: 1000,
         retention: Retention::Dense,
+        release: Release::V033,
     }
 }
 
@@ -234,7 +235,7 @@ fn swa_with_16_cached(caching: bool) -> (Pool, GroupManager) {
     let mut p = Pool::new(10, caching, false).unwrap();
     let mut m = GroupManager::new(swa(8, 4), 0, params(4, caching)).unwrap();
     assert_eq!(
-        m.allocate_new_blocks(&mut p, "a", 16).unwrap(),
+        m.allocate_new_blocks(&mut p, "a", 16, 16).unwrap(),
         [1, 2, 3, 4]
     );
     let ks = keys(4);
@@ -354,7 +355,7 @@ fn sliding_window_caches_only_reachable_blocks() {
     // BlockStored covers the range all the same.
     let mut p = Pool::new(12, true, true).unwrap();
     let mut m = GroupManager::new(swa(5, 4), 0, params(16, true)).unwrap();
-    let blocks = m.allocate_new_blocks(&mut p, "a", 32).unwrap();
+    let blocks = m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
     let ks = keys(8);
     m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
@@ -371,7 +372,7 @@ fn sliding_window_caches_only_reachable_blocks() {
     // ceil(13 / 4) = 4 blocks, the 4 of a segment.
     let mut p = Pool::new(12, true, false).unwrap();
     let mut m = GroupManager::new(swa(14, 4), 0, params(16, true)).unwrap();
-    let blocks = m.allocate_new_blocks(&mut p, "a", 32).unwrap();
+    let blocks = m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
     m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
     assert!(blocks.iter().all(|&b| p.hash_of(b).is_some()));
@@ -383,7 +384,7 @@ fn a_grouped_pool_logs_the_positions_really_cached_with_the_group() {
     // range 0..8), with group_idx 1.
     let mut p = Pool::new_grouped(12, true, true, 2).unwrap();
     let mut m = GroupManager::new(swa(5, 4), 1, params(16, true)).unwrap();
-    m.allocate_new_blocks(&mut p, "a", 32).unwrap();
+    m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
     let ks = keys(8);
     m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
@@ -404,12 +405,12 @@ fn cache_blocks_skips_null_blocks_and_nothing_full_leaves_the_request_untracked(
     // returns before setting num_cached_block, so the request stays untracked.
     let mut p = Pool::new(10, true, false).unwrap();
     let mut m = GroupManager::new(swa(4, 4), 0, params(4, true)).unwrap();
-    m.allocate_new_blocks(&mut p, "a", 3).unwrap();
+    m.allocate_new_blocks(&mut p, "a", 3, 3).unwrap();
     let ks = keys(2);
     m.cache_blocks(&mut p, "a", 3, Boundaries::default(), &mut &ks[..])
         .unwrap();
     assert_eq!(m.num_cached_blocks("a"), None);
-    m.allocate_new_blocks(&mut p, "a", 8).unwrap();
+    m.allocate_new_blocks(&mut p, "a", 8, 8).unwrap();
     m.remove_skipped_blocks(&mut p, "a", 7).unwrap(); // 7 - 4 + 1 = 4 skipped: block 0
     assert_eq!(m.blocks("a"), [N, 2]);
     m.cache_blocks(&mut p, "a", 8, Boundaries::default(), &mut &ks[..])

@@ -1,5 +1,5 @@
 //! `V1Hybrid`: vLLM v1's KV cache manager for several KV cache groups (hybrid models: full
-//! attention, sliding window, chunked local attention), over the core's
+//! attention, sliding window, chunked local attention, Mamba in mode "none" or "align"), over the core's
 //! [`pagedkv_core::vllm_v1::coordinator::Hybrid`], for `pagedkv.vllm_v1._hybrid`. Requests are
 //! named by their `request_id`; the Python caller reads the request's fields and passes them
 //! (one crossing per call, never per block); block hashes are read in place from
@@ -18,7 +18,7 @@ use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
 use crate::vllm_v1::manager::{block_ids, PyHashes};
-use pagedkv_core::vllm_v1::coordinator::{Hybrid, HybridConfig, HybridSlots};
+use pagedkv_core::vllm_v1::coordinator::{Count as BlockCount, Hybrid, HybridConfig, HybridSlots};
 use pagedkv_core::vllm_v1::retention::{Boundaries, Retention};
 use pagedkv_core::vllm_v1::single_type::{AttentionKind, GroupSpec};
 use pagedkv_core::vllm_v1::Release;
@@ -39,8 +39,15 @@ pub struct PyV1Hybrid {
 
 /// One group as Python describes it: `(kind, block_size, size, layout)` with `kind` one of
 /// `"full"`, `"sliding_window"` (`size`: the window), `"chunked_local"` (`size`: the chunk),
-/// `"mamba"` (mode "none"; `size`: its `num_speculative_blocks`).
-fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<GroupSpec> {
+/// `"mamba"` (mode "none"; `size`: its `num_speculative_blocks`), `"mamba_align"` (mode
+/// "align"; likewise, `checkpoint` its prefill checkpoint alignment, 0 for none).
+fn group_spec(
+    kind: &str,
+    block_size: u32,
+    size: u32,
+    layout: u32,
+    checkpoint: u32,
+) -> PyResult<GroupSpec> {
     let kind = match kind {
         "full" => AttentionKind::Full,
         "sliding_window" => AttentionKind::SlidingWindow {
@@ -51,6 +58,10 @@ fn group_spec(kind: &str, block_size: u32, size: u32, layout: u32) -> PyResult<G
         },
         "mamba" => AttentionKind::Mamba {
             num_speculative_blocks: size,
+        },
+        "mamba_align" => AttentionKind::MambaAlign {
+            num_speculative_blocks: size,
+            checkpoint_alignment: checkpoint,
         },
         other => {
             return Err(crate::errors::invalid(format!(
@@ -112,7 +123,7 @@ impl PyV1Hybrid {
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
         release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
-        zero_new_blocks=false))]
+        zero_new_blocks=false, checkpoint_alignments=None))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -128,15 +139,30 @@ impl PyV1Hybrid {
         use_eagle: bool,
         eagle_groups: Option<Vec<bool>>,
         zero_new_blocks: bool,
+        checkpoint_alignments: Option<Vec<Count>>,
     ) -> PyResult<Self> {
+        let checkpoints = checkpoint_alignments.unwrap_or_default();
+        if !checkpoints.is_empty() && checkpoints.len() != groups.len() {
+            return Err(crate::errors::invalid(format!(
+                "{} checkpoint alignments for {} KV cache groups",
+                checkpoints.len(),
+                groups.len()
+            )));
+        }
         let groups = groups
             .iter()
-            .map(|(k, bs, size, layout)| {
+            .enumerate()
+            .map(|(i, (k, bs, size, layout))| {
+                let checkpoint = match checkpoints.get(i) {
+                    Some(c) => c.u32("checkpoint alignment")?,
+                    None => 0,
+                };
                 group_spec(
                     k,
                     bs.u32("block_size")?,
                     size.u32("window or chunk size")?,
                     layout.u32("layout")?,
+                    checkpoint,
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;
@@ -245,9 +271,14 @@ impl PyV1Hybrid {
             .py()
     }
 
-    /// vLLM's `coordinator.get_num_blocks_to_allocate` (no encoder tokens).
+    /// vLLM's `coordinator.get_num_blocks_to_allocate` (no encoder tokens); a Mamba align
+    /// group also reads `num_tokens_main_model` (default: `num_tokens`) and `prefill_end`, and
+    /// records the chunk's checkpoint (uncapped counts), as vLLM does.
+    #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, num_tokens, new_computed, total_computed_tokens,
-        apply_admission_cap=false))]
+        apply_admission_cap=false, num_tokens_main_model=None, prefill_end=SatCount(0)),
+        text_signature = "($self, request_id, num_tokens, new_computed, total_computed_tokens, \
+        apply_admission_cap=False, num_tokens_main_model=None, prefill_end=0)")]
     fn num_blocks_to_allocate(
         &self,
         request_id: &str,
@@ -255,9 +286,11 @@ impl PyV1Hybrid {
         new_computed: Option<Vec<Vec<Int64>>>,
         total_computed_tokens: SatCount,
         apply_admission_cap: bool,
-    ) -> PyResult<u64> {
+        num_tokens_main_model: Option<SatCount>,
+        prefill_end: SatCount,
+    ) -> PyResult<i64> {
         let new_computed = new_computed.map(|g| group_ids(&g)).transpose()?;
-        let m = self.lock()?;
+        let mut m = self.lock()?;
         if let Some(nc) = &new_computed {
             if nc.len() != m.num_groups() {
                 return Err(crate::errors::invalid(format!(
@@ -270,14 +303,21 @@ impl PyV1Hybrid {
                 m.pool().check_block(i64::from(b)).py()?;
             }
         }
-        m.num_blocks_to_allocate(
-            request_id,
-            num_tokens.0,
-            new_computed.as_deref(),
-            total_computed_tokens.0,
+        let c = BlockCount {
+            num_tokens: num_tokens.0,
+            num_tokens_main: num_tokens_main_model.map_or(num_tokens.0, |n| n.0),
+            total_computed: total_computed_tokens.0,
+            prefill_end: prefill_end.0,
             apply_admission_cap,
-        )
-        .py()
+        };
+        m.num_blocks_to_allocate(request_id, &c, new_computed.as_deref())
+            .py()
+    }
+
+    /// vLLM's `new_step_starts`: Mamba align groups forget the states cached this step.
+    fn new_step_starts(&self) -> PyResult<()> {
+        self.lock()?.new_step_starts();
+        Ok(())
     }
 
     /// vLLM's `remove_skipped_blocks(request_id, processed_computed_tokens)`.
