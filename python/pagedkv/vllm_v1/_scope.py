@@ -10,11 +10,13 @@ equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3,
 Granite 4, Nemotron-H, Jamba, Qwen3-Next without prefix caching) each handled by vLLM's
 ``FullAttentionManager``, ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or
 ``MambaManager`` in ``mamba_cache_mode`` "none" (:func:`hybrid_out_of_scope`); in both cases
-none of: hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or
-prefill context parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV
-cache metrics collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served
-natively, its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``),
-except with a chunked local group, whose lookup vLLM asserts against. Mamba "align" mode
+none of: multi-module MTP's prefill lookahead (above 1), decode or prefill context parallelism,
+block zeroing other than Mamba's (mixed-precision caches), a KV cache metrics collector.
+EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively, its last-block
+drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with a chunked local
+group, whose lookup vLLM asserts against; so are vLLM 0.33's lookahead block hashes
+(``num_hash_lookahead_tokens``, EAGLE with prefix caching by default), which change only the
+KV events' contents in the manager (:mod:`pagedkv.vllm_v1._events`). Mamba "align" mode
 (Mamba with prefix caching: block-aligned prefill splits, per-step state blocks with interior
 nulling, prefill checkpoints, partial hits with copy-on-write) is not mirrored: such a model
 runs vLLM's own manager, and vLLM's loop (the scheduler's ``need_mamba_block_aligned_split``).
@@ -61,7 +63,6 @@ def _common_reason(kv_cache_config: Any, args: Any, mamba_zeroing: bool = False)
         mamba_zeroing and not getattr(kv_cache_config, "has_mixed_precision_kv_cache", False)
     )
     checks = (
-        (args.get("num_hash_lookahead_tokens"), "hash lookahead tokens"),
         ((args.get("num_prefill_lookahead") or 0) > 1, "multi-module MTP prefill lookahead"),
         (args.get("dcp_world_size", 1) != 1, "decode context parallelism"),
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
