@@ -307,6 +307,7 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
     return {
         "release_033": hasattr(sched, "num_executed_steps"),
         "hash_block_size": sched.hash_block_size,
+        "num_hash_lookahead_tokens": getattr(sched, "num_hash_lookahead_tokens", 0),
         "async_scheduling": isinstance(sched, AsyncScheduler),
         "decode_stagger": getattr(sched, "decode_stagger", 1),
         "PRIORITY": SchedulingPolicy.PRIORITY,

@@ -166,7 +166,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
         (getattr(sched, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
-        (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
         (getattr(sched, "num_sampled_tokens_per_step", 1) != 1, "a pooling or diffusion model"),

@@ -521,6 +521,14 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<PyBlocks>, u64)> {
+        if self.lp.hash_lookahead > 0 && self.resumable(r)? {
+            // vLLM 0.33: a session's kept hashes may cover a discarded token (a lookahead
+            // hash reads past its block), so they are recomputed from the current tokens.
+            let py = self.py();
+            let hashes = r.obj.getattr(intern!(py, "block_hashes"))?;
+            hashes.call_method0(intern!(py, "clear"))?;
+            r.obj.call_method0(intern!(py, "update_block_hashes"))?;
+        }
         let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
         let ids = self.lp.kv.hit_ids(&self.sched, &blocks)?;
         Ok((ids, num_local))
