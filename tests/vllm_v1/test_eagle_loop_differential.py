@@ -141,8 +141,9 @@ def test_eagle_lookahead_lockstep(
 def test_the_lookahead_scheduler_builds_a_native_engine(
     tiny_model_dir: Path, eagle_lookahead: None
 ) -> None:
-    """vLLM's scheduler turns lookahead hashes on and the drop off; pagedkv's manager and
-    native loop serve that engine, the manager's events covering the lookahead."""
+    """vLLM's scheduler turns lookahead hashes on and the drop off; pagedkv's manager,
+    native loop and native hashing serve that engine."""
+    from pagedkv import _native
     from pagedkv.vllm_v1 import KVCacheManager
     from pagedkv.vllm_v1._scope import engine_out_of_scope
 
@@ -153,6 +154,12 @@ def test_the_lookahead_scheduler_builds_a_native_engine(
     assert sched.kv_cache_manager.num_hash_lookahead_tokens == 1
     assert not sched.kv_cache_manager._native.drops_eagle_block
     assert engine_out_of_scope(sched) is None
+    # The requests' lookahead hasher (vLLM's) is recognized: the native stand-in hashes.
+    spec = h.RequestSpec("r0", tuple(range(3, 40)), 4, True, 0)
+    request = h.build_request(spec, h.request_block_hasher(cfg, 1))
+    sched.add_request(request)
+    assert isinstance(request._block_hasher, _native.VllmBlockHasher)
+    assert request._block_hasher.lookahead == 1
 
 
 @LOOKAHEAD
