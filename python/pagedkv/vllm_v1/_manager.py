@@ -447,13 +447,14 @@ _DEFAULTS = dict(
 def hash_lookahead_tokens(a: Dict[str, Any]) -> int:
     """vLLM 0.33's ``num_hash_lookahead_tokens`` (0 on 0.32, which has none): the tokens past
     each block its hash covers. Only the KV events' contents depend on it here (the requests'
-    hashers compute the hashes); a non-integer or negative count is refused."""
+    hashers compute the hashes); a non-integer or negative count is refused (a ``bool`` is
+    an int, as vLLM's own tests pass it)."""
     n = a["num_hash_lookahead_tokens"]
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+    if not isinstance(n, int) or n < 0:
         raise InvalidArgumentError(
             f"num_hash_lookahead_tokens must be a non-negative int, got {n!r}"
         )
-    return n
+    return int(n)
 
 
 def _named_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
