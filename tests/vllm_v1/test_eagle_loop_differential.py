@@ -220,3 +220,91 @@ def test_a_sessions_stale_hash_is_recomputed_at_lookup(
         expected = fresh if resumable else fresh[:-1] + [b"stale"]
         assert after[name] == expected, name
     assert after["vllm"] == after["pagedkv"]
+
+
+def _session_recovery(sched: object, recovery: str) -> list:
+    """vLLM 0.33's own streaming-session scenario under lookahead hashes (its
+    ``test_streaming_lookahead_hashes_follow_recomputed_kv``, on this tiny model with
+    scheduler-only EAGLE): a session's turn, an update that discards its last sampled token
+    (the kept first hash covers it), then the session's KV recomputed after ``recovery``
+    (``resident``: none; ``preempt``; ``reset`` of the prefix cache). vLLM's assertions, and
+    what was observed, for comparison between schedulers."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    hasher = h.request_block_hasher(h.SchedConfig(block_size=4), 1)
+
+    def request(rid: str, tokens: list, resumable: bool = False, max_tokens: int = 16) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=hasher,
+            resumable=resumable,
+        )
+
+    def step(token: int) -> object:
+        out = sched.schedule()
+        runner = ModelRunnerOutput(
+            req_ids=[session.request_id],
+            req_id_to_index={session.request_id: 0},
+            sampled_token_ids=[[token]],
+        )
+        sched.update_from_output(out, runner)
+        return out
+
+    session = request("session", [1, 2, 3], resumable=True, max_tokens=2)
+    sched.add_request(session)
+    step(4), step(5)
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    manager = sched.kv_cache_manager
+    old_hash = session.block_hashes[0]
+    old_probe = request("old", [1, 2, 3, 4, 5, 100])
+    assert manager.get_computed_blocks(old_probe)[1] == 4
+    sched.add_request(request("session", [42, 43, 44], resumable=True))
+    assert list(session.all_token_ids) == [1, 2, 3, 4, 42, 43, 44]
+    step(99)
+    assert session.block_hashes[0] == old_hash  # resident KV keeps its key
+    current = request("current", session.all_token_ids)
+    assert current.block_hashes[0] != old_hash
+    assert manager.get_computed_blocks(current)[1] == 0
+    seen = [list(session.block_hashes), manager.get_block_ids("session")]
+    if recovery == "resident":
+        return seen
+    if recovery == "reset":
+        assert sched.reset_prefix_cache(reset_running_requests=True)
+    else:
+        sched.running.remove(session)
+        sched._preempt_request(session, 0.0)
+    assert session.num_computed_tokens == 0
+    out = sched.schedule()
+    assert session.block_hashes == current.block_hashes  # recomputed at the lookup
+    assert out.num_scheduled_tokens[session.request_id] == session.num_tokens
+    hit = manager.get_computed_blocks(current)[1]
+    old_hit = manager.get_computed_blocks(old_probe)[1]
+    assert (hit, old_hit) == (4, 0 if recovery == "reset" else 4)
+    return seen + [list(session.block_hashes), manager.get_block_ids("session")]
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("recovery", ["resident", "preempt", "reset"])
+def test_vllms_session_recovery_scenario_natively(
+    recovery: str, tiny_model_dir: Path, eagle_lookahead: None
+) -> None:
+    """vLLM's own streaming-session recovery scenario under lookahead hashes, on vLLM's
+    scheduler and on pagedkv's: vLLM's assertions hold on both, the hashes and block tables
+    observed are equal, and every step of pagedkv's ran natively."""
+    from pagedkv.vllm_v1 import KVCacheManager
+
+    cfg = dataclasses.replace(h.SchedConfig(), block_size=4, num_spec_tokens=1, enable_caching=True)
+    seen = {}
+    for name, manager in (("vllm", None), ("pagedkv", KVCacheManager)):
+        sched = h.make_scheduler(cfg, tiny_model_dir, manager)
+        assert sched.num_hash_lookahead_tokens == 1
+        seen[name] = _session_recovery(sched, recovery)
+        if manager is not None:
+            assert set(sched.pagedkv_steps) == {"native"}, sched.pagedkv_steps
+    assert seen["vllm"] == seen["pagedkv"]
