@@ -130,12 +130,12 @@ pub struct PyVllmBlockHasher {
 #[pymethods]
 impl PyVllmBlockHasher {
     #[new]
-    #[pyo3(signature = (name, block_size, original, lookahead=crate::args::Count(0)))]
+    #[pyo3(signature = (name, block_size, original, lookahead=None))]
     fn new(
         name: &str,
         block_size: crate::args::Count,
         original: Py<PyAny>,
-        lookahead: crate::args::Count,
+        lookahead: Option<crate::args::Count>,
     ) -> PyResult<Self> {
         let block_size = block_size.usize();
         if block_size == 0 {
@@ -146,7 +146,7 @@ impl PyVllmBlockHasher {
             name: name.to_owned(),
             shape: HashShape {
                 block_size,
-                lookahead: lookahead.usize(),
+                lookahead: lookahead.map_or(0, |n| n.usize()),
             },
             original,
         })
@@ -219,24 +219,25 @@ fn read_tokens(
 }
 
 /// `hash_fn((parent, tuple(tokens), None))` for vLLM's hash function `name`, or with
-/// lookahead tokens `ahead` (non-empty) `hash_fn((parent, tuple(tokens), (None, *ahead)))`;
+/// lookahead tokens `ahead` (non-empty; `None` is none) `hash_fn((parent, tuple(tokens),
+/// (None, *ahead)))`;
 /// `None` where the native encoding does not apply (the caller then uses vLLM's). For tests
 /// and tools.
 #[pyfunction]
-#[pyo3(signature = (name, parent, tokens, ahead=Vec::new()))]
+#[pyo3(signature = (name, parent, tokens, ahead=None))]
 pub fn vllm_block_hash<'py>(
     py: Python<'py>,
     name: &str,
     parent: &[u8],
     tokens: Vec<Bound<'py, PyAny>>,
-    ahead: Vec<Bound<'py, PyAny>>,
+    ahead: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Option<Bound<'py, PyBytes>>> {
     let f = parse_name(name)?;
     // A token outside i64 is outside the native encoding too: `None` (vLLM's hash applies).
     let ints = |v: &[Bound<'py, PyAny>]| -> PyResult<Vec<i64>> {
         v.iter().map(|t| t.extract::<i64>()).collect()
     };
-    let (Ok(tokens), Ok(ahead)) = (ints(&tokens), ints(&ahead)) else {
+    let (Ok(tokens), Ok(ahead)) = (ints(&tokens), ints(&ahead.unwrap_or_default())) else {
         return Ok(None);
     };
     let mut scratch = Vec::new();
