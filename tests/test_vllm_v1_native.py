@@ -313,6 +313,7 @@ def loop_config(**overrides) -> dict:
     config = {
         "release_033": True,
         "hash_block_size": 4,
+        "num_hash_lookahead_tokens": 0,
         "async_scheduling": False,
         "decode_stagger": 1,
         "pool_tokens": 1 << 20,

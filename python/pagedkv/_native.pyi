@@ -54,11 +54,14 @@ def _set_weak_test_hasher(hash_seed: Optional[int] = None) -> None:
     """Make the 3-bit test hash the process default (tests only: it makes hash collisions
     common, to show that the prefix cache never shares a block whose stored key differs)."""
 
-def vllm_block_hash(name: str, parent: bytes, tokens: List[int]) -> Optional[bytes]:
+def vllm_block_hash(
+    name: str, parent: bytes, tokens: List[int], ahead: Optional[List[int]] = None
+) -> Optional[bytes]:
     """vLLM's ``hash_fn((parent, tuple(tokens), None))`` for hash function ``name``
-    (``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``); ``None`` where the native
-    encoding does not apply (a pickled token outside 32 bits, fewer than 4 tokens, a parent
-    over 255 bytes)."""
+    (``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``); with lookahead tokens
+    ``ahead`` (vLLM 0.33; ``None`` or empty: none) the extra keys are ``(None, *ahead)``.
+    ``None`` where the native encoding does not apply (a pickled token outside 32 bits,
+    fewer than 4 tokens, a parent over 255 bytes)."""
 
 def hash_blocks(
     token_ids: _TokenIds,
@@ -532,9 +535,11 @@ class V1Manager:
         groups: List[Tuple[Any, Any, int]],
         hash_block_size: int,
         request_cls: Any,
+        lookahead: int = 0,
     ) -> None:
         """Have ``take_events(request)`` build vLLM's ``BlockStored`` itself for a request
-        without extra hash keys; ``groups``: ``[(spec_kind, sliding_window, block_size)]``."""
+        without extra hash keys; ``groups``: ``[(spec_kind, sliding_window, block_size)]``;
+        ``lookahead``: vLLM 0.33's ``num_hash_lookahead_tokens`` (``lookahead_token_ids``)."""
     def vllm_allocate_slots(
         self,
         request: Any,
@@ -765,9 +770,11 @@ class V1Hybrid:
         groups: List[Tuple[Any, Any, int]],
         hash_block_size: int,
         request_cls: Any,
+        lookahead: int = 0,
     ) -> None:
         """Have events build vLLM's ``BlockStored`` natively for a request without extra hash
-        keys; ``groups``: ``(spec_kind, sliding_window, block_size)`` per group."""
+        keys; ``groups``: ``(spec_kind, sliding_window, block_size)`` per group; ``lookahead``:
+        vLLM 0.33's ``num_hash_lookahead_tokens`` (``lookahead_token_ids``)."""
     def bind_event_sink(self, events: List[Any], build: Any) -> None:
         """Have ``drain_events`` append vLLM's event objects to ``events`` (``build`` builds
         the ones not built natively)."""
@@ -833,11 +840,15 @@ class V1Loop:
 @final
 class VllmBlockHasher:
     """vLLM's request block hasher (``get_request_block_hasher``'s closure ``original``) for
-    hash function ``name`` at ``block_size``, natively: ``hasher(request)`` returns the hashes
-    of the blocks filled since the last call, byte for byte vLLM's; what it does not encode
-    (the first block, a token outside the encoding) it hands to ``original``."""
+    hash function ``name`` at ``block_size`` with ``lookahead`` tokens past each block (vLLM
+    0.33's ``num_hash_lookahead_tokens``; ``None``: 0), natively: ``hasher(request)``
+    returns the hashes of the blocks filled (and followed by their lookahead tokens) since
+    the last call, byte for byte vLLM's; what it does not encode (the first block, a token
+    outside the encoding) it hands to ``original``."""
 
-    def __new__(cls, name: str, block_size: int, original: Any) -> VllmBlockHasher: ...
+    def __new__(
+        cls, name: str, block_size: int, original: Any, lookahead: Optional[int] = None
+    ) -> VllmBlockHasher: ...
     def __call__(self, request: Any) -> List[bytes]: ...
     @property
     def name(self) -> str:
@@ -845,6 +856,9 @@ class VllmBlockHasher:
     @property
     def block_size(self) -> int:
         """The hash block size (tokens per hashed block)."""
+    @property
+    def lookahead(self) -> int:
+        """Tokens past each block its hash covers (0: none)."""
     @property
     def original(self) -> Any:
         """The hasher this one stands in for (vLLM's closure)."""

@@ -294,6 +294,8 @@ class Driver:
     #: The managers' ``use_eagle`` and the groups flagged ``is_eagle_group``.
     use_eagle: bool = False
     eagle_groups: Sequence[int] = ()
+    #: vLLM 0.33's ``num_hash_lookahead_tokens``: the requests' hasher and both managers.
+    lookahead: int = 0
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
     deferred: List[tuple] = field(default_factory=list)
@@ -304,7 +306,8 @@ class Driver:
         self.rng = random.Random(self.seed)
         hash_fn = get_hash_fn_by_name(self.hash_algo)
         kv_cache_utils.init_none_hash(hash_fn)
-        self.hasher = kv_cache_utils.get_request_block_hasher(self.block_size, hash_fn)
+        ahead = dict(num_hash_lookahead_tokens=self.lookahead) if self.lookahead else {}
+        self.hasher = kv_cache_utils.get_request_block_hasher(self.block_size, hash_fn, **ahead)
         self.vllm, self.ours = manager_pair(
             self.num_blocks,
             self.block_size,
@@ -317,6 +320,7 @@ class Driver:
             log_stats=True,
             watermark=self.watermark,
             max_model_len=self.max_model_len,
+            **ahead,
         )
         self.splitter = mamba_splitter(self.layout, self.block_size)
         self.prefixes = [

@@ -15,6 +15,10 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, hash_block_tok
 from pagedkv import _native
 from pagedkv.vllm_v1._hashing import hash_name_of
 
+#: vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``); 0.32 has none.
+HAS_LOOKAHEAD = "num_hash_lookahead_tokens" in get_request_block_hasher.__code__.co_varnames
+LOOKAHEAD = pytest.mark.skipif(not HAS_LOOKAHEAD, reason="vLLM 0.32 has no lookahead hashes")
+
 EDGE_TOKENS = (0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**31, 2**32, 2**40, 2**63 - 1)
 EDGE_TOKENS += tuple(-t for t in EDGE_TOKENS[1:-1])
 
@@ -54,11 +58,14 @@ def test_vllms_own_hasher_is_recognized_and_nothing_else() -> None:
     assert name_of(get_request_block_hasher(16, lambda x: sha(x))) is None  # another function
     assert name_of(lambda request: []) is None
     assert name_of(None) is None
-    try:
-        lookahead = get_request_block_hasher(16, sha, 1)
-    except TypeError:  # 0.32: no lookahead tokens
+    if not HAS_LOOKAHEAD:
         return
-    assert name_of(lookahead) is None
+    lookahead = get_request_block_hasher(16, sha, num_hash_lookahead_tokens=1)
+    assert name_of(lookahead) is None  # another lookahead than the scheduler's
+    assert hash_name_of(16, 1)(lookahead) == "sha256"
+    assert hash_name_of(16, 2)(lookahead) is None
+    stand_in = _native.VllmBlockHasher("sha256", 16, lookahead, 1)
+    assert hash_name_of(16, 1)(stand_in) == "sha256" and name_of(stand_in) is None
 
 
 def _request(prompt: list, hasher: object, **kwargs: object) -> object:
@@ -114,3 +121,65 @@ def test_schedulers_hand_in_scope_requests_the_native_stand_in() -> None:
     assert not hashers.hash_natively(_request(range(40), get_request_block_hasher(32, sha)))
     assert not hashers.hash_natively(_request(range(40), None))
     assert not hashers.hash_natively(_request(range(40), lambda r: []))
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_native_lookahead_block_hash_is_vllms(algo: str) -> None:
+    """``hash_fn((parent, tokens, (None, *ahead)))``, the hash vLLM 0.33's hasher gives a
+    block of a request without extra keys when its next tokens are ``ahead``."""
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    rng = random.Random(algo + "ahead")
+    parent = hash_block_tokens(hash_fn, None, [1, 2, 3, 4], None)
+    native = 0
+    for case in range(300):
+        tokens = [rng.randrange(2**17) for _ in range(rng.choice((4, 16)))]
+        ahead = [
+            rng.choice(EDGE_TOKENS) if rng.random() < 0.05 else rng.randrange(2**17)
+            for _ in range(rng.choice((1, 1, 2, 3, 5)))
+        ]
+        want = hash_block_tokens(hash_fn, parent, tokens, (None, *ahead))
+        got = _native.vllm_block_hash(algo, parent, tokens, ahead)
+        if got is None:
+            assert "cbor" not in algo and any(not -(2**31) <= t < 2**31 for t in ahead)
+        else:
+            assert got == want, (case, tokens, ahead)
+            native += 1
+        parent = want
+    assert native > 250
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("lookahead", [1, 2, 4])
+def test_native_stand_in_hashes_as_vllms_lookahead_hasher(algo: str, lookahead: int) -> None:
+    """vLLM 0.33's lookahead hasher and pagedkv's stand-in for it, the same tokens appended
+    one by one (a block is hashed only once its lookahead tokens exist): equal hashes after
+    every token, a salted first block included."""
+    block_size = 4
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    vllm_hasher = get_request_block_hasher(block_size, hash_fn, num_hash_lookahead_tokens=lookahead)
+    handed_back = []
+
+    def original(request: object) -> object:
+        handed_back.append(1)
+        return vllm_hasher(request)
+
+    stand_in = _native.VllmBlockHasher(algo, block_size, original, lookahead)
+    assert stand_in.lookahead == lookahead
+    rng = random.Random(algo + str(lookahead))
+    for prompt_len, salt in ((3, None), (block_size * 3 + 1, None), (block_size + 2, "salt")):
+        prompt = [rng.randrange(1000) for _ in range(prompt_len)]
+        ref = _request(prompt, vllm_hasher, cache_salt=salt)
+        test = _request(prompt, stand_in, cache_salt=salt)
+        assert test.block_hashes == ref.block_hashes
+        for _ in range(12 * block_size):
+            t = rng.choice(EDGE_TOKENS) if rng.random() < 0.02 else rng.randrange(50_000)
+            ref.append_output_token_ids(t)
+            test.append_output_token_ids(t)
+            assert test.block_hashes == ref.block_hashes
+        assert len(ref.block_hashes) == (ref.num_tokens - lookahead) // block_size >= 11
+    # Handed back: calls before the first hash exists, and the few with a wide token.
+    assert len(handed_back) < 40, len(handed_back)

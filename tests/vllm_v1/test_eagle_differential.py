@@ -160,3 +160,102 @@ def test_a_planted_eagle_difference_is_caught(layout: str) -> None:
         except AssertionError:
             failures += 1
     assert failures >= 4, failures
+
+
+#: vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``); 0.32 has none.
+LOOKAHEAD = pytest.mark.skipif(
+    require_supported_vllm() == "0.32.0", reason="vLLM 0.32 has no lookahead block hashes"
+)
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("seed", range(16))
+def test_lookahead_hashes_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """EAGLE with prefix caching on 0.33: the scheduler turns the drop off and the requests'
+    hashes cover the next token (or, with 3, three): blocks, hits and events (extra keys over
+    the block and its lookahead tokens, ``lookahead_token_ids``) as vLLM's, call by call, one
+    group and hybrid layouts; a quarter of the requests carry a cache salt (the Python
+    builder's events), the rest are built natively."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if seed % 3 else "0")
+    layout = ([""] + EAGLE_LAYOUTS)[seed % (len(EAGLE_LAYOUTS) + 1)]
+    block_size = (4, 8, 16)[seed % 3]
+    Driver(
+        seed=seed,
+        num_blocks=16 + seed % 40,
+        block_size=block_size,
+        caching=True,
+        events=True,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        layout=layout,
+        retention=retention_interval(RETENTIONS[seed % len(RETENTIONS)], layout, block_size)
+        if layout
+        else None,
+        eagle_groups=flagged("last", len(hybrid_groups(layout, block_size)) if layout else 1),
+        lookahead=3 if seed % 4 == 3 else 1,
+    ).run(300)
+
+
+@LOOKAHEAD
+def test_lookahead_events_carry_the_next_tokens() -> None:
+    """A prompt of two full blocks: its first block is hashed (the next token exists), its
+    second is not (none follows it); the native manager's ``BlockStored`` lists that next
+    token and equals vLLM's."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core import kv_cache_utils
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256, num_hash_lookahead_tokens=1)
+    vllm, ours = manager_pair(
+        16, 4, enable_caching=True, enable_kv_cache_events=True, num_hash_lookahead_tokens=1
+    )
+    assert ours.block_pool.num_hash_lookahead_tokens == 1
+    events = []
+    for m in (vllm, ours):
+        req = Request(
+            request_id="r",
+            prompt_token_ids=list(range(8)),
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        assert len(req.block_hashes) == 1
+        hit, n, _ = m.get_computed_blocks(req)
+        assert m.allocate_slots(req, 8, num_new_computed_tokens=n, new_computed_blocks=hit)
+        events.append(m.take_events())
+    (theirs,), (mine,) = events
+    assert mine.lookahead_token_ids == [[4]] and mine.token_ids == [0, 1, 2, 3]
+    assert repr(mine) == repr(theirs)
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("bad", [-1, 1.5, "1"])
+def test_a_bad_lookahead_count_is_refused(bad: Any) -> None:
+    from pagedkv.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError):
+        PagedManager(
+            kv_cache_config(16, 4),
+            max_model_len=4096,
+            scheduler_block_size=4,
+            hash_block_size=4,
+            num_hash_lookahead_tokens=bad,
+        )
+
+
+@LOOKAHEAD
+def test_a_planted_lookahead_difference_is_caught() -> None:
+    """pagedkv's manager built without the lookahead while vLLM's has it: the events differ
+    (no ``lookahead_token_ids``) and the comparison fails."""
+    failures = 0
+    for seed in range(4):
+        d = Driver(seed=seed, num_blocks=40, block_size=4, caching=True, events=True, lookahead=1)
+        _, d.ours = manager_pair(
+            40, 4, enable_caching=True, enable_kv_cache_events=True, log_stats=True
+        )
+        try:
+            d.run(100)
+        except AssertionError:
+            failures += 1
+    assert failures == 4, failures

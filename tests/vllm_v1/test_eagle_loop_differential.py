@@ -6,8 +6,13 @@ Scheduler-only EAGLE, as vLLM's own scheduler tests do it: the harness's n-gram 
 configuration reports itself as an EAGLE method (``SpeculativeConfig.use_eagle``) while both
 schedulers are built, so each builds its manager with ``use_eagle=True`` and reads a prefill
 lookahead of 1 (``VllmConfig.num_prefill_lookahead_tokens``); on 0.33 its lookahead block
-hashes are off (``disable_lookahead_block_hashes``: they would put the engine outside
-pagedkv's scope), which is what makes 0.33 drop blocks at all. Drafts stay the harness's."""
+hashes are off here (as ``disable_lookahead_block_hashes`` turns them off), which is what
+makes 0.33 drop blocks at all. Drafts stay the harness's.
+
+The same engines with 0.33's default for EAGLE and prefix caching, lookahead block hashes
+(``num_hash_lookahead_tokens`` 1: no drop, each hash covering the token after its block, the
+requests' hasher vLLM's own), are compared in the ``lookahead`` tests, streaming sessions
+included (their hashes recomputed at a lookup from nothing computed)."""
 
 from __future__ import annotations
 
@@ -35,19 +40,35 @@ def eagle(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+#: vLLM 0.33's lookahead block hashes; 0.32 has none.
+LOOKAHEAD = pytest.mark.skipif(
+    not hasattr(VllmConfig, "num_hash_lookahead_tokens"),
+    reason="vLLM 0.32 has no lookahead block hashes",
+)
+
+
+@pytest.fixture
+def eagle_lookahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every speculative configuration built meanwhile is an EAGLE one, and vLLM's own
+    default stands: lookahead block hashes with prefix caching."""
+    monkeypatch.setattr(SpeculativeConfig, "use_eagle", lambda self: True)
+    yield
+
+
 def eagle_seed(seed: int) -> tuple:
     layout = LAYOUTS[seed % len(LAYOUTS)]
     mode = RETENTIONS[seed // len(LAYOUTS) % len(RETENTIONS)]
     return layout, mode
 
 
-def run_eagle_seed(seed: int, model_dir: Path, manager_cls: type) -> dict:
-    """``v1_harness.run_seed`` with drafts (2 or 4) and prefix caching on, the layout and
-    retention of :func:`eagle_seed`."""
+def run_eagle_seed(seed: int, model_dir: Path, manager_cls: type, caching_off: bool = True) -> dict:
+    """``v1_harness.run_seed`` with drafts (2 or 4) and prefix caching on (off for one seed
+    in seven when ``caching_off``), the layout and retention of :func:`eagle_seed`."""
     rng = random.Random(seed)
     layout, mode = eagle_seed(seed)
     cfg = h.random_config(rng)
-    cfg = dataclasses.replace(cfg, num_spec_tokens=(2, 4)[seed % 2], enable_caching=seed % 7 != 6)
+    caching = not (caching_off and seed % 7 == 6)
+    cfg = dataclasses.replace(cfg, num_spec_tokens=(2, 4)[seed % 2], enable_caching=caching)
     retention: Optional[int] = retention_interval(mode, layout, cfg.block_size) if layout else None
     cfg = h.with_layout(cfg, layout, retention)
     capped = dataclasses.replace(cfg, max_model_len=h.length_cap(cfg))
@@ -100,3 +121,190 @@ def test_eagle_multimodal_lockstep(
     )
     encoder = mm.Encoder(budget=32, cache_size=48, no_chunking=False, v2_runner=False)
     assert _run(cfg, encoder, seed, tiny_model_dir, manager_cls)["steps"] > 0
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("seed", range(24))
+def test_eagle_lookahead_lockstep(
+    seed: int, tiny_model_dir: Path, manager_cls: type, eagle_lookahead: None
+) -> None:
+    """0.33's default for EAGLE with prefix caching: lookahead block hashes, no drop. One
+    group and hybrid layouts, sync and async, preemption, aborts and prefix hits, every step
+    compared (block hashes, KV events with their ``lookahead_token_ids``) and native (vLLM's
+    loop only while a held request is, one seed in four)."""
+    stats = run_eagle_seed(seed, tiny_model_dir, manager_cls, caching_off=False)
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=seed % 4 == 3)
+
+
+@LOOKAHEAD
+def test_the_lookahead_scheduler_builds_a_native_engine(
+    tiny_model_dir: Path, eagle_lookahead: None
+) -> None:
+    """vLLM's scheduler turns lookahead hashes on and the drop off; pagedkv's manager,
+    native loop and native hashing serve that engine."""
+    from pagedkv import _native
+    from pagedkv.vllm_v1 import KVCacheManager
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    cfg = dataclasses.replace(h.SchedConfig(), num_spec_tokens=2, enable_caching=True)
+    sched = h.make_scheduler(cfg, tiny_model_dir, KVCacheManager)
+    assert sched.num_hash_lookahead_tokens == 1 and not sched.use_eagle_block_drop
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    assert sched.kv_cache_manager.num_hash_lookahead_tokens == 1
+    assert not sched.kv_cache_manager._native.drops_eagle_block
+    assert engine_out_of_scope(sched) is None
+    # The requests' lookahead hasher (vLLM's) is recognized: the native stand-in hashes.
+    spec = h.RequestSpec("r0", tuple(range(3, 40)), 4, True, 0)
+    request = h.build_request(spec, h.request_block_hasher(cfg, 1))
+    sched.add_request(request)
+    assert isinstance(request._block_hasher, _native.VllmBlockHasher)
+    assert request._block_hasher.lookahead == 1
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("seed", range(16))
+def test_eagle_lookahead_sessions_lockstep(
+    seed: int, tiny_model_dir: Path, manager_cls: type, eagle_lookahead: None
+) -> None:
+    """Streaming sessions under lookahead hashes (drafts, prefix caching, a starved pool for
+    preemption): a session update drops the last sampled token, which a kept hash may cover;
+    every step compared with vLLM's and native."""
+    from test_streaming_sessions import session_config, session_workload
+
+    rng = random.Random(f"sessions{seed}")
+    cfg = session_config(rng)
+    cfg = dataclasses.replace(
+        cfg, async_scheduling=False, enable_caching=True, num_spec_tokens=2, sampling_mask=False
+    )
+    run = h.Lockstep(cfg, session_workload(rng), seed, tiny_model_dir, manager_cls)
+    stats = run.run()
+    assert stats["steps"] > 0 and stats["session_updates"] > 0
+    assert_native_loop(stats, manager_cls)
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("resumable", [True, False])
+def test_a_sessions_stale_hash_is_recomputed_at_lookup(
+    tiny_model_dir: Path, eagle_lookahead: None, resumable: bool
+) -> None:
+    """A waiting streaming session with nothing computed and a stale last hash (one covering a
+    token since discarded): vLLM's scheduler and pagedkv's native loop both recompute its
+    hashes from the current tokens before the lookup; a plain request's hashes are left as
+    they are by both."""
+    from pagedkv.vllm_v1 import KVCacheManager
+
+    cfg = dataclasses.replace(h.SchedConfig(), num_spec_tokens=2, enable_caching=True)
+    spec = h.RequestSpec(
+        "s0",
+        tuple(range(3, 3 + 3 * cfg.block_size)),
+        4,
+        True,
+        0,
+        updates=(h.SessionUpdate(5, (7, 8), 2),) if resumable else (),
+    )
+    after = {}
+    for name, manager in (("vllm", None), ("pagedkv", KVCacheManager)):
+        sched = h.make_scheduler(cfg, tiny_model_dir, manager)
+        hasher = h.request_block_hasher(cfg, sched.num_hash_lookahead_tokens)
+        request = h.build_request(spec, hasher)
+        assert request.resumable is resumable
+        fresh = list(request.block_hashes)
+        assert len(fresh) == 2  # the third block has no token after it yet
+        request.block_hashes[-1] = b"stale"
+        sched.add_request(request)
+        sched.schedule()
+        after[name] = list(request.block_hashes)
+        if manager is not None:
+            assert dict(sched.pagedkv_steps) == {"native": 1}
+        expected = fresh if resumable else fresh[:-1] + [b"stale"]
+        assert after[name] == expected, name
+    assert after["vllm"] == after["pagedkv"]
+
+
+def _session_recovery(sched: object, recovery: str) -> list:
+    """vLLM 0.33's own streaming-session scenario under lookahead hashes (its
+    ``test_streaming_lookahead_hashes_follow_recomputed_kv``, on this tiny model with
+    scheduler-only EAGLE): a session's turn, an update that discards its last sampled token
+    (the kept first hash covers it), then the session's KV recomputed after ``recovery``
+    (``resident``: none; ``preempt``; ``reset`` of the prefix cache). vLLM's assertions, and
+    what was observed, for comparison between schedulers."""
+    from vllm import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request, RequestStatus
+
+    hasher = h.request_block_hasher(h.SchedConfig(block_size=4), 1)
+
+    def request(rid: str, tokens: list, resumable: bool = False, max_tokens: int = 16) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return Request(
+            request_id=rid,
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            block_hasher=hasher,
+            resumable=resumable,
+        )
+
+    def step(token: int) -> object:
+        out = sched.schedule()
+        runner = ModelRunnerOutput(
+            req_ids=[session.request_id],
+            req_id_to_index={session.request_id: 0},
+            sampled_token_ids=[[token]],
+        )
+        sched.update_from_output(out, runner)
+        return out
+
+    session = request("session", [1, 2, 3], resumable=True, max_tokens=2)
+    sched.add_request(session)
+    step(4), step(5)
+    assert session.status == RequestStatus.WAITING_FOR_STREAMING_REQ
+    manager = sched.kv_cache_manager
+    old_hash = session.block_hashes[0]
+    old_probe = request("old", [1, 2, 3, 4, 5, 100])
+    assert manager.get_computed_blocks(old_probe)[1] == 4
+    sched.add_request(request("session", [42, 43, 44], resumable=True))
+    assert list(session.all_token_ids) == [1, 2, 3, 4, 42, 43, 44]
+    step(99)
+    assert session.block_hashes[0] == old_hash  # resident KV keeps its key
+    current = request("current", session.all_token_ids)
+    assert current.block_hashes[0] != old_hash
+    assert manager.get_computed_blocks(current)[1] == 0
+    seen = [list(session.block_hashes), manager.get_block_ids("session")]
+    if recovery == "resident":
+        return seen
+    if recovery == "reset":
+        assert sched.reset_prefix_cache(reset_running_requests=True)
+    else:
+        sched.running.remove(session)
+        sched._preempt_request(session, 0.0)
+    assert session.num_computed_tokens == 0
+    out = sched.schedule()
+    assert session.block_hashes == current.block_hashes  # recomputed at the lookup
+    assert out.num_scheduled_tokens[session.request_id] == session.num_tokens
+    hit = manager.get_computed_blocks(current)[1]
+    old_hit = manager.get_computed_blocks(old_probe)[1]
+    assert (hit, old_hit) == (4, 0 if recovery == "reset" else 4)
+    return seen + [list(session.block_hashes), manager.get_block_ids("session")]
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("recovery", ["resident", "preempt", "reset"])
+def test_vllms_session_recovery_scenario_natively(
+    recovery: str, tiny_model_dir: Path, eagle_lookahead: None
+) -> None:
+    """vLLM's own streaming-session recovery scenario under lookahead hashes, on vLLM's
+    scheduler and on pagedkv's: vLLM's assertions hold on both, the hashes and block tables
+    observed are equal, and every step of pagedkv's ran natively."""
+    from pagedkv.vllm_v1 import KVCacheManager
+
+    cfg = dataclasses.replace(h.SchedConfig(), block_size=4, num_spec_tokens=1, enable_caching=True)
+    seen = {}
+    for name, manager in (("vllm", None), ("pagedkv", KVCacheManager)):
+        sched = h.make_scheduler(cfg, tiny_model_dir, manager)
+        assert sched.num_hash_lookahead_tokens == 1
+        seen[name] = _session_recovery(sched, recovery)
+        if manager is not None:
+            assert set(sched.pagedkv_steps) == {"native"}, sched.pagedkv_steps
+    assert seen["vllm"] == seen["pagedkv"]

@@ -69,7 +69,8 @@ def test_mamba_align_layouts_with_prefix_caching_are_in_scope(layout: str) -> No
 
 def test_mamba_align_outside_the_mirrored_part_keeps_vllms_manager() -> None:
     """Align mode with Mamba blocks larger than the hash block (vLLM's fine-grained partial
-    hits, with copy-on-write tails) or with EAGLE/MTP's drop stays vLLM's."""
+    hits, with copy-on-write tails) or with EAGLE/MTP (its drop, or 0.33's lookahead block
+    hashes) stays vLLM's."""
     full = layer_spec("full", 4)
     aligned = dataclasses.replace(mamba_spec(8, full), mamba_cache_mode="align")
     groups = [KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], aligned)]
@@ -79,6 +80,11 @@ def test_mamba_align_outside_the_mirrored_part_keeps_vllms_manager() -> None:
     assert why is not None and "larger than the hash block" in why, why
     cfg = kv_cache_config(32, 4, "granite4-align", None, MAX_LEN)
     why = _scope.out_of_scope(cfg, use_eagle=True, **args("granite4-align", caching=True))
+    assert why is not None and "EAGLE" in why, why
+    # 0.33's lookahead block hashes (an EAGLE drafter that drops nothing): align's
+    # checkpoints read them, so vLLM's manager keeps the engine.
+    lookahead = dict(args("granite4-align", caching=True), num_hash_lookahead_tokens=1)
+    why = _scope.out_of_scope(cfg, **lookahead)
     assert why is not None and "EAGLE" in why, why
 
 

@@ -316,6 +316,26 @@ def test_spec_section_decides_as_vllm_with_drafts_scheduled_natively(
     assert "drafts: " in v1.format_sections(release, {name: [dict(sec, mode="on")]})
 
 
+def test_eagle_section_runs_eagles_kv_rules_natively() -> None:
+    """The ``eagle`` workload (--quick, caching on): every engine built for an EAGLE-family
+    drafter (0.33: lookahead block hashes, no drop; 0.32: the dropped block), every step's
+    decisions equal to vLLM's and native, the requests' hashes vLLM's hasher's shape."""
+    release, work, engines, sec = _section("eagle")
+    assert sec["ok"], sec.get("difference")
+    for engine in engines:
+        sched = engine.scheduler
+        if release == "0.32.0":
+            assert sched.use_eagle_block_drop
+        else:
+            assert sched.num_hash_lookahead_tokens == 1 and not sched.use_eagle_block_drop
+    _check_drafts(sec, engines)
+    _check_loop_steps(sec, engines)
+    counts = sec["lanes"][engines[0].name]["loop_steps"]
+    assert counts["native"] == counts["total"] == sec["steps"]
+    for engine in engines:
+        assert all(req.is_finished() for req in engine.requests.values())
+
+
 def test_decisions_include_the_scheduled_draft_tokens() -> None:
     """Two steps that differ only by their scheduled drafts do not decide alike."""
     from types import SimpleNamespace

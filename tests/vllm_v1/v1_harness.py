@@ -629,9 +629,10 @@ def build_request(
     )
 
 
-def request_block_hasher(cfg: SchedConfig) -> Callable:
+def request_block_hasher(cfg: SchedConfig, lookahead: int = 0) -> Callable:
     """What vLLM's EngineCore sets up for the configured ``prefix_caching_hash_algo``, at the
-    hash block size (a Mamba layout's: the lcm of its group block sizes)."""
+    hash block size (a Mamba layout's: the lcm of its group block sizes), covering
+    ``lookahead`` tokens past each block (the scheduler's ``num_hash_lookahead_tokens``)."""
     hash_block_size = cfg.block_size
     if cfg.layout:
         import manager_driver
@@ -639,7 +640,7 @@ def request_block_hasher(cfg: SchedConfig) -> Callable:
         if cfg.layout in manager_driver.MAMBA_LAYOUTS:
             sizes = manager_driver.block_sizes(cfg.layout, cfg.block_size, cfg.max_model_len)
             hash_block_size = sizes[1]
-    hasher = driver.request_block_hasher(hash_block_size, cfg.hash_algo)
+    hasher = driver.request_block_hasher(hash_block_size, cfg.hash_algo, lookahead)
     assert kv_cache_utils.NONE_HASH is not None
     return hasher
 
@@ -835,7 +836,9 @@ class Lockstep:
         # reference as vLLM's processor refuses them, reported with the next update.
         self.refused: list[Request] = []
         self.test = make_scheduler(cfg, model_dir, manager_cls, own_scheduler, scheduler_cls)
-        self.hasher = request_block_hasher(cfg)
+        lookahead = getattr(self.ref, "num_hash_lookahead_tokens", 0)
+        assert lookahead == getattr(self.test, "num_hash_lookahead_tokens", 0)
+        self.hasher = request_block_hasher(cfg, lookahead)
         self.max_steps = max_steps
         self.step = 0
         self.pending: deque[Pending] = deque()

@@ -7,9 +7,10 @@ events, connectors and routers key on these bytes, so pagedkv only takes the wor
 provably computes the same bytes (``pagedkv._native.vllm_block_hash``, tested against vLLM's
 functions):
 
-* the request's hasher is vLLM's own closure, at the scheduler's hash block size, with no
-  lookahead tokens, over one of ``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``
-  (:func:`hash_name_of`);
+* the request's hasher is vLLM's own closure, at the scheduler's hash block size and lookahead
+  tokens (vLLM 0.33's ``num_hash_lookahead_tokens``: a block is hashed once that many tokens
+  follow it, its extra keys ``(None, *those tokens)``), over one of ``sha256``,
+  ``sha256_cbor``, ``xxhash``, ``xxhash_cbor`` (:func:`hash_name_of`);
 * the request has no extra keys past its first block (no LoRA, multimodal inputs or prompt
   embeddings: it is in the native loop's scope), and the block has a parent hash (the first
   block, which may carry a cache salt, stays vLLM's), and every token is an ``int`` the
@@ -31,11 +32,11 @@ from pagedkv import _native
 HASH_FUNCTIONS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
 
 
-def hash_name_of(hash_block_size: int) -> Any:
+def hash_name_of(hash_block_size: int, lookahead: int = 0) -> Any:
     """``name_of(block_hasher)``: the name of vLLM's hash function when ``block_hasher`` is
-    vLLM's own closure (or pagedkv's stand-in for one) hashing at ``hash_block_size`` with no
-    lookahead tokens, else ``None``. The answer for the last hasher is kept (an engine has
-    one)."""
+    vLLM's own closure (or pagedkv's stand-in for one) hashing at ``hash_block_size`` with
+    ``lookahead`` tokens past each block (the scheduler's), else ``None``. The answer for the
+    last hasher is kept (an engine has one)."""
     from vllm.utils import hashing
     from vllm.v1.core import kv_cache_utils
 
@@ -48,12 +49,12 @@ def hash_name_of(hash_block_size: int) -> Any:
             return last[1]
         name = None
         if isinstance(hasher, _native.VllmBlockHasher):
-            name = hasher.name if hasher.block_size == hash_block_size else None
+            shape = (hasher.block_size, hasher.lookahead)
+            name = hasher.name if shape == (hash_block_size, lookahead) else None
         elif getattr(hasher, "__code__", None) is code and hasher.__closure__ is not None:
             bound = dict(zip(code.co_freevars, (c.cell_contents for c in hasher.__closure__)))
-            if bound.get("hash_block_size") == hash_block_size and not bound.get(
-                "num_hash_lookahead_tokens", 0
-            ):
+            shape = (bound.get("hash_block_size"), bound.get("num_hash_lookahead_tokens", 0))
+            if shape == (hash_block_size, lookahead):
                 name = names.get(bound.get("caching_hash_fn"))
         last[:] = [hasher, name]
         return name
@@ -64,12 +65,13 @@ def hash_name_of(hash_block_size: int) -> Any:
 class NativeHashers:
     """Per scheduler: the native stand-in for each vLLM hasher seen (an engine has one)."""
 
-    def __init__(self, hash_block_size: int) -> None:
+    def __init__(self, hash_block_size: int, lookahead: int = 0) -> None:
         from vllm.v1.request import Request
 
         self._request_cls = Request
         self._block_size = hash_block_size
-        self._name_of = hash_name_of(hash_block_size)
+        self._lookahead = lookahead
+        self._name_of = hash_name_of(hash_block_size, lookahead)
         self._last: List[Any] = [None, None]
 
     def hash_natively(self, request: Any) -> bool:
@@ -83,7 +85,7 @@ class NativeHashers:
             if isinstance(hasher, _native.VllmBlockHasher) or name is None:
                 stand_in = None
             else:
-                stand_in = _native.VllmBlockHasher(name, self._block_size, hasher)
+                stand_in = _native.VllmBlockHasher(name, self._block_size, hasher, self._lookahead)
             self._last[:] = [hasher, stand_in]
         stand_in = self._last[1]
         if stand_in is None:

@@ -36,7 +36,7 @@ from pagedkv.errors import InvalidArgumentError
 
 from . import _events
 from ._blocks import BlockView
-from ._manager import PrefixCacheStatsMixin
+from ._manager import PrefixCacheStatsMixin, hash_lookahead_tokens
 
 
 class HybridBlockView(BlockView):
@@ -138,6 +138,7 @@ class _PoolView:
         self.num_gpu_blocks = self._native.num_blocks
         self.enable_caching = manager.enable_caching
         self.hash_block_size = manager.hash_block_size
+        self.num_hash_lookahead_tokens = manager.num_hash_lookahead_tokens
         self.null_block = HybridBlockView(self._native, 0)
         self.blocks = _BlockList(self._native)
 
@@ -223,6 +224,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         self.enable_caching = a["enable_caching"]
         self.enable_kv_cache_events = a["enable_kv_cache_events"]
         self.use_eagle = a["use_eagle"]
+        self.num_hash_lookahead_tokens = hash_lookahead_tokens(a)
         self.log_stats = a["log_stats"]
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
@@ -274,6 +276,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
                     [(kind, window, bs) for (kind, window), bs in metadata],
                     self.hash_block_size,
                     self._int_hashes,
+                    self.num_hash_lookahead_tokens,
                 )
             # `_drain_events` appends to this list natively (the list object stays the same:
             # `take_events` copies and clears it); `_build_events` builds what it leaves.
@@ -529,16 +532,13 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         requests with extra hash keys or not of vLLM's ``Request`` class, and vLLM's "full"
         report mode (``events.rs`` builds the others)."""
         from vllm.distributed.kv_events import MEDIUM_GPU, BlockStored
-        from vllm.v1.core import kv_cache_utils as u
 
         bs = self._group_block_sizes[group]
         scale = bs // self.hash_block_size
         hashes = request.block_hashes
         publish = self._int_hashes
-        extra, mm_idx = [], 0
-        for i in cached:
-            keys, mm_idx = u.generate_block_hash_extra_keys(request, i * bs, (i + 1) * bs, mm_idx)
-            extra.append(keys)
+        cached = list(cached)
+        extra_keys, ahead = _events.stored_keys(request, bs, cached, self.num_hash_lookahead_tokens)
         lora = request.lora_request
         event = BlockStored(
             block_hashes=[_events.published(hashes[(i + 1) * scale - 1], publish) for i in cached],
@@ -550,10 +550,12 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             lora_id=lora.adapter_id if lora else None,
             medium=MEDIUM_GPU,
             lora_name=lora.name if lora else None,
-            extra_keys=u.to_event_extra_keys(extra),
+            extra_keys=extra_keys,
             group_idx=group,
             session_id=request.session_id,
         )
+        if ahead is not None:
+            event.lookahead_token_ids = ahead
         event.kv_cache_spec_kind, event.kv_cache_spec_sliding_window = self.kv_cache_event_metadata[
             group
         ]

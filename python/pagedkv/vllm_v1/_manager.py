@@ -47,6 +47,7 @@ class _PoolView:
         self.num_gpu_blocks = self._native.num_blocks
         self.enable_caching = manager.enable_caching
         self.hash_block_size = manager.block_size
+        self.num_hash_lookahead_tokens = manager.num_hash_lookahead_tokens
         self.null_block = _blocks.BlockView(self._native, 0)
 
     def free_blocks(self, ordered_blocks: Iterable[Any]) -> None:
@@ -177,6 +178,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
         self.enable_caching = a["enable_caching"]
         self.enable_kv_cache_events = a["enable_kv_cache_events"]
         self.use_eagle = a["use_eagle"]
+        self.num_hash_lookahead_tokens = hash_lookahead_tokens(a)
         self.log_stats = a["log_stats"]
         self.metrics_collector = None
         self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
@@ -238,7 +240,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
         window = get_kv_cache_spec_sliding_window(spec)
         self.kv_cache_event_metadata = ((kind, window),)
         self._builder = (
-            _events.EventBuilder(self.block_size, kind, window)
+            _events.EventBuilder(self.block_size, kind, window, self.num_hash_lookahead_tokens)
             if self.enable_kv_cache_events
             else None
         )
@@ -440,6 +442,19 @@ _DEFAULTS = dict(
     watermark=0.0,
     enable_mamba_shared_prefix_checkpoint=False,
 )
+
+
+def hash_lookahead_tokens(a: Dict[str, Any]) -> int:
+    """vLLM 0.33's ``num_hash_lookahead_tokens`` (0 on 0.32, which has none): the tokens past
+    each block its hash covers. Only the KV events' contents depend on it here (the requests'
+    hashers compute the hashes); a non-integer or negative count is refused (a ``bool`` is
+    an int, as vLLM's own tests pass it)."""
+    n = a["num_hash_lookahead_tokens"]
+    if not isinstance(n, int) or n < 0:
+        raise InvalidArgumentError(
+            f"num_hash_lookahead_tokens must be a non-negative int, got {n!r}"
+        )
+    return int(n)
 
 
 def _named_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:

@@ -179,7 +179,8 @@ class NativeLoop:
         manager = self.kv_cache_manager
         native = isinstance(manager, (KVCacheManager, HybridKVCacheManager))
         if native and manager.enable_caching:
-            self._pagedkv_hashers = NativeHashers(self.hash_block_size)
+            lookahead = getattr(self, "num_hash_lookahead_tokens", 0)
+            self._pagedkv_hashers = NativeHashers(self.hash_block_size, lookahead)
 
     def add_request(self, request: Any) -> None:
         update = request.request_id in self.requests
@@ -318,6 +319,7 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
     return {
         "release_033": hasattr(sched, "num_executed_steps"),
         "hash_block_size": sched.hash_block_size,
+        "num_hash_lookahead_tokens": getattr(sched, "num_hash_lookahead_tokens", 0),
         "async_scheduling": isinstance(sched, AsyncScheduler),
         "decode_stagger": getattr(sched, "decode_stagger", 1),
         "PRIORITY": SchedulingPolicy.PRIORITY,
@@ -335,7 +337,9 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "reason_repetition": FinishReason.REPETITION,
         "make_new": _new_request_data_factory(sched),
         "monotonic": time.monotonic,
-        "hash_name_of": hash_name_of(sched.hash_block_size),
+        "hash_name_of": hash_name_of(
+            sched.hash_block_size, getattr(sched, "num_hash_lookahead_tokens", 0)
+        ),
         "output_cls": EngineCoreOutput,
         "output_fields": fields,
         "output_defaults": defaults,

@@ -11,14 +11,17 @@ Granite 4, Nemotron-H, Jamba, Qwen3-Next) each handled by vLLM's ``FullAttention
 ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or ``MambaManager`` in
 ``mamba_cache_mode`` "none" (prefix caching off) or "align" (prefix caching on, the Mamba block
 at the hash block size) (:func:`hybrid_out_of_scope`); in both cases
-none of: hash lookahead tokens, multi-module MTP's prefill lookahead (above 1), decode or
-prefill context parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV
-cache metrics collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served
-natively, its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``),
-except with a chunked local group, whose lookup vLLM asserts against, or with a Mamba group in
-"align" mode. Align mode with Mamba blocks larger than the hash block (fine-grained partial
-hits with copy-on-write) runs vLLM's own manager; every align model runs vLLM's loop (the
-scheduler's ``need_mamba_block_aligned_split``, :func:`engine_out_of_scope`).
+none of: multi-module MTP's prefill lookahead (above 1), decode or prefill context
+parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV cache metrics
+collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively,
+its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
+a chunked local group, whose lookup vLLM asserts against, or with a Mamba group in "align"
+mode; so are vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``, EAGLE with
+prefix caching by default), which change only the KV events' contents in the manager
+(:mod:`pagedkv.vllm_v1._events`), except beside a Mamba group in "align" mode (vLLM's
+checkpoints then read them). Align mode with Mamba blocks larger than the hash block
+(fine-grained partial hits with copy-on-write) runs vLLM's own manager; every align model runs
+vLLM's loop (the scheduler's ``need_mamba_block_aligned_split``, :func:`engine_out_of_scope`).
 Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
 """
 
@@ -62,7 +65,6 @@ def _common_reason(kv_cache_config: Any, args: Any, mamba_zeroing: bool = False)
         mamba_zeroing and not getattr(kv_cache_config, "has_mixed_precision_kv_cache", False)
     )
     checks = (
-        (args.get("num_hash_lookahead_tokens"), "hash lookahead tokens"),
         ((args.get("num_prefill_lookahead") or 0) > 1, "multi-module MTP prefill lookahead"),
         (args.get("dcp_world_size", 1) != 1, "decode context parallelism"),
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
@@ -96,6 +98,9 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     hbs, sbs = args.get("hash_block_size"), args.get("scheduler_block_size")
     groups = kv_cache_config.kv_cache_groups
     eagle = args.get("use_eagle") or any(getattr(g, "is_eagle_group", False) for g in groups)
+    # 0.33's lookahead block hashes come with an EAGLE-family drafter (which then drops no
+    # block: the scheduler passes use_eagle=False); align mode's checkpoints read them.
+    eagle = eagle or bool(args.get("num_hash_lookahead_tokens"))
     caching = bool(args.get("enable_caching", True))
     served = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
     kinds = []
@@ -135,7 +140,7 @@ def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[s
     """What a Mamba group needs beyond the other kinds: mode "none" with prefix caching off,
     or mode "align" with it on, its block at the hash block size (no fine-grained partial hits,
     whose copy-on-write tails pagedkv does not mirror) and no EAGLE/MTP drop (align mode's
-    checkpoints then follow EAGLE's replay boundary)."""
+    checkpoints then follow EAGLE's replay boundary, or read 0.33's lookahead block hashes)."""
     mode = spec.mamba_cache_mode
     if mode not in ("none", "align"):
         return _reason(True, f'Mamba mamba_cache_mode "{mode}"')
@@ -194,7 +199,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
         (getattr(sched, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
-        (bool(getattr(sched, "num_hash_lookahead_tokens", 0)), "hash lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
         (_sampled_per_step(sched) != (0 if is_pooling_model(sched) else 1), "a diffusion model"),

@@ -327,14 +327,19 @@ def vllm_configs(
     return vllm_config, kv_cache_config(num_blocks, block_size, groups, retention)
 
 
-def request_block_hasher(block_size: int, hash_algo: str = "sha256") -> Callable:
+def request_block_hasher(
+    block_size: int, hash_algo: str = "sha256", lookahead: int = 0
+) -> Callable:
     """What vLLM's ``EngineCore`` sets up for ``prefix_caching_hash_algo``: the none-hash
-    initialised, the requests' block hasher."""
+    initialised, the requests' block hasher (``lookahead``: vLLM 0.33's
+    ``num_hash_lookahead_tokens``, the scheduler's)."""
     from vllm.utils.hashing import get_hash_fn_by_name
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 
     hash_fn = get_hash_fn_by_name(hash_algo)
     init_none_hash(hash_fn)
+    if lookahead:
+        return get_request_block_hasher(block_size, hash_fn, num_hash_lookahead_tokens=lookahead)
     return get_request_block_hasher(block_size, hash_fn)
 
 

@@ -49,7 +49,8 @@ from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 
 #: The v1 bench's workloads: name -> (full, quick) config; ``mixed`` (:mod:`.mixed`) is W1
 #: with structured-output, LoRA, repetition-detection and prompt-embedding requests; ``spec``
-#: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding;
+#: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding,
+#: ``eagle`` W1's with an engine built for an EAGLE-family drafter (:mod:`.spec`);
 #: ``gptoss``, ``gemma3`` and ``llama4`` (:mod:`.hybrid`) are W1 over a hybrid model's KV
 #: cache groups.
 V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
@@ -57,6 +58,7 @@ V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
     "spec": (speculative.SPEC_FULL, speculative.SPEC_QUICK),
     "mixed-spec": (speculative.MIXED_SPEC_FULL, speculative.MIXED_SPEC_QUICK),
+    "eagle": (speculative.EAGLE_FULL, speculative.EAGLE_QUICK),
     **{name: (hybrid.HYBRID_FULL[name], hybrid.HYBRID_QUICK[name]) for name in hybrid.LAYOUTS},
 }
 
@@ -72,6 +74,7 @@ class EngineSpec:
     watermark: float = 0.01
     num_loras: int = 0  # > 0: LoRAConfig(max_loras=num_loras)
     num_spec_tokens: int = 0  # > 0: n-gram speculative decoding
+    eagle: bool = False  # the scheduler built for an EAGLE-family drafter (:mod:`.spec`)
     layout: str = ""  # a hybrid layout (:data:`.hybrid.LAYOUTS`); "" one full-attention group
     retention: Optional[int] = hybrid.VLLM_DEFAULT_RETENTION  # prefix_cache_retention_interval
 
@@ -89,12 +92,27 @@ def build_scheduler(
     native loop where in scope unless ``loop=False`` (then vLLM's loop over pagedkv's manager).
     ``async_scheduling`` picks the async variant explicitly: vLLM's CPU platform turns the
     config's flag off, and the bench measures both variants. A hybrid ``layout`` gets its
-    groups over a pool of the same memory (:func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`)."""
-    max_len = config.max_model_len
+    groups over a pool of the same memory (:func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`);
+    ``eagle`` builds it as for an EAGLE-family drafter (:func:`.spec.eagle_engine`)."""
     num_blocks, layers = config.num_gpu_blocks, None
     if spec.layout:
         num_blocks = hybrid.num_blocks(spec.layout, num_blocks, config.block_size)
         layers = hybrid.LAYOUTS[spec.layout]
+    with speculative.eagle_engine(spec.eagle):
+        return _build(spec, config, model_dir, num_blocks, layers, native, cls, loop)
+
+
+def _build(
+    spec: EngineSpec,
+    config: EngineConfig,
+    model_dir: str,
+    num_blocks: int,
+    layers: Any,
+    native: bool,
+    cls: Any,
+    loop: bool,
+) -> Any:
+    max_len = config.max_model_len
     vllm_config, kv_cache_config = driver.vllm_configs(
         driver.model_config(model_dir, max_len),
         config.block_size,
@@ -197,7 +215,10 @@ class V1Engine(EngineUnderTest):
         self.scheduler = build_scheduler(self.spec, config, model_dir, self.native, loop=self.loop)
         if "json" in self.kinds.values():
             mixed.install_backend(self.scheduler, driver.TINY_LLAMA["vocab_size"])
-        self._hasher = driver.request_block_hasher(config.block_size, self.spec.hash_algo)
+        lookahead = getattr(self.scheduler, "num_hash_lookahead_tokens", 0)
+        self._hasher = driver.request_block_hasher(
+            config.block_size, self.spec.hash_algo, lookahead
+        )
 
     def add(self, request: Request) -> None:
         kind = self.kinds.get(request.request_id, "plain")
@@ -527,6 +548,7 @@ def workload_spec(
         watermark=watermark,
         num_loras=getattr(workload, "num_loras", 0),
         num_spec_tokens=drafter.num_spec_tokens if drafter else 0,
+        eagle=bool(drafter and drafter.eagle),
         layout=layout,
         retention=setting,
     )

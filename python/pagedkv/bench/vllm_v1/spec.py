@@ -20,6 +20,12 @@ alike for every engine:
 Past the end of a request's predetermined output (drafts and a bonus token the scheduler
 drops at ``max_tokens``) the stand-in uses :data:`FILLER`.
 
+``eagle`` (the ``eagle`` workload: W1 with EAGLE's KV cache rules): the same drafts, but the
+scheduler is built as for an EAGLE-family drafter, scheduler-only as vLLM's own scheduler
+tests build one (:func:`eagle_engine`): on 0.33 with prefix caching that is vLLM's default of
+lookahead block hashes (one token past each block, no dropped block), on 0.32 the dropped
+last block of a hit.
+
 Importing this module imports nothing of vLLM.
 """
 
@@ -27,8 +33,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from pagedkv.bench.vllm_v1 import mixed
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, Workload, WorkloadConfig
@@ -47,6 +54,8 @@ class Drafter:
     no_match_share: float = 0.15
     seed: int = 0
     vocab_size: int = 32000
+    #: The engine is built as for an EAGLE-family drafter (see the module's docstring).
+    eagle: bool = False
 
     def _draw(self, rid: str, pos: int, slot: int) -> float:
         """A uniform draw in [0, 1) fixed by the request, its output position and the slot."""
@@ -159,19 +168,43 @@ class SpecConfig:
     num_spec_tokens: int = 3
     accept_rate: float = 0.7
     no_match_share: float = 0.15
+    eagle: bool = False
 
     @property
     def watermark(self) -> float:
         return self.base.watermark
 
     def drafter(self, seed: int) -> Drafter:
-        return Drafter(self.num_spec_tokens, self.accept_rate, self.no_match_share, seed)
+        return Drafter(
+            self.num_spec_tokens, self.accept_rate, self.no_match_share, seed, eagle=self.eagle
+        )
 
 
 SPEC_FULL = SpecConfig()
 SPEC_QUICK = SpecConfig(base=W1_QUICK)
 MIXED_SPEC_FULL = SpecConfig(base=mixed.MIXED_FULL)
 MIXED_SPEC_QUICK = SpecConfig(base=mixed.MIXED_QUICK)
+EAGLE_FULL = SpecConfig(name="EAGLE", eagle=True)
+EAGLE_QUICK = SpecConfig(base=W1_QUICK, name="EAGLE", eagle=True)
+
+
+@contextmanager
+def eagle_engine(eagle: bool) -> Iterator[None]:
+    """While open (``eagle``): vLLM's speculative configuration reports an EAGLE method
+    (``SpeculativeConfig.use_eagle``), so a scheduler built meanwhile takes EAGLE's KV cache
+    rules, as vLLM's own scheduler tests build one. Nothing else changes: the drafts stay
+    :class:`Drafter`'s."""
+    if not eagle:
+        yield
+        return
+    from vllm.config import SpeculativeConfig
+
+    saved = SpeculativeConfig.__dict__["use_eagle"]
+    SpeculativeConfig.use_eagle = lambda self: True  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        SpeculativeConfig.use_eagle = saved  # type: ignore[method-assign]
 
 
 def generate(cfg: SpecConfig, seed: int = 0) -> Workload:

@@ -38,7 +38,8 @@
 //! hashes; EAGLE's drop set differs ([`super::eagle::drop_groups`]: a group flagged
 //! `is_eagle_group` drops without `use_eagle` in 0.32 only), and so does what a dropping sliding
 //! window retains at a junction (0.33 also keeps the tail one block below it). Everything else
-//! here is the same in both (partial hash hits and lookahead hashes changed, out of this scope).
+//! here is the same in both (partial hash hits changed, out of this scope; 0.33's lookahead
+//! hashes reach only the requests' hashes and the KV events, built in `rust/py`).
 //!
 //! EAGLE/MTP ([`super::eagle`]): attention groups holding a dropping group drop for all their
 //! members; such a group's lookup is capped one of its blocks past the candidate (at most the

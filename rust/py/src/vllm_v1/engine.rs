@@ -5,7 +5,7 @@
 //! (`pagedkv_core::vllm_v1::walk`) decides; this file reads and writes where vLLM's loop does.
 
 use crate::vllm_v1::drafts;
-use crate::vllm_v1::hash::extend_block_hashes;
+use crate::vllm_v1::hash::{extend_block_hashes, HashShape};
 use crate::vllm_v1::loop_::{Fixed, FixedMap, PyV1Loop};
 use crate::vllm_v1::loop_kv::PyBlocks;
 use crate::vllm_v1::output::{self, ModelOutput};
@@ -521,6 +521,14 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<PyBlocks>, u64)> {
+        if self.lp.hash_lookahead > 0 && self.resumable(r)? {
+            // vLLM 0.33: a session's kept hashes may cover a discarded token (a lookahead
+            // hash reads past its block), so they are recomputed from the current tokens.
+            let py = self.py();
+            let hashes = r.obj.getattr(intern!(py, "block_hashes"))?;
+            hashes.call_method0(intern!(py, "clear"))?;
+            r.obj.call_method0(intern!(py, "update_block_hashes"))?;
+        }
         let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
         let ids = self.lp.kv.hit_ids(&self.sched, &blocks)?;
         Ok((ids, num_local))
@@ -711,9 +719,16 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         all.append(&tok)?;
         if let Some(h) = &r.f.hashes {
             let h = h.bind(py);
-            let size = self.lp.hash_block_size;
-            if (h.len()? as u64 + 1) * size <= all.len() as u64 {
-                extend_block_hashes(&r.obj, h, all, r.f.hash_fn, size as usize)?;
+            let (size, ahead) = (self.lp.hash_block_size, self.lp.hash_lookahead);
+            let need = (h.len()? as u64 + 1)
+                .saturating_mul(size)
+                .saturating_add(ahead);
+            if need <= all.len() as u64 {
+                let shape = HashShape {
+                    block_size: size as usize,
+                    lookahead: ahead as usize,
+                };
+                extend_block_hashes(&r.obj, h, all, r.f.hash_fn, shape)?;
             }
         }
         // An id outside i64 (any Python int is a token to vLLM) matches no EOS or stop id.

@@ -6,6 +6,12 @@
 //! Python builder (`pagedkv.vllm_v1._events.EventBuilder`, the hybrid manager's
 //! `_build_events`), which calls vLLM's helpers.
 //!
+//! With vLLM 0.33's lookahead block hashes (`num_hash_lookahead_tokens`, L > 0) a plain
+//! request's extra keys stay `None` per block (vLLM's lookahead helper finds none over the
+//! block and its next L tokens either) and the trailing `lookahead_token_ids` lists, per
+//! published block `i`, the tokens `(i + 1) * block_size ..+ L` (fewer where the request ends
+//! sooner, as a slice gives).
+//!
 //! Invariants: a group's block is `scale = block_size / hash_block_size` hash blocks (checked
 //! at bind time), so group block `i` publishes hash `(i + 1) * scale - 1` and the parent of a
 //! range starting at `first > 0` is hash `first * scale - 1`; any field that does not read as
@@ -59,8 +65,8 @@ struct StoredGroup {
 /// How `BlockStored` is built natively for a plain request (set by `bind_stored_events`):
 /// `BlockStored(block_hashes, parent_block_hash, token_ids, block_size, lora_id=None, medium,
 /// lora_name=None, extra_keys=[None] * n or None, group_idx, kv_cache_spec_kind,
-/// kv_cache_spec_sliding_window, locality=None, ownership=None, session_id)`, positionally
-/// (vLLM 0.33's trailing `lookahead_token_ids` keeps its default, `None`).
+/// kv_cache_spec_sliding_window, locality=None, ownership=None, session_id)`, positionally;
+/// vLLM 0.33's trailing `lookahead_token_ids` keeps its default, `None`, unless `lookahead`.
 pub struct StoredEvents {
     cls: Py<PyAny>,
     medium: Py<PyAny>,
@@ -70,6 +76,8 @@ pub struct StoredEvents {
     hash_block_size: usize,
     /// vLLM's `Request`, whose `all_token_ids` views `_all_token_ids`.
     request_cls: Py<PyAny>,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (0: no `lookahead_token_ids` argument).
+    lookahead: usize,
 }
 
 /// A range of group blocks through caching: `first..end`, and the positions really cached
@@ -131,7 +139,30 @@ impl StoredEvents {
             groups,
             hash_block_size,
             request_cls,
+            lookahead: 0,
         })
+    }
+
+    /// The same, publishing `lookahead_token_ids` for `lookahead` > 0 tokens past each block.
+    pub fn with_lookahead(mut self, lookahead: usize) -> Self {
+        self.lookahead = lookahead;
+        self
+    }
+
+    /// `lookahead_token_ids`: per published block at `positions`, the `lookahead` tokens
+    /// after it (of `tokens`, the request's `_all_token_ids`).
+    fn lookahead_ids<'py>(
+        &self,
+        tokens: &Bound<'py, PyList>,
+        positions: &[usize],
+        block_size: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let n = self.lookahead;
+        let slices = positions.iter().map(|i| {
+            let end = (i + 1) * block_size;
+            tokens.get_slice(end, end + n)
+        });
+        Ok(PyList::new(tokens.py(), slices)?.into_any())
     }
 
     /// The published hashes of `indices` in `hashes` (`None`: one is missing or not bytes).
@@ -195,7 +226,7 @@ impl StoredEvents {
             n => PyList::new(py, std::iter::repeat_n(py.None().into_bound(py), n))?.into_any(),
         };
         let bs = g.block_size;
-        let args = [
+        let mut args = vec![
             PyList::new(py, published_hashes)?.into_any(),
             parent,
             tokens.get_slice(r.first * bs, r.end * bs).into_any(),
@@ -211,6 +242,9 @@ impl StoredEvents {
             py.None().into_bound(py),
             request.getattr(intern!(py, "session_id"))?,
         ];
+        if self.lookahead > 0 {
+            args.push(self.lookahead_ids(tokens, &positions, bs)?);
+        }
         Ok(Some(self.cls.bind(py).call1(PyTuple::new(py, args)?)?))
     }
 }

@@ -5,10 +5,13 @@
 //! the steps vLLM's own loop runs.
 //!
 //! Only where the result is provably vLLM's: the request's hasher is vLLM's own
-//! (`get_request_block_hasher` at the scheduler's hash block size, no lookahead; checked once
+//! (`get_request_block_hasher` at the scheduler's hash block size and lookahead; checked once
 //! per request by `pagedkv.vllm_v1._hashing`), the block has a parent hash, and every token
 //! is an exact `int` the encoding covers, and the request has no extra keys past its first
 //! block ([`extra_keys_past_first_block`]). Anything else runs vLLM's hasher.
+//!
+//! With vLLM 0.33's lookahead block hashes (L > 0) a block is hashed once the L tokens after
+//! it exist, those tokens in its extra keys (`pagedkv_core::vllm_v1::block_hash`).
 
 use pagedkv_core::vllm_v1::block_hash::{block_hash, HashFn};
 use pyo3::intern;
@@ -25,19 +28,27 @@ pub fn extra_keys_past_first_block(request: &Bound<'_, PyAny>) -> PyResult<bool>
         || !request.getattr(intern!(py, "prompt_embeds"))?.is_none())
 }
 
+/// How a request's blocks are hashed: tokens per block and lookahead tokens past each.
+#[derive(Clone, Copy, Debug)]
+pub struct HashShape {
+    pub block_size: usize,
+    pub lookahead: usize,
+}
+
 /// `request.update_block_hashes()` after tokens were appended to `all` (the request's
-/// `_all_token_ids`): every block filled since the last hash is hashed and appended to
-/// `hashes` (its `block_hashes`), natively when `f` is known.
+/// `_all_token_ids`): every block filled (and followed by its lookahead tokens) since the
+/// last hash is hashed and appended to `hashes` (its `block_hashes`), natively when `f` is
+/// known.
 pub fn extend_block_hashes(
     request: &Bound<'_, PyAny>,
     hashes: &Bound<'_, PyAny>,
     all: &Bound<'_, PyList>,
     f: Option<HashFn>,
-    block_size: usize,
+    shape: HashShape,
 ) -> PyResult<()> {
     let py = request.py();
     if let (Some(f), Ok(list)) = (f, hashes.cast::<PyList>()) {
-        if let Some(new) = new_block_hashes(list, all, f, block_size)? {
+        if let Some(new) = new_block_hashes(list, all, f, shape)? {
             for h in new {
                 list.append(h)?;
             }
@@ -49,19 +60,25 @@ pub fn extend_block_hashes(
         .map(drop)
 }
 
-/// The hashes of the blocks of `all` filled beyond the `hashes` already computed, as vLLM's
-/// hasher would return them; `None` where the native encoding does not apply (no parent
-/// hash yet, a parent that is not `bytes`, a token it does not encode): then vLLM's runs.
+/// The hashes of the blocks of `all` filled (with their lookahead tokens) beyond the
+/// `hashes` already computed, as vLLM's hasher would return them; `None` where the native
+/// encoding does not apply (no parent hash yet, a parent that is not `bytes`, a token it does
+/// not encode): then vLLM's runs.
 fn new_block_hashes<'py>(
     hashes: &Bound<'py, PyList>,
     all: &Bound<'py, PyList>,
     f: HashFn,
-    block_size: usize,
+    shape: HashShape,
 ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
     let py = hashes.py();
+    let HashShape {
+        block_size,
+        lookahead,
+    } = shape;
     let mut n = hashes.len();
     let mut out = Vec::new();
-    if (n + 1) * block_size > all.len() {
+    let fits = |n: usize| (n + 1).saturating_mul(block_size).saturating_add(lookahead) <= all.len();
+    if !fits(n) {
         return Ok(Some(out));
     }
     if n == 0 {
@@ -71,12 +88,19 @@ fn new_block_hashes<'py>(
         return Ok(None);
     };
     let mut parent = last.as_bytes().to_vec();
-    let (mut scratch, mut tokens) = (Vec::new(), Vec::with_capacity(block_size));
-    while (n + 1) * block_size <= all.len() {
-        if !read_tokens(all, n * block_size, block_size, &mut tokens)? {
+    let mut scratch = Vec::new();
+    let (mut tokens, mut ahead) = (
+        Vec::with_capacity(block_size),
+        Vec::with_capacity(lookahead),
+    );
+    while fits(n) {
+        let end = (n + 1) * block_size;
+        if !read_tokens(all, n * block_size, block_size, &mut tokens)?
+            || !read_tokens(all, end, lookahead, &mut ahead)?
+        {
             return Ok(None);
         }
-        let Some(h) = block_hash(f, &parent, &tokens, &mut scratch) else {
+        let Some(h) = block_hash(f, &parent, &tokens, &ahead, &mut scratch) else {
             return Ok(None);
         };
         out.push(PyBytes::new(py, &h));
@@ -91,21 +115,28 @@ fn new_block_hashes<'py>(
 /// hashes of the blocks filled since, byte for byte vLLM's. `pagedkv.vllm_v1`'s schedulers
 /// put it in place of a request's hasher only where that hasher is vLLM's own with a hash
 /// function this module encodes and the request has no extra hash keys past its first block
-/// (no LoRA, multimodal inputs or prompt embeddings). Blocks it does not encode (the first,
+/// (no LoRA, multimodal inputs or prompt embeddings); `lookahead`: the closure's
+/// `num_hash_lookahead_tokens` (vLLM 0.33). Blocks it does not encode (the first,
 /// which may carry a cache salt; a token outside the encoding) are left to `original`, the
 /// closure it replaced, which then hashes every new block of that call.
 #[pyclass(module = "pagedkv._native", name = "VllmBlockHasher", frozen)]
 pub struct PyVllmBlockHasher {
     f: HashFn,
     name: String,
-    block_size: usize,
+    shape: HashShape,
     original: Py<PyAny>,
 }
 
 #[pymethods]
 impl PyVllmBlockHasher {
     #[new]
-    fn new(name: &str, block_size: crate::args::Count, original: Py<PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (name, block_size, original, lookahead=None))]
+    fn new(
+        name: &str,
+        block_size: crate::args::Count,
+        original: Py<PyAny>,
+        lookahead: Option<crate::args::Count>,
+    ) -> PyResult<Self> {
         let block_size = block_size.usize();
         if block_size == 0 {
             return Err(crate::errors::invalid("block_size must be positive"));
@@ -113,7 +144,10 @@ impl PyVllmBlockHasher {
         Ok(PyVllmBlockHasher {
             f: parse_name(name)?,
             name: name.to_owned(),
-            block_size,
+            shape: HashShape {
+                block_size,
+                lookahead: lookahead.map_or(0, |n| n.usize()),
+            },
             original,
         })
     }
@@ -123,7 +157,7 @@ impl PyVllmBlockHasher {
         let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let all = request.getattr(intern!(py, "_all_token_ids"))?;
         if let (Ok(hashes), Ok(all)) = (hashes.cast::<PyList>(), all.cast::<PyList>()) {
-            if let Some(new) = new_block_hashes(hashes, all, self.f, self.block_size)? {
+            if let Some(new) = new_block_hashes(hashes, all, self.f, self.shape)? {
                 return Ok(PyList::new(py, new)?.into_any());
             }
         }
@@ -139,7 +173,13 @@ impl PyVllmBlockHasher {
     /// The hash block size (tokens per hashed block).
     #[getter]
     fn block_size(&self) -> usize {
-        self.block_size
+        self.shape.block_size
+    }
+
+    /// Tokens past each block its hash covers (vLLM 0.33's `num_hash_lookahead_tokens`).
+    #[getter]
+    fn lookahead(&self) -> usize {
+        self.shape.lookahead
     }
 
     /// The hasher this one stands in for (vLLM's closure).
@@ -178,24 +218,29 @@ fn read_tokens(
     Ok(true)
 }
 
-/// `hash_fn((parent, tuple(tokens), None))` for vLLM's hash function `name`; `None` where the
-/// native encoding does not apply (the caller then uses vLLM's). For tests and tools.
+/// `hash_fn((parent, tuple(tokens), None))` for vLLM's hash function `name`, or with
+/// lookahead tokens `ahead` (non-empty; `None` is none) `hash_fn((parent, tuple(tokens),
+/// (None, *ahead)))`;
+/// `None` where the native encoding does not apply (the caller then uses vLLM's). For tests
+/// and tools.
 #[pyfunction]
+#[pyo3(signature = (name, parent, tokens, ahead=None))]
 pub fn vllm_block_hash<'py>(
     py: Python<'py>,
     name: &str,
     parent: &[u8],
     tokens: Vec<Bound<'py, PyAny>>,
+    ahead: Option<Vec<Bound<'py, PyAny>>>,
 ) -> PyResult<Option<Bound<'py, PyBytes>>> {
     let f = parse_name(name)?;
     // A token outside i64 is outside the native encoding too: `None` (vLLM's hash applies).
-    let Ok(tokens) = tokens
-        .iter()
-        .map(|t| t.extract::<i64>())
-        .collect::<PyResult<Vec<_>>>()
-    else {
+    let ints = |v: &[Bound<'py, PyAny>]| -> PyResult<Vec<i64>> {
+        v.iter().map(|t| t.extract::<i64>()).collect()
+    };
+    let (Ok(tokens), Ok(ahead)) = (ints(&tokens), ints(&ahead.unwrap_or_default())) else {
         return Ok(None);
     };
     let mut scratch = Vec::new();
-    Ok(block_hash(f, parent, &tokens, &mut scratch).map(|h| PyBytes::new(py, &h)))
+    let h = block_hash(f, parent, &tokens, &ahead, &mut scratch);
+    Ok(h.map(|h| PyBytes::new(py, &h)))
 }

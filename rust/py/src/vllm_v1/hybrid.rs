@@ -508,8 +508,13 @@ impl PyV1Hybrid {
 
     /// Have events build vLLM's `BlockStored` natively for a plain request (see
     /// [`StoredEvents`]; `cls`'s first 14 fields must be `BlockStored`'s of vLLM 0.32 and 0.33,
-    /// in that order; the caller checks). `groups`: `(spec_kind, sliding_window, block_size)`
-    /// per group, in vLLM's group order.
+    /// in that order; the caller checks; `lookahead`: vLLM 0.33's
+    /// `num_hash_lookahead_tokens`, whose `lookahead_token_ids` follow them). `groups`:
+    /// `(spec_kind, sliding_window, block_size)` per group, in vLLM's group order.
+    #[pyo3(signature = (
+        cls, medium, int_hashes, groups, hash_block_size, request_cls, lookahead=0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn bind_stored_events(
         &self,
         cls: Py<PyAny>,
@@ -518,6 +523,7 @@ impl PyV1Hybrid {
         groups: Vec<(Py<PyAny>, Py<PyAny>, usize)>,
         hash_block_size: usize,
         request_cls: Py<PyAny>,
+        lookahead: usize,
     ) -> PyResult<()> {
         let n = self.lock()?.num_groups();
         if groups.len() != n {
@@ -533,7 +539,8 @@ impl PyV1Hybrid {
             groups,
             hash_block_size,
             request_cls,
-        )?;
+        )?
+        .with_lookahead(lookahead);
         self.stored_events
             .set(stored)
             .map_err(|_| crate::errors::invalid("bind_stored_events was already called"))

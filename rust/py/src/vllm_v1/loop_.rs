@@ -95,6 +95,9 @@ pub struct PyV1Loop {
     /// The release and scheduler kind (decided at construction).
     mode: Mode,
     pub hash_block_size: u64,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (0 on 0.32): a streaming session's hashes are
+    /// recomputed at its prefix lookup when it is nonzero (see `PyEngine::prefix_hit`).
+    pub hash_lookahead: u64,
     /// Tokens the KV cache holds (null block excluded): the length cap is
     /// `policy::length_cap(max_model_len, pool_tokens)`, so no request outgrows the cache.
     pub pool_tokens: u64,
@@ -300,6 +303,9 @@ impl PyV1Loop {
         let draft_slots = item(d, "draft_slots")?
             .extract::<crate::args::SatCount>()?
             .0;
+        let hash_lookahead = item(d, "num_hash_lookahead_tokens")?
+            .extract::<crate::args::SatCount>()?
+            .0;
         let event = item(d, "event_scheduled")?;
         let objs = Objects {
             waiting: item(d, "WAITING")?.unbind(),
@@ -333,6 +339,7 @@ impl PyV1Loop {
             objs,
             mode,
             hash_block_size,
+            hash_lookahead,
             pool_tokens,
             draft_slots,
             fixed: std::sync::Mutex::new(FixedMap::default()),

@@ -642,8 +642,13 @@ impl PyV1Manager {
 
     /// Have `take_events(request)` build vLLM's `BlockStored` itself for a plain request
     /// (see [`StoredEvents`]; `cls`'s first 14 fields must be `BlockStored`'s of vLLM 0.32 and
-    /// 0.33, in that order; the caller checks). `groups`: `[(spec_kind, sliding_window,
-    /// block_size)]`, this manager's one group.
+    /// 0.33, in that order; the caller checks; `lookahead`: vLLM 0.33's
+    /// `num_hash_lookahead_tokens`, whose `lookahead_token_ids` follow them). `groups`:
+    /// `[(spec_kind, sliding_window, block_size)]`, this manager's one group.
+    #[pyo3(signature = (
+        cls, medium, int_hashes, groups, hash_block_size, request_cls, lookahead=0
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn bind_stored_events(
         &self,
         cls: Py<PyAny>,
@@ -652,6 +657,7 @@ impl PyV1Manager {
         groups: Vec<(Py<PyAny>, Py<PyAny>, usize)>,
         hash_block_size: usize,
         request_cls: Py<PyAny>,
+        lookahead: usize,
     ) -> PyResult<()> {
         let stored = StoredEvents::new(
             cls,
@@ -660,7 +666,8 @@ impl PyV1Manager {
             groups,
             hash_block_size,
             request_cls,
-        )?;
+        )?
+        .with_lookahead(lookahead);
         self.stored_events
             .set(stored)
             .map_err(|_| crate::errors::invalid("bind_stored_events was already called"))
