@@ -717,9 +717,9 @@ def manager_costs(workloads: List[Tuple[str, Any]], memory: bool, calls: bool) -
     """What ``--memory`` and ``--calls`` measure, each line printed as it comes: bytes per
     cached block of one full-attention group (W1's pool) and of each attention-only hybrid
     workload's groups (its pool, :func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`; a Mamba
-    hybrid has none: its Mamba groups do not keep every full block cached, so its pool
-    never fills with cached blocks), the decode call's cost. Returns them for the JSON
-    (``memory``: a list, ``calls``)."""
+    hybrid has none: a Mamba group holds a state per request, not a block per block of
+    tokens, so its pool never fills with cached blocks), the decode call's cost. Returns them
+    for the JSON (``memory``: a list, ``calls``)."""
     from pagedkv.bench.vllm_v1 import manager_costs as costs
 
     out: Dict[str, Any] = {}
