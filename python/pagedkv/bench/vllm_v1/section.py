@@ -51,8 +51,8 @@ from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 #: with structured-output, LoRA, repetition-detection and prompt-embedding requests; ``spec``
 #: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding,
 #: ``eagle`` W1's with an engine built for an EAGLE-family drafter (:mod:`.spec`);
-#: ``gptoss``, ``gemma3`` and ``llama4`` (:mod:`.hybrid`) are W1 over a hybrid model's KV
-#: cache groups.
+#: ``gptoss``, ``gemma3``, ``llama4`` and ``granite4`` (:mod:`.hybrid`) are W1 over a hybrid
+#: model's KV cache groups.
 V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     **WORKLOADS,
     "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
@@ -92,12 +92,13 @@ def build_scheduler(
     native loop where in scope unless ``loop=False`` (then vLLM's loop over pagedkv's manager).
     ``async_scheduling`` picks the async variant explicitly: vLLM's CPU platform turns the
     config's flag off, and the bench measures both variants. A hybrid ``layout`` gets its
-    groups over a pool of the same memory (:func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`);
+    groups over a pool of the same memory (:func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`)
+    and the block sizes vLLM's engine resolves for them (:func:`driver.block_sizes`);
     ``eagle`` builds it as for an EAGLE-family drafter (:func:`.spec.eagle_engine`)."""
     num_blocks, layers = config.num_gpu_blocks, None
     if spec.layout:
         num_blocks = hybrid.num_blocks(spec.layout, num_blocks, config.block_size)
-        layers = hybrid.LAYOUTS[spec.layout]
+        layers = hybrid.layers(spec.layout, spec.caching, config.max_model_len)
     with speculative.eagle_engine(spec.eagle):
         return _build(spec, config, model_dir, num_blocks, layers, native, cls, loop)
 
@@ -133,7 +134,8 @@ def _build(
     if cls is None:
         engine = "vllm" if not native else "pagedkv" if loop else "pagedkv-manager"
         cls = driver.scheduler_class(engine, spec.async_scheduling)
-    return driver.new_scheduler(cls, vllm_config, kv_cache_config)
+    sizes = driver.block_sizes(vllm_config, kv_cache_config) if spec.layout else None
+    return driver.new_scheduler(cls, vllm_config, kv_cache_config, block_sizes=sizes)
 
 
 def make_requests(
@@ -215,9 +217,10 @@ class V1Engine(EngineUnderTest):
         self.scheduler = build_scheduler(self.spec, config, model_dir, self.native, loop=self.loop)
         if "json" in self.kinds.values():
             mixed.install_backend(self.scheduler, driver.TINY_LLAMA["vocab_size"])
+        # The scheduler's hash block size (a Mamba hybrid's: vLLM's resolved) and lookahead.
         lookahead = getattr(self.scheduler, "num_hash_lookahead_tokens", 0)
         self._hasher = driver.request_block_hasher(
-            config.block_size, self.spec.hash_algo, lookahead
+            self.scheduler.hash_block_size, self.spec.hash_algo, lookahead
         )
 
     def add(self, request: Request) -> None:
@@ -401,7 +404,9 @@ def run_section(
     section = _section(workload, spec.caching, run, 1)
     section.update(kv_events=spec.kv_events, async_scheduling=spec.async_scheduling)
     if spec.layout:
-        section["hybrid"] = hybrid.describe(spec.layout, config.block_size, spec.retention)
+        section["hybrid"] = hybrid.describe(
+            spec.layout, config.block_size, spec.retention, spec.caching
+        )
     for lane in run.lanes:
         section["lanes"][lane.name]["loop_steps"] = lane.engine.loop_steps()
         drafts = lane.engine.draft_report()
@@ -540,7 +545,9 @@ def workload_spec(
     layout = hybrid.layout_of(workload)
     setting = hybrid.VLLM_DEFAULT_RETENTION
     if layout:
-        setting = hybrid.retention(hybrid.LAYOUTS[layout], workload.config.block_size, caching)
+        setting = hybrid.retention(
+            hybrid.layers(layout, caching), workload.config.block_size, caching
+        )
     return EngineSpec(
         caching=caching,
         kv_events=kv_events,
@@ -722,7 +729,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--memory",
         action="store_true",
-        help="also bytes per cached block (one group, and each hybrid workload's groups)",
+        help="also bytes per cached block (one group, and each attention-only hybrid workload's)",
     )
     p.add_argument("--calls", action="store_true", help="also the decode call's cost")
     return p
@@ -730,9 +737,11 @@ def _parser() -> argparse.ArgumentParser:
 
 def manager_costs(workloads: List[Tuple[str, Any]], memory: bool, calls: bool) -> Dict[str, Any]:
     """What ``--memory`` and ``--calls`` measure, each line printed as it comes: bytes per
-    cached block of one full-attention group (W1's pool) and of each hybrid workload's groups
-    (its pool, :func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`), the decode call's cost.
-    Returns them for the JSON (``memory``: a list, ``calls``)."""
+    cached block of one full-attention group (W1's pool) and of each attention-only hybrid
+    workload's groups (its pool, :func:`pagedkv.bench.vllm_v1.hybrid.num_blocks`; a Mamba
+    hybrid has none: a Mamba group holds a state per request, not a block per block of
+    tokens, so its pool never fills with cached blocks), the decode call's cost. Returns them
+    for the JSON (``memory``: a list, ``calls``)."""
     from pagedkv.bench.vllm_v1 import manager_costs as costs
 
     out: Dict[str, Any] = {}
@@ -740,7 +749,7 @@ def manager_costs(workloads: List[Tuple[str, Any]], memory: bool, calls: bool) -
         out["memory"] = [costs.memory_per_cached_block()]
         print(costs.format_memory(out["memory"][-1]), flush=True)
         for _, cfg in workloads:
-            if isinstance(cfg, hybrid.HybridConfig):
+            if isinstance(cfg, hybrid.HybridConfig) and not hybrid.is_mamba(cfg.layout):
                 bs = cfg.base.block_size
                 blocks = hybrid.num_blocks(cfg.layout, cfg.base.num_gpu_blocks, bs)
                 out["memory"].append(costs.memory_per_cached_block(blocks, bs, 256, cfg.layout))
