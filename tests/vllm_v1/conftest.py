@@ -30,18 +30,31 @@ def _is_cpu_build() -> bool:
     return True
 
 
+def _has_lookahead_hashes() -> bool:
+    """vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``); 0.32 has none."""
+    from vllm.config import VllmConfig
+
+    return hasattr(VllmConfig, "num_hash_lookahead_tokens")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "vllm_cpu_build: runs a model; deselected unless vLLM is its CPU build"
     )
+    config.addinivalue_line(
+        "markers",
+        "lookahead_hashes: needs vLLM 0.33's lookahead block hashes; deselected where vLLM "
+        "has none (0.32)",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
-    """Tests that run a model need vllm-cpu: elsewhere they are deselected, not skipped (a skip
-    fails tests/test_vllm_v1.py's run)."""
-    if _is_cpu_build():
-        return
-    dropped = [item for item in items if item.get_closest_marker("vllm_cpu_build")]
+    """Tests that run a model need vllm-cpu, tests of lookahead block hashes a vLLM that has
+    them: elsewhere they are deselected, not skipped (a skip fails tests/test_vllm_v1.py's
+    run)."""
+    needs = {"vllm_cpu_build": _is_cpu_build(), "lookahead_hashes": _has_lookahead_hashes()}
+    missing = [name for name, present in needs.items() if not present]
+    dropped = [item for item in items if any(item.get_closest_marker(m) for m in missing)]
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item not in dropped]

@@ -163,9 +163,7 @@ def test_a_planted_eagle_difference_is_caught(layout: str) -> None:
 
 
 #: vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``); 0.32 has none.
-LOOKAHEAD = pytest.mark.skipif(
-    require_supported_vllm() == "0.32.0", reason="vLLM 0.32 has no lookahead block hashes"
-)
+LOOKAHEAD = pytest.mark.lookahead_hashes  # deselected where vLLM has none (conftest.py)
 
 
 @LOOKAHEAD
