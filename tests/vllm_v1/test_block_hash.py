@@ -83,17 +83,14 @@ def _request(prompt: list, hasher: object, **kwargs: object) -> object:
     )
 
 
-@pytest.mark.parametrize("algo", HASH_ALGOS)
-@pytest.mark.parametrize("block_size", [4, 16])
-def test_native_stand_in_hashes_as_vllms_hasher(algo: str, block_size: int) -> None:
-    """vLLM's Request with vLLM's hasher and with pagedkv's stand-in, the same tokens
-    appended one by one (wide ones among them, so the stand-in hands some calls back):
-    the block hashes are equal after every token."""
-    hash_fn = get_hash_fn_by_name(algo)
-    kv_cache_utils.init_none_hash(hash_fn)
-    vllm_hasher = get_request_block_hasher(block_size, hash_fn)
-    stand_in = _native.VllmBlockHasher(algo, block_size, vllm_hasher)
-    rng = random.Random(block_size)
+def _appended_in_step(
+    vllm_hasher: object, stand_in: object, block_size: int, rng: random.Random
+) -> list:
+    """Three prompts (short, several blocks, a salted first block), each as two requests, one
+    hashed by vLLM's hasher and one by the stand-in, the same tokens appended one by one (wide
+    ones among them): the block hashes are equal at the start and after every token. Returns
+    the reference requests."""
+    refs = []
     for prompt_len, salt in ((3, None), (block_size * 3 + 1, None), (block_size + 2, "salt")):
         prompt = [rng.randrange(1000) for _ in range(prompt_len)]
         ref = _request(prompt, vllm_hasher, cache_salt=salt)
@@ -104,6 +101,21 @@ def test_native_stand_in_hashes_as_vllms_hasher(algo: str, block_size: int) -> N
             ref.append_output_token_ids(t)
             test.append_output_token_ids(t)
             assert test.block_hashes == ref.block_hashes
+        refs.append(ref)
+    return refs
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_native_stand_in_hashes_as_vllms_hasher(algo: str, block_size: int) -> None:
+    """vLLM's Request with vLLM's hasher and with pagedkv's stand-in, the same tokens
+    appended one by one (wide ones among them, so the stand-in hands some calls back):
+    the block hashes are equal after every token."""
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    vllm_hasher = get_request_block_hasher(block_size, hash_fn)
+    stand_in = _native.VllmBlockHasher(algo, block_size, vllm_hasher)
+    for ref in _appended_in_step(vllm_hasher, stand_in, block_size, random.Random(block_size)):
         assert len(ref.block_hashes) >= 12
 
 
@@ -170,16 +182,7 @@ def test_native_stand_in_hashes_as_vllms_lookahead_hasher(algo: str, lookahead: 
     stand_in = _native.VllmBlockHasher(algo, block_size, original, lookahead)
     assert stand_in.lookahead == lookahead
     rng = random.Random(algo + str(lookahead))
-    for prompt_len, salt in ((3, None), (block_size * 3 + 1, None), (block_size + 2, "salt")):
-        prompt = [rng.randrange(1000) for _ in range(prompt_len)]
-        ref = _request(prompt, vllm_hasher, cache_salt=salt)
-        test = _request(prompt, stand_in, cache_salt=salt)
-        assert test.block_hashes == ref.block_hashes
-        for _ in range(12 * block_size):
-            t = rng.choice(EDGE_TOKENS) if rng.random() < 0.02 else rng.randrange(50_000)
-            ref.append_output_token_ids(t)
-            test.append_output_token_ids(t)
-            assert test.block_hashes == ref.block_hashes
+    for ref in _appended_in_step(vllm_hasher, stand_in, block_size, rng):
         assert len(ref.block_hashes) == (ref.num_tokens - lookahead) // block_size >= 11
     # Handed back: calls before the first hash exists, and the few with a wide token.
     assert len(handed_back) < 40, len(handed_back)
