@@ -283,17 +283,126 @@ def test_lockstep_mamba_hybrid(seed: int, tiny_model_dir: Path, manager_cls: typ
 def test_lockstep_mamba_align_hybrid(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
     """Mamba hybrids with prefix caching (``mamba_cache_mode`` "align": Granite-4-,
     Nemotron-H- and Qwen3-Next-like layouts, with and without prefill checkpoints and
-    speculative state blocks): vLLM's scheduler, splitting prefills at block boundaries, over
-    pagedkv's hybrid manager matched with vLLM's scheduler over vLLM's ``MambaManager`` at every
-    step (prefix hits, preemption, chunked prefill, aborts, drafts, KV events, the blocks to
-    zero, sync and async), under dense and sparse retention. The loop is vLLM's: the native
-    loop does not split prefills at block boundaries."""
+    speculative state blocks): pagedkv's scheduler over its hybrid manager matched with
+    vLLM's scheduler over vLLM's ``MambaManager`` at every step (prefix hits, preemption,
+    chunked prefill, aborts, KV events, the blocks to zero, sync and async; no drafts:
+    :func:`v1_harness.with_layout`), under
+    dense and sparse retention, every step on pagedkv's native loop, which splits the
+    prefills as vLLM's scheduler does (vLLM's loop only while an out-of-scope request is
+    held, one seed in four)."""
     layouts = sorted(MAMBA_ALIGN_LAYOUTS)
     layout = layouts[seed % len(layouts)]
     stats = h.run_seed(
         seed, tiny_model_dir, manager_cls, layout=layout, retention=(None, 0)[seed // 3 % 2]
     )
     assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=seed % 4 == 3)
+
+
+def shared_prefix_workload(prefix_len: int, n: int) -> list[h.RequestSpec]:
+    """``n`` requests sharing a ``prefix_len``-token prefix, tails of 5, 12, 19... tokens,
+    two arriving per step."""
+    rng = random.Random(7)
+    prefix = [rng.randrange(3, h.VOCAB_SIZE) for _ in range(prefix_len)]
+    return [
+        h.RequestSpec(f"w{i}", tuple(prefix + [100 + i] * (5 + 7 * i)), 12, True, i // 2)
+        for i in range(n)
+    ]
+
+
+@pytest.mark.parametrize("layout", sorted(MAMBA_ALIGN_LAYOUTS))
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(("batched", "threshold"), [(64, 8), (12, 0), (64, 0)])
+def test_mamba_align_chunks_around_wide_blocks(
+    layout: str,
+    async_scheduling: bool,
+    batched: int,
+    threshold: int,
+    tiny_model_dir: Path,
+    manager_cls: type,
+) -> None:
+    """Mamba "align" with 16-token blocks: wider than the longest chunk the scheduler may
+    schedule (a long-prefill threshold of 8, or a budget of 12), where chunks advance
+    sub-block and re-align at the next boundary, and as wide as a third of the budget;
+    prefix hits on a shared 40-token prefix (a hit ending mid-prompt, chunks resuming from
+    it): pagedkv's native loop matched with vLLM's scheduler step by step."""
+    cfg = h.SchedConfig(
+        block_size=16,
+        num_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=batched,
+        max_model_len=128,
+        long_prefill_token_threshold=threshold,
+        async_scheduling=async_scheduling,
+    )
+    cfg = h.with_layout(cfg, layout)
+    stats = h.Lockstep(cfg, shared_prefix_workload(40, 6), 1, tiny_model_dir, manager_cls).run()
+    assert stats["hits"] > 0, stats
+    assert_native_loop(stats, manager_cls)
+
+
+def _wide_block_config(layout: str) -> h.SchedConfig:
+    cfg = h.SchedConfig(
+        block_size=16,
+        num_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        long_prefill_token_threshold=8,
+    )
+    return h.with_layout(cfg, layout)
+
+
+def test_an_overridden_mamba_split_runs_in_the_native_loop(
+    tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """A scheduler class that overrides ``_mamba_block_aligned_split`` (as platform plugins
+    do) gets its own split called by the native loop wherever vLLM's loop calls it, with
+    vLLM's arguments: here one that logs and delegates, so the steps still match vLLM's."""
+    from pagedkv.vllm_v1 import Scheduler
+
+    calls: list[tuple] = []
+
+    class LoggingSplit(Scheduler):
+        def _mamba_block_aligned_split(self, request, num_new_tokens, *args):  # type: ignore[no-untyped-def]
+            calls.append((request.request_id, num_new_tokens, *args))
+            return super()._mamba_block_aligned_split(request, num_new_tokens, *args)
+
+    pagedkv = not manager_cls.__module__.startswith("vllm.")
+    cfg = _wide_block_config("granite4-align")
+    work = shared_prefix_workload(40, 6)
+    cls = LoggingSplit if pagedkv else None
+    stats = h.Lockstep(cfg, work, 1, tiny_model_dir, manager_cls, scheduler_cls=cls).run()
+    assert_native_loop(stats, manager_cls)
+    if pagedkv:
+        # Both passes: the waiting pass passes the prefix hit and no external tokens.
+        assert {len(c) for c in calls} == {2, 4}, calls[:8]
+        assert all(c[3] == 0 for c in calls if len(c) == 4)
+
+
+def test_a_plugins_patch_of_vllms_mamba_split_is_called(
+    tiny_model_dir: Path, manager_cls: type, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A platform plugin's ``functools.wraps`` patch on vLLM's own ``Scheduler`` class: the
+    native loop (built after the patch) calls the patched split, as vLLM's loop would."""
+    import functools
+
+    from vllm.v1.core.sched.scheduler import Scheduler as VllmScheduler
+
+    original = VllmScheduler._mamba_block_aligned_split
+    callers: set[str] = set()
+
+    @functools.wraps(original)
+    def patched(self, request, num_new_tokens, *args):  # type: ignore[no-untyped-def]
+        callers.add(type(self.kv_cache_manager).__module__.partition(".")[0])
+        return original(self, request, num_new_tokens, *args)
+
+    monkeypatch.setattr(VllmScheduler, "_mamba_block_aligned_split", patched)
+    cfg = _wide_block_config("nemotron-h-align")
+    stats = h.Lockstep(cfg, shared_prefix_workload(40, 6), 1, tiny_model_dir, manager_cls).run()
+    assert_native_loop(stats, manager_cls)
+    # The reference (vLLM's loop) and the scheduler under test both called it.
+    assert callers == {"vllm", manager_cls.__module__.partition(".")[0]}, callers
 
 
 @pytest.mark.parametrize("layout", sorted(MAMBA_LAYOUTS))

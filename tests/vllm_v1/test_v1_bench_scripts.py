@@ -426,7 +426,8 @@ def test_hybrid_section_decides_as_vllm_over_vllms_groups(name: str) -> None:
 
 def _check_mamba_align(sec: dict, engines: list) -> None:
     """A Mamba hybrid with caching on runs in ``mamba_cache_mode`` "align": pagedkv's manager
-    in both pagedkv lanes, and its loop lane on vLLM's loop for Mamba alignment alone."""
+    in both pagedkv lanes, its loop lane native every step (splitting prefills at block
+    boundaries as vLLM's scheduler does, decisions equal)."""
     from pagedkv.bench.vllm_v1.section import LOOP_OFF
 
     assert sec["hybrid"]["mamba_cache_mode"] == "align"
@@ -435,7 +436,8 @@ def _check_mamba_align(sec: dict, engines: list) -> None:
         assert engine.scheduler.vllm_config.cache_config.mamba_cache_mode == "align"
         assert engine.scheduler.need_mamba_block_aligned_split
     steps = sec["steps"]
-    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {"Mamba alignment": steps}
+    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {}
+    assert sec["lanes"][loop.name]["loop_steps"]["native"] == steps
     assert sec["lanes"][manager.name]["loop_steps"]["fallbacks"] == {LOOP_OFF: steps}
 
 

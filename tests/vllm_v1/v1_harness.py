@@ -1375,7 +1375,7 @@ def with_layout(cfg: SchedConfig, layout: str, retention: Optional[int] = None) 
     if align:
         # vLLM's own manager asserts when a checkpoint lands past the request's hashes, which
         # unverified draft tokens make happen: align seeds run without drafts.
-        cfg = dataclasses.replace(cfg, num_spec_tokens=0, spec_metrics="none")
+        cfg = dataclasses.replace(cfg, num_spec_tokens=0, spec_metrics="none", dynamic_sd=None)
     return dataclasses.replace(
         cfg,
         layout=layout,

@@ -128,7 +128,6 @@ class NativeLoop:
             and d.get("aux_output_connector") is None
             and d.get("ec_connector") is None
             and not d.get("encoder_cache_mismatch_reqs")
-            and not d.get("need_mamba_block_aligned_split")
             and d.get("num_sampled_tokens_per_step", 1) == d["_pagedkv_sampled_per_step"]
         ):
             return None
@@ -154,7 +153,6 @@ class NativeLoop:
             (bool(self.grammar_compile_error_reqs), "grammar compile errors"),
             (bool(getattr(self, "encoder_cache_mismatch_reqs", None)), "encoder cache mismatch"),
             # Settings vLLM's own tests change after construction.
-            (bool(getattr(self, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
             (
                 getattr(self, "num_sampled_tokens_per_step", 1) != self._pagedkv_sampled_per_step,
                 "a diffusion model",
@@ -346,7 +344,24 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "draft_slots": _draft_slots(sched),
         "observe_spec_metrics": _observe_spec_metrics,
         "spec_decoding_stats": _spec_decoding_stats,
+        "vllm_mamba_split_code": _vllm_mamba_split_code(),
     }
+
+
+def _vllm_mamba_split_code() -> Any:
+    """The code of vLLM's own ``Scheduler._mamba_block_aligned_split`` (under any
+    ``functools.wraps`` wrapper a platform plugin put on the class), or ``None`` when the class
+    holds a function from elsewhere. A scheduler whose split runs other code (a plugin's
+    patch, a subclass's override, a test's stand-in) gets that split called every time
+    vLLM would call it; vLLM's own runs natively (``pagedkv_core::vllm_v1::mamba_split``)."""
+    import inspect
+
+    from vllm.v1.core.sched import scheduler
+
+    name = "_mamba_block_aligned_split"
+    owner = next(c for c in scheduler.Scheduler.__mro__ if name in c.__dict__)
+    code = getattr(inspect.unwrap(owner.__dict__[name]), "__code__", None)
+    return code if code is not None and code.co_filename == scheduler.__file__ else None
 
 
 def _draft_slots(sched: Any) -> int:

@@ -20,8 +20,9 @@ mode; so are vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``, 
 prefix caching by default), which change only the KV events' contents in the manager
 (:mod:`pagedkv.vllm_v1._events`), except beside a Mamba group in "align" mode (vLLM's
 checkpoints then read them). Align mode with Mamba blocks larger than the hash block
-(fine-grained partial hits with copy-on-write) runs vLLM's own manager; every align model runs
-vLLM's loop (the scheduler's ``need_mamba_block_aligned_split``, :func:`engine_out_of_scope`).
+(fine-grained partial hits with copy-on-write) runs vLLM's own manager; under pagedkv's
+manager the native loop splits align prefills at block boundaries as vLLM's scheduler does
+(``pagedkv_core::vllm_v1::mamba_split``).
 Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
 """
 
@@ -196,7 +197,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         ),
         (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
         (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
-        (bool(getattr(sched, "need_mamba_block_aligned_split", False)), "Mamba alignment"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
         (getattr(sched, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),

@@ -84,6 +84,18 @@ pub struct Settings {
     pub max_loras: Option<usize>,
     /// Speculative decoding (all 0 / false without it).
     pub spec: SpecSettings,
+    /// `need_mamba_block_aligned_split` (a Mamba group in "align" mode): whose split runs.
+    pub mamba_split: Option<MambaSplitRule>,
+}
+
+/// Whose `_mamba_block_aligned_split` ends the prefill chunks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MambaSplitRule {
+    /// vLLM's own method: the core's arithmetic with these settings.
+    Vllm(super::mamba_split::MambaSplit),
+    /// Another (a platform plugin's patch, a subclass's override, a test's stand-in): the
+    /// engine calls it ([`Engine::custom_mamba_split`]).
+    Custom,
 }
 
 /// The scheduler's speculative decoding settings (`num_spec_tokens > 0`: drafts are
@@ -250,7 +262,8 @@ pub trait Engine {
 
     // The scheduler.
     fn settings(&mut self) -> Result<Settings, Self::Error>;
-    /// Reads what [`Start`] holds (and anything else the engine must read before a write).
+    /// Reads what [`Start`] holds (and anything else the engine must read before a write),
+    /// then starts the KV cache manager's step (`kv_cache_manager.new_step_starts()`).
     fn begin_schedule(&mut self, mode: &Mode) -> Result<Start, Self::Error>;
     fn set_current_step(&mut self, step: u64) -> Result<(), Self::Error>;
     fn set_num_executed_steps(&mut self, n: u64) -> Result<(), Self::Error>;
@@ -282,6 +295,17 @@ pub trait Engine {
     fn set_stopped(&mut self, r: &Self::Req, stop: Stop) -> Result<(), Self::Error>;
     fn num_tokens(&self, r: &Self::Req) -> u64;
     fn num_prompt_tokens(&self, r: &Self::Req) -> u64;
+    /// `request.shared_prefix_boundary` (set by the prefix lookup; read by Mamba's split).
+    fn shared_prefix_boundary(&self, r: &Self::Req) -> Result<u64, Self::Error>;
+    /// The scheduler's own `_mamba_block_aligned_split(request, num_new_tokens)` (the running
+    /// pass) or `(request, num_new_tokens, num_new_local_computed_tokens, 0)` (the waiting
+    /// pass: `Some(local)`), under [`MambaSplitRule::Custom`].
+    fn custom_mamba_split(
+        &self,
+        r: &Self::Req,
+        num_new_tokens: u64,
+        num_new_local_computed_tokens: Option<u64>,
+    ) -> Result<u64, Self::Error>;
     fn num_output_tokens(&self, r: &Self::Req) -> Result<u64, Self::Error>;
     fn max_tokens(&self, r: &Self::Req) -> u64;
     fn stop_rule(&self, r: &Self::Req) -> StopRule;

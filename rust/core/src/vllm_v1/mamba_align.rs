@@ -68,9 +68,30 @@ use crate::error::{Error, Result};
 /// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit, drop_eagle_block=False)`
 /// without hash lookahead: the last multiple of `unit` strictly below `num_tokens` (0 if none).
 pub fn checkpoint_position(num_tokens: u64, unit: u64) -> u64 {
-    match (num_tokens.checked_sub(1), unit) {
-        (Some(p), u) if u > 0 => p / u * u,
-        _ => 0,
+    checkpoint_position_with(num_tokens, unit, false, 0)
+}
+
+/// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit, drop_eagle_block,
+/// num_hash_lookahead_tokens)`: the last multiple of `unit` at most `num_tokens` less
+/// `max(1, lookahead)` (less nothing, then one `unit` less, with the EAGLE block drop), 0 if
+/// none.
+pub fn checkpoint_position_with(
+    num_tokens: u64,
+    unit: u64,
+    drop_eagle: bool,
+    lookahead: u64,
+) -> u64 {
+    if unit == 0 {
+        return 0;
+    }
+    let proof_limit = match drop_eagle {
+        true => num_tokens,
+        false => num_tokens.saturating_sub(lookahead.max(1)),
+    };
+    let position = proof_limit / unit * unit;
+    match drop_eagle {
+        true => position.saturating_sub(unit),
+        false => position,
     }
 }
 

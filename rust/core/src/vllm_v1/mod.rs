@@ -11,6 +11,8 @@
 //! * [`mamba`]: the Mamba group kind's rules (mode "none") and block zeroing;
 //! * [`mamba_align`]: Mamba groups with prefix caching (mode "align"): per-step state blocks,
 //!   checkpoints, the right-to-left lookup and the prompt-tail caching;
+//! * [`mamba_split`]: where the scheduler ends a prefill chunk in "align" mode (the
+//!   block-aligned split, O(1));
 //! * [`coordinator`]: vLLM's hybrid coordinator over those group managers (likewise);
 //! * [`eagle`]: EAGLE/MTP's last-block drop (which groups drop, per release) and what it
 //!   changes in lookups and caching;
@@ -31,6 +33,7 @@ pub mod free_queue;
 pub mod full_attention;
 pub mod mamba;
 pub mod mamba_align;
+pub mod mamba_split;
 pub mod manager;
 pub mod policy;
 pub mod pool;

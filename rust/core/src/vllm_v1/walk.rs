@@ -14,9 +14,10 @@
 //! `WAITING_FOR_STREAMING_REQ` (the walk changes it only through `handle_stopped`).
 
 use super::engine::{
-    BlockIds, Drafts, Engine, Mode, Queue, Release, Row, Runner, Settings, Status, Step,
-    StructuredFlags,
+    BlockIds, Drafts, Engine, MambaSplitRule, Mode, Queue, Release, Row, Runner, Settings, Status,
+    Step, StructuredFlags,
 };
+use super::mamba_split::SplitRow;
 use super::policy::{self, Budget, RunningRow, Stop};
 use super::SlotRequest;
 use crate::Error;
@@ -163,6 +164,7 @@ impl<'e, E: Engine> Walk<'e, E> {
                     n = 0;
                 }
             }
+            n = self.mamba_split(&req, row.num_computed_tokens, n, None)?;
             n = self.encoder_tokens(&req, row.num_computed_tokens, n)?;
             if n == 0 {
                 i += 1;
@@ -434,6 +436,10 @@ impl<'e, E: Engine> Walk<'e, E> {
         if n == 0 {
             return Err(self.invalid("a waiting request with nothing to schedule"));
         }
+        let split = self.mamba_split_admitted(req, (num_computed, num_local), n, padded)?;
+        let Some((n, padded)) = split else {
+            return Ok(Admit::Full);
+        };
         let n = self.encoder_tokens(req, num_computed, n)?;
         if n == 0 {
             // No token before an encoder input that does not fit: 0.33 skips the request,
@@ -469,6 +475,50 @@ impl<'e, E: Engine> Walk<'e, E> {
         };
         self.start_running(q, req, (n, drafts), num_computed, budget, rows)?;
         Ok(Admit::Scheduled)
+    }
+
+    /// `_mamba_block_aligned_split` where vLLM applies it, before the encoder caps (no-op
+    /// without a Mamba group in "align" mode); `start`: the computed tokens, a prefix hit
+    /// found this step included (`local`: that hit, in the waiting pass). A split that
+    /// returns more than it was asked is held to the tokens asked.
+    fn mamba_split(
+        &self,
+        req: &E::Req,
+        start: u64,
+        n: u64,
+        local: Option<u64>,
+    ) -> Result<u64, E::Error> {
+        let split = match self.set.mamba_split {
+            None => return Ok(n),
+            Some(MambaSplitRule::Custom) => self.e.custom_mamba_split(req, n, local)?,
+            Some(MambaSplitRule::Vllm(split)) => {
+                let row = SplitRow {
+                    start,
+                    num_prompt_tokens: self.e.num_prompt_tokens(req),
+                    num_tokens: self.e.num_tokens(req),
+                    shared_prefix_boundary: self.e.shared_prefix_boundary(req)?,
+                };
+                split.tokens(&row, n)
+            }
+        };
+        Ok(split.min(n))
+    }
+
+    /// The waiting pass's split: `None` when it leaves no token (the pass ends, as vLLM's
+    /// `break`); a padded decode the split would shorten loses its padding instead.
+    fn mamba_split_admitted(
+        &self,
+        req: &E::Req,
+        (start, local): (u64, u64),
+        n: u64,
+        padded: bool,
+    ) -> Result<Option<(u64, bool)>, E::Error> {
+        let split = self.mamba_split(req, start, n, Some(local))?;
+        Ok(match split {
+            0 => None,
+            s if padded && s != 1 + self.set.spec.num_spec_tokens => Some((1, false)),
+            s => Some((s, padded)),
+        })
     }
 
     /// `scheduled`: the tokens and the padding drafts (0: not padded).

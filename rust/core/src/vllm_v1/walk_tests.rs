@@ -4,8 +4,8 @@
 
 use super::coordinator::{Hybrid, HybridSlots};
 use super::engine::{
-    BlockIds, Drafts, EncoderPlan, Engine, Mode, Queue, Release, Runner, Settings, SpecSettings,
-    Start, Status, Step, StructuredFlags,
+    BlockIds, Drafts, EncoderPlan, Engine, MambaSplitRule, Mode, Queue, Release, Runner, Settings,
+    SpecSettings, Start, Status, Step, StructuredFlags,
 };
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
@@ -213,6 +213,7 @@ impl<K: TestKv> TestEngine<K> {
                 runner: Runner::V1,
                 max_loras: None,
                 spec: SpecSettings::default(),
+                mamba_split: None,
             },
             step: 0,
             executed: 0,
@@ -486,6 +487,17 @@ impl<K: TestKv> Engine for TestEngine<K> {
     }
     fn num_prompt_tokens(&self, r: &usize) -> u64 {
         self.reqs[*r].prompt
+    }
+    fn shared_prefix_boundary(&self, _r: &usize) -> Result<u64> {
+        Ok(0) // caching off: no lookup sets one
+    }
+    /// A stand-in override: 3 tokens at most in the running pass; in the waiting pass more
+    /// than asked (the walk holds it to the tokens asked).
+    fn custom_mamba_split(&self, _r: &usize, n: u64, local: Option<u64>) -> Result<u64> {
+        Ok(match local {
+            None => n.min(3),
+            Some(hit) => n + hit + 5,
+        })
     }
     fn num_output_tokens(&self, r: &usize) -> Result<u64> {
         Ok(self.reqs[*r].outs.len() as u64)
@@ -792,6 +804,66 @@ impl<K: TestKv> Engine for TestEngine<K> {
 }
 
 // ---- admission and chunked prefill ----
+
+/// A Mamba "align" split of `block` tokens (the scheduler may take the whole budget).
+fn with_mamba_split(e: &mut TestEngine<Manager>, block: u64) {
+    let split = crate::vllm_v1::mamba_split::MambaSplit {
+        block_size: block,
+        hash_block_size: block,
+        max_prefill_tokens: e.set.max_num_scheduled_tokens,
+        ..Default::default()
+    };
+    e.set.mamba_split = Some(MambaSplitRule::Vllm(split));
+}
+
+#[test]
+fn an_overridden_mamba_split_is_called_in_both_passes_and_held_to_the_tokens_asked() {
+    let mut e = TestEngine::new(64, 30);
+    e.set.mamba_split = Some(MambaSplitRule::Custom);
+    let (a, b) = (e.add(21, 4), e.add(12, 4));
+    // The waiting pass: the override returns more than asked; each row keeps its ask.
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 21), (b, 9)]);
+    // The running pass: b's last 3 tokens; a's decode (1).
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 1), (b, 3)]);
+}
+
+/// One step in which the chunks sample nothing and every other row one token.
+fn step_chunks_silent(e: &mut TestEngine<Manager>) -> Vec<(usize, u64)> {
+    let rows = e.schedule(sync(V33));
+    for &(r, _) in &rows {
+        let sampled = if e.r(r).chunk { vec![] } else { vec![50] };
+        e.next.insert(r, sampled);
+    }
+    e.update(sync(V33));
+    rows
+}
+
+#[test]
+fn mamba_align_splits_prefills_at_block_boundaries_in_both_passes() {
+    let mut e = TestEngine::new(64, 30);
+    with_mamba_split(&mut e, 8);
+    let (a, b) = (e.add(21, 4), e.add(12, 4));
+    // a: 21 tokens asked, 30 in the budget: the chunk stops at 16 (the last multiple of 8
+    // below 21); b gets the budget's rest (14), cut to a block (8).
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 16), (b, 8)]);
+    // a's tail (5) and b's (4) follow: the prompt's last chunk is not aligned.
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 5), (b, 4)]);
+    // Decodes are never split.
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 1), (b, 1)]);
+}
+
+#[test]
+fn mamba_align_ends_admission_below_one_block() {
+    let mut e = TestEngine::new(64, 20);
+    with_mamba_split(&mut e, 8);
+    let (a, b) = (e.add(30, 4), e.add(30, 4));
+    // a takes 16 (aligned), b's 4 tokens of budget are less than a block: the pass ends.
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 16)]);
+    assert_eq!(e.r(b).status, Status::Waiting);
+    // a's next chunk: 14 left, 20 of budget, up to its last cacheable position (24): 8;
+    // b gets 12 of budget, one block.
+    assert_eq!(step_chunks_silent(&mut e), vec![(a, 8), (b, 8)]);
+}
 
 #[test]
 fn admission_stops_at_the_token_budget_without_chunked_prefill() {

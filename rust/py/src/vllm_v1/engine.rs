@@ -176,6 +176,7 @@ impl<'py> PyEngine<'_, 'py> {
         let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?.len()?;
         let live = self.running.len() + self.waiting.len()? + kv_holding;
         self.prune(live);
+        self.lp.kv.new_step_starts()?;
         self.ts = Some(self.lp.objs.monotonic.bind(py).call0()?);
         if mode.asynchronous {
             let k = get_u64(&self.sched, intern!(py, "num_spec_tokens"))?;
@@ -388,6 +389,20 @@ impl<'py> Engine for PyEngine<'_, 'py> {
 
     fn num_prompt_tokens(&self, r: &PyReq<'py>) -> u64 {
         r.f.num_prompt
+    }
+
+    fn shared_prefix_boundary(&self, r: &PyReq<'py>) -> PyResult<u64> {
+        self.get(r, intern!(self.py(), "shared_prefix_boundary"))
+    }
+
+    fn custom_mamba_split(&self, r: &PyReq<'py>, n: u64, local: Option<u64>) -> PyResult<u64> {
+        let py = self.py();
+        let name = intern!(py, "_mamba_block_aligned_split");
+        let split = match local {
+            None => self.sched.call_method1(name, (&r.obj, n))?,
+            Some(hit) => self.sched.call_method1(name, (&r.obj, n, hit, 0u64))?,
+        };
+        Ok(split.extract::<crate::args::SatCount>()?.0)
     }
 
     fn num_output_tokens(&self, r: &PyReq<'py>) -> PyResult<u64> {

@@ -61,6 +61,9 @@ pub struct Objects {
     /// `spec_decoding_stats(num_spec_tokens, drafts, draft_tokens, accepted, accepted_per_pos,
     /// draft_per_pos)`: vLLM's `SpecDecodingStats` with those fields.
     pub spec_decoding_stats: Py<PyAny>,
+    /// The code of vLLM's own `Scheduler._mamba_block_aligned_split` (`None`: the class
+    /// holds another's; every split is then the scheduler's own call).
+    pub vllm_mamba_split_code: Option<Py<PyAny>>,
     pub output: OutputShape,
 }
 
@@ -327,6 +330,10 @@ impl PyV1Loop {
             hash_name_of: item(d, "hash_name_of")?.unbind(),
             observe_spec_metrics: item(d, "observe_spec_metrics")?.unbind(),
             spec_decoding_stats: item(d, "spec_decoding_stats")?.unbind(),
+            vllm_mamba_split_code: {
+                let code = item(d, "vllm_mamba_split_code")?;
+                (!code.is_none()).then(|| code.unbind())
+            },
             output: OutputShape::new(d)?,
         };
         let mode = Mode {

@@ -84,6 +84,18 @@ impl LoopKv {
         }
     }
 
+    /// `new_step_starts` at `schedule()`'s start: Mamba "align" groups forget the states
+    /// they cached in the last step (nothing in the one-group manager).
+    pub fn new_step_starts(&self) -> PyResult<()> {
+        match self {
+            LoopKv::One(_) => Ok(()),
+            LoopKv::Hybrid(h) => {
+                h.get().lock()?.new_step_starts();
+                Ok(())
+            }
+        }
+    }
+
     /// The block ids of a request holding none (`get_blocks` of an unknown request).
     pub fn empty_table(&self) -> PyResult<PyBlocks> {
         Ok(match self {

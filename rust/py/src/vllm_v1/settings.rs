@@ -4,7 +4,8 @@
 //! draft slots were read when the loop was built.
 
 use crate::vllm_v1::loop_::PyV1Loop;
-use pagedkv_core::vllm_v1::engine::{Runner, Settings, SpecSettings};
+use pagedkv_core::vllm_v1::engine::{MambaSplitRule, Runner, Settings, SpecSettings};
+use pagedkv_core::vllm_v1::mamba_split::MambaSplit;
 use pagedkv_core::vllm_v1::policy::{self, Limits};
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -69,6 +70,61 @@ pub fn read_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Settin
         },
         max_loras,
         spec: spec_settings(sched, lp)?,
+        mamba_split: mamba_split(sched, lp)?,
+    })
+}
+
+/// `_mamba_block_aligned_split`'s rule, when `need_mamba_block_aligned_split` is set:
+/// vLLM's own method (its inputs) or another the scheduler runs instead.
+fn mamba_split(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<Option<MambaSplitRule>> {
+    let py = sched.py();
+    if !flag(sched, intern!(py, "need_mamba_block_aligned_split"))? {
+        return Ok(None);
+    }
+    if !runs_vllms_split(sched, lp)? {
+        return Ok(Some(MambaSplitRule::Custom));
+    }
+    let cache = sched.getattr(intern!(py, "cache_config"))?;
+    let cfg = sched.getattr(intern!(py, "scheduler_config"))?;
+    let max_scheduled = get_u64(sched, intern!(py, "max_num_scheduled_tokens"))?;
+    let threshold = get_u64(&cfg, intern!(py, "long_prefill_token_threshold"))?;
+    let alignment: Option<u64> = sched
+        .getattr(intern!(py, "mamba_prefill_checkpoint_alignment"))?
+        .extract()?;
+    let lookahead = match sched.getattr_opt(intern!(py, "num_hash_lookahead_tokens"))? {
+        Some(v) => v.extract()?,
+        None => 0,
+    };
+    Ok(Some(MambaSplitRule::Vllm(MambaSplit {
+        block_size: get_u64(&cache, intern!(py, "block_size"))?,
+        hash_block_size: get_u64(sched, intern!(py, "hash_block_size"))?,
+        partial_cache_hit: flag(sched, intern!(py, "mamba_partial_cache_hit"))?,
+        shared_prefix_checkpoint: flag(sched, intern!(py, "mamba_shared_prefix_checkpoint"))?,
+        drop_eagle_block: flag(sched, intern!(py, "use_eagle_block_drop"))?,
+        num_hash_lookahead_tokens: lookahead,
+        has_checkpoint_blocks: flag(sched, intern!(py, "mamba_has_prefill_checkpoint_blocks"))?,
+        checkpoint_alignment: alignment.unwrap_or(0),
+        max_prefill_tokens: match threshold {
+            0 => max_scheduled,
+            t => max_scheduled.min(t),
+        },
+    })))
+}
+
+/// Whether the scheduler's `_mamba_block_aligned_split` runs vLLM's own code (not a
+/// platform plugin's patch, a subclass's override or an instance's stand-in).
+fn runs_vllms_split(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<bool> {
+    let py = sched.py();
+    let Some(vllms) = &lp.objs.vllm_mamba_split_code else {
+        return Ok(false);
+    };
+    let method = sched.getattr(intern!(py, "_mamba_block_aligned_split"))?;
+    let func = method
+        .getattr_opt(intern!(py, "__func__"))?
+        .unwrap_or(method);
+    Ok(match func.getattr_opt(intern!(py, "__code__"))? {
+        Some(code) => code.is(vllms.bind(py)),
+        None => false,
     })
 }
 
