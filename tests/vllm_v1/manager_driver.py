@@ -48,6 +48,15 @@ HYBRID_LAYOUTS = {
     "two-windows": ["full", ("swa", 1, 1), ("swa", 3, 0)],
 }
 
+#: Attention layouts vLLM builds one group for, not full attention (its unitary coordinator
+#: over that group's manager).
+LONE_ATTENTION_LAYOUTS = {
+    # Mistral-7B-v0.1-like: every layer a sliding window.
+    "mistral-swa": [("swa", 2, 0)] * 2,
+    # Every layer chunked local attention (no full layer).
+    "chunked-local": [("chunk", 2, 0)] * 2,
+}
+
 
 def layer_spec(kind: Any, block_size: int) -> Any:
     """The driver's spec of a layer of ``kind`` (sizes here in blocks, there in tokens)."""
@@ -79,6 +88,9 @@ MAMBA_LAYOUTS = {
     # Mamba state blocks at the attention block size: the state of all but the last computed
     # token is freed as the request advances (get_num_skipped_tokens = n - 1).
     "mamba-block": (["mamba", "full"], 1, 0),
+    # Mamba-2 / Codestral-Mamba-like: every layer Mamba, one group (vLLM's unitary
+    # coordinator without prefix caching, over a MambaManager).
+    "mamba2": (["mamba"] * 2, None, 0),
 }
 
 
@@ -93,7 +105,13 @@ MAMBA_ALIGN_LAYOUTS = {
     "nemotron-h-align": (["mamba", "full", "mamba", "mamba"], 0, 1),
     # Two speculative state blocks per request (MTP-style drafts), with checkpoints.
     "qwen3-next-align-spec": (["mamba"] * 3 + ["full"], 2, 1),
+    # Every layer Mamba2, with prefix caching: one group, vLLM's unitary coordinator.
+    "mamba2-align": (["mamba"] * 2, 0, 1),
 }
+
+#: The layouts vLLM builds one KV cache group for (its unitary coordinator with prefix
+#: caching; a lone full-attention group is pagedkv's one-group manager's).
+LONE_GROUP_LAYOUTS = {"mistral-swa", "chunked-local", "mamba2", "mamba2-align"}
 
 
 def scheduler_scale(layout: str) -> int:
@@ -141,7 +159,11 @@ def block_sizes(layout: str, block_size: int, max_model_len: int) -> tuple:
 
 def has_window(layout: str) -> bool:
     """Whether the layout has a sliding-window group (what retention applies to)."""
-    kinds = HYBRID_LAYOUTS.get(layout) or [k for k, _ in MIXED_LAYOUTS.get(layout, ())]
+    kinds = (
+        HYBRID_LAYOUTS.get(layout)
+        or LONE_ATTENTION_LAYOUTS.get(layout)
+        or [k for k, _ in MIXED_LAYOUTS.get(layout, ())]
+    )
     if layout in MAMBA_LAYOUTS or layout in MAMBA_ALIGN_LAYOUTS:
         return False
     return any(k != "full" and k[0] == "swa" for k in kinds)
@@ -183,9 +205,10 @@ def hybrid_groups(
             KVCacheGroupSpec([f"layer.{i}"], layer_spec(k, block_size * scale))
             for i, (k, scale) in enumerate(MIXED_LAYOUTS[layout])
         ]
-    specs = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(HYBRID_LAYOUTS[layout])}
+    kinds = LONE_ATTENTION_LAYOUTS.get(layout) or HYBRID_LAYOUTS[layout]
+    specs = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)}
     groups = driver.kv_cache_groups(specs)
-    assert len(groups) > 1, layout
+    assert len(groups) > 1 or layout in LONE_GROUP_LAYOUTS, layout
     return groups
 
 

@@ -56,10 +56,10 @@ def test_eagle_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatc
     ).run(300)
 
 
-def eagle_hybrid_driver(seed: int) -> Driver:
-    layout = EAGLE_LAYOUTS[seed % len(EAGLE_LAYOUTS)]
+def eagle_hybrid_driver(seed: int, layouts: Sequence[str] = EAGLE_LAYOUTS) -> Driver:
+    layout = layouts[seed % len(layouts)]
     block_size = (4, 8, 16)[seed % 3]
-    mode = RETENTIONS[seed // len(EAGLE_LAYOUTS) % len(RETENTIONS)]
+    mode = RETENTIONS[seed // len(layouts) % len(RETENTIONS)]
     use_eagle, which = EAGLE_MODES[seed // 3 % len(EAGLE_MODES)]
     num_groups = len(hybrid_groups(layout, block_size))
     args: Dict[str, Any] = dict(
@@ -86,6 +86,17 @@ def test_eagle_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.Mon
     boundaries (and, 0.33, the junction one block lower) in sparse retention."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
     eagle_hybrid_driver(seed).run(300)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_eagle_lone_window_random_calls_match_vllm(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lone sliding-window group (Mistral-7B-v0.1-like) under EAGLE: vLLM's unitary
+    coordinator looks up once, dropping the last block without the hybrid coordinator's
+    margin past the candidate; every drop mode and retention, call by call."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    eagle_hybrid_driver(seed, ["mistral-swa"]).run(300)
 
 
 def test_eagle_seeds_cover_every_layout_mode_and_retention() -> None:

@@ -8,6 +8,7 @@ import pytest
 from manager_driver import (
     HASH_ALGOS,
     HYBRID_LAYOUTS,
+    LONE_ATTENTION_LAYOUTS,
     MAMBA_ALIGN_LAYOUTS,
     MAMBA_LAYOUTS,
     MIXED_LAYOUTS,
@@ -63,6 +64,19 @@ def hybrid_driver(seed: int, **kw: Any) -> Driver:
         retention=retention_interval(mode, layout, block_size),
     )
     return Driver(**{**args, **kw})
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("layout", sorted(LONE_ATTENTION_LAYOUTS))
+def test_lone_attention_group_random_calls_match_vllm(seed: int, layout: str) -> None:
+    """A lone sliding-window group (Mistral-7B-v0.1-like) or chunked local group: vLLM's
+    unitary coordinator over a ``SlidingWindowManager`` / ``ChunkedLocalAttentionManager``
+    (one lookup, every computed token cacheable); pagedkv's hybrid manager over that one
+    group against vLLM's, call by call, under dense, sparse (0) and periodic retention,
+    caching on and off, with events."""
+    mode = RETENTIONS[seed % len(RETENTIONS)]
+    retention = retention_interval(mode, layout, (4, 8, 16)[seed % 3])
+    hybrid_driver(seed, layout=layout, retention=retention).run(300)
 
 
 @pytest.mark.parametrize("seed", range(18))

@@ -1,12 +1,14 @@
 """``HybridKVCacheManager``: vLLM v1's ``KVCacheManager`` for hybrid models (several KV cache
 groups, each full attention, sliding window, chunked local attention or Mamba in
-``mamba_cache_mode`` "none" or "align") on pagedkv's native coordinator
-(``_native.V1Hybrid``, the core's ``coordinator::Hybrid``).
+``mamba_cache_mode`` "none" or "align"), or for one group of those kinds other than full
+attention, on pagedkv's native coordinator (``_native.V1Hybrid``, the core's
+``coordinator::Hybrid``).
 
 :class:`pagedkv.vllm_v1.KVCacheManager` returns one when the configuration has two or more
-groups in scope (:func:`pagedkv.vllm_v1._scope.out_of_scope`). What the scheduler, connectors
-and tests read back behaves as vLLM's ``KVCacheManager`` over its ``HybridKVCacheCoordinator``
-(or ``KVCacheCoordinatorNoPrefixCache`` with caching off): ``KVCacheBlocks`` of one list per
+groups in scope, or one such group (:func:`pagedkv.vllm_v1._scope.needs_group_managers`).
+What the scheduler, connectors and tests read back behaves as vLLM's ``KVCacheManager`` over
+its ``HybridKVCacheCoordinator`` (``UnitaryKVCacheCoordinator`` for one group;
+``KVCacheCoordinatorNoPrefixCache`` with caching off): ``KVCacheBlocks`` of one list per
 group (skipped positions as the null block), the same block ids in the same order, KV events
 with their ``group_idx`` (a ``BlockStored`` lists the hashes of the blocks really cached: null
 and unreachable ones skipped), prefix-cache stats. Sliding windows cache what the config's

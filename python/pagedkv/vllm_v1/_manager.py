@@ -152,7 +152,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
         # are for a manager built on its own.
         if reason is None:
             log_once("pagedkv: native KV cache manager (vLLM %s)", release, level=logging.DEBUG)
-            if len(kv_cache_config.kv_cache_groups) > 1:
+            if _scope.needs_group_managers(kv_cache_config):
                 from ._hybrid import HybridKVCacheManager
 
                 return HybridKVCacheManager(kv_cache_config, _named_args(args, kwargs), release)

@@ -282,14 +282,18 @@ def pool_tokens(manager: Any) -> int:
     window, chunk and Mamba groups hold (their blocks are not counted, so a request under the
     cap may still not fit, as in vLLM). Full-attention groups sit at the hash block size with
     caching on; without it (Mamba hybrids: the hash block is the scheduler's) at their own,
-    the largest counted (a cap never below what fits)."""
-    native = manager._native
-    if manager.num_kv_cache_groups == 1:
-        return (native.num_blocks - 1) * native.block_size
-    from ._hybrid import group_kinds
+    the largest counted (a cap never below what fits). Without a full-attention group (a
+    lone sliding-window or Mamba group) a request's blocks do not grow with its length: no
+    cap (``2**63 - 1``)."""
+    from ._hybrid import HybridKVCacheManager, group_kinds
 
+    native = manager._native
+    if not isinstance(manager, HybridKVCacheManager):
+        return (native.num_blocks - 1) * native.block_size
     sizes = [bs for kind, bs, *_ in group_kinds(manager.kv_cache_config) if kind == "full"]
-    return (native.num_blocks - 1) // max(len(sizes), 1) * max(sizes, default=1)
+    if not sizes:
+        return 2**63 - 1
+    return (native.num_blocks - 1) // len(sizes) * max(sizes)
 
 
 def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:

@@ -7,7 +7,9 @@ returns ``None`` when in scope, else the reason (for the start line and the fall
 The native manager mirrors vLLM's manager for one KV cache group handled by vLLM's plain
 ``FullAttentionManager`` (dense decoders: Llama, Qwen, Mistral...), with the hash block size
 equal to the block size, or for several groups (hybrid models: GPT-OSS, Gemma 3, Llama 4;
-Granite 4, Nemotron-H, Jamba, Qwen3-Next) each handled by vLLM's ``FullAttentionManager``,
+Granite 4, Nemotron-H, Jamba, Qwen3-Next) or one group of another kind (a lone sliding window,
+chunked local or Mamba group: vLLM's unitary coordinator) each handled by vLLM's
+``FullAttentionManager``,
 ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or ``MambaManager`` in
 ``mamba_cache_mode`` "none" (prefix caching off) or "align" (prefix caching on, the Mamba block
 at the hash block size) (:func:`hybrid_out_of_scope`); in both cases
@@ -34,13 +36,10 @@ from typing import Any, Optional
 def out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     """``None`` when the native manager applies; otherwise the reason, for the log line."""
     groups = kv_cache_config.kv_cache_groups
-    if len(groups) > 1:
+    if not groups:
+        return "no KV cache group; pagedkv handles one or more"
+    if needs_group_managers(kv_cache_config):
         return hybrid_out_of_scope(kv_cache_config, **args)
-    if len(groups) != 1:
-        return f"{len(groups)} KV cache groups; pagedkv handles one or more"
-    reason = _group_reason(groups[0])
-    if reason:
-        return reason
     return (
         _common_reason(kv_cache_config, args)
         or _reason(
@@ -79,9 +78,8 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     """``None`` when pagedkv's hybrid manager (:mod:`pagedkv.vllm_v1._hybrid`) serves these
     KV cache groups: every group full attention, sliding window, chunked local attention
     (vLLM's plain managers for them) or Mamba (``MambaManager``) in ``mamba_cache_mode``
-    "none" with prefix caching off or "align" with it on (:func:`_mamba_reason`), at least
-    one full-attention
-    group, chunked local groups at the scheduler block size (vLLM asserts it), every block
+    "none" with prefix caching off or "align" with it on (:func:`_mamba_reason`), with
+    several groups at least one full-attention group, chunked local groups at the scheduler block size (vLLM asserts it), every block
     size dividing the scheduler block size and, with prefix caching on, a multiple of the
     hash block size, full-attention groups at the hash block size (vLLM adds partial
     prompt-tail entries to larger blocks), and none of the features the one-group manager
@@ -132,7 +130,7 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
                 "against the combination)"
             )
         kinds.append(cls)
-    if FullAttentionManager not in kinds:
+    if len(kinds) > 1 and FullAttentionManager not in kinds:
         return _reason(True, "a hybrid configuration without a full-attention group")
     return _common_reason(kv_cache_config, args, mamba_zeroing=MambaManager in kinds)
 
@@ -163,14 +161,15 @@ def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[s
     return None
 
 
-def _group_reason(group: Any) -> Optional[str]:
+def needs_group_managers(kv_cache_config: Any) -> bool:
+    """Whether pagedkv's hybrid manager (one manager per group) serves this configuration:
+    several groups, or one group that is not plain full attention (a lone sliding-window,
+    chunked local or Mamba group: vLLM's unitary coordinator over that group's manager).
+    A lone full-attention group is the one-group manager's."""
     from vllm.v1.core.single_type_kv_cache_manager import FullAttentionManager
 
-    manager_cls = _manager_class(group)
-    if manager_cls is not FullAttentionManager:
-        name = getattr(manager_cls, "__name__", manager_cls)
-        return f"the KV cache group needs vLLM's {name}; pagedkv handles full attention"
-    return None
+    groups = kv_cache_config.kv_cache_groups
+    return len(groups) > 1 or _manager_class(groups[0]) is not FullAttentionManager
 
 
 def _manager_class(group: Any) -> Any:

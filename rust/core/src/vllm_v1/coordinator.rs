@@ -57,9 +57,12 @@
 //!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
 //! a chunked local group, Mamba "align" with blocks larger than the hash block (fine-grained
-//! hits) or with EAGLE, the unitary
-//! coordinator (one group: [`super::manager::Manager`] covers full attention; a lone sliding-window or chunked
-//! group is not covered).
+//! hits) or with EAGLE.
+//!
+//! One group alone (a lone sliding-window, chunked local or Mamba group; a lone full-attention
+//! group is [`super::manager::Manager`]'s) is vLLM's `UnitaryKVCacheCoordinator` with prefix
+//! caching on (one lookup capped at the candidate, no EAGLE margin, aligned to the group's
+//! block; every computed token cacheable) and `KVCacheCoordinatorNoPrefixCache` without.
 //!
 //! Invariants: every group's invariants ([`super::single_type`]); a block's ref count is the
 //! number of tables, of any group, holding it; a block is only in tables of the group it is
@@ -209,9 +212,9 @@ fn is_full(spec: &GroupSpec) -> bool {
 impl Hybrid {
     pub fn new(cfg: HybridConfig) -> Result<Self> {
         let n = cfg.groups.len();
-        if n < 2 {
+        if n == 0 {
             return Err(Error::invalid(
-                "a hybrid coordinator serves two or more KV cache groups",
+                "a KV cache coordinator needs a KV cache group",
             ));
         }
         let (hbs, sbs) = (cfg.hash_block_size, cfg.scheduler_block_size);
@@ -390,6 +393,9 @@ impl Hybrid {
                 ..Default::default()
             });
         }
+        if self.unitary() {
+            return self.unitary_hit(hashes, max_cache_hit_length);
+        }
         let mut hit_length = max_cache_hit_length;
         let mut longest = 0u64;
         let mut by_group: Vec<Option<Vec<u32>>> = vec![None; n];
@@ -443,6 +449,31 @@ impl Hybrid {
                 .collect(),
             num_tokens: hit_length,
             num_uncached_common_prefix_tokens: longest.saturating_sub(hit_length),
+        })
+    }
+
+    /// vLLM's `UnitaryKVCacheCoordinator` (one group, prefix caching on) rather than its
+    /// hybrid one: one lookup, no fixed point.
+    fn unitary(&self) -> bool {
+        self.managers.len() == 1 && self.cfg.enable_caching
+    }
+
+    /// `UnitaryKVCacheCoordinator.find_longest_cache_hit`: the group's own lookup capped at
+    /// `max_cache_hit_length` (no EAGLE margin past it), aligned to its block size; nothing is
+    /// uncached in common (no other group lags it).
+    fn unitary_hit(&self, hashes: &mut dyn HashSource, max_len: u64) -> Result<Hit> {
+        let g = &self.attention_groups[0];
+        let args = (
+            self.cfg.hash_block_size,
+            max_len,
+            u64::from(g.spec.block_size),
+        );
+        let (blocks, len) =
+            find_longest_cache_hit_eagle(&g.spec, &g.ids, &self.pool, hashes, args, g.eagle)?;
+        Ok(Hit {
+            blocks,
+            num_tokens: len,
+            num_uncached_common_prefix_tokens: 0,
         })
     }
 
@@ -758,6 +789,10 @@ impl Hybrid {
 
     /// vLLM's `get_num_cacheable_tokens` for group `m` ([`eagle::cacheable_tokens`]).
     fn cacheable_tokens(&self, m: &GroupManager, num_computed_tokens: u64) -> u64 {
+        if self.unitary() {
+            // The base coordinator's rule (no re-prefillable tokens): every computed token.
+            return num_computed_tokens;
+        }
         let sbs = u64::from(self.cfg.scheduler_block_size);
         eagle::cacheable_tokens(num_computed_tokens, sbs, m.block_size(), m.use_eagle())
     }

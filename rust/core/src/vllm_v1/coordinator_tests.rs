@@ -395,9 +395,11 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
     };
     assert!(h.allocate_slots("a", &a, &mut &ks[..]).is_err());
     assert_eq!(h.pool().num_free(), 19);
-    // One group is the unitary coordinator's, not this one.
-    cfg.groups = vec![full(4)];
-    assert!(Hybrid::new(cfg).is_err());
+    // No group at all is refused; one group is the unitary coordinator.
+    cfg.groups = vec![];
+    assert!(Hybrid::new(cfg.clone()).is_err());
+    cfg.groups = vec![swa(8, 4)];
+    assert!(Hybrid::new(cfg).is_ok());
 }
 
 /// A request's hashes: `key(i)` for the first `shared` blocks, then `key(base + i)`.

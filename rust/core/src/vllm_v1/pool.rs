@@ -19,13 +19,14 @@
 //!
 //! KV cache groups: vLLM keys its map by the hash *and* the KV cache group id
 //! (`BlockHashWithGroupId`), so one pool serves several groups (hybrid models) without their
-//! blocks answering for one another. A pool made by [`Pool::new_grouped`] for two or more
-//! groups keeps each cached block's group id (`group[b]`, 4 B per block); every other pool
-//! has one group, id 0, and keeps no such table (no bytes, no change to its layout). A
+//! blocks answering for one another. A pool made by [`Pool::new_grouped`] (the group
+//! managers' pool, for one group or several) keeps each cached block's group id (`group[b]`,
+//! 4 B per block); the one-group manager's pool ([`Pool::new`]) has one group, id 0, and
+//! keeps no such table (no bytes, no change to its layout). A
 //! lookup hashes the block hash alone and compares hash and group, so a hash cached in `G`
 //! groups shares one probe sequence (`G` is a handful). Events carry the hash only, as
-//! vLLM's `BlockRemoved` hashes do; a pool of several groups logs each event with its group
-//! ([`Event::StoredIn`], [`Event::RemovedIn`]), a one-group pool without (as before).
+//! vLLM's `BlockRemoved` hashes do; a grouped pool logs each event with its group
+//! ([`Event::StoredIn`], [`Event::RemovedIn`]), the one-group manager's without (as before).
 //!
 //! Invariants: `ref_cnt[b] == 0` iff `b` is in the queue (null block excepted); `hash[b]` is
 //! set iff `b` is on the chain the table keeps for that hash and `b`'s group.
@@ -145,17 +146,30 @@ pub struct Pool {
 }
 
 impl Pool {
+    /// The one-group manager's pool: no group table, events without a group.
     pub fn new(num_blocks: u32, caching: bool, events: bool) -> Result<Self> {
-        Self::new_grouped(num_blocks, caching, events, 1)
+        Self::build(num_blocks, caching, events, 1, false)
     }
 
     /// A pool shared by `num_groups` KV cache groups (ids `0..num_groups`), as vLLM's one
-    /// `BlockPool` under a hybrid coordinator. `num_groups == 1` is [`Pool::new`].
+    /// `BlockPool` under a coordinator of group managers (hybrid, or unitary over one
+    /// sliding-window, chunked local or Mamba group): it keeps each cached block's group
+    /// and logs events with their groups, whatever the count.
     pub fn new_grouped(
         num_blocks: u32,
         caching: bool,
         events: bool,
         num_groups: u32,
+    ) -> Result<Self> {
+        Self::build(num_blocks, caching, events, num_groups, true)
+    }
+
+    fn build(
+        num_blocks: u32,
+        caching: bool,
+        events: bool,
+        num_groups: u32,
+        grouped: bool,
     ) -> Result<Self> {
         if num_groups == 0 {
             return Err(Error::invalid("a pool serves at least one KV cache group"));
@@ -179,7 +193,7 @@ impl Pool {
         let ref_cnt = try_filled(0, n, "ref counts")?;
         let hashed_tokens = try_filled(0, n, "hashed token counts")?;
         let next_holder = try_filled(NIL, n, "holder links")?;
-        let group = if num_groups > 1 {
+        let group = if grouped {
             try_filled(0, n, "block groups")?
         } else {
             Vec::new()
@@ -266,6 +280,11 @@ impl Pool {
     /// How many KV cache groups the pool serves (1 unless made by [`Pool::new_grouped`]).
     pub fn num_groups(&self) -> u32 {
         self.num_groups
+    }
+
+    /// Made by [`Pool::new_grouped`]: blocks keep their group, events carry it.
+    pub fn is_grouped(&self) -> bool {
+        !self.group.is_empty()
     }
 
     /// The group `b` is cached for (0 in a one-group pool or while `b` is uncached).

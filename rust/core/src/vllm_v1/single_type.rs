@@ -300,7 +300,7 @@ pub(crate) fn cache_full_blocks(
     keys: &[HashKey],
     reachable: impl Fn(usize) -> bool,
 ) {
-    let grouped = pool.num_groups() > 1;
+    let grouped = pool.is_grouped();
     let mut cached = Vec::new();
     for (i, k) in keys.iter().enumerate() {
         let idx = first as usize + i;

@@ -106,7 +106,7 @@ fn pool_groups_answer_only_for_their_own_blocks() {
     assert_eq!(p.take_events(), [Event::RemovedIn(key(0), 1)]);
     assert_eq!(p.get_cached_in(&key(0), 1), None);
     assert!(p.insert_hash_in(3, key(5), 2, 4).is_err());
-    // A one-group pool keeps no group table and knows group 0 only.
+    // The one-group manager's pool keeps no group table and knows group 0 only.
     let mut one = Pool::new(8, true, false).unwrap();
     assert_eq!(one.num_groups(), 1);
     assert!(one.insert_hash_in(1, key(0), 1, 4).is_err());
