@@ -292,8 +292,9 @@ def test_lockstep_lone_group(seed: int, tiny_model_dir: Path, manager_cls: type)
     Mistral-7B-v0.1-like sliding window on every layer, a pure Mamba model without prefix
     caching and with it ("align"): pagedkv's hybrid manager over that one group and its
     native loop matched with vLLM's scheduler over vLLM's manager at every step (prefix hits
-    under dense, sparse and periodic retention, preemption, chunked prefill, aborts, events), every step
-    native (vLLM's loop only while an out-of-scope request is held, one seed in four)."""
+    under dense, sparse and periodic retention, preemption, chunked prefill, aborts,
+    events), every step native (vLLM's loop only while an out-of-scope request is held, one
+    seed in four)."""
     layouts = sorted(LONE_GROUP_LAYOUTS)
     layout = layouts[seed % len(layouts)]
     mode = RETENTIONS[seed // len(layouts) % len(RETENTIONS)]
