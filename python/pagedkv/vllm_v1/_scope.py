@@ -80,8 +80,8 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     (vLLM's plain managers for them) or Mamba (``MambaManager``) in ``mamba_cache_mode``
     "none" with prefix caching off or "align" with it on (:func:`_mamba_reason`), with
     several groups at least one full-attention group, chunked local groups at the scheduler
-    block size (vLLM asserts it), every block size dividing the scheduler block size and, with prefix caching on, a multiple of the
-    hash block size, full-attention groups at the hash block size (vLLM adds partial
+    block size (vLLM asserts it), every block size dividing the scheduler block size and,
+    with prefix caching on, a multiple of the hash block size, full-attention groups at the hash block size (vLLM adds partial
     prompt-tail entries to larger blocks), and none of the features the one-group manager
     refuses (block zeroing only for Mamba layers). Otherwise the reason. Every
     ``prefix_cache_retention_interval`` is in scope (dense ``None``, sparse ``0`` as vLLM's
