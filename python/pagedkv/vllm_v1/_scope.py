@@ -81,12 +81,12 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     "none" with prefix caching off or "align" with it on (:func:`_mamba_reason`), with
     several groups at least one full-attention group, chunked local groups at the scheduler
     block size (vLLM asserts it), every block size dividing the scheduler block size and,
-    with prefix caching on, a multiple of the hash block size, full-attention groups at the hash block size (vLLM adds partial
-    prompt-tail entries to larger blocks), and none of the features the one-group manager
-    refuses (block zeroing only for Mamba layers). Otherwise the reason. Every
-    ``prefix_cache_retention_interval`` is in scope (dense ``None``, sparse ``0`` as vLLM's
-    engines default, periodic); the native manager refuses an invalid one as vLLM's
-    coordinator does (a ``ValueError``)."""
+    with prefix caching on, a multiple of the hash block size, full-attention groups at the
+    hash block size (vLLM adds partial prompt-tail entries to larger blocks), and none of the
+    features the one-group manager refuses (block zeroing only for Mamba layers). Otherwise
+    the reason. Every ``prefix_cache_retention_interval`` is in scope (dense ``None``, sparse
+    ``0`` as vLLM's engines default, periodic); the native manager refuses an invalid one as
+    vLLM's coordinator does (a ``ValueError``)."""
     from vllm.v1.core.single_type_kv_cache_manager import (
         ChunkedLocalAttentionManager,
         FullAttentionManager,
