@@ -749,6 +749,8 @@ class V1Hybrid:
         """The hash and group the block is cached under (``None``: not cached)."""
     def hashed_tokens(self, block_id: int) -> Optional[int]:
         """Tokens the block's hash covers (``None``: not cached)."""
+    def cached_block(self, block_hash: bytes, group: int) -> Optional[int]:
+        """The first block cached under the hash for the group, or ``None``."""
     def is_free(self, block_id: int) -> bool:
         """Whether the block is in the free-block queue."""
     def free_queue(self) -> List[int]:

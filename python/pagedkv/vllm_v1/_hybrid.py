@@ -156,6 +156,19 @@ class _PoolView:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         self._manager.evict_blocks(block_ids)
 
+    def get_cached_block(
+        self, block_hash: bytes, kv_cache_group_ids: Sequence[int]
+    ) -> Optional[List[Any]]:
+        """vLLM's ``BlockPool.get_cached_block``: the first block cached under the hash in
+        each group (views of pagedkv's blocks), or ``None`` if any group misses."""
+        found = []
+        for group_id in kv_cache_group_ids:
+            block_id = self._native.cached_block(block_hash, group_id)
+            if block_id is None:
+                return None
+            found.append(self.blocks[block_id])
+        return found
+
 
 class _CoordinatorView:
     """What vLLM's scheduler reaches through ``kv_cache_manager.coordinator``."""

@@ -444,6 +444,22 @@ impl PyV1Hybrid {
         Ok(m.pool().hashed_tokens(b))
     }
 
+    /// The first block cached under `block_hash` for group `group` (vLLM's
+    /// `cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(...))`), or
+    /// `None`; a group out of range is refused.
+    fn cached_block(&self, block_hash: &Bound<'_, PyBytes>, group: Int64) -> PyResult<Option<u32>> {
+        let key = pagedkv_core::vllm_v1::pool::HashKey::new(block_hash.as_bytes()).py()?;
+        let m = self.lock()?;
+        let groups = m.num_groups();
+        let g = u32::try_from(group.0)
+            .ok()
+            .filter(|&g| (g as usize) < groups)
+            .ok_or_else(|| {
+                crate::errors::invalid(format!("kv_cache_group_id {} outside 0..{groups}", group.0))
+            })?;
+        Ok(m.pool().get_cached_in(&key, g))
+    }
+
     /// Whether the block is in the free-block queue.
     fn is_free(&self, block_id: Int64) -> PyResult<bool> {
         let m = self.lock()?;
