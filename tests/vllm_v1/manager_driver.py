@@ -51,8 +51,8 @@ HYBRID_LAYOUTS = {
 #: Attention layouts vLLM builds one group for, not full attention (its unitary coordinator
 #: over that group's manager).
 LONE_ATTENTION_LAYOUTS = {
-    # Mistral-7B-v0.1-like: every layer a sliding window.
-    "mistral-swa": [("swa", 2, 0)] * 2,
+    # Every layer a sliding window (a config whose `layer_types` are all "sliding_attention").
+    "swa-only": [("swa", 2, 0)] * 2,
     # Every layer chunked local attention (no full layer).
     "chunked-local": [("chunk", 2, 0)] * 2,
 }
@@ -111,7 +111,7 @@ MAMBA_ALIGN_LAYOUTS = {
 
 #: The layouts vLLM builds one KV cache group for (its unitary coordinator with prefix
 #: caching; a lone full-attention group is pagedkv's one-group manager's).
-LONE_GROUP_LAYOUTS = {"mistral-swa", "chunked-local", "mamba2", "mamba2-align"}
+LONE_GROUP_LAYOUTS = {"swa-only", "chunked-local", "mamba2", "mamba2-align"}
 
 
 def scheduler_scale(layout: str) -> int:

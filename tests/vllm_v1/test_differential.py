@@ -289,7 +289,7 @@ def test_lockstep_mamba_hybrid(seed: int, tiny_model_dir: Path, manager_cls: typ
 @pytest.mark.parametrize("seed", range(12))
 def test_lockstep_lone_group(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
     """One KV cache group that is not full attention (vLLM's unitary coordinator): a
-    Mistral-7B-v0.1-like sliding window on every layer, a pure Mamba model without prefix
+    sliding window on every layer, a pure Mamba model without prefix
     caching and with it ("align"): pagedkv's hybrid manager over that one group and its
     native loop matched with vLLM's scheduler over vLLM's manager at every step (prefix hits
     under dense, sparse and periodic retention, preemption, chunked prefill, aborts,

@@ -92,11 +92,11 @@ def test_eagle_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.Mon
 def test_eagle_lone_window_random_calls_match_vllm(
     seed: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A lone sliding-window group (Mistral-7B-v0.1-like) under EAGLE: vLLM's unitary
+    """A lone sliding-window group (every layer a window) under EAGLE: vLLM's unitary
     coordinator looks up once, dropping the last block without the hybrid coordinator's
     margin past the candidate; every drop mode and retention, call by call."""
     monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
-    eagle_hybrid_driver(seed, ["mistral-swa"]).run(300)
+    eagle_hybrid_driver(seed, ["swa-only"]).run(300)
 
 
 def test_eagle_seeds_cover_every_layout_mode_and_retention() -> None:

@@ -69,7 +69,7 @@ def hybrid_driver(seed: int, **kw: Any) -> Driver:
 @pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("layout", sorted(LONE_ATTENTION_LAYOUTS))
 def test_lone_attention_group_random_calls_match_vllm(seed: int, layout: str) -> None:
-    """A lone sliding-window group (Mistral-7B-v0.1-like) or chunked local group: vLLM's
+    """A lone sliding-window group (every layer a window) or chunked local group: vLLM's
     unitary coordinator over a ``SlidingWindowManager`` / ``ChunkedLocalAttentionManager``
     (one lookup, every computed token cacheable); pagedkv's hybrid manager over that one
     group against vLLM's, call by call, under dense, sparse (0) and periodic retention,
