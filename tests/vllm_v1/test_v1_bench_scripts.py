@@ -366,6 +366,7 @@ HYBRID_GROUPS = {
     "gemma3": ["SlidingWindowSpec"] * 5 + ["FullAttentionSpec"],
     "llama4": ["ChunkedLocalAttentionSpec"] * 3 + ["FullAttentionSpec"],
     "granite4": ["MambaSpec"] * 3 + ["FullAttentionSpec"],
+    "swa-only": ["SlidingWindowSpec"],
 }
 
 
@@ -488,8 +489,8 @@ def _section_lines(release: str, sec: dict) -> list:
 
 
 def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
-    """``python -m pagedkv.bench.vllm_v1 --workloads gptoss,gemma3,llama4,granite4 --quick
-    --memory`` (first steps only): every section's printed lines (step times, ratios, native
+    """``python -m pagedkv.bench.vllm_v1 --workloads gptoss,gemma3,llama4,granite4,swa-only
+    --quick --memory`` (first steps only): every section's printed lines (step times, ratios, native
     share, layout, retention and Mamba cache mode) and every memory line are what the same
     run's JSON holds, one memory line per attention-only hybrid layout (none for the Mamba
     hybrid). The measurements themselves are not judged."""
@@ -497,7 +498,8 @@ def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
     from pagedkv.bench.vllm_v1.manager_costs import format_memory
 
     out = tmp_path / "h.json"
-    argv = ["--workloads", "gptoss,gemma3,llama4,granite4", "--quick", "--max-steps", "40"]
+    names = ",".join(HYBRID_GROUPS)
+    argv = ["--workloads", names, "--quick", "--max-steps", "40"]
     argv += ["--memory", "--json", str(out)]
     env = dict(os.environ, VLLM_TARGET_DEVICE=os.environ.get("VLLM_TARGET_DEVICE", "cpu"))
     if [*(ROOT / "python" / "pagedkv").glob("_native*.so")]:
@@ -512,7 +514,7 @@ def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     doc = json.loads(out.read_text())
     lines = proc.stdout.splitlines()
-    assert [m["layout"] for m in doc["memory"]] == ["", "gptoss", "gemma3", "llama4"]
+    assert [m["layout"] for m in doc["memory"]] == ["", "gptoss", "gemma3", "llama4", "swa-only"]
     for mem in doc["memory"]:
         assert format_memory(mem) in lines
     assert set(doc["sections"]) == set(HYBRID_GROUPS)

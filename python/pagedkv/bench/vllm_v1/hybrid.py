@@ -12,9 +12,11 @@ vLLM's own grouping from per-layer specs (:func:`pagedkv.bench.vllm_v1.driver.la
 * ``granite4``: a Granite-4-like Mamba hybrid of 40 layers, three Mamba-2 layers to one
   full-attention layer (four groups). ``mamba_cache_mode`` follows prefix caching as vLLM's
   model config pairs them (:func:`layers`): caching on, "align" (Mamba state blocks of the
-  attention block size; vLLM's scheduler splits prefills at block boundaries, which pagedkv's
-  native loop leaves to vLLM's loop, so its lane runs vLLM's loop over pagedkv's manager);
-  caching off, "none" (one state block per request, ``max_model_len`` tokens long).
+  attention block size; both schedulers split prefills at block boundaries); caching off,
+  "none" (one state block per request, ``max_model_len`` tokens long);
+* ``swa-only``: 32 layers, every one a sliding window of 128 tokens (``layer_types`` all
+  ``sliding_attention``): one group, vLLM's unitary coordinator over a
+  ``SlidingWindowManager``.
 
 The pool holds the KV cache memory of W1's: a block of a group holds one group's layers, so
 ``k`` groups get ``k`` times W1's blocks (:func:`num_blocks`).
@@ -45,6 +47,7 @@ LAYOUTS: Dict[str, List[Any]] = {
     "gemma3": ([("swa", 1024)] * 5 + ["full"]) * 8,
     "llama4": ([("chunk", 8192)] * 3 + ["full"]) * 12,
     "granite4": (["mamba"] * 3 + ["full"]) * 10,
+    "swa-only": [("swa", 128)] * 32,
 }
 
 #: vLLM's engine default for ``prefix_cache_retention_interval`` (``CacheConfig``).

@@ -51,8 +51,8 @@ from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 #: with structured-output, LoRA, repetition-detection and prompt-embedding requests; ``spec``
 #: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding,
 #: ``eagle`` W1's with an engine built for an EAGLE-family drafter (:mod:`.spec`);
-#: ``gptoss``, ``gemma3``, ``llama4`` and ``granite4`` (:mod:`.hybrid`) are W1 over a hybrid
-#: model's KV cache groups.
+#: ``gptoss``, ``gemma3``, ``llama4``, ``granite4`` and ``swa-only`` (:mod:`.hybrid`) are W1
+#: over a hybrid model's KV cache groups (``swa-only``: one sliding-window group).
 V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     **WORKLOADS,
     "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
