@@ -1,12 +1,12 @@
 """``KVCacheManager``: vLLM v1's KV cache manager API on pagedkv's native core.
 
 Constructed with vLLM's own arguments. In scope (see :mod:`pagedkv.vllm_v1._scope`) it is the
-native manager (for two or more KV cache groups, a :class:`pagedkv.vllm_v1._hybrid.
-HybridKVCacheManager`); out of scope ``KVCacheManager(...)`` returns vLLM's own manager instead and
-logs why, once per reason. What the scheduler, connectors and tests read back behaves as vLLM's:
-``KVCacheBlocks`` (a subclass, answering ``get_block_ids`` from ids), blocks with ``block_id``,
-``ref_cnt``, ``block_hash``, the same block ids in the same order, the same KV events and
-prefix-cache stats. The manager crosses into Rust once per call, never per block.
+native manager (for two or more KV cache groups, or one that is not full attention, a
+:class:`pagedkv.vllm_v1._hybrid.HybridKVCacheManager`); out of scope ``KVCacheManager(...)``
+returns vLLM's own manager instead and logs why, once per reason. What the scheduler,
+connectors and tests read back behaves as vLLM's: ``KVCacheBlocks`` (a subclass, answering
+``get_block_ids`` from ids), blocks with ``block_id``, ``ref_cnt``, ``block_hash``, the same
+block ids in the same order, the same KV events and prefix-cache stats. The manager crosses into Rust once per call, never per block.
 """
 
 from __future__ import annotations
