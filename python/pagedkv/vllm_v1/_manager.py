@@ -6,7 +6,8 @@ native manager (for two or more KV cache groups, or one that is not full attenti
 returns vLLM's own manager instead and logs why, once per reason. What the scheduler,
 connectors and tests read back behaves as vLLM's: ``KVCacheBlocks`` (a subclass, answering
 ``get_block_ids`` from ids), blocks with ``block_id``, ``ref_cnt``, ``block_hash``, the same
-block ids in the same order, the same KV events and prefix-cache stats. The manager crosses into Rust once per call, never per block.
+block ids in the same order, the same KV events and prefix-cache stats. The manager crosses
+into Rust once per call, never per block.
 """
 
 from __future__ import annotations
