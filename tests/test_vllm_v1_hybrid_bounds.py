@@ -114,6 +114,7 @@ def entry_cases(h: Any) -> List[Tuple[str, Callable[[], Any]]]:
             (f"block_hash({v})", lambda v=v: h.block_hash(v)),
             (f"hashed_tokens({v})", lambda v=v: h.hashed_tokens(v)),
             (f"is_free({v})", lambda v=v: h.is_free(v)),
+            (f"cached_block(group={v})", lambda v=v: h.cached_block(HASHES[0], v)),
             (f"free_blocks([1, {v}])", lambda v=v: h.free_blocks([1, v])),
             (f"evict_blocks([1, {v}])", lambda v=v: h.evict_blocks([1, v])),
             (
@@ -141,8 +142,20 @@ def entry_cases(h: Any) -> List[Tuple[str, Callable[[], Any]]]:
         ("cache_blocks(bad hashes)", lambda: h.cache_blocks("a", 12, [b"x", None], 12, 0)),
         ("free_blocks(a free block)", lambda: h.free_blocks([30])),
         ("free(unknown)", lambda: h.free("nobody")),
+        ("cached_block(empty hash)", lambda: h.cached_block(b"", 0)),
+        ("cached_block(33-byte hash)", lambda: h.cached_block(b"x" * 33, 0)),
+        ("cached_block(not bytes)", lambda: h.cached_block(None, 0)),
     ]
     return cases
+
+
+def test_cached_block_finds_a_hash_in_its_own_group_only() -> None:
+    """vLLM's ``get_cached_block`` per group: request ``a``'s first hash is cached in both
+    groups (block 1 in the full group, 4 in the window's); an unknown hash in neither."""
+    h = with_a_cached_request()
+    assert h.cached_block(HASHES[0], 0) == 1
+    assert h.cached_block(HASHES[0], 1) == 4
+    assert h.cached_block(HASHES[5], 0) is None
 
 
 def refusal_problems(make: Callable[[], Any], extra: Callable[[Any], List[Any]]) -> List[str]:

@@ -447,8 +447,11 @@ impl PyV1Hybrid {
     /// The first block cached under `block_hash` for group `group` (vLLM's
     /// `cached_block_hash_to_block.get_one_block(make_block_hash_with_group_id(...))`), or
     /// `None`; a group out of range is refused.
-    fn cached_block(&self, block_hash: &Bound<'_, PyBytes>, group: Int64) -> PyResult<Option<u32>> {
-        let key = pagedkv_core::vllm_v1::pool::HashKey::new(block_hash.as_bytes()).py()?;
+    fn cached_block(&self, block_hash: &Bound<'_, PyAny>, group: Int64) -> PyResult<Option<u32>> {
+        let bytes = block_hash
+            .cast::<PyBytes>()
+            .map_err(|_| crate::errors::wrong_type("a block hash must be bytes"))?;
+        let key = pagedkv_core::vllm_v1::pool::HashKey::new(bytes.as_bytes()).py()?;
         let m = self.lock()?;
         let groups = m.num_groups();
         let g = u32::try_from(group.0)
