@@ -336,6 +336,23 @@ def shared_prefix_workload(prefix_len: int, n: int) -> list[h.RequestSpec]:
     ]
 
 
+def _wide_block_config(
+    layout: str, batched: int = 64, threshold: int = 8, async_scheduling: bool = False
+) -> h.SchedConfig:
+    """A Mamba "align" layout over 16-token blocks, a budget of ``batched`` tokens and a
+    long-prefill threshold of ``threshold``."""
+    cfg = h.SchedConfig(
+        block_size=16,
+        num_blocks=24,
+        max_num_seqs=4,
+        max_num_batched_tokens=batched,
+        max_model_len=128,
+        long_prefill_token_threshold=threshold,
+        async_scheduling=async_scheduling,
+    )
+    return h.with_layout(cfg, layout)
+
+
 @pytest.mark.parametrize("layout", sorted(MAMBA_ALIGN_LAYOUTS))
 @pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize(("batched", "threshold"), [(64, 8), (12, 0), (64, 0)])
@@ -352,31 +369,10 @@ def test_mamba_align_chunks_around_wide_blocks(
     sub-block and re-align at the next boundary, and as wide as a third of the budget;
     prefix hits on a shared 40-token prefix (a hit ending mid-prompt, chunks resuming from
     it): pagedkv's native loop matched with vLLM's scheduler step by step."""
-    cfg = h.SchedConfig(
-        block_size=16,
-        num_blocks=24,
-        max_num_seqs=4,
-        max_num_batched_tokens=batched,
-        max_model_len=128,
-        long_prefill_token_threshold=threshold,
-        async_scheduling=async_scheduling,
-    )
-    cfg = h.with_layout(cfg, layout)
+    cfg = _wide_block_config(layout, batched, threshold, async_scheduling)
     stats = h.Lockstep(cfg, shared_prefix_workload(40, 6), 1, tiny_model_dir, manager_cls).run()
     assert stats["hits"] > 0, stats
     assert_native_loop(stats, manager_cls)
-
-
-def _wide_block_config(layout: str) -> h.SchedConfig:
-    cfg = h.SchedConfig(
-        block_size=16,
-        num_blocks=24,
-        max_num_seqs=4,
-        max_num_batched_tokens=64,
-        max_model_len=128,
-        long_prefill_token_threshold=8,
-    )
-    return h.with_layout(cfg, layout)
 
 
 def test_an_overridden_mamba_split_runs_in_the_native_loop(

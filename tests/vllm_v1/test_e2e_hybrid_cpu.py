@@ -236,22 +236,32 @@ def test_mamba_hybrid_model_same_tokens_and_tables(
     prefix caching: vLLM's groups are a Mamba state group and a full-attention one, in
     "none" mode; pagedkv's hybrid manager runs under the native loop, every step, and the
     tokens and every group's block tables (one state block per request) equal vLLM's."""
-    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
-
-    ref = run_llm(mamba_dir, False, None)
+    ref, got = same_as_vllm_every_step_native(mamba_dir, False, caplog)
     kinds_ = {type(g.kv_cache_spec).__name__ for g in ref["config"].kv_cache_groups}
     assert kinds_ == {"MambaSpec", "FullAttentionSpec"}, kinds_
     assert ref["mamba_cache_mode"] == "none"
+    assert all(len(t) == MAX_TOKENS for t in got["tokens"])
+    assert not any(ref["hits"]) and not any(got["hits"])
+
+
+def same_as_vllm_every_step_native(
+    model_dir: Path, caching: bool, caplog: pytest.LogCaptureFixture
+) -> tuple:
+    """The model run by vLLM's scheduler and by pagedkv's (its hybrid manager, the native loop
+    every step): identical tokens (not mostly repeats) and block tables. Returns both runs."""
+    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
+
+    ref = run_llm(model_dir, caching, None)
+    assert ref["manager"].__module__.startswith("vllm.")
     with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
-        got = run_llm(mamba_dir, False, driver.PAGEDKV_SCHEDULER)
+        got = run_llm(model_dir, caching, driver.PAGEDKV_SCHEDULER)
     assert got["manager"] is HybridKVCacheManager
     assert got["tokens"] == ref["tokens"]
-    assert all(len(t) == MAX_TOKENS for t in got["tokens"])
     assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
     assert got["tables"] == ref["tables"]
-    assert not any(ref["hits"]) and not any(got["hits"])
     loops = got["loops"]
     assert loops["native"] == loops["total"] == len(got["tables"]), loops
+    return ref, got
 
 
 #: A tiny Llama whose every layer is a 64-token sliding window (``layer_types``): vLLM builds
@@ -273,24 +283,13 @@ def test_sliding_window_only_model_same_tokens_hits_and_tables(
     """One group, a sliding window on every layer: pagedkv's hybrid manager over that one
     group, under its native loop every step, gives vLLM's tokens, prefix-cache hits and block
     tables (nulls where the window left blocks behind)."""
-    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
-
     model_dir = Path(driver.write_model_dir(tmp_path, MAX_MODEL_LEN, **TINY_SLIDING_ONLY))
-    ref = run_llm(model_dir, caching, None)
+    ref, got = same_as_vllm_every_step_native(model_dir, caching, caplog)
     groups = ref["config"].kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["SlidingWindowSpec"], groups
-    assert ref["manager"].__module__.startswith("vllm.")
-    with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
-        got = run_llm(model_dir, caching, driver.PAGEDKV_SCHEDULER)
-    assert got["manager"] is HybridKVCacheManager
-    assert got["tokens"] == ref["tokens"]
-    assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
     assert got["hits"] == ref["hits"]
-    assert got["tables"] == ref["tables"]
     assert window_nulls(ref) > 0
     assert (sum(ref["hits"][10:]) > 0) == caching, ref["hits"]
-    loops = got["loops"]
-    assert loops["native"] == loops["total"] == len(got["tables"]), loops
 
 
 def test_pure_mamba_model_same_tokens_and_tables(
@@ -299,18 +298,8 @@ def test_pure_mamba_model_same_tokens_and_tables(
     """A pure Mamba-2 model (every layer Mamba, one ``MambaSpec`` group) without prefix
     caching: pagedkv's hybrid manager over that one group, under its native loop every step,
     gives vLLM's tokens and block tables (one state block per request)."""
-    from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
-
     cfg = dict(driver.TINY_MAMBA_HYBRID, num_hidden_layers=2, layer_types=["mamba"] * 2)
     model_dir = Path(driver.write_model_dir(tmp_path, MAX_MODEL_LEN, **cfg))
-    ref = run_llm(model_dir, False, None)
+    ref, _ = same_as_vllm_every_step_native(model_dir, False, caplog)
     groups = ref["config"].kv_cache_groups
     assert [type(g.kv_cache_spec).__name__ for g in groups] == ["MambaSpec"], groups
-    with caplog.at_level(logging.INFO, logger="pagedkv.vllm_v1"):
-        got = run_llm(model_dir, False, driver.PAGEDKV_SCHEDULER)
-    assert got["manager"] is HybridKVCacheManager
-    assert got["tokens"] == ref["tokens"]
-    assert len({tuple(t) for t in ref["tokens"]}) > len(ref["tokens"]) // 2, ref["tokens"]
-    assert got["tables"] == ref["tables"]
-    loops = got["loops"]
-    assert loops["native"] == loops["total"] == len(got["tables"]), loops
