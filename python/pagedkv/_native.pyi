@@ -651,6 +651,7 @@ class V1Hybrid:
         eagle_groups: Optional[Sequence[bool]] = None,
         zero_new_blocks: bool = False,
         checkpoint_alignments: Optional[Sequence[int]] = None,
+        hash_lookahead_tokens: int = 0,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, size, layout)`` per group, kind ``"full"``,
         ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk),
@@ -665,7 +666,8 @@ class V1Hybrid:
         ``needs_kv_cache_zeroing`` (the attention groups record their new blocks,
         :meth:`take_new_block_ids`); ``checkpoint_alignments``: per group, a Mamba align
         spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0
-        (``None``: all 0)."""
+        (``None``: all 0); ``hash_lookahead_tokens``: vLLM 0.33's ``num_hash_lookahead_tokens``
+        (align mode's checkpoint positions read it)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:

@@ -263,9 +263,12 @@ def manager_pair(
     return VLLMManager(theirs, **args), ours
 
 
-def mamba_splitter(layout: str, block_size: int) -> Any:
+def mamba_splitter(
+    layout: str, block_size: int, eagle_drop: bool = False, lookahead: int = 0
+) -> Any:
     """For a Mamba "align" layout, what vLLM's scheduler reads when it splits a prefill at
-    block boundaries (``need_mamba_block_aligned_split``), for its own split method; else
+    block boundaries (``need_mamba_block_aligned_split``), for its own split method (with
+    EAGLE's block drop, ``use_eagle_block_drop``, or 0.33's lookahead hashes); else
     ``None``."""
     if layout not in MAMBA_ALIGN_LAYOUTS:
         return None
@@ -275,8 +278,8 @@ def mamba_splitter(layout: str, block_size: int) -> Any:
         block_size=block_size,
         hash_block_size=block_size,
         mamba_partial_cache_hit=False,
-        use_eagle_block_drop=False,
-        num_hash_lookahead_tokens=0,
+        use_eagle_block_drop=eagle_drop,
+        num_hash_lookahead_tokens=lookahead,
         mamba_has_prefill_checkpoint_blocks=checkpoint > 0,
         mamba_prefill_checkpoint_alignment=checkpoint or None,
         max_num_scheduled_tokens=8192,
@@ -345,7 +348,7 @@ class Driver:
             max_model_len=self.max_model_len,
             **ahead,
         )
-        self.splitter = mamba_splitter(self.layout, self.block_size)
+        self.splitter = mamba_splitter(self.layout, self.block_size, self.use_eagle, self.lookahead)
         self.prefixes = [
             [self.rng.randrange(50) for _ in range(self.rng.randrange(1, 4 * self.block_size))]
             for _ in range(3)

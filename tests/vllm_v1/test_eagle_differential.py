@@ -11,6 +11,7 @@ import pytest
 from manager_driver import (
     HASH_ALGOS,
     HYBRID_LAYOUTS,
+    MAMBA_ALIGN_LAYOUTS,
     MIXED_LAYOUTS,
     RETENTIONS,
     Driver,
@@ -99,6 +100,55 @@ def test_eagle_lone_window_random_calls_match_vllm(
     eagle_hybrid_driver(seed, ["swa-only"]).run(300)
 
 
+def eagle_align_driver(seed: int) -> Driver:
+    """A Mamba "align" layout (Qwen3-Next with MTP, Nemotron-H or Granite 4 with an EAGLE
+    drafter, pure Mamba-2) under one of EAGLE's drop modes and a retention mode."""
+    layouts = sorted(MAMBA_ALIGN_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    block_size = (4, 8, 16)[seed % 3]
+    use_eagle, which = EAGLE_MODES[seed // len(layouts) % len(EAGLE_MODES)]
+    return Driver(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=block_size,
+        caching=True,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        max_model_len=(4096, 256)[seed % 4 == 3],
+        layout=layout,
+        retention=(None, 0, 3 * block_size)[seed % 3],
+        use_eagle=use_eagle,
+        eagle_groups=flagged(which, len(hybrid_groups(layout, block_size))),
+    )
+
+
+@pytest.mark.parametrize("seed", range(36))
+def test_eagle_mamba_align_random_calls_match_vllm(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """EAGLE/MTP beside Mamba groups in "align" mode, prefills split as vLLM's scheduler
+    splits them with EAGLE's drop: the checkpoints one block below the replay boundary
+    (``drop_eagle_checkpoint_block``), the Mamba lookup without the coordinator's margin
+    (its finder never drops), caching one block past the boundary in a dropping group,
+    retention's replay boundaries and junctions without the window's peek shift; hybrid
+    layouts and the lone Mamba-2 group, every drop mode, call by call."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "0" if seed % 5 == 1 else "1")
+    eagle_align_driver(seed).run(300)
+
+
+def test_eagle_align_seeds_cover_every_layout_mode_and_retention() -> None:
+    seen = set()
+    for seed in range(36):
+        d = eagle_align_driver(seed)
+        seen.add((d.layout, d.use_eagle, bool(d.eagle_groups)))
+        seen.add((d.layout, d.retention))
+    for layout in MAMBA_ALIGN_LAYOUTS:
+        for mode in ((True, False), (True, True), (False, True)):
+            assert (layout, *mode) in seen, (layout, mode)
+        assert (layout, None) in seen and (layout, 0) in seen, layout
+
+
 def test_eagle_seeds_cover_every_layout_mode_and_retention() -> None:
     seen = set()
     for seed in range(60):
@@ -175,6 +225,33 @@ def test_a_planted_eagle_difference_is_caught(layout: str) -> None:
 
 #: vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``); 0.32 has none.
 LOOKAHEAD = pytest.mark.lookahead_hashes  # deselected where vLLM has none (conftest.py)
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("seed", range(16))
+def test_lookahead_hashes_with_mamba_align_match_vllm(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """0.33's lookahead block hashes beside Mamba "align" groups (EAGLE with prefix caching
+    by default: no drop): the checkpoints read the lookahead (one token or, as multi-module
+    MTP would, three), prefills split as vLLM's scheduler splits them; blocks, hits and
+    events call by call."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1" if seed % 3 else "0")
+    layouts = sorted(MAMBA_ALIGN_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    block_size = (4, 8, 16)[seed % 3]
+    Driver(
+        seed=seed,
+        num_blocks=16 + seed % 40,
+        block_size=block_size,
+        caching=True,
+        events=True,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        layout=layout,
+        retention=(None, 0, 3 * block_size)[seed % 3],
+        eagle_groups=flagged("last", len(hybrid_groups(layout, block_size))),
+        lookahead=3 if seed % 4 == 3 else 1,
+    ).run(300)
 
 
 @LOOKAHEAD

@@ -1,6 +1,6 @@
 """Mamba hybrid groups in pagedkv's hybrid manager: what the scope accepts (``mamba_cache_mode``
 "none" with prefix caching off, "align" with it on at the hash block size) and why it refuses
-the rest (modes against the caching flag, align's fine-grained hits, EAGLE with align, zeroing
+the rest (modes against the caching flag, align's fine-grained hits, zeroing
 for mixed precision), the calls vLLM's scheduler makes that treat Mamba groups apart, and bad input:
 pagedkv exceptions, nothing changed."""
 
@@ -70,8 +70,7 @@ def test_mamba_align_layouts_with_prefix_caching_are_in_scope(layout: str) -> No
 
 def test_mamba_align_outside_the_mirrored_part_keeps_vllms_manager() -> None:
     """Align mode with Mamba blocks larger than the hash block (vLLM's fine-grained partial
-    hits, with copy-on-write tails) or with EAGLE/MTP (its drop, or 0.33's lookahead block
-    hashes) stays vLLM's."""
+    hits, with copy-on-write tails) stays vLLM's."""
     full = layer_spec("full", 4)
     aligned = dataclasses.replace(mamba_spec(8, full), mamba_cache_mode="align")
     groups = [KVCacheGroupSpec(["layer.0"], full), KVCacheGroupSpec(["layer.1"], aligned)]
@@ -79,14 +78,23 @@ def test_mamba_align_outside_the_mirrored_part_keeps_vllms_manager() -> None:
     kw = dict(max_model_len=MAX_LEN, scheduler_block_size=8, hash_block_size=4)
     why = _scope.out_of_scope(cfg, enable_caching=True, **kw)
     assert why is not None and "larger than the hash block" in why, why
-    cfg = kv_cache_config(32, 4, "granite4-align", None, MAX_LEN)
-    why = _scope.out_of_scope(cfg, use_eagle=True, **args("granite4-align", caching=True))
-    assert why is not None and "EAGLE" in why, why
-    # 0.33's lookahead block hashes (an EAGLE drafter that drops nothing): align's
-    # checkpoints read them, so vLLM's manager keeps the engine.
-    lookahead = dict(args("granite4-align", caching=True), num_hash_lookahead_tokens=1)
-    why = _scope.out_of_scope(cfg, **lookahead)
-    assert why is not None and "EAGLE" in why, why
+
+
+@pytest.mark.parametrize(
+    "eagle",
+    [
+        dict(use_eagle=True),
+        pytest.param(dict(num_hash_lookahead_tokens=1), marks=pytest.mark.lookahead_hashes),
+    ],
+)
+def test_mamba_align_with_eagle_is_in_scope(eagle: dict) -> None:
+    """EAGLE/MTP beside an align group: its block drop (``use_eagle``) and 0.33's lookahead
+    block hashes (which the scheduler pairs with ``use_eagle=False``) both run pagedkv's
+    hybrid manager; the checkpoints read either."""
+    cfg = kv_cache_config(32, 4, "qwen3-next-align-spec", None, MAX_LEN)
+    kw = dict(args("qwen3-next-align-spec", caching=True), **eagle)
+    assert _scope.out_of_scope(cfg, **kw) is None
+    assert type(KVCacheManager(cfg, **kw)) is HybridKVCacheManager
 
 
 def test_zeroing_for_mixed_precision_stays_out_of_scope() -> None:

@@ -17,14 +17,13 @@ none of: multi-module MTP's prefill lookahead (above 1), decode or prefill conte
 parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV cache metrics
 collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively,
 its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
-a chunked local group, whose lookup vLLM asserts against, or with a Mamba group in "align"
-mode; so are vLLM 0.33's lookahead block hashes (``num_hash_lookahead_tokens``, EAGLE with
-prefix caching by default), which change only the KV events' contents in the manager
-(:mod:`pagedkv.vllm_v1._events`), except beside a Mamba group in "align" mode (vLLM's
-checkpoints then read them). Align mode with Mamba blocks larger than the hash block
-(fine-grained partial hits with copy-on-write) runs vLLM's own manager; under pagedkv's
-manager the native loop splits align prefills at block boundaries as vLLM's scheduler does
-(``pagedkv_core::vllm_v1::mamba_split``).
+a chunked local group, whose lookup vLLM asserts against; so are vLLM 0.33's lookahead block
+hashes (``num_hash_lookahead_tokens``, EAGLE with prefix caching by default), which change
+only the KV events' contents in the manager (:mod:`pagedkv.vllm_v1._events`) and, beside a
+Mamba group in "align" mode, its checkpoint positions (as EAGLE's drop does). Align mode
+with Mamba blocks larger than the hash block (fine-grained partial hits with copy-on-write)
+runs vLLM's own manager; under pagedkv's manager the native loop splits align prefills at
+block boundaries as vLLM's scheduler does (``pagedkv_core::vllm_v1::mamba_split``).
 Anything else runs vLLM's own manager; :func:`out_of_scope` says why.
 """
 
@@ -97,9 +96,6 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     hbs, sbs = args.get("hash_block_size"), args.get("scheduler_block_size")
     groups = kv_cache_config.kv_cache_groups
     eagle = args.get("use_eagle") or any(getattr(g, "is_eagle_group", False) for g in groups)
-    # 0.33's lookahead block hashes come with an EAGLE-family drafter (which then drops no
-    # block: the scheduler passes use_eagle=False); align mode's checkpoints read them.
-    eagle = eagle or bool(args.get("num_hash_lookahead_tokens"))
     caching = bool(args.get("enable_caching", True))
     served = (FullAttentionManager, SlidingWindowManager, ChunkedLocalAttentionManager)
     kinds = []
@@ -112,7 +108,7 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
                 f"a hybrid KV cache group needs vLLM's {name}; pagedkv's hybrid manager "
                 "handles full, sliding-window and chunked local attention and Mamba"
             )
-        reason = _mamba_reason(spec, caching, hbs, eagle) if cls is MambaManager else None
+        reason = _mamba_reason(spec, caching, hbs) if cls is MambaManager else None
         if reason:
             return reason
         bs = spec.block_size
@@ -135,11 +131,11 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
     return _common_reason(kv_cache_config, args, mamba_zeroing=MambaManager in kinds)
 
 
-def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[str]:
+def _mamba_reason(spec: Any, caching: bool, hbs: Any) -> Optional[str]:
     """What a Mamba group needs beyond the other kinds: mode "none" with prefix caching off,
-    or mode "align" with it on, its block at the hash block size (no fine-grained partial hits,
-    whose copy-on-write tails pagedkv does not mirror) and no EAGLE/MTP drop (align mode's
-    checkpoints then follow EAGLE's replay boundary, or read 0.33's lookahead block hashes)."""
+    or mode "align" with it on, and its block at the hash block size (no fine-grained partial
+    hits, whose copy-on-write tails pagedkv does not mirror). EAGLE/MTP's block drop and 0.33's
+    lookahead block hashes are mirrored (align's checkpoint positions read both)."""
     mode = spec.mamba_cache_mode
     if mode not in ("none", "align"):
         return _reason(True, f'Mamba mamba_cache_mode "{mode}"')
@@ -156,8 +152,6 @@ def _mamba_reason(spec: Any, caching: bool, hbs: Any, eagle: bool) -> Optional[s
             'Mamba "align" blocks larger than the hash block (fine-grained partial hits with '
             "copy-on-write)",
         )
-    if mode == "align" and eagle:
-        return _reason(True, 'EAGLE/MTP with Mamba "align" (checkpoints at its replay boundary)')
     return None
 
 

@@ -78,6 +78,7 @@ fn bytes_per_cached_block() {
             retention: pagedkv_core::vllm_v1::retention::Retention::Dense,
             use_eagle: false,
             eagle_groups: Vec::new(),
+            hash_lookahead_tokens: 0,
         })
         .unwrap();
         let cached = fill_with_cached_blocks(&mut h, num_blocks, n);

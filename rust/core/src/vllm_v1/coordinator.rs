@@ -39,13 +39,15 @@
 //! `is_eagle_group` drops without `use_eagle` in 0.32 only), and so does what a dropping sliding
 //! window retains at a junction (0.33 also keeps the tail one block below it). Everything else
 //! here is the same in both (partial hash hits changed, out of this scope; 0.33's lookahead
-//! hashes reach only the requests' hashes and the KV events, built in `rust/py`).
+//! hashes reach the requests' hashes and the KV events, built in `rust/py`, and align mode's
+//! checkpoint positions).
 //!
 //! EAGLE/MTP ([`super::eagle`]): attention groups holding a dropping group drop for all their
 //! members; such a group's lookup is capped one of its blocks past the candidate (at most the
 //! hashes' tokens) and drops once per candidate length (a lookup that shortens the candidate
 //! without dropping re-arms every dropping group); it caches one block past the aligned
-//! boundary.
+//! boundary. A dropping Mamba group gets no margin (its finder never drops) yet counts as
+//! verified, as in vLLM.
 //!
 //! Mamba groups (mode "none": prefix caching off, so this is vLLM's
 //! `KVCacheCoordinatorNoPrefixCache`) are a group kind ([`super::mamba`]); with them the
@@ -53,11 +55,12 @@
 //! groups in mode "align" (prefix caching on) are another ([`super::mamba_align`]): their
 //! counts read the main-model tokens and the prefill end (passed only under retention 0, as
 //! vLLM's coordinator passes it), may be negative or defer the request, and record the
-//! chunk's checkpoint; [`Hybrid::new_step_starts`] clears what they cached this step.
+//! chunk's checkpoint; [`Hybrid::new_step_starts`] clears what they cached this step; their
+//! checkpoints read `use_eagle` and the hash lookahead ([`HybridConfig::hash_lookahead_tokens`]).
 //!
 //! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
 //! a chunked local group, Mamba "align" with blocks larger than the hash block (fine-grained
-//! hits) or with EAGLE.
+//! hits).
 //!
 //! One group alone (a lone sliding-window, chunked local or Mamba group; a lone full-attention
 //! group is [`super::manager::Manager`]'s) is vLLM's `UnitaryKVCacheCoordinator` with prefix
@@ -114,6 +117,9 @@ pub struct HybridConfig {
     pub use_eagle: bool,
     /// Each group's `is_eagle_group` (group order; empty: none flagged).
     pub eagle_groups: Vec<bool>,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (0 on 0.32): each block's hash covers that
+    /// many tokens past it; align mode's checkpoint positions read it.
+    pub hash_lookahead_tokens: u64,
 }
 
 /// A prefix-cache hit across groups.
@@ -209,6 +215,14 @@ fn is_full(spec: &GroupSpec) -> bool {
     spec.kind == AttentionKind::Full
 }
 
+/// vLLM's `isinstance(spec, MambaSpec)` (either cache mode).
+fn is_mamba(spec: &GroupSpec) -> bool {
+    matches!(
+        spec.kind,
+        AttentionKind::Mamba { .. } | AttentionKind::MambaAlign { .. }
+    )
+}
+
 impl Hybrid {
     pub fn new(cfg: HybridConfig) -> Result<Self> {
         let n = cfg.groups.len();
@@ -225,16 +239,6 @@ impl Hybrid {
             )));
         }
         let has_window = cfg.groups.iter().any(|g| g.kind.retention_applies());
-        let align = cfg
-            .groups
-            .iter()
-            .any(|g| matches!(g.kind, AttentionKind::MambaAlign { .. }));
-        if align && (cfg.use_eagle || cfg.eagle_groups.contains(&true)) {
-            return Err(Error::invalid(
-                "EAGLE/MTP with a Mamba \"align\" group (its checkpoints follow EAGLE's replay \
-                 boundary) is not mirrored",
-            ));
-        }
         let retention = Retention::from_interval(cfg.retention.interval(), sbs, has_window)?;
         let params = GroupParams {
             hash_block_size: hbs,
@@ -244,6 +248,8 @@ impl Hybrid {
             max_model_len: cfg.max_model_len,
             retention,
             release: cfg.release,
+            mamba_drop_eagle: cfg.use_eagle,
+            hash_lookahead_tokens: cfg.hash_lookahead_tokens,
         };
         let managers = cfg
             .groups
@@ -496,7 +502,9 @@ impl Hybrid {
         hashed: u64,
         hashes: &mut dyn HashSource,
     ) -> Result<(Vec<Vec<u32>>, u64)> {
-        let max_len = match drop {
+        // No margin for a Mamba group: its finder never drops (draft models have no Mamba
+        // layers), so the hit would grow past the candidate.
+        let max_len = match drop && !is_mamba(&g.spec) {
             true => curr
                 .saturating_add(eagle::margin(g.spec.block_size))
                 .min(hashed),

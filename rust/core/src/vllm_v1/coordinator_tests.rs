@@ -39,6 +39,7 @@ fn hybrid_retaining(
         retention,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     })
     .unwrap()
 }
@@ -376,6 +377,7 @@ fn caching_off_finds_no_hit_and_config_is_checked() {
         retention: Retention::Dense,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     };
     let h = Hybrid::new(cfg.clone()).unwrap();
     let ks = keys(4);
@@ -495,6 +497,7 @@ fn retention_is_checked_as_vllms_coordinator_checks_it() {
         retention,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     };
     let llama4 = || vec![full(4), chunked(8, 8)];
     assert!(Hybrid::new(cfg(llama4(), sparse(0), true)).is_ok());

@@ -17,13 +17,15 @@
 //! What a dropping group changes (every piece is applied where vLLM applies it):
 //! * lookup: full attention drops one block after its scan; a sliding window needs one more
 //!   block in a row and pops it after; chunked local attention refuses (vLLM asserts);
-//! * the hybrid coordinator's lookup looks one block further ([`margin`]) and drops at most
-//!   once per candidate length;
+//! * the hybrid coordinator's lookup looks one block further ([`margin`]; not for a Mamba
+//!   group, whose finder never drops) and drops at most once per candidate length;
 //! * hybrid caching: such a group caches one block past the aligned boundary
 //!   ([`cacheable_tokens`]); a sliding window's retention mask keeps the peek block
 //!   ([`GroupEagle`]) and, with any group dropping, two replay boundaries
 //!   ([`replay_boundaries`]); 0.33 also keeps the tail one block below a shared-prefix
-//!   junction.
+//!   junction (a Mamba group too, without the window's peek shift);
+//! * Mamba "align" checkpoints sit one unit below the aligned end whenever the manager's
+//!   `use_eagle` is set ([`super::mamba_align::AlignRules::checkpoint_at`]).
 //!
 //! Costs: every function O(1) (or O(groups)); nothing here holds state.
 

@@ -120,6 +120,7 @@ fn gpt_oss(release: Release, use_eagle: bool, flagged: Vec<bool>) -> Hybrid {
         retention: Retention::Dense,
         use_eagle,
         eagle_groups: flagged,
+        hash_lookahead_tokens: 0,
     })
     .unwrap();
     // 17 tokens: blocks 1..=5 (full) and 6..=10 (window); 4 cached per group (an EAGLE group
@@ -202,6 +203,7 @@ fn an_eagle_group_caches_one_block_past_the_scheduler_boundary() {
             retention: Retention::Dense,
             use_eagle,
             eagle_groups: vec![],
+            hash_lookahead_tokens: 0,
         })
         .unwrap();
         let ks = keys(5);

@@ -43,11 +43,15 @@
 //!   ending on the prompt's last hash boundary; 0.33 leaves a block already keyed there alone,
 //!   0.32 re-keys it as cached this step.
 //!
+//! * EAGLE/MTP: every checkpoint position ([`AlignRules::checkpoint_at`]) reads the
+//!   coordinator's `use_eagle` (`drop_eagle_checkpoint_block`: one unit below the aligned end)
+//!   and 0.33's `num_hash_lookahead_tokens` (the tokens a hash covers past its block).
+//!
 //! Scope (refused at construction, [`check_group`]): block size equal to the hash block size,
 //! so no fine-grained (sub-block) hits, no partial tails, no copy-on-write, and one hash per
-//! block; no EAGLE (`drop_eagle_checkpoint_block`), no hash lookahead, no shared-prefix
-//! checkpoint (`enable_mamba_shared_prefix_checkpoint`), no KV connector (boundary-state
-//! offloads are never read without one, so none are recorded).
+//! block; hence no shared-prefix checkpoint (`enable_mamba_shared_prefix_checkpoint` acts only
+//! with finer hashes); no KV connector (boundary-state offloads are never read without one, so
+//! none are recorded).
 //!
 //! Invariants: a table holds null blocks wherever a state was retired or never written
 //! (inner nulls allowed, unlike the other kinds); a request's [`AlignReq`] lives and dies with
@@ -156,6 +160,12 @@ pub struct AlignRules {
     pub hash_block_size: u64,
     /// The coordinator's `cache_hit_alignment_tokens` (the scheduler block size here).
     pub alignment: u64,
+    /// vLLM's `drop_eagle_checkpoint_block`: the coordinator's `use_eagle` (the scheduler's
+    /// `use_eagle_block_drop`); checkpoints then sit one unit below EAGLE's replay boundary.
+    pub drop_eagle: bool,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (the block pool's), read by the checkpoint
+    /// positions as `get_mamba_prefill_checkpoint_position` reads it.
+    pub hash_lookahead: u64,
 }
 
 /// A count's inputs beyond the table (vLLM's `get_num_blocks_to_allocate` arguments).
@@ -181,7 +191,12 @@ pub struct TailPlan {
 }
 
 impl AlignRules {
-    pub fn new(spec: &GroupSpec, hash_block_size: u32, alignment: u64) -> Option<Self> {
+    pub fn new(
+        spec: &GroupSpec,
+        hash_block_size: u32,
+        alignment: u64,
+        (drop_eagle, hash_lookahead): (bool, u64),
+    ) -> Option<Self> {
         let AttentionKind::MambaAlign {
             num_speculative_blocks,
             checkpoint_alignment,
@@ -195,7 +210,15 @@ impl AlignRules {
             checkpoint_alignment: u64::from(checkpoint_alignment),
             hash_block_size: u64::from(hash_block_size),
             alignment,
+            drop_eagle,
+            hash_lookahead,
         })
+    }
+
+    /// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit,
+    /// self.drop_eagle_checkpoint_block, num_hash_lookahead_tokens)`.
+    pub fn checkpoint_at(&self, num_tokens: u64, unit: u64) -> u64 {
+        checkpoint_position_with(num_tokens, unit, self.drop_eagle, self.hash_lookahead)
     }
 
     fn required(&self, num_tokens_main: u64) -> u64 {
@@ -247,7 +270,7 @@ impl AlignRules {
         let n = a.num_tokens_main;
         let required = self.required(n) as i64;
         let mut new = required - a.new_computed.len() as i64 - table.len() as i64;
-        let mut cp = checkpoint_position(n, self.alignment);
+        let mut cp = self.checkpoint_at(n, self.alignment);
         if !self.needs_checkpoint(table, st, (a.total_computed, n), cp, a.prefill_end) {
             cp = 0;
         }
@@ -389,7 +412,7 @@ impl AlignRules {
         if let Some((cp, _)) = st.checkpoint {
             plan.checkpoint_key = key_at(cp, hashes)?;
         } else if num_tokens > 0
-            && num_tokens == checkpoint_position(boundaries.num_prompt_tokens, self.hash_block_size)
+            && num_tokens == self.checkpoint_at(boundaries.num_prompt_tokens, self.hash_block_size)
         {
             plan.boundary_key = key_at(num_tokens, hashes)?;
         }
@@ -473,7 +496,7 @@ impl AlignGroup {
     ) -> Option<HashKey> {
         let r = &self.rules;
         let b = *table.get(idx)?;
-        let prompt = cp == checkpoint_position(plan.boundaries.num_prompt_tokens, r.alignment);
+        let prompt = cp == r.checkpoint_at(plan.boundaries.num_prompt_tokens, r.alignment);
         let retained = cp % r.block_size == 0 && {
             let spec = GroupSpec::new(
                 AttentionKind::MambaAlign {

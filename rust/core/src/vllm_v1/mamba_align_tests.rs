@@ -5,7 +5,7 @@
 
 use super::coordinator::{Count, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
-use super::mamba_align::{checkpoint_position, checkpoint_valid};
+use super::mamba_align::{checkpoint_position, checkpoint_valid, AlignRules};
 use super::pool::{HashKey, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
 use super::single_type::{AttentionKind, GroupSpec};
@@ -36,6 +36,7 @@ fn config(mamba: GroupSpec) -> HybridConfig {
         retention: Retention::Dense,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     }
 }
 
@@ -169,7 +170,25 @@ fn align_mode_outside_the_mirrored_scope_is_refused() {
     let mut cfg = config(align(0, 0));
     cfg.enable_caching = false;
     assert!(Hybrid::new(cfg).is_err());
-    let mut cfg = config(align(0, 0));
+}
+
+#[test]
+fn checkpoints_follow_eagles_drop_and_the_lookahead_hashes() {
+    // vLLM's get_mamba_prefill_checkpoint_position: one token left to recompute (or the
+    // lookahead's tokens for the hash); EAGLE's drop sits one unit below the aligned end.
+    let rules = |drop_eagle, lookahead| {
+        AlignRules::new(&align(0, 1), 4, 4, (drop_eagle, lookahead)).unwrap()
+    };
+    assert_eq!(rules(false, 0).checkpoint_at(10, 4), 8);
+    assert_eq!(rules(false, 1).checkpoint_at(10, 4), 8);
+    assert_eq!(rules(false, 3).checkpoint_at(10, 4), 4);
+    assert_eq!(rules(true, 0).checkpoint_at(10, 4), 4);
+    assert_eq!(rules(true, 0).checkpoint_at(8, 4), 4);
+    assert_eq!(rules(false, 0).checkpoint_at(8, 4), 4);
+    assert_eq!(rules(true, 0).checkpoint_at(4, 4), 0);
+    assert_eq!(rules(false, u64::MAX).checkpoint_at(4, 4), 0);
+    // EAGLE beside an align group is served (vLLM sets drop_eagle_checkpoint_block).
+    let mut cfg = config(align(0, 1));
     cfg.use_eagle = true;
-    assert!(Hybrid::new(cfg).unwrap_err().to_string().contains("EAGLE"));
+    Hybrid::new(cfg).unwrap().check().unwrap();
 }

@@ -44,6 +44,7 @@ fn config(groups: Vec<GroupSpec>, sbs: u32, caching: bool) -> HybridConfig {
         retention: Retention::Dense,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     }
 }
 

@@ -160,7 +160,10 @@ impl Retained {
         if per_segment.is_some_and(|p| need >= p) {
             return Retained::All;
         }
-        let shift = u64::from(eagle.group);
+        // A window's EAGLE hit peeks one block past the boundary; a Mamba hit is the one
+        // state block ending on it (vLLM's Mamba mask takes no EAGLE shift).
+        let is_window = matches!(spec.kind, AttentionKind::SlidingWindow { .. });
+        let shift = u64::from(eagle.group && is_window);
         let ends = match retention {
             Retention::Dense => [0; 4],
             Retention::Sparse { .. } => {

@@ -471,6 +471,11 @@ pub struct GroupParams {
     /// `prefix_cache_retention_interval` (checked by the coordinator, as vLLM checks it).
     pub retention: Retention,
     pub release: Release,
+    /// The coordinator's `use_eagle`, which sets every Mamba manager's
+    /// `drop_eagle_checkpoint_block` (align mode's checkpoint positions).
+    pub mamba_drop_eagle: bool,
+    /// vLLM 0.33's `num_hash_lookahead_tokens` (align mode's checkpoint positions).
+    pub hash_lookahead_tokens: u64,
 }
 
 impl GroupManager {
@@ -511,8 +516,13 @@ impl GroupManager {
             caching: p.enable_caching,
             retention: p.retention,
             eagle: GroupEagle::default(),
-            align: AlignRules::new(&spec, p.hash_block_size, u64::from(p.scheduler_block_size))
-                .map(AlignGroup::new),
+            align: AlignRules::new(
+                &spec,
+                p.hash_block_size,
+                u64::from(p.scheduler_block_size),
+                (p.mamba_drop_eagle, p.hash_lookahead_tokens),
+            )
+            .map(AlignGroup::new),
             release: p.release,
             reqs: HashMap::with_hasher(RandomState::default()),
         })

@@ -56,6 +56,8 @@ fn params(scheduler_block_size: u32, caching: bool) -> GroupParams {
         max_model_len: 1000,
         retention: Retention::Dense,
         release: Release::V033,
+        mamba_drop_eagle: false,
+        hash_lookahead_tokens: 0,
     }
 }
 

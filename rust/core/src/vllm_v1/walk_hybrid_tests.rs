@@ -26,6 +26,7 @@ fn two_groups(num_blocks: u32, budget: u64) -> TestEngine<Hybrid> {
         retention: crate::vllm_v1::retention::Retention::Dense,
         use_eagle: false,
         eagle_groups: Vec::new(),
+        hash_lookahead_tokens: 0,
     };
     TestEngine::with_kv(Hybrid::new(cfg).unwrap(), budget)
 }

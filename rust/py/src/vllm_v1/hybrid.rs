@@ -117,13 +117,14 @@ impl PyV1Hybrid {
 impl PyV1Hybrid {
     /// `groups`: `(kind, block_size, size, layout)` per group (`size`: the window, the chunk
     /// or a Mamba group's speculative blocks); `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as
-    /// vLLM's coordinator checks it); `zero_new_blocks`: vLLM's `needs_kv_cache_zeroing`.
+    /// vLLM's coordinator checks it); `zero_new_blocks`: vLLM's `needs_kv_cache_zeroing`;
+    /// `hash_lookahead_tokens`: vLLM 0.33's `num_hash_lookahead_tokens`.
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
         release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
-        zero_new_blocks=false, checkpoint_alignments=None))]
+        zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=SatCount(0)))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -140,6 +141,7 @@ impl PyV1Hybrid {
         eagle_groups: Option<Vec<bool>>,
         zero_new_blocks: bool,
         checkpoint_alignments: Option<Vec<Count>>,
+        hash_lookahead_tokens: SatCount,
     ) -> PyResult<Self> {
         let checkpoints = checkpoint_alignments.unwrap_or_default();
         if !checkpoints.is_empty() && checkpoints.len() != groups.len() {
@@ -188,6 +190,7 @@ impl PyV1Hybrid {
             retention,
             use_eagle,
             eagle_groups: eagle_groups.unwrap_or_default(),
+            hash_lookahead_tokens: hash_lookahead_tokens.0,
         };
         Ok(PyV1Hybrid {
             inner: Mutex::new(Hybrid::new(cfg).py()?.with_zeroing(zero_new_blocks)),
