@@ -8,8 +8,10 @@
 //!   group, for `pagedkv.vllm_v1`); `events` (vLLM's KV event objects built natively from the
 //!   pool's log); `hash` (vLLM v1's block hashes, natively, for blocks the native loop fills);
 //!   `call` (vLLM's `allocate_slots` arguments); `loop_` (`V1Loop`, the core's v1 walk,
-//!   `schedule()` / `update_from_output()`, run over vLLM's own objects); `engine` (the
-//!   core's `Engine` trait implemented over them); `output` (vLLM's output objects);
+//!   `schedule()` / `update_from_output()`, run over vLLM's own objects); `engine` (one
+//!   call's `PyEngine`), `engine_impl` (the core's `Engine` trait implemented over vLLM's
+//!   objects), `engine_requests` (a request's fields and status), `engine_update`
+//!   (`update_from_output`'s inputs and outputs); `output` (vLLM's output objects);
 //! * shared: `args` (integer, real and device arguments), `errors` (core errors to
 //!   `pagedkv.errors`).
 //!

@@ -9,7 +9,8 @@
 //! attribute write per scheduled row with drafts; per row with drafts in `update_from_output`
 //! an attribute read (and a Python call where the request keeps metrics).
 
-use crate::vllm_v1::engine::{PyEngine, PyReq};
+use crate::vllm_v1::engine::PyEngine;
+use crate::vllm_v1::engine_requests::PyReq;
 use pagedkv_core::vllm_v1::engine::Drafts;
 use pagedkv_core::vllm_v1::spec_stats::SpecTally;
 use pyo3::intern;

@@ -1,7 +1,8 @@
 //! `V1Loop`: vLLM v1's `Scheduler.schedule()` and `update_from_output()` for the in-scope
 //! path, run by the core's walk (`pagedkv_core::vllm_v1::walk`) over vLLM's own objects through
-//! `crate::vllm_v1::engine` (the scheduler's `running` list and `waiting` queue, its `Request`s,
-//! pagedkv's native KV manager called in Rust).
+//! `crate::vllm_v1::engine`'s `PyEngine` (`crate::vllm_v1::engine_impl`: the scheduler's
+//! `running` list and `waiting` queue, its `Request`s, pagedkv's native KV manager called in
+//! Rust).
 //!
 //! There is no second copy of any state: everything the walk decides is written where vLLM's
 //! loop writes it, so vLLM's Python loop can run the next step (the per-step switch in
@@ -17,7 +18,8 @@
 //! multimodal row (`crate::vllm_v1::encoder`).
 
 use crate::args::SatCount;
-use crate::vllm_v1::engine::{PyEngine, UpdateIo};
+use crate::vllm_v1::engine::PyEngine;
+use crate::vllm_v1::engine_update::UpdateIo;
 use crate::vllm_v1::loop_kv::LoopKv;
 use crate::vllm_v1::output::ModelOutput;
 use pagedkv_core::vllm_v1::block_hash::HashFn;

@@ -3,7 +3,9 @@
 //! and the calls into vLLM's prefix lookup and prefill stats.
 
 use crate::vllm_v1::encoder;
-use crate::vllm_v1::engine::{PyEngine, PyReq, Sampled};
+use crate::vllm_v1::engine::PyEngine;
+use crate::vllm_v1::engine_requests::PyReq;
+use crate::vllm_v1::engine_update::Sampled;
 use crate::vllm_v1::loop_::PyV1Loop;
 use crate::vllm_v1::loop_kv::PyBlocks;
 use pagedkv_core::vllm_v1::engine::{Row, Runner, Step, StructuredFlags};
