@@ -16,7 +16,7 @@ import logging
 import sys
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
 
 from . import _blocks, _events, _scope
 from ._version import require_supported_vllm
@@ -458,23 +458,37 @@ def hash_lookahead_tokens(a: Dict[str, Any]) -> int:
     return int(n)
 
 
+def param_names() -> Tuple[str, ...]:
+    """The installed vLLM's ``KVCacheManager.__init__`` parameters after ``kv_cache_config``,
+    in order: 0.33's :data:`_PARAMS`; 0.32 has no ``num_hash_lookahead_tokens``."""
+    if require_supported_vllm() == "0.32.0":
+        return tuple(n for n in _PARAMS if n != "num_hash_lookahead_tokens")
+    return _PARAMS
+
+
 def _named_args(args: Tuple[Any, ...], kwargs: Dict[str, Any]) -> Dict[str, Any]:
     """vLLM's constructor arguments (after ``kv_cache_config``) by name, defaults filled in.
 
-    vLLM 0.32 has no ``num_hash_lookahead_tokens``; its positional order is 0.33's without it.
+    Bound as the installed vLLM's signature binds them (:func:`param_names`): what it refuses
+    raises :class:`ArgumentTypeError`, a ``TypeError`` as vLLM's constructor raises (and an
+    :class:`InvalidArgumentError`); on 0.32 that includes ``num_hash_lookahead_tokens``.
     """
-    names = _PARAMS
-    if require_supported_vllm() == "0.32.0":
-        names = tuple(n for n in _PARAMS if n != "num_hash_lookahead_tokens")
+    names = param_names()
+    call = "KVCacheManager.__init__()"
     if len(args) > len(names):
-        raise InvalidArgumentError("too many positional arguments for KVCacheManager")
+        raise ArgumentTypeError(
+            f"{call} takes at most {len(names)} positional arguments after kv_cache_config "
+            f"({len(args)} given)"
+        )
+    for name in kwargs:
+        if name not in names:
+            raise ArgumentTypeError(f"{call} got an unexpected keyword argument {name!r}")
+        if name in names[: len(args)]:
+            raise ArgumentTypeError(f"{call} got multiple values for argument {name!r}")
     named = dict(_DEFAULTS)
     named.update(zip(names, args))
-    unknown = set(kwargs) - set(_PARAMS)
-    if unknown:
-        raise InvalidArgumentError(f"unexpected KVCacheManager arguments: {sorted(unknown)}")
     named.update(kwargs)
     for required in ("max_model_len", "scheduler_block_size", "hash_block_size"):
         if required not in named:
-            raise InvalidArgumentError(f"KVCacheManager needs {required}")
+            raise ArgumentTypeError(f"{call} missing required argument: {required!r}")
     return named

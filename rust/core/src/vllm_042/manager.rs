@@ -361,7 +361,8 @@ impl Manager {
 
     /// Give every WAITING sequence of a group (all sharing `waiting[0]`'s prompt) one shared table.
     /// A sequence that already holds a table gets the new one (the old one is released; strict
-    /// mode refuses it).
+    /// mode refuses it). Every check comes first, the free blocks included (`need`); the
+    /// table is then built and handed out, which cannot fail.
     pub fn allocate(&mut self, waiting: &[(SeqId, &TokenSeq)]) -> Result<()> {
         let Some(&(_, seq)) = waiting.first() else {
             return Err(Error::invalid("the sequence group has no WAITING sequence"));
@@ -370,40 +371,44 @@ impl Manager {
             self.check_strict_units(s)?;
             self.check_strict_fresh(id)?;
         }
-        let k = waiting.len() as u32;
-        let n = seq.num_blocks();
         let caching = self.caches(seq);
-        let need = if caching {
-            // Walk the chain as `allocate` will: block i can only hit if block i-1 did (a hit is
-            // confirmed by parent identity). Only hits on referenced blocks cost no free block;
-            // evictions cannot disturb those, since a referenced block's parents are referenced.
-            let mut need = 0;
-            let mut parent = None;
-            let mut chained = true;
-            for i in 0..n {
-                let hit = if chained {
-                    seq.block_key(i, parent).and_then(|k| self.gpu.peek(&k))
-                } else {
-                    None
-                };
-                match hit {
-                    Some(b) => {
-                        need += usize::from(self.gpu.ref_count(b) == 0);
-                        parent = Some(b);
-                    }
-                    None => {
-                        need += 1;
-                        chained = false;
-                    }
-                }
-            }
-            need
-        } else {
-            self.prompt_blocks(seq)
-        };
+        let need = self.need(seq, caching);
         if need > self.gpu.num_free() {
             return Err(self.out_of(Device::Gpu, need));
         }
+        let table = self.build_table(seq, waiting.len() as u32, caching);
+        self.hand_out(waiting, &table, seq.len());
+        Ok(())
+    }
+
+    /// The free GPU blocks allocating `seq`'s table takes. With caching, the chain is walked
+    /// as [`Self::build_table`] will: block i can only hit if block i-1 did (a hit is confirmed
+    /// by parent identity). Only hits on referenced blocks cost no free block; evictions
+    /// cannot disturb those, since a referenced block's parents are referenced.
+    fn need(&self, seq: &TokenSeq, caching: bool) -> usize {
+        if !caching {
+            return self.prompt_blocks(seq);
+        }
+        let mut need = 0;
+        let mut parent = None;
+        for i in 0..seq.num_blocks() {
+            match seq.block_key(i, parent).and_then(|k| self.gpu.peek(&k)) {
+                Some(b) => {
+                    need += usize::from(self.gpu.ref_count(b) == 0);
+                    parent = Some(b);
+                }
+                None => return need + seq.num_blocks() - i,
+            }
+        }
+        need
+    }
+
+    /// `seq`'s table, each distinct block holding `refs` references: cached blocks reused
+    /// (with caching), fresh ones registered, a window's entries repeating its first blocks.
+    /// [`Self::need`] free blocks must be free (the caller checked): it cannot fail.
+    fn build_table(&mut self, seq: &TokenSeq, refs: u32, caching: bool) -> Vec<BlockId> {
+        const FITS: &str = "allocate checked the free blocks";
+        let n = seq.num_blocks();
         let bs = seq.block_size();
         let mut table: Vec<BlockId> = Vec::with_capacity(n);
         for i in 0..n {
@@ -417,25 +422,36 @@ impl Manager {
                     self.prefix_lookups += 1;
                     if let Some(b) = self.gpu.lookup(&key) {
                         self.prefix_hits += 1;
-                        self.gpu.acquire(b, k)?;
+                        // A cached block, held or evictable, and refs >= 1.
+                        self.gpu
+                            .acquire(b, refs)
+                            .expect("a cached block can be shared");
                         b
                     } else {
-                        let b = self.fresh_gpu_block(k)?;
-                        self.gpu.register(b, &key, ((i + 1) * bs) as u32)?;
+                        let b = self.fresh_gpu_block(refs).expect(FITS);
+                        // A fresh full block, its parent another held block.
+                        self.gpu
+                            .register(b, &key, ((i + 1) * bs) as u32)
+                            .expect("a fresh full block can be cached");
                         b
                     }
                 }
-                _ => self.fresh_gpu_block(k)?,
+                _ => self.fresh_gpu_block(refs).expect(FITS),
             };
             table.push(b);
         }
-        let reserved = seq.len();
+        table
+    }
+
+    /// Give each WAITING sequence a copy of `table` with `reserved` slots. vLLM overwrites the
+    /// table of a sequence id that already has one (leaking its references); we release it,
+    /// after the new table is built so that the blocks chosen are vLLM's. A table holds one
+    /// reference on each of its distinct blocks, so releasing it cannot fail.
+    fn hand_out(&mut self, waiting: &[(SeqId, &TokenSeq)], table: &[BlockId], reserved: usize) {
         for &(id, _) in waiting {
-            // vLLM overwrites the table of a sequence id that already has one (leaking its
-            // references); we release it, after the new table is built so that the blocks
-            // chosen are vLLM's.
             if let Some(mut old) = self.tables.remove(&id) {
-                self.release_table(&mut old)?;
+                self.release_table(&mut old)
+                    .expect("a table holds a reference on each of its blocks");
             }
             let order = self.next_order;
             self.next_order += 1;
@@ -443,7 +459,7 @@ impl Manager {
             self.tables.insert(
                 id,
                 SeqEntry {
-                    table: table.clone(),
+                    table: table.to_vec(),
                     device: Device::Gpu,
                     reserved,
                     order,
@@ -454,7 +470,6 @@ impl Manager {
                 },
             );
         }
-        Ok(())
     }
 
     fn fresh_gpu_block(&mut self, refs: u32) -> Result<BlockId> {

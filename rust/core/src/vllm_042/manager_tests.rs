@@ -93,6 +93,58 @@ fn out_of_blocks_changes_nothing() {
     assert!(!m.has_table(1));
 }
 
+/// A cached prefix that would be hit, a sequence id whose old table would be replaced, and
+/// too few free blocks: the call fails before any lookup is counted, any cached block is
+/// revived or evicted, or the old table is released.
+#[test]
+fn out_of_blocks_with_hits_and_a_replaced_table_changes_nothing() {
+    let mut m = Manager::new(cfg(4, 4, 1, true, None)).unwrap();
+    let prompt: Vec<u32> = (0..8).collect();
+    m.allocate(&[(1, &seq(&prompt, 4))]).unwrap();
+    m.free(1).unwrap(); // two cached blocks, evictable
+    m.allocate(&[(2, &seq(&[50, 51, 52], 4))]).unwrap(); // one held block
+    let state = |m: &Manager| {
+        let gpu = m.pool(Device::Gpu);
+        let blocks: Vec<_> = (0..4)
+            .map(|b| (gpu.ref_count(b), gpu.block_hash(b), gpu.is_evictable(b)))
+            .collect();
+        let table = m.block_table(2).unwrap().to_vec();
+        (
+            m.num_free_gpu_blocks(),
+            m.prefix_cache_stats(),
+            gpu.stats(),
+            blocks,
+            table,
+        )
+    };
+    let before = state(&m);
+    assert_eq!(before.0, 3);
+    // 2 hits on evictable blocks + 3 new = 5 free blocks needed, 3 free.
+    let long: Vec<u32> = (0..17).collect();
+    let s = seq(&long, 4);
+    let got = m.allocate(&[(3, &s), (2, &s)]);
+    assert!(
+        matches!(
+            got,
+            Err(Error::OutOfBlocks {
+                needed: 5,
+                free: 3,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    assert_eq!(state(&m), before);
+    assert!(!m.has_table(3));
+    m.check_invariants().unwrap();
+    // Fewer tokens fit: both hits reused, sequence 2's old block released.
+    let s = seq(&long[..12], 4);
+    m.allocate(&[(3, &s), (2, &s)]).unwrap();
+    assert_eq!(m.block_table(3).unwrap(), m.block_table(2).unwrap());
+    assert_eq!(m.prefix_cache_stats(), (before.1 .0 + 3, before.1 .1 + 2));
+    m.check_invariants().unwrap();
+}
+
 #[test]
 fn strict_mode_refuses_what_the_default_replaces_and_changes_nothing() {
     let strict = |caching| ManagerConfig {

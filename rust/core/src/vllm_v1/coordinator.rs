@@ -6,7 +6,8 @@
 //!   find_longest_cache_hit:  full groups first, then the others; each may only shorten the
 //!                            candidate length; repeat until a pass shortens nothing
 //!   allocate_slots:          remove_skipped_blocks (every group) -> count (every group) ->
-//!                            adopt the hit (every group) -> allocate (group 0, 1, ...) -> cache
+//!                            plan (every hash read, every allocation checked) -> adopt the
+//!                            hit (every group) -> allocate (group 0, 1, ...) -> cache
 //!   free:                    group 0's table (last block first), then group 1's, ...
 //! ```
 //!
@@ -89,6 +90,7 @@ use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
 use super::single_type::{
     find_longest_cache_hit_eagle, AttentionKind, CachePlan, GroupManager, GroupParams, GroupSpec,
+    NewBlocks,
 };
 use crate::error::{Error, Result};
 
@@ -190,6 +192,33 @@ impl Count {
             ..Default::default()
         }
     }
+}
+
+/// One `allocate_slots` call's token counts (vLLM's names) and watermark.
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    /// `num_local_computed_tokens`.
+    local: u64,
+    /// `total_computed_tokens` (at most `max_model_len`).
+    total: u64,
+    /// `num_tokens_main_model`.
+    main: u64,
+    /// `num_tokens_need_slot`.
+    need_slots: u64,
+    prefill_end: u64,
+    /// The watermark in blocks (0 unless it applies to this request).
+    watermark: i64,
+}
+
+/// What an admitted `allocate_slots` call does, planned and checked before anything changes.
+#[derive(Debug)]
+struct SlotPlan {
+    /// The request adopts the call's hit.
+    adopt: bool,
+    /// Per group, what it caches (none: `delay_cache_blocks`).
+    caches: Vec<CachePlan>,
+    /// Per group, what it allocates.
+    allocs: Vec<NewBlocks>,
 }
 
 /// Groups sharing a spec, looked up together (vLLM's `SpecGroup`).
@@ -672,8 +701,12 @@ impl Hybrid {
 
     /// vLLM's `KVCacheManager.allocate_slots` over this coordinator (no external tokens, no
     /// encoder tokens): `Ok(None)` when the blocks do not fit, else the new blocks per group.
-    /// As in vLLM, blocks that left the window are freed before the fit is checked, so a
-    /// refused call may still have freed some.
+    ///
+    /// Checked, then admitted (`admit`: as in vLLM, blocks that left the window are
+    /// freed and Mamba align checkpoints recorded before the fit is checked, so a refused call
+    /// may still have done those), then planned (`plan_slots`: every hash read, every
+    /// group's allocation checked, the pool's free blocks included) and only then applied
+    /// (`apply_slots`, which cannot fail): a call that fails changes nothing else.
     pub fn allocate_slots(
         &mut self,
         req: &str,
@@ -681,95 +714,186 @@ impl Hybrid {
         hashes: &mut dyn HashSource,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         self.check_args(req, a)?;
+        let s = self.sizes(a);
+        if !self.admit(req, a, &s)? {
+            return Ok(None);
+        }
+        let plan = self.plan_slots(req, a, &s, hashes)?;
+        Ok(Some(self.apply_slots(req, a, &s, &plan)))
+    }
+
+    /// An `allocate_slots` call's token counts and watermark, from its arguments.
+    fn sizes(&self, a: &HybridSlots) -> Sizes {
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
         let total = local.min(self.cfg.max_model_len);
-        let watermark = if a.has_scheduled_reqs && a.waiting_or_preempted {
-            self.cfg.watermark_blocks
-        } else {
-            0
+        let main = total.saturating_add(a.num_new_tokens);
+        let watermark = match a.has_scheduled_reqs && a.waiting_or_preempted {
+            true => self.cfg.watermark_blocks,
+            false => 0,
         };
-        let watermark = i64::try_from(watermark).unwrap_or(i64::MAX);
-        let prefill_end = a
-            .boundaries
-            .num_prompt_tokens
-            .max(a.num_tokens.saturating_sub(1));
+        Sizes {
+            local,
+            total,
+            main,
+            need_slots: main
+                .saturating_add(a.num_lookahead_tokens)
+                .min(self.cfg.max_model_len),
+            prefill_end: a
+                .boundaries
+                .num_prompt_tokens
+                .max(a.num_tokens.saturating_sub(1)),
+            watermark: i64::try_from(watermark).unwrap_or(i64::MAX),
+        }
+    }
+
+    /// vLLM's steps up to its refusal, in its order: the full-sequence gate, then
+    /// `remove_skipped_blocks`, then the count against the free blocks less the reserved ones.
+    /// `false`: refused (what those steps did stays done, as in vLLM).
+    fn admit(&mut self, req: &str, a: &HybridSlots, s: &Sizes) -> Result<bool> {
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(self.cfg.max_model_len);
             let c = Count {
                 num_tokens: full,
                 num_tokens_main: full,
-                total_computed: total,
-                prefill_end,
+                total_computed: s.total,
+                prefill_end: s.prefill_end,
                 apply_admission_cap: true,
             };
             let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
-            if needed.saturating_add(watermark) > self.pool.num_free() as i64 {
-                return Ok(None);
+            if needed.saturating_add(s.watermark) > self.pool.num_free() as i64 {
+                return Ok(false);
             }
         }
-        let main = total.saturating_add(a.num_new_tokens);
-        let need_slots = main
-            .saturating_add(a.num_lookahead_tokens)
-            .min(self.cfg.max_model_len);
-        self.remove_skipped_blocks(req, total.saturating_sub(a.num_in_flight_tokens))?;
+        self.remove_skipped_blocks(req, s.total.saturating_sub(a.num_in_flight_tokens))?;
         let c = Count {
-            num_tokens: need_slots,
-            num_tokens_main: main,
-            total_computed: local,
-            prefill_end,
+            num_tokens: s.need_slots,
+            num_tokens_main: s.main,
+            total_computed: s.local,
+            prefill_end: s.prefill_end,
             apply_admission_cap: false,
         };
         let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         let available =
             self.pool.num_free() as i64 - i64::try_from(a.reserved_blocks).unwrap_or(i64::MAX);
-        if needed.saturating_add(watermark) > available {
-            return Ok(None);
-        }
-        // Plan what gets cached (every hash read) before anything else changes.
+        Ok(needed.saturating_add(s.watermark) <= available)
+    }
+
+    /// Everything an admitted call will do, read and checked while nothing changes: whether
+    /// it adopts the hit, what each group caches (every hash read) and allocates. Fails where
+    /// vLLM would fail partway (a Mamba align step past its cap, more blocks taken than the
+    /// pool has free), here before anything changes.
+    fn plan_slots(
+        &self,
+        req: &str,
+        a: &HybridSlots,
+        s: &Sizes,
+        hashes: &mut dyn HashSource,
+    ) -> Result<SlotPlan> {
         let running = self.managers.iter().any(|m| m.is_running(req));
-        let adopt = a.new_computed.is_some() && !running; // check_hit refused the rest
-        let to_cache = (!a.delay_cache_blocks)
-            .then(|| total.saturating_add(a.num_new_tokens).min(a.num_tokens));
-        let mut plans: Vec<CachePlan> = Vec::with_capacity(self.managers.len());
-        if let Some(n) = to_cache {
-            for (i, m) in self.managers.iter().enumerate() {
-                let t = self.cacheable_tokens(m, n);
-                let bs = u64::from(m.block_size());
-                let (first, have) = if adopt {
-                    let nc = a.new_computed.map_or(0, |nc| nc[i].len());
-                    let skipped = (m.spec().num_skipped_tokens(local) / bs) as usize;
-                    let len = skipped.max(nc);
-                    (len as u32, len)
-                } else {
-                    (m.num_cached_blocks(req).unwrap_or(0), m.blocks(req).len())
-                };
-                let held = have.max(need_slots.div_ceil(bs) as usize);
-                let mut plan = m.plan_cache(first, held, t, a.boundaries, hashes)?;
-                plan.tail = m.plan_tail(req, t, a.boundaries, hashes)?;
-                plans.push(plan);
+        let adopt = match a.new_computed {
+            Some(nc) if !running => Some(nc), // check_hit refused a running request's hit
+            _ => None,
+        };
+        // Each group's table length once the hit is adopted, and the hit's blocks it touches.
+        let mut held = Vec::with_capacity(self.managers.len());
+        let mut touched: Vec<u32> = Vec::new();
+        for (i, m) in self.managers.iter().enumerate() {
+            match adopt {
+                Some(nc) => {
+                    let (len, kept) = m.adoption(&nc[i], s.local);
+                    held.push(len);
+                    touched.extend(kept.iter().filter(|&&b| self.pool.is_evictable(b)));
+                }
+                None => held.push(m.blocks(req).len()),
             }
         }
-        if adopt {
+        let caches = match a.delay_cache_blocks {
+            true => Vec::new(),
+            false => self.plan_caches(req, a, s, adopt.is_some(), &held, hashes)?,
+        };
+        // Touching a free block takes it off the queue before any group allocates.
+        touched.sort_unstable();
+        touched.dedup();
+        let mut free = self.pool.num_free() - touched.len();
+        let mut allocs = Vec::with_capacity(self.managers.len());
+        for (m, &len) in self.managers.iter().zip(&held) {
+            let plan = m.plan_new_blocks(req, len, s.need_slots, s.main)?;
+            if plan.num_new() > free {
+                return Err(Error::OutOfBlocks {
+                    device: "gpu",
+                    needed: plan.num_new(),
+                    free,
+                });
+            }
+            free -= plan.num_new();
+            allocs.push(plan);
+        }
+        Ok(SlotPlan {
+            adopt: adopt.is_some(),
+            caches,
+            allocs,
+        })
+    }
+
+    /// What each group caches once the call's blocks are held (`cache_blocks` at the call's
+    /// verified tokens), every hash read; `held[i]` is group `i`'s table length once any hit
+    /// is adopted.
+    fn plan_caches(
+        &self,
+        req: &str,
+        a: &HybridSlots,
+        s: &Sizes,
+        adopt: bool,
+        held: &[usize],
+        hashes: &mut dyn HashSource,
+    ) -> Result<Vec<CachePlan>> {
+        let n = s.total.saturating_add(a.num_new_tokens).min(a.num_tokens);
+        let mut plans = Vec::with_capacity(self.managers.len());
+        for (m, &have) in self.managers.iter().zip(held) {
+            let t = self.cacheable_tokens(m, n);
+            let first = match adopt {
+                true => have as u32,
+                false => m.num_cached_blocks(req).unwrap_or(0),
+            };
+            let bs = u64::from(m.block_size());
+            let held = have.max(s.need_slots.div_ceil(bs) as usize);
+            let mut plan = m.plan_cache(first, held, t, a.boundaries, hashes)?;
+            plan.tail = m.plan_tail(req, t, a.boundaries, hashes)?;
+            plans.push(plan);
+        }
+        Ok(plans)
+    }
+
+    /// Apply a [`SlotPlan`]: adopt the hit (every group), allocate (group 0, 1, ...), cache.
+    /// Every check was made while planning: nothing here can fail.
+    fn apply_slots(
+        &mut self,
+        req: &str,
+        a: &HybridSlots,
+        s: &Sizes,
+        plan: &SlotPlan,
+    ) -> Vec<Vec<u32>> {
+        if plan.adopt {
             let nc = a.new_computed.unwrap_or(&[]);
             for (m, blocks) in self.managers.iter_mut().zip(nc) {
-                m.add_local_computed_blocks(&mut self.pool, req, blocks, local)?;
+                m.adopt_computed_blocks(&mut self.pool, req, blocks, s.local);
             }
         }
         let mut new = Vec::with_capacity(self.managers.len());
-        for (i, m) in self.managers.iter_mut().enumerate() {
-            let blocks = m.allocate_new_blocks(&mut self.pool, req, need_slots, main)?;
+        for (i, (m, alloc)) in self.managers.iter_mut().zip(&plan.allocs).enumerate() {
+            let blocks = m.apply_new_blocks(&mut self.pool, req, alloc);
             if let Some(z) = self.zeroing.as_mut() {
                 z.record(i, m.spec().kind, &blocks);
             }
             new.push(blocks);
         }
-        for (m, plan) in self.managers.iter_mut().zip(&plans) {
-            m.apply_cache(&mut self.pool, req, plan);
+        for (m, cache) in self.managers.iter_mut().zip(&plan.caches) {
+            m.apply_cache(&mut self.pool, req, cache);
         }
-        Ok(Some(new))
+        new
     }
 
     /// vLLM's `cache_blocks(request, num_computed_tokens)` across groups, each group caching up

@@ -4,9 +4,10 @@
 
 use super::coordinator::{Count, Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
+use super::manager::HashSource;
 use super::pool::{Event, HashKey, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
-use super::single_type::GroupSpec;
+use super::single_type::{AttentionKind, GroupSpec};
 use super::single_type_tests::{chunked, full, key, keys, swa};
 
 const N: u32 = NULL_BLOCK;
@@ -681,4 +682,195 @@ fn randomized_runs_keep_every_invariant() {
     if let Some(p) = trace_path {
         std::fs::write(p, trace).unwrap();
     }
+}
+
+/// What a failed `allocate_slots` must leave as it was: the free queue, every block's ref
+/// count and cached hash (with its group), and each request's table and cached count in
+/// every group. (Pending KV events are drained before the call and checked empty after.)
+type Snapshot = (Vec<u32>, Vec<(u32, Option<HashKey>, u32)>, Vec<Vec<u32>>);
+
+fn snapshot(h: &Hybrid, reqs: &[&str]) -> Snapshot {
+    let p = h.pool();
+    let blocks = (0..p.num_blocks())
+        .map(|b| (p.ref_cnt(b), p.hash_of(b).copied(), p.group_of(b)))
+        .collect();
+    let mut tables = Vec::new();
+    for req in reqs {
+        for g in 0..h.num_groups() {
+            let m = h.group(g);
+            tables.push(m.blocks(req).to_vec());
+            tables.push(m.num_cached_blocks(req).into_iter().collect());
+        }
+    }
+    (p.free_queue(), blocks, tables)
+}
+
+/// `allocate_slots` fails with `a`, and the snapshot of `reqs`, the events and every
+/// invariant are as before the call.
+fn fails_unchanged(h: &mut Hybrid, req: &str, a: &HybridSlots, ks: &[HashKey], reqs: &[&str]) {
+    h.pool_mut().take_events();
+    let before = snapshot(h, reqs);
+    let got = h.allocate_slots(req, a, &mut &ks[..]);
+    assert!(got.is_err(), "{a:?} was accepted: {got:?}");
+    assert_eq!(snapshot(h, reqs), before, "{a:?} changed the state");
+    assert_eq!(h.pool_mut().take_events(), []);
+    h.check().unwrap();
+}
+
+/// A window group may need more blocks than vLLM's count says: a request whose table is
+/// shorter than the window skips (not tracked in `num_cached_block`, its first allocation
+/// had its caching delayed) counts its new blocks past the skipped ones but allocates them
+/// past its table. vLLM then raises in `get_new_blocks`, group 0 having allocated already;
+/// here the call fails with the same error before anything changes.
+#[test]
+fn a_window_needing_more_than_counted_fails_before_any_group_allocates() {
+    let mut h = hybrid(vec![full(4), swa(8, 4)], 4);
+    let ks = keys(11);
+    let first = HybridSlots {
+        delay_cache_blocks: true,
+        ..prefill(8)
+    };
+    let new = h.allocate_slots("a", &first, &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![1, 2], vec![3, 4]]));
+    // 40 computed (all in flight: nothing freed), 4 new: 11 blocks per group. Counted:
+    // full 11 - 2 = 9, window 11 - max(8 skipped, 2) = 3; 12 <= 15 free, admitted. Allocated:
+    // full 9 (6 left), window 11 - 2 = 9 > 6.
+    let a = HybridSlots {
+        num_computed_tokens: 40,
+        num_tokens: 44,
+        num_new_tokens: 4,
+        num_in_flight_tokens: 40,
+        ..Default::default()
+    };
+    let c = Count::new(44, 40);
+    assert_eq!(h.num_blocks_to_allocate("a", &c, None).unwrap(), 12);
+    fails_unchanged(&mut h, "a", &a, &ks, &["a"]);
+    let e = h.allocate_slots("a", &a, &mut &ks[..]).unwrap_err();
+    assert_eq!(e.to_string(), "out of gpu blocks: 9 needed, 6 free");
+    // With enough free blocks the same call goes through, in group order.
+    h.pool_mut().take_events();
+    let a = HybridSlots {
+        num_computed_tokens: 12,
+        num_tokens: 16,
+        num_in_flight_tokens: 12,
+        ..a
+    };
+    let new = h.allocate_slots("a", &a, &mut &ks[..]).unwrap();
+    assert_eq!(new, Some(vec![vec![5, 6], vec![7, 8]]));
+    h.check().unwrap();
+}
+
+/// Hashes that fail to read past the first `n` (a request's `block_hashes` raising).
+struct FailingHashes(Vec<HashKey>, usize);
+
+impl HashSource for FailingHashes {
+    fn count(&mut self) -> crate::error::Result<usize> {
+        Ok(self.0.len())
+    }
+    fn key(&mut self, i: usize) -> crate::error::Result<HashKey> {
+        match i < self.1 {
+            true => Ok(self.0[i]),
+            false => Err(crate::error::Error::invalid(format!("hash {i} unreadable"))),
+        }
+    }
+}
+
+/// Every hash a call caches under is read before the hit is adopted or any group allocates:
+/// a hash that fails to read fails the call with nothing changed.
+#[test]
+fn an_unreadable_hash_fails_before_the_hit_is_adopted() {
+    let mut h = gpt_oss_after_a();
+    let ks = keys(6);
+    let hit = h.find_longest_cache_hit(&mut &ks[..], 16).unwrap();
+    assert_eq!(hit.blocks, vec![vec![1, 2, 3, 4], vec![N, N, 8, 9]]);
+    // 16 hit + 8 new: blocks 4 and 5 become full, their hashes read (the fifth fails).
+    let a = HybridSlots {
+        num_tokens: 24,
+        num_new_tokens: 8,
+        num_new_computed_tokens: 16,
+        new_computed: Some(&hit.blocks),
+        waiting_or_preempted: true,
+        ..Default::default()
+    };
+    h.pool_mut().take_events();
+    let before = snapshot(&h, &["b"]);
+    let got = h.allocate_slots("b", &a, &mut FailingHashes(ks.clone(), 5));
+    assert!(got.unwrap_err().to_string().contains("hash 5 unreadable"));
+    assert_eq!(snapshot(&h, &["b"]), before);
+    assert_eq!(h.pool_mut().take_events(), []);
+    h.check().unwrap();
+    // Readable, the same call adopts, allocates and caches.
+    let new = h.allocate_slots("b", &a, &mut &ks[..]).unwrap();
+    assert_eq!(
+        new.map(|n| n.iter().map(Vec::len).collect::<Vec<_>>()),
+        Some(vec![2, 2])
+    );
+    h.check().unwrap();
+}
+
+/// Arguments no scheduler passes (out of range, inconsistent with the request's state) fail
+/// before anything changes, the window's skipped blocks included.
+#[test]
+fn arguments_out_of_range_or_inconsistent_fail_unchanged() {
+    let mut h = hybrid(vec![full(4), swa(8, 4)], 4);
+    let ks = keys(20);
+    h.allocate_slots("a", &prefill(16), &mut &ks[..])
+        .unwrap()
+        .unwrap();
+    let step = HybridSlots {
+        num_computed_tokens: 16,
+        num_tokens: 17,
+        num_new_tokens: 1,
+        ..Default::default()
+    };
+    let hit = vec![vec![1], vec![5]];
+    let bad = [
+        // Nothing to compute and nothing to adopt.
+        HybridSlots {
+            num_new_tokens: 0,
+            ..step
+        },
+        // Computed tokens past max_model_len (1000).
+        HybridSlots {
+            num_computed_tokens: 1001,
+            num_tokens: 1002,
+            ..step
+        },
+        HybridSlots {
+            num_computed_tokens: u64::MAX,
+            num_new_computed_tokens: u64::MAX,
+            ..step
+        },
+        // A running request offered a hit.
+        HybridSlots {
+            num_new_computed_tokens: 4,
+            new_computed: Some(&hit),
+            ..step
+        },
+        // A hit for one group of two.
+        HybridSlots {
+            num_new_computed_tokens: 4,
+            new_computed: Some(&hit[..1]),
+            ..step
+        },
+    ];
+    for a in &bad {
+        fails_unchanged(&mut h, "a", a, &ks, &["a"]);
+    }
+    // A Mamba align group bounds the main-model tokens too (its table grows with them).
+    let kind = AttentionKind::MambaAlign {
+        num_speculative_blocks: 0,
+        checkpoint_alignment: 0,
+    };
+    let mut h = hybrid(vec![full(4), GroupSpec::new(kind, 4)], 4);
+    h.allocate_slots("a", &prefill(16), &mut &ks[..])
+        .unwrap()
+        .unwrap();
+    let a = HybridSlots {
+        num_computed_tokens: 996,
+        num_tokens: 1001,
+        num_new_tokens: 5,
+        ..step
+    };
+    fails_unchanged(&mut h, "a", &a, &ks, &["a"]);
 }

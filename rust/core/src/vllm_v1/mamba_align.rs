@@ -31,7 +31,7 @@
 //!   then) when the backend can export the state at the last hash boundary before the chunk
 //!   end inside the chunk ([`checkpoint_valid`]); the block before the running state then is
 //!   a real block rather than a null one, and caching re-keys it at the checkpoint;
-//! * allocating ([`AlignRules::allocate`]) pads the table with null blocks up to the running
+//! * allocating ([`AlignRules::plan_allocate`]) pads the table with null blocks up to the running
 //!   state's position (minus the checkpoint), moves the speculative blocks a step leaves
 //!   behind to the end (their positions become null), and appends the new blocks; it
 //!   remembers the previous running state (`last_state_block_idx`), which
@@ -190,6 +190,22 @@ pub struct TailPlan {
     pub boundary_key: Option<HashKey>,
 }
 
+/// What an align-mode `allocate_new_blocks` will do to a table, planned before anything
+/// changes ([`AlignRules::plan_allocate`], applied by [`AlignRules::apply_allocate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AlignAlloc {
+    /// The table's length when planned.
+    pub prev: usize,
+    /// Null entries pad the table up to here.
+    pub null_end: usize,
+    /// Speculative blocks left behind, moved to the end.
+    pub relocate: usize,
+    /// Blocks taken from the pool's free queue.
+    pub num_new: usize,
+    /// `false`: nothing is appended (the request is only marked allocated).
+    pub append: bool,
+}
+
 impl AlignRules {
     pub fn new(
         spec: &GroupSpec,
@@ -291,22 +307,29 @@ impl AlignRules {
         (new + evictable as i64, record)
     }
 
-    /// vLLM's align-mode `allocate_new_blocks`: the entries appended to the table (null
-    /// padding, relocated speculative blocks, new blocks). Checked before anything changes.
-    pub fn allocate(
+    /// Plan vLLM's align-mode `allocate_new_blocks` for a table of `table_len` entries (null
+    /// padding, relocated speculative blocks, new blocks): fails, as vLLM asserts, when a step
+    /// would take more blocks than its cap. Nothing changes; whether the pool has the new
+    /// blocks free is the caller's check ([`AlignAlloc::num_new`]).
+    pub fn plan_allocate(
         &self,
-        pool: &mut Pool,
-        table: &mut Vec<u32>,
-        st: &mut AlignReq,
+        table_len: usize,
+        st: &AlignReq,
         num_tokens_main: u64,
-    ) -> Result<Vec<u32>> {
+    ) -> Result<AlignAlloc> {
         let required = self.required(num_tokens_main) as usize;
         let ck = usize::from(st.checkpoint.is_some());
-        if required <= table.len() && ck == 0 {
-            st.allocated = true;
-            return Ok(Vec::new());
+        let prev = table_len;
+        if required <= prev && ck == 0 {
+            return Ok(AlignAlloc {
+                prev,
+                null_end: prev,
+                relocate: 0,
+                num_new: 0,
+                append: false,
+            });
         }
-        let (prev, spec) = (table.len(), self.num_speculative_blocks as usize);
+        let spec = self.num_speculative_blocks as usize;
         // The running state's position (may be -1 for no main tokens).
         let skipped = required as i64 - spec as i64 - 1;
         let limit = skipped - ck as i64;
@@ -330,27 +353,46 @@ impl AlignRules {
                  (vLLM asserts)"
             )));
         }
-        if num_new > pool.num_free() {
-            return Err(Error::OutOfBlocks {
-                device: "gpu",
-                needed: num_new,
-                free: pool.num_free(),
-            });
+        Ok(AlignAlloc {
+            prev,
+            null_end,
+            relocate,
+            num_new,
+            append: true,
+        })
+    }
+
+    /// Apply an [`AlignAlloc`] planned for this table and state (the pool holding its new
+    /// blocks free, as the caller checked): returns the entries appended.
+    pub fn apply_allocate(
+        &self,
+        pool: &mut Pool,
+        table: &mut Vec<u32>,
+        st: &mut AlignReq,
+        a: &AlignAlloc,
+    ) -> Vec<u32> {
+        debug_assert_eq!(table.len(), a.prev, "planned for another table");
+        if !a.append {
+            st.allocated = true;
+            return Vec::new();
         }
+        let spec = self.num_speculative_blocks as usize;
         if st.allocated {
-            st.last_state = Some(prev - 1 - spec);
-        } else if prev > 0 {
-            st.last_state = Some(prev - 1);
+            st.last_state = Some(a.prev - 1 - spec);
+        } else if a.prev > 0 {
+            st.last_state = Some(a.prev - 1);
         }
-        table.resize(null_end, NULL_BLOCK);
-        for i in first_spec..first_spec + relocate {
+        table.resize(a.null_end, NULL_BLOCK);
+        let first_spec = a.prev.saturating_sub(spec);
+        for i in first_spec..first_spec + a.relocate {
             let b = table[i];
             table.push(b);
             table[i] = NULL_BLOCK;
         }
-        pool.get_new_blocks(num_new, table)?;
+        pool.get_new_blocks(a.num_new, table)
+            .expect("the caller checked the pool's free blocks");
         st.allocated = true;
-        Ok(table[prev..].to_vec())
+        table[a.prev..].to_vec()
     }
 
     /// vLLM's align-mode `remove_skipped_blocks`: free the skipped positions past the retired

@@ -55,7 +55,9 @@ use hashbrown::HashMap;
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
-use super::mamba_align::{self, AlignGroup, AlignReq, AlignRules, CountArgs, TailCtx, TailPlan};
+use super::mamba_align::{
+    self, AlignAlloc, AlignGroup, AlignReq, AlignRules, CountArgs, TailCtx, TailPlan,
+};
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retained, Retention};
@@ -440,6 +442,26 @@ pub struct CachePlan {
     pub tail: Option<TailPlan>,
 }
 
+/// What `allocate_new_blocks` will append to a request's table, planned before anything
+/// changes ([`GroupManager::plan_new_blocks`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum NewBlocks {
+    /// This many blocks from the free queue's head.
+    Plain(usize),
+    /// A Mamba align group's allocation.
+    Align(AlignAlloc),
+}
+
+impl NewBlocks {
+    /// The blocks it takes from the pool's free queue.
+    pub fn num_new(&self) -> usize {
+        match self {
+            NewBlocks::Plain(n) => *n,
+            NewBlocks::Align(a) => a.num_new,
+        }
+    }
+}
+
 /// One KV cache group's manager (vLLM's `SingleTypeKVCacheManager` subclass for its kind),
 /// over a [`Pool`] its caller owns and shares with the other groups.
 #[derive(Clone, Debug)]
@@ -657,20 +679,44 @@ impl GroupManager {
         if !self.caching && new_computed.iter().any(|&b| b != NULL_BLOCK) {
             return Err(Error::invalid("computed blocks without prefix caching"));
         }
+        self.adopt_computed_blocks(pool, req, new_computed, num_local_computed_tokens);
+        Ok(())
+    }
+
+    /// How adopting the hit `new_computed` over `num_local_computed_tokens` changes the
+    /// request's (empty) table: its length then, and the hit's blocks it touches (those past
+    /// the skipped ones, which become null blocks).
+    pub fn adoption<'a>(
+        &self,
+        new_computed: &'a [u32],
+        num_local_computed_tokens: u64,
+    ) -> (usize, &'a [u32]) {
         let skipped = self.skipped_blocks(num_local_computed_tokens) as usize;
         let kept = &new_computed[skipped.min(new_computed.len())..];
+        (skipped.max(new_computed.len()), kept)
+    }
+
+    /// [`Self::add_local_computed_blocks`] once its checks hold (the request holds no block;
+    /// no real block without caching): it cannot fail.
+    pub fn adopt_computed_blocks(
+        &mut self,
+        pool: &mut Pool,
+        req: &str,
+        new_computed: &[u32],
+        num_local_computed_tokens: u64,
+    ) {
+        let (len, kept) = self.adoption(new_computed, num_local_computed_tokens);
         if self.caching {
             pool.touch(kept);
         }
         let r = self.reqs.entry_ref(req).or_default();
-        r.blocks.resize(skipped, NULL_BLOCK);
+        r.blocks.resize(len - kept.len(), NULL_BLOCK);
         r.blocks.extend_from_slice(kept);
         r.num_cached = Some(r.blocks.len() as u32);
-        Ok(())
     }
 
     /// vLLM's `allocate_new_blocks`: enough blocks for `num_tokens` slots, from the queue's
-    /// head, appended to the table; returns the new ones.
+    /// head, appended to the table; returns the new ones. A call that fails changes nothing.
     pub fn allocate_new_blocks(
         &mut self,
         pool: &mut Pool,
@@ -678,22 +724,58 @@ impl GroupManager {
         num_tokens: u64,
         num_tokens_main: u64,
     ) -> Result<Vec<u32>> {
+        let plan =
+            self.plan_new_blocks(req, self.blocks(req).len(), num_tokens, num_tokens_main)?;
+        if plan.num_new() > pool.num_free() {
+            return Err(Error::OutOfBlocks {
+                device: "gpu",
+                needed: plan.num_new(),
+                free: pool.num_free(),
+            });
+        }
+        Ok(self.apply_new_blocks(pool, req, &plan))
+    }
+
+    /// Plan `allocate_new_blocks(req, num_tokens, num_tokens_main)` for the request holding
+    /// `held` table entries by then (it may adopt a hit first). Nothing changes; it fails
+    /// only where vLLM asserts (a Mamba align step past its cap).
+    pub fn plan_new_blocks(
+        &self,
+        req: &str,
+        held: usize,
+        num_tokens: u64,
+        num_tokens_main: u64,
+    ) -> Result<NewBlocks> {
         if let Some(g) = self.align.as_ref() {
-            let r = self.reqs.entry_ref(req).or_default();
+            let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
             return g
                 .rules
-                .allocate(pool, &mut r.blocks, &mut r.align, num_tokens_main);
+                .plan_allocate(held, &st, num_tokens_main)
+                .map(NewBlocks::Align);
         }
         let num_tokens = self.spec.slot_tokens(num_tokens);
         let required = num_tokens.div_ceil(u64::from(self.spec.block_size)) as usize;
-        let have = self.blocks(req).len();
-        if required <= have {
-            self.reqs.entry_ref(req).or_default();
-            return Ok(Vec::new());
-        }
+        Ok(NewBlocks::Plain(required.saturating_sub(held)))
+    }
+
+    /// Apply a [`NewBlocks`] planned for the request's table as it now is, the pool holding
+    /// its new blocks free (the caller checked [`NewBlocks::num_new`]): it cannot fail.
+    /// Returns the entries appended; the request becomes known (vLLM's `req_to_blocks` is a
+    /// defaultdict).
+    pub fn apply_new_blocks(&mut self, pool: &mut Pool, req: &str, plan: &NewBlocks) -> Vec<u32> {
         let r = self.reqs.entry_ref(req).or_default();
-        pool.get_new_blocks(required - have, &mut r.blocks)?;
-        Ok(r.blocks[have..].to_vec())
+        match (plan, self.align.as_ref()) {
+            (NewBlocks::Align(a), Some(g)) => {
+                g.rules.apply_allocate(pool, &mut r.blocks, &mut r.align, a)
+            }
+            (NewBlocks::Plain(n), None) => {
+                let have = r.blocks.len();
+                pool.get_new_blocks(*n, &mut r.blocks)
+                    .expect("the caller checked the pool's free blocks");
+                r.blocks[have..].to_vec()
+            }
+            _ => unreachable!("a plan is made by its own group"),
+        }
     }
 
     /// Read the hashes a `cache_blocks(req, num_tokens)` call would cache, the request then
