@@ -322,6 +322,8 @@ class Driver:
     eagle_groups: Sequence[int] = ()
     #: vLLM 0.33's ``num_hash_lookahead_tokens``: the requests' hasher and both managers.
     lookahead: int = 0
+    #: Both managers' ``num_prefill_lookahead`` (multi-module MTP: its draft tokens).
+    prefill_lookahead: int = 0
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
     deferred: List[tuple] = field(default_factory=list)
@@ -346,6 +348,7 @@ class Driver:
             log_stats=True,
             watermark=self.watermark,
             max_model_len=self.max_model_len,
+            num_prefill_lookahead=self.prefill_lookahead,
             **ahead,
         )
         self.splitter = mamba_splitter(self.layout, self.block_size, self.use_eagle, self.lookahead)

@@ -20,9 +20,16 @@ from manager_driver import (
     manager_pair,
     retention_interval,
 )
+from vllm.v1.core import kv_cache_utils
+from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
 
 from pagedkv.vllm_v1 import KVCacheManager as PagedManager
 from pagedkv.vllm_v1._version import require_supported_vllm
+
+#: The installed vLLM has lookahead block hashes (0.33).
+HAS_LOOKAHEAD = "num_hash_lookahead_tokens" in (
+    kv_cache_utils.get_request_block_hasher.__code__.co_varnames
+)
 
 #: (use_eagle, which groups are flagged ``is_eagle_group``): vLLM's fallback to every group,
 #: a flagged subset, and a flagged group without ``use_eagle`` (the releases differ there).
@@ -149,6 +156,74 @@ def test_eagle_align_seeds_cover_every_layout_mode_and_retention() -> None:
         assert (layout, None) in seen and (layout, 0) in seen, layout
 
 
+def mtp_driver(seed: int) -> Driver:
+    """Multi-module MTP (a prefill lookahead of 2 to 4, at most the block size, as vLLM's
+    coordinator requires with EAGLE and caching): one group and hybrid layouts (Mamba "align"
+    ones included), each drop mode, each retention, on 0.33 with or without lookahead hashes
+    of the same length (its default: ``num_hash_lookahead_tokens`` = the prefill lookahead)."""
+    layouts = [""] + EAGLE_LAYOUTS + sorted(MAMBA_ALIGN_LAYOUTS)
+    layout = layouts[seed % len(layouts)]
+    block_size = (4, 8, 16)[seed % 3]
+    use_eagle, which = EAGLE_MODES[seed // 3 % len(EAGLE_MODES)]
+    num_groups = len(hybrid_groups(layout, block_size)) if layout else 1
+    prefill_lookahead = (2, 3, 4)[seed // 2 % 3]
+    # vLLM's own lookup over a lone Mamba "align" group indexes past the hashes when they
+    # look more than one token ahead (test_vllms_lone_align_lookup_past_lookahead_hashes).
+    hashes_ahead = HAS_LOOKAHEAD and seed % 4 == 1 and layout != "mamba2-align"
+    return Driver(
+        seed=seed,
+        num_blocks=12 + seed % 50,
+        block_size=block_size,
+        # Align mode comes only with prefix caching (vLLM's model config pairs them).
+        caching=seed % 8 != 7 or layout in MAMBA_ALIGN_LAYOUTS,
+        events=seed % 2 == 0,
+        hash_algo=HASH_ALGOS[seed % len(HASH_ALGOS)],
+        watermark=(0.0, 0.0, 0.1)[seed % 3],
+        layout=layout,
+        retention=retention_interval(RETENTIONS[seed % len(RETENTIONS)], layout, block_size)
+        if layout
+        else None,
+        # vLLM's scheduler passes use_eagle=False with lookahead hashes (no drop).
+        use_eagle=use_eagle and not hashes_ahead,
+        eagle_groups=flagged(which, num_groups),
+        lookahead=prefill_lookahead if hashes_ahead else 0,
+        prefill_lookahead=prefill_lookahead,
+    )
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_multi_module_mtp_random_calls_match_vllm(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Multi-module MTP's re-prefillable tokens (``num_prefill_lookahead - 1``): the unitary
+    coordinator caches only the finalized tokens, the hybrid one only in EAGLE groups (the
+    others round the computed tokens down as before), through admissions, chunked prefill,
+    preemption, frees, evictions and resets, call by call, events compared."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    mtp_driver(seed).run(300)
+
+
+@pytest.mark.parametrize("layout", ["", "gpt-oss"])
+def test_a_prefill_lookahead_above_the_block_is_refused_as_vllm_refuses_it(layout: str) -> None:
+    """With prefix caching and an EAGLE group, vLLM's coordinator refuses a prefill lookahead
+    above the scheduler block size (a ``ValueError``); pagedkv's managers refuse it the same
+    way (``InvalidArgumentError``, a ``ValueError``); without caching both accept it."""
+    from pagedkv.errors import InvalidArgumentError
+
+    for caching in (True, False):
+        cfg = kv_cache_config(16, 4, layout, None, 256, ())
+        kw = dict(max_model_len=256, enable_caching=caching, use_eagle=True)
+        kw.update(scheduler_block_size=4, hash_block_size=4, num_prefill_lookahead=5)
+        if not caching:
+            assert PagedManager(cfg, **kw).block_size == 4
+            continue
+        with pytest.raises(ValueError, match="scheduler_block_size") as vllms:
+            VLLMManager(cfg, **kw)
+        with pytest.raises(InvalidArgumentError, match="scheduler_block_size") as ours:
+            PagedManager(cfg, **kw)
+        assert "(=4)" in str(vllms.value) and "(=4)" in str(ours.value)
+
+
 def test_eagle_seeds_cover_every_layout_mode_and_retention() -> None:
     seen = set()
     for seed in range(60):
@@ -182,8 +257,6 @@ def test_the_native_manager_takes_each_releases_drop_set(use_eagle: bool, which:
 
 def test_eagle_with_a_chunked_local_group_stays_vllms() -> None:
     """vLLM's chunked local lookup asserts against EAGLE: that layout keeps vLLM's manager."""
-    from vllm.v1.core.kv_cache_manager import KVCacheManager as VLLMManager
-
     cfg = kv_cache_config(24, 4, "llama4", 0)
     m = PagedManager(
         cfg, max_model_len=4096, scheduler_block_size=4, hash_block_size=4, use_eagle=True
@@ -313,6 +386,40 @@ def test_lookahead_events_carry_the_next_tokens() -> None:
     (theirs,), (mine,) = events
     assert mine.lookahead_token_ids == [[4]] and mine.token_ids == [0, 1, 2, 3]
     assert repr(mine) == repr(theirs)
+
+
+@LOOKAHEAD
+def test_vllms_lone_align_lookup_past_lookahead_hashes() -> None:
+    """A vLLM bug pagedkv does not copy: over a lone Mamba "align" group (a pure Mamba-2 model
+    with prefix caching) with hashes two tokens ahead (multi-module MTP's default on 0.33),
+    vLLM's unitary lookup scans ``(num_tokens - 1) // block_size`` blocks, more than the
+    request has hashes, and raises ``IndexError`` even on an empty cache. pagedkv's lookup
+    stops at the hashes: no hit, nothing changed."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256, num_hash_lookahead_tokens=2)
+    kw = dict(enable_caching=True, num_hash_lookahead_tokens=2, num_prefill_lookahead=2)
+    vllm, ours = manager_pair(16, 4, "mamba2-align", None, (0,), use_eagle=False, **kw)
+    reqs = [
+        Request(
+            request_id="r",
+            prompt_token_ids=list(range(9)),
+            sampling_params=SamplingParams(max_tokens=4),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for _ in range(2)
+    ]
+    assert len(reqs[0].block_hashes) == 1  # the block ending at 8 needs tokens 8 and 9
+    with pytest.raises(IndexError):
+        vllm.get_computed_blocks(reqs[0])
+    free = ours.block_pool.get_num_free_blocks()
+    hit, n, _ = ours.get_computed_blocks(reqs[1])
+    assert n == 0 and hit.get_block_ids() == ([],)
+    assert ours.block_pool.get_num_free_blocks() == free
 
 
 @LOOKAHEAD

@@ -52,6 +52,27 @@ def eagle_lookahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     yield
 
 
+@pytest.fixture
+def mtp(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every speculative configuration built meanwhile is a multi-module MTP one to the
+    scheduler (``use_multi_module_mtp``: a prefill lookahead of ``num_speculative_tokens``);
+    on 0.33 lookahead block hashes off, as in :func:`eagle`."""
+    monkeypatch.setattr(SpeculativeConfig, "use_eagle", lambda self: True)
+    monkeypatch.setattr(SpeculativeConfig, "use_multi_module_mtp", lambda self: True)
+    if hasattr(VllmConfig, "num_hash_lookahead_tokens"):
+        monkeypatch.setattr(VllmConfig, "num_hash_lookahead_tokens", property(lambda self: 0))
+    yield
+
+
+@pytest.fixture
+def mtp_lookahead(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Multi-module MTP with vLLM 0.33's default: lookahead block hashes as long as the
+    prefill lookahead (no drop)."""
+    monkeypatch.setattr(SpeculativeConfig, "use_eagle", lambda self: True)
+    monkeypatch.setattr(SpeculativeConfig, "use_multi_module_mtp", lambda self: True)
+    yield
+
+
 def eagle_seed(seed: int) -> tuple:
     layout = LAYOUTS[seed % len(LAYOUTS)]
     mode = RETENTIONS[seed // len(LAYOUTS) % len(RETENTIONS)]
@@ -158,6 +179,76 @@ def _raised_in_vllms_block_pool(e: BaseException) -> bool:
         if frame.f_code.co_name == "schedule" and manager is not None:
             return type(manager).__module__.startswith("vllm.")
     return False
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_multi_module_mtp_lockstep(
+    seed: int, tiny_model_dir: Path, manager_cls: type, mtp: None
+) -> None:
+    """Multi-module MTP (a prefill lookahead of 2 or 4 drafts): no prefill chunk ends within
+    the lookahead of the prompt's end (``_reserve_prefill_lookahead``, after the encoder caps,
+    in both passes) and the last ``lookahead - 1`` computed tokens are never cached; one
+    group and hybrid layouts, every step compared, native but while an out-of-scope request
+    is held."""
+    stats = run_eagle_seed(seed, tiny_model_dir, manager_cls)
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=True)
+
+
+@LOOKAHEAD
+@pytest.mark.parametrize("seed", range(12))
+def test_multi_module_mtp_lookahead_lockstep(
+    seed: int, tiny_model_dir: Path, manager_cls: type, mtp_lookahead: None
+) -> None:
+    """The same with 0.33's default, hashes as far ahead as the prefill lookahead."""
+    stats = run_eagle_seed(seed, tiny_model_dir, manager_cls, caching_off=False)
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls, held=True)
+
+
+@pytest.mark.parametrize("threshold", [0, 8])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_multi_module_mtp_chunks_stop_short_of_the_lookahead(
+    async_scheduling: bool, threshold: int, tiny_model_dir: Path, manager_cls: type, mtp: None
+) -> None:
+    """Prompts 1 to 5 tokens longer than a multiple of the chunk (a 16-token budget, or an
+    8-token long-prefill threshold) under a lookahead of 4: a chunk that would end 1 to 3
+    tokens before the prompt's end ends 4 before it instead, in the waiting pass and the
+    running pass, one request at a time and several sharing the budget; prefix hits on the
+    shared prompts start mid-prompt. Every step compared, every step native."""
+    cfg = dataclasses.replace(
+        h.SchedConfig(),
+        block_size=4,
+        num_blocks=96,
+        max_num_batched_tokens=16,
+        long_prefill_token_threshold=threshold,
+        num_spec_tokens=4,
+        async_scheduling=async_scheduling,
+    )
+    rng = random.Random(threshold * 2 + async_scheduling)
+    base = [rng.randrange(3, h.VOCAB_SIZE) for _ in range(40)]
+    specs = [
+        h.RequestSpec(f"m{i}", tuple(base[: 16 * (1 + i % 2) + extra]), 5, True, i // 3)
+        for i, extra in enumerate((1, 2, 3, 4, 5, 1, 2, 3, 17, 18))
+    ]
+    stats = h.Lockstep(cfg, specs, 0, tiny_model_dir, manager_cls).run()
+    assert stats["steps"] > 0 and stats["hits"] > 0
+    assert_native_loop(stats, manager_cls)
+
+
+def test_the_mtp_scheduler_reads_its_drafts_as_prefill_lookahead(
+    tiny_model_dir: Path, mtp: None
+) -> None:
+    """The fixture's engine: vLLM's scheduler reads a prefill lookahead of its drafts, and
+    pagedkv's native manager and loop both serve it."""
+    from pagedkv.vllm_v1 import KVCacheManager
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    cfg = dataclasses.replace(h.SchedConfig(), num_spec_tokens=3)
+    sched = h.make_scheduler(cfg, tiny_model_dir, KVCacheManager)
+    assert sched.num_prefill_lookahead == 3
+    assert type(sched.kv_cache_manager) is KVCacheManager
+    assert engine_out_of_scope(sched) is None
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -268,6 +268,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             zero_new_blocks=bool(getattr(kv_cache_config, "needs_kv_cache_zeroing", False)),
             checkpoint_alignments=checkpoint_alignments(kv_cache_config),
             hash_lookahead_tokens=self.num_hash_lookahead_tokens,
+            prefill_lookahead=a["num_prefill_lookahead"],
         )
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # vLLM clips to the computed tokens only the attention groups' tables.

@@ -201,6 +201,7 @@ class KVCacheManager(PrefixCacheStatsMixin):
             use_eagle=bool(self.use_eagle),
             eagle_group=bool(getattr(group, "is_eagle_group", False)),
             release="0.32" if require_supported_vllm() == "0.32.0" else "0.33",
+            prefill_lookahead=a["num_prefill_lookahead"],
         )
         spec = group.kv_cache_spec
         self._init_metadata(spec)

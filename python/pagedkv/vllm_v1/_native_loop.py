@@ -157,7 +157,6 @@ class NativeLoop:
                 getattr(self, "num_sampled_tokens_per_step", 1) != self._pagedkv_sampled_per_step,
                 "a diffusion model",
             ),
-            (getattr(self, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         )
         return next((why for out, why in checks if out), None)
 

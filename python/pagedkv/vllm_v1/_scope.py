@@ -13,10 +13,10 @@ chunked local or Mamba group: vLLM's unitary coordinator) each handled by vLLM's
 ``SlidingWindowManager``, ``ChunkedLocalAttentionManager`` or ``MambaManager`` in
 ``mamba_cache_mode`` "none" (prefix caching off) or "align" (prefix caching on, the Mamba block
 at the hash block size) (:func:`hybrid_out_of_scope`); in both cases
-none of: multi-module MTP's prefill lookahead (above 1), decode or prefill context
-parallelism, block zeroing other than Mamba's (mixed-precision caches), a KV cache metrics
-collector. EAGLE/MTP (``use_eagle``, groups flagged ``is_eagle_group``) is served natively,
-its last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
+none of: decode or prefill context parallelism, block zeroing other than Mamba's
+(mixed-precision caches), a KV cache metrics collector. EAGLE/MTP (``use_eagle``, groups
+flagged ``is_eagle_group``; multi-module MTP's prefill lookahead too) is served natively, its
+last-block drop under each release's rule (``pagedkv_core::vllm_v1::eagle``), except with
 a chunked local group, whose lookup vLLM asserts against; so are vLLM 0.33's lookahead block
 hashes (``num_hash_lookahead_tokens``, EAGLE with prefix caching by default), which change
 only the KV events' contents in the manager (:mod:`pagedkv.vllm_v1._events`) and, beside a
@@ -64,7 +64,6 @@ def _common_reason(kv_cache_config: Any, args: Any, mamba_zeroing: bool = False)
         mamba_zeroing and not getattr(kv_cache_config, "has_mixed_precision_kv_cache", False)
     )
     checks = (
-        ((args.get("num_prefill_lookahead") or 0) > 1, "multi-module MTP prefill lookahead"),
         (args.get("dcp_world_size", 1) != 1, "decode context parallelism"),
         (args.get("pcp_world_size", 1) != 1, "prefill context parallelism"),
         (args.get("metrics_collector") is not None, "KV cache residency metrics"),
@@ -191,7 +190,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
         (getattr(sched, "local_prefill_interval", 1) > 1, "a prefill schedule interval"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
-        (getattr(sched, "num_prefill_lookahead", 0) > 1, "multi-module MTP prefill lookahead"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
         (_sampled_per_step(sched) != (0 if is_pooling_model(sched) else 1), "a diffusion model"),

@@ -238,6 +238,8 @@ pub struct Hybrid {
     attention_groups: Vec<SpecGroup>,
     /// The attention groups' new blocks to zero (`None`: no zeroing; [`super::mamba`]).
     zeroing: Option<ZeroList>,
+    /// `num_reprefillable_tokens` ([`Hybrid::set_prefill_lookahead`]).
+    reprefillable: u64,
 }
 
 fn is_full(spec: &GroupSpec) -> bool {
@@ -300,6 +302,7 @@ impl Hybrid {
             managers,
             attention_groups,
             zeroing: None,
+            reprefillable: 0,
         })
     }
 
@@ -367,6 +370,18 @@ impl Hybrid {
     pub fn with_zeroing(mut self, on: bool) -> Self {
         self.zeroing = on.then(|| ZeroList::new(self.managers.len()));
         self
+    }
+
+    /// vLLM's `num_prefill_lookahead` (multi-module MTP: `num_speculative_tokens`): the last
+    /// `n - 1` computed tokens may be re-prefilled, so EAGLE groups (a lone group: every
+    /// group) cache only the finalized ones. Refused as vLLM's coordinator refuses it (prefix
+    /// caching, an EAGLE group, `n` above the scheduler block size), nothing changed.
+    pub fn set_prefill_lookahead(&mut self, n: u64) -> Result<()> {
+        let eagle = self.cfg.use_eagle || self.cfg.eagle_groups.contains(&true);
+        let applies = self.cfg.enable_caching && eagle;
+        self.reprefillable =
+            eagle::reprefillable_tokens(n, self.cfg.scheduler_block_size, applies)?;
+        Ok(())
     }
 
     /// vLLM's `KVCacheManager.take_new_block_ids`: the blocks handed out since the last call,
@@ -922,11 +937,12 @@ impl Hybrid {
     /// vLLM's `get_num_cacheable_tokens` for group `m` ([`eagle::cacheable_tokens`]).
     fn cacheable_tokens(&self, m: &GroupManager, num_computed_tokens: u64) -> u64 {
         if self.unitary() {
-            // The base coordinator's rule (no re-prefillable tokens): every computed token.
-            return num_computed_tokens;
+            // The base coordinator's rule: every finalized token.
+            return num_computed_tokens.saturating_sub(self.reprefillable);
         }
         let sbs = u64::from(self.cfg.scheduler_block_size);
-        eagle::cacheable_tokens(num_computed_tokens, sbs, m.block_size(), m.use_eagle())
+        let r = self.reprefillable;
+        eagle::cacheable_tokens(num_computed_tokens, sbs, m.block_size(), m.use_eagle(), r)
     }
 
     /// vLLM's `pop_blocks_for_free` across groups: every group's table, group order.

@@ -30,6 +30,7 @@
 //! Costs: every function O(1) (or O(groups)); nothing here holds state.
 
 use super::engine::Release;
+use crate::error::{Error, Result};
 
 /// Per KV cache group, whether its prefix-cache hits drop the last matched block, under
 /// `release`, given `use_eagle` and each group's `is_eagle_group` flag (in group order).
@@ -86,16 +87,36 @@ pub fn margin(block_size: u32) -> u64 {
     u64::from(block_size)
 }
 
-/// vLLM's hybrid `get_num_cacheable_tokens` (no re-prefillable tokens): the computed tokens
-/// rounded down to `sbs`, or for a group with `use_eagle` (`eagle`) one `block_size` more, at
-/// most the computed tokens, once that rounding is positive.
-pub fn cacheable_tokens(num_computed_tokens: u64, sbs: u64, block_size: u32, eagle: bool) -> u64 {
+/// vLLM's hybrid `get_num_cacheable_tokens`: the computed tokens rounded down to `sbs`, or,
+/// for a group with `use_eagle` (`eagle`) once that rounding is positive, the finalized tokens
+/// (the computed ones less the `reprefillable` that multi-module MTP may re-prefill) rounded
+/// down plus one `block_size`, at most the finalized tokens.
+pub fn cacheable_tokens(
+    num_computed_tokens: u64,
+    sbs: u64,
+    block_size: u32,
+    eagle: bool,
+    reprefillable: u64,
+) -> u64 {
     let aligned = num_computed_tokens / sbs * sbs;
-    if eagle && aligned > 0 {
-        num_computed_tokens.min(aligned + u64::from(block_size))
-    } else {
-        aligned
+    if !(eagle && aligned > 0) {
+        return aligned;
     }
+    let finalized = num_computed_tokens.saturating_sub(reprefillable);
+    finalized.min(finalized / sbs * sbs + u64::from(block_size))
+}
+
+/// vLLM's coordinator's `num_prefill_lookahead` check: with prefix caching and an EAGLE group
+/// (`applies`), a multi-module MTP lookahead above the scheduler block size is refused (the
+/// excluded tail is one scheduler block). Returns `num_reprefillable_tokens`, `max(0, n - 1)`.
+pub fn reprefillable_tokens(num_prefill_lookahead: u64, sbs: u32, applies: bool) -> Result<u64> {
+    if applies && u64::from(sbs) < num_prefill_lookahead {
+        return Err(Error::invalid(format!(
+            "Multi-module MTP with prefix caching requires scheduler_block_size (={sbs}) >= \
+             num_speculative_tokens (={num_prefill_lookahead})"
+        )));
+    }
+    Ok(num_prefill_lookahead.saturating_sub(1))
 }
 
 #[cfg(test)]
@@ -129,10 +150,30 @@ mod tests {
 
     #[test]
     fn an_eagle_group_caches_one_block_past_the_boundary() {
-        assert_eq!(cacheable_tokens(21, 8, 4, false), 16);
-        assert_eq!(cacheable_tokens(21, 8, 4, true), 20);
-        assert_eq!(cacheable_tokens(18, 8, 4, true), 18);
-        assert_eq!(cacheable_tokens(7, 8, 4, true), 0);
+        assert_eq!(cacheable_tokens(21, 8, 4, false, 0), 16);
+        assert_eq!(cacheable_tokens(21, 8, 4, true, 0), 20);
+        assert_eq!(cacheable_tokens(18, 8, 4, true, 0), 18);
+        assert_eq!(cacheable_tokens(7, 8, 4, true, 0), 0);
+        // Multi-module MTP (3 modules: 2 re-prefillable tokens): only an EAGLE group's
+        // finalized tokens count; the others round the computed tokens down as before.
+        assert_eq!(cacheable_tokens(21, 8, 4, false, 2), 16);
+        assert_eq!(cacheable_tokens(21, 8, 4, true, 2), 19);
+        assert_eq!(cacheable_tokens(17, 8, 4, true, 2), 12);
+        assert_eq!(cacheable_tokens(9, 8, 4, true, 2), 4);
+        assert_eq!(cacheable_tokens(7, 8, 4, true, 2), 0);
+    }
+
+    #[test]
+    fn a_prefill_lookahead_above_the_scheduler_block_is_refused_with_eagle_and_caching() {
+        assert_eq!(reprefillable_tokens(3, 4, true).unwrap(), 2);
+        assert_eq!(reprefillable_tokens(4, 4, true).unwrap(), 3);
+        assert_eq!(reprefillable_tokens(0, 4, true).unwrap(), 0);
+        assert_eq!(reprefillable_tokens(9, 4, false).unwrap(), 8);
+        let e = reprefillable_tokens(5, 4, true).unwrap_err().to_string();
+        assert!(
+            e.contains("scheduler_block_size (=4) >= num_speculative_tokens (=5)"),
+            "{e}"
+        );
         assert_eq!(
             GroupEagle::new(Release::V032, true, true),
             GroupEagle {

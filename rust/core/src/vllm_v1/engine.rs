@@ -116,6 +116,10 @@ pub struct SpecSettings {
     /// A dynamic speculative decoding schedule (`num_speculative_tokens_per_batch_size`):
     /// vLLM then never pads a resumed decode to `1 + num_spec_tokens`.
     pub dynamic: bool,
+    /// `num_prefill_lookahead`: prefill tokens past a chunk the drafter reads (multi-module
+    /// MTP: `num_speculative_tokens`; EAGLE: 1; else 0). No chunk ends closer than that to
+    /// the prefill's end ([`super::policy::reserve_prefill_lookahead`]).
+    pub prefill_lookahead: u64,
 }
 
 /// The scheduler's two waiting queues: the waiting pass drains `kv_holding_waiting` first.

@@ -147,6 +147,9 @@ pub struct Manager {
     cfg: Config,
     /// The group drops the last block of a prefix-cache hit (EAGLE/MTP: [`super::eagle`]).
     drop_eagle: bool,
+    /// `num_reprefillable_tokens`: the last computed tokens multi-module MTP may re-prefill,
+    /// never cached ([`Manager::set_prefill_lookahead`]).
+    reprefillable: u64,
     /// Keyed by request id, hashed with foldhash under a random seed per manager: vLLM's
     /// engine appends a random suffix to every client's id, so clients cannot choose keys that
     /// collide, and the seed keeps the probe pattern private (SipHash, looked up a few times
@@ -169,6 +172,7 @@ impl Manager {
             pool: Pool::new(cfg.num_blocks, cfg.enable_caching, cfg.enable_events)?,
             cfg,
             drop_eagle: false,
+            reprefillable: 0,
             reqs: HashMap::with_hasher(RandomState::default()),
             keys: Vec::new(),
         })
@@ -218,6 +222,16 @@ impl Manager {
     /// group, flagged `is_eagle_group` or not, under the manager's `use_eagle`).
     pub fn set_eagle(&mut self, release: Release, use_eagle: bool, eagle_group: bool) {
         self.drop_eagle = drop_groups(release, use_eagle, &[eagle_group])[0];
+    }
+
+    /// vLLM's `num_prefill_lookahead` (multi-module MTP): the unitary coordinator caches only
+    /// the finalized tokens, `n - 1` fewer than those computed. Refused as vLLM refuses it
+    /// (prefix caching, an EAGLE group (`eagle`: `use_eagle` or `is_eagle_group`), `n` above
+    /// the block size), nothing changed.
+    pub fn set_prefill_lookahead(&mut self, n: u64, eagle: bool) -> Result<()> {
+        let applies = self.cfg.enable_caching && eagle;
+        self.reprefillable = super::eagle::reprefillable_tokens(n, self.cfg.block_size, applies)?;
+        Ok(())
     }
 
     /// Whether a prefix-cache hit drops its last block.
@@ -379,8 +393,10 @@ impl Manager {
             (None, true) => new_computed.len() as u32,
             (None, false) => 0,
         };
-        let cache_upto = (self.cfg.enable_caching && !a.delay_cache_blocks)
-            .then(|| total.saturating_add(a.num_new_tokens).min(a.num_tokens));
+        let cache_upto = (self.cfg.enable_caching && !a.delay_cache_blocks).then(|| {
+            let n = total.saturating_add(a.num_new_tokens).min(a.num_tokens);
+            n.saturating_sub(self.reprefillable)
+        });
         let have = r.map_or(0, |r| r.blocks.len()) + if adopt { new_computed.len() } else { 0 };
         let held = have.max(cdiv(need_slots, self.cfg.block_size as u64) as usize);
         Ok(Some(Plan {
@@ -484,7 +500,7 @@ impl Manager {
         let plan = Plan {
             adopt: false,
             need_slots: 0,
-            cache_upto: Some(num_tokens),
+            cache_upto: Some(num_tokens.saturating_sub(self.reprefillable)),
             cache_first: first,
             held: self.blocks(req).len(),
         };

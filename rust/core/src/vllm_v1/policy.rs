@@ -22,6 +22,24 @@ pub struct Limits {
     pub sampled_per_step: u64,
 }
 
+/// vLLM's `_reserve_prefill_lookahead` (multi-module MTP's drafter reads `lookahead` prefill
+/// tokens past a chunk): a chunk of `n` from `num_computed` may not end fewer than
+/// `lookahead` tokens before the request's `num_tokens`; it ends `lookahead` before instead
+/// (0 if that leaves nothing). A no-op for a lookahead of 0 or 1 (EAGLE-family drafters).
+pub fn reserve_prefill_lookahead(
+    num_tokens: u64,
+    num_computed: u64,
+    n: u64,
+    lookahead: u64,
+) -> u64 {
+    let remaining = i128::from(num_tokens) - i128::from(num_computed) - i128::from(n);
+    if remaining > 0 && remaining < i128::from(lookahead) {
+        let cut = i128::from(lookahead) - remaining;
+        return u64::try_from(i128::from(n) - cut).unwrap_or(0);
+    }
+    n
+}
+
 /// The step's two budgets: `token_budget` and `input_budget`, and the draft slots every
 /// scheduled request also takes of the input budget (`max_num_new_slots_for_drafting` of the
 /// speculative config; 0 without one).
@@ -601,5 +619,23 @@ mod tests {
         assert!(repetition_due(&rule, 2).is_none());
         assert!(repetition_due(&rule, 3).is_some());
         assert!(repetition_due(&StopRule::default(), 9).is_none());
+    }
+
+    #[test]
+    fn a_chunk_never_ends_within_the_prefill_lookahead() {
+        // 17 tokens, 16 scheduled: 1 would remain, under a lookahead of 4: 3 fewer.
+        assert_eq!(reserve_prefill_lookahead(17, 0, 16, 4), 13);
+        assert_eq!(reserve_prefill_lookahead(19, 0, 16, 4), 15);
+        // Exactly the lookahead left, the prompt finished, or no lookahead: unchanged.
+        assert_eq!(reserve_prefill_lookahead(20, 0, 16, 4), 16);
+        assert_eq!(reserve_prefill_lookahead(17, 1, 16, 4), 16);
+        assert_eq!(reserve_prefill_lookahead(17, 0, 16, 1), 16);
+        assert_eq!(reserve_prefill_lookahead(17, 0, 16, 0), 16);
+        // Drafts past the end (a decode): nothing remains, unchanged.
+        assert_eq!(reserve_prefill_lookahead(17, 16, 5, 4), 5);
+        // Too small a chunk to keep the lookahead: nothing is scheduled.
+        assert_eq!(reserve_prefill_lookahead(10, 0, 8, 4), 6);
+        assert_eq!(reserve_prefill_lookahead(10, 7, 2, 4), 0);
+        assert_eq!(reserve_prefill_lookahead(u64::MAX, 0, 1, u64::MAX), 0);
     }
 }

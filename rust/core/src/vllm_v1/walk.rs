@@ -166,6 +166,7 @@ impl<'e, E: Engine> Walk<'e, E> {
             }
             n = self.mamba_split(&req, row.num_computed_tokens, n, None)?;
             n = self.encoder_tokens(&req, row.num_computed_tokens, n)?;
+            n = self.reserve_prefill_lookahead(num_tokens, row.num_computed_tokens, n);
             if n == 0 {
                 i += 1;
                 continue;
@@ -441,9 +442,10 @@ impl<'e, E: Engine> Walk<'e, E> {
             return Ok(Admit::Full);
         };
         let n = self.encoder_tokens(req, num_computed, n)?;
+        let n = self.reserve_prefill_lookahead(num_tokens, num_computed, n);
         if n == 0 {
-            // No token before an encoder input that does not fit: 0.33 skips the request,
-            // 0.32 ends the waiting pass.
+            // No token before an encoder input that does not fit, or none left out of the
+            // drafter's prefill lookahead: 0.33 skips the request, 0.32 ends the waiting pass.
             return Ok(match self.mode.release {
                 Release::V033 => Admit::Skip,
                 Release::V032 => Admit::Full,
@@ -475,6 +477,12 @@ impl<'e, E: Engine> Walk<'e, E> {
         };
         self.start_running(q, req, (n, drafts), num_computed, budget, rows)?;
         Ok(Admit::Scheduled)
+    }
+
+    /// `_reserve_prefill_lookahead` where vLLM applies it, after the encoder caps.
+    fn reserve_prefill_lookahead(&self, num_tokens: u64, num_computed: u64, n: u64) -> u64 {
+        let lookahead = self.set.spec.prefill_lookahead;
+        policy::reserve_prefill_lookahead(num_tokens, num_computed, n, lookahead)
     }
 
     /// `_mamba_block_aligned_split` where vLLM applies it, before the encoder caps (no-op

@@ -250,6 +250,7 @@ fn encoder_inputs_are_freed_after_rejected_drafts_roll_back() {
         draft_slots: 0,
         can_skip_drafts: false,
         dynamic: false,
+        prefill_lookahead: 0,
     };
     e.mm.budget = 100;
     let a = add_mm(&mut e, 4, &[(0, 4, "x")]);

@@ -13,6 +13,7 @@ fn with_spec(e: &mut TestEngine, k: u64) {
         draft_slots: 0,
         can_skip_drafts: false,
         dynamic: false,
+        prefill_lookahead: 0,
     };
 }
 

@@ -118,13 +118,15 @@ impl PyV1Hybrid {
     /// `groups`: `(kind, block_size, size, layout)` per group (`size`: the window, the chunk
     /// or a Mamba group's speculative blocks); `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as
     /// vLLM's coordinator checks it); `zero_new_blocks`: vLLM's `needs_kv_cache_zeroing`;
-    /// `hash_lookahead_tokens`: vLLM 0.33's `num_hash_lookahead_tokens`.
+    /// `hash_lookahead_tokens`: vLLM 0.33's `num_hash_lookahead_tokens`; `prefill_lookahead`:
+    /// vLLM's `num_prefill_lookahead` (multi-module MTP).
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
         release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
-        zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=SatCount(0)))]
+        zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=SatCount(0),
+        prefill_lookahead=SatCount(0)))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -142,6 +144,7 @@ impl PyV1Hybrid {
         zero_new_blocks: bool,
         checkpoint_alignments: Option<Vec<Count>>,
         hash_lookahead_tokens: SatCount,
+        prefill_lookahead: SatCount,
     ) -> PyResult<Self> {
         let checkpoints = checkpoint_alignments.unwrap_or_default();
         if !checkpoints.is_empty() && checkpoints.len() != groups.len() {
@@ -192,8 +195,10 @@ impl PyV1Hybrid {
             eagle_groups: eagle_groups.unwrap_or_default(),
             hash_lookahead_tokens: hash_lookahead_tokens.0,
         };
+        let mut hybrid = Hybrid::new(cfg).py()?.with_zeroing(zero_new_blocks);
+        hybrid.set_prefill_lookahead(prefill_lookahead.0).py()?;
         Ok(PyV1Hybrid {
-            inner: Mutex::new(Hybrid::new(cfg).py()?.with_zeroing(zero_new_blocks)),
+            inner: Mutex::new(hybrid),
             removed_events: OnceLock::new(),
             stored_events: OnceLock::new(),
             event_sink: OnceLock::new(),

@@ -128,8 +128,8 @@ fn runs_vllms_split(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<bool> {
     })
 }
 
-/// `num_spec_tokens`, `num_lookahead_tokens`, `can_skip_drafts` (0.33), read each call; the
-/// draft slots of the speculative config, read at construction.
+/// `num_spec_tokens`, `num_lookahead_tokens`, `num_prefill_lookahead`, `can_skip_drafts`
+/// (0.33), read each call; the draft slots of the speculative config, read at construction.
 fn spec_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<SpecSettings> {
     let py = sched.py();
     Ok(SpecSettings {
@@ -140,5 +140,6 @@ fn spec_settings(sched: &Bound<'_, PyAny>, lp: &PyV1Loop) -> PyResult<SpecSettin
         dynamic: !sched
             .getattr_opt(intern!(py, "dynamic_sd_lookup"))?
             .is_none_or(|l| l.is_none()),
+        prefill_lookahead: get_u64(sched, intern!(py, "num_prefill_lookahead"))?,
     })
 }
