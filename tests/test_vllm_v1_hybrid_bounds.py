@@ -158,6 +158,22 @@ def test_cached_block_finds_a_hash_in_its_own_group_only() -> None:
     assert h.cached_block(HASHES[5], 0) is None
 
 
+def test_estimate_cached_tokens_is_the_least_group_maximum() -> None:
+    """vLLM's ``estimate_cached_tokens``: per group the most tokens a hash of the request's
+    blocks covers, the least over groups; 0 for an unknown request, nothing changed. Once the
+    window group's first block is evicted the full group still covers 12 tokens, the window
+    group too (its last block); evicting the window group's blocks leaves 0."""
+    h = with_a_cached_request()
+    assert h.estimate_cached_tokens("a") == 12
+    before = state(h)
+    assert h.estimate_cached_tokens("unknown") == 0
+    assert state(h) == before
+    h.evict_blocks([4])
+    assert h.estimate_cached_tokens("a") == 12
+    h.evict_blocks([5, 6])
+    assert h.estimate_cached_tokens("a") == 0
+
+
 def refusal_problems(make: Callable[[], Any], extra: Callable[[Any], List[Any]]) -> List[str]:
     """Run every entry case (and ``extra``'s) on a manager from ``make``: what went wrong."""
     problems = []
@@ -236,8 +252,13 @@ def test_an_align_manager_refuses_out_of_range_values_unchanged() -> None:
     + [{"groups": ALIGN_GROUPS, "checkpoint_alignments": c} for c in ([1], [0, -1], [0, 2**40])]
     + [
         {"groups": ALIGN_GROUPS, "enable_caching": False},
-        {"groups": ALIGN_GROUPS, "use_eagle": True},
+        # Multi-module MTP: a prefill lookahead above the scheduler block with an EAGLE group
+        # and caching (vLLM's coordinator refuses it), or not a count.
+        {"use_eagle": True, "prefill_lookahead": 5},
+        {"eagle_groups": [False, True], "prefill_lookahead": 5},
     ]
+    + [{"prefill_lookahead": v} for v in (-1, -(2**64), "1", 1.5)]
+    + [{"hash_lookahead_tokens": v} for v in (-1, -(2**64), "1", 1.5)]
     + [{"groups": [("full", 4, 0, 0), ("mamba_align", 8, 0, 1)], "scheduler_block_size": 8}],
     ids=repr,
 )

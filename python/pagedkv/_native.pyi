@@ -737,6 +737,9 @@ class V1Hybrid:
         """Drop one reference per block, in eviction-priority order (all or nothing)."""
     def evict_blocks(self, block_ids: Sequence[int]) -> None:
         """Drop the cached hash of each listed block (all ids checked first)."""
+    def estimate_cached_tokens(self, request_id: str) -> int:
+        """vLLM's ``estimate_cached_tokens``: per group the most tokens a hash of the
+        request's blocks covers, the least over groups (0 for an unknown request)."""
     def take_new_block_ids(self) -> List[int]:
         """vLLM's ``take_new_block_ids``: the attention groups' blocks handed out since the
         last call, group by group, for the worker to zero (empty unless ``zero_new_blocks``)."""

@@ -350,6 +350,13 @@ def _native_cases() -> List[Tuple[str, Callable[[], Any]]]:
         for v in (0, *BAD_COUNTS, "4", 1.5, None):
             kw = dict(good, **{field: v})
             cases.append((f"V1Manager({field}={v!r})", lambda kw=kw: _native.V1Manager(**kw)))
+    # Multi-module MTP's prefill lookahead: not a count, or above the block with EAGLE.
+    for v in (-1, -(2**64), "4", 1.5, None):
+        kw = dict(good, prefill_lookahead=v)
+        cases.append((f"V1Manager(prefill_lookahead={v!r})", lambda kw=kw: _native.V1Manager(**kw)))
+    for eagle in (dict(use_eagle=True), dict(eagle_group=True)):
+        kw = dict(good, prefill_lookahead=5, **eagle)
+        cases.append((f"V1Manager({eagle}, lookahead 5)", lambda kw=kw: _native.V1Manager(**kw)))
     m = _native.V1Manager(**good)
     for v in (-1, 0, 8, 2**31, 2**32, 2**64, 2**200):
         cases.append((f"ref_cnt({v})", lambda v=v: m.ref_cnt(v)))

@@ -6,7 +6,9 @@
 * :func:`make_blocks_class`: a subclass of vLLM's ``KVCacheBlocks`` whose one group is a list
   of block ids, with ``get_block_ids`` answered from the ids (no view is built on the
   scheduler's path) and ``blocks`` built only when read; :func:`make_empty_blocks` its empty
-  value, :func:`block_ids_of` the ids of any block list.
+  value, :func:`block_ids_of` the ids of any block list;
+* :func:`make_groups_blocks_class`: the same for several groups (the hybrid manager's), one id
+  list per group, views of the manager's own block class built only when ``blocks`` is read.
 """
 
 from __future__ import annotations
@@ -120,3 +122,51 @@ def make_blocks_class(kv_cache_blocks_cls: type, native: Any) -> type:
 
     NativeKVCacheBlocks.__qualname__ = "NativeKVCacheBlocks"
     return NativeKVCacheBlocks
+
+
+def make_groups_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type) -> type:
+    """A subclass of vLLM's ``KVCacheBlocks`` over several groups of ``native``'s block ids:
+    ``get_block_ids`` and ``+`` answer from the ids, so the scheduler's path (a prefix hit
+    handed back to ``allocate_slots``, new blocks read as ids) builds no object per block;
+    ``blocks`` makes ``view`` objects when read."""
+
+    class NativeGroupsKVCacheBlocks(kv_cache_blocks_cls):  # type: ignore[misc, valid-type]
+        """vLLM's ``KVCacheBlocks`` for every group, holding block ids; views made when read."""
+
+        __slots__ = ("_ids",)
+        _native = native
+
+        def __init__(self, ids: Tuple[List[int], ...]) -> None:
+            self._ids = ids
+
+        @property
+        def ids(self) -> Tuple[List[int], ...]:
+            """The block ids per group (the object's own lists: not to be changed)."""
+            return self._ids
+
+        @property
+        def blocks(self) -> Tuple[Sequence[Any], ...]:  # type: ignore[override]
+            return tuple([view(self._native, b) for b in g] for g in self._ids)
+
+        def get_block_ids(
+            self, allow_none: bool = False, *, group_ids: Optional[Sequence[int]] = None
+        ) -> Optional[Tuple[List[int], ...]]:
+            groups = self._ids if group_ids is None else tuple(self._ids[i] for i in group_ids)
+            if allow_none and not any(groups):
+                return None
+            return tuple(list(g) for g in groups)
+
+        def __add__(self, other: Any) -> Any:
+            if isinstance(other, NativeGroupsKVCacheBlocks):
+                return NativeGroupsKVCacheBlocks(
+                    tuple(a + b for a, b in zip(self._ids, other._ids))
+                )
+            return super().__add__(other)
+
+        def new_empty(self) -> Any:
+            return kv_cache_blocks_cls(tuple(() for _ in self._ids))
+
+        def __repr__(self) -> str:
+            return f"KVCacheBlocks(block_ids={self._ids}, native=pagedkv)"
+
+    return NativeGroupsKVCacheBlocks

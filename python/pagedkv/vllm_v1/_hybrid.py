@@ -36,7 +36,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from pagedkv.errors import InvalidArgumentError
 
-from . import _events
+from . import _blocks, _events
 from ._blocks import BlockView
 from ._manager import PrefixCacheStatsMixin, hash_lookahead_tokens
 
@@ -280,6 +280,9 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, kv_cache_config)
         self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self._Blocks = _blocks.make_groups_blocks_class(
+            KVCacheBlocks, self._native, HybridBlockView
+        )
         self._events: List[Any] = []
         self._int_hashes = False
         if self.enable_kv_cache_events:
@@ -313,13 +316,17 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         return self._KVCacheBlocks(tuple(blocks)) if any(blocks) else self.empty_kv_cache_blocks
 
     def _wrap(self, ids: Sequence[Sequence[int]]) -> Any:
-        n = self._native
-        return self.create_kv_cache_blocks(tuple([HybridBlockView(n, b) for b in g] for g in ids))
+        """Block ids per group as vLLM's ``KVCacheBlocks`` (ids kept; views made when read)."""
+        if not any(ids):
+            return self.empty_kv_cache_blocks
+        return self._Blocks(tuple(list(g) for g in ids))
 
     def _computed_ids(self, blocks: Any) -> Optional[List[List[int]]]:
         """The adopted hit's ids per group; ``None`` for vLLM's shared empty blocks."""
         if blocks is None:
             return None
+        if isinstance(blocks, self._Blocks):
+            return [list(g) for g in blocks.ids]
         groups = blocks.blocks
         if groups is self.empty_kv_cache_blocks.blocks:
             return None
@@ -452,13 +459,8 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
 
     def estimate_cached_tokens(self, request: Any) -> int:
         """vLLM's estimate: per group the most tokens a hash of its blocks covers, the least
-        over groups (every group in scope is prefix-cacheable)."""
-        n = self._native
-        per_group = [
-            max((n.hashed_tokens(b) or 0 for b in g if b), default=0)
-            for g in n.block_ids(request.request_id)
-        ]
-        return min(per_group, default=0)
+        over groups (every group in scope is prefix-cacheable); one native call."""
+        return self._native.estimate_cached_tokens(request.request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
         if self.enable_caching:

@@ -418,6 +418,20 @@ impl Hybrid {
             .collect()
     }
 
+    /// vLLM's `estimate_cached_tokens`: per group the most tokens a hash of the request's
+    /// blocks covers (null blocks skipped), the least over groups (every group here is
+    /// prefix-cacheable); 0 for an unknown request. O(the request's blocks).
+    pub fn estimate_cached_tokens(&self, req: &str) -> u32 {
+        let group_max = |m: &GroupManager| {
+            let blocks = m.blocks(req).iter().filter(|&&b| b != NULL_BLOCK);
+            blocks
+                .filter_map(|&b| self.pool.hashed_tokens(b))
+                .max()
+                .unwrap_or(0)
+        };
+        self.managers.iter().map(group_max).min().unwrap_or(0)
+    }
+
     /// The attention groups' member ids, in lookup order (tests and introspection).
     pub fn lookup_order(&self) -> Vec<Vec<u32>> {
         self.attention_groups

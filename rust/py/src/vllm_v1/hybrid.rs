@@ -397,6 +397,11 @@ impl PyV1Hybrid {
         Ok(self.lock()?.blocks(request_id))
     }
 
+    /// vLLM's `estimate_cached_tokens` (one call per finished request, in Rust).
+    fn estimate_cached_tokens(&self, request_id: &str) -> PyResult<u32> {
+        Ok(self.lock()?.estimate_cached_tokens(request_id))
+    }
+
     /// vLLM's `take_new_block_ids`: the attention groups' blocks handed out since the last
     /// call, group by group, for the worker to zero (empty unless `zero_new_blocks`).
     fn take_new_block_ids(&self) -> PyResult<Vec<u32>> {
