@@ -496,12 +496,12 @@ class V1Manager:
         use_eagle: bool = False,
         eagle_group: bool = False,
         release: str = "0.33",
-        prefill_lookahead: int = 0,
+        prefill_lookahead: Optional[int] = None,
     ) -> Self:
         """``use_eagle``: the manager's (EAGLE/MTP); ``eagle_group``: the group's
         ``is_eagle_group``; with ``release`` (``"0.32"`` or ``"0.33"``) they decide whether a
         prefix-cache hit drops its last block (``drops_eagle_block``); ``prefill_lookahead``:
-        vLLM's ``num_prefill_lookahead`` (multi-module MTP: the last ``n - 1`` computed tokens
+        vLLM's ``num_prefill_lookahead`` (``None``: 0; multi-module MTP: the last ``n - 1`` computed tokens
         are not cached; with caching and EAGLE, above ``block_size`` it is
         ``InvalidArgumentError`` as vLLM's ``ValueError``)."""
     @property
@@ -655,8 +655,8 @@ class V1Hybrid:
         eagle_groups: Optional[Sequence[bool]] = None,
         zero_new_blocks: bool = False,
         checkpoint_alignments: Optional[Sequence[int]] = None,
-        hash_lookahead_tokens: int = 0,
-        prefill_lookahead: int = 0,
+        hash_lookahead_tokens: Optional[int] = None,
+        prefill_lookahead: Optional[int] = None,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, size, layout)`` per group, kind ``"full"``,
         ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk),
@@ -672,7 +672,7 @@ class V1Hybrid:
         :meth:`take_new_block_ids`); ``checkpoint_alignments``: per group, a Mamba align
         spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0
         (``None``: all 0); ``hash_lookahead_tokens``: vLLM 0.33's ``num_hash_lookahead_tokens``
-        (align mode's checkpoint positions read it); ``prefill_lookahead``: vLLM's
+        (align mode's checkpoint positions read it; ``None``: 0); ``prefill_lookahead``: vLLM's
         ``num_prefill_lookahead`` (multi-module MTP, as ``V1Manager``'s)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int

@@ -125,8 +125,8 @@ impl PyV1Hybrid {
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
         release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
-        zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=SatCount(0),
-        prefill_lookahead=SatCount(0)))]
+        zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=None,
+        prefill_lookahead=None))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -143,8 +143,8 @@ impl PyV1Hybrid {
         eagle_groups: Option<Vec<bool>>,
         zero_new_blocks: bool,
         checkpoint_alignments: Option<Vec<Count>>,
-        hash_lookahead_tokens: SatCount,
-        prefill_lookahead: SatCount,
+        hash_lookahead_tokens: Option<SatCount>,
+        prefill_lookahead: Option<SatCount>,
     ) -> PyResult<Self> {
         let checkpoints = checkpoint_alignments.unwrap_or_default();
         if !checkpoints.is_empty() && checkpoints.len() != groups.len() {
@@ -193,10 +193,12 @@ impl PyV1Hybrid {
             retention,
             use_eagle,
             eagle_groups: eagle_groups.unwrap_or_default(),
-            hash_lookahead_tokens: hash_lookahead_tokens.0,
+            hash_lookahead_tokens: hash_lookahead_tokens.unwrap_or_default().0,
         };
         let mut hybrid = Hybrid::new(cfg).py()?.with_zeroing(zero_new_blocks);
-        hybrid.set_prefill_lookahead(prefill_lookahead.0).py()?;
+        hybrid
+            .set_prefill_lookahead(prefill_lookahead.unwrap_or_default().0)
+            .py()?;
         Ok(PyV1Hybrid {
             inner: Mutex::new(hybrid),
             removed_events: OnceLock::new(),

@@ -314,7 +314,7 @@ impl PyV1Manager {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, block_size, max_model_len, enable_caching, enable_events,
         watermark_blocks, use_eagle=false, eagle_group=false, release="0.33",
-        prefill_lookahead=SatCount(0)))]
+        prefill_lookahead=None))]
     fn new(
         num_blocks: Count,
         block_size: Count,
@@ -325,7 +325,7 @@ impl PyV1Manager {
         use_eagle: bool,
         eagle_group: bool,
         release: &str,
-        prefill_lookahead: SatCount,
+        prefill_lookahead: Option<SatCount>,
     ) -> PyResult<Self> {
         let cfg = v1::Config {
             num_blocks: num_blocks.u32("num_blocks")?,
@@ -338,7 +338,10 @@ impl PyV1Manager {
         let mut manager = v1::Manager::new(cfg).py()?;
         manager.set_eagle(release_of(release)?, use_eagle, eagle_group);
         manager
-            .set_prefill_lookahead(prefill_lookahead.0, use_eagle || eagle_group)
+            .set_prefill_lookahead(
+                prefill_lookahead.unwrap_or_default().0,
+                use_eagle || eagle_group,
+            )
             .py()?;
         Ok(PyV1Manager {
             inner: Mutex::new(manager),
