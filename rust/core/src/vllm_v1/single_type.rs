@@ -12,12 +12,15 @@
 //! with vLLM's `find_longest_cache_hit`, `get_num_skipped_tokens`, `remove_skipped_blocks`,
 //! `get_num_blocks_to_allocate`, `add_local_computed_blocks`, `allocate_new_blocks`,
 //! `cache_blocks` (with the sliding window's `reachable_block_mask` under each retention mode,
-//! [`super::retention`]) and `free`. This file holds what the kinds share (the group manager,
-//! the table bookkeeping, the lookup's driver); each kind's own rules (its skipped tokens,
+//! [`super::retention`]) and `free`. This module holds what the kinds share: this file the
+//! specs, the group manager and its table bookkeeping (skipping, freeing);
+//! `single_type/hit.rs` the lookup's driver; `single_type/allocate.rs` the block counting and
+//! allocation; `single_type/cache.rs` the caching. Each kind's own rules (its skipped tokens,
 //! admission cap and lookup) are in a file of its own: [`super::full_attention`],
-//! [`super::sliding_window`], [`super::chunked_local`], [`super::mamba`]. The single-group [`super::manager::Manager`] is the
-//! full-attention path of this file with one group: it calls the shared pieces below
-//! ([`cached_prefix`], [`blocks_to_allocate`], [`cache_full_blocks`]) rather than a copy of them.
+//! [`super::sliding_window`], [`super::chunked_local`], [`super::mamba`]. The single-group
+//! [`super::manager::Manager`] is the full-attention path of this module with one group: it
+//! calls the shared pieces ([`cached_prefix`], [`blocks_to_allocate`], [`cache_full_blocks`])
+//! rather than a copy of them.
 //!
 //! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
 //! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
@@ -55,14 +58,23 @@ use hashbrown::HashMap;
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
-use super::mamba_align::{
-    self, AlignAlloc, AlignGroup, AlignReq, AlignRules, CountArgs, TailCtx, TailPlan,
-};
-use super::manager::HashSource;
-use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
-use super::retention::{Boundaries, Retained, Retention};
+use super::mamba_align::{self, AlignGroup, AlignReq, AlignRules};
+use super::pool::{Pool, NULL_BLOCK};
+use super::retention::Retention;
 use super::{chunked_local, mamba, sliding_window};
 use crate::error::{Error, Result};
+
+mod allocate;
+mod cache;
+mod hit;
+
+pub(crate) use allocate::blocks_to_allocate;
+pub use allocate::NewBlocks;
+pub(crate) use cache::cache_full_blocks;
+pub use cache::CachePlan;
+pub(crate) use hit::cached_prefix;
+pub(super) use hit::{cached_in_all, HitSearch, View};
+pub use hit::{find_longest_cache_hit, find_longest_cache_hit_eagle};
 
 /// The attention kinds a group can serve (vLLM's `KVCacheSpec` subclasses mirrored here).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -196,270 +208,12 @@ impl GroupSpec {
     }
 }
 
-/// The hashes viewed at `scale` hash blocks per block (`BlockHashListWithBlockSize`: a block's
-/// hash is the hash at its last hash-block boundary, chained over the whole prefix).
-pub(super) struct View<'a> {
-    pub(super) hashes: &'a mut dyn HashSource,
-    pub(super) scale: usize,
-}
-
-impl View<'_> {
-    pub(super) fn count(&mut self) -> Result<usize> {
-        Ok(self.hashes.count()? / self.scale)
-    }
-
-    pub(super) fn key(&mut self, i: usize) -> Result<HashKey> {
-        self.hashes.key((i + 1) * self.scale - 1)
-    }
-}
-
-/// vLLM's `BlockPool.get_cached_block(hash, group_ids)`: the first block cached under `key`
-/// in each group, into `out`; `false` (and `out` unspecified) when any group misses.
-pub(super) fn cached_in_all(
-    pool: &Pool,
-    key: &HashKey,
-    groups: &[u32],
-    out: &mut Vec<u32>,
-) -> bool {
-    out.clear();
-    for &g in groups {
-        match pool.get_cached_in(key, g) {
-            Some(b) => out.push(b),
-            None => return false,
-        }
-    }
-    true
-}
-
-/// The full-attention scan: the longest run of blocks from block 0 cached in every group of
-/// `groups`, at most `max_blocks` long, appended to `out[j]` for `groups[j]` (the hashes
-/// viewed at `scale` hash blocks per block). Returns the run's length in blocks.
-pub(crate) fn cached_prefix(
-    pool: &Pool,
-    groups: &[u32],
-    hashes: &mut dyn HashSource,
-    scale: usize,
-    max_blocks: usize,
-    out: &mut [Vec<u32>],
-) -> Result<usize> {
-    let mut view = View { hashes, scale };
-    let n = max_blocks.min(view.count()?);
-    for i in 0..n {
-        let key = view.key(i)?;
-        for (j, &g) in groups.iter().enumerate() {
-            match pool.get_cached_in(&key, g) {
-                Some(b) => out[j].push(b),
-                None => {
-                    // A miss in any group ends the run for all (no scratch list needed).
-                    for o in &mut out[..j] {
-                        o.pop();
-                    }
-                    return Ok(i);
-                }
-            }
-        }
-    }
-    Ok(n)
-}
-
-/// vLLM's `get_num_blocks_to_allocate` arithmetic for one group: `required` blocks wanted,
-/// `held` in the table, `running` (tracked in `num_cached_block`: no new hits), the hit to
-/// adopt and the whole blocks the window skips. Every block the hit brings back from the
-/// free queue (evictable, past the skipped ones) counts as one to allocate.
-pub(crate) fn blocks_to_allocate(
-    pool: &Pool,
-    required: u64,
-    held: u64,
-    running: bool,
-    new_computed: &[u32],
-    num_skipped_blocks: u64,
-) -> u64 {
-    if running {
-        return required.saturating_sub(held);
-    }
-    let local = new_computed.len() as u64 + held;
-    let new = required.saturating_sub(num_skipped_blocks.max(local));
-    let skipped_hits = num_skipped_blocks
-        .saturating_sub(held)
-        .min(new_computed.len() as u64) as usize;
-    let evictable = new_computed[skipped_hits..]
-        .iter()
-        .filter(|&&b| pool.is_evictable(b))
-        .count() as u64;
-    new + evictable
-}
-
-/// vLLM's `BlockPool.cache_full_blocks` for group `group`: cache blocks
-/// `first..first + keys.len()` of `blocks` (`keys[i]` is block `first + i`'s hash), skipping
-/// null blocks and those `reachable` rules out, then log one `Stored` event for the whole
-/// range (vLLM logs one `BlockStored` even when every block was skipped).
-pub(crate) fn cache_full_blocks(
-    pool: &mut Pool,
-    group: u32,
-    block_size: u32,
-    blocks: &[u32],
-    first: u32,
-    keys: &[HashKey],
-    reachable: impl Fn(usize) -> bool,
-) {
-    let grouped = pool.is_grouped();
-    let mut cached = Vec::new();
-    for (i, k) in keys.iter().enumerate() {
-        let idx = first as usize + i;
-        let b = blocks[idx];
-        if b == NULL_BLOCK || !reachable(idx) {
-            continue;
-        }
-        // A newly full block was handed out uncached (get_new_blocks evicts) and is past the
-        // request's cached prefix, so it has no hash yet: this cannot fail.
-        pool.insert_hash_in(b, *k, group, (idx as u32 + 1) * block_size)
-            .expect("a newly full block has no hash yet");
-        if grouped && pool.events_enabled() {
-            cached.push(idx as u32);
-        }
-    }
-    let end = first + keys.len() as u32;
-    pool.push_event(if grouped {
-        Event::StoredIn {
-            group,
-            first,
-            end,
-            cached,
-        }
-    } else {
-        Event::Stored { first, end }
-    });
-}
-
-/// vLLM's `find_longest_cache_hit` of the manager for `spec`, over the groups `groups`
-/// (all of that spec): per group the hit's blocks (skipped positions as the null block), and
-/// the hit in tokens. `max_length` caps the hit; `alignment` (the coordinator's
-/// `cache_hit_alignment_tokens`) is what the hit's length must be a multiple of; the hashes
-/// are at `hash_block_size` tokens each.
-pub fn find_longest_cache_hit(
-    spec: &GroupSpec,
-    groups: &[u32],
-    pool: &Pool,
-    hashes: &mut dyn HashSource,
-    hash_block_size: u32,
-    max_length: u64,
-    alignment: u64,
-) -> Result<(Vec<Vec<u32>>, u64)> {
-    let args = (hash_block_size, max_length, alignment);
-    find_longest_cache_hit_eagle(spec, groups, pool, hashes, args, false)
-}
-
-/// [`find_longest_cache_hit`] with vLLM's `drop_eagle_block` ([`super::eagle`]): full
-/// attention drops the last matched block, a sliding window needs one more block in a row and
-/// pops it, chunked local attention refuses (vLLM asserts). `args` is `(hash_block_size,
-/// max_length, alignment)`.
-pub fn find_longest_cache_hit_eagle(
-    spec: &GroupSpec,
-    groups: &[u32],
-    pool: &Pool,
-    hashes: &mut dyn HashSource,
-    (hash_block_size, max_length, alignment): (u32, u64, u64),
-    drop_eagle: bool,
-) -> Result<(Vec<Vec<u32>>, u64)> {
-    spec.check()?;
-    let bs = u64::from(spec.block_size);
-    if hash_block_size == 0 || spec.block_size % hash_block_size != 0 || alignment == 0 {
-        return Err(Error::invalid(format!(
-            "block size {} must be a positive multiple of the hash block size \
-             {hash_block_size}, the alignment ({alignment}) positive",
-            spec.block_size
-        )));
-    }
-    let scale = (spec.block_size / hash_block_size) as usize;
-    let search = HitSearch {
-        pool,
-        groups,
-        bs,
-        max_blocks: usize::try_from(max_length / bs).unwrap_or(usize::MAX),
-        alignment,
-        drop_eagle,
-        out: vec![Vec::new(); groups.len()],
-    };
-    match spec.kind {
-        AttentionKind::Full => search.full(hashes, scale),
-        AttentionKind::SlidingWindow { sliding_window } => {
-            let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size)
-                + usize::from(drop_eagle);
-            search.sliding_window(View { hashes, scale }, need)
-        }
-        AttentionKind::ChunkedLocal { .. } if drop_eagle => Err(Error::invalid(
-            "EAGLE with chunked local attention is not supported (vLLM asserts the same)",
-        )),
-        AttentionKind::ChunkedLocal {
-            attention_chunk_size,
-        } => search.chunked_local(
-            View { hashes, scale },
-            u64::from(attention_chunk_size),
-            max_length,
-        ),
-        // Mode "none" has no prefix caching, hence no hits.
-        AttentionKind::Mamba { .. } => mamba::check(spec.kind, true).map(|()| (Vec::new(), 0)),
-        // Align mode's finder never drops EAGLE's block (draft models have no Mamba layers).
-        AttentionKind::MambaAlign { .. } => search.mamba_align(View { hashes, scale }),
-    }
-}
-
-/// One `find_longest_cache_hit` once its arguments are checked: a method per attention kind,
-/// each returning the groups' tables (`out`) and the hit in tokens.
-/// The kinds' own searches live beside their other rules: [`super::full_attention`],
-/// [`super::sliding_window`], [`super::chunked_local`].
-pub(super) struct HitSearch<'a> {
-    pub(super) pool: &'a Pool,
-    pub(super) groups: &'a [u32],
-    /// The group's block size in tokens.
-    pub(super) bs: u64,
-    /// `max_length // block_size`.
-    pub(super) max_blocks: usize,
-    pub(super) alignment: u64,
-    /// vLLM's `drop_eagle_block`.
-    pub(super) drop_eagle: bool,
-    pub(super) out: Vec<Vec<u32>>,
-}
-
 #[derive(Clone, Debug, Default)]
 struct ReqBlocks {
     blocks: Vec<u32>,
     num_cached: Option<u32>,
     /// A Mamba align group's per-request bookkeeping (unused by the other kinds).
     align: AlignReq,
-}
-
-/// What a `cache_blocks` call will cache, read before anything changes: blocks
-/// `first..first + keys.len()`, those `retained` holds.
-#[derive(Clone, Debug, Default)]
-pub struct CachePlan {
-    pub first: u32,
-    pub keys: Vec<HashKey>,
-    pub retained: Retained,
-    /// `false`: nothing becomes full (vLLM returns before touching anything).
-    pub active: bool,
-    /// A Mamba align group's tail (cached even when no block becomes full).
-    pub tail: Option<TailPlan>,
-}
-
-/// What `allocate_new_blocks` will append to a request's table, planned before anything
-/// changes ([`GroupManager::plan_new_blocks`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum NewBlocks {
-    /// This many blocks from the free queue's head.
-    Plain(usize),
-    /// A Mamba align group's allocation.
-    Align(AlignAlloc),
-}
-
-impl NewBlocks {
-    /// The blocks it takes from the pool's free queue.
-    pub fn num_new(&self) -> usize {
-        match self {
-            NewBlocks::Plain(n) => *n,
-            NewBlocks::Align(a) => a.num_new,
-        }
-    }
 }
 
 /// One KV cache group's manager (vLLM's `SingleTypeKVCacheManager` subclass for its kind),
@@ -601,55 +355,6 @@ impl GroupManager {
         self.spec.num_skipped_tokens(num_computed_tokens) / u64::from(self.spec.block_size)
     }
 
-    /// vLLM's `get_num_blocks_to_allocate(request_id, num_tokens, new_computed_blocks,
-    /// total_computed_tokens, ..., apply_admission_cap)` for this group.
-    pub fn num_blocks_to_allocate(
-        &self,
-        pool: &Pool,
-        req: &str,
-        num_tokens: u64,
-        new_computed: &[u32],
-        total_computed_tokens: u64,
-        apply_admission_cap: bool,
-    ) -> Result<u64> {
-        let num_tokens = self.spec.slot_tokens(num_tokens);
-        let mut required = num_tokens.div_ceil(u64::from(self.spec.block_size));
-        if apply_admission_cap {
-            if let Some(cap) = self.admission_cap {
-                required = required.min(cap);
-            }
-        }
-        let r = self.reqs.get(req);
-        let running = r.is_some_and(|r| r.num_cached.is_some());
-        if running && !new_computed.is_empty() {
-            return Err(Error::invalid(format!(
-                "request {req} is running: it cannot adopt prefix-cache blocks"
-            )));
-        }
-        let held = r.map_or(0, |r| r.blocks.len()) as u64;
-        Ok(blocks_to_allocate(
-            pool,
-            required,
-            held,
-            running,
-            new_computed,
-            self.skipped_blocks(total_computed_tokens),
-        ))
-    }
-
-    /// A Mamba align group's `get_num_blocks_to_allocate` ([`super::mamba_align`]), recording
-    /// the chunk's checkpoint as vLLM does; `None` for every other kind.
-    pub fn align_count(&mut self, pool: &Pool, req: &str, a: &CountArgs) -> Option<i64> {
-        let g = self.align.as_ref()?;
-        let deferred = g.defers(pool, a.new_computed);
-        let r = self.reqs.entry_ref(req).or_default();
-        let (n, record) = g.rules.count(pool, &r.blocks, &r.align, a, deferred);
-        if let Some(c) = record {
-            r.align.checkpoint = c;
-        }
-        Some(n)
-    }
-
     /// vLLM's `new_step_starts`: a Mamba align group forgets what it cached this step.
     pub fn new_step_starts(&mut self) {
         if let Some(g) = self.align.as_mut() {
@@ -660,246 +365,6 @@ impl GroupManager {
     /// Whether this is a Mamba align group (its tables may hold inner null blocks).
     pub fn is_mamba_align(&self) -> bool {
         self.align.is_some()
-    }
-
-    /// vLLM's `add_local_computed_blocks` (no external tokens): the hit's skipped blocks become
-    /// null blocks, the rest are touched and adopted; the request becomes tracked.
-    pub fn add_local_computed_blocks(
-        &mut self,
-        pool: &mut Pool,
-        req: &str,
-        new_computed: &[u32],
-        num_local_computed_tokens: u64,
-    ) -> Result<()> {
-        if !self.blocks(req).is_empty() {
-            return Err(Error::invalid(format!(
-                "request {req} holds blocks: it cannot adopt prefix-cache blocks"
-            )));
-        }
-        if !self.caching && new_computed.iter().any(|&b| b != NULL_BLOCK) {
-            return Err(Error::invalid("computed blocks without prefix caching"));
-        }
-        self.adopt_computed_blocks(pool, req, new_computed, num_local_computed_tokens);
-        Ok(())
-    }
-
-    /// How adopting the hit `new_computed` over `num_local_computed_tokens` changes the
-    /// request's (empty) table: its length then, and the hit's blocks it touches (those past
-    /// the skipped ones, which become null blocks).
-    pub fn adoption<'a>(
-        &self,
-        new_computed: &'a [u32],
-        num_local_computed_tokens: u64,
-    ) -> (usize, &'a [u32]) {
-        let skipped = self.skipped_blocks(num_local_computed_tokens) as usize;
-        let kept = &new_computed[skipped.min(new_computed.len())..];
-        (skipped.max(new_computed.len()), kept)
-    }
-
-    /// [`Self::add_local_computed_blocks`] once its checks hold (the request holds no block;
-    /// no real block without caching): it cannot fail.
-    pub fn adopt_computed_blocks(
-        &mut self,
-        pool: &mut Pool,
-        req: &str,
-        new_computed: &[u32],
-        num_local_computed_tokens: u64,
-    ) {
-        let (len, kept) = self.adoption(new_computed, num_local_computed_tokens);
-        if self.caching {
-            pool.touch(kept);
-        }
-        let r = self.reqs.entry_ref(req).or_default();
-        r.blocks.resize(len - kept.len(), NULL_BLOCK);
-        r.blocks.extend_from_slice(kept);
-        r.num_cached = Some(r.blocks.len() as u32);
-    }
-
-    /// vLLM's `allocate_new_blocks`: enough blocks for `num_tokens` slots, from the queue's
-    /// head, appended to the table; returns the new ones. A call that fails changes nothing.
-    pub fn allocate_new_blocks(
-        &mut self,
-        pool: &mut Pool,
-        req: &str,
-        num_tokens: u64,
-        num_tokens_main: u64,
-    ) -> Result<Vec<u32>> {
-        let plan =
-            self.plan_new_blocks(req, self.blocks(req).len(), num_tokens, num_tokens_main)?;
-        if plan.num_new() > pool.num_free() {
-            return Err(Error::OutOfBlocks {
-                device: "gpu",
-                needed: plan.num_new(),
-                free: pool.num_free(),
-            });
-        }
-        Ok(self.apply_new_blocks(pool, req, &plan))
-    }
-
-    /// Plan `allocate_new_blocks(req, num_tokens, num_tokens_main)` for the request holding
-    /// `held` table entries by then (it may adopt a hit first). Nothing changes; it fails
-    /// only where vLLM asserts (a Mamba align step past its cap).
-    pub fn plan_new_blocks(
-        &self,
-        req: &str,
-        held: usize,
-        num_tokens: u64,
-        num_tokens_main: u64,
-    ) -> Result<NewBlocks> {
-        if let Some(g) = self.align.as_ref() {
-            let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
-            return g
-                .rules
-                .plan_allocate(held, &st, num_tokens_main)
-                .map(NewBlocks::Align);
-        }
-        let num_tokens = self.spec.slot_tokens(num_tokens);
-        let required = num_tokens.div_ceil(u64::from(self.spec.block_size)) as usize;
-        Ok(NewBlocks::Plain(required.saturating_sub(held)))
-    }
-
-    /// Apply a [`NewBlocks`] planned for the request's table as it now is, the pool holding
-    /// its new blocks free (the caller checked [`NewBlocks::num_new`]): it cannot fail.
-    /// Returns the entries appended; the request becomes known (vLLM's `req_to_blocks` is a
-    /// defaultdict).
-    pub fn apply_new_blocks(&mut self, pool: &mut Pool, req: &str, plan: &NewBlocks) -> Vec<u32> {
-        let r = self.reqs.entry_ref(req).or_default();
-        match (plan, self.align.as_ref()) {
-            (NewBlocks::Align(a), Some(g)) => {
-                g.rules.apply_allocate(pool, &mut r.blocks, &mut r.align, a)
-            }
-            (NewBlocks::Plain(n), None) => {
-                let have = r.blocks.len();
-                pool.get_new_blocks(*n, &mut r.blocks)
-                    .expect("the caller checked the pool's free blocks");
-                r.blocks[have..].to_vec()
-            }
-            _ => unreachable!("a plan is made by its own group"),
-        }
-    }
-
-    /// Read the hashes a `cache_blocks(req, num_tokens)` call would cache, the request then
-    /// holding `held` blocks and its first uncached one being `first`, and which of them its
-    /// `boundaries` retain (nothing changes).
-    /// vLLM 0.33 caps the full blocks at the hashes the request has; 0.32 does not, and raises
-    /// IndexError past them, which the cap turns into caching fewer (callers keep within).
-    pub fn plan_cache(
-        &self,
-        first: u32,
-        held: usize,
-        num_tokens: u64,
-        boundaries: Boundaries,
-        hashes: &mut dyn HashSource,
-    ) -> Result<CachePlan> {
-        let mut plan = CachePlan {
-            first,
-            ..Default::default()
-        };
-        if !self.caching {
-            return Ok(plan);
-        }
-        let count = hashes.count()?;
-        let hashed = count as u64 * u64::from(self.hash_block_size);
-        let full = (num_tokens.min(hashed) / u64::from(self.spec.block_size)) as usize;
-        if full <= first as usize {
-            return Ok(plan);
-        }
-        // A table shorter than its full blocks (tokens past max_model_len): cache what it has.
-        let full = full.min(held.max(first as usize));
-        if full as u64 * u64::from(self.spec.block_size) > u64::from(u32::MAX) {
-            return Err(Error::invalid(format!(
-                "a cached block would cover {} tokens; at most 2**32 - 1 are counted",
-                full as u64 * u64::from(self.spec.block_size)
-            )));
-        }
-        let mut view = View {
-            hashes,
-            scale: (self.spec.block_size / self.hash_block_size) as usize,
-        };
-        for i in first as usize..full {
-            plan.keys.push(view.key(i)?);
-        }
-        plan.retained = Retained::new(
-            &self.spec,
-            self.retention,
-            self.alignment,
-            boundaries,
-            self.eagle,
-        );
-        plan.active = true;
-        Ok(plan)
-    }
-
-    /// A Mamba align group's tail reads for `cache_blocks(req, num_tokens)` (`None` for every
-    /// other kind).
-    pub fn plan_tail(
-        &self,
-        req: &str,
-        num_tokens: u64,
-        boundaries: Boundaries,
-        hashes: &mut dyn HashSource,
-    ) -> Result<Option<TailPlan>> {
-        let Some(g) = self.align.as_ref() else {
-            return Ok(None);
-        };
-        let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
-        g.rules
-            .plan_tail(&st, num_tokens, boundaries, hashes)
-            .map(Some)
-    }
-
-    /// Apply a [`CachePlan`] (vLLM's `cache_blocks` after its reads): cache the planned
-    /// blocks this kind can serve hits from and count them cached; a Mamba align group then
-    /// caches its tail and notes what it cached this step.
-    pub fn apply_cache(&mut self, pool: &mut Pool, req: &str, plan: &CachePlan) {
-        let Some(r) = self.reqs.get_mut(req) else {
-            return;
-        };
-        let before = r.num_cached.unwrap_or(0) as usize;
-        if plan.active {
-            cache_full_blocks(
-                pool,
-                self.group_id,
-                self.spec.block_size,
-                &r.blocks,
-                plan.first,
-                &plan.keys,
-                |i| plan.retained.contains(i),
-            );
-            r.num_cached = Some(plan.first + plan.keys.len() as u32);
-        }
-        if let (Some(g), Some(tail)) = (self.align.as_mut(), plan.tail.as_ref()) {
-            let ctx = TailCtx {
-                group: self.group_id,
-                retention: self.retention,
-                v033: self.release == Release::V033,
-            };
-            g.cache_tail(pool, &r.blocks, &r.align, tail, ctx);
-            let after = r.num_cached.unwrap_or(0) as usize;
-            g.note_cached(pool, &r.blocks, before, after);
-        }
-    }
-
-    /// vLLM's `cache_blocks(request, num_tokens)`, the request at `boundaries`.
-    pub fn cache_blocks(
-        &mut self,
-        pool: &mut Pool,
-        req: &str,
-        num_tokens: u64,
-        boundaries: Boundaries,
-        hashes: &mut dyn HashSource,
-    ) -> Result<()> {
-        let first = self.num_cached_blocks(req).unwrap_or(0);
-        let mut plan = self.plan_cache(
-            first,
-            self.blocks(req).len(),
-            num_tokens,
-            boundaries,
-            hashes,
-        )?;
-        plan.tail = self.plan_tail(req, num_tokens, boundaries, hashes)?;
-        self.apply_cache(pool, req, &plan);
-        Ok(())
     }
 
     /// vLLM's `remove_skipped_blocks(request_id, processed_computed_tokens)`: the blocks
