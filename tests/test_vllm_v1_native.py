@@ -259,7 +259,7 @@ class FakeScheduler:
         self.policy, self.scheduler_reserve_full_isl = "fcfs", False
         self.use_v2_model_runner = False
         self.return_sampling_mask = False
-        self.num_spec_tokens = self.num_lookahead_tokens = 0
+        self.num_spec_tokens = self.num_lookahead_tokens = self.num_prefill_lookahead = 0
         self.lora_config = None
         self.current_step = self.num_executed_steps = 0
         self.running: list = []
