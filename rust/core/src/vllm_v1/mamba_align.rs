@@ -69,22 +69,11 @@ use super::retention::{Boundaries, Retained, Retention};
 use super::single_type::{cached_in_all, AttentionKind, GroupSpec, HitSearch, View};
 use crate::error::{Error, Result};
 
-/// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit, drop_eagle_block=False)`
-/// without hash lookahead: the last multiple of `unit` strictly below `num_tokens` (0 if none).
-pub fn checkpoint_position(num_tokens: u64, unit: u64) -> u64 {
-    checkpoint_position_with(num_tokens, unit, false, 0)
-}
-
 /// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit, drop_eagle_block,
 /// num_hash_lookahead_tokens)`: the last multiple of `unit` at most `num_tokens` less
 /// `max(1, lookahead)` (less nothing, then one `unit` less, with the EAGLE block drop), 0 if
 /// none.
-pub fn checkpoint_position_with(
-    num_tokens: u64,
-    unit: u64,
-    drop_eagle: bool,
-    lookahead: u64,
-) -> u64 {
+pub fn checkpoint_position(num_tokens: u64, unit: u64, drop_eagle: bool, lookahead: u64) -> u64 {
     if unit == 0 {
         return 0;
     }
@@ -234,7 +223,7 @@ impl AlignRules {
     /// vLLM's `get_mamba_prefill_checkpoint_position(num_tokens, unit,
     /// self.drop_eagle_checkpoint_block, num_hash_lookahead_tokens)`.
     pub fn checkpoint_at(&self, num_tokens: u64, unit: u64) -> u64 {
-        checkpoint_position_with(num_tokens, unit, self.drop_eagle, self.hash_lookahead)
+        checkpoint_position(num_tokens, unit, self.drop_eagle, self.hash_lookahead)
     }
 
     fn required(&self, num_tokens_main: u64) -> u64 {

@@ -61,9 +61,9 @@ fn alloc(h: &mut Hybrid, req: &str, a: &HybridSlots, ks: &[HashKey]) -> Option<V
 
 #[test]
 fn checkpoint_positions_and_validity_follow_vllms_arithmetic() {
-    assert_eq!(checkpoint_position(10, 4), 8);
-    assert_eq!(checkpoint_position(8, 4), 4);
-    assert_eq!(checkpoint_position(0, 4), 0);
+    assert_eq!(checkpoint_position(10, 4, false, 0), 8);
+    assert_eq!(checkpoint_position(8, 4, false, 0), 4);
+    assert_eq!(checkpoint_position(0, 4, false, 0), 0);
     // The whole prompt in one chunk: the state at 8 is exported inside the chunk.
     assert!(checkpoint_valid(0, 10, 8, 4, 4, 1));
     // A chunk starting off the hash grid, or too short to hold a hash block past its start.

@@ -5,7 +5,7 @@
 //! Sources: `vllm/v1/core/sched/scheduler.py` (`_mamba_block_aligned_split` and the
 //! `mamba_*` attributes `Scheduler.__init__` derives) and `vllm/v1/kv_cache_interface.py`
 //! (`get_mamba_prefill_checkpoint_position`, `is_mamba_prefill_checkpoint_valid`, here
-//! [`checkpoint_position_with`] and [`checkpoint_valid`]). 0.33 adds the hash lookahead to the
+//! [`checkpoint_position`] and [`checkpoint_valid`]). 0.33 adds the hash lookahead to the
 //! two checkpoint positions (0 on 0.32, where it does not exist).
 //!
 //! Invariants: the result never exceeds the tokens asked for; a request past its prefill
@@ -17,7 +17,7 @@
 //!
 //! Cost: O(1) per call, no allocation; the walk calls it once per scheduled prefill chunk.
 
-use super::mamba_align::{checkpoint_position_with, checkpoint_valid};
+use super::mamba_align::{checkpoint_position, checkpoint_valid};
 
 /// What `Scheduler.__init__` derives for the split (`need_mamba_block_aligned_split`: a
 /// Mamba group in "align" mode); read by the bindings each call, as vLLM's tests may change
@@ -97,7 +97,7 @@ impl MambaSplit {
     /// `get_mamba_prefill_checkpoint_position(num_tokens, unit, use_eagle_block_drop,
     /// num_hash_lookahead_tokens)`.
     fn position(&self, num_tokens: u64, unit: u64) -> u64 {
-        checkpoint_position_with(
+        checkpoint_position(
             num_tokens,
             unit,
             self.drop_eagle_block,

@@ -367,8 +367,8 @@ impl Hybrid {
                 false => m.num_cached_blocks(req).unwrap_or(0),
             };
             let bs = u64::from(m.block_size());
-            let held = have.max(s.need_slots.div_ceil(bs) as usize);
-            let mut plan = m.plan_cache(first, held, t, a.boundaries, hashes)?;
+            let table_len = have.max(s.need_slots.div_ceil(bs) as usize);
+            let mut plan = m.plan_cache(first, table_len, t, a.boundaries, hashes)?;
             plan.tail = m.plan_tail(req, t, a.boundaries, hashes)?;
             plans.push(plan);
         }
