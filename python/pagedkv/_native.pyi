@@ -501,8 +501,8 @@ class V1Manager:
         """``use_eagle``: the manager's (EAGLE/MTP); ``eagle_group``: the group's
         ``is_eagle_group``; with ``release`` (``"0.32"`` or ``"0.33"``) they decide whether a
         prefix-cache hit drops its last block (``drops_eagle_block``); ``prefill_lookahead``:
-        vLLM's ``num_prefill_lookahead`` (``None``: 0; multi-module MTP: the last ``n - 1`` computed tokens
-        are not cached; with caching and EAGLE, above ``block_size`` it is
+        vLLM's ``num_prefill_lookahead`` (``None``: 0; multi-module MTP: the last ``n - 1``
+        computed tokens are not cached; with caching and EAGLE, above ``block_size`` it is
         ``InvalidArgumentError`` as vLLM's ``ValueError``)."""
     @property
     def num_blocks(self) -> int:
