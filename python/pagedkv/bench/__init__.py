@@ -67,6 +67,13 @@ class UsageError(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``pagedkv bench`` (no heavy imports: help must work on any install)."""
+    _add_selection_arguments(parser)
+    _add_workload_arguments(parser)
+    _add_section_arguments(parser)
+
+
+def _add_selection_arguments(parser: argparse.ArgumentParser) -> None:
+    """What runs (``--quick``, ``--backends``, ``--compare``, ``--workloads``) and ``--json``."""
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -93,6 +100,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=",".join(_WORKLOAD_NAMES),
         help="comma-separated workloads to run, of w2 (pressure) and w1 (roomy) (default: w2,w1)",
     )
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workloads' settings: prefix caching, seed, ``--set`` overrides."""
     caching = parser.add_mutually_exclusive_group()
     caching.add_argument(
         "--caching",
@@ -117,6 +128,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(fields of pagedkv.bench.workload.WorkloadConfig; w1.KEY or w2.KEY for one workload; "
         "repeatable)",
     )
+
+
+def _add_section_arguments(parser: argparse.ArgumentParser) -> None:
+    """Which sections run (scaling sweep, plot, micro, vLLM's engines, W1/W2) and progress."""
     parser.add_argument(
         "--scale",
         action="store_true",

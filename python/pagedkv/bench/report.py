@@ -160,28 +160,51 @@ def speedups(results: List[RunResult], against: str = "reference") -> Dict[int, 
 
 def format_runs(results: List[RunResult]) -> str:
     """The per-run table (step times, speedups, preemptions) and the phase breakdown."""
+    text = _runs_table(results)
+    text += "\n\nWhere the manager time goes (share of total) and mean sequences per step:\n"
+    text += _phases_table(results)
+    return text
+
+
+def _run_row(r: RunResult, speedup: Optional[float]) -> List[str]:
+    """One run's row of the per-run table (before the vs-vLLM and ignored/aborted columns)."""
+    st = r.step_stats()
+    hit = r.hit_rate
+    return [
+        r.backend,
+        "on" if r.enable_caching else "off",
+        str(r.steps),
+        _f(st["mean"]),
+        _f(st["p50"]),
+        _f(st["p99"]),
+        _ratio(speedup),
+        "-" if hit is None or not r.enable_caching else f"{100 * hit:.1f}%",
+        f"{r.preempt_recompute}/{r.preempt_swap}",
+        str(r.partial_prefills),
+        str(r.cow_copies),
+        "yes" if r.all_blocks_free else "NO",
+        f"{r.wall_s:.1f}",
+    ]
+
+
+def _add_extra_columns(results: List[RunResult], headers: List[str], rows: List[List[str]]) -> None:
+    """Append the speedup vs each vLLM release run, and ignored/aborted where any run has
+    some, to ``headers`` and every row."""
+    for name in vllm_names(results):
+        vs_vllm = speedups(results, name)
+        headers.append(f"vs {name.replace('vllm-', 'vLLM ')}")
+        for i, row in enumerate(rows):
+            row.append(_ratio(vs_vllm[i]))
+    if any(r.ignored or r.aborted for r in results):
+        headers.append("ignored/aborted")
+        for row, r in zip(rows, results):
+            row.append(f"{r.ignored}/{r.aborted}")
+
+
+def _runs_table(results: List[RunResult]) -> str:
+    """The per-run table, with its title line."""
     sp = speedups(results)
-    rows = []
-    for i, r in enumerate(results):
-        st = r.step_stats()
-        hit = r.hit_rate
-        rows.append(
-            [
-                r.backend,
-                "on" if r.enable_caching else "off",
-                str(r.steps),
-                _f(st["mean"]),
-                _f(st["p50"]),
-                _f(st["p99"]),
-                _ratio(sp[i]),
-                "-" if hit is None or not r.enable_caching else f"{100 * hit:.1f}%",
-                f"{r.preempt_recompute}/{r.preempt_swap}",
-                str(r.partial_prefills),
-                str(r.cow_copies),
-                "yes" if r.all_blocks_free else "NO",
-                f"{r.wall_s:.1f}",
-            ]
-        )
+    rows = [_run_row(r, sp[i]) for i, r in enumerate(results)]
     headers = [
         "backend",
         "cache",
@@ -197,15 +220,7 @@ def format_runs(results: List[RunResult]) -> str:
         "all free",
         "wall s",
     ]
-    for name in vllm_names(results):
-        vs_vllm = speedups(results, name)
-        headers.append(f"vs {name.replace('vllm-', 'vLLM ')}")
-        for i, row in enumerate(rows):
-            row.append(_ratio(vs_vllm[i]))
-    if any(r.ignored or r.aborted for r in results):
-        headers.append("ignored/aborted")
-        for row, r in zip(rows, results):
-            row.append(f"{r.ignored}/{r.aborted}")
+    _add_extra_columns(results, headers, rows)
     right = [False, False] + [True] * (len(headers) - 2)
     text = (
         "Block-manager time per step (us; only time inside manager calls), "
@@ -213,6 +228,11 @@ def format_runs(results: List[RunResult]) -> str:
         "chunks that did not finish their prompt (chunked prefill):\n"
     )
     text += _table(headers, rows, right)
+    return text
+
+
+def _phases_table(results: List[RunResult]) -> str:
+    """Each run's share of manager time per phase and its mean sequences per step."""
     phase_rows = []
     for r in results:
         total = sum(r.phase_us.values()) or 1.0
@@ -224,8 +244,7 @@ def format_runs(results: List[RunResult]) -> str:
             ]
             + [f"{r.mean_batch_seqs:.1f}"]
         )
-    text += "\n\nWhere the manager time goes (share of total) and mean sequences per step:\n"
-    text += _table(
+    return _table(
         [
             "backend",
             "cache",
@@ -238,7 +257,6 @@ def format_runs(results: List[RunResult]) -> str:
         phase_rows,
         [False, False, True, True, True, True, True],
     )
-    return text
 
 
 #: The name the table was introduced under.

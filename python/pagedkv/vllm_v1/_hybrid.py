@@ -222,16 +222,24 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
 
     def __init__(self, kv_cache_config: Any, a: Dict[str, Any], release: str) -> None:
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
-        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
         from vllm.v1.metrics.stats import PrefixCacheStats
         from vllm.v1.request import RequestStatus
-
-        from pagedkv import _native
 
         self._KVCacheBlocks = KVCacheBlocks
         self._PrefixCacheStats = PrefixCacheStats
         self._admitting = (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         self.kv_cache_config = kv_cache_config
+        self._read_settings(kv_cache_config, a)
+        self._native = self._make_native(kv_cache_config, a, release)
+        self._make_views(kv_cache_config)
+        self._events: List[Any] = []
+        self._int_hashes = False
+        if self.enable_kv_cache_events:
+            self._bind_events()
+
+    def _read_settings(self, kv_cache_config: Any, a: Dict[str, Any]) -> None:
+        """The manager's settings from vLLM's arguments ``a`` (read in the order vLLM's
+        manager reads them; a negative watermark raises before anything native is built)."""
         groups = kv_cache_config.kv_cache_groups
         self.max_model_len = a["max_model_len"]
         self.block_size = a["scheduler_block_size"]
@@ -242,16 +250,22 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         self.num_hash_lookahead_tokens = hash_lookahead_tokens(a)
         self.log_stats = a["log_stats"]
         self.metrics_collector = None
-        self.prefix_cache_stats = PrefixCacheStats() if self.log_stats else None
+        self.prefix_cache_stats = self._PrefixCacheStats() if self.log_stats else None
         self.num_kv_cache_groups = len(groups)
         self.retained_hit_group_ids: Tuple[int, ...] = ()
         self.mamba_shared_prefix_checkpoint = False
         if a["watermark"] < 0:
             raise InvalidArgumentError("watermark must be non-negative")
         self.watermark_blocks = int(a["watermark"] * kv_cache_config.num_blocks)
-        in_flight = a["max_in_flight_tokens"]
-        self._max_in_flight_tokens = in_flight
-        self._native = _native.V1Hybrid(
+        self._max_in_flight_tokens = a["max_in_flight_tokens"]
+
+    def _make_native(self, kv_cache_config: Any, a: Dict[str, Any], release: str) -> Any:
+        """The native coordinator (``_native.V1Hybrid``) over the settings read."""
+        from pagedkv import _native
+
+        groups = kv_cache_config.kv_cache_groups
+        in_flight = self._max_in_flight_tokens
+        return _native.V1Hybrid(
             kv_cache_config.num_blocks,
             group_kinds(kv_cache_config),
             self.hash_block_size,
@@ -270,6 +284,14 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             hash_lookahead_tokens=self.num_hash_lookahead_tokens,
             prefill_lookahead=a["num_prefill_lookahead"],
         )
+
+    def _make_views(self, kv_cache_config: Any) -> None:
+        """What vLLM's scheduler and engine read besides the methods: per-group facts, the
+        event metadata, ``block_pool``, ``coordinator``, the empty blocks and the blocks
+        class."""
+        from vllm.v1.kv_cache_interface import get_kv_cache_spec_kind
+
+        groups = kv_cache_config.kv_cache_groups
         self._group_block_sizes = [g.kv_cache_spec.block_size for g in groups]
         # vLLM clips to the computed tokens only the attention groups' tables.
         self._clipped = [_is_attention(g.kv_cache_spec) for g in groups]
@@ -279,28 +301,29 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         )
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, kv_cache_config)
-        self.empty_kv_cache_blocks = KVCacheBlocks(tuple(() for _ in groups))
+        self.empty_kv_cache_blocks = self._KVCacheBlocks(tuple(() for _ in groups))
         self._Blocks = _blocks.make_groups_blocks_class(
-            KVCacheBlocks, self._native, HybridBlockView
+            self._KVCacheBlocks, self._native, HybridBlockView
         )
-        self._events: List[Any] = []
-        self._int_hashes = False
-        if self.enable_kv_cache_events:
-            self._int_hashes = _events.int_hashes_enabled()
-            metadata = zip(self.kv_cache_event_metadata, self._group_block_sizes)
-            if self.enable_caching:
-                # Without caching no block is stored or removed (and the hash block size,
-                # then the scheduler's, need not divide every group's block size).
-                _events.bind_native(
-                    self._native,
-                    [(kind, window, bs) for (kind, window), bs in metadata],
-                    self.hash_block_size,
-                    self._int_hashes,
-                    self.num_hash_lookahead_tokens,
-                )
-            # `_drain_events` appends to this list natively (the list object stays the same:
-            # `take_events` copies and clears it); `_build_events` builds what it leaves.
-            self._native.bind_event_sink(self._events, self._build_events)
+
+    def _bind_events(self) -> None:
+        """Events on: the native side builds the stored/removed events (with caching on) and
+        appends them to ``self._events``."""
+        self._int_hashes = _events.int_hashes_enabled()
+        metadata = zip(self.kv_cache_event_metadata, self._group_block_sizes)
+        if self.enable_caching:
+            # Without caching no block is stored or removed (and the hash block size,
+            # then the scheduler's, need not divide every group's block size).
+            _events.bind_native(
+                self._native,
+                [(kind, window, bs) for (kind, window), bs in metadata],
+                self.hash_block_size,
+                self._int_hashes,
+                self.num_hash_lookahead_tokens,
+            )
+        # `_drain_events` appends to this list natively (the list object stays the same:
+        # `take_events` copies and clears it); `_build_events` builds what it leaves.
+        self._native.bind_event_sink(self._events, self._build_events)
 
     def cap_max_model_len(self, cap: int) -> None:
         """Decide from now on as vLLM's manager built at ``max_model_len`` = ``cap`` (the

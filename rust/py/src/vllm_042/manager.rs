@@ -5,19 +5,33 @@
 //! Concurrency: the manager's state sits behind a lock that is only ever *tried*: a call made
 //! while another is in progress (another thread's, or a Python callback's re-entering the
 //! manager: a foreign sequence's `get_token_ids`, say) raises `InUseError` and changes nothing.
-//! Nothing ever waits for the lock, so no callback can deadlock against it.
+//! Nothing ever waits for the lock, so no callback can deadlock against it.//!
+//! The pieces live by job beside this file: the state behind the lock and its Python views in
+//! `manager/state.rs`, argument readers in `manager/args.rs`, the bodies several methods
+//! share (the batch step, swaps, marking blocks computed) in `manager/shared.rs`, and the
+//! native scheduler's hooks ([`Locked`]) in `manager/locked.rs`. The `#[pymethods]` block
+//! stays whole here (PyO3 allows one per class).
+
+mod args;
+mod locked;
+mod shared;
+mod state;
+
+pub(crate) use locked::Locked;
 
 use crate::args::{device_arg, int_arg, Count, Int32, Real, Text};
 use crate::errors::{busy, invalid, IntoPyResult};
-use crate::vllm_042::buffers::{step_outputs, OutputArg};
-use crate::vllm_042::hashing::{resolve_hasher, PyTokenSeq};
-use crate::vllm_042::registry::{borrow_adopted, Registry, Resolved};
-use crate::vllm_042::results::{alloc_status, copies_dict, mapping_dict};
+use crate::vllm_042::buffers::OutputArg;
+use crate::vllm_042::hashing::resolve_hasher;
+use crate::vllm_042::registry::{borrow_adopted, Registry};
+use crate::vllm_042::results::{alloc_status, copies_dict};
 use crate::vllm_042::seqs::{group_seqs, items, seq_id_of, status_of, Status};
-use pagedkv_core::vllm_042::{BlockId, Copies, Device, Manager, ManagerConfig, SeqId, StepRows};
+use args::{count_arg, window_arg, with_status};
+use pagedkv_core::vllm_042::{Copies, Device, Manager, ManagerConfig};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 use pyo3::{PyTraverseError, PyVisit};
+use state::{block_ints, State};
 use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard, TryLockError};
 
@@ -37,121 +51,6 @@ pub struct PyManager {
     state: Mutex<State>,
 }
 
-struct State {
-    inner: Manager,
-    /// Python ints for every block number of each pool, made once: building a block table
-    /// list then costs a reference increment per entry instead of an int allocation.
-    gpu_ints: Vec<Py<PyAny>>,
-    cpu_ints: Vec<Py<PyAny>>,
-    /// The last block-table list built for each sequence, with the table version it shows.
-    /// `get_block_table` hands out copies of it until the table changes (a table changes once
-    /// per `block_size` decode steps, so most calls are a list copy).
-    table_lists: HashMap<SeqId, (u64, Py<PyList>)>,
-    registry: Registry,
-}
-
-impl State {
-    /// The block table of `id` as a fresh Python list, copied from a list cached per table
-    /// version (built from the prebuilt block ints when the table changed).
-    fn table_list<'py>(&mut self, py: Python<'py>, id: SeqId) -> PyResult<Bound<'py, PyList>> {
-        let version = self.inner.table_version(id).py()?;
-        if let Some((v, list)) = self.table_lists.get(&id) {
-            if *v == version {
-                let list = list.bind(py);
-                return Ok(list.get_slice(0, list.len()));
-            }
-        }
-        let ints = match self.inner.device_of(id).py()? {
-            Device::Gpu => &self.gpu_ints,
-            Device::Cpu => &self.cpu_ints,
-        };
-        let table = self.inner.block_table(id).py()?;
-        let list = PyList::new(py, table.iter().map(|&b| ints[b as usize].bind(py)))?;
-        let copy = list.get_slice(0, list.len());
-        self.table_lists.insert(id, (version, list.unbind()));
-        Ok(copy)
-    }
-
-    /// The prebuilt Python ints of `blocks` (a block number is a plain int: either pool's
-    /// table serves, whichever device the block is on). Only reference increments happen
-    /// here, so it is safe under the lock; the caller builds the list after releasing it.
-    fn block_ints<'py>(&self, py: Python<'py>, blocks: &[BlockId]) -> Vec<Bound<'py, PyAny>> {
-        let ints = if self.gpu_ints.len() >= self.cpu_ints.len() {
-            &self.gpu_ints
-        } else {
-            &self.cpu_ints
-        };
-        blocks
-            .iter()
-            .map(|&b| match ints.get(b as usize) {
-                Some(i) => i.clone_ref(py).into_bound(py),
-                None => match b.into_pyobject(py) {
-                    Ok(int) => int.into_any(),
-                    Err(never) => match never {},
-                },
-            })
-            .collect()
-    }
-
-    fn resolve<'py>(&self, seqs: &[Bound<'py, PyAny>]) -> PyResult<Resolved<'py>> {
-        let cfg = self.inner.config();
-        self.registry.resolve(seqs, cfg.block_size, cfg.hasher)
-    }
-
-    fn resolve_one<'py>(
-        &self,
-        seq: &Bound<'py, PyAny>,
-    ) -> PyResult<(SeqId, Bound<'py, PyTokenSeq>)> {
-        let cfg = self.inner.config();
-        self.registry.resolve_one(seq, cfg.block_size, cfg.hasher)
-    }
-
-    fn forget(&mut self, id: SeqId) {
-        self.table_lists.remove(&id);
-        self.registry.forget(id);
-    }
-}
-
-fn with_status<'py>(
-    group: &Bound<'py, PyAny>,
-    pred: impl Fn(Status) -> bool,
-) -> PyResult<Vec<Bound<'py, PyAny>>> {
-    let mut out = Vec::new();
-    for s in group_seqs(group)? {
-        if pred(status_of(&s)?) {
-            out.push(s);
-        }
-    }
-    Ok(out)
-}
-
-fn block_ints(py: Python<'_>, n: u32) -> PyResult<Vec<Py<PyAny>>> {
-    (0..n)
-        .map(|b| Ok(b.into_pyobject(py)?.into_any().unbind()))
-        .collect()
-}
-
-fn count_arg(o: &Bound<'_, PyAny>, what: &str) -> PyResult<u32> {
-    let v = int_arg(o, what)?;
-    if !(0..u32::MAX as i64).contains(&v) {
-        return Err(invalid(format!("{what} must be in 0..2**32-1, got {v}")));
-    }
-    Ok(v as u32)
-}
-
-fn window_arg(sliding_window: Option<&Bound<'_, PyAny>>) -> PyResult<Option<usize>> {
-    match sliding_window {
-        Some(o) if !o.is_none() => {
-            let v = int_arg(o, "sliding_window")?;
-            if v <= 0 {
-                return Err(invalid(format!("sliding_window must be positive, got {v}")));
-            }
-            Ok(Some(v as usize))
-        }
-        _ => Ok(None),
-    }
-}
-
 impl PyManager {
     /// The state, or `InUseError` if another call holds it (never waits).
     fn lock(&self) -> PyResult<MutexGuard<'_, State>> {
@@ -162,53 +61,6 @@ impl PyManager {
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
             Err(TryLockError::WouldBlock) => Err(busy("this BlockSpaceManager")),
         }
-    }
-
-    /// The shared body of `append_slots_batch` and `fill_block_tables`: resolve, check the
-    /// buffers, (append), write rows. Buffer views are taken after every Python callback.
-    fn step<'py>(
-        &self,
-        seqs: &Bound<'py, PyAny>,
-        outputs: &[OutputArg<'_, 'py>],
-        pad_value: i32,
-        append: bool,
-    ) -> PyResult<Copies> {
-        let seqs = items(seqs)?;
-        let mut st = self.lock()?;
-        let r = st.resolve(&seqs)?;
-        let mut views = step_outputs(outputs)?;
-        let hasher = self.cfg.hasher;
-        {
-            let b = r.borrow()?;
-            let pairs = b.pairs();
-            let (rows, cols) = views.table_shape();
-            st.inner
-                .check_step_buffers(&pairs, rows, cols, &views.vec_lens(), append)
-                .py()?;
-            if append {
-                st.inner.check_append_batch(&pairs, 0).py()?;
-            }
-        }
-        let b = r.borrow_adopted(hasher)?;
-        let pairs = b.pairs();
-        let mut copies = Copies::new();
-        if append {
-            st.inner.append_slots_batch(&pairs, 0, &mut copies).py()?;
-        }
-        let (block_tables, cols, context_lens, slot_mapping) = views.slices()?;
-        st.inner
-            .write_step_rows(
-                &pairs,
-                StepRows {
-                    block_tables,
-                    cols,
-                    pad_value,
-                    context_lens,
-                    slot_mapping,
-                },
-            )
-            .py()?;
-        Ok(copies)
     }
 }
 
@@ -725,84 +577,5 @@ impl PyManager {
             ));
         }
         Ok(())
-    }
-}
-
-impl PyManager {
-    fn swap<'py>(
-        &self,
-        py: Python<'py>,
-        seq_group: &Bound<'py, PyAny>,
-        status: Status,
-        from: Device,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let seqs = with_status(seq_group, |s| s == status)?;
-        let mapping = {
-            let mut st = self.lock()?;
-            let ids = st.registry.ids(&seqs)?;
-            st.inner.swap(&ids, from).py()?
-        };
-        mapping_dict(py, &mapping)
-    }
-
-    fn compute_full_blocks(&self, seqs: &[Bound<'_, PyAny>]) -> PyResult<()> {
-        let mut st = self.lock()?;
-        let r = st.resolve(seqs)?;
-        let lens: Vec<usize> = r.borrow()?.pairs().iter().map(|(_, s)| s.len()).collect();
-        for (&id, len) in r.ids.iter().zip(lens) {
-            st.inner.compute_full_blocks_in_seq(id, len);
-        }
-        Ok(())
-    }
-}
-
-/// Crate-internal hooks for `scheduler.rs`: the native scheduler drives the core manager of the
-/// `BlockSpaceManager` it owns directly (holding its lock for the call), and keeps this
-/// binding's caches current.
-pub(crate) struct Locked<'a>(MutexGuard<'a, State>);
-
-impl PyManager {
-    /// The manager's state for one native scheduler call (`InUseError` if another call
-    /// holds it).
-    pub(crate) fn locked(&self) -> PyResult<Locked<'_>> {
-        Ok(Locked(self.lock()?))
-    }
-}
-
-impl Locked<'_> {
-    pub(crate) fn core(&self) -> &Manager {
-        &self.0.inner
-    }
-
-    pub(crate) fn core_mut(&mut self) -> &mut Manager {
-        &mut self.0.inner
-    }
-
-    /// A sequence's table was freed behind this binding's back: drop what it caches for it.
-    pub(crate) fn dropped(&mut self, id: SeqId) {
-        self.0.forget(id);
-    }
-
-    /// Append GPU block numbers (the cached int objects) to `list`, through the C list API
-    /// (so also to a read-only list subclass such as the scheduler's `BlockList`).
-    pub(crate) fn extend_gpu_blocks(
-        &self,
-        list: &Bound<'_, PyList>,
-        blocks: &[pagedkv_core::vllm_042::BlockId],
-    ) -> PyResult<()> {
-        let py = list.py();
-        for &b in blocks {
-            list.append(self.0.gpu_ints[b as usize].bind(py))?;
-        }
-        Ok(())
-    }
-
-    /// The block table of `id` as a fresh Python list (from the cached list when current).
-    pub(crate) fn table_list<'py>(
-        &mut self,
-        py: Python<'py>,
-        id: SeqId,
-    ) -> PyResult<Bound<'py, PyList>> {
-        self.0.table_list(py, id)
     }
 }
