@@ -250,6 +250,8 @@ def test_an_align_manager_refuses_out_of_range_values_unchanged() -> None:
     + [{"release": r} for r in ("0.31", "", "v0.33")]
     + [{"prefix_cache_retention_interval": v} for v in (-1, 3, 2**64)]
     + [{"groups": ALIGN_GROUPS, "checkpoint_alignments": c} for c in ([1], [0, -1], [0, 2**40])]
+    # Extra retained tokens: one per group, a count, only on a window, the sum a u32.
+    + [{"extra_retained_tokens": e} for e in ([1], [0, -1], [0, 2**40], [2, 0], [0, 2**32 - 8])]
     + [
         {"groups": ALIGN_GROUPS, "enable_caching": False},
         # Multi-module MTP: a prefill lookahead above the scheduler block with an EAGLE group

@@ -657,6 +657,7 @@ class V1Hybrid:
         checkpoint_alignments: Optional[Sequence[int]] = None,
         hash_lookahead_tokens: Optional[int] = None,
         prefill_lookahead: Optional[int] = None,
+        extra_retained_tokens: Optional[Sequence[int]] = None,
     ) -> V1Hybrid:
         """``groups``: ``(kind, block_size, size, layout)`` per group, kind ``"full"``,
         ``"sliding_window"`` (``size``: the window), ``"chunked_local"`` (the chunk),
@@ -673,7 +674,9 @@ class V1Hybrid:
         spec's ``prefill_checkpoint_alignment`` when it has prefill checkpoint blocks, else 0
         (``None``: all 0); ``hash_lookahead_tokens``: vLLM 0.33's ``num_hash_lookahead_tokens``
         (align mode's checkpoint positions read it; ``None``: 0); ``prefill_lookahead``: vLLM's
-        ``num_prefill_lookahead`` (multi-module MTP, as ``V1Manager``'s)."""
+        ``num_prefill_lookahead`` (multi-module MTP, as ``V1Manager``'s);
+        ``extra_retained_tokens``: per group, a sliding-window spec's ``extra_retained_tokens``
+        (held below the window, never attended; 0 for every other kind; ``None``: all 0)."""
     def find_longest_cache_hit(
         self, block_hashes: Sequence[bytes], max_cache_hit_length: int
     ) -> Tuple[List[List[int]], int, int]:

@@ -184,9 +184,11 @@ def retention_interval(mode: Optional[int], layout: str, block_size: int) -> Opt
 
 
 def hybrid_groups(
-    layout: str, block_size: int, max_model_len: int = 4096
+    layout: str, block_size: int, max_model_len: int = 4096, prefill_lookahead: int = 0
 ) -> List[KVCacheGroupSpec]:
-    """The KV cache groups vLLM builds for the layout's layers (vLLM's own grouping)."""
+    """The KV cache groups vLLM builds for the layout's layers (vLLM's own grouping; its
+    windows tagged with multi-module MTP's extra retained tokens for ``prefill_lookahead``,
+    as vLLM's planner tags them)."""
     if layout in MAMBA_LAYOUTS:
         kinds, mamba_blocks, spec_blocks = MAMBA_LAYOUTS[layout]
         attention = layer_spec("full", block_size)
@@ -201,13 +203,15 @@ def hybrid_groups(
         layers = {f"layer.{i}": mamba if k == "mamba" else attention for i, k in enumerate(kinds)}
         return driver.kv_cache_groups(layers)
     if layout in MIXED_LAYOUTS:
-        return [
-            KVCacheGroupSpec([f"layer.{i}"], layer_spec(k, block_size * scale))
+        layers = {
+            f"layer.{i}": layer_spec(k, block_size * scale)
             for i, (k, scale) in enumerate(MIXED_LAYOUTS[layout])
-        ]
+        }
+        tagged = driver.with_extra_retained_tokens(layers, prefill_lookahead)
+        return [KVCacheGroupSpec([name], spec) for name, spec in tagged.items()]
     kinds = LONE_ATTENTION_LAYOUTS.get(layout) or HYBRID_LAYOUTS[layout]
     specs = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)}
-    groups = driver.kv_cache_groups(specs)
+    groups = driver.kv_cache_groups(specs, prefill_lookahead)
     assert len(groups) > 1 or layout in LONE_GROUP_LAYOUTS, layout
     return groups
 
@@ -219,12 +223,14 @@ def kv_cache_config(
     retention: Optional[int] = None,
     max_model_len: int = 4096,
     eagle_groups: Sequence[int] = (),
+    prefill_lookahead: int = 0,
 ) -> KVCacheConfig:
     """``retention``: ``prefix_cache_retention_interval`` (``None``, dense, is
     ``KVCacheConfig``'s default; vLLM's engines default to 0). ``eagle_groups``: the groups
-    flagged ``is_eagle_group`` (an EAGLE drafter's layers)."""
+    flagged ``is_eagle_group`` (an EAGLE drafter's layers). ``prefill_lookahead``: vLLM's
+    ``num_prefill_lookahead_tokens`` (multi-module MTP tags the windows)."""
     if layout:
-        groups = hybrid_groups(layout, block_size, max_model_len)
+        groups = hybrid_groups(layout, block_size, max_model_len, prefill_lookahead)
     else:
         spec = FullAttentionSpec(
             block_size=block_size, num_kv_heads=1, head_size=8, dtype=torch.float32
@@ -251,7 +257,8 @@ def manager_pair(
     max_model_len = kw.pop("max_model_len", 4096)
     sbs, hbs = block_sizes(layout, block_size, max_model_len)
     args = dict(max_model_len=max_model_len, scheduler_block_size=sbs, hash_block_size=hbs, **kw)
-    cfg = kv_cache_config(num_blocks, block_size, layout, retention, max_model_len, eagle_groups)
+    shape = (layout, retention, max_model_len, eagle_groups, kw.get("num_prefill_lookahead") or 0)
+    cfg = kv_cache_config(num_blocks, block_size, *shape)
     ours = PagedManager(cfg, **args)
     if layout:
         from pagedkv.vllm_v1._hybrid import HybridKVCacheManager
@@ -259,7 +266,7 @@ def manager_pair(
         assert type(ours) is HybridKVCacheManager, "expected the native hybrid manager"
     else:
         assert type(ours) is PagedManager, "expected the native manager in scope"
-    theirs = kv_cache_config(num_blocks, block_size, layout, retention, max_model_len, eagle_groups)
+    theirs = kv_cache_config(num_blocks, block_size, *shape)
     return VLLMManager(theirs, **args), ours
 
 

@@ -447,3 +447,55 @@ def test_a_planted_lookahead_difference_is_caught() -> None:
         except AssertionError:
             failures += 1
     assert failures == 4, failures
+
+
+@pytest.mark.parametrize("prefill_lookahead", [1, 2, 4])
+def test_mtp_windows_hold_their_extra_retained_tokens_as_vllm(prefill_lookahead: int) -> None:
+    """Multi-module MTP tags every sliding window with ``num_prefill_lookahead - 1`` extra
+    retained tokens (vLLM's planner): blocks leave the window that much later, and the
+    full-sequence admission cap (``max_admission_blocks_per_request``) counts them. A
+    GPT-OSS-like layout (window 8, blocks of 4) with 8 tokens in flight, a 40-token prompt
+    admitted 3 tokens at a time: both managers agree on every refusal, every
+    table (null blocks where the window let go) and every free count, and the window's
+    first block stays held until the extra tokens have passed."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.request import Request
+
+    kv_cache_utils.init_none_hash(sha256)
+    hasher = kv_cache_utils.get_request_block_hasher(4, sha256)
+    extra = prefill_lookahead - 1
+    groups = hybrid_groups("gpt-oss", 4, 256, prefill_lookahead)
+    assert [getattr(g.kv_cache_spec, "extra_retained_tokens", 0) for g in groups] == [0, extra]
+    # 15 free blocks: the full sequence needs 10 full blocks and the window's cap, 5 blocks
+    # (ceil((8 - 1 + 8) / 4) + 1), or 6 with 3 extra tokens: the 40-token prompt is refused
+    # exactly when the cap counts them.
+    kw = dict(enable_caching=True, use_eagle=True, max_in_flight_tokens=8)
+    pair = manager_pair(16, 4, "gpt-oss", None, (), num_prefill_lookahead=prefill_lookahead, **kw)
+    req = [
+        Request(
+            request_id="r",
+            prompt_token_ids=list(range(40)),
+            sampling_params=SamplingParams(max_tokens=16),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for _ in pair
+    ]
+    fits = [m.allocate_slots(r, 3, full_sequence_must_fit=True) for m, r in zip(pair, req)]
+    assert (fits[0] is None) == (fits[1] is None) == (extra >= 3)
+    for computed in range(0, 39, 3):
+        for r in req:
+            r.num_computed_tokens = computed
+        got = [m.allocate_slots(r, 3) for m, r in zip(pair, req)]
+        assert got[0] is not None and got[1] is not None
+        tables = [m.get_block_ids("r") for m in pair]
+        assert tables[0] == tables[1]
+        frees = [m.block_pool.get_num_free_blocks() for m in pair]
+        assert frees[0] == frees[1]
+        # Before this chunk the window let go of the blocks wholly below token
+        # computed + 1 - 8 - extra (vLLM's get_num_skipped_tokens); the rest stay held.
+        first_held = max(0, computed + 1 - 8 - extra) // 4
+        window = tables[1][1]
+        assert all(b == 0 for b in window[:first_held])
+        assert all(b != 0 for b in window[first_held:])

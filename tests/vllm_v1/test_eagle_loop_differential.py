@@ -462,3 +462,21 @@ def test_vllms_session_recovery_scenario_natively(
         if manager is not None:
             assert set(sched.pagedkv_steps) == {"native"}, sched.pagedkv_steps
     assert seen["vllm"] == seen["pagedkv"]
+
+
+def test_the_mtp_scheduler_of_a_windowed_model_runs_natively(
+    tiny_model_dir: Path, mtp: None
+) -> None:
+    """A GPT-OSS-like layout under multi-module MTP (3 drafts): the harness tags the window
+    as vLLM's planner does (``extra_retained_tokens`` 2), and pagedkv's hybrid manager and
+    native loop serve it (``test_multi_module_mtp_lockstep`` runs such layouts step by step;
+    ``test_mtp_windows_hold_their_extra_retained_tokens_as_vllm`` the window's rules)."""
+    from pagedkv.vllm_v1 import KVCacheManager
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    cfg = h.with_layout(dataclasses.replace(h.SchedConfig(), num_spec_tokens=3), "gpt-oss")
+    sched = h.make_scheduler(cfg, tiny_model_dir, KVCacheManager)
+    specs = [g.kv_cache_spec for g in sched.kv_cache_config.kv_cache_groups]
+    assert [getattr(s, "extra_retained_tokens", 0) for s in specs] == [0, 2]
+    manager = sched.kv_cache_manager
+    assert type(manager).__name__ == "HybridKVCacheManager" and engine_out_of_scope(sched) is None

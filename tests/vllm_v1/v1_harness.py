@@ -326,7 +326,12 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
         import manager_driver
 
         kv_cache_config = manager_driver.kv_cache_config(
-            cfg.num_blocks, cfg.block_size, cfg.layout, cfg.retention, cfg.max_model_len
+            cfg.num_blocks,
+            cfg.block_size,
+            cfg.layout,
+            cfg.retention,
+            cfg.max_model_len,
+            prefill_lookahead=vllm_config.num_prefill_lookahead_tokens,
         )
         if cfg.layout in manager_driver.MAMBA_ALIGN_LAYOUTS:
             # What vLLM's model config sets for a Mamba hybrid with prefix caching: the

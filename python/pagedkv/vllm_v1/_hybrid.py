@@ -70,6 +70,20 @@ def checkpoint_alignments(kv_cache_config: Any) -> List[int]:
     return out
 
 
+def extra_retained_tokens(kv_cache_config: Any) -> List[int]:
+    """Each group's ``extra_retained_tokens`` as the native manager takes it: a
+    sliding-window spec's (vLLM tags every window with ``num_prefill_lookahead_tokens - 1``
+    under multi-module MTP), 0 for every other kind."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    return [
+        int(getattr(g.kv_cache_spec, "extra_retained_tokens", 0))
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec)
+        else 0
+        for g in kv_cache_config.kv_cache_groups
+    ]
+
+
 def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
     """The native description of each group: ``(kind, block_size, size, layout)``, ``size``
     the window, the chunk or a Mamba group's ``num_speculative_blocks``; ``layout`` numbers
@@ -283,6 +297,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             checkpoint_alignments=checkpoint_alignments(kv_cache_config),
             hash_lookahead_tokens=self.num_hash_lookahead_tokens,
             prefill_lookahead=a["num_prefill_lookahead"],
+            extra_retained_tokens=extra_retained_tokens(kv_cache_config),
         )
 
     def _make_views(self, kv_cache_config: Any) -> None:

@@ -117,8 +117,6 @@ def hybrid_out_of_scope(kv_cache_config: Any, **args: Any) -> Optional[str]:
             return _reason(True, "a full-attention group with blocks larger than the hash block")
         if cls is ChunkedLocalAttentionManager and bs != sbs:
             return _reason(True, "a chunked local group below the scheduler block size")
-        if getattr(spec, "extra_retained_tokens", 0):
-            return _reason(True, "sliding-window extra retained tokens")
         if cls is ChunkedLocalAttentionManager and eagle:
             return (
                 "EAGLE/MTP with a chunked local group runs vLLM's manager (its lookup asserts "

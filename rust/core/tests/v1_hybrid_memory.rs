@@ -28,7 +28,15 @@ fn key(i: u32) -> HashKey {
 /// windows to one full group) groups, as the bench's layouts group them.
 fn layouts() -> Vec<(&'static str, Vec<GroupSpec>)> {
     let full = GroupSpec::new(AttentionKind::Full, BLOCK);
-    let swa = |w| GroupSpec::new(AttentionKind::SlidingWindow { sliding_window: w }, BLOCK);
+    let swa = |w| {
+        GroupSpec::new(
+            AttentionKind::SlidingWindow {
+                sliding_window: w,
+                extra_retained_tokens: 0,
+            },
+            BLOCK,
+        )
+    };
     vec![
         ("gptoss", vec![swa(128), full]),
         ("gemma3", [vec![swa(1024); 5], vec![full]].concat()),

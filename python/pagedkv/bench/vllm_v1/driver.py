@@ -26,6 +26,7 @@ Importing this module imports nothing of vLLM: every function imports it when ca
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import time
@@ -249,10 +250,12 @@ def mamba_cache_mode(kinds: List[Any]) -> str:
     return next((k[1] for k in kinds if k != "full" and k[0] == "mamba"), "none")
 
 
-def kv_cache_groups(layers: Mapping[str, Any]) -> List[Any]:
+def kv_cache_groups(layers: Mapping[str, Any], prefill_lookahead: int = 0) -> List[Any]:
     """The KV cache groups vLLM builds for ``layers`` (layer name -> KV cache spec): vLLM's
     own grouping of layers of one page size (``_get_kv_cache_groups_uniform_page_size``,
-    in ``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in 0.33)."""
+    in ``kv_cache_utils`` in 0.32, ``kv_cache_planning`` in 0.33), the sliding windows first
+    tagged for ``prefill_lookahead`` (:func:`with_extra_retained_tokens`)."""
+    layers = with_extra_retained_tokens(layers, prefill_lookahead)
     try:
         from vllm.v1.core.kv_cache_planning import (
             _get_kv_cache_groups_uniform_page_size as grouping,
@@ -264,9 +267,26 @@ def kv_cache_groups(layers: Mapping[str, Any]) -> List[Any]:
     return grouping(dict(layers))
 
 
-def layer_groups(kinds: List[Any], block_size: int) -> List[Any]:
+def with_extra_retained_tokens(layers: Mapping[str, Any], prefill_lookahead: int) -> Dict[str, Any]:
+    """What vLLM's planner does to the layer specs before grouping them: under multi-module
+    MTP (``VllmConfig.num_prefill_lookahead_tokens`` above 1) every sliding-window spec gets
+    ``extra_retained_tokens = num_prefill_lookahead_tokens - 1`` (the tokens its drafter may
+    re-prefill stay held below the window)."""
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    extra = max(0, prefill_lookahead - 1)
+    return {
+        name: dataclasses.replace(spec, extra_retained_tokens=extra)
+        if isinstance(spec, SlidingWindowSpec)
+        else spec
+        for name, spec in layers.items()
+    }
+
+
+def layer_groups(kinds: List[Any], block_size: int, prefill_lookahead: int = 0) -> List[Any]:
     """:func:`kv_cache_groups` of layers ``layer.0``, ``layer.1``, ... of ``kinds``."""
-    return kv_cache_groups({f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)})
+    layers = {f"layer.{i}": layer_spec(k, block_size) for i, k in enumerate(kinds)}
+    return kv_cache_groups(layers, prefill_lookahead)
 
 
 def block_sizes(vllm_config: Any, kv_cache_config: Any) -> Tuple[int, int]:
@@ -352,7 +372,8 @@ def vllm_configs(
         # What vLLM's model config sets for a Mamba hybrid (prefix caching on: "align").
         cache.mamba_cache_mode = mamba_cache_mode(layers)
     register_all_kvcache_specs(vllm_config)
-    groups = layer_groups(layers, block_size) if layers else None
+    lookahead = vllm_config.num_prefill_lookahead_tokens
+    groups = layer_groups(layers, block_size, lookahead) if layers else None
     retention = cache.prefix_cache_retention_interval
     return vllm_config, kv_cache_config(num_blocks, block_size, groups, retention)
 

@@ -138,7 +138,7 @@ impl Retained {
     ) -> Self {
         let bs = u64::from(spec.block_size);
         let need = match spec.kind {
-            AttentionKind::SlidingWindow { sliding_window } => {
+            AttentionKind::SlidingWindow { sliding_window, .. } => {
                 GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size) as u64
                     + u64::from(eagle.group)
             }
@@ -228,6 +228,7 @@ mod tests {
         GroupSpec::new(
             AttentionKind::SlidingWindow {
                 sliding_window: window,
+                extra_retained_tokens: 0,
             },
             bs,
         )

@@ -24,8 +24,7 @@
 //!
 //! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
 //! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
-//! `pagedkv.vllm_v1`'s scope does for the single group): no `extra_retained_tokens` (multi-
-//! module MTP), EAGLE never with chunked local attention (vLLM asserts), no KV connector
+//! `pagedkv.vllm_v1`'s scope does for the single group): EAGLE never with chunked local attention (vLLM asserts), no KV connector
 //! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
 //! a Mamba "align" group with blocks larger than the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
@@ -81,8 +80,14 @@ pub use hit::{find_longest_cache_hit, find_longest_cache_hit_eagle};
 pub enum AttentionKind {
     /// `FullAttentionSpec`: every token attends to every earlier one.
     Full,
-    /// `SlidingWindowSpec`: a token attends to the `sliding_window` tokens ending at it.
-    SlidingWindow { sliding_window: u32 },
+    /// `SlidingWindowSpec`: a token attends to the `sliding_window` tokens ending at it;
+    /// `extra_retained_tokens` more below the window stay held (never attended): vLLM tags
+    /// every window with `num_prefill_lookahead_tokens - 1` under multi-module MTP, whose
+    /// drafter may re-prefill that many tokens.
+    SlidingWindow {
+        sliding_window: u32,
+        extra_retained_tokens: u32,
+    },
     /// `ChunkedLocalAttentionSpec`: a token attends to its own `attention_chunk_size` chunk.
     ChunkedLocal { attention_chunk_size: u32 },
     /// `MambaSpec` in mode `"none"`: one state per request ([`super::mamba`]).
@@ -135,8 +140,18 @@ impl GroupSpec {
             return Err(Error::invalid("a group's block_size must be positive"));
         }
         match self.kind {
-            AttentionKind::SlidingWindow { sliding_window: 0 } => {
-                Err(Error::invalid("sliding_window must be positive"))
+            AttentionKind::SlidingWindow {
+                sliding_window: 0, ..
+            } => Err(Error::invalid("sliding_window must be positive")),
+            AttentionKind::SlidingWindow {
+                sliding_window,
+                extra_retained_tokens,
+            } if sliding_window.checked_add(extra_retained_tokens).is_none() => {
+                Err(Error::invalid(format!(
+                    "sliding_window {sliding_window} plus extra_retained_tokens \
+                     {extra_retained_tokens} exceeds {}",
+                    u32::MAX
+                )))
             }
             AttentionKind::ChunkedLocal {
                 attention_chunk_size: 0,
@@ -146,14 +161,20 @@ impl GroupSpec {
     }
 
     /// vLLM's `get_num_skipped_tokens(num_computed_tokens)`: the leading tokens no later
-    /// token attends to (full: none; sliding window: all but the last `sliding_window - 1`;
-    /// chunked local: every token before the current chunk).
+    /// token attends to (full: none; sliding window: all but the last `sliding_window - 1`
+    /// and the `extra_retained_tokens` below them; chunked local: every token before the
+    /// current chunk).
     pub fn num_skipped_tokens(&self, num_computed_tokens: u64) -> u64 {
         match self.kind {
             AttentionKind::Full => 0,
-            AttentionKind::SlidingWindow { sliding_window } => {
-                sliding_window::num_skipped_tokens(sliding_window, num_computed_tokens)
-            }
+            AttentionKind::SlidingWindow {
+                sliding_window,
+                extra_retained_tokens,
+            } => sliding_window::num_skipped_tokens(
+                sliding_window,
+                extra_retained_tokens,
+                num_computed_tokens,
+            ),
             AttentionKind::ChunkedLocal {
                 attention_chunk_size,
             } => chunked_local::num_skipped_tokens(attention_chunk_size, num_computed_tokens),
@@ -188,9 +209,15 @@ impl GroupSpec {
             AttentionKind::Full
             | AttentionKind::Mamba { .. }
             | AttentionKind::MambaAlign { .. } => None,
-            AttentionKind::SlidingWindow { sliding_window } => Some(
-                sliding_window::max_admission_blocks(sliding_window, bs, in_flight, max_len),
-            ),
+            AttentionKind::SlidingWindow {
+                sliding_window,
+                extra_retained_tokens,
+            } => Some(sliding_window::max_admission_blocks(
+                sliding_window + extra_retained_tokens,
+                bs,
+                in_flight,
+                max_len,
+            )),
             AttentionKind::ChunkedLocal {
                 attention_chunk_size,
             } => Some(chunked_local::max_admission_blocks(

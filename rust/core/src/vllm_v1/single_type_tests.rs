@@ -32,6 +32,7 @@ pub(super) fn swa(window: u32, bs: u32) -> GroupSpec {
     GroupSpec::new(
         AttentionKind::SlidingWindow {
             sliding_window: window,
+            extra_retained_tokens: 0,
         },
         bs,
     )
@@ -137,6 +138,29 @@ fn skipped_tokens_per_kind() {
         GroupSpec::new(AttentionKind::Full, 4).num_skipped_tokens(99),
         0
     );
+}
+
+#[test]
+fn extra_retained_tokens_hold_the_window_longer_and_raise_its_cap() {
+    // Multi-module MTP's window (vLLM tags it with num_prefill_lookahead - 1 = 3): the
+    // skipped tokens start 3 later, the admission cap counts them, the lookup does not.
+    let mtp = GroupSpec::new(
+        AttentionKind::SlidingWindow {
+            sliding_window: 4,
+            extra_retained_tokens: 3,
+        },
+        4,
+    );
+    assert_eq!(mtp.num_skipped_tokens(7), 1); // 7 + 1 - 4 - 3
+    assert_eq!(mtp.num_skipped_tokens(6), 0);
+    // ceil(min(4 - 1 + 3 + 8, 100) / 4) + 1 = 5 (without the extra tokens: 4).
+    assert_eq!(mtp.max_admission_blocks(8, 100), Some(5));
+    assert_eq!(swa(4, 4).max_admission_blocks(8, 100), Some(4));
+    let huge = AttentionKind::SlidingWindow {
+        sliding_window: u32::MAX,
+        extra_retained_tokens: 1,
+    };
+    assert!(GroupSpec::new(huge, 4).check().is_err());
 }
 
 // --- find_longest_cache_hit ---

@@ -7,9 +7,11 @@
 //!   skipped: 21 + 1 - 8 = 14 tokens -> 3 whole blocks null
 //! ```
 //!
-//! Rules: `get_num_skipped_tokens(n) = max(n + 1 - sliding_window, 0)`; the admission cap is
-//! `ceil(min(sliding_window - 1 + max_in_flight_tokens, max_model_len) / block_size) + 1`
-//! (the window may start inside a block); the lookup scans from the right for the first run of
+//! Rules: `get_num_skipped_tokens(n) = max(n + 1 - sliding_window - extra_retained_tokens, 0)`;
+//! the admission cap is `ceil(min(sliding_window - 1 + extra_retained_tokens +
+//! max_in_flight_tokens, max_model_len) / block_size) + 1` (the window may start inside a
+//! block); `extra_retained_tokens` (multi-module MTP's `num_prefill_lookahead_tokens - 1`)
+//! touches nothing else: the lookup and the retention mask read the window alone; the lookup scans from the right for the first run of
 //! `ceil((sliding_window - 1) / block_size)` cached blocks (one more under EAGLE, popped after),
 //! null blocks before it, a shorter run reaching block 0 also a hit. What gets cached under
 //! each retention mode is [`super::retention`].
@@ -22,14 +24,22 @@ use super::pool::NULL_BLOCK;
 use super::single_type::{cached_in_all, HitSearch, View};
 use crate::error::Result;
 
-/// `get_num_skipped_tokens` of a window of `sliding_window` tokens.
-pub fn num_skipped_tokens(sliding_window: u32, num_computed_tokens: u64) -> u64 {
-    (num_computed_tokens + 1).saturating_sub(u64::from(sliding_window))
+/// `get_num_skipped_tokens` of a window of `sliding_window` tokens that retains
+/// `extra_retained_tokens` more below it.
+pub fn num_skipped_tokens(
+    sliding_window: u32,
+    extra_retained: u32,
+    num_computed_tokens: u64,
+) -> u64 {
+    (num_computed_tokens + 1)
+        .saturating_sub(u64::from(sliding_window))
+        .saturating_sub(u64::from(extra_retained))
 }
 
-/// `max_admission_blocks_per_request` of a window (one block more: it may start inside one).
-pub fn max_admission_blocks(sliding_window: u32, bs: u64, in_flight: u64, max_len: u64) -> u64 {
-    (u64::from(sliding_window) - 1 + in_flight)
+/// `max_admission_blocks_per_request` of a window of `retained` tokens (the window plus its
+/// extra retained tokens; one block more: the window may start inside one).
+pub fn max_admission_blocks(retained: u32, bs: u64, in_flight: u64, max_len: u64) -> u64 {
+    (u64::from(retained) - 1 + in_flight)
         .min(max_len)
         .div_ceil(bs)
         + 1

@@ -40,18 +40,26 @@ pub struct PyV1Hybrid {
 /// One group as Python describes it: `(kind, block_size, size, layout)` with `kind` one of
 /// `"full"`, `"sliding_window"` (`size`: the window), `"chunked_local"` (`size`: the chunk),
 /// `"mamba"` (mode "none"; `size`: its `num_speculative_blocks`), `"mamba_align"` (mode
-/// "align"; likewise, `checkpoint` its prefill checkpoint alignment, 0 for none).
+/// "align"; likewise, `checkpoint` its prefill checkpoint alignment, 0 for none); `retained`
+/// a window's `extra_retained_tokens` (0 for every other kind).
 fn group_spec(
     kind: &str,
     block_size: u32,
     size: u32,
     layout: u32,
-    checkpoint: u32,
+    (checkpoint, retained): (u32, u32),
 ) -> PyResult<GroupSpec> {
+    if retained != 0 && kind != "sliding_window" {
+        return Err(crate::errors::invalid(format!(
+            "extra_retained_tokens apply to sliding-window groups only, got {retained} for a \
+             {kind:?} group"
+        )));
+    }
     let kind = match kind {
         "full" => AttentionKind::Full,
         "sliding_window" => AttentionKind::SlidingWindow {
             sliding_window: size,
+            extra_retained_tokens: retained,
         },
         "chunked_local" => AttentionKind::ChunkedLocal {
             attention_chunk_size: size,
@@ -84,6 +92,21 @@ pub(crate) fn release_of(release: &str) -> PyResult<Release> {
             "unknown vLLM release {other:?}"
         ))),
     }
+}
+
+/// A per-group list of counts (`None` or empty: 0 for every group), each a u32.
+fn per_group(values: Option<Vec<Count>>, num_groups: usize, what: &str) -> PyResult<Vec<u32>> {
+    let values = values.unwrap_or_default();
+    if values.is_empty() {
+        return Ok(vec![0; num_groups]);
+    }
+    if values.len() != num_groups {
+        return Err(crate::errors::invalid(format!(
+            "{} {what} values for {num_groups} KV cache groups",
+            values.len()
+        )));
+    }
+    values.iter().map(|v| v.u32(what)).collect()
 }
 
 /// Per-group block ids from Python (each id checked to be a u32; the pool checks the range).
@@ -119,14 +142,16 @@ impl PyV1Hybrid {
     /// or a Mamba group's speculative blocks); `prefix_cache_retention_interval` as vLLM's `KVCacheConfig` holds it (checked as
     /// vLLM's coordinator checks it); `zero_new_blocks`: vLLM's `needs_kv_cache_zeroing`;
     /// `hash_lookahead_tokens`: vLLM 0.33's `num_hash_lookahead_tokens`; `prefill_lookahead`:
-    /// vLLM's `num_prefill_lookahead` (multi-module MTP).
+    /// vLLM's `num_prefill_lookahead` (multi-module MTP); `checkpoint_alignments` and
+    /// `extra_retained_tokens`: per group (`None`: 0 each), a Mamba "align" group's prefill
+    /// checkpoint alignment and a sliding window's `extra_retained_tokens`.
     #[new]
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (num_blocks, groups, hash_block_size, scheduler_block_size,
         max_model_len, max_in_flight_tokens, enable_caching, enable_events, watermark_blocks,
         release, prefix_cache_retention_interval=None, use_eagle=false, eagle_groups=None,
         zero_new_blocks=false, checkpoint_alignments=None, hash_lookahead_tokens=None,
-        prefill_lookahead=None))]
+        prefill_lookahead=None, extra_retained_tokens=None))]
     fn new(
         num_blocks: Count,
         groups: Vec<(String, Count, Count, Count)>,
@@ -145,29 +170,20 @@ impl PyV1Hybrid {
         checkpoint_alignments: Option<Vec<Count>>,
         hash_lookahead_tokens: Option<SatCount>,
         prefill_lookahead: Option<SatCount>,
+        extra_retained_tokens: Option<Vec<Count>>,
     ) -> PyResult<Self> {
-        let checkpoints = checkpoint_alignments.unwrap_or_default();
-        if !checkpoints.is_empty() && checkpoints.len() != groups.len() {
-            return Err(crate::errors::invalid(format!(
-                "{} checkpoint alignments for {} KV cache groups",
-                checkpoints.len(),
-                groups.len()
-            )));
-        }
+        let checkpoints = per_group(checkpoint_alignments, groups.len(), "checkpoint alignment")?;
+        let retained = per_group(extra_retained_tokens, groups.len(), "extra_retained_tokens")?;
         let groups = groups
             .iter()
-            .enumerate()
-            .map(|(i, (k, bs, size, layout))| {
-                let checkpoint = match checkpoints.get(i) {
-                    Some(c) => c.u32("checkpoint alignment")?,
-                    None => 0,
-                };
+            .zip(checkpoints.into_iter().zip(retained))
+            .map(|((k, bs, size, layout), extras)| {
                 group_spec(
                     k,
                     bs.u32("block_size")?,
                     size.u32("window or chunk size")?,
                     layout.u32("layout")?,
-                    checkpoint,
+                    extras,
                 )
             })
             .collect::<PyResult<Vec<_>>>()?;

@@ -135,7 +135,7 @@ pub fn find_longest_cache_hit_eagle(
     };
     match spec.kind {
         AttentionKind::Full => search.full(hashes, scale),
-        AttentionKind::SlidingWindow { sliding_window } => {
+        AttentionKind::SlidingWindow { sliding_window, .. } => {
             let need = GroupSpec::contiguous_blocks_for_hit(sliding_window, spec.block_size)
                 + usize::from(drop_eagle);
             search.sliding_window(View { hashes, scale }, need)
