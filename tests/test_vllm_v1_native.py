@@ -262,6 +262,9 @@ class FakeScheduler:
         self.num_spec_tokens = self.num_lookahead_tokens = self.num_prefill_lookahead = 0
         self.lora_config = None
         self.current_step = self.num_executed_steps = 0
+        # The prefill gate (data-parallel throttling, 0.33's cadence of 1: none).
+        self.prefill_capacity_bound = False
+        self.local_prefill_interval, self.last_prefill_step = 1, -1
         self.running: list = []
         self.waiting = FakeQueue()
         self.kv_holding_waiting = FakeQueue()

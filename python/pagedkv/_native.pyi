@@ -819,7 +819,7 @@ class V1Loop:
 
     def __new__(cls, manager: Union[V1Manager, V1Hybrid], config: Dict[str, Any]) -> V1Loop: ...
     def schedule(
-        self, sched: Any
+        self, sched: Any, throttle_prefills: bool = False
     ) -> Tuple[
         List[Any],
         Tuple[Any, ...],

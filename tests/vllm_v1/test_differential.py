@@ -71,6 +71,31 @@ def test_lockstep_cache_smaller_than_max_model_len(
     assert stats["capped_at_max_model_len"] + stats["refused_at_the_cap"] > 0, stats
 
 
+@pytest.mark.parametrize("seed", range(16))
+def test_lockstep_prefill_deferral(seed: int, tiny_model_dir: Path, manager_cls: type) -> None:
+    """Prefills held back: data-parallel throttled steps (``schedule(throttle_prefills=True)``
+    on a third to two thirds of the steps) and, on 0.33, the local prefill cadence
+    (``prefill_schedule_interval`` 2 to 4), alone and together, with the capacity-bound
+    release; the rest of the seed as :func:`test_lockstep` draws it (preemption, chunked
+    prefill, drafts, async, aborts). Every step compared (``prefill_capacity_bound``,
+    ``num_executed_steps`` and ``last_prefill_step`` among the state) and native."""
+    from vllm.config import SchedulerConfig
+
+    rng = random.Random(seed)
+    cfg = h.random_config(rng)
+    cadence = "prefill_schedule_interval" in {f.name for f in dataclasses.fields(SchedulerConfig)}
+    throttle = (0.0, 0.35, 0.65)[seed % 3] if cadence else (0.35, 0.65)[seed % 2]
+    interval = (1, 2, 4)[seed // 3 % 3] if cadence else 1
+    if throttle == 0 and interval == 1:
+        interval = 3
+    cfg = dataclasses.replace(cfg, throttle_rate=throttle, prefill_schedule_interval=interval)
+    capped = dataclasses.replace(cfg, max_model_len=h.length_cap(cfg))
+    specs = h.random_workload(rng, capped)
+    stats = h.Lockstep(cfg, specs, seed, tiny_model_dir, manager_cls).run()
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls)
+
+
 def assert_native_loop(stats: dict, manager_cls: type, held: bool = False) -> None:
     """pagedkv's scheduler ran every step natively (``pagedkv_steps``); ``held``: the seed holds
     out-of-scope requests (``v1_harness.with_switch_requests``), so vLLM's loop ran while one

@@ -79,7 +79,7 @@ def test_the_native_loop_serves_a_hybrid_manager_and_refuses_what_it_refuses_for
     tiny_model_dir: Any,
 ) -> None:
     """The hybrid manager is no reason for vLLM's loop; the engine's other refusals still are
-    (a prefill schedule interval here)."""
+    (prefix replay here)."""
     import v1_harness as h
 
     from pagedkv import vllm_v1 as pv
@@ -87,8 +87,8 @@ def test_the_native_loop_serves_a_hybrid_manager_and_refuses_what_it_refuses_for
     cfg = h.with_layout(h.SchedConfig(block_size=4, num_blocks=80), "gemma3")
     sched = h.make_scheduler(cfg, tiny_model_dir, pv.KVCacheManager)
     assert _scope.engine_out_of_scope(sched) is None
-    sched.local_prefill_interval = 2
-    assert _scope.engine_out_of_scope(sched) == "a prefill schedule interval"
+    sched.prefix_replay_tokens = 8
+    assert _scope.engine_out_of_scope(sched) == "prefix replay"
 
 
 def _request(n: int) -> Request:

@@ -154,6 +154,11 @@ class SchedConfig:
     # with a layout: its KVCacheConfig's prefix_cache_retention_interval (None dense; 0, vLLM's
     # engine default; positive: periodic)
     retention: Optional[int] = None
+    # prefill deferral: the chance that a step is a data-parallel rank's throttled one
+    # (`schedule(throttle_prefills=True)`, both schedulers alike), and 0.33's local prefill
+    # cadence (SchedulerConfig.prefill_schedule_interval; 1: none)
+    throttle_rate: float = 0.0
+    prefill_schedule_interval: int = 1
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -288,6 +293,7 @@ OPTIONAL_SCHEDULER_FIELDS = {
     "adaptive_threshold": "long_prefill_token_threshold_adaptive",
     "max_num_scheduled_tokens": "max_num_scheduled_tokens",
     "max_num_active_seqs": "max_num_active_seqs",
+    "prefill_schedule_interval": "prefill_schedule_interval",
 }
 
 
@@ -1051,7 +1057,10 @@ class Lockstep:
 
     def _schedule(self) -> None:
         running_before = [r.request_id for r in self.ref.running]
-        ref_out, test_out = self.ref.schedule(), self.test.schedule()
+        # Drawn only when throttling is asked for: other seeds' draws stay as they were.
+        throttle = self.cfg.throttle_rate > 0 and self.rng.random() < self.cfg.throttle_rate
+        ref_out = self.ref.schedule(throttle_prefills=throttle)
+        test_out = self.test.schedule(throttle_prefills=throttle)
         self.check("SchedulerOutput", ref_out, test_out)
         req_ids = list(ref_out.num_scheduled_tokens)
         samples = [not self.ref.requests[r].is_prefill_chunk for r in req_ids]

@@ -224,7 +224,7 @@ class NativeLoop:
         self._pagedkv_rejected.append(request)
 
     def schedule(self, throttle_prefills: bool = False) -> Any:
-        why = "prefill throttling" if throttle_prefills else self._pagedkv_fallback()
+        why = self._pagedkv_fallback()
         counter = self._pagedkv_counter
         if counter is not None:
             counter.count(NATIVE if why is None else why)
@@ -232,7 +232,7 @@ class NativeLoop:
             self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         self.pagedkv_native_steps += 1
-        parts = self._pagedkv_loop.schedule(self)
+        parts = self._pagedkv_loop.schedule(self, throttle_prefills)
         out = self._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
         structured = parts[4]
         if structured is not None:

@@ -170,6 +170,32 @@ pub struct Start {
     pub num_executed_steps: Option<u64>,
     /// `len(running) + len(waiting) + len(kv_holding_waiting)`.
     pub num_eligible: u64,
+    /// What decides whether this step defers prefills.
+    pub prefill_gate: PrefillGate,
+}
+
+/// What `schedule()` reads to decide whether it defers prefills this step (vLLM's
+/// `defer_prefills`: data-parallel prefill balancing, and 0.33's local prefill cadence).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PrefillGate {
+    /// `prefill_capacity_bound`: the last step that ran the waiting pass undeferred left
+    /// requests waiting that it had not deferred (no deferral then).
+    pub capacity_bound: bool,
+    /// 0.33's `local_prefill_interval` (`prefill_schedule_interval` without data
+    /// parallelism); 1, no cadence, on 0.32.
+    pub interval: u64,
+    /// 0.33's `last_prefill_step`: the executed step that last carried a prefill.
+    pub last_prefill_step: i64,
+}
+
+impl Default for PrefillGate {
+    fn default() -> Self {
+        PrefillGate {
+            capacity_bound: false,
+            interval: 1,
+            last_prefill_step: -1,
+        }
+    }
 }
 
 /// A request's block ids as the engine's KV cache manager gives them (a prefix hit, an
@@ -288,6 +314,8 @@ pub trait Engine {
     fn deferred_add(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     fn deferred_discard(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     fn set_prefill_capacity_bound(&mut self, bound: bool) -> Result<(), Self::Error>;
+    /// 0.33's `last_prefill_step` (written only under a local prefill cadence).
+    fn set_last_prefill_step(&mut self, step: u64) -> Result<(), Self::Error>;
     fn inflight_prefills_len(&self) -> Result<usize, Self::Error>;
     fn inflight_prefills_add(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
     fn inflight_prefills_discard(&mut self, r: &Self::Req) -> Result<(), Self::Error>;

@@ -1,11 +1,13 @@
 //! vLLM v1's scheduling rules (0.32 and 0.33) on the path pagedkv runs natively: how many
-//! tokens a running or waiting request gets this step, which running request a PRIORITY
-//! preemption picks, and when an appended token stops a request.
+//! tokens a running or waiting request gets this step, whether its prefills wait, which
+//! running request a PRIORITY preemption picks, and when an appended token stops a request.
 //!
 //! Each rule is a pure function of numbers the caller reads off vLLM's `Request` and the
 //! scheduler (no state here): the walk ([`super::walk`]) calls these in vLLM's order. Sources:
 //! `vllm/v1/core/sched/scheduler.py` (`Scheduler.schedule`) and `vllm/v1/core/sched/utils.py`
 //! (`check_stop`). Every function is O(1) but [`priority_victim`], O(running).
+
+use super::engine::PrefillGate;
 
 /// The scheduler's limits that the rules read (vLLM's attribute names).
 #[derive(Clone, Copy, Debug)]
@@ -38,6 +40,22 @@ pub fn reserve_prefill_lookahead(
         return u64::try_from(i128::from(n) - cut).unwrap_or(0);
     }
     n
+}
+
+/// Whether vLLM's `defer_prefills` may hold this step, short of its last condition (some
+/// running request is decoding, `not is_prefill_chunk`, which the walk reads only when this
+/// is true): a data-parallel rank's throttled step (`throttle_prefills`), or 0.33's local
+/// cadence (this step, executed step `num_executed_steps + 1`, comes fewer than `interval`
+/// steps after the last prefill-carrying one); neither while the last undeferred waiting
+/// pass was capacity-bound (`prefill_capacity_bound`).
+pub fn prefills_may_defer(throttle: bool, gate: &PrefillGate, num_executed_steps: u64) -> bool {
+    if gate.capacity_bound {
+        return false;
+    }
+    let this_step = i128::from(num_executed_steps) + 1;
+    throttle
+        || (gate.interval > 1
+            && this_step - i128::from(gate.last_prefill_step) < i128::from(gate.interval))
 }
 
 /// The step's two budgets: `token_budget` and `input_budget`, and the draft slots every
@@ -336,6 +354,26 @@ pub fn repetition_due(rule: &StopRule, num_output_tokens: u64) -> Option<&Repeti
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prefills_wait_for_the_throttle_or_the_cadence_unless_capacity_bound() {
+        let gate = |capacity_bound, interval, last_prefill_step| PrefillGate {
+            capacity_bound,
+            interval,
+            last_prefill_step,
+        };
+        // A throttled data-parallel step defers; a capacity-bound engine never does.
+        assert!(prefills_may_defer(true, &gate(false, 1, -1), 7));
+        assert!(!prefills_may_defer(true, &gate(true, 1, -1), 7));
+        assert!(!prefills_may_defer(false, &gate(false, 1, -1), 7));
+        // 0.33's cadence of 4 after a prefill at executed step 5: steps 6, 7, 8 wait, 9 runs.
+        assert!(prefills_may_defer(false, &gate(false, 4, 5), 5));
+        assert!(prefills_may_defer(false, &gate(false, 4, 5), 7));
+        assert!(!prefills_may_defer(false, &gate(false, 4, 5), 8));
+        assert!(!prefills_may_defer(false, &gate(true, 4, 5), 5));
+        // The first step is never held (last_prefill_step starts a full interval back).
+        assert!(!prefills_may_defer(false, &gate(false, 4, -4), 0));
+    }
 
     fn lim() -> Limits {
         Limits {

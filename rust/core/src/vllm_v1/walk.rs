@@ -22,7 +22,7 @@
 //! `WAITING_FOR_STREAMING_REQ` (the walk changes it only through `handle_stopped`).
 
 use super::engine::{
-    BlockIds, Engine, MambaSplitRule, Mode, Release, Row, Runner, Settings, Status, Step,
+    BlockIds, Engine, MambaSplitRule, Mode, Release, Row, Runner, Settings, Start, Status, Step,
     StructuredFlags,
 };
 use super::mamba_split::SplitRow;
@@ -54,6 +54,13 @@ pub struct Walk<'e, E: Engine> {
     /// (`not skip_drafts`); a running row was a prefill chunk (no draft padding then).
     drafts_needed: bool,
     prefill_scheduled: bool,
+    /// `defer_prefills`: no prefill chunk runs and no prefill is admitted this step.
+    defer_prefills: bool,
+    /// Whether the step stamps `last_prefill_step` (0.33's local prefill cadence), which
+    /// then needs `prefill_scheduled` and `prefill_admitted`.
+    stamps_prefills: bool,
+    /// `prefill_admitted`: a waiting request was admitted with more than a token left.
+    prefill_admitted: bool,
     /// Rows the running pass scheduled (`scheduled_running_reqs`).
     running_rows: usize,
     enc: encoder::EncoderStep<E::Req>,
@@ -67,6 +74,9 @@ impl<'e, E: Engine> Walk<'e, E> {
             mode,
             drafts_needed: !set.spec.can_skip_drafts,
             prefill_scheduled: false,
+            defer_prefills: false,
+            stamps_prefills: false,
+            prefill_admitted: false,
             running_rows: 0,
             set,
             enc: encoder::EncoderStep::new(),
@@ -77,12 +87,15 @@ impl<'e, E: Engine> Walk<'e, E> {
         self.e.error(Error::invalid(what))
     }
 
-    /// `Scheduler.schedule()`: the running pass, then (when it preempted nothing) the waiting
-    /// pass; the engine builds the output before `_update_after_schedule` advances the rows.
-    pub fn schedule(mut self) -> Result<E::Scheduled, E::Error> {
+    /// `Scheduler.schedule(throttle_prefills)`: the running pass, then (when it preempted
+    /// nothing) the waiting pass, prefills held back on a deferring step; the engine builds
+    /// the output before `_update_after_schedule` advances the rows.
+    pub fn schedule(mut self, throttle_prefills: bool) -> Result<E::Scheduled, E::Error> {
         let start = self.e.begin_schedule(&self.mode)?;
         let step = start.current_step + 1;
         self.e.set_current_step(step)?;
+        self.defer_prefills = self.prefills_deferred(throttle_prefills, &start)?;
+        self.stamps_prefills = start.prefill_gate.interval > 1;
         let mut budget = Budget {
             tokens: self.set.max_num_scheduled_tokens,
             input: self.set.max_num_batched_tokens,
@@ -101,6 +114,10 @@ impl<'e, E: Engine> Walk<'e, E> {
         if let (Some(n), true) = (start.num_executed_steps, total > 0) {
             self.e.set_num_executed_steps(n + 1)?;
         }
+        if self.stamps_prefills && (self.prefill_scheduled || self.prefill_admitted) {
+            let executed = start.num_executed_steps.unwrap_or(0) + u64::from(total > 0);
+            self.e.set_last_prefill_step(executed)?;
+        }
         if self.e.running_len() > self.set.max_num_running_reqs {
             return Err(self.invalid("more running requests than max_num_seqs"));
         }
@@ -117,6 +134,22 @@ impl<'e, E: Engine> Walk<'e, E> {
             self.e.mark_structured_output(&mut scheduled, flags)?;
         }
         Ok(scheduled)
+    }
+
+    /// vLLM's `defer_prefills`: [`policy::prefills_may_defer`], and some running request is
+    /// decoding (not `is_prefill_chunk`; read only when the rest holds).
+    fn prefills_deferred(&mut self, throttle: bool, start: &Start) -> Result<bool, E::Error> {
+        let executed = start.num_executed_steps.unwrap_or(0);
+        if !policy::prefills_may_defer(throttle, &start.prefill_gate, executed) {
+            return Ok(false);
+        }
+        for i in 0..self.e.running_len() {
+            let req = self.e.running_at(i)?;
+            if !self.e.is_prefill_chunk(&req)? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 
     /// The running pass: each running request in order gets `policy::running_tokens`; when
@@ -140,6 +173,9 @@ impl<'e, E: Engine> Walk<'e, E> {
                 if step < self.e.next_decode_eligible_step(&req)? {
                     n = 0;
                 }
+            }
+            if n > 0 && self.defer_prefills && self.e.is_prefill_chunk(&req)? {
+                n = 0; // the chunk waits for a step that runs prefills
             }
             n = self.mamba_split(&req, row.num_computed_tokens, n, None)?;
             n = self.encoder_tokens(&req, row.num_computed_tokens, n)?;

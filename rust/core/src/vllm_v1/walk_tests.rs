@@ -4,8 +4,8 @@
 
 use super::coordinator::{Hybrid, HybridSlots};
 use super::engine::{
-    BlockIds, Drafts, EncoderPlan, Engine, MambaSplitRule, Mode, Queue, Release, Runner, Settings,
-    SpecSettings, Start, Status, Step, StructuredFlags,
+    BlockIds, Drafts, EncoderPlan, Engine, MambaSplitRule, Mode, PrefillGate, Queue, Release,
+    Runner, Settings, SpecSettings, Start, Status, Step, StructuredFlags,
 };
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
@@ -141,6 +141,10 @@ struct TestEngine<K: TestKv = Manager> {
     set: Settings,
     step: u64,
     executed: u64,
+    /// The prefill gate's state (`prefill_capacity_bound`, 0.33's cadence) and the next
+    /// `schedule()`'s `throttle_prefills`.
+    gate: PrefillGate,
+    throttle: bool,
     /// The last `schedule()`'s rows (what `update_from_output` walks).
     scheduled: Vec<(usize, u64)>,
     /// The tokens the model returns for each request at the next update.
@@ -217,6 +221,8 @@ impl<K: TestKv> TestEngine<K> {
             },
             step: 0,
             executed: 0,
+            gate: PrefillGate::default(),
+            throttle: false,
             scheduled: Vec::new(),
             next: HashMap::new(),
             pooled: BTreeSet::new(),
@@ -273,7 +279,8 @@ impl<K: TestKv> TestEngine<K> {
     }
 
     fn schedule(&mut self, mode: Mode) -> Vec<(usize, u64)> {
-        Walk::new(self, mode).unwrap().schedule().unwrap()
+        let throttle = self.throttle;
+        Walk::new(self, mode).unwrap().schedule(throttle).unwrap()
     }
 
     /// `update_from_output` with `tokens` for every scheduled request (1 token each unless
@@ -396,6 +403,7 @@ impl<K: TestKv> Engine for TestEngine<K> {
             current_step: self.step,
             num_executed_steps: (mode.release == V33).then_some(self.executed),
             num_eligible: (self.running.len() + self.waiting.len() + self.kv_holding.len()) as u64,
+            prefill_gate: self.gate,
         })
     }
     fn set_current_step(&mut self, step: u64) -> Result<()> {
@@ -456,7 +464,12 @@ impl<K: TestKv> Engine for TestEngine<K> {
         self.deferred.remove(r);
         Ok(())
     }
-    fn set_prefill_capacity_bound(&mut self, _bound: bool) -> Result<()> {
+    fn set_prefill_capacity_bound(&mut self, bound: bool) -> Result<()> {
+        self.gate.capacity_bound = bound;
+        Ok(())
+    }
+    fn set_last_prefill_step(&mut self, step: u64) -> Result<()> {
+        self.gate.last_prefill_step = step as i64;
         Ok(())
     }
     fn inflight_prefills_len(&self) -> Result<usize> {
@@ -1200,6 +1213,52 @@ fn executed_steps_count_only_steps_with_tokens_on_033() {
     e.add(4, 10);
     e.schedule(sync(V33));
     assert_eq!((e.step, e.executed), (2, 1));
+}
+
+#[test]
+fn a_throttled_step_runs_decodes_only_until_the_engine_is_capacity_bound() {
+    // Data-parallel prefill balancing (`schedule(throttle_prefills=True)`), both releases.
+    for release in [V32, V33] {
+        let mut e = TestEngine::new(64, 8);
+        let a = e.add(4, 30);
+        assert_eq!(e.step(sync(release), 50), vec![(a, 4)]);
+        let b = e.add(20, 5);
+        e.throttle = true; // b's prefill waits; a decodes
+        assert_eq!(e.step(sync(release), 50), vec![(a, 1)]);
+        assert_eq!(e.waiting, [b]);
+        e.throttle = false;
+        assert_eq!(e.step(sync(release), 50), vec![(a, 1), (b, 7)]);
+        assert!(!e.gate.capacity_bound);
+        e.throttle = true; // b's next chunk waits too
+        assert_eq!(e.step(sync(release), 50), vec![(a, 1)]);
+        let (c, d) = (e.add(20, 5), e.add(20, 5));
+        e.throttle = false; // the budget runs out with c and d waiting: capacity-bound
+        assert_eq!(e.step(sync(release), 50), vec![(a, 1), (b, 7)]);
+        assert!(e.gate.capacity_bound && e.waiting == [c, d]);
+        e.throttle = true; // a capacity-bound engine is not throttled
+        assert_eq!(e.step(sync(release), 50), vec![(a, 1), (b, 7)]);
+    }
+}
+
+#[test]
+fn the_033_prefill_cadence_holds_prefills_between_prefill_steps() {
+    let mut e = TestEngine::new(64, 8);
+    e.gate = PrefillGate {
+        capacity_bound: false,
+        interval: 3,
+        last_prefill_step: -3,
+    };
+    let a = e.add(4, 30);
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 4)]); // the first step is never held
+    assert_eq!(e.gate.last_prefill_step, 1);
+    let b = e.add(4, 5);
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 1)]); // executed steps 2 and 3: held
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 1)]);
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 1), (b, 4)]);
+    assert_eq!((e.executed, e.gate.last_prefill_step), (4, 4));
+    // A step of decodes only leaves the stamp alone.
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 1), (b, 1)]);
+    assert_eq!(e.gate.last_prefill_step, 4);
 }
 
 #[path = "walk_kinds_tests.rs"]

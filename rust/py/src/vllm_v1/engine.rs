@@ -9,7 +9,7 @@
 
 use crate::vllm_v1::engine_update::UpdateIo;
 use crate::vllm_v1::loop_::{FixedMap, PyV1Loop};
-use pagedkv_core::vllm_v1::engine::{Mode, Queue, Release, Start};
+use pagedkv_core::vllm_v1::engine::{Mode, PrefillGate, Queue, Release, Start};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyString};
@@ -39,6 +39,24 @@ pub struct PyEngine<'a, 'py> {
 
 pub(super) fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
     obj.getattr(name)?.extract()
+}
+
+/// The scheduler's prefill gate: `prefill_capacity_bound`, and on 0.33 the local cadence
+/// (`local_prefill_interval`, `last_prefill_step`).
+fn prefill_gate(sched: &Bound<'_, PyAny>, mode: &Mode) -> PyResult<PrefillGate> {
+    let py = sched.py();
+    let capacity_bound = sched
+        .getattr(intern!(py, "prefill_capacity_bound"))?
+        .is_truthy()?;
+    let mut gate = PrefillGate {
+        capacity_bound,
+        ..PrefillGate::default()
+    };
+    if mode.release == Release::V033 {
+        gate.interval = get_u64(sched, intern!(py, "local_prefill_interval"))?;
+        gate.last_prefill_step = sched.getattr(intern!(py, "last_prefill_step"))?.extract()?;
+    }
+    Ok(gate)
 }
 
 impl<'a, 'py> PyEngine<'a, 'py> {
@@ -100,6 +118,7 @@ impl<'py> PyEngine<'_, 'py> {
             Release::V033 => Some(get_u64(sched, intern!(py, "num_executed_steps"))?),
             Release::V032 => None,
         };
+        let prefill_gate = prefill_gate(sched, mode)?;
         for name in [
             intern!(py, "deferred_waiting"),
             intern!(py, "_inflight_prefills"),
@@ -124,6 +143,7 @@ impl<'py> PyEngine<'_, 'py> {
             current_step,
             num_executed_steps,
             num_eligible: live as u64,
+            prefill_gate,
         })
     }
 

@@ -133,6 +133,11 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             .setattr(intern!(self.py(), "prefill_capacity_bound"), bound)
     }
 
+    fn set_last_prefill_step(&mut self, step: u64) -> PyResult<()> {
+        self.sched
+            .setattr(intern!(self.py(), "last_prefill_step"), step)
+    }
+
     fn inflight_prefills_len(&self) -> PyResult<usize> {
         self.attr(intern!(self.py(), "_inflight_prefills"))?.len()
     }

@@ -363,10 +363,15 @@ impl PyV1Loop {
     /// num_output_tokens)` and `encoder_input_updates` is `None` when no multimodal request
     /// was scheduled (vLLM's would be empty), after applying `_update_after_schedule`'s
     /// request updates. The caller builds the output and replaces the finished and preempted
-    /// id sets.
-    fn schedule<'py>(&self, sched: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyTuple>> {
+    /// id sets. `throttle_prefills`: `schedule()`'s (a data-parallel rank's off-cadence step).
+    #[pyo3(signature = (sched, throttle_prefills=false))]
+    fn schedule<'py>(
+        &self,
+        sched: &Bound<'py, PyAny>,
+        throttle_prefills: bool,
+    ) -> PyResult<Bound<'py, PyTuple>> {
         let mut e = PyEngine::new(self, sched)?;
-        Walk::new(&mut e, self.mode)?.schedule()
+        Walk::new(&mut e, self.mode)?.schedule(throttle_prefills)
     }
 
     /// `Scheduler.update_from_output()`'s per-request part: returns `([(client_index,

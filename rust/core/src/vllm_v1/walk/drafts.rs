@@ -28,10 +28,12 @@ impl<E: Engine> Walk<'_, E> {
         num_tokens: u64,
         n: u64,
     ) -> Result<u64, E::Error> {
+        if self.set.spec.num_spec_tokens > 0 || self.stamps_prefills {
+            self.prefill_scheduled |= self.e.is_prefill_chunk(req)?;
+        }
         if self.set.spec.num_spec_tokens == 0 {
             return Ok(0);
         }
-        self.prefill_scheduled |= self.e.is_prefill_chunk(req)?;
         let computed = row.num_computed_tokens;
         let placeholders = row.num_output_placeholders;
         self.note_drafts_needed(req, computed, n, num_tokens, placeholders)?;

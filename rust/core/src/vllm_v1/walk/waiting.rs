@@ -95,6 +95,10 @@ impl<E: Engine> Walk<'_, E> {
             }
         }
         self.requeue_skipped(skipped)?;
+        if self.defer_prefills {
+            return Ok(());
+        }
+        // A releasing step records whether it was capacity-bound.
         let waiting = self.e.waiting_len(Queue::Waiting)? + self.e.waiting_len(Queue::KvHolding)?;
         let bound = waiting > self.e.deferred_len()?;
         self.e.set_prefill_capacity_bound(bound)
@@ -182,6 +186,9 @@ impl<E: Engine> Walk<'_, E> {
         };
         let num_computed = if lookup { num_local } else { computed_before };
         let num_tokens = self.e.num_tokens(req);
+        if self.defer_prefills && num_computed + 1 < num_tokens {
+            return Ok(Admit::Full); // prefill compute waits for a releasing step
+        }
         let lim = &self.set.limits;
         let pad = self.draft_padding(num_computed);
         let Some((n, padded)) =
@@ -262,6 +269,7 @@ impl<E: Engine> Walk<'_, E> {
         rows: &mut Rows<E>,
     ) -> Result<(), E::Error> {
         let (n, drafts) = scheduled;
+        self.prefill_admitted |= num_computed + 1 < self.e.num_tokens(peeked);
         let req = self.e.waiting_pop(q)?;
         debug_assert!(req == *peeked);
         self.e.deferred_discard(&req)?;
