@@ -32,7 +32,8 @@ pub struct PyV1Manager {
 struct VllmBinding {
     /// vLLM's shared empty `KVCacheBlocks` (returned when no block is new).
     empty: Py<PyAny>,
-    /// `NativeKVCacheBlocks(native, ids)`, the class built for this manager.
+    /// `NativeKVCacheBlocks((ids,))`, the class built for this manager (one id list per
+    /// group: here one).
     blocks_cls: Py<PyAny>,
     /// `RequestStatus.WAITING`, `RequestStatus.PREEMPTED` (the watermark applies to these).
     waiting: Py<PyAny>,
@@ -123,7 +124,8 @@ impl PyV1Manager {
         match self.allocate_ids(py, request, a)? {
             None => Ok(py.None().into_bound(py)),
             Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
-            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
+            // The blocks class holds one id list per group: this manager's one.
+            Some(ids) => b.blocks_cls.bind(py).call1(((ids,),)),
         }
     }
 
@@ -255,8 +257,10 @@ fn computed_ids(
     if blocks.is_none() || blocks.is(b.empty.bind(py)) {
         return Ok(None);
     }
+    // The manager's blocks class: its id lists per group (this manager's one first).
     if let Ok(ids) = blocks.getattr(intern!(py, "_ids")) {
-        return Ok(Some(block_ids(&ids.extract::<Vec<Int64>>()?)?));
+        let first = ids.get_item(0)?;
+        return Ok(Some(block_ids(&first.extract::<Vec<Int64>>()?)?));
     }
     let groups = blocks.getattr(intern!(py, "blocks"))?;
     if groups.is(b.empty.bind(py).getattr(intern!(py, "blocks"))?) {
