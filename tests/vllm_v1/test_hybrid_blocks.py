@@ -1,7 +1,8 @@
-"""The ``KVCacheBlocks`` pagedkv's hybrid manager hands vLLM's scheduler (block ids per group,
-``pagedkv.vllm_v1._blocks.make_groups_blocks_class``) against vLLM's own, method by method: ids
-with every ``allow_none`` / ``group_ids`` combination, ``+``, ``new_empty``, the views'
-fields, the unhashed ids, and what the manager reads back as an adopted hit."""
+"""The ``KVCacheBlocks`` pagedkv's managers hand vLLM's scheduler (block ids per group,
+``pagedkv.vllm_v1._blocks.make_blocks_class``: the one-group manager's, ``""``, and the hybrid
+manager's, several groups or one) against vLLM's own, method by method: ids with every
+``allow_none`` / ``group_ids`` combination, ``+``, ``new_empty``, the views' fields, the
+unhashed ids, and what the manager reads back as an adopted hit."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def hits(layout: str) -> Tuple[Any, Any, Any, Any]:
     return out[0], out[1], out[2], out[3]
 
 
-@pytest.mark.parametrize("layout", ["gpt-oss", "gemma3", "two-windows"])
+@pytest.mark.parametrize("layout", ["", "swa-only", "gpt-oss", "gemma3", "two-windows"])
 def test_hybrid_blocks_answer_as_vllms(layout: str) -> None:
     v_hit, v_new, o_hit, o_new = hits(layout)
     assert isinstance(o_hit, KVCacheBlocks) and type(o_hit) is not KVCacheBlocks
@@ -63,15 +64,23 @@ def test_hybrid_blocks_answer_as_vllms(layout: str) -> None:
     assert o_hit.new_empty().get_block_ids(allow_none=True) is None
     assert o_hit.get_unhashed_block_ids_all_groups() == v_hit.get_unhashed_block_ids_all_groups()
     assert o_new.get_unhashed_block_ids_all_groups() == v_new.get_unhashed_block_ids_all_groups()
+    for v, o in ((v_hit, o_hit), (v_new, o_new)):
+        if groups == 1:
+            assert o.get_unhashed_block_ids() == v.get_unhashed_block_ids()
+        else:
+            with pytest.raises(AssertionError, match="Only one group is supported"):
+                o.get_unhashed_block_ids()
+    assert repr(o_hit) == f"KVCacheBlocks(block_ids={o_hit.get_block_ids()}, native=pagedkv)"
     for vg, og in zip(v_hit.blocks, o_hit.blocks):
         fields = ("block_id", "ref_cnt", "block_hash", "block_hash_num_tokens", "is_null")
         for field in fields:
             assert [getattr(b, field) for b in og] == [getattr(b, field) for b in vg], field
 
 
-def test_a_returned_list_is_a_copy() -> None:
+@pytest.mark.parametrize("layout", ["", "gpt-oss"])
+def test_a_returned_list_is_a_copy(layout: str) -> None:
     """Changing what ``get_block_ids`` returned leaves the blocks object as it was."""
-    _, _, o_hit, _ = hits("gpt-oss")
+    _, _, o_hit, _ = hits(layout)
     ids = o_hit.get_block_ids()
     before = [list(g) for g in ids]
     ids[0].append(999)

@@ -3,12 +3,12 @@
 * :class:`BlockView`: one block as vLLM's ``KVCacheBlock`` shows it (``block_id``, live
   ``ref_cnt``, ``block_hash``, ``block_hash_num_tokens``, ``is_null``), made on demand: the pool
   keeps no Python object per block.
-* :func:`make_blocks_class`: a subclass of vLLM's ``KVCacheBlocks`` whose one group is a list
-  of block ids, with ``get_block_ids`` answered from the ids (no view is built on the
-  scheduler's path) and ``blocks`` built only when read; :func:`make_empty_blocks` its empty
-  value, :func:`block_ids_of` the ids of any block list;
-* :func:`make_groups_blocks_class`: the same for several groups (the hybrid manager's), one id
-  list per group, views of the manager's own block class built only when ``blocks`` is read.
+* :func:`make_blocks_class`: a subclass of vLLM's ``KVCacheBlocks`` holding one list of block
+  ids per group (one list for the one-group manager, one per group for the hybrid manager),
+  with ``get_block_ids`` answered from the ids (no view is built on the scheduler's path) and
+  ``blocks`` (views of the manager's block class) built only when read;
+  :func:`make_empty_blocks` the one-group manager's empty value, :func:`block_ids_of` the ids
+  of any block list.
 """
 
 from __future__ import annotations
@@ -83,55 +83,15 @@ def make_empty_blocks(kv_cache_blocks_cls: type) -> Any:
     return empty
 
 
-def make_blocks_class(kv_cache_blocks_cls: type, native: Any) -> type:
-    """A subclass of vLLM's ``KVCacheBlocks`` over one group of ``native``'s block ids."""
+def make_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type = BlockView) -> type:
+    """A subclass of vLLM's ``KVCacheBlocks`` over ``native``'s block ids, one list per group
+    (the one-group manager's: a tuple of one list; the hybrid manager's: one per group).
+    ``get_block_ids``, ``get_unhashed_block_ids``, ``+`` and ``new_empty`` answer from the ids,
+    so the scheduler's path (a prefix hit handed back to ``allocate_slots``, new blocks read as
+    ids) builds no object per block; ``blocks`` makes ``view`` objects when read."""
 
     class NativeKVCacheBlocks(kv_cache_blocks_cls):  # type: ignore[misc, valid-type]
-        """vLLM's ``KVCacheBlocks`` for one group, holding block ids; views made when read."""
-
-        __slots__ = ("_ids",)
-        _native = native
-
-        def __init__(self, ids: List[int]) -> None:
-            self._ids = ids
-
-        @property
-        def blocks(self) -> Tuple[Sequence[BlockView], ...]:  # type: ignore[override]
-            return ([BlockView(self._native, b) for b in self._ids],)
-
-        def get_block_ids(
-            self, allow_none: bool = False, *, group_ids: Optional[Sequence[int]] = None
-        ) -> Optional[Tuple[List[int], ...]]:
-            if group_ids is not None and list(group_ids) != [0]:
-                return super().get_block_ids(allow_none, group_ids=group_ids)
-            if allow_none and not self._ids:
-                return None
-            return (list(self._ids),)
-
-        def get_unhashed_block_ids(self) -> List[int]:
-            n = self._native
-            return [b for b in self._ids if n.block_hash(b) is None]
-
-        def __add__(self, other: Any) -> Any:
-            if isinstance(other, NativeKVCacheBlocks):
-                return NativeKVCacheBlocks(self._ids + other._ids)
-            return super().__add__(other)
-
-        def __repr__(self) -> str:
-            return f"KVCacheBlocks(block_ids=({self._ids},), native=pagedkv)"
-
-    NativeKVCacheBlocks.__qualname__ = "NativeKVCacheBlocks"
-    return NativeKVCacheBlocks
-
-
-def make_groups_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type) -> type:
-    """A subclass of vLLM's ``KVCacheBlocks`` over several groups of ``native``'s block ids:
-    ``get_block_ids`` and ``+`` answer from the ids, so the scheduler's path (a prefix hit
-    handed back to ``allocate_slots``, new blocks read as ids) builds no object per block;
-    ``blocks`` makes ``view`` objects when read."""
-
-    class NativeGroupsKVCacheBlocks(kv_cache_blocks_cls):  # type: ignore[misc, valid-type]
-        """vLLM's ``KVCacheBlocks`` for every group, holding block ids; views made when read."""
+        """vLLM's ``KVCacheBlocks``, holding block ids per group; views made when read."""
 
         __slots__ = ("_ids",)
         _native = native
@@ -146,21 +106,29 @@ def make_groups_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type)
 
         @property
         def blocks(self) -> Tuple[Sequence[Any], ...]:  # type: ignore[override]
-            return tuple([view(self._native, b) for b in g] for g in self._ids)
+            n = self._native
+            return tuple([view(n, b) for b in g] for g in self._ids)
 
         def get_block_ids(
             self, allow_none: bool = False, *, group_ids: Optional[Sequence[int]] = None
         ) -> Optional[Tuple[List[int], ...]]:
-            groups = self._ids if group_ids is None else tuple(self._ids[i] for i in group_ids)
+            groups = self._ids if group_ids is None else tuple([self._ids[i] for i in group_ids])
             if allow_none and not any(groups):
                 return None
-            return tuple(list(g) for g in groups)
+            if len(groups) == 1:
+                # The one-group manager's every call (the scheduler's, per request per step):
+                # no iterator built.
+                return (list(groups[0]),)
+            return tuple(map(list, groups))
+
+        def get_unhashed_block_ids(self) -> List[int]:
+            assert len(self._ids) == 1, "Only one group is supported"
+            n = self._native
+            return [b for b in self._ids[0] if n.block_hash(b) is None]
 
         def __add__(self, other: Any) -> Any:
-            if isinstance(other, NativeGroupsKVCacheBlocks):
-                return NativeGroupsKVCacheBlocks(
-                    tuple(a + b for a, b in zip(self._ids, other._ids))
-                )
+            if isinstance(other, NativeKVCacheBlocks):
+                return NativeKVCacheBlocks(tuple(a + b for a, b in zip(self._ids, other._ids)))
             return super().__add__(other)
 
         def new_empty(self) -> Any:
@@ -169,4 +137,5 @@ def make_groups_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type)
         def __repr__(self) -> str:
             return f"KVCacheBlocks(block_ids={self._ids}, native=pagedkv)"
 
-    return NativeGroupsKVCacheBlocks
+    NativeKVCacheBlocks.__qualname__ = "NativeKVCacheBlocks"
+    return NativeKVCacheBlocks

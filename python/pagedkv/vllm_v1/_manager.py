@@ -288,14 +288,14 @@ class KVCacheManager(PrefixCacheStatsMixin):
         if blocks is None or blocks is self.empty_kv_cache_blocks:
             return None
         if isinstance(blocks, self._Blocks):
-            return blocks._ids
+            return blocks.ids[0]
         groups = blocks.blocks
         if groups is self.empty_kv_cache_blocks.blocks:
             return None
         return _blocks.block_ids_of(groups[0])
 
     def _wrap(self, ids: List[int]) -> Any:
-        return self._Blocks(ids) if ids else self.empty_kv_cache_blocks
+        return self._Blocks((ids,)) if ids else self.empty_kv_cache_blocks
 
     def _drain_events(self, request: Any = None) -> None:
         if self._builder is not None:

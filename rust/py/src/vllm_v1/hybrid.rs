@@ -17,7 +17,7 @@
 use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
-use crate::vllm_v1::manager::{block_ids, PyHashes};
+use crate::vllm_v1::manager_inputs::{block_ids, PyHashes};
 use pagedkv_core::vllm_v1::coordinator::{Count as BlockCount, Hybrid, HybridConfig, HybridSlots};
 use pagedkv_core::vllm_v1::retention::{Boundaries, Retention};
 use pagedkv_core::vllm_v1::single_type::{AttentionKind, GroupSpec};

@@ -17,7 +17,8 @@
 
 use crate::errors::IntoPyResult;
 use crate::vllm_v1::hybrid::PyV1Hybrid;
-use crate::vllm_v1::manager::{block_ids, PyHashes, PyV1Manager};
+use crate::vllm_v1::manager::PyV1Manager;
+use crate::vllm_v1::manager_inputs::{block_ids, PyHashes};
 use pagedkv_core::vllm_v1::coordinator::HybridSlots;
 use pagedkv_core::vllm_v1::engine::BlockIds;
 use pagedkv_core::vllm_v1::retention::Boundaries;

@@ -4,14 +4,23 @@
 //! Every method reads its arguments before it takes the manager, and the core plans before it
 //! mutates, so a raising call changes nothing. One call at a time: a concurrent call raises
 //! `InUseError`.
+//!
+//! This file holds the class (its state and the Python methods: PyO3 allows one
+//! `#[pymethods]` block per class); the longer helpers live by job: the vLLM-shaped
+//! `allocate_slots` path and its bound Python objects in `crate::vllm_v1::manager_vllm`, the
+//! reading of block hashes and block ids from Python in `crate::vllm_v1::manager_inputs`.
+//!
+//! Costs: each method is one crossing and the core's call (O(blocks moved); a lookup reads
+//! only the hashes it needs), plus building the id list it returns.
 
 use crate::args::{Count, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::call::SlotArgs;
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
 use crate::vllm_v1::hybrid::release_of;
-use pagedkv_core::vllm_v1::{self as v1, HashKey, HashSource, SlotRequest};
-use pyo3::intern;
+use crate::vllm_v1::manager_inputs::{block_ids, PyHashes};
+use crate::vllm_v1::manager_vllm::VllmBinding;
+use pagedkv_core::vllm_v1::{self as v1, SlotRequest};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 use std::sync::{Mutex, MutexGuard, TryLockError};
@@ -20,292 +29,22 @@ use std::sync::{Mutex, MutexGuard, TryLockError};
 pub struct PyV1Manager {
     inner: Mutex<v1::Manager>,
     /// Set once by `bind_vllm`: what the vLLM-shaped `allocate_slots` needs from Python.
-    vllm: std::sync::OnceLock<VllmBinding>,
+    pub(super) vllm: std::sync::OnceLock<VllmBinding>,
     /// Set once by `bind_removed_events` / `bind_stored_events`.
-    removed_events: std::sync::OnceLock<RemovedEvents>,
-    stored_events: std::sync::OnceLock<StoredEvents>,
+    pub(super) removed_events: std::sync::OnceLock<RemovedEvents>,
+    pub(super) stored_events: std::sync::OnceLock<StoredEvents>,
     /// Set once by `bind_event_sink`.
-    event_sink: std::sync::OnceLock<EventSink>,
-}
-
-/// The Python objects `vllm_allocate_slots` answers with or compares against.
-struct VllmBinding {
-    /// vLLM's shared empty `KVCacheBlocks` (returned when no block is new).
-    empty: Py<PyAny>,
-    /// `NativeKVCacheBlocks(native, ids)`, the class built for this manager.
-    blocks_cls: Py<PyAny>,
-    /// `RequestStatus.WAITING`, `RequestStatus.PREEMPTED` (the watermark applies to these).
-    waiting: Py<PyAny>,
-    preempted: Py<PyAny>,
-    /// vLLM's `Request` class when its `num_tokens` property is `len(self._all_token_ids)`
-    /// (checked by the caller): requests of exactly this class are read without running it.
-    request_cls: Option<Py<PyAny>>,
-}
-
-impl VllmBinding {
-    /// `request.num_tokens`, without running the property where its body is known.
-    fn num_tokens(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<u64> {
-        if let Some(cls) = &self.request_cls {
-            if request.get_type().is(cls.bind(py)) {
-                return Ok(request.getattr(intern!(py, "_all_token_ids"))?.len()? as u64);
-            }
-        }
-        Ok(request
-            .getattr(intern!(py, "num_tokens"))?
-            .extract::<SatCount>()?
-            .0)
-    }
-}
-
-/// `request.block_hashes`, read item by item (no Python code runs for a list of bytes); from
-/// a request, the attribute is read only when the core asks for a hash or the count.
-pub(crate) enum PyHashes<'py> {
-    Seq(Bound<'py, PyAny>),
-    Of(Bound<'py, PyAny>),
-}
-
-impl<'py> PyHashes<'py> {
-    pub(crate) fn new(seq: &Bound<'py, PyAny>) -> PyResult<Self> {
-        Ok(PyHashes::Seq(seq.clone()))
-    }
-
-    pub(crate) fn of_request(request: &Bound<'py, PyAny>) -> Self {
-        PyHashes::Of(request.clone())
-    }
-
-    fn seq(&mut self) -> pagedkv_core::Result<&Bound<'py, PyAny>> {
-        if let PyHashes::Of(request) = self {
-            let seq = request
-                .getattr(intern!(request.py(), "block_hashes"))
-                .map_err(|e| pagedkv_core::Error::invalid(format!("request.block_hashes: {e}")))?;
-            *self = PyHashes::Seq(seq);
-        }
-        // `Of` was replaced above (never a panic: the or-pattern covers both).
-        let (PyHashes::Seq(seq) | PyHashes::Of(seq)) = self;
-        Ok(seq)
-    }
-}
-
-fn hash_error(i: usize, what: &str) -> pagedkv_core::Error {
-    pagedkv_core::Error::invalid(format!("block_hashes[{i}]: {what}"))
-}
-
-impl HashSource for PyHashes<'_> {
-    fn count(&mut self) -> pagedkv_core::Result<usize> {
-        let seq = self.seq()?;
-        seq.len()
-            .map_err(|e| pagedkv_core::Error::invalid(format!("block_hashes: {e}")))
-    }
-
-    fn key(&mut self, i: usize) -> pagedkv_core::Result<HashKey> {
-        let seq = self.seq()?;
-        let item = match seq.cast::<PyList>() {
-            Ok(list) => list.get_item(i),
-            Err(_) => seq.get_item(i),
-        }
-        .map_err(|e| hash_error(i, &e.to_string()))?;
-        let bytes = item
-            .cast::<PyBytes>()
-            .map_err(|_| hash_error(i, "a block hash must be bytes"))?;
-        HashKey::new(bytes.as_bytes())
-    }
+    pub(super) event_sink: std::sync::OnceLock<EventSink>,
 }
 
 impl PyV1Manager {
-    /// vLLM's `allocate_slots` for `request` (what `vllm_allocate_slots` runs).
-    fn allocate_for_vllm<'py>(
-        &self,
-        py: Python<'py>,
-        request: &Bound<'py, PyAny>,
-        a: &SlotArgs<'py>,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let b = self.binding()?;
-        match self.allocate_ids(py, request, a)? {
-            None => Ok(py.None().into_bound(py)),
-            Some(ids) if ids.is_empty() => Ok(b.empty.bind(py).clone()),
-            Some(ids) => b.blocks_cls.bind(py).call1((ids,)),
-        }
-    }
-
-    fn binding(&self) -> PyResult<&VllmBinding> {
-        self.vllm
-            .get()
-            .ok_or_else(|| crate::errors::invalid("bind_vllm was not called"))
-    }
-
-    /// `allocate_slots` for `request`: the new block ids (empty: none is new), `None` when
-    /// they do not fit.
-    fn allocate_ids<'py>(
-        &self,
-        py: Python<'py>,
-        request: &Bound<'py, PyAny>,
-        a: &SlotArgs<'py>,
-    ) -> PyResult<Option<Vec<u32>>> {
-        let b = self.binding()?;
-        if a.num_external_computed_tokens != 0 || a.num_encoder_tokens != 0 {
-            return Err(crate::errors::invalid(
-                "external (connector) and encoder tokens are outside pagedkv's manager",
-            ));
-        }
-        let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
-        let slots = slot_request(py, b, request, a, computed.as_deref())?;
-        let rid = request.getattr(intern!(py, "request_id"))?;
-        // The id's UTF-8 as CPython caches it in the `str` (no copy).
-        let rid = rid.cast::<PyString>()?.to_str()?;
-        self.allocate_prepared(py, request, rid, &slots)
-    }
-
-    /// `allocate_slots` for the request named `rid`, its fields already read (`slots`): the
-    /// one route into the manager's allocation (vLLM's `allocate_slots` and the native loop).
-    /// KV events the call logged go to the bound sink.
-    pub(crate) fn allocate_prepared<'py>(
-        &self,
-        py: Python<'py>,
-        request: &Bound<'py, PyAny>,
-        rid: &str,
-        slots: &SlotRequest<'_>,
-    ) -> PyResult<Option<Vec<u32>>> {
-        self.binding()?;
-        let mut hashes = PyHashes::of_request(request);
-        let (ids, logged) = {
-            let mut m = self.lock()?;
-            let ids = m.allocate_slots(rid, slots, &mut hashes).py()?;
-            (ids, m.pool().has_events())
-        };
-        if logged {
-            self.publish_events(py, request)?;
-        }
-        Ok(ids)
-    }
-
-    /// vLLM's `cache_blocks(request, num_tokens)` as the manager's Python method does it
-    /// (nothing when caching is off; KV events go to the bound sink).
-    pub(crate) fn cache_for<'py>(
-        &self,
-        py: Python<'py>,
-        request: &Bound<'py, PyAny>,
-        rid: &str,
-        num_tokens: u64,
-    ) -> PyResult<()> {
-        self.binding()?;
-        let mut hashes = PyHashes::of_request(request);
-        let logged = {
-            let mut m = self.lock()?;
-            if !m.config().enable_caching {
-                return Ok(());
-            }
-            m.cache_blocks(rid, num_tokens, &mut hashes).py()?;
-            m.pool().has_events()
-        };
-        if logged {
-            self.publish_events(py, request)?;
-        }
-        Ok(())
-    }
-
-    /// The block table of the request named `rid`.
-    pub(crate) fn table_of(&self, rid: &str) -> PyResult<Vec<u32>> {
-        Ok(self.lock()?.blocks(rid).to_vec())
-    }
-
-    /// The block ids of a prefix-cache hit (`KVCacheBlocks`); `None` for vLLM's shared
-    /// empty blocks.
-    pub(crate) fn hit_ids(
-        &self,
-        py: Python<'_>,
-        blocks: &Bound<'_, PyAny>,
-    ) -> PyResult<Option<Vec<u32>>> {
-        computed_ids(py, self.binding()?, Some(blocks))
-    }
-
-    /// After an allocation or caching call that logged KV events: with a sink bound, the
-    /// events go straight into its list (built here, or by its builder for the kinds built
-    /// in Python), in the pool's order; without one they stay in the pool's log for
-    /// `take_events` (the one other way out of the log).
-    fn publish_events(&self, py: Python<'_>, request: &Bound<'_, PyAny>) -> PyResult<()> {
-        let Some(sink) = self.event_sink.get() else {
-            return Ok(());
-        };
-        let events = self.lock()?.pool_mut().take_events();
-        let built = EventObjects {
-            removed: self.removed_events.get(),
-            stored: self.stored_events.get().zip(Some(request)),
-        };
-        sink.publish(py, &built, &events, Some(request))
-    }
-
-    fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
+    pub(super) fn lock(&self) -> PyResult<MutexGuard<'_, v1::Manager>> {
         match self.inner.try_lock() {
             Ok(g) => Ok(g),
             Err(TryLockError::Poisoned(p)) => Ok(p.into_inner()),
             Err(TryLockError::WouldBlock) => Err(busy("this V1Manager")),
         }
     }
-}
-
-/// The block ids of an adopted prefix-cache hit; `None` for vLLM's shared empty blocks.
-fn computed_ids(
-    py: Python<'_>,
-    b: &VllmBinding,
-    blocks: Option<&Bound<'_, PyAny>>,
-) -> PyResult<Option<Vec<u32>>> {
-    let Some(blocks) = blocks else {
-        return Ok(None);
-    };
-    if blocks.is_none() || blocks.is(b.empty.bind(py)) {
-        return Ok(None);
-    }
-    if let Ok(ids) = blocks.getattr(intern!(py, "_ids")) {
-        return Ok(Some(block_ids(&ids.extract::<Vec<Int64>>()?)?));
-    }
-    let groups = blocks.getattr(intern!(py, "blocks"))?;
-    if groups.is(b.empty.bind(py).getattr(intern!(py, "blocks"))?) {
-        return Ok(None);
-    }
-    let first = groups.get_item(0)?;
-    let mut ids = Vec::new();
-    for blk in first.try_iter()? {
-        ids.push(blk?.getattr(intern!(py, "block_id"))?.extract::<Int64>()?);
-    }
-    Ok(Some(block_ids(&ids)?))
-}
-
-/// Block ids given as Python ints: each must be a u32 (the pool checks its range); a
-/// negative or huge id is an `InvalidArgumentError`, never an OverflowError.
-pub(crate) fn block_ids(ids: &[Int64]) -> PyResult<Vec<u32>> {
-    ids.iter()
-        .map(|b| {
-            u32::try_from(b.0)
-                .map_err(|_| crate::errors::invalid(format!("block id {} is out of range", b.0)))
-        })
-        .collect()
-}
-
-/// The core's view of one vLLM `allocate_slots` call: its arguments and the request's fields.
-fn slot_request<'a>(
-    py: Python<'_>,
-    b: &VllmBinding,
-    request: &Bound<'_, PyAny>,
-    a: &SlotArgs<'_>,
-    computed: Option<&'a [u32]>,
-) -> PyResult<SlotRequest<'a>> {
-    let status = request.getattr(intern!(py, "status"))?;
-    Ok(SlotRequest {
-        num_computed_tokens: request
-            .getattr(intern!(py, "num_computed_tokens"))?
-            .extract::<SatCount>()?
-            .0,
-        num_tokens: b.num_tokens(py, request)?,
-        waiting_or_preempted: status.is(b.waiting.bind(py)) || status.is(b.preempted.bind(py)),
-        num_new_tokens: a.num_new_tokens,
-        num_new_computed_tokens: a.num_new_computed_tokens,
-        new_computed: computed,
-        num_lookahead_tokens: a.num_lookahead_tokens,
-        delay_cache_blocks: a.delay_cache_blocks,
-        full_sequence_must_fit: a.full_sequence_must_fit,
-        reserved_blocks: a.reserved_blocks,
-        has_scheduled_reqs: a.has_scheduled_reqs,
-    })
 }
 
 #[pymethods]

@@ -14,6 +14,8 @@ pub mod hybrid;
 pub mod loop_;
 pub mod loop_kv;
 pub mod manager;
+pub mod manager_inputs;
+pub mod manager_vllm;
 pub mod output;
 pub mod queues;
 pub mod settings;
