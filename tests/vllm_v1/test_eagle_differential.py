@@ -5,7 +5,7 @@ in 0.32, not in 0.33; both are compared here as they are."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Sequence
+from typing import Any, Dict, List, Sequence
 
 import pytest
 from manager_driver import (
@@ -42,6 +42,24 @@ EAGLE_LAYOUTS = sorted(k for k in HYBRID_LAYOUTS if k != "llama4") + sorted(MIXE
 
 def flagged(which: str, num_groups: int) -> Sequence[int]:
     return {"none": (), "last": (num_groups - 1,), "first": (0,)}[which]
+
+
+def twin_requests(num_tokens: int, max_tokens: int, hasher: Any) -> List[Any]:
+    """Two identical requests ``r`` (tokens 0, 1, ...), one for vLLM's manager, one for
+    pagedkv's."""
+    from vllm import SamplingParams
+    from vllm.v1.request import Request
+
+    return [
+        Request(
+            request_id="r",
+            prompt_token_ids=list(range(num_tokens)),
+            sampling_params=SamplingParams(max_tokens=max_tokens),
+            pooling_params=None,
+            block_hasher=hasher,
+        )
+        for _ in range(2)
+    ]
 
 
 @pytest.mark.parametrize("seed", range(24))
@@ -390,24 +408,13 @@ def test_vllms_lone_align_lookup_past_lookahead_hashes() -> None:
     vLLM's unitary lookup scans ``(num_tokens - 1) // block_size`` blocks, more than the
     request has hashes, and raises ``IndexError`` even on an empty cache. pagedkv's lookup
     stops at the hashes: no hit, nothing changed."""
-    from vllm import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.request import Request
 
     kv_cache_utils.init_none_hash(sha256)
     hasher = kv_cache_utils.get_request_block_hasher(4, sha256, num_hash_lookahead_tokens=2)
     kw = dict(enable_caching=True, num_hash_lookahead_tokens=2, num_prefill_lookahead=2)
     vllm, ours = manager_pair(16, 4, "mamba2-align", None, (0,), use_eagle=False, **kw)
-    reqs = [
-        Request(
-            request_id="r",
-            prompt_token_ids=list(range(9)),
-            sampling_params=SamplingParams(max_tokens=4),
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-        for _ in range(2)
-    ]
+    reqs = twin_requests(9, 4, hasher)
     assert len(reqs[0].block_hashes) == 1  # the block ending at 8 needs tokens 8 and 9
     with pytest.raises(IndexError):
         vllm.get_computed_blocks(reqs[0])
@@ -458,9 +465,7 @@ def test_mtp_windows_hold_their_extra_retained_tokens_as_vllm(prefill_lookahead:
     admitted 3 tokens at a time: both managers agree on every refusal, every
     table (null blocks where the window let go) and every free count, and the window's
     first block stays held until the extra tokens have passed."""
-    from vllm import SamplingParams
     from vllm.utils.hashing import sha256
-    from vllm.v1.request import Request
 
     kv_cache_utils.init_none_hash(sha256)
     hasher = kv_cache_utils.get_request_block_hasher(4, sha256)
@@ -472,16 +477,7 @@ def test_mtp_windows_hold_their_extra_retained_tokens_as_vllm(prefill_lookahead:
     # exactly when the cap counts them.
     kw = dict(enable_caching=True, use_eagle=True, max_in_flight_tokens=8)
     pair = manager_pair(16, 4, "gpt-oss", None, (), num_prefill_lookahead=prefill_lookahead, **kw)
-    req = [
-        Request(
-            request_id="r",
-            prompt_token_ids=list(range(40)),
-            sampling_params=SamplingParams(max_tokens=16),
-            pooling_params=None,
-            block_hasher=hasher,
-        )
-        for _ in pair
-    ]
+    req = twin_requests(40, 16, hasher)
     fits = [m.allocate_slots(r, 3, full_sequence_must_fit=True) for m, r in zip(pair, req)]
     assert (fits[0] is None) == (fits[1] is None) == (extra >= 3)
     for computed in range(0, 39, 3):
