@@ -433,6 +433,33 @@ class PromotesGrammarsEarly(VllmScheduler):
         super().add_request(request)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_kv_transfer_params_without_a_connector_run_natively(
+    seed: int, tiny_model_dir: Path, manager_cls: type
+) -> None:
+    """A third of the requests carry P/D ``kv_transfer_params`` (as a proxy sends them), on an
+    engine without a KV connector: inert in vLLM's scheduler (``_connector_finished`` returns
+    none, no remote KV is awaited), so the native loop serves them, every step compared
+    (outputs carry no ``kv_transfer_params``) and native."""
+    from test_differential import assert_native_loop
+
+    from pagedkv.vllm_v1._scope import request_out_of_scope
+
+    rng = random.Random(seed)
+    cfg = h.random_config(rng)
+    capped = dataclasses.replace(cfg, max_model_len=h.length_cap(cfg))
+    specs = [
+        dataclasses.replace(s, kv_transfer=i % 3 == 0)
+        for i, s in enumerate(h.random_workload(rng, capped))
+    ]
+    request = h.build_request(specs[0], lambda r: [])
+    assert request.kv_transfer_params == h.KV_TRANSFER_PARAMS
+    assert request_out_of_scope(request) is None
+    stats = h.Lockstep(cfg, specs, seed, tiny_model_dir, manager_cls).run()
+    assert stats["steps"] > 0
+    assert_native_loop(stats, manager_cls)
+
+
 @pytest.mark.parametrize(
     ("planted", "what", "workload"),
     [

@@ -531,6 +531,9 @@ class RequestSpec:
     # A streaming session (``resumable``) when not empty: its updates, by step.
     updates: tuple[SessionUpdate, ...] = ()
     pooling: bool = False  # pooling parameters in place of sampling ones (a pooling model)
+    # P/D-style kv_transfer_params in the sampling parameters' extra_args (inert without a
+    # KV connector: vLLM's engine warns and disables KV transfer for the request)
+    kv_transfer: bool = False
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -584,6 +587,14 @@ def random_workload(rng: random.Random, cfg: SchedConfig) -> list[RequestSpec]:
     return specs
 
 
+#: What a P/D proxy sends a decode instance (NIXL-style remote prefill parameters).
+KV_TRANSFER_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "prefill-0",
+    "remote_block_ids": [1, 2, 3],
+}
+
 #: A priority vLLM orders as any int but the native loop holds as i64: a request with it is
 #: out of the native loop's scope (``pagedkv.vllm_v1._scope``, reason "priority").
 HELD_PRIORITY = 2**64
@@ -605,6 +616,7 @@ def build_request(
         if spec.repetition
         else None,
         structured_outputs=kinds.structured_outputs_params() if spec.grammar else None,
+        extra_args={"kv_transfer_params": dict(KV_TRANSFER_PARAMS)} if spec.kv_transfer else None,
     )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time

@@ -19,7 +19,8 @@ next step can be either loop's; a switch needs no hand-over.
 * every request the scheduler holds is in scope
   (:func:`pagedkv.vllm_v1._scope.request_out_of_scope`: plain
   sampling, structured output, LoRA, multimodal inputs, prompt embeddings, repetition
-  detection, streaming sessions, pooling requests in a pooling model; no KV transfer), and
+  detection, streaming sessions, pooling requests in a pooling model, KV transfer parameters
+  without a connector), and
   the scheduler is not paused.
 
 A request out of scope puts the engine on vLLM's loop from the next step until it has left

@@ -212,6 +212,8 @@ def is_pooling_model(sched: Any) -> bool:
 
 def request_out_of_scope(request: Any) -> Optional[str]:
     """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
+    KV transfer parameters are inert here (the native loop runs only without a KV connector;
+    vLLM's engine then warns and disables KV transfer for the request) and in scope.
     Structured output, LoRA, multimodal inputs (vLLM's encoder cache manager decides their
     encoder inputs, called by the loop), prompt embeddings, repetition detection, streaming
     sessions (``resumable``; each later update is checked by :func:`update_out_of_scope`) and
@@ -224,7 +226,6 @@ def request_out_of_scope(request: Any) -> Optional[str]:
     checks = (
         ((params is None) == (request.pooling_params is None), "sampling and pooling parameters"),
         (request.status not in arrival_statuses, "not waiting on arrival"),
-        (request.kv_transfer_params is not None, "KV transfer"),
         (type(request.priority) is not int or abs(request.priority) >= 2**63, "priority"),
         (not _stop_ids_fit_i64(params), "stop token ids beyond 64 bits"),
         (not _repetition_fits_i64(params), "repetition detection beyond 64 bits"),
