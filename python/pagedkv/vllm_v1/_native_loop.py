@@ -12,10 +12,10 @@ next step can be either loop's; a switch needs no hand-over.
 
 * the engine is eligible (checked once at construction,
   :func:`pagedkv.vllm_v1._scope.engine_out_of_scope`: the
-  synchronous or the async scheduler over pagedkv's native manager, no speculative decoding,
-  no KV/EC connector, no pipeline parallelism, no prefill cadence, ...; per-step
-  performance metrics, iteration-detail logging and sampling masks are served natively,
-  read from the scheduler every step), and
+  synchronous or the async scheduler over pagedkv's native manager, no KV/EC connector, no
+  pipeline parallelism, ...; speculative decoding, prefill deferral (a data-parallel rank's
+  throttled steps, 0.33's prefill cadence), per-step performance metrics, iteration-detail
+  logging and sampling masks are served natively, read from the scheduler every step), and
 * every request the scheduler holds is in scope
   (:func:`pagedkv.vllm_v1._scope.request_out_of_scope`: plain
   sampling, structured output, LoRA, multimodal inputs, prompt embeddings, repetition
