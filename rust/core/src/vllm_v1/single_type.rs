@@ -24,8 +24,8 @@
 //!
 //! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
 //! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
-//! `pagedkv.vllm_v1`'s scope does for the single group): EAGLE never with chunked local attention (vLLM asserts), no KV connector
-//! (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
+//! `pagedkv.vllm_v1`'s scope does for the single group): EAGLE never with chunked local
+//! attention (vLLM asserts), no KV connector (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
 //! a Mamba "align" group with blocks larger than the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
 //! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
@@ -171,8 +171,7 @@ impl GroupSpec {
                 sliding_window,
                 extra_retained_tokens,
             } => sliding_window::num_skipped_tokens(
-                sliding_window,
-                extra_retained_tokens,
+                sliding_window + extra_retained_tokens,
                 num_computed_tokens,
             ),
             AttentionKind::ChunkedLocal {

@@ -7,12 +7,12 @@
 //!   skipped: 21 + 1 - 8 = 14 tokens -> 3 whole blocks null
 //! ```
 //!
-//! Rules: `get_num_skipped_tokens(n) = max(n + 1 - sliding_window - extra_retained_tokens, 0)`;
-//! the admission cap is `ceil(min(sliding_window - 1 + extra_retained_tokens +
+//! Rules, with `retained = sliding_window + extra_retained_tokens` (multi-module MTP's
+//! `num_prefill_lookahead_tokens - 1` held below the window): `get_num_skipped_tokens(n) =
+//! max(n + 1 - retained, 0)`; the admission cap is `ceil(min(retained - 1 +
 //! max_in_flight_tokens, max_model_len) / block_size) + 1` (the window may start inside a
-//! block); `extra_retained_tokens` (multi-module MTP's `num_prefill_lookahead_tokens - 1`)
-//! touches nothing else: the lookup and the retention mask read the window alone; the lookup scans from the right for the first run of
-//! `ceil((sliding_window - 1) / block_size)` cached blocks (one more under EAGLE, popped after),
+//! block). The lookup and the retention mask read the window alone: the lookup scans from the
+//! right for the first run of `ceil((sliding_window - 1) / block_size)` cached blocks (one more under EAGLE, popped after),
 //! null blocks before it, a shorter run reaching block 0 also a hit. What gets cached under
 //! each retention mode is [`super::retention`].
 //!
@@ -24,16 +24,10 @@ use super::pool::NULL_BLOCK;
 use super::single_type::{cached_in_all, HitSearch, View};
 use crate::error::Result;
 
-/// `get_num_skipped_tokens` of a window of `sliding_window` tokens that retains
-/// `extra_retained_tokens` more below it.
-pub fn num_skipped_tokens(
-    sliding_window: u32,
-    extra_retained: u32,
-    num_computed_tokens: u64,
-) -> u64 {
-    (num_computed_tokens + 1)
-        .saturating_sub(u64::from(sliding_window))
-        .saturating_sub(u64::from(extra_retained))
+/// `get_num_skipped_tokens` of a window holding `retained` tokens (the window plus its extra
+/// retained tokens).
+pub fn num_skipped_tokens(retained: u32, num_computed_tokens: u64) -> u64 {
+    (num_computed_tokens + 1).saturating_sub(u64::from(retained))
 }
 
 /// `max_admission_blocks_per_request` of a window of `retained` tokens (the window plus its

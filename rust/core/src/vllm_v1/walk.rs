@@ -204,6 +204,10 @@ impl<'e, E: Engine> Walk<'e, E> {
                 break;
             };
             budget.take(n);
+            if self.set.spec.num_spec_tokens > 0 || self.stamps_prefills {
+                // `prefill_scheduled`: read for draft padding and the prefill cadence.
+                self.prefill_scheduled |= self.e.is_prefill_chunk(&req)?;
+            }
             let drafts = self.running_row_drafts(&req, &row, num_tokens, n)?;
             self.commit_encoder(&req)?;
             rows.push(Row {

@@ -20,7 +20,7 @@ use crate::vllm_v1::policy::{self, RunningRow};
 impl<E: Engine> Walk<'_, E> {
     /// A scheduled running row's drafts: the proposed ones that fit the scheduled tokens go
     /// into `scheduled_spec_decode_tokens` (the request's list is emptied either way); also
-    /// the step's `drafts_needed` and `prefill_scheduled`. Returns the drafts scheduled.
+    /// the step's `drafts_needed`. Returns the drafts scheduled.
     pub(super) fn running_row_drafts(
         &mut self,
         req: &E::Req,
@@ -28,9 +28,6 @@ impl<E: Engine> Walk<'_, E> {
         num_tokens: u64,
         n: u64,
     ) -> Result<u64, E::Error> {
-        if self.set.spec.num_spec_tokens > 0 || self.stamps_prefills {
-            self.prefill_scheduled |= self.e.is_prefill_chunk(req)?;
-        }
         if self.set.spec.num_spec_tokens == 0 {
             return Ok(0);
         }

@@ -269,7 +269,6 @@ impl<E: Engine> Walk<'_, E> {
         rows: &mut Rows<E>,
     ) -> Result<(), E::Error> {
         let (n, drafts) = scheduled;
-        self.prefill_admitted |= num_computed + 1 < self.e.num_tokens(peeked);
         let req = self.e.waiting_pop(q)?;
         debug_assert!(req == *peeked);
         self.e.deferred_discard(&req)?;
@@ -281,6 +280,7 @@ impl<E: Engine> Walk<'_, E> {
         self.e.set_running(&req)?;
         self.e.set_num_computed_tokens(&req, num_computed)?;
         let num_tokens = self.e.num_tokens(&req);
+        self.prefill_admitted |= num_computed + 1 < num_tokens;
         if num_computed + n < num_tokens {
             self.e.inflight_prefills_add(&req)?;
         }
