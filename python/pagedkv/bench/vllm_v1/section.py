@@ -314,7 +314,7 @@ LOOP_OFF = "native loop off"
 def loop_off_reason(scheduler: Any) -> str:
     """Why a scheduler whose native loop was never built runs vLLM's loop every step:
     :data:`LOOP_OFF` when its class turns the loop off (``native_loop = False``), else the
-    engine's reason (``engine_out_of_scope``: hybrid KV cache groups, a KV connector...)."""
+    engine's reason (``engine_out_of_scope``: vLLM's KV cache manager runs, an EC connector...)."""
     if not getattr(scheduler, "native_loop", False):
         return LOOP_OFF
     from pagedkv.vllm_v1._scope import engine_out_of_scope
