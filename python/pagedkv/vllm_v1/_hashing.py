@@ -11,8 +11,9 @@ functions):
   tokens (vLLM 0.33's ``num_hash_lookahead_tokens``: a block is hashed once that many tokens
   follow it, its extra keys ``(None, *those tokens)``), over one of ``sha256``,
   ``sha256_cbor``, ``xxhash``, ``xxhash_cbor`` (:func:`hash_name_of`);
-* the request has no extra keys past its first block (no LoRA, multimodal inputs or prompt
-  embeddings: it is in the native loop's scope), and the block has a parent hash (the first
+* the request is in the native loop's scope and has no extra keys past its first block (no
+  LoRA, multimodal inputs or prompt embeddings, which the loop serves but whose blocks keep
+  vLLM's hasher), and the block has a parent hash (the first
   block, which may carry a cache salt, stays vLLM's), and every token is an ``int`` the
   encoding covers.
 

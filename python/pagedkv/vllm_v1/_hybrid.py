@@ -24,7 +24,8 @@ the step's ``new_block_ids_to_zero``, as vLLM's managers do.
 
 Invariants: each method crosses into Rust once (plus one call to drain events when events
 are on); a call that raises has changed nothing (the core plans, then applies). Costs: the
-core's, plus one block view per block handed back (views are made per call, never kept).
+core's, plus one id list per group handed back; block views are made only when ``blocks`` is
+read or ``pop_blocks_for_free`` returns them, never kept.
 pagedkv's native loop runs over it through ``_native`` (``rust/py/src/vllm_v1/loop_kv.rs``: its
 ``allocate_slots`` and ``cache_blocks`` in Rust, its ``_drain_events`` and ``_computed_ids``
 called back), vLLM's own loop through these methods.
