@@ -14,7 +14,8 @@
 //! This file holds the types, construction (vLLM's group split), caching, freeing and the
 //! invariant check; `coordinator/lookup.rs` holds `find_longest_cache_hit` and
 //! `coordinator/allocate.rs` the block counting and `allocate_slots` (its checks, admission,
-//! plan and apply).
+//! plan and apply); `coordinator/slots.rs` the request slots (a request's id is looked up once
+//! per call; every group indexes its table by the slot).
 //!
 //! What the installed vLLM (0.32 and 0.33 alike, for what is mirrored here) does, and this
 //! does:
@@ -79,7 +80,8 @@
 //!
 //! Costs: a lookup is at most a few passes (each pass that does not stop shortens the
 //! candidate) of every non-full attention group's lookup, plus one lookup of each full group;
-//! allocation and freeing are O(groups + blocks moved).
+//! allocation and freeing are O(groups + blocks moved), with one hash lookup of the request's
+//! id per call.
 //!
 //! KV events: the pool is grouped, so caching logs [`super::pool::Event::StoredIn`] (per group,
 //! in group order, with the positions really cached) and eviction
@@ -92,11 +94,14 @@ use super::mamba::ZeroList;
 use super::manager::HashSource;
 use super::pool::{Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
-use super::single_type::{AttentionKind, GroupManager, GroupParams, GroupSpec};
+use super::single_type::{AttentionKind, GroupManager, GroupParams, GroupSpec, ReqSlot};
 use crate::error::{Error, Result};
 
 mod allocate;
 mod lookup;
+mod slots;
+
+use slots::ReqSlots;
 
 #[derive(Clone, Debug)]
 pub struct HybridConfig {
@@ -217,6 +222,10 @@ pub struct Hybrid {
     zeroing: Option<ZeroList>,
     /// `num_reprefillable_tokens` ([`Hybrid::set_prefill_lookahead`]).
     reprefillable: u64,
+    /// Each held request's slot in every group's table.
+    slots: ReqSlots,
+    /// `allocate_slots`'s plan, refilled by each call (its buffers kept).
+    plan: allocate::SlotPlan,
 }
 
 fn is_full(spec: &GroupSpec) -> bool {
@@ -280,6 +289,8 @@ impl Hybrid {
             attention_groups,
             zeroing: None,
             reprefillable: 0,
+            slots: ReqSlots::default(),
+            plan: allocate::SlotPlan::default(),
         })
     }
 
@@ -387,11 +398,17 @@ impl Hybrid {
         self.managers.len()
     }
 
+    /// The request's slot in every group's table ([`ReqSlot::UNKNOWN`] if it has none).
+    pub fn slot(&self, req: &str) -> ReqSlot {
+        self.slots.get(req)
+    }
+
     /// The request's table in every group (vLLM's `get_blocks`).
     pub fn blocks(&self, req: &str) -> Vec<Vec<u32>> {
+        let slot = self.slots.get(req);
         self.managers
             .iter()
-            .map(|m| m.blocks(req).to_vec())
+            .map(|m| m.blocks(slot).to_vec())
             .collect()
     }
 
@@ -399,8 +416,9 @@ impl Hybrid {
     /// blocks covers (null blocks skipped), the least over groups (every group here is
     /// prefix-cacheable); 0 for an unknown request. O(the request's blocks).
     pub fn estimate_cached_tokens(&self, req: &str) -> u32 {
+        let slot = self.slots.get(req);
         let group_max = |m: &GroupManager| {
-            let blocks = m.blocks(req).iter().filter(|&&b| b != NULL_BLOCK);
+            let blocks = m.blocks(slot).iter().filter(|&&b| b != NULL_BLOCK);
             blocks
                 .filter_map(|&b| self.pool.hashed_tokens(b))
                 .max()
@@ -432,16 +450,17 @@ impl Hybrid {
         boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
+        let slot = self.slots.get(req);
         let mut plans = Vec::with_capacity(self.managers.len());
         for m in &self.managers {
             let t = self.cacheable_tokens(m, num_computed_tokens);
-            let first = m.num_cached_blocks(req).unwrap_or(0);
-            let mut plan = m.plan_cache(first, m.blocks(req).len(), t, boundaries, hashes)?;
-            plan.tail = m.plan_tail(req, t, boundaries, hashes)?;
+            let first = m.num_cached_blocks(slot).unwrap_or(0);
+            let mut plan = m.plan_cache(first, m.blocks(slot).len(), t, boundaries, hashes)?;
+            plan.tail = m.plan_tail(slot, t, boundaries, hashes)?;
             plans.push(plan);
         }
         for (m, plan) in self.managers.iter_mut().zip(&plans) {
-            m.apply_cache(&mut self.pool, req, plan);
+            m.apply_cache(&mut self.pool, slot, plan);
         }
         Ok(())
     }
@@ -460,17 +479,21 @@ impl Hybrid {
     /// vLLM's `pop_blocks_for_free` across groups: every group's table, group order.
     pub fn pop_blocks_for_free(&mut self, req: &str) -> Vec<u32> {
         let release = self.cfg.release;
+        let slot = self.slots.release(req);
         self.managers
             .iter_mut()
-            .flat_map(|m| m.pop_blocks_for_free(req, release))
+            .flat_map(|m| m.pop_blocks_for_free(slot, release))
             .collect()
     }
 
     /// vLLM's `free(request)`: group by group, each group's table last block first.
     pub fn free(&mut self, req: &str) -> Result<()> {
+        let slot = self.slots.get(req);
         for m in &mut self.managers {
-            m.free(&mut self.pool, req, self.cfg.release)?;
+            m.free(&mut self.pool, slot, self.cfg.release)?;
         }
+        // Released once every group let the request go (a failed free keeps the slot).
+        self.slots.release(req);
         Ok(())
     }
 
@@ -481,6 +504,8 @@ impl Hybrid {
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
         self.pool.heap_bytes()
+            + self.slots.heap_bytes()
+            + self.plan.heap_bytes()
             + self.zeroing.as_ref().map_or(0, ZeroList::heap_bytes)
             + self
                 .managers
@@ -495,8 +520,16 @@ impl Hybrid {
     pub fn check(&self) -> std::result::Result<(), String> {
         self.pool.check()?;
         let mut holders = vec![0u32; self.pool.num_blocks() as usize];
+        let ids: std::collections::HashMap<ReqSlot, &str> =
+            self.slots.iter().map(|(id, s)| (s, id)).collect();
         for m in &self.managers {
-            for (req, t) in m.tables() {
+            for (slot, t) in m.tables() {
+                let Some(req) = ids.get(&slot) else {
+                    return Err(format!(
+                        "group {}: slot {slot:?} has no request",
+                        m.group_id()
+                    ));
+                };
                 let nulls = t.iter().take_while(|&&b| b == 0).count();
                 if t[nulls..].contains(&0) && !m.is_mamba_align() {
                     return Err(format!(

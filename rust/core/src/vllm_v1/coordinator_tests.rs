@@ -696,10 +696,11 @@ fn snapshot(h: &Hybrid, reqs: &[&str]) -> Snapshot {
         .collect();
     let mut tables = Vec::new();
     for req in reqs {
+        let slot = h.slot(req);
         for g in 0..h.num_groups() {
             let m = h.group(g);
-            tables.push(m.blocks(req).to_vec());
-            tables.push(m.num_cached_blocks(req).into_iter().collect());
+            tables.push(m.blocks(slot).to_vec());
+            tables.push(m.num_cached_blocks(slot).into_iter().collect());
         }
     }
     (p.free_queue(), blocks, tables)

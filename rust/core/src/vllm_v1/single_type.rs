@@ -49,11 +49,8 @@
 //! Costs: a lookup scans at most `max_length / block_size` hashes per group (the sliding
 //! window scans from the right and stops at its first run); `remove_skipped_blocks` is O(blocks
 //! newly skipped) (it stops at the first null, as vLLM does); everything else is O(blocks
-//! allocated, cached or freed). 4 B per table entry plus the request map.
-
-use foldhash::fast::RandomState;
-
-use hashbrown::HashMap;
+//! allocated, cached or freed); a request's state is an index away ([`ReqSlot`], which the
+//! coordinator looks up once per call). 4 B per table entry plus one state per slot.
 
 use super::eagle::GroupEagle;
 use super::engine::Release;
@@ -234,6 +231,17 @@ impl GroupSpec {
     }
 }
 
+/// A request's index in every group's request table, assigned by the coordinator when the
+/// request first needs state ([`super::coordinator::Hybrid`] looks the id up once per call;
+/// each group then indexes). [`ReqSlot::UNKNOWN`] is no group's request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ReqSlot(pub u32);
+
+impl ReqSlot {
+    /// A request no group holds (reads see an unknown request; it is never written).
+    pub const UNKNOWN: ReqSlot = ReqSlot(u32::MAX);
+}
+
 #[derive(Clone, Debug, Default)]
 struct ReqBlocks {
     blocks: Vec<u32>,
@@ -259,7 +267,9 @@ pub struct GroupManager {
     /// A Mamba align group's rules and `cached_blocks_this_step` (`None` for other kinds).
     align: Option<AlignGroup>,
     release: Release,
-    reqs: HashMap<Box<str>, ReqBlocks, RandomState>,
+    /// Per [`ReqSlot`], the request's state here (`None`: unknown to this group, as absent
+    /// from vLLM's `req_to_blocks`).
+    reqs: Vec<Option<ReqBlocks>>,
 }
 
 /// Everything a group manager is built from, besides its spec and id.
@@ -326,7 +336,7 @@ impl GroupManager {
             )
             .map(AlignGroup::new),
             release: p.release,
-            reqs: HashMap::with_hasher(RandomState::default()),
+            reqs: Vec::new(),
         })
     }
 
@@ -359,22 +369,42 @@ impl GroupManager {
         self.spec.block_size
     }
 
+    /// The request's state here (`None`: unknown to this group).
+    fn req(&self, slot: ReqSlot) -> Option<&ReqBlocks> {
+        self.reqs.get(slot.0 as usize).and_then(Option::as_ref)
+    }
+
+    fn req_mut(&mut self, slot: ReqSlot) -> Option<&mut ReqBlocks> {
+        self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut)
+    }
+
+    /// The request's state, made known here if it was not (vLLM's `req_to_blocks` is a
+    /// defaultdict). `slot` is one the coordinator assigned, never [`ReqSlot::UNKNOWN`].
+    fn req_entry(&mut self, slot: ReqSlot) -> &mut ReqBlocks {
+        let i = slot.0 as usize;
+        if i >= self.reqs.len() {
+            self.reqs.resize_with(i + 1, || None);
+        }
+        self.reqs[i].get_or_insert_with(ReqBlocks::default)
+    }
+
     /// The request's table (empty for an unknown request).
-    pub fn blocks(&self, req: &str) -> &[u32] {
-        self.reqs.get(req).map_or(&[], |r| &r.blocks)
+    pub fn blocks(&self, slot: ReqSlot) -> &[u32] {
+        self.req(slot).map_or(&[], |r| &r.blocks)
     }
 
     /// vLLM's `num_cached_block[req]` (`None`: not tracked).
-    pub fn num_cached_blocks(&self, req: &str) -> Option<u32> {
-        self.reqs.get(req).and_then(|r| r.num_cached)
+    pub fn num_cached_blocks(&self, slot: ReqSlot) -> Option<u32> {
+        self.req(slot).and_then(|r| r.num_cached)
     }
 
-    pub fn is_running(&self, req: &str) -> bool {
-        self.num_cached_blocks(req).is_some()
+    pub fn is_running(&self, slot: ReqSlot) -> bool {
+        self.num_cached_blocks(slot).is_some()
     }
 
+    /// The requests this group knows. O(slots).
     pub fn num_requests(&self) -> usize {
-        self.reqs.len()
+        self.reqs.iter().flatten().count()
     }
 
     fn skipped_blocks(&self, num_computed_tokens: u64) -> u64 {
@@ -399,11 +429,11 @@ impl GroupManager {
     pub fn remove_skipped_blocks(
         &mut self,
         pool: &mut Pool,
-        req: &str,
+        slot: ReqSlot,
         processed_computed_tokens: u64,
     ) -> Result<()> {
         if let Some(g) = self.align.as_ref() {
-            let Some(r) = self.reqs.get_mut(req) else {
+            let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut) else {
                 return Ok(());
             };
             return g.rules.remove_skipped(
@@ -417,7 +447,7 @@ impl GroupManager {
         if skipped == 0 {
             return Ok(());
         }
-        let Some(r) = self.reqs.get_mut(req) else {
+        let Some(r) = self.req_mut(slot) else {
             return Ok(());
         };
         let end = skipped.min(r.blocks.len());
@@ -436,8 +466,9 @@ impl GroupManager {
 
     /// vLLM's `pop_blocks_for_free`: forget the request, hand back its table without freeing
     /// it. 0.33 leaves out the leading null blocks (`trim_null_head`); 0.32 returns them too.
-    pub fn pop_blocks_for_free(&mut self, req: &str, release: Release) -> Vec<u32> {
-        let blocks = self.reqs.remove(req).map(|r| r.blocks).unwrap_or_default();
+    pub fn pop_blocks_for_free(&mut self, slot: ReqSlot, release: Release) -> Vec<u32> {
+        let entry = self.reqs.get_mut(slot.0 as usize).and_then(Option::take);
+        let blocks = entry.map(|r| r.blocks).unwrap_or_default();
         match release {
             Release::V032 => blocks,
             Release::V033 => {
@@ -448,29 +479,26 @@ impl GroupManager {
     }
 
     /// vLLM's `free(request)`: the table goes back last block first (null blocks skipped).
-    pub fn free(&mut self, pool: &mut Pool, req: &str, release: Release) -> Result<()> {
-        let blocks = self.pop_blocks_for_free(req, release);
+    pub fn free(&mut self, pool: &mut Pool, slot: ReqSlot, release: Release) -> Result<()> {
+        let blocks = self.pop_blocks_for_free(slot, release);
         pool.free_blocks(blocks.iter().rev().copied())
     }
 
-    /// Every request's table (tests and accounting).
-    pub fn tables(&self) -> impl Iterator<Item = (&str, &[u32])> {
-        self.reqs.iter().map(|(k, r)| (&**k, &r.blocks[..]))
+    /// Every known request's table by slot (tests and accounting).
+    pub fn tables(&self) -> impl Iterator<Item = (ReqSlot, &[u32])> {
+        let known = self.reqs.iter().enumerate();
+        known.filter_map(|(i, r)| r.as_ref().map(|r| (ReqSlot(i as u32), &r.blocks[..])))
     }
 
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
-        use crate::mem::{table_bytes, vec_bytes};
+        use crate::mem::vec_bytes;
         let per_req: usize = self
             .reqs
             .iter()
-            .map(|(k, r)| k.len() + vec_bytes(&r.blocks))
+            .flatten()
+            .map(|r| vec_bytes(&r.blocks))
             .sum();
-        per_req
-            + self.align.as_ref().map_or(0, AlignGroup::heap_bytes)
-            + table_bytes(
-                self.reqs.capacity(),
-                std::mem::size_of::<(Box<str>, ReqBlocks)>(),
-            )
+        per_req + self.align.as_ref().map_or(0, AlignGroup::heap_bytes) + vec_bytes(&self.reqs)
     }
 }

@@ -6,10 +6,13 @@ use super::engine::Release;
 use super::pool::{Event, HashKey, Pool, NULL_BLOCK};
 use super::retention::{Boundaries, Retention};
 use super::single_type::{
-    find_longest_cache_hit, AttentionKind, GroupManager, GroupParams, GroupSpec,
+    find_longest_cache_hit, AttentionKind, GroupManager, GroupParams, GroupSpec, ReqSlot,
 };
 
 const N: u32 = NULL_BLOCK;
+/// Two requests' slots (the coordinator assigns them; a group indexes by them).
+const A: ReqSlot = ReqSlot(0);
+const B: ReqSlot = ReqSlot(1);
 
 /// The test hash of block `i` (shared with `coordinator_tests` and `eagle_tests`).
 pub(super) fn key(i: u32) -> HashKey {
@@ -256,16 +259,16 @@ fn larger_blocks_read_every_kth_hash() {
 
 // --- remove_skipped_blocks, free order ---
 
-/// A sliding-window (window 8, block 4) group holding "a" with 16 tokens, all cached.
+/// A sliding-window (window 8, block 4) group holding `A` with 16 tokens, all cached.
 fn swa_with_16_cached(caching: bool) -> (Pool, GroupManager) {
     let mut p = Pool::new(10, caching, false).unwrap();
     let mut m = GroupManager::new(swa(8, 4), 0, params(4, caching)).unwrap();
     assert_eq!(
-        m.allocate_new_blocks(&mut p, "a", 16, 16).unwrap(),
+        m.allocate_new_blocks(&mut p, A, 16, 16).unwrap(),
         [1, 2, 3, 4]
     );
     let ks = keys(4);
-    m.cache_blocks(&mut p, "a", 16, Boundaries::default(), &mut &ks[..])
+    m.cache_blocks(&mut p, A, 16, Boundaries::default(), &mut &ks[..])
         .unwrap();
     (p, m)
 }
@@ -275,14 +278,14 @@ fn removed_window_blocks_go_to_the_tail_and_stay_cached() {
     // remove_skipped_blocks(13): skipped = 13 - 8 + 1 = 6 tokens -> block 0 becomes the
     // null block; freed with a hash, it joins the free queue's tail (LRU) and still hits.
     let (mut p, mut m) = swa_with_16_cached(true);
-    assert_eq!(m.num_cached_blocks("a"), Some(4));
-    m.remove_skipped_blocks(&mut p, "a", 13).unwrap();
-    assert_eq!(m.blocks("a"), [N, 2, 3, 4]);
+    assert_eq!(m.num_cached_blocks(A), Some(4));
+    m.remove_skipped_blocks(&mut p, A, 13).unwrap();
+    assert_eq!(m.blocks(A), [N, 2, 3, 4]);
     assert_eq!(p.free_queue(), [5, 6, 7, 8, 9, 1]);
     assert_eq!(p.get_cached(&key(0)), Some(1));
     // remove_skipped_blocks(16): 9 skipped -> 2 blocks; the walk back stops at the null.
-    m.remove_skipped_blocks(&mut p, "a", 16).unwrap();
-    assert_eq!(m.blocks("a"), [N, N, 3, 4]);
+    m.remove_skipped_blocks(&mut p, A, 16).unwrap();
+    assert_eq!(m.blocks(A), [N, N, 3, 4]);
     assert_eq!(p.free_queue(), [5, 6, 7, 8, 9, 1, 2]);
     p.check().unwrap();
 }
@@ -292,11 +295,11 @@ fn blocks_removed_together_are_freed_latest_first() {
     // _remove_blocks_in_range walks from the last skipped block back: blocks 1 then 0 are
     // freed in that order -> cached: tail [.., b1, b0]; uncached: head [b1, b0, ..].
     let (mut p, mut m) = swa_with_16_cached(true);
-    m.remove_skipped_blocks(&mut p, "a", 16).unwrap();
+    m.remove_skipped_blocks(&mut p, A, 16).unwrap();
     assert_eq!(p.free_queue(), [5, 6, 7, 8, 9, 2, 1]);
     let (mut p, mut m) = swa_with_16_cached(false);
-    m.remove_skipped_blocks(&mut p, "a", 16).unwrap();
-    assert_eq!(m.blocks("a"), [N, N, 3, 4]);
+    m.remove_skipped_blocks(&mut p, A, 16).unwrap();
+    assert_eq!(m.blocks(A), [N, N, 3, 4]);
     assert_eq!(p.free_queue(), [2, 1, 5, 6, 7, 8, 9]);
 }
 
@@ -305,10 +308,10 @@ fn free_skips_the_null_prefix_and_pop_trims_it_in_033() {
     // free(): pop_blocks_for_free, then free_blocks(reversed): 4 then 3 to the tail.
     // pop_blocks_for_free: 0.33 trim_null_head drops the nulls, 0.32 returns them.
     let (mut p, mut m) = swa_with_16_cached(true);
-    m.remove_skipped_blocks(&mut p, "a", 16).unwrap();
+    m.remove_skipped_blocks(&mut p, A, 16).unwrap();
     let mut m32 = m.clone();
-    assert_eq!(m32.pop_blocks_for_free("a", Release::V032), [N, N, 3, 4]);
-    m.free(&mut p, "a", Release::V033).unwrap();
+    assert_eq!(m32.pop_blocks_for_free(A, Release::V032), [N, N, 3, 4]);
+    m.free(&mut p, A, Release::V033).unwrap();
     assert_eq!(p.free_queue(), [5, 6, 7, 8, 9, 2, 1, 4, 3]);
     assert_eq!(m.num_requests(), 0);
     p.check().unwrap();
@@ -320,31 +323,28 @@ fn free_skips_the_null_prefix_and_pop_trims_it_in_033() {
 fn blocks_to_allocate_discounts_skipped_blocks() {
     // get_num_blocks_to_allocate, window 8, block 4, a new request.
     let (mut p, mut m) = swa_with_16_cached(true);
-    m.free(&mut p, "a", Release::V033).unwrap();
+    m.free(&mut p, A, Release::V033).unwrap();
     // Hit [N, N, 3, 4] (both evictable), 16 computed, 20 tokens: required 5, skipped
     // blocks 9 / 4 = 2, local 4 -> 5 - max(2, 4) = 1 new, plus the 2 evictable hits = 3.
     let hit = [N, N, 3, 4];
     assert_eq!(
-        m.num_blocks_to_allocate(&p, "b", 20, &hit, 16, false)
+        m.num_blocks_to_allocate(&p, B, 20, &hit, 16, false)
             .unwrap(),
         3
     );
     // No hit, 32 tokens computed elsewhere, 40 wanted: 10 required, 25 skipped tokens ->
     // 6 blocks dominate: 4.
     assert_eq!(
-        m.num_blocks_to_allocate(&p, "b", 40, &[], 32, false)
-            .unwrap(),
+        m.num_blocks_to_allocate(&p, B, 40, &[], 32, false).unwrap(),
         4
     );
     // The admission cap: ceil(min(8 - 1 + 16, 1000) / 4) + 1 = 7 of the 25 blocks wanted.
     assert_eq!(
-        m.num_blocks_to_allocate(&p, "b", 100, &[], 0, true)
-            .unwrap(),
+        m.num_blocks_to_allocate(&p, B, 100, &[], 0, true).unwrap(),
         7
     );
     assert_eq!(
-        m.num_blocks_to_allocate(&p, "b", 100, &[], 0, false)
-            .unwrap(),
+        m.num_blocks_to_allocate(&p, B, 100, &[], 0, false).unwrap(),
         25
     );
 }
@@ -354,21 +354,20 @@ fn adopting_a_window_hit_pads_nulls_and_touches_the_rest() {
     // add_local_computed_blocks(hit [N, N, 3, 4], 16 local): 2 skipped blocks -> nulls,
     // 3 and 4 touched (out of the free queue), the request tracked at 4 cached blocks.
     let (mut p, mut m) = swa_with_16_cached(true);
-    m.free(&mut p, "a", Release::V033).unwrap();
-    m.add_local_computed_blocks(&mut p, "b", &[N, N, 3, 4], 16)
+    m.free(&mut p, A, Release::V033).unwrap();
+    m.add_local_computed_blocks(&mut p, B, &[N, N, 3, 4], 16)
         .unwrap();
-    assert_eq!(m.blocks("b"), [N, N, 3, 4]);
-    assert_eq!(m.num_cached_blocks("b"), Some(4));
+    assert_eq!(m.blocks(B), [N, N, 3, 4]);
+    assert_eq!(m.num_cached_blocks(B), Some(4));
     assert_eq!((p.ref_cnt(3), p.ref_cnt(4)), (1, 1));
     assert_eq!(p.free_queue(), [5, 6, 7, 8, 9, 2, 1]);
     // Running: a further count is required - held, no hit allowed.
     assert_eq!(
-        m.num_blocks_to_allocate(&p, "b", 24, &[], 16, false)
-            .unwrap(),
+        m.num_blocks_to_allocate(&p, B, 24, &[], 16, false).unwrap(),
         2
     );
     assert!(m
-        .num_blocks_to_allocate(&p, "b", 24, &[1], 16, false)
+        .num_blocks_to_allocate(&p, B, 24, &[1], 16, false)
         .is_err());
 }
 
@@ -381,9 +380,9 @@ fn sliding_window_caches_only_reachable_blocks() {
     // BlockStored covers the range all the same.
     let mut p = Pool::new(12, true, true).unwrap();
     let mut m = GroupManager::new(swa(5, 4), 0, params(16, true)).unwrap();
-    let blocks = m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
+    let blocks = m.allocate_new_blocks(&mut p, A, 32, 32).unwrap();
     let ks = keys(8);
-    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+    m.cache_blocks(&mut p, A, 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
     let cached: Vec<u32> = blocks
         .iter()
@@ -392,14 +391,14 @@ fn sliding_window_caches_only_reachable_blocks() {
         .collect();
     assert_eq!(cached, [blocks[3], blocks[7]]);
     assert_eq!(p.hashed_tokens(blocks[7]), Some(32));
-    assert_eq!(m.num_cached_blocks("a"), Some(8));
+    assert_eq!(m.num_cached_blocks(A), Some(8));
     assert_eq!(p.take_events(), [Event::Stored { first: 0, end: 8 }]);
     // A window that needs a whole segment caches every block: window 14 needs
     // ceil(13 / 4) = 4 blocks, the 4 of a segment.
     let mut p = Pool::new(12, true, false).unwrap();
     let mut m = GroupManager::new(swa(14, 4), 0, params(16, true)).unwrap();
-    let blocks = m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
-    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+    let blocks = m.allocate_new_blocks(&mut p, A, 32, 32).unwrap();
+    m.cache_blocks(&mut p, A, 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
     assert!(blocks.iter().all(|&b| p.hash_of(b).is_some()));
 }
@@ -410,9 +409,9 @@ fn a_grouped_pool_logs_the_positions_really_cached_with_the_group() {
     // range 0..8), with group_idx 1.
     let mut p = Pool::new_grouped(12, true, true, 2).unwrap();
     let mut m = GroupManager::new(swa(5, 4), 1, params(16, true)).unwrap();
-    m.allocate_new_blocks(&mut p, "a", 32, 32).unwrap();
+    m.allocate_new_blocks(&mut p, A, 32, 32).unwrap();
     let ks = keys(8);
-    m.cache_blocks(&mut p, "a", 32, Boundaries::default(), &mut &ks[..])
+    m.cache_blocks(&mut p, A, 32, Boundaries::default(), &mut &ks[..])
         .unwrap();
     assert_eq!(
         p.take_events(),
@@ -431,17 +430,17 @@ fn cache_blocks_skips_null_blocks_and_nothing_full_leaves_the_request_untracked(
     // returns before setting num_cached_block, so the request stays untracked.
     let mut p = Pool::new(10, true, false).unwrap();
     let mut m = GroupManager::new(swa(4, 4), 0, params(4, true)).unwrap();
-    m.allocate_new_blocks(&mut p, "a", 3, 3).unwrap();
+    m.allocate_new_blocks(&mut p, A, 3, 3).unwrap();
     let ks = keys(2);
-    m.cache_blocks(&mut p, "a", 3, Boundaries::default(), &mut &ks[..])
+    m.cache_blocks(&mut p, A, 3, Boundaries::default(), &mut &ks[..])
         .unwrap();
-    assert_eq!(m.num_cached_blocks("a"), None);
-    m.allocate_new_blocks(&mut p, "a", 8, 8).unwrap();
-    m.remove_skipped_blocks(&mut p, "a", 7).unwrap(); // 7 - 4 + 1 = 4 skipped: block 0
-    assert_eq!(m.blocks("a"), [N, 2]);
-    m.cache_blocks(&mut p, "a", 8, Boundaries::default(), &mut &ks[..])
+    assert_eq!(m.num_cached_blocks(A), None);
+    m.allocate_new_blocks(&mut p, A, 8, 8).unwrap();
+    m.remove_skipped_blocks(&mut p, A, 7).unwrap(); // 7 - 4 + 1 = 4 skipped: block 0
+    assert_eq!(m.blocks(A), [N, 2]);
+    m.cache_blocks(&mut p, A, 8, Boundaries::default(), &mut &ks[..])
         .unwrap();
-    assert_eq!(m.num_cached_blocks("a"), Some(2));
+    assert_eq!(m.num_cached_blocks(A), Some(2));
     assert_eq!(p.get_cached(&key(0)), None);
     assert_eq!(p.get_cached(&key(1)), Some(2));
     p.check().unwrap();

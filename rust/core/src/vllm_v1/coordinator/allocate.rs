@@ -22,7 +22,7 @@ use crate::vllm_v1::mamba_align::CountArgs;
 use crate::vllm_v1::manager::HashSource;
 use crate::vllm_v1::pool::NULL_BLOCK;
 use crate::vllm_v1::retention::Retention;
-use crate::vllm_v1::single_type::{CachePlan, GroupManager, NewBlocks};
+use crate::vllm_v1::single_type::{CachePlan, GroupManager, NewBlocks, ReqSlot};
 
 /// One `allocate_slots` call's token counts (vLLM's names) and watermark.
 #[derive(Clone, Copy, Debug)]
@@ -41,14 +41,32 @@ struct Sizes {
 }
 
 /// What an admitted `allocate_slots` call does, planned and checked before anything changes.
-#[derive(Debug)]
-struct SlotPlan {
+/// The coordinator keeps one between calls and refills it (no allocation per call).
+#[derive(Clone, Debug, Default)]
+pub(super) struct SlotPlan {
     /// The request adopts the call's hit.
     adopt: bool,
+    /// Per group, its table's length once the hit is adopted.
+    held: Vec<usize>,
     /// Per group, what it caches (none: `delay_cache_blocks`).
     caches: Vec<CachePlan>,
     /// Per group, what it allocates.
     allocs: Vec<NewBlocks>,
+}
+
+impl SlotPlan {
+    fn clear(&mut self) {
+        self.adopt = false;
+        self.held.clear();
+        self.caches.clear();
+        self.allocs.clear();
+    }
+
+    /// Heap bytes of the (cleared) buffers.
+    pub(super) fn heap_bytes(&self) -> usize {
+        use crate::mem::vec_bytes;
+        vec_bytes(&self.held) + vec_bytes(&self.caches) + vec_bytes(&self.allocs)
+    }
 }
 
 impl Hybrid {
@@ -58,6 +76,27 @@ impl Hybrid {
     pub fn num_blocks_to_allocate(
         &mut self,
         req: &str,
+        c: &Count,
+        new_computed: Option<&[Vec<u32>]>,
+    ) -> Result<i64> {
+        let slot = self.slot_to_count(req);
+        self.count_blocks(slot, c, new_computed)
+    }
+
+    /// The slot a count reads: a Mamba align group records the chunk's checkpoint in the
+    /// request's state, so the request becomes known there (vLLM's defaultdict); other groups
+    /// only read.
+    fn slot_to_count(&mut self, req: &str) -> ReqSlot {
+        match self.managers.iter().any(GroupManager::is_mamba_align) {
+            true => self.slots.get_or_insert(req),
+            false => self.slots.get(req),
+        }
+    }
+
+    /// [`Self::num_blocks_to_allocate`] for the request at `slot`.
+    fn count_blocks(
+        &mut self,
+        slot: ReqSlot,
         c: &Count,
         new_computed: Option<&[Vec<u32>]>,
     ) -> Result<i64> {
@@ -76,13 +115,13 @@ impl Hybrid {
                 prefill_end,
                 apply_admission_cap: c.apply_admission_cap,
             };
-            if let Some(n) = m.align_count(&self.pool, req, &args) {
+            if let Some(n) = m.align_count(&self.pool, slot, &args) {
                 sum += n;
                 continue;
             }
             let n = m.num_blocks_to_allocate(
                 &self.pool,
-                req,
+                slot,
                 c.num_tokens,
                 nc,
                 c.total_computed,
@@ -106,8 +145,13 @@ impl Hybrid {
         req: &str,
         processed_computed_tokens: u64,
     ) -> Result<()> {
+        let slot = self.slots.get(req);
+        self.remove_skipped_at(slot, processed_computed_tokens)
+    }
+
+    fn remove_skipped_at(&mut self, slot: ReqSlot, processed_computed_tokens: u64) -> Result<()> {
         for m in &mut self.managers {
-            m.remove_skipped_blocks(&mut self.pool, req, processed_computed_tokens)?;
+            m.remove_skipped_blocks(&mut self.pool, slot, processed_computed_tokens)?;
         }
         Ok(())
     }
@@ -158,7 +202,8 @@ impl Hybrid {
             )));
         }
         let any = nc.iter().any(|g| !g.is_empty());
-        if self.managers.iter().any(|m| m.is_running(req)) {
+        let slot = self.slots.get(req);
+        if self.managers.iter().any(|m| m.is_running(slot)) {
             return match any {
                 true => Err(Error::invalid(format!(
                     "request {req} is running: it cannot adopt prefix-cache blocks"
@@ -166,7 +211,7 @@ impl Hybrid {
                 false => Ok(()),
             };
         }
-        if self.managers.iter().any(|m| !m.blocks(req).is_empty()) {
+        if self.managers.iter().any(|m| !m.blocks(slot).is_empty()) {
             return Err(Error::invalid(format!(
                 "request {req} holds blocks: it cannot adopt prefix-cache blocks"
             )));
@@ -223,11 +268,21 @@ impl Hybrid {
     ) -> Result<Option<Vec<Vec<u32>>>> {
         self.check_args(req, a)?;
         let s = self.sizes(a);
-        if !self.admit(req, a, &s)? {
+        let counted = self.slot_to_count(req);
+        if !self.admit(counted, a, &s)? {
             return Ok(None);
         }
-        let plan = self.plan_slots(req, a, &s, hashes)?;
-        Ok(Some(self.apply_slots(req, a, &s, &plan)))
+        // Admitted: the request is known from here on (it holds blocks once applied).
+        let slot = match counted {
+            ReqSlot::UNKNOWN => self.slots.get_or_insert(req),
+            known => known,
+        };
+        let mut plan = std::mem::take(&mut self.plan);
+        let planned = self.plan_slots(slot, a, &s, hashes, &mut plan);
+        let new = planned.map(|()| self.apply_slots(slot, a, &s, &plan));
+        plan.clear(); // what the groups' plans hold goes; the buffers stay
+        self.plan = plan;
+        new.map(Some)
     }
 
     /// An `allocate_slots` call's token counts and watermark, from its arguments.
@@ -259,7 +314,7 @@ impl Hybrid {
     /// vLLM's steps up to its refusal, in its order: the full-sequence gate, then
     /// `remove_skipped_blocks`, then the count against the free blocks less the reserved ones.
     /// `false`: refused (what those steps did stays done, as in vLLM).
-    fn admit(&mut self, req: &str, a: &HybridSlots, s: &Sizes) -> Result<bool> {
+    fn admit(&mut self, slot: ReqSlot, a: &HybridSlots, s: &Sizes) -> Result<bool> {
         if a.full_sequence_must_fit {
             let full = a.num_tokens.min(self.cfg.max_model_len);
             let c = Count {
@@ -269,12 +324,12 @@ impl Hybrid {
                 prefill_end: s.prefill_end,
                 apply_admission_cap: true,
             };
-            let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
+            let needed = self.count_blocks(slot, &c, a.new_computed)?;
             if needed.saturating_add(s.watermark) > self.pool.num_free() as i64 {
                 return Ok(false);
             }
         }
-        self.remove_skipped_blocks(req, s.total.saturating_sub(a.num_in_flight_tokens))?;
+        self.remove_skipped_at(slot, s.total.saturating_sub(a.num_in_flight_tokens))?;
         let c = Count {
             num_tokens: s.need_slots,
             num_tokens_main: s.main,
@@ -282,7 +337,7 @@ impl Hybrid {
             prefill_end: s.prefill_end,
             apply_admission_cap: false,
         };
-        let needed = self.num_blocks_to_allocate(req, &c, a.new_computed)?;
+        let needed = self.count_blocks(slot, &c, a.new_computed)?;
         // vLLM: `needed + watermark > free - reserved` (a negative right side refuses all).
         let available =
             self.pool.num_free() as i64 - i64::try_from(a.reserved_blocks).unwrap_or(i64::MAX);
@@ -295,91 +350,84 @@ impl Hybrid {
     /// pool has free), here before anything changes.
     fn plan_slots(
         &self,
-        req: &str,
+        slot: ReqSlot,
         a: &HybridSlots,
         s: &Sizes,
         hashes: &mut dyn HashSource,
-    ) -> Result<SlotPlan> {
-        let running = self.managers.iter().any(|m| m.is_running(req));
+        plan: &mut SlotPlan,
+    ) -> Result<()> {
+        let running = self.managers.iter().any(|m| m.is_running(slot));
         let adopt = match a.new_computed {
             Some(nc) if !running => Some(nc), // check_hit refused a running request's hit
             _ => None,
         };
+        plan.adopt = adopt.is_some();
         // Each group's table length once the hit is adopted, and the hit's blocks it touches.
-        let mut held = Vec::with_capacity(self.managers.len());
         let mut touched: Vec<u32> = Vec::new();
         for (i, m) in self.managers.iter().enumerate() {
             match adopt {
                 Some(nc) => {
                     let (len, kept) = m.adoption(&nc[i], s.local);
-                    held.push(len);
+                    plan.held.push(len);
                     touched.extend(kept.iter().filter(|&&b| self.pool.is_evictable(b)));
                 }
-                None => held.push(m.blocks(req).len()),
+                None => plan.held.push(m.blocks(slot).len()),
             }
         }
-        let caches = match a.delay_cache_blocks {
-            true => Vec::new(),
-            false => self.plan_caches(req, a, s, adopt.is_some(), &held, hashes)?,
-        };
+        if !a.delay_cache_blocks {
+            self.plan_caches(slot, a, s, hashes, plan)?;
+        }
         // Touching a free block takes it off the queue before any group allocates.
         touched.sort_unstable();
         touched.dedup();
         let mut free = self.pool.num_free() - touched.len();
-        let mut allocs = Vec::with_capacity(self.managers.len());
-        for (m, &len) in self.managers.iter().zip(&held) {
-            let plan = m.plan_new_blocks(req, len, s.need_slots, s.main)?;
-            if plan.num_new() > free {
+        for (m, &len) in self.managers.iter().zip(&plan.held) {
+            let alloc = m.plan_new_blocks(slot, len, s.need_slots, s.main)?;
+            if alloc.num_new() > free {
                 return Err(Error::OutOfBlocks {
                     device: "gpu",
-                    needed: plan.num_new(),
+                    needed: alloc.num_new(),
                     free,
                 });
             }
-            free -= plan.num_new();
-            allocs.push(plan);
+            free -= alloc.num_new();
+            plan.allocs.push(alloc);
         }
-        Ok(SlotPlan {
-            adopt: adopt.is_some(),
-            caches,
-            allocs,
-        })
+        Ok(())
     }
 
     /// What each group caches once the call's blocks are held (`cache_blocks` at the call's
-    /// verified tokens), every hash read; `held[i]` is group `i`'s table length once any hit
-    /// is adopted.
+    /// verified tokens), every hash read, into `plan.caches`; `plan.held[i]` is group `i`'s
+    /// table length once any hit is adopted (`plan.adopt`).
     fn plan_caches(
         &self,
-        req: &str,
+        slot: ReqSlot,
         a: &HybridSlots,
         s: &Sizes,
-        adopt: bool,
-        held: &[usize],
         hashes: &mut dyn HashSource,
-    ) -> Result<Vec<CachePlan>> {
+        plan: &mut SlotPlan,
+    ) -> Result<()> {
         let n = s.total.saturating_add(a.num_new_tokens).min(a.num_tokens);
-        let mut plans = Vec::with_capacity(self.managers.len());
-        for (m, &have) in self.managers.iter().zip(held) {
+        for (m, &have) in self.managers.iter().zip(&plan.held) {
             let t = self.cacheable_tokens(m, n);
-            let first = match adopt {
+            let first = match plan.adopt {
                 true => have as u32,
-                false => m.num_cached_blocks(req).unwrap_or(0),
+                false => m.num_cached_blocks(slot).unwrap_or(0),
             };
             let bs = u64::from(m.block_size());
             let table_len = have.max(s.need_slots.div_ceil(bs) as usize);
-            let mut plan = m.plan_cache(first, table_len, t, a.boundaries, hashes)?;
-            plan.tail = m.plan_tail(req, t, a.boundaries, hashes)?;
-            plans.push(plan);
+            let mut cache = m.plan_cache(first, table_len, t, a.boundaries, hashes)?;
+            cache.tail = m.plan_tail(slot, t, a.boundaries, hashes)?;
+            plan.caches.push(cache);
         }
-        Ok(plans)
+        Ok(())
     }
 
     /// Apply a [`SlotPlan`]: adopt the hit (every group), allocate (group 0, 1, ...), cache.
     /// Every check was made while planning: nothing here can fail.
     fn apply_slots(
         &mut self,
-        req: &str,
+        slot: ReqSlot,
         a: &HybridSlots,
         s: &Sizes,
         plan: &SlotPlan,
@@ -387,19 +435,19 @@ impl Hybrid {
         if plan.adopt {
             let nc = a.new_computed.unwrap_or(&[]);
             for (m, blocks) in self.managers.iter_mut().zip(nc) {
-                m.adopt_computed_blocks(&mut self.pool, req, blocks, s.local);
+                m.adopt_computed_blocks(&mut self.pool, slot, blocks, s.local);
             }
         }
         let mut new = Vec::with_capacity(self.managers.len());
         for (i, (m, alloc)) in self.managers.iter_mut().zip(&plan.allocs).enumerate() {
-            let blocks = m.apply_new_blocks(&mut self.pool, req, alloc);
+            let blocks = m.apply_new_blocks(&mut self.pool, slot, alloc);
             if let Some(z) = self.zeroing.as_mut() {
                 z.record(i, m.spec().kind, &blocks);
             }
             new.push(blocks);
         }
         for (m, cache) in self.managers.iter_mut().zip(&plan.caches) {
-            m.apply_cache(&mut self.pool, req, cache);
+            m.apply_cache(&mut self.pool, slot, cache);
         }
         new
     }

@@ -11,7 +11,7 @@
 //!
 //! Costs: O(blocks allocated or adopted).
 
-use super::GroupManager;
+use super::{GroupManager, ReqSlot};
 use crate::error::{Error, Result};
 use crate::vllm_v1::mamba_align::{AlignAlloc, CountArgs};
 use crate::vllm_v1::pool::{Pool, NULL_BLOCK};
@@ -69,7 +69,7 @@ impl GroupManager {
     pub fn num_blocks_to_allocate(
         &self,
         pool: &Pool,
-        req: &str,
+        slot: ReqSlot,
         num_tokens: u64,
         new_computed: &[u32],
         total_computed_tokens: u64,
@@ -82,12 +82,12 @@ impl GroupManager {
                 required = required.min(cap);
             }
         }
-        let r = self.reqs.get(req);
+        let r = self.req(slot);
         let running = r.is_some_and(|r| r.num_cached.is_some());
         if running && !new_computed.is_empty() {
-            return Err(Error::invalid(format!(
-                "request {req} is running: it cannot adopt prefix-cache blocks"
-            )));
+            return Err(Error::invalid(
+                "a running request cannot adopt prefix-cache blocks",
+            ));
         }
         let held = r.map_or(0, |r| r.blocks.len()) as u64;
         Ok(blocks_to_allocate(
@@ -102,10 +102,12 @@ impl GroupManager {
 
     /// A Mamba align group's `get_num_blocks_to_allocate` ([`crate::vllm_v1::mamba_align`]),
     /// recording the chunk's checkpoint as vLLM does; `None` for every other kind.
-    pub fn align_count(&mut self, pool: &Pool, req: &str, a: &CountArgs) -> Option<i64> {
+    pub fn align_count(&mut self, pool: &Pool, slot: ReqSlot, a: &CountArgs) -> Option<i64> {
+        self.align.as_ref()?;
+        self.req_entry(slot);
         let g = self.align.as_ref()?;
         let deferred = g.defers(pool, a.new_computed);
-        let r = self.reqs.entry_ref(req).or_default();
+        let r = self.reqs[slot.0 as usize].as_mut()?;
         let (n, record) = g.rules.count(pool, &r.blocks, &r.align, a, deferred);
         if let Some(c) = record {
             r.align.checkpoint = c;
@@ -118,19 +120,19 @@ impl GroupManager {
     pub fn add_local_computed_blocks(
         &mut self,
         pool: &mut Pool,
-        req: &str,
+        slot: ReqSlot,
         new_computed: &[u32],
         num_local_computed_tokens: u64,
     ) -> Result<()> {
-        if !self.blocks(req).is_empty() {
-            return Err(Error::invalid(format!(
-                "request {req} holds blocks: it cannot adopt prefix-cache blocks"
-            )));
+        if !self.blocks(slot).is_empty() {
+            return Err(Error::invalid(
+                "a request holding blocks cannot adopt prefix-cache blocks",
+            ));
         }
         if !self.caching && new_computed.iter().any(|&b| b != NULL_BLOCK) {
             return Err(Error::invalid("computed blocks without prefix caching"));
         }
-        self.adopt_computed_blocks(pool, req, new_computed, num_local_computed_tokens);
+        self.adopt_computed_blocks(pool, slot, new_computed, num_local_computed_tokens);
         Ok(())
     }
 
@@ -152,7 +154,7 @@ impl GroupManager {
     pub fn adopt_computed_blocks(
         &mut self,
         pool: &mut Pool,
-        req: &str,
+        slot: ReqSlot,
         new_computed: &[u32],
         num_local_computed_tokens: u64,
     ) {
@@ -160,7 +162,7 @@ impl GroupManager {
         if self.caching {
             pool.touch(kept);
         }
-        let r = self.reqs.entry_ref(req).or_default();
+        let r = self.req_entry(slot);
         r.blocks.resize(len - kept.len(), NULL_BLOCK);
         r.blocks.extend_from_slice(kept);
         r.num_cached = Some(r.blocks.len() as u32);
@@ -171,12 +173,12 @@ impl GroupManager {
     pub fn allocate_new_blocks(
         &mut self,
         pool: &mut Pool,
-        req: &str,
+        slot: ReqSlot,
         num_tokens: u64,
         num_tokens_main: u64,
     ) -> Result<Vec<u32>> {
         let plan =
-            self.plan_new_blocks(req, self.blocks(req).len(), num_tokens, num_tokens_main)?;
+            self.plan_new_blocks(slot, self.blocks(slot).len(), num_tokens, num_tokens_main)?;
         if plan.num_new() > pool.num_free() {
             return Err(Error::OutOfBlocks {
                 device: "gpu",
@@ -184,7 +186,7 @@ impl GroupManager {
                 free: pool.num_free(),
             });
         }
-        Ok(self.apply_new_blocks(pool, req, &plan))
+        Ok(self.apply_new_blocks(pool, slot, &plan))
     }
 
     /// Plan `allocate_new_blocks(req, num_tokens, num_tokens_main)` for the request holding
@@ -192,13 +194,13 @@ impl GroupManager {
     /// only where vLLM asserts (a Mamba align step past its cap).
     pub fn plan_new_blocks(
         &self,
-        req: &str,
+        slot: ReqSlot,
         held: usize,
         num_tokens: u64,
         num_tokens_main: u64,
     ) -> Result<NewBlocks> {
         if let Some(g) = self.align.as_ref() {
-            let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
+            let st = self.req(slot).map(|r| r.align).unwrap_or_default();
             return g
                 .rules
                 .plan_allocate(held, &st, num_tokens_main)
@@ -213,8 +215,16 @@ impl GroupManager {
     /// its new blocks free (the caller checked [`NewBlocks::num_new`]): it cannot fail.
     /// Returns the entries appended; the request becomes known (vLLM's `req_to_blocks` is a
     /// defaultdict).
-    pub fn apply_new_blocks(&mut self, pool: &mut Pool, req: &str, plan: &NewBlocks) -> Vec<u32> {
-        let r = self.reqs.entry_ref(req).or_default();
+    pub fn apply_new_blocks(
+        &mut self,
+        pool: &mut Pool,
+        slot: ReqSlot,
+        plan: &NewBlocks,
+    ) -> Vec<u32> {
+        self.req_entry(slot);
+        let r = self.reqs[slot.0 as usize]
+            .as_mut()
+            .expect("req_entry made the request known");
         match (plan, self.align.as_ref()) {
             (NewBlocks::Align(a), Some(g)) => {
                 g.rules.apply_allocate(pool, &mut r.blocks, &mut r.align, a)

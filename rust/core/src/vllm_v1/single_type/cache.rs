@@ -12,7 +12,7 @@
 //! Costs: O(blocks cached), one hash read each.
 
 use super::hit::View;
-use super::GroupManager;
+use super::{GroupManager, ReqSlot};
 use crate::error::{Error, Result};
 use crate::vllm_v1::engine::Release;
 use crate::vllm_v1::mamba_align::{TailCtx, TailPlan};
@@ -132,7 +132,7 @@ impl GroupManager {
     /// other kind).
     pub fn plan_tail(
         &self,
-        req: &str,
+        slot: ReqSlot,
         num_tokens: u64,
         boundaries: Boundaries,
         hashes: &mut dyn HashSource,
@@ -140,7 +140,7 @@ impl GroupManager {
         let Some(g) = self.align.as_ref() else {
             return Ok(None);
         };
-        let st = self.reqs.get(req).map(|r| r.align).unwrap_or_default();
+        let st = self.req(slot).map(|r| r.align).unwrap_or_default();
         g.rules
             .plan_tail(&st, num_tokens, boundaries, hashes)
             .map(Some)
@@ -149,8 +149,8 @@ impl GroupManager {
     /// Apply a [`CachePlan`] (vLLM's `cache_blocks` after its reads): cache the planned
     /// blocks this kind can serve hits from and count them cached; a Mamba align group then
     /// caches its tail and notes what it cached this step.
-    pub fn apply_cache(&mut self, pool: &mut Pool, req: &str, plan: &CachePlan) {
-        let Some(r) = self.reqs.get_mut(req) else {
+    pub fn apply_cache(&mut self, pool: &mut Pool, slot: ReqSlot, plan: &CachePlan) {
+        let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut) else {
             return;
         };
         let before = r.num_cached.unwrap_or(0) as usize;
@@ -182,21 +182,21 @@ impl GroupManager {
     pub fn cache_blocks(
         &mut self,
         pool: &mut Pool,
-        req: &str,
+        slot: ReqSlot,
         num_tokens: u64,
         boundaries: Boundaries,
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
-        let first = self.num_cached_blocks(req).unwrap_or(0);
+        let first = self.num_cached_blocks(slot).unwrap_or(0);
         let mut plan = self.plan_cache(
             first,
-            self.blocks(req).len(),
+            self.blocks(slot).len(),
             num_tokens,
             boundaries,
             hashes,
         )?;
-        plan.tail = self.plan_tail(req, num_tokens, boundaries, hashes)?;
-        self.apply_cache(pool, req, &plan);
+        plan.tail = self.plan_tail(slot, num_tokens, boundaries, hashes)?;
+        self.apply_cache(pool, slot, &plan);
         Ok(())
     }
 }
