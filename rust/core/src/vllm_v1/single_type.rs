@@ -451,16 +451,17 @@ impl GroupManager {
             return Ok(());
         };
         let end = skipped.min(r.blocks.len());
-        let mut freed = Vec::new();
-        for b in r.blocks[..end].iter().rev() {
-            if *b == NULL_BLOCK {
-                break;
-            }
-            freed.push(*b);
+        let skipped = &mut r.blocks[..end];
+        let n = skipped
+            .iter()
+            .rev()
+            .take_while(|&&b| b != NULL_BLOCK)
+            .count();
+        if n == 0 {
+            return Ok(());
         }
-        pool.free_blocks(freed.iter().copied())?;
-        let n = freed.len();
-        r.blocks[end - n..end].fill(NULL_BLOCK);
+        pool.free_blocks(skipped[end - n..].iter().rev().copied())?;
+        skipped[end - n..].fill(NULL_BLOCK);
         Ok(())
     }
 
