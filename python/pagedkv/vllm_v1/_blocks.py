@@ -7,8 +7,8 @@
   ids per group (one list for the one-group manager, one per group for the hybrid manager),
   with ``get_block_ids`` answered from the ids (no view is built on the scheduler's path) and
   ``blocks`` (views of the manager's block class) built only when read;
-  :func:`make_empty_blocks` the one-group manager's empty value, :func:`block_ids_of` the ids
-  of any block list.
+  :func:`make_empty_blocks` the managers' empty value (one group or several),
+  :func:`block_ids_of` the ids of any block list.
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ def block_ids_of(blocks: Iterable[Any]) -> List[int]:
     return [b.block_id for b in blocks]
 
 
-def make_empty_blocks(kv_cache_blocks_cls: type) -> Any:
-    """vLLM's shared empty ``KVCacheBlocks`` (one group, no blocks), a plain instance of vLLM's
-    class whose ``get_block_ids`` answers without vLLM's per-call generator: the scheduler asks
-    it once per running request per step (``allow_none=True``: ``None``)."""
-    empty = kv_cache_blocks_cls(((),))
+def make_empty_blocks(kv_cache_blocks_cls: type, num_groups: int = 1) -> Any:
+    """vLLM's shared empty ``KVCacheBlocks`` (``num_groups`` groups, no blocks), a plain
+    instance of vLLM's class whose ``get_block_ids`` answers without vLLM's per-call
+    generator: the scheduler asks it once per running request per step (``allow_none=True``:
+    ``None``)."""
+    empty = kv_cache_blocks_cls(tuple(() for _ in range(num_groups)))
     slow = empty.get_block_ids
 
     def get_block_ids(
@@ -75,7 +76,7 @@ def make_empty_blocks(kv_cache_blocks_cls: type) -> Any:
     ) -> Optional[Tuple[List[int], ...]]:
         if group_ids is not None:
             return slow(allow_none, group_ids=group_ids)
-        return None if allow_none else ([],)
+        return None if allow_none else tuple([] for _ in range(num_groups))
 
     # An instance attribute shadows the method; the dataclass's fields, equality and repr
     # are vLLM's.

@@ -317,7 +317,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         )
         self.block_pool = _PoolView(self)
         self.coordinator = _CoordinatorView(self, kv_cache_config)
-        self.empty_kv_cache_blocks = self._KVCacheBlocks(tuple(() for _ in groups))
+        self.empty_kv_cache_blocks = _blocks.make_empty_blocks(self._KVCacheBlocks, len(groups))
         self._Blocks = _blocks.make_blocks_class(self._KVCacheBlocks, self._native, HybridBlockView)
 
     def _bind_events(self) -> None:

@@ -50,7 +50,7 @@ def hits(layout: str) -> Tuple[Any, Any, Any, Any]:
 
 
 @pytest.mark.parametrize("layout", ["", "swa-only", "gpt-oss", "gemma3", "two-windows"])
-def test_hybrid_blocks_answer_as_vllms(layout: str) -> None:
+def test_the_blocks_answer_as_vllms(layout: str) -> None:
     v_hit, v_new, o_hit, o_new = hits(layout)
     assert isinstance(o_hit, KVCacheBlocks) and type(o_hit) is not KVCacheBlocks
     groups = len(v_hit.blocks)
@@ -85,3 +85,21 @@ def test_a_returned_list_is_a_copy(layout: str) -> None:
     before = [list(g) for g in ids]
     ids[0].append(999)
     assert [list(g) for g in o_hit.get_block_ids()] == before
+
+
+@pytest.mark.parametrize("layout", ["", "swa-only", "gpt-oss", "gemma3", "two-windows"])
+def test_the_empty_blocks_answer_as_vllms(layout: str) -> None:
+    """Each manager's shared empty ``KVCacheBlocks`` (``make_empty_blocks``, one list per
+    group) answers as vLLM's manager's own, every ``allow_none`` / ``group_ids`` combination,
+    and each call returns fresh lists."""
+    vllm, ours = manager_pair(64, BS, layout, None, (), enable_caching=True)
+    v, o = vllm.empty_kv_cache_blocks, ours.empty_kv_cache_blocks
+    groups = len(v.blocks)
+    assert o == v and len(o.blocks) == groups
+    for allow_none in (False, True):
+        for group_ids in (None, [0], [groups - 1], list(range(groups))[::-1]):
+            kw = dict(allow_none=allow_none, group_ids=group_ids)
+            assert o.get_block_ids(**kw) == v.get_block_ids(**kw), kw
+    first = o.get_block_ids()
+    first[0].append(7)
+    assert o.get_block_ids() == v.get_block_ids()
