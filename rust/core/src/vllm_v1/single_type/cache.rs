@@ -93,7 +93,9 @@ impl GroupManager {
             first,
             ..Default::default()
         };
-        if !self.caching {
+        // No block past `first` can become full below the tokens' own full blocks: then no
+        // hash is read (the caller's hashes may cost a call into Python).
+        if !self.caching || num_tokens / u64::from(self.spec.block_size) <= u64::from(first) {
             return Ok(plan);
         }
         let count = hashes.count()?;
