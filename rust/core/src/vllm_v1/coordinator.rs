@@ -93,7 +93,7 @@ use super::engine::Release;
 use super::mamba::ZeroList;
 use super::manager::HashSource;
 use super::pool::{Pool, NULL_BLOCK};
-use super::retention::{Boundaries, Retention};
+use super::retention::{Boundaries, BoundarySource, Retention};
 use super::single_type::{AttentionKind, GroupManager, GroupParams, GroupSpec, ReqSlot};
 use crate::error::{Error, Result};
 
@@ -173,8 +173,8 @@ pub struct HybridSlots<'a> {
     pub reserved_blocks: u64,
     pub has_scheduled_reqs: bool,
     /// `request.num_prompt_tokens` and `request.shared_prefix_boundary` (what sparse
-    /// retention caches around).
-    pub boundaries: Boundaries,
+    /// retention caches around, and a Mamba align group's prefill end), read only if needed.
+    pub boundaries: BoundarySource<'a>,
 }
 
 /// One `get_num_blocks_to_allocate` call's token counts (vLLM's names).
@@ -451,6 +451,7 @@ impl Hybrid {
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
         let slot = self.slots.get(req);
+        let boundaries = BoundarySource::Given(boundaries);
         let mut plans = Vec::with_capacity(self.managers.len());
         for m in &self.managers {
             let t = self.cacheable_tokens(m, num_computed_tokens);

@@ -6,7 +6,7 @@ use super::coordinator::{Count, Hit, Hybrid, HybridConfig, HybridSlots};
 use super::engine::Release;
 use super::manager::HashSource;
 use super::pool::{Event, HashKey, NULL_BLOCK};
-use super::retention::{Boundaries, Retention};
+use super::retention::{Boundaries, BoundarySource, Retention};
 use super::single_type::{AttentionKind, GroupSpec};
 use super::single_type_tests::{chunked, full, key, keys, swa};
 
@@ -412,6 +412,50 @@ fn sibling_keys(shared: u32, base: u32, n: u32) -> Vec<HashKey> {
         .collect()
 }
 
+/// The request's boundaries are read only by a call that caches a block (no Mamba align
+/// group): a decode step inside a block reads neither them nor a hash.
+#[test]
+fn boundaries_are_read_only_by_a_call_that_caches() {
+    let mut h = hybrid_retaining(vec![full(4), swa(8, 4)], 4, true, sparse(0));
+    let ks = keys(4);
+    let reads = std::cell::Cell::new(0);
+    let read = || {
+        reads.set(reads.get() + 1);
+        Ok(Boundaries {
+            num_prompt_tokens: 5,
+            shared_prefix_boundary: 0,
+        })
+    };
+    let step = |computed: u64, tokens: u64| HybridSlots {
+        num_computed_tokens: computed,
+        num_tokens: tokens,
+        num_new_tokens: tokens - computed,
+        waiting_or_preempted: computed == 0,
+        boundaries: BoundarySource::Read(&read),
+        ..Default::default()
+    };
+    // 5 tokens: block 0 of each group becomes full and is cached.
+    assert!(h
+        .allocate_slots("a", &step(0, 5), &mut &ks[..])
+        .unwrap()
+        .is_some());
+    let after_prefill = reads.get();
+    assert!(after_prefill > 0);
+    // The sixth token: block 1 is not full yet, nothing is read.
+    assert!(h
+        .allocate_slots("a", &step(5, 6), &mut &ks[..])
+        .unwrap()
+        .is_some());
+    assert_eq!(reads.get(), after_prefill);
+    // Up to 8 tokens: block 1 becomes full, the boundaries are read again.
+    assert!(h
+        .allocate_slots("a", &step(6, 8), &mut &ks[..])
+        .unwrap()
+        .is_some());
+    assert!(reads.get() > after_prefill);
+    h.check().unwrap();
+}
+
 #[test]
 fn zero_retention_caches_the_replay_tail_and_the_junction_tail() {
     // prefix_cache_retention_interval=0, GPT-OSS-like (full + window 8 over 4-token blocks:
@@ -423,7 +467,8 @@ fn zero_retention_caches_the_replay_tail_and_the_junction_tail() {
         boundaries: Boundaries {
             num_prompt_tokens: 17,
             shared_prefix_boundary: 0,
-        },
+        }
+        .into(),
         ..prefill(17)
     };
     let new = h.allocate_slots("a", &a, &mut &ks[..]).unwrap();
@@ -462,7 +507,8 @@ fn zero_retention_caches_the_replay_tail_and_the_junction_tail() {
         boundaries: Boundaries {
             num_prompt_tokens: 20,
             shared_prefix_boundary: 12,
-        },
+        }
+        .into(),
         ..prefill(20)
     };
     let new = h.allocate_slots("c", &c, &mut &kc[..]).unwrap();
@@ -601,7 +647,7 @@ fn randomized_runs_keep_every_invariant() {
                         new_computed: Some(&hit.blocks),
                         waiting_or_preempted: true,
                         full_sequence_must_fit: gate,
-                        boundaries,
+                        boundaries: boundaries.into(),
                         ..Default::default()
                     };
                     let new = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();
@@ -637,7 +683,7 @@ fn randomized_runs_keep_every_invariant() {
                         num_tokens: tokens,
                         num_new_tokens: new,
                         num_in_flight_tokens: in_flight,
-                        boundaries,
+                        boundaries: boundaries.into(),
                         ..Default::default()
                     };
                     let out = h.allocate_slots(&id, &a, &mut &ks[..]).unwrap();

@@ -50,7 +50,8 @@ fn slots(computed: u64, new: u64, total: u64) -> HybridSlots<'static> {
         boundaries: Boundaries {
             num_prompt_tokens: 10,
             shared_prefix_boundary: 0,
-        },
+        }
+        .into(),
         ..Default::default()
     }
 }

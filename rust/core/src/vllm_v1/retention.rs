@@ -108,6 +108,47 @@ pub struct Boundaries {
     pub shared_prefix_boundary: u64,
 }
 
+/// Where a call gets the request's [`Boundaries`]: given, or read when first needed. The
+/// bindings read them off vLLM's request (two attribute reads); an `allocate_slots` call
+/// needs them only to cache a block or for a Mamba align group, which most decode steps of
+/// a model without one do not.
+#[derive(Clone, Copy)]
+pub enum BoundarySource<'a> {
+    Given(Boundaries),
+    Read(&'a dyn Fn() -> Result<Boundaries>),
+}
+
+impl BoundarySource<'_> {
+    /// The boundaries (read now for [`BoundarySource::Read`]).
+    pub fn get(&self) -> Result<Boundaries> {
+        match self {
+            BoundarySource::Given(b) => Ok(*b),
+            BoundarySource::Read(read) => read(),
+        }
+    }
+}
+
+impl Default for BoundarySource<'_> {
+    fn default() -> Self {
+        BoundarySource::Given(Boundaries::default())
+    }
+}
+
+impl From<Boundaries> for BoundarySource<'_> {
+    fn from(b: Boundaries) -> Self {
+        BoundarySource::Given(b)
+    }
+}
+
+impl std::fmt::Debug for BoundarySource<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            BoundarySource::Given(b) => f.debug_tuple("Given").field(b).finish(),
+            BoundarySource::Read(_) => f.write_str("Read(..)"),
+        }
+    }
+}
+
 /// Which blocks of a request one group caches: vLLM's `reachable_block_mask`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Retained {

@@ -290,7 +290,8 @@ impl PyV1Hybrid {
             boundaries: Boundaries {
                 num_prompt_tokens: num_prompt_tokens.0,
                 shared_prefix_boundary: shared_prefix_boundary.0,
-            },
+            }
+            .into(),
         };
         self.lock()?
             .allocate_slots(request_id, &a, &mut hashes)

@@ -11,9 +11,11 @@
 //! pool's order, only when the call logged any.
 //!
 //! Costs: one group, the manager's own calls (nothing more per row); hybrid, per
-//! `allocate_slots` one attribute read (`num_in_flight_tokens`) and the block hashes read
-//! in place, per admission with a hit one Python call converting the hit's blocks to ids
-//! (the manager's `_computed_ids`), and one Python call per allocation that logged events.
+//! `allocate_slots` one attribute read (`num_in_flight_tokens`), two more (the retention
+//! boundaries) and the block hashes read in place only when the call caches a block (or a
+//! Mamba align group counts), per admission with a hit one Python call converting the hit's
+//! blocks to ids (the manager's `_computed_ids`), and one Python call per allocation that
+//! logged events.
 
 use crate::errors::IntoPyResult;
 use crate::vllm_v1::hybrid::PyV1Hybrid;
@@ -21,7 +23,7 @@ use crate::vllm_v1::manager::PyV1Manager;
 use crate::vllm_v1::manager_inputs::{block_ids, PyHashes};
 use pagedkv_core::vllm_v1::coordinator::HybridSlots;
 use pagedkv_core::vllm_v1::engine::BlockIds;
-use pagedkv_core::vllm_v1::retention::Boundaries;
+use pagedkv_core::vllm_v1::retention::{Boundaries, BoundarySource};
 use pagedkv_core::vllm_v1::SlotRequest;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -136,7 +138,13 @@ impl LoopKv {
                 let in_flight = request
                     .getattr(intern!(py, "num_in_flight_tokens"))?
                     .extract()?;
-                let slots = hybrid_slots(a, hit, in_flight, boundaries_of(request)?);
+                // Read only if the call caches a block or a Mamba align group counts.
+                let read = || {
+                    boundaries_of(request).map_err(|e| {
+                        pagedkv_core::Error::invalid(format!("the request's boundaries: {e}"))
+                    })
+                };
+                let slots = hybrid_slots(a, hit, in_flight, BoundarySource::Read(&read));
                 let (ids, logged) = h.get().allocate_logged(request, rid, &slots)?;
                 if logged {
                     drain_events(sched, request)?;
@@ -206,7 +214,7 @@ fn hybrid_slots<'a>(
     a: &SlotRequest<'_, PyBlocks>,
     hit: Option<&'a [Vec<u32>]>,
     num_in_flight_tokens: u64,
-    boundaries: Boundaries,
+    boundaries: BoundarySource<'a>,
 ) -> HybridSlots<'a> {
     HybridSlots {
         num_computed_tokens: a.num_computed_tokens,

@@ -267,7 +267,7 @@ impl Hybrid {
         hashes: &mut dyn HashSource,
     ) -> Result<Option<Vec<Vec<u32>>>> {
         self.check_args(req, a)?;
-        let s = self.sizes(a);
+        let s = self.sizes(a)?;
         let counted = self.slot_to_count(req);
         if !self.admit(counted, a, &s)? {
             return Ok(None);
@@ -285,8 +285,9 @@ impl Hybrid {
         new.map(Some)
     }
 
-    /// An `allocate_slots` call's token counts and watermark, from its arguments.
-    fn sizes(&self, a: &HybridSlots) -> Sizes {
+    /// An `allocate_slots` call's token counts and watermark, from its arguments (the
+    /// request's boundaries read only for a Mamba align group, the prefill end's one reader).
+    fn sizes(&self, a: &HybridSlots) -> Result<Sizes> {
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
@@ -296,19 +297,20 @@ impl Hybrid {
             true => self.cfg.watermark_blocks,
             false => 0,
         };
-        Sizes {
+        let prefill_end = match self.managers.iter().any(GroupManager::is_mamba_align) {
+            true => a.boundaries.get()?.num_prompt_tokens,
+            false => 0,
+        };
+        Ok(Sizes {
             local,
             total,
             main,
             need_slots: main
                 .saturating_add(a.num_lookahead_tokens)
                 .min(self.cfg.max_model_len),
-            prefill_end: a
-                .boundaries
-                .num_prompt_tokens
-                .max(a.num_tokens.saturating_sub(1)),
+            prefill_end: prefill_end.max(a.num_tokens.saturating_sub(1)),
             watermark: i64::try_from(watermark).unwrap_or(i64::MAX),
-        }
+        })
     }
 
     /// vLLM's steps up to its refusal, in its order: the full-sequence gate, then

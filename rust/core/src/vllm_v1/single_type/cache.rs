@@ -18,7 +18,7 @@ use crate::vllm_v1::engine::Release;
 use crate::vllm_v1::mamba_align::{TailCtx, TailPlan};
 use crate::vllm_v1::manager::HashSource;
 use crate::vllm_v1::pool::{Event, HashKey, Pool, NULL_BLOCK};
-use crate::vllm_v1::retention::{Boundaries, Retained};
+use crate::vllm_v1::retention::{Boundaries, BoundarySource, Retained};
 
 /// vLLM's `BlockPool.cache_full_blocks` for group `group`: cache blocks
 /// `first..first + keys.len()` of `blocks` (`keys[i]` is block `first + i`'s hash), skipping
@@ -86,7 +86,7 @@ impl GroupManager {
         first: u32,
         held: usize,
         num_tokens: u64,
-        boundaries: Boundaries,
+        boundaries: BoundarySource,
         hashes: &mut dyn HashSource,
     ) -> Result<CachePlan> {
         let mut plan = CachePlan {
@@ -123,7 +123,7 @@ impl GroupManager {
             &self.spec,
             self.retention,
             self.alignment,
-            boundaries,
+            boundaries.get()?,
             self.eagle,
         );
         plan.active = true;
@@ -136,7 +136,7 @@ impl GroupManager {
         &self,
         slot: ReqSlot,
         num_tokens: u64,
-        boundaries: Boundaries,
+        boundaries: BoundarySource,
         hashes: &mut dyn HashSource,
     ) -> Result<Option<TailPlan>> {
         let Some(g) = self.align.as_ref() else {
@@ -144,7 +144,7 @@ impl GroupManager {
         };
         let st = self.req(slot).map(|r| r.align).unwrap_or_default();
         g.rules
-            .plan_tail(&st, num_tokens, boundaries, hashes)
+            .plan_tail(&st, num_tokens, boundaries.get()?, hashes)
             .map(Some)
     }
 
@@ -190,6 +190,7 @@ impl GroupManager {
         hashes: &mut dyn HashSource,
     ) -> Result<()> {
         let first = self.num_cached_blocks(slot).unwrap_or(0);
+        let boundaries = BoundarySource::Given(boundaries);
         let mut plan = self.plan_cache(
             first,
             self.blocks(slot).len(),
