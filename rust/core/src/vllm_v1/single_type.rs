@@ -381,6 +381,11 @@ impl GroupManager {
     /// The request's state, made known here if it was not (vLLM's `req_to_blocks` is a
     /// defaultdict). `slot` is one the coordinator assigned, never [`ReqSlot::UNKNOWN`].
     fn req_entry(&mut self, slot: ReqSlot) -> &mut ReqBlocks {
+        debug_assert_ne!(
+            slot,
+            ReqSlot::UNKNOWN,
+            "a request is made known only at its slot"
+        );
         let i = slot.0 as usize;
         if i >= self.reqs.len() {
             self.reqs.resize_with(i + 1, || None);
