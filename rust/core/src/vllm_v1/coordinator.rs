@@ -435,6 +435,12 @@ impl Hybrid {
             .collect()
     }
 
+    /// Some group is a Mamba align group (it keeps per-request state a count writes, and
+    /// reads the prefill end).
+    fn has_mamba_align(&self) -> bool {
+        self.managers.iter().any(GroupManager::is_mamba_align)
+    }
+
     /// vLLM's `UnitaryKVCacheCoordinator` (one group, prefix caching on) rather than its
     /// hybrid one: one lookup, no fixed point.
     fn unitary(&self) -> bool {

@@ -25,9 +25,10 @@
 //! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
 //! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
 //! `pagedkv.vllm_v1`'s scope does for the single group): EAGLE never with chunked local
-//! attention (vLLM asserts), no KV connector (no external tokens), no context parallelism, no fine-grained partial hash hits (they need
-//! a Mamba "align" group with blocks larger than the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse
-//! groups, and full-attention groups only at the hash block size: with larger blocks vLLM's
+//! attention (vLLM asserts), no KV connector (no external tokens), no context parallelism,
+//! no fine-grained partial hash hits (they need a Mamba "align" group with blocks larger than
+//! the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse groups, and
+//! full-attention groups only at the hash block size: with larger blocks vLLM's
 //! `FullAttentionManager.cache_blocks` also registers the prompt's last hash boundary inside
 //! a block as a partial entry on that block (`cache_partial_block`: a second hash per block,
 //! its own `BlockStored`, re-registered after an eviction), which [`GroupManager::new`]
@@ -267,9 +268,56 @@ pub struct GroupManager {
     /// A Mamba align group's rules and `cached_blocks_this_step` (`None` for other kinds).
     align: Option<AlignGroup>,
     release: Release,
-    /// Per [`ReqSlot`], the request's state here (`None`: unknown to this group, as absent
-    /// from vLLM's `req_to_blocks`).
-    reqs: Vec<Option<ReqBlocks>>,
+    /// Per [`ReqSlot`], the request's state here.
+    reqs: ReqTable,
+}
+
+/// A group's request states indexed by [`ReqSlot`] (`None`: unknown to this group, as absent
+/// from vLLM's `req_to_blocks`). Its methods borrow only the table, so a caller may hold the
+/// group's rules beside a request's state.
+#[derive(Clone, Debug, Default)]
+struct ReqTable(Vec<Option<ReqBlocks>>);
+
+impl ReqTable {
+    fn get(&self, slot: ReqSlot) -> Option<&ReqBlocks> {
+        self.0.get(slot.0 as usize).and_then(Option::as_ref)
+    }
+
+    fn get_mut(&mut self, slot: ReqSlot) -> Option<&mut ReqBlocks> {
+        self.0.get_mut(slot.0 as usize).and_then(Option::as_mut)
+    }
+
+    /// The request's state, made known if it was not (vLLM's `req_to_blocks` is a
+    /// defaultdict). `slot` is one the coordinator assigned, never [`ReqSlot::UNKNOWN`].
+    fn entry(&mut self, slot: ReqSlot) -> &mut ReqBlocks {
+        debug_assert_ne!(
+            slot,
+            ReqSlot::UNKNOWN,
+            "a request is made known only at its slot"
+        );
+        let i = slot.0 as usize;
+        if i >= self.0.len() {
+            self.0.resize_with(i + 1, || None);
+        }
+        self.0[i].get_or_insert_with(ReqBlocks::default)
+    }
+
+    /// Forget the request; its state, if it was known.
+    fn take(&mut self, slot: ReqSlot) -> Option<ReqBlocks> {
+        self.0.get_mut(slot.0 as usize).and_then(Option::take)
+    }
+
+    /// Every known request's state, by slot.
+    fn known(&self) -> impl Iterator<Item = (ReqSlot, &ReqBlocks)> {
+        let all = self.0.iter().enumerate();
+        all.filter_map(|(i, r)| r.as_ref().map(|r| (ReqSlot(i as u32), r)))
+    }
+
+    fn heap_bytes(&self) -> usize {
+        use crate::mem::vec_bytes;
+        let tables: usize = self.known().map(|(_, r)| vec_bytes(&r.blocks)).sum();
+        tables + vec_bytes(&self.0)
+    }
 }
 
 /// Everything a group manager is built from, besides its spec and id.
@@ -336,7 +384,7 @@ impl GroupManager {
             )
             .map(AlignGroup::new),
             release: p.release,
-            reqs: Vec::new(),
+            reqs: ReqTable::default(),
         })
     }
 
@@ -369,38 +417,14 @@ impl GroupManager {
         self.spec.block_size
     }
 
-    /// The request's state here (`None`: unknown to this group).
-    fn req(&self, slot: ReqSlot) -> Option<&ReqBlocks> {
-        self.reqs.get(slot.0 as usize).and_then(Option::as_ref)
-    }
-
-    fn req_mut(&mut self, slot: ReqSlot) -> Option<&mut ReqBlocks> {
-        self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut)
-    }
-
-    /// The request's state, made known here if it was not (vLLM's `req_to_blocks` is a
-    /// defaultdict). `slot` is one the coordinator assigned, never [`ReqSlot::UNKNOWN`].
-    fn req_entry(&mut self, slot: ReqSlot) -> &mut ReqBlocks {
-        debug_assert_ne!(
-            slot,
-            ReqSlot::UNKNOWN,
-            "a request is made known only at its slot"
-        );
-        let i = slot.0 as usize;
-        if i >= self.reqs.len() {
-            self.reqs.resize_with(i + 1, || None);
-        }
-        self.reqs[i].get_or_insert_with(ReqBlocks::default)
-    }
-
     /// The request's table (empty for an unknown request).
     pub fn blocks(&self, slot: ReqSlot) -> &[u32] {
-        self.req(slot).map_or(&[], |r| &r.blocks)
+        self.reqs.get(slot).map_or(&[], |r| &r.blocks)
     }
 
     /// vLLM's `num_cached_block[req]` (`None`: not tracked).
     pub fn num_cached_blocks(&self, slot: ReqSlot) -> Option<u32> {
-        self.req(slot).and_then(|r| r.num_cached)
+        self.reqs.get(slot).and_then(|r| r.num_cached)
     }
 
     pub fn is_running(&self, slot: ReqSlot) -> bool {
@@ -409,7 +433,7 @@ impl GroupManager {
 
     /// The requests this group knows. O(slots).
     pub fn num_requests(&self) -> usize {
-        self.reqs.iter().flatten().count()
+        self.reqs.known().count()
     }
 
     fn skipped_blocks(&self, num_computed_tokens: u64) -> u64 {
@@ -438,7 +462,7 @@ impl GroupManager {
         processed_computed_tokens: u64,
     ) -> Result<()> {
         if let Some(g) = self.align.as_ref() {
-            let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut) else {
+            let Some(r) = self.reqs.get_mut(slot) else {
                 return Ok(());
             };
             return g.rules.remove_skipped(
@@ -452,7 +476,7 @@ impl GroupManager {
         if skipped == 0 {
             return Ok(());
         }
-        let Some(r) = self.req_mut(slot) else {
+        let Some(r) = self.reqs.get_mut(slot) else {
             return Ok(());
         };
         let end = skipped.min(r.blocks.len());
@@ -473,8 +497,7 @@ impl GroupManager {
     /// vLLM's `pop_blocks_for_free`: forget the request, hand back its table without freeing
     /// it. 0.33 leaves out the leading null blocks (`trim_null_head`); 0.32 returns them too.
     pub fn pop_blocks_for_free(&mut self, slot: ReqSlot, release: Release) -> Vec<u32> {
-        let entry = self.reqs.get_mut(slot.0 as usize).and_then(Option::take);
-        let blocks = entry.map(|r| r.blocks).unwrap_or_default();
+        let blocks = self.reqs.take(slot).map(|r| r.blocks).unwrap_or_default();
         match release {
             Release::V032 => blocks,
             Release::V033 => {
@@ -492,19 +515,11 @@ impl GroupManager {
 
     /// Every known request's table by slot (tests and accounting).
     pub fn tables(&self) -> impl Iterator<Item = (ReqSlot, &[u32])> {
-        let known = self.reqs.iter().enumerate();
-        known.filter_map(|(i, r)| r.as_ref().map(|r| (ReqSlot(i as u32), &r.blocks[..])))
+        self.reqs.known().map(|(slot, r)| (slot, &r.blocks[..]))
     }
 
     /// Heap bytes held (memory accounting).
     pub fn heap_bytes(&self) -> usize {
-        use crate::mem::vec_bytes;
-        let per_req: usize = self
-            .reqs
-            .iter()
-            .flatten()
-            .map(|r| vec_bytes(&r.blocks))
-            .sum();
-        per_req + self.align.as_ref().map_or(0, AlignGroup::heap_bytes) + vec_bytes(&self.reqs)
+        self.reqs.heap_bytes() + self.align.as_ref().map_or(0, AlignGroup::heap_bytes)
     }
 }

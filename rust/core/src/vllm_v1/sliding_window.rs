@@ -12,9 +12,9 @@
 //! max(n + 1 - retained, 0)`; the admission cap is `ceil(min(retained - 1 +
 //! max_in_flight_tokens, max_model_len) / block_size) + 1` (the window may start inside a
 //! block). The lookup and the retention mask read the window alone: the lookup scans from the
-//! right for the first run of `ceil((sliding_window - 1) / block_size)` cached blocks (one more under EAGLE, popped after),
-//! null blocks before it, a shorter run reaching block 0 also a hit. What gets cached under
-//! each retention mode is [`super::retention`].
+//! right for the first run of `ceil((sliding_window - 1) / block_size)` cached blocks (one
+//! more under EAGLE, popped after), null blocks before it, a shorter run reaching block 0
+//! also a hit. What gets cached under each retention mode is [`super::retention`].
 //!
 //! Invariants: null blocks only lead a hit or a table; a hit's length is a multiple of the
 //! alignment. Costs: the lookup reads at most `max_length / block_size` hashes, from the right,

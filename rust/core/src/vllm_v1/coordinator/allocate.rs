@@ -87,7 +87,7 @@ impl Hybrid {
     /// request's state, so the request becomes known there (vLLM's defaultdict); other groups
     /// only read.
     fn slot_to_count(&mut self, req: &str) -> ReqSlot {
-        match self.managers.iter().any(GroupManager::is_mamba_align) {
+        match self.has_mamba_align() {
             true => self.slots.get_or_insert(req),
             false => self.slots.get(req),
         }
@@ -176,7 +176,7 @@ impl Hybrid {
         // A Mamba align group sizes its table by the main-model tokens, uncapped (vLLM's
         // scheduler keeps them within max_model_len): bound them so a table stays bounded.
         let main = local.saturating_add(a.num_new_tokens);
-        if main > self.cfg.max_model_len && self.managers.iter().any(|m| m.is_mamba_align()) {
+        if main > self.cfg.max_model_len && self.has_mamba_align() {
             return Err(Error::invalid(format!(
                 "{main} tokens pass max_model_len {} (a Mamba align group sizes its states by \
                  them)",
@@ -297,7 +297,7 @@ impl Hybrid {
             true => self.cfg.watermark_blocks,
             false => 0,
         };
-        let prefill_end = match self.managers.iter().any(GroupManager::is_mamba_align) {
+        let prefill_end = match self.has_mamba_align() {
             true => a.boundaries.get()?.num_prompt_tokens,
             false => 0,
         };

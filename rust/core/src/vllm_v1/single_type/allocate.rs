@@ -82,7 +82,7 @@ impl GroupManager {
                 required = required.min(cap);
             }
         }
-        let r = self.req(slot);
+        let r = self.reqs.get(slot);
         let running = r.is_some_and(|r| r.num_cached.is_some());
         if running && !new_computed.is_empty() {
             return Err(Error::invalid(
@@ -103,11 +103,9 @@ impl GroupManager {
     /// A Mamba align group's `get_num_blocks_to_allocate` ([`crate::vllm_v1::mamba_align`]),
     /// recording the chunk's checkpoint as vLLM does; `None` for every other kind.
     pub fn align_count(&mut self, pool: &Pool, slot: ReqSlot, a: &CountArgs) -> Option<i64> {
-        self.align.as_ref()?;
-        self.req_entry(slot);
         let g = self.align.as_ref()?;
         let deferred = g.defers(pool, a.new_computed);
-        let r = self.reqs[slot.0 as usize].as_mut()?;
+        let r = self.reqs.entry(slot);
         let (n, record) = g.rules.count(pool, &r.blocks, &r.align, a, deferred);
         if let Some(c) = record {
             r.align.checkpoint = c;
@@ -162,7 +160,7 @@ impl GroupManager {
         if self.caching {
             pool.touch(kept);
         }
-        let r = self.req_entry(slot);
+        let r = self.reqs.entry(slot);
         r.blocks.resize(len - kept.len(), NULL_BLOCK);
         r.blocks.extend_from_slice(kept);
         r.num_cached = Some(r.blocks.len() as u32);
@@ -200,7 +198,7 @@ impl GroupManager {
         num_tokens_main: u64,
     ) -> Result<NewBlocks> {
         if let Some(g) = self.align.as_ref() {
-            let st = self.req(slot).map(|r| r.align).unwrap_or_default();
+            let st = self.reqs.get(slot).map(|r| r.align).unwrap_or_default();
             return g
                 .rules
                 .plan_allocate(held, &st, num_tokens_main)
@@ -221,10 +219,7 @@ impl GroupManager {
         slot: ReqSlot,
         plan: &NewBlocks,
     ) -> Vec<u32> {
-        self.req_entry(slot);
-        let r = self.reqs[slot.0 as usize]
-            .as_mut()
-            .expect("req_entry made the request known");
+        let r = self.reqs.entry(slot);
         match (plan, self.align.as_ref()) {
             (NewBlocks::Align(a), Some(g)) => {
                 g.rules.apply_allocate(pool, &mut r.blocks, &mut r.align, a)

@@ -142,7 +142,7 @@ impl GroupManager {
         let Some(g) = self.align.as_ref() else {
             return Ok(None);
         };
-        let st = self.req(slot).map(|r| r.align).unwrap_or_default();
+        let st = self.reqs.get(slot).map(|r| r.align).unwrap_or_default();
         g.rules
             .plan_tail(&st, num_tokens, boundaries.get()?, hashes)
             .map(Some)
@@ -152,7 +152,7 @@ impl GroupManager {
     /// blocks this kind can serve hits from and count them cached; a Mamba align group then
     /// caches its tail and notes what it cached this step.
     pub fn apply_cache(&mut self, pool: &mut Pool, slot: ReqSlot, plan: &CachePlan) {
-        let Some(r) = self.reqs.get_mut(slot.0 as usize).and_then(Option::as_mut) else {
+        let Some(r) = self.reqs.get_mut(slot) else {
             return;
         };
         let before = r.num_cached.unwrap_or(0) as usize;
