@@ -146,11 +146,16 @@ def prompt_embeds(prompt: tuple[int, ...]) -> torch.Tensor:
 
 
 def grammar_state(request: Any) -> Any:
-    """A request's grammar as the scheduler left it: none, pending, failed, or the fake
-    grammar's position (compared with the rest of the request's state)."""
+    """A request's grammar as the scheduler left it: none, or (pending, failed, or the fake
+    grammar's position; ``reasoning_ended``, which vLLM's ``accept_tokens`` sets) (compared
+    with the rest of the request's state)."""
     structured = request.structured_output_request
     if structured is None:
         return None
+    return _grammar_position(structured), structured.reasoning_ended
+
+
+def _grammar_position(structured: Any) -> Any:
     grammar = structured._grammar
     if isinstance(grammar, Future):
         return "pending" if not grammar.done() else "done"

@@ -34,8 +34,9 @@ has the contract.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from ._grammar import grammar_output, plain_manager
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
 from ._report import NATIVE, StepCounter, interval_from_env
@@ -59,6 +60,9 @@ class NativeLoop:
     _pagedkv_loop: Any = None
     _pagedkv_hashers: Optional[NativeHashers] = None
     _pagedkv_counter: Optional[StepCounter] = None
+    #: The last native step's output and its grammar rows' request ids (``None``: the last
+    #: step had no structured-output row past its prefill, or was vLLM's).
+    _pagedkv_grammar_rows: Optional[Tuple[Any, List[str]]] = None
     #: Steps scheduled by the native loop and by vLLM's, since construction.
     pagedkv_native_steps = 0
     pagedkv_vllm_steps = 0
@@ -229,6 +233,7 @@ class NativeLoop:
         counter = self._pagedkv_counter
         if counter is not None:
             counter.count(NATIVE if why is None else why)
+        self._pagedkv_grammar_rows = None
         if why is not None:
             self.pagedkv_vllm_steps += 1
             return super().schedule(throttle_prefills)  # type: ignore[misc]
@@ -237,12 +242,21 @@ class NativeLoop:
         out = self._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
         structured = parts[4]
         if structured is not None:
-            has_requests, pending_tokens = structured
+            has_requests, pending_tokens, grammar_ids = structured
             out.has_structured_output_requests = has_requests
             out.pending_structured_output_tokens = pending_tokens
+            self._pagedkv_grammar_rows = (out, grammar_ids)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
         return out
+
+    def get_grammar_bitmask(self, scheduler_output: Any) -> Any:
+        """vLLM's method; for the output of the last native step from the grammar rows it
+        found (:func:`pagedkv.vllm_v1._grammar.grammar_output`)."""
+        rows = self._pagedkv_grammar_rows
+        if rows is None or rows[0] is not scheduler_output:
+            return super().get_grammar_bitmask(scheduler_output)  # type: ignore[misc]
+        return grammar_output(self, scheduler_output, rows[1])
 
     def update_draft_token_ids(self, draft_token_ids: Any) -> None:
         """vLLM's method, natively where the native loop is built (the same writes: each
@@ -349,6 +363,7 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "observe_spec_metrics": _observe_spec_metrics,
         "spec_decoding_stats": _spec_decoding_stats,
         "vllm_mamba_split_code": _vllm_mamba_split_code(),
+        "plain_grammar_manager": plain_manager,
     }
 
 

@@ -291,7 +291,9 @@ class V1Engine(EngineUnderTest):
 
     def grammar_report(self) -> Optional[Dict[str, Any]]:
         """The seconds spent in ``get_grammar_bitmask()`` (``None`` without structured-output
-        requests): vLLM's ``StructuredOutputManager`` fills the bitmask in every lane."""
+        requests): every lane fills the bitmask from the same grammar objects (vLLM's lanes
+        through vLLM's ``StructuredOutputManager``, the native loop through
+        ``pagedkv.vllm_v1._grammar`` on its native steps)."""
         if "json" not in self.kinds.values():
             return None
         return {"get_grammar_bitmask_s": self.grammar_seconds}
@@ -643,8 +645,8 @@ def format_sections(release: str, sections: Dict[str, List[Dict[str, Any]]]) -> 
 
 
 def format_grammar(release: str, lanes: Dict[str, Any], steps: int) -> str:
-    """``get_grammar_bitmask vLLM X us, loop Y us, manager Z us (vLLM's structured-output
-    manager in every lane); without it loop A.AAx, manager B.BBx``: each lane's mean
+    """``get_grammar_bitmask vLLM X us, loop Y us, manager Z us (the same grammars in every
+    lane); without it loop A.AAx, manager B.BBx``: each lane's mean
     ``get_grammar_bitmask()`` per step, and the whole-step ratios with that call taken out of
     every lane's step."""
 
@@ -669,8 +671,8 @@ def format_grammar(release: str, lanes: Dict[str, Any], steps: int) -> str:
         if label in rest and rest[label] > 0
     ]
     return (
-        "get_grammar_bitmask " + ", ".join(times) + " (vLLM's structured-output manager in "
-        "every lane); the step without it: " + ", ".join(ratios)
+        "get_grammar_bitmask " + ", ".join(times) + " (the same grammars in every lane); "
+        "the step without it: " + ", ".join(ratios)
     )
 
 

@@ -464,11 +464,14 @@ pub trait Engine {
         step: &Step<Self::Req, Self::Blocks>,
     ) -> Result<Self::Scheduled, Self::Error>;
     /// `_update_after_schedule` found structured-output rows: the output's flags become
-    /// those of `s` (called only when one is set).
+    /// those of `s` (called only when one is set). `grammar_rows` are the structured-output
+    /// rows past their prefill in the output's order: the requests vLLM's
+    /// `get_grammar_bitmask` gives a bitmask row each, unless one leaves the scheduler first.
     fn mark_structured_output(
         &mut self,
         out: &mut Self::Scheduled,
         s: StructuredFlags,
+        grammar_rows: &[&Self::Req],
     ) -> Result<(), Self::Error>;
     /// The rows `update_from_output` walks: `(request, num_scheduled_tokens, num_drafts)` in
     /// the scheduler output's order (`num_drafts`: its `scheduled_spec_decode_tokens`),

@@ -129,9 +129,10 @@ impl<'e, E: Engine> Walk<'e, E> {
             skip_drafts: !self.drafts_needed,
         };
         let mut scheduled = self.e.scheduler_output(&out)?;
-        let flags = self.update_after_schedule(step, &out.rows)?;
+        let (flags, grammar_rows) = self.update_after_schedule(step, &out.rows)?;
         if flags != StructuredFlags::default() {
-            self.e.mark_structured_output(&mut scheduled, flags)?;
+            self.e
+                .mark_structured_output(&mut scheduled, flags, &grammar_rows)?;
         }
         Ok(scheduled)
     }
@@ -348,14 +349,17 @@ impl<'e, E: Engine> Walk<'e, E> {
 
     /// `_update_after_schedule`: each row advances by its tokens; under `AsyncScheduler` a
     /// row that completes its prefill (or decodes) gets an output placeholder.
-    /// Returns the output's structured-output flags.
-    fn update_after_schedule(
+    /// Returns the output's structured-output flags and its grammar rows: the
+    /// structured-output rows past their prefill, in the output's order (the rows
+    /// `get_grammar_bitmask` gives a bitmask row each).
+    fn update_after_schedule<'r>(
         &mut self,
         step: u64,
-        rows: &[Row<E::Req, E::Blocks>],
-    ) -> Result<StructuredFlags, E::Error> {
+        rows: &'r [Row<E::Req, E::Blocks>],
+    ) -> Result<(StructuredFlags, Vec<&'r E::Req>), E::Error> {
         let any_inflight = self.e.inflight_prefills_len()? > 0;
         let mut flags = StructuredFlags::default();
+        let mut grammar_rows = Vec::new();
         let eligible = match self.set.runner {
             Runner::V2 => Some(step + self.mode.decode_stagger),
             Runner::V1 => None,
@@ -368,6 +372,7 @@ impl<'e, E: Engine> Walk<'e, E> {
             let chunk = computed < r.num_tokens + r.placeholders;
             self.e.set_is_prefill_chunk(&r.req, chunk)?;
             if !chunk && self.e.uses_structured_output(&r.req) {
+                grammar_rows.push(&r.req);
                 flags.has_requests = true;
                 flags.pending_tokens |= self.mode.asynchronous && r.placeholders > 0;
             }
@@ -382,6 +387,6 @@ impl<'e, E: Engine> Walk<'e, E> {
                 self.e.set_async_decode(&r.req, eligible)?;
             }
         }
-        Ok(flags)
+        Ok((flags, grammar_rows))
     }
 }

@@ -49,6 +49,30 @@ fn has_structured_output_requests_only_past_the_prefill() {
 }
 
 #[test]
+fn grammar_rows_are_the_structured_rows_past_their_prefill_in_the_output_order() {
+    let mut e = TestEngine::new(64, 12);
+    let a = add_structured(&mut e, 4, 10, 0);
+    let plain = e.add(4, 10);
+    let b = add_structured(&mut e, 8, 10, 0);
+    // a and plain whole, b a chunk of 4 of 8
+    assert_eq!(e.step(sync(V33), 50), vec![(a, 4), (plain, 4), (b, 4)]);
+    assert_eq!(e.grammar_rows, vec![a]);
+    // a and plain decode, b's last 4 prompt tokens sample a token
+    let rows = e.step(sync(V33), 50);
+    assert_eq!(
+        rows.iter().map(|&(r, _)| r).collect::<Vec<_>>(),
+        [a, plain, b]
+    );
+    assert_eq!(e.grammar_rows, vec![a, b]);
+    e.abort(a);
+    assert_eq!(e.step(sync(V33), 50), vec![(plain, 1), (b, 1)]);
+    assert_eq!(e.grammar_rows, vec![b]);
+    e.abort(b);
+    e.step(sync(V33), 50);
+    assert!(e.grammar_rows.is_empty(), "no structured row: not called");
+}
+
+#[test]
 fn async_structured_output_with_output_in_flight_has_pending_tokens() {
     let mut e = TestEngine::new(64, 100);
     let mode = asynchronous(V33);

@@ -156,6 +156,8 @@ struct TestEngine<K: TestKv = Manager> {
     freed: Vec<usize>,
     /// The last `schedule()`'s structured-output flags.
     structured_step: StructuredFlags,
+    /// The last `mark_structured_output`'s grammar rows (empty when it was not called).
+    grammar_rows: Vec<usize>,
     /// `scheduled_spec_decode_tokens` being built, and the last `schedule()`'s.
     drafts_building: HashMap<usize, Vec<i64>>,
     drafts: HashMap<usize, Vec<i64>>,
@@ -229,6 +231,7 @@ impl<K: TestKv> TestEngine<K> {
             outputs: Vec::new(),
             freed: Vec::new(),
             structured_step: StructuredFlags::default(),
+            grammar_rows: Vec::new(),
             drafts_building: HashMap::new(),
             drafts: HashMap::new(),
             skip_drafts: false,
@@ -757,6 +760,7 @@ impl<K: TestKv> Engine for TestEngine<K> {
             .map(|r| (r.req, r.blocks.clone()))
             .collect();
         self.structured_step = StructuredFlags::default();
+        self.grammar_rows.clear();
         self.drafts = std::mem::take(&mut self.drafts_building);
         self.skip_drafts = step.skip_drafts;
         Ok(self.scheduled.clone())
@@ -765,8 +769,10 @@ impl<K: TestKv> Engine for TestEngine<K> {
         &mut self,
         _out: &mut Vec<(usize, u64)>,
         flags: StructuredFlags,
+        grammar_rows: &[&usize],
     ) -> Result<()> {
         self.structured_step = flags;
+        self.grammar_rows = grammar_rows.iter().map(|&&r| r).collect();
         Ok(())
     }
     fn scheduled_rows(&mut self) -> Result<Vec<(usize, u64, u64)>> {

@@ -11,7 +11,7 @@ use crate::vllm_v1::engine::{get_u64, PyEngine};
 use crate::vllm_v1::engine_requests::{self, PyReq};
 use crate::vllm_v1::engine_update::{self, Pending, Sampled};
 use crate::vllm_v1::loop_kv::PyBlocks;
-use crate::vllm_v1::{drafts, output};
+use crate::vllm_v1::{drafts, grammar, output};
 use pagedkv_core::vllm_v1::engine::{
     Drafts, EncoderPlan, Engine, Mode, Queue, Settings, Start, Status, Step, StructuredFlags,
 };
@@ -309,7 +309,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn accept_tokens(&mut self, r: &PyReq<'py>, s: &Sampled<'py>) -> PyResult<bool> {
-        output::accept_tokens(&self.sched, &r.obj, &s.list)
+        grammar::accept_tokens(self, &r.obj, &s.list)
     }
 
     fn preempt(&mut self, r: &PyReq<'py>) -> PyResult<()> {
@@ -458,8 +458,9 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         &mut self,
         out: &mut Bound<'py, PyTuple>,
         flags: StructuredFlags,
+        grammar_rows: &[&PyReq<'py>],
     ) -> PyResult<()> {
-        output::mark_structured_output(out, flags)
+        output::mark_structured_output(out, flags, grammar_rows)
     }
 
     fn scheduled_rows(&mut self) -> PyResult<Vec<(PyReq<'py>, u64, u64)>> {

@@ -34,6 +34,8 @@ pub struct UpdateIo<'py> {
     pub outputs: Vec<(i64, Bound<'py, PyList>)>,
     /// The step's drafts bookkeeping (read at the first row with drafts).
     pub spec: Option<crate::vllm_v1::drafts::SpecIo<'py>>,
+    /// How the step's structured-output rows advance their grammar (read at the first).
+    pub grammar: Option<crate::vllm_v1::grammar::Acceptor<'py>>,
 }
 
 impl<'py> PyEngine<'_, 'py> {

@@ -66,6 +66,9 @@ pub struct Objects {
     /// The code of vLLM's own `Scheduler._mamba_block_aligned_split` (`None`: the class
     /// holds another's; every split is then the scheduler's own call).
     pub vllm_mamba_split_code: Option<Py<PyAny>>,
+    /// `plain_grammar_manager(manager) -> bool`: vLLM's own structured-output manager with
+    /// every row constrained from its first token (`crate::vllm_v1::grammar`).
+    pub plain_grammar_manager: Py<PyAny>,
     pub output: OutputShape,
 }
 
@@ -336,6 +339,7 @@ impl PyV1Loop {
                 let code = item(d, "vllm_mamba_split_code")?;
                 (!code.is_none()).then(|| code.unbind())
             },
+            plain_grammar_manager: item(d, "plain_grammar_manager")?.unbind(),
             output: OutputShape::new(d)?,
         };
         let mode = Mode {
@@ -393,6 +397,7 @@ impl PyV1Loop {
             mro: ModelOutput::read(model_runner_output, masks)?,
             outputs: Vec::new(),
             spec: None,
+            grammar: None,
         });
         Walk::new(&mut e, self.mode)?.update_from_output()?;
         let py = sched.py();

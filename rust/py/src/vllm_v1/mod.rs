@@ -9,6 +9,7 @@ pub mod engine_impl;
 pub mod engine_requests;
 pub mod engine_update;
 pub mod events;
+pub mod grammar;
 pub mod hash;
 pub mod hybrid;
 pub mod loop_;

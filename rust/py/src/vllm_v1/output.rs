@@ -94,30 +94,6 @@ pub fn scheduler_output<'py>(
     PyTuple::new(py, items)
 }
 
-/// `structured_output_manager.accept_tokens(request, tokens)`; a rejection is logged on
-/// vLLM's scheduler logger with vLLM's message (the caller finishes the request with an
-/// error).
-pub fn accept_tokens<'py>(
-    sched: &Bound<'py, PyAny>,
-    request: &Bound<'py, PyAny>,
-    tokens: &Bound<'py, PyList>,
-) -> PyResult<bool> {
-    let py = sched.py();
-    let manager = sched.getattr(intern!(py, "structured_output_manager"))?;
-    let accepted = manager
-        .call_method1(intern!(py, "accept_tokens"), (request, tokens))?
-        .is_truthy()?;
-    if !accepted {
-        let logger = py
-            .import("vllm.v1.core.sched.scheduler")?
-            .getattr("logger")?;
-        let message = "Unexpected: grammar rejected tokens %s for request %s. Terminating request.";
-        let id = request.getattr(intern!(py, "request_id"))?;
-        logger.call_method1("error", (message, tokens, id))?;
-    }
-    Ok(accepted)
-}
-
 /// vLLM's `check_sequence_repetition(request.output_token_ids, repetition_detection)`.
 pub fn check_sequence_repetition(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = request.py();
@@ -132,15 +108,18 @@ pub fn check_sequence_repetition(request: &Bound<'_, PyAny>) -> PyResult<bool> {
 }
 
 /// The same result with `structured` = `(has_structured_output_requests,
-/// pending_structured_output_tokens)`.
+/// pending_structured_output_tokens, grammar_req_ids)`: the ids of the grammar rows
+/// (structured-output rows past their prefill) in the output's order.
 pub fn mark_structured_output<'py>(
     out: &mut Bound<'py, PyTuple>,
     flags: StructuredFlags,
+    grammar_rows: &[&PyReq<'py>],
 ) -> PyResult<()> {
     let py = out.py();
+    let ids = PyList::new(py, grammar_rows.iter().map(|r| r.f.id.bind(py)))?;
     let mut items: Vec<Bound<'py, PyAny>> = out.iter().collect();
     if let Some(at) = items.get_mut(4) {
-        *at = (flags.has_requests, flags.pending_tokens)
+        *at = (flags.has_requests, flags.pending_tokens, ids)
             .into_pyobject(py)?
             .into_any();
     }

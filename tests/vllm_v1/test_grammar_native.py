@@ -1,0 +1,179 @@
+"""Structured output on the native step (``pagedkv.vllm_v1._grammar`` and the bindings'
+``grammar.rs``): which calls go to vLLM's ``StructuredOutputManager`` and which the native
+step makes itself.
+
+The results are held to vLLM's by the lockstep differential (test_request_kinds.py: every
+step's ``get_grammar_bitmask`` and each grammar's position and ``reasoning_ended`` compared
+with vLLM's scheduler). These tests hold the routing: the plain case, and every way a
+manager stops being plain (a reasoning parser, a subclass, a patched class, a patched
+instance, drafts), where vLLM's manager must be called as vLLM's loop calls it.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import request_kinds as kinds
+import torch
+import v1_harness as h
+from vllm.v1.structured_output import StructuredOutputManager
+
+from pagedkv.vllm_v1 import _grammar
+from pagedkv.vllm_v1._manager import KVCacheManager
+
+ROOMY = h.SchedConfig(
+    block_size=4, num_blocks=96, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64
+)
+
+
+def structured_run(model_dir: Path, seed: int = 3) -> h.Lockstep:
+    """pagedkv's scheduler against vLLM's over six structured-output requests (two of them
+    terminate early, one rejects tokens) beside two plain ones."""
+    rng = random.Random(seed)
+    grammars = [kinds.GrammarSpec(), kinds.GrammarSpec(length=3), kinds.GrammarSpec(reject_mod=7)]
+    specs = [
+        h.RequestSpec(
+            f"r{i}",
+            tuple(rng.randrange(3, h.VOCAB_SIZE) for _ in range(5 + 3 * i)),
+            arrival_step=i // 3,
+            max_tokens=10,
+            ignore_eos=True,
+            grammar=grammars[i % 3] if i < 6 else None,
+        )
+        for i in range(8)
+    ]
+    return h.Lockstep(ROOMY, specs, seed, model_dir, KVCacheManager)
+
+
+@pytest.fixture
+def manager(tiny_model_dir: Path) -> Iterator[Any]:
+    run = structured_run(tiny_model_dir)
+    yield run.test.structured_output_manager
+
+
+def test_vllms_own_manager_without_reasoning_is_plain(manager: Any) -> None:
+    assert type(manager) is StructuredOutputManager
+    assert manager.reasoner_cls is None and _grammar.plain_manager(manager)
+
+
+def test_a_reasoning_parser_is_not_plain_unless_reasoning_is_constrained(manager: Any) -> None:
+    manager.reasoner_cls = object  # any parser class: its rows may start unconstrained
+    manager.enable_in_reasoning = False
+    assert not _grammar.plain_manager(manager)
+    manager.enable_in_reasoning = True  # vLLM constrains every row from its first token
+    assert _grammar.plain_manager(manager)
+
+
+@pytest.mark.parametrize("name", _grammar._MIRRORED)
+def test_a_method_replaced_on_the_instance_is_not_plain(manager: Any, name: str) -> None:
+    setattr(manager, name, getattr(manager, name))
+    assert not _grammar.plain_manager(manager)
+    delattr(manager, name)
+    assert _grammar.plain_manager(manager)
+
+
+@pytest.mark.parametrize("name", _grammar._MIRRORED)
+def test_a_method_patched_on_the_class_is_not_plain(
+    manager: Any, name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A plugin's wrapper, even one that keeps vLLM's function under ``__wrapped__``."""
+    import functools
+
+    original = getattr(StructuredOutputManager, name)
+
+    @functools.wraps(original)
+    def patched(*args: Any, **kwargs: Any) -> Any:
+        return original(*args, **kwargs)
+
+    assert _grammar.plain_manager(manager)
+    monkeypatch.setattr(StructuredOutputManager, name, patched)
+    assert not _grammar.plain_manager(manager)
+    monkeypatch.undo()
+    assert _grammar.plain_manager(manager)
+
+
+def test_a_subclass_is_not_plain(manager: Any) -> None:
+    class Subclass(StructuredOutputManager):
+        pass
+
+    manager.__class__ = Subclass
+    assert not _grammar.plain_manager(manager)
+
+
+def _spy(manager: Any, name: str, calls: list) -> Callable[..., Any]:
+    """The instance's ``name`` counting its calls (which makes the manager not plain)."""
+    original = getattr(manager, name)
+
+    def spy(*args: Any) -> Any:
+        calls.append(name)
+        return original(*args)
+
+    return spy
+
+
+def test_the_plain_case_leaves_vllms_manager_out(tiny_model_dir: Path, monkeypatch: Any) -> None:
+    """Every step native and equal to vLLM's; pagedkv's side asks vLLM's manager only to
+    allocate the bitmask (its first ``grammar_bitmask``, if the bitmask is not there yet),
+    then fills the bitmask and advances the grammars itself. (The spies on the class are
+    not vLLM's code: the class check is forced.)"""
+    run = structured_run(tiny_model_dir)
+    test_manager = run.test.structured_output_manager
+    allocations = 1 if test_manager._grammar_bitmask is None else 0
+    calls: list = []
+    for name in ("grammar_bitmask", "accept_tokens"):
+        original = getattr(StructuredOutputManager, name)
+
+        def spy(self: Any, *args: Any, _name: str = name, _original: Any = original) -> Any:
+            calls.append((_name, "pagedkv" if self is test_manager else "vllm"))
+            return _original(self, *args)
+
+        monkeypatch.setattr(StructuredOutputManager, name, spy)
+    monkeypatch.setattr(_grammar, "_vllm_class_of", lambda cls: True)
+    filled: list = []
+    fill = _grammar.fill_plain_bitmask
+    monkeypatch.setattr(_grammar, "fill_plain_bitmask", lambda *a: filled.append(1) or fill(*a))
+    stats = run.run()
+    assert set(stats["loops"]) == {"native"}, stats
+    assert ("grammar_bitmask", "vllm") in calls and ("accept_tokens", "vllm") in calls
+    assert [c for c in calls if c[1] == "pagedkv"] == [("grammar_bitmask", "pagedkv")] * allocations
+    assert len(filled) == stats["bitmasks"] - allocations > 0
+
+
+def test_a_manager_that_is_not_plain_is_called_as_vllms_loop_calls_it(tiny_model_dir: Path) -> None:
+    """Spies on the test side's manager instance: every ``get_grammar_bitmask`` with
+    structured rows asks its ``grammar_bitmask``, every structured row with tokens its
+    ``accept_tokens``; the run still equals vLLM's, every step native."""
+    run = structured_run(tiny_model_dir)
+    manager = run.test.structured_output_manager
+    calls: list = []
+    for name in ("grammar_bitmask", "accept_tokens"):
+        setattr(manager, name, _spy(manager, name, calls))
+    assert not _grammar.plain_manager(manager)
+    stats = run.run()
+    assert set(stats["loops"]) == {"native"}, stats
+    assert calls.count("grammar_bitmask") == stats["bitmasks"] > 0
+    assert calls.count("accept_tokens") > 0
+
+
+@pytest.mark.parametrize(
+    ("drafts", "diffusion", "rows", "plain"),
+    [(0, False, 8, True), (0, False, 129, False), (2, False, 8, False), (0, True, 8, False)],
+)
+def test_the_plain_bitmask_needs_one_row_per_request_on_this_thread(
+    manager: Any, drafts: int, diffusion: bool, rows: int, plain: bool
+) -> None:
+    """Drafts (a row per draft), a diffusion model (no bonus row) and more rows than vLLM
+    fills on one thread take vLLM's ``grammar_bitmask``; so does a bitmask not allocated."""
+    from types import SimpleNamespace
+
+    assert manager.fill_bitmask_parallel_threshold == 128
+    manager._grammar_bitmask = None
+    assert not _grammar._plain_bitmask(manager, 1)
+    manager._grammar_bitmask = torch.zeros((8, 4), dtype=torch.int32)
+    manager.vllm_config = SimpleNamespace(
+        num_speculative_tokens=drafts, model_config=SimpleNamespace(is_diffusion=diffusion)
+    )
+    assert _grammar._plain_bitmask(manager, rows) is plain
