@@ -337,6 +337,7 @@ def loop_config(**overrides) -> dict:
         "observe_spec_metrics": lambda *args: None,
         "spec_decoding_stats": lambda *args: args,
         "vllm_mamba_split_code": None,
+        "plain_grammar_manager": lambda manager: False,
         "make_new": lambda req, ids, v2: ("new", req.request_id, ids),
         "monotonic": lambda: 0.0,
         "hash_name_of": lambda hasher: "sha256" if hasher == "vllm-sha256" else None,
