@@ -86,6 +86,25 @@ def test_start_line_names_why_vllms_manager_runs() -> None:
     ), line
 
 
+def test_the_loop_names_a_connector_rather_than_the_manager_it_keeps() -> None:
+    """A KV connector keeps vLLM's manager; the loop's reason names the connector."""
+    from types import SimpleNamespace
+
+    from pagedkv.vllm_v1._scope import engine_out_of_scope
+
+    model = SimpleNamespace(runner_type="generate")
+    sched = SimpleNamespace(
+        kv_cache_manager=object(),
+        connector=object(),
+        num_lookahead_tokens=0,
+        num_spec_tokens=0,
+        vllm_config=SimpleNamespace(model_config=model),
+    )
+    assert engine_out_of_scope(sched) == "a KV connector"
+    sched.connector = None
+    assert engine_out_of_scope(sched) == "vLLM's KV cache manager runs"
+
+
 def _plain(i: int, **kw) -> RequestSpec:
     return RequestSpec(f"r{i}", tuple(range(100 + i, 140 + i)), 4, True, 0, **kw)
 

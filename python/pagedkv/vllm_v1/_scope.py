@@ -176,11 +176,12 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
     from ._manager import KVCacheManager
 
     native = isinstance(sched.kv_cache_manager, (KVCacheManager, HybridKVCacheManager))
+    # A connector first: it also keeps vLLM's manager, and the operator should read the cause.
     checks = (
-        (not native, "vLLM's KV cache manager runs"),
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
+        (not native, "vLLM's KV cache manager runs"),
         (
             bool(sched.num_lookahead_tokens) and not sched.num_spec_tokens,
             "lookahead without drafts",
