@@ -245,6 +245,7 @@ class FakeScheduler:
     def __init__(self, manager: _native.V1Manager) -> None:
         self.kv_cache_manager = self
         self.native = manager
+        self.structured_output_manager = None  # the loop config calls it plain
         self.scheduler_config = type(
             "C",
             (),
@@ -337,7 +338,7 @@ def loop_config(**overrides) -> dict:
         "observe_spec_metrics": lambda *args: None,
         "spec_decoding_stats": lambda *args: args,
         "vllm_mamba_split_code": None,
-        "plain_grammar_manager": lambda manager: False,
+        "grammar_manager_kind": lambda manager: 0,
         "make_new": lambda req, ids, v2: ("new", req.request_id, ids),
         "monotonic": lambda: 0.0,
         "hash_name_of": lambda hasher: "sha256" if hasher == "vllm-sha256" else None,

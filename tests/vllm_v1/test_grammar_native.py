@@ -57,12 +57,14 @@ def manager(tiny_model_dir: Path) -> Iterator[Any]:
 def test_vllms_own_manager_without_reasoning_is_plain(manager: Any) -> None:
     assert type(manager) is StructuredOutputManager
     assert manager.reasoner_cls is None and _grammar.plain_manager(manager)
+    assert _grammar.manager_kind(manager) == _grammar.PLAIN
 
 
 def test_a_reasoning_parser_is_not_plain_unless_reasoning_is_constrained(manager: Any) -> None:
     manager.reasoner_cls = object  # any parser class: its rows may start unconstrained
     manager.enable_in_reasoning = False
     assert not _grammar.plain_manager(manager)
+    assert _grammar.manager_kind(manager) == _grammar.VLLMS_OWN
     manager.enable_in_reasoning = True  # vLLM constrains every row from its first token
     assert _grammar.plain_manager(manager)
 
@@ -71,6 +73,7 @@ def test_a_reasoning_parser_is_not_plain_unless_reasoning_is_constrained(manager
 def test_a_method_replaced_on_the_instance_is_not_plain(manager: Any, name: str) -> None:
     setattr(manager, name, getattr(manager, name))
     assert not _grammar.plain_manager(manager)
+    assert _grammar.manager_kind(manager) == _grammar.FOREIGN
     delattr(manager, name)
     assert _grammar.plain_manager(manager)
 
@@ -104,11 +107,13 @@ def test_a_subclass_is_not_plain(manager: Any) -> None:
 
 
 def _spy(manager: Any, name: str, calls: list) -> Callable[..., Any]:
-    """The instance's ``name`` counting its calls (which makes the manager not plain)."""
+    """The instance's ``name`` recording its calls (which makes the manager foreign): the
+    method and the request ids it was asked about."""
     original = getattr(manager, name)
 
     def spy(*args: Any) -> Any:
-        calls.append(name)
+        first = args[0] if name == "accept_tokens" else args[1]
+        calls.append((name, first.request_id if name == "accept_tokens" else list(first)))
         return original(*args)
 
     return spy
@@ -142,20 +147,60 @@ def test_the_plain_case_leaves_vllms_manager_out(tiny_model_dir: Path, monkeypat
     assert len(filled) == stats["bitmasks"] - allocations > 0
 
 
-def test_a_manager_that_is_not_plain_is_called_as_vllms_loop_calls_it(tiny_model_dir: Path) -> None:
-    """Spies on the test side's manager instance: every ``get_grammar_bitmask`` with
-    structured rows asks its ``grammar_bitmask``, every structured row with tokens its
-    ``accept_tokens``; the run still equals vLLM's, every step native."""
+def test_a_foreign_manager_is_called_as_vllms_loop_calls_it(tiny_model_dir: Path) -> None:
+    """Spies on both sides' manager instances (each then foreign): pagedkv's native steps
+    ask it exactly what vLLM's loop asks, in the same order: ``grammar_bitmask`` with the
+    same rows, ``accept_tokens`` for every row with tokens (plain requests too)."""
     run = structured_run(tiny_model_dir)
-    manager = run.test.structured_output_manager
-    calls: list = []
-    for name in ("grammar_bitmask", "accept_tokens"):
-        setattr(manager, name, _spy(manager, name, calls))
-    assert not _grammar.plain_manager(manager)
+    calls: dict = {"vllm": [], "pagedkv": []}
+    for side, sched in (("vllm", run.ref), ("pagedkv", run.test)):
+        manager = sched.structured_output_manager
+        for name in ("grammar_bitmask", "accept_tokens"):
+            setattr(manager, name, _spy(manager, name, calls[side]))
+        assert _grammar.manager_kind(manager) == _grammar.FOREIGN
     stats = run.run()
     assert set(stats["loops"]) == {"native"}, stats
-    assert calls.count("grammar_bitmask") == stats["bitmasks"] > 0
-    assert calls.count("accept_tokens") > 0
+    assert calls["pagedkv"] == calls["vllm"]
+    asked = {rid for name, rid in calls["vllm"] if name == "accept_tokens"}
+    assert {"r6", "r7"} <= asked  # the plain requests are asked too
+    assert sum(name == "grammar_bitmask" for name, _ in calls["vllm"]) == stats["bitmasks"]
+
+
+class EndsReasoningAtMultiplesOfFive:
+    """A reasoning parser stand-in (vLLM builds one per structured request): reasoning
+    ends at the first token divisible by 5; the grammar constrains what follows."""
+
+    def __init__(self, tokenizer: Any, **_: Any) -> None:
+        pass
+
+    def is_reasoning_end(self, input_ids: Any) -> bool:
+        return False
+
+    def is_reasoning_end_streaming(self, input_ids: Any, delta_ids: Any) -> bool:
+        return any(t % 5 == 0 for t in delta_ids)
+
+
+def test_a_reasoning_parser_runs_natively_through_vllms_manager(tiny_model_dir: Path) -> None:
+    """vLLM's own manager with a reasoning parser: pagedkv's native steps ask its
+    ``grammar_bitmask`` and ``accept_tokens`` (structured rows only; the manager accepts any
+    other row at once); every step equal to vLLM's, the grammars' positions and
+    ``reasoning_ended`` included, and some grammar advanced after its reasoning ended."""
+    run = structured_run(tiny_model_dir)
+    for sched in (run.ref, run.test):
+        manager = sched.structured_output_manager
+        manager.reasoner_cls = EndsReasoningAtMultiplesOfFive
+        manager.tokenizer = None
+        assert _grammar.manager_kind(manager) == _grammar.VLLMS_OWN
+    added: list = []
+    add = run.test.add_request
+    run.test.add_request = lambda request: added.append(request) or add(request)
+    stats = run.run()
+    assert set(stats["loops"]) == {"native"}, stats
+    structured = [r.structured_output_request for r in added if r.use_structured_output]
+    assert len(structured) == 6 and stats["bitmasks"] > 0
+    ended = [s for s in structured if s.reasoning_ended]
+    assert ended and any(s._grammar.num_processed_tokens > 0 for s in ended)
+    assert any(not s.reasoning_ended for s in structured)  # one still reasoned at its end
 
 
 @pytest.mark.parametrize(

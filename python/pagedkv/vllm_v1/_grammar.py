@@ -60,16 +60,33 @@ def _vllm_class_of(cls: type) -> bool:
     return known
 
 
+def _vllms_own(manager: Any) -> bool:
+    """``manager`` runs vLLM's own code for :data:`_MIRRORED` (class and instance)."""
+    own = vars(manager)
+    return _vllm_class_of(type(manager)) and not any(name in own for name in _MIRRORED)
+
+
 def plain_manager(manager: Any) -> bool:
     """Every structured-output row of ``manager`` is constrained from its first token by
     vLLM's own code: ``accept_tokens(request, tokens)`` is then ``reasoning_ended = True``
     and the grammar's ``accept_tokens(request.request_id, list(tokens))``."""
-    own = vars(manager)
-    return (
-        _vllm_class_of(type(manager))
-        and not any(name in own for name in _MIRRORED)
-        and (manager.enable_in_reasoning or manager.reasoner_cls is None)
-    )
+    return _vllms_own(manager) and (manager.enable_in_reasoning or manager.reasoner_cls is None)
+
+
+#: :func:`manager_kind`'s answers.
+PLAIN, VLLMS_OWN, FOREIGN = 0, 1, 2
+
+
+def manager_kind(manager: Any) -> int:
+    """How ``update_from_output`` advances grammars with ``manager``: :data:`PLAIN`
+    (:func:`plain_manager`: natively, rows without structured output answered at once),
+    :data:`VLLMS_OWN` (vLLM's code with a reasoning parser: the manager's ``accept_tokens``
+    for structured-output rows; it accepts any other row at once) or :data:`FOREIGN` (a
+    subclass or a patch: the manager's ``accept_tokens`` for every row with tokens, as
+    vLLM's loop calls it)."""
+    if not _vllms_own(manager):
+        return FOREIGN
+    return PLAIN if plain_manager(manager) else VLLMS_OWN
 
 
 def _plain_bitmask(manager: Any, num_rows: int) -> bool:

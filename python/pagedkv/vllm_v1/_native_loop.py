@@ -36,7 +36,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
-from ._grammar import grammar_output, plain_manager
+from ._grammar import grammar_output, manager_kind
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
 from ._report import NATIVE, StepCounter, interval_from_env
@@ -363,7 +363,7 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
         "observe_spec_metrics": _observe_spec_metrics,
         "spec_decoding_stats": _spec_decoding_stats,
         "vllm_mamba_split_code": _vllm_mamba_split_code(),
-        "plain_grammar_manager": plain_manager,
+        "grammar_manager_kind": manager_kind,
     }
 
 

@@ -28,7 +28,8 @@
 //! `num_waiting_for_streaming_input` once per waiting pass; with a LoRA limit, `lora_id` of every running
 //! request once per step; `unblock` once per blocked request the waiting pass reaches;
 //! `repeats` once per appended token of a request with repetition detection (O(its pattern
-//! sizes)); `accept_tokens` once per structured-output row with tokens. The encoder calls
+//! sizes)); `accept_tokens` once per row with tokens (an engine answers a row without
+//! structured output itself where the manager is vLLM's own). The encoder calls
 //! (`schedule_encoder_inputs`, `commit_encoder_inputs`, ...) only for requests with
 //! `has_encoder_inputs`: once per such request the running or waiting pass reaches with
 //! tokens, once per such row committed and once per such row updated.
@@ -389,8 +390,10 @@ pub trait Engine {
         drafts: u64,
         accepted: u64,
     ) -> Result<(), Self::Error>;
-    /// `structured_output_manager.accept_tokens(request, kept_tokens)`: false when the
-    /// grammar rejects them.
+    /// `structured_output_manager.accept_tokens(request, kept_tokens)` for a row with kept
+    /// tokens, structured output or not: false when the grammar rejects them (vLLM's own
+    /// manager accepts a row without structured output at once; an engine may answer that
+    /// without asking it).
     fn accept_tokens(&mut self, r: &Self::Req, s: &Self::Sampled) -> Result<bool, Self::Error>;
     /// `_preempt_request(request, timestamp)` (the request is already out of `running`).
     fn preempt(&mut self, r: &Self::Req) -> Result<(), Self::Error>;

@@ -309,7 +309,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn accept_tokens(&mut self, r: &PyReq<'py>, s: &Sampled<'py>) -> PyResult<bool> {
-        grammar::accept_tokens(self, &r.obj, &s.list)
+        grammar::accept_tokens(self, r, &s.list)
     }
 
     fn preempt(&mut self, r: &PyReq<'py>) -> PyResult<()> {

@@ -1,52 +1,59 @@
 //! `update_from_output`'s grammar advance in the native loop: vLLM's
-//! `structured_output_manager.accept_tokens(request, tokens)` for each structured-output row
-//! with kept tokens, and its rejection logged as vLLM's loop logs it.
+//! `structured_output_manager.accept_tokens(request, tokens)` for each row with kept tokens,
+//! and its rejection logged as vLLM's loop logs it.
 //!
-//! With vLLM's own manager and no reasoning parser (`pagedkv.vllm_v1._grammar.plain_manager`,
-//! asked once per `update_from_output` that has such a row) vLLM's method reduces to three
-//! steps, made here in its order: read `structured_output_request.grammar`, set
-//! `reasoning_ended = True`, call the grammar's `accept_tokens(request_id, copy of the
-//! tokens)`. Otherwise the manager's method is called. Cost per row: one grammar call and
-//! three attribute accesses (vLLM's method adds two Python frames and the bounds it derives).
+//! How is decided once per `update_from_output` that has a row with tokens
+//! (`pagedkv.vllm_v1._grammar.manager_kind`, one Python call), as an [`Acceptor`]:
+//! * vLLM's own manager without a reasoning parser (`Plain`): vLLM's method reduces to three
+//!   steps, made here in its order: read `structured_output_request.grammar`, set
+//!   `reasoning_ended = True`, call the grammar's `accept_tokens(request_id, copy of the
+//!   tokens)`; a row without structured output is accepted at once, as vLLM's method
+//!   accepts it. Cost per structured row: one grammar call and four attribute accesses
+//!   (vLLM's method adds two Python frames and the bounds it derives).
+//! * vLLM's own manager with a reasoning parser (`VllmsOwn`): the manager's method for a
+//!   structured row, a row without structured output accepted at once (the method's first
+//!   line).
+//! * Any other manager (`Foreign`: a subclass, a plugin's patch): its method for every row
+//!   with tokens, as vLLM's loop calls it.
 
 use crate::vllm_v1::engine::PyEngine;
+use crate::vllm_v1::engine_requests::PyReq;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-/// How this call's rows advance their grammar (decided at the first such row).
+/// How this call's rows advance their grammar (see the module's text).
 pub enum Acceptor<'py> {
-    /// vLLM's own manager, every row constrained from its first token.
     Plain,
-    /// Any other manager: its `accept_tokens`.
-    Manager(Bound<'py, PyAny>),
+    VllmsOwn(Bound<'py, PyAny>),
+    Foreign(Bound<'py, PyAny>),
 }
 
 impl<'py> Acceptor<'py> {
     fn of(e: &PyEngine<'_, 'py>) -> PyResult<Self> {
         let py = e.py();
         let manager = e.sched.getattr(intern!(py, "structured_output_manager"))?;
-        let plain =
-            e.lp.objs
-                .plain_grammar_manager
-                .bind(py)
-                .call1((&manager,))?;
-        Ok(if plain.is_truthy()? {
-            Acceptor::Plain
-        } else {
-            Acceptor::Manager(manager)
+        let kind = e.lp.objs.grammar_manager_kind.bind(py);
+        Ok(match kind.call1((&manager,))?.extract::<u8>()? {
+            0 => Acceptor::Plain,
+            1 => Acceptor::VllmsOwn(manager),
+            _ => Acceptor::Foreign(manager),
         })
     }
 
-    fn accept(&self, request: &Bound<'py, PyAny>, tokens: &Bound<'py, PyList>) -> PyResult<bool> {
-        let py = request.py();
+    fn accept(&self, r: &PyReq<'py>, tokens: &Bound<'py, PyList>) -> PyResult<bool> {
+        let py = tokens.py();
+        if tokens.is_empty() {
+            return Ok(true); // vLLM's loop asks only for a row with tokens
+        }
         let manager = match self {
-            Acceptor::Manager(m) => m,
-            Acceptor::Plain if tokens.is_empty() => return Ok(true),
-            Acceptor::Plain => return accept_plain(request, tokens),
+            Acceptor::Foreign(m) => m,
+            _ if !r.f.structured => return Ok(true),
+            Acceptor::Plain => return accept_plain(&r.obj, tokens),
+            Acceptor::VllmsOwn(m) => m,
         };
         manager
-            .call_method1(intern!(py, "accept_tokens"), (request, tokens))?
+            .call_method1(intern!(py, "accept_tokens"), (&r.obj, tokens))?
             .is_truthy()
     }
 }
@@ -68,7 +75,7 @@ fn accept_plain(request: &Bound<'_, PyAny>, tokens: &Bound<'_, PyList>) -> PyRes
 /// scheduler logger with vLLM's message (the caller finishes the request with an error).
 pub fn accept_tokens<'py>(
     e: &mut PyEngine<'_, 'py>,
-    request: &Bound<'py, PyAny>,
+    r: &PyReq<'py>,
     tokens: &Bound<'py, PyList>,
 ) -> PyResult<bool> {
     if e.io()?.grammar.is_none() {
@@ -78,16 +85,16 @@ pub fn accept_tokens<'py>(
         }
     }
     let accepted = match &e.io()?.grammar {
-        Some(acceptor) => acceptor.accept(request, tokens)?,
-        None => Acceptor::of(e)?.accept(request, tokens)?,
+        Some(acceptor) => acceptor.accept(r, tokens)?,
+        None => Acceptor::of(e)?.accept(r, tokens)?,
     };
     if !accepted {
-        let py = request.py();
+        let py = tokens.py();
         let logger = py
             .import("vllm.v1.core.sched.scheduler")?
             .getattr("logger")?;
         let message = "Unexpected: grammar rejected tokens %s for request %s. Terminating request.";
-        let id = request.getattr(intern!(py, "request_id"))?;
+        let id = r.f.id.bind(py);
         logger.call_method1("error", (message, tokens, id))?;
     }
     Ok(accepted)

@@ -66,9 +66,9 @@ pub struct Objects {
     /// The code of vLLM's own `Scheduler._mamba_block_aligned_split` (`None`: the class
     /// holds another's; every split is then the scheduler's own call).
     pub vllm_mamba_split_code: Option<Py<PyAny>>,
-    /// `plain_grammar_manager(manager) -> bool`: vLLM's own structured-output manager with
-    /// every row constrained from its first token (`crate::vllm_v1::grammar`).
-    pub plain_grammar_manager: Py<PyAny>,
+    /// `grammar_manager_kind(manager) -> 0 | 1 | 2`: how a step advances grammars with the
+    /// structured-output manager (`crate::vllm_v1::grammar::Acceptor`).
+    pub grammar_manager_kind: Py<PyAny>,
     pub output: OutputShape,
 }
 
@@ -339,7 +339,7 @@ impl PyV1Loop {
                 let code = item(d, "vllm_mamba_split_code")?;
                 (!code.is_none()).then(|| code.unbind())
             },
-            plain_grammar_manager: item(d, "plain_grammar_manager")?.unbind(),
+            grammar_manager_kind: item(d, "grammar_manager_kind")?.unbind(),
             output: OutputShape::new(d)?,
         };
         let mode = Mode {

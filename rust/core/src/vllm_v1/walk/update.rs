@@ -95,7 +95,9 @@ impl<E: Engine> Walk<'_, E> {
             stop = self.update_request_with_output(req, &mut sampled, stale)?;
             let kept = self.e.sampled_len(&sampled);
             self.resolve_placeholders(req, stale, was_running, returned, kept)?;
-            if self.e.uses_structured_output(req) && !self.e.accept_tokens(req, &sampled)? {
+            // vLLM asks the manager for every row with tokens (its own manager answers
+            // `True` at once for a request without structured output).
+            if !self.e.accept_tokens(req, &sampled)? {
                 // vLLM logs the rejection and finishes the request with an error.
                 self.e.set_stopped(req, Stop::Error)?;
                 stop = Some(Stop::Error);
