@@ -12,13 +12,16 @@ copy of the kept tokens. The bitmask is the manager's own tensor, sliced and ret
 vLLM returns it; ``GrammarOutput`` holds the same ids, in the same order, and the same draft
 counts.
 
-**When.** Only under :func:`plain_manager`: the manager is vLLM's own
-``StructuredOutputManager`` (not a subclass, no method replaced by a plugin on the class or
-on the instance), it has no
-reasoning parser (or constrains reasoning too, ``enable_in_reasoning``), so every row is
-constrained from its first token; for the bitmask also no drafts (``num_speculative_tokens``
-0), not a diffusion model, the bitmask allocated, and no more rows than vLLM fills on one
-thread (``fill_bitmask_parallel_threshold``). Anything else calls vLLM's manager.
+**When.** The bitmask and a structured row's advance only under :func:`plain_manager`: the
+manager is vLLM's own ``StructuredOutputManager`` (not a subclass, no method replaced by a
+plugin on the class or on the instance) and has no reasoning parser (or constrains reasoning
+too, ``enable_in_reasoning``), so every row is constrained from its first token; the bitmask
+also needs no drafts (``num_speculative_tokens`` 0), no diffusion model, the bitmask
+allocated, and no more rows than vLLM fills on one thread
+(``fill_bitmask_parallel_threshold``). Otherwise vLLM's manager is called
+(:func:`manager_kind`: with a reasoning parser for structured rows only, as vLLM's own manager
+accepts any other row at once; a manager that is not vLLM's own code for every row with
+tokens, as vLLM's loop asks it).
 
 **What it saves.** vLLM's ``get_grammar_bitmask`` looks every scheduled request up to find
 the structured-output rows; the native step already knows them (the grammar rows of
