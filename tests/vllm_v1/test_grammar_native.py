@@ -11,6 +11,7 @@ instance, drafts), where vLLM's manager must be called as vLLM's loop calls it.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -29,7 +30,7 @@ ROOMY = h.SchedConfig(
 )
 
 
-def structured_run(model_dir: Path, seed: int = 3) -> h.Lockstep:
+def structured_run(model_dir: Path, seed: int = 3, num_spec_tokens: int = 0) -> h.Lockstep:
     """pagedkv's scheduler against vLLM's over six structured-output requests (two of them
     terminate early, one rejects tokens) beside two plain ones."""
     rng = random.Random(seed)
@@ -45,7 +46,8 @@ def structured_run(model_dir: Path, seed: int = 3) -> h.Lockstep:
         )
         for i in range(8)
     ]
-    return h.Lockstep(ROOMY, specs, seed, model_dir, KVCacheManager)
+    cfg = dataclasses.replace(ROOMY, num_spec_tokens=num_spec_tokens)
+    return h.Lockstep(cfg, specs, seed, model_dir, KVCacheManager)
 
 
 @pytest.fixture
@@ -112,8 +114,10 @@ def _spy(manager: Any, name: str, calls: list) -> Callable[..., Any]:
     original = getattr(manager, name)
 
     def spy(*args: Any) -> Any:
-        first = args[0] if name == "accept_tokens" else args[1]
-        calls.append((name, first.request_id if name == "accept_tokens" else list(first)))
+        if name == "grammar_bitmask":
+            calls.append((name, list(args[1])))
+        else:
+            calls.append((name, args[0].request_id))
         return original(*args)
 
     return spy
@@ -147,22 +151,30 @@ def test_the_plain_case_leaves_vllms_manager_out(tiny_model_dir: Path, monkeypat
     assert len(filled) == stats["bitmasks"] - allocations > 0
 
 
-def test_a_foreign_manager_is_called_as_vllms_loop_calls_it(tiny_model_dir: Path) -> None:
+SPIED = ("grammar_bitmask", "accept_tokens", "validate_tokens")
+
+
+@pytest.mark.parametrize("num_spec_tokens", [0, 2])
+def test_a_foreign_manager_is_called_as_vllms_loop_calls_it(
+    tiny_model_dir: Path, num_spec_tokens: int
+) -> None:
     """Spies on both sides' manager instances (each then foreign): pagedkv's native steps
     ask it exactly what vLLM's loop asks, in the same order: ``grammar_bitmask`` with the
-    same rows, ``accept_tokens`` for every row with tokens (plain requests too)."""
-    run = structured_run(tiny_model_dir)
+    same rows, ``accept_tokens`` for every row with tokens and, with drafts,
+    ``validate_tokens`` for every row given drafts (plain requests too)."""
+    run = structured_run(tiny_model_dir, num_spec_tokens=num_spec_tokens)
     calls: dict = {"vllm": [], "pagedkv": []}
     for side, sched in (("vllm", run.ref), ("pagedkv", run.test)):
         manager = sched.structured_output_manager
-        for name in ("grammar_bitmask", "accept_tokens"):
+        for name in SPIED:
             setattr(manager, name, _spy(manager, name, calls[side]))
         assert _grammar.manager_kind(manager) == _grammar.FOREIGN
     stats = run.run()
     assert set(stats["loops"]) == {"native"}, stats
     assert calls["pagedkv"] == calls["vllm"]
-    asked = {rid for name, rid in calls["vllm"] if name == "accept_tokens"}
-    assert {"r6", "r7"} <= asked  # the plain requests are asked too
+    for name in ("accept_tokens", "validate_tokens")[: 1 + bool(num_spec_tokens)]:
+        asked = {rid for method, rid in calls["vllm"] if method == name}
+        assert {"r6", "r7"} <= asked, name  # the plain requests are asked too
     assert sum(name == "grammar_bitmask" for name, _ in calls["vllm"]) == stats["bitmasks"]
 
 

@@ -35,10 +35,17 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-#: vLLM's ``StructuredOutputManager`` methods whose plain-case result this module computes:
-#: a class whose copies of these are not vLLM's own (a subclass, a plugin's patch) is not
-#: plain.
-_MIRRORED = ("grammar_bitmask", "accept_tokens", "_fill_bitmasks", "_get_constraint_bounds")
+#: vLLM's ``StructuredOutputManager`` methods whose plain-case result this module computes,
+#: or which a native step skips for rows without structured output (``validate_tokens``):
+#: a manager whose copies of these are not vLLM's own (a subclass, a plugin's patch) is
+#: foreign.
+_MIRRORED = (
+    "grammar_bitmask",
+    "accept_tokens",
+    "validate_tokens",
+    "_fill_bitmasks",
+    "_get_constraint_bounds",
+)
 
 #: Per class and its functions of :data:`_MIRRORED`: whether they are vLLM's own.
 _plain_classes: Dict[Tuple[Any, ...], bool] = {}
@@ -85,8 +92,8 @@ def manager_kind(manager: Any) -> int:
     (:func:`plain_manager`: natively, rows without structured output answered at once),
     :data:`VLLMS_OWN` (vLLM's code with a reasoning parser: the manager's ``accept_tokens``
     for structured-output rows; it accepts any other row at once) or :data:`FOREIGN` (a
-    subclass or a patch: the manager's ``accept_tokens`` for every row with tokens, as
-    vLLM's loop calls it)."""
+    subclass or a patch: the manager's ``accept_tokens`` for every row with tokens and its
+    ``validate_tokens`` for every row given drafts, as vLLM's loop calls them)."""
     if not _vllms_own(manager):
         return FOREIGN
     return PLAIN if plain_manager(manager) else VLLMS_OWN

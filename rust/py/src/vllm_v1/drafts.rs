@@ -187,18 +187,25 @@ pub fn scheduled_drafts<'py>(
 
 /// vLLM's `update_draft_token_ids(DraftTokenIds(req_ids, draft_token_ids))`, pairwise as
 /// `zip` pairs them: a finished or unknown request is skipped, a prefill chunk's drafts are
-/// dropped (its list emptied), any other request takes the drafts (a structured-output
-/// request: the prefix vLLM's `validate_tokens` keeps). The lists are vLLM's objects, kept.
+/// dropped (its list emptied), any other request takes the drafts as the structured-output
+/// manager's `validate_tokens` returns them. vLLM's own manager returns a request's list
+/// itself unless it has structured output, so only those rows ask it; a manager that is not
+/// vLLM's own code (`_grammar.manager_kind`, asked once per call) is asked for every row, as
+/// vLLM's method asks it. The lists are vLLM's objects, kept.
 pub fn update_draft_token_ids(
+    objs: &crate::vllm_v1::loop_::Objects,
     sched: &Bound<'_, PyAny>,
-    preempted_value: i64,
     req_ids: &Bound<'_, PyAny>,
     drafts: &Bound<'_, PyAny>,
 ) -> PyResult<()> {
     let py = sched.py();
+    let preempted_value = objs.preempted_value;
     let requests = sched
         .getattr(intern!(py, "requests"))?
         .cast_into::<PyDict>()?;
+    let manager = sched.getattr(intern!(py, "structured_output_manager"))?;
+    let kind = objs.grammar_manager_kind.bind(py).call1((&manager,))?;
+    let ask_every_row = kind.extract::<u8>()? == crate::vllm_v1::grammar::FOREIGN;
     for (rid, spec) in req_ids.try_iter()?.zip(drafts.try_iter()?) {
         let (rid, mut spec) = (rid?, spec?);
         let Some(request) = requests.get_item(&rid)? else {
@@ -220,11 +227,11 @@ pub fn update_draft_token_ids(
             }
             continue;
         }
-        if !request
-            .getattr(intern!(py, "structured_output_request"))?
-            .is_none()
+        if ask_every_row
+            || !request
+                .getattr(intern!(py, "structured_output_request"))?
+                .is_none()
         {
-            let manager = sched.getattr(intern!(py, "structured_output_manager"))?;
             spec = manager.call_method1(intern!(py, "validate_tokens"), (&request, spec))?;
         }
         request.setattr(intern!(py, "spec_token_ids"), spec)?;

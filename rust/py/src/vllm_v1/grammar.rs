@@ -22,6 +22,9 @@ use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
+/// `manager_kind`'s answer for a manager that is not vLLM's own code.
+pub const FOREIGN: u8 = 2;
+
 /// How this call's rows advance their grammar (see the module's text).
 pub enum Acceptor<'py> {
     Plain,
@@ -36,8 +39,8 @@ impl<'py> Acceptor<'py> {
         let kind = e.lp.objs.grammar_manager_kind.bind(py);
         Ok(match kind.call1((&manager,))?.extract::<u8>()? {
             0 => Acceptor::Plain,
-            1 => Acceptor::VllmsOwn(manager),
-            _ => Acceptor::Foreign(manager),
+            FOREIGN => Acceptor::Foreign(manager),
+            _ => Acceptor::VllmsOwn(manager),
         })
     }
 

@@ -416,8 +416,7 @@ impl PyV1Loop {
         req_ids: &Bound<'_, PyAny>,
         draft_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let preempted = self.objs.preempted_value;
-        crate::vllm_v1::drafts::update_draft_token_ids(sched, preempted, req_ids, draft_token_ids)
+        crate::vllm_v1::drafts::update_draft_token_ids(&self.objs, sched, req_ids, draft_token_ids)
     }
 
     /// `policy::refuses_prompt` at this cache's length cap: a prompt of `num_prompt` tokens
