@@ -134,6 +134,7 @@ class NativeLoop:
             and d.get("ec_connector") is None
             and not d.get("encoder_cache_mismatch_reqs")
             and d.get("num_sampled_tokens_per_step", 1) == d["_pagedkv_sampled_per_step"]
+            and not d.get("defer_block_free")
         ):
             return None
         return self._pagedkv_fallback_reason()
@@ -162,6 +163,7 @@ class NativeLoop:
                 getattr(self, "num_sampled_tokens_per_step", 1) != self._pagedkv_sampled_per_step,
                 "a diffusion model",
             ),
+            (bool(getattr(self, "defer_block_free", False)), "deferred block frees"),
         )
         return next((why for out, why in checks if out), None)
 
