@@ -29,6 +29,11 @@ FILES = (
     "test_kv_cache_utils.py",
     "test_scheduler.py",
     "test_async_scheduler.py",
+    "test_swa_inflight_window_free.py",
+    "test_deferred_block_free.py",
+    "test_priority_preemption_bug.py",
+    "test_worker_slot_overflow.py",
+    "test_prefix_replay.py",
 )
 #: The files run against the scheduler class under test (the native loop); paths relative to
 #: ``tests/v1/core`` (vLLM's streaming-session scheduler tests live beside it; on 0.32 their
@@ -37,6 +42,11 @@ FILES = (
 LOOP_FILES = (
     "test_scheduler.py",
     "test_async_scheduler.py",
+    "test_swa_inflight_window_free.py",
+    "test_deferred_block_free.py",
+    "test_priority_preemption_bug.py",
+    "test_worker_slot_overflow.py",
+    "test_prefix_replay.py",
     "../streaming_input/test_scheduler_streaming.py",
     "../spec_decode/test_dynamic_sd.py",
 )

@@ -10,7 +10,7 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   pagedkv's views do not have, or they run a KV connector, which pagedkv.vllm_v1.Scheduler
   leaves to vLLM's manager (the swap forces pagedkv's manager under vLLM's Scheduler, and it
   refuses external tokens). Deselected when the manager under test is not vLLM's own. Measured:
-  every other test of the four files passes against pagedkv's manager (0.33 and 0.32; out of
+  every other test of the files run (test_vllm_own_tests.FILES) passes against pagedkv's manager (0.33 and 0.32; out of
   scope configurations run vLLM's manager through pagedkv's fallback; hybrid full + sliding
   window / chunked local configurations, under every prefix-cache retention, run pagedkv's
   hybrid manager, and so do lone sliding-window and Mamba groups: vLLM's pure-SWA retention
@@ -30,7 +30,7 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
   internals. A parametrization is named ``file::test[id]``. Deselected when the scheduler
   under test is not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with
-  the V1): every other test of the two files passes, including the KV connector tests of
+  the V1): every other test of LOOP_FILES passes, including the KV connector tests of
   ``PAGEDKV`` (out of scope: vLLM's manager and loop run them).
 """
 
@@ -52,6 +52,34 @@ _CONNECTOR = (
     "a KV connector with external tokens: pagedkv.vllm_v1.Scheduler keeps vLLM's manager "
     "there; forced under vLLM's Scheduler, pagedkv's manager refuses them (InvalidArgumentError)"
 )
+
+
+_REQ_TO_BLOCKS_LEN = (
+    "counts the requests in a single-type manager's req_to_blocks (len); pagedkv's view reads "
+    "one request's blocks and keeps no entry per request"
+)
+_COW_INTERNALS = (
+    "takes blocks straight from vLLM's BlockPool (get_new_blocks) and plants a copy-on-write "
+    "in a single-type manager's _pending_cow_copies, internals pagedkv's views do not have"
+)
+_DEFERRED_CONNECTOR = (
+    "a KV connector's async load under deferred frees: external tokens, which pagedkv's "
+    "manager refuses when forced under vLLM's Scheduler (pagedkv.vllm_v1.Scheduler keeps "
+    "vLLM's manager with a connector)"
+)
+#: vLLM's deferred-free tests that plant internals or load external tokens (both series).
+_DEFERRED = {
+    "test_deferred_block_free.py::test_cow_retentions_deferred_until_copy_step_processed": _COW_INTERNALS,
+}
+_DEFERRED_CONNECTOR_033 = {
+    f"test_deferred_block_free.py::{name}": _DEFERRED_CONNECTOR
+    for name in (
+        "test_deferred_async_load_registers_after_inflight_step",
+        "test_deferred_async_load_records_hit_sources_when_started",
+        "test_async_load_registers_immediately_without_deferral",
+        "test_abort_deferred_async_load_frees_after_inflight_step",
+    )
+}
 
 
 _ALLOCATE_SPY = (
@@ -212,6 +240,8 @@ _LONE_GROUP_NATIVE = {
 }
 
 PAGEDKV["0.33"] = {
+    **_DEFERRED,
+    **_DEFERRED_CONNECTOR_033,
     **_MAMBA_ALIGN_NATIVE,
     **_LONE_GROUP_NATIVE,
     "test_scheduler.py::test_hybrid_divergent_hit_fallback_is_capped_at_retained_auxiliary_outputs[kept]": _CONNECTOR,
@@ -227,7 +257,6 @@ PAGEDKV["0.33"] = {
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
-    "test_prefix_caching.py::test_decode": _group_internal("req_to_blocks"),
     "test_prefix_caching.py::test_evict": _pool_internal("free_block_queue"),
     "test_prefix_caching.py::test_hash_block_correct_reuse": _pool_internal("blocks"),
     "test_prefix_caching.py::test_kv_cache_events": _pool_internal("cached_block_hash_to_block"),
@@ -253,7 +282,7 @@ PAGEDKV["0.33"] = {
     "test_scheduler.py::test_kv_connector_honors_skip_reading_prefix_cache": _CONNECTOR,
     "test_scheduler.py::test_kv_connector_records_external_cache_hit_sources": _CONNECTOR,
     "test_scheduler.py::test_kv_connector_unable_to_allocate": _CONNECTOR,
-    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
     "test_scheduler.py::test_pause_new_drains_async_kv_loads": _CONNECTOR,
     "test_scheduler.py::test_prefix_hit_is_capped_at_retained_auxiliary_outputs": _CONNECTOR,
     "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _pool_internal(
@@ -264,6 +293,7 @@ PAGEDKV["0.33"] = {
     "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
 }
 PAGEDKV["0.32"] = {
+    **_DEFERRED,
     **_MAMBA_ALIGN_NATIVE,
     **_LONE_GROUP_NATIVE,
     # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
@@ -278,7 +308,6 @@ PAGEDKV["0.32"] = {
     "test_prefix_caching.py::test_block_stored_event_group_idx_out_of_bounds": _pool_internal(
         "kv_event_queue"
     ),
-    "test_prefix_caching.py::test_decode": _group_internal("req_to_blocks"),
     "test_prefix_caching.py::test_evict": _pool_internal("free_block_queue"),
     "test_prefix_caching.py::test_hash_block_correct_reuse": _pool_internal("blocks"),
     "test_prefix_caching.py::test_kv_cache_events": _pool_internal("cached_block_hash_to_block"),
@@ -301,7 +330,7 @@ PAGEDKV["0.32"] = {
     "test_scheduler.py::test_kv_connector_honors_skip_reading_prefix_cache": _CONNECTOR,
     "test_scheduler.py::test_kv_connector_records_external_cache_hit_sources": _CONNECTOR,
     "test_scheduler.py::test_kv_connector_unable_to_allocate": _CONNECTOR,
-    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
     "test_scheduler.py::test_pause_new_drains_async_kv_loads": _CONNECTOR,
     "test_scheduler.py::test_spec_decode_padding_resumed_request_without_running_requests": _CONNECTOR,
     "test_scheduler.py::test_throttle_prefills_defers_remote_kv_resume_with_local_prefill": _CONNECTOR,
@@ -323,12 +352,14 @@ ENVIRONMENT_V2_RUNNER: dict[str, dict[str, str]] = {
 
 LOOP: dict[str, dict[str, str]] = {}
 LOOP["0.33"] = {
+    **_DEFERRED,
     "test_scheduler.py::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX_POOL,
-    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
     "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
     "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _AUX_POOL,
 }
 LOOP["0.32"] = {
-    "test_scheduler.py::test_memory_leak": _group_internal("req_to_blocks"),
+    **_DEFERRED,
+    "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
     "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
 }

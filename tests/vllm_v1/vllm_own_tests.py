@@ -59,6 +59,17 @@ OPT_125M_CONFIG = {
     "use_cache": True,
     "prefix": "</s>",
 }
+#: OPT-350m differs from OPT-125m in its sizes, a 512-wide embedding projection and layer
+#: norm after each block (its public config's values).
+OPT_350M_CONFIG = {
+    **OPT_125M_CONFIG,
+    "hidden_size": 1024,
+    "ffn_dim": 4096,
+    "num_attention_heads": 16,
+    "num_hidden_layers": 24,
+    "word_embed_proj_dim": 512,
+    "do_layer_norm_before": False,
+}
 QWEN3_06B_CONFIG = {  # vLLM's ModelConfig() default model
     "architectures": ["Qwen3ForCausalLM"],
     "model_type": "qwen3",
@@ -107,6 +118,7 @@ QWEN15_7B_CONFIG = {
 }
 HUB_MODELS = {
     "facebook/opt-125m": OPT_125M_CONFIG,
+    "facebook/opt-350m": OPT_350M_CONFIG,
     "Qwen/Qwen3-0.6B": QWEN3_06B_CONFIG,
     "Qwen/Qwen1.5-7B": QWEN15_7B_CONFIG,
 }

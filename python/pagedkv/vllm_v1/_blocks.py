@@ -9,11 +9,13 @@
   ``blocks`` (views of the manager's block class) built only when read;
   :func:`make_empty_blocks` the managers' empty value (one group or several),
   :func:`block_ids_of` the ids of any block list.
+* :class:`RequestBlocksView`: a single-type manager's ``req_to_blocks`` as vLLM's own tests
+  read it (a request's blocks in one group, read-only).
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
 
 #: vLLM's ``make_block_hash_with_group_id`` suffix for group 0 (4 bytes, big endian).
 _GROUP0 = b"\x00\x00\x00\x00"
@@ -82,6 +84,36 @@ def make_empty_blocks(kv_cache_blocks_cls: type, num_groups: int = 1) -> Any:
     # are vLLM's.
     empty.get_block_ids = get_block_ids
     return empty
+
+
+class RequestBlocksView:
+    """A group's ``req_to_blocks``, read live and read-only: ``view[request_id]`` is the
+    request's blocks in the group as block views, its null blocks the pool view's own
+    ``null_block`` object (vLLM's tests count them with ``is``); a request the group holds no
+    block for reads as ``[]`` and is not ``in`` it (vLLM's ``defaultdict`` may also keep an
+    emptied entry: no scheduler decision reads that)."""
+
+    def __init__(
+        self,
+        block_ids: Callable[[str], Sequence[Sequence[int]]],
+        group: int,
+        view: Callable[[int], Any],
+        null_block: Any,
+    ) -> None:
+        self._block_ids = block_ids
+        self._group = group
+        self._view = view
+        self._null_block = null_block
+
+    def __getitem__(self, request_id: str) -> List[Any]:
+        ids = self._block_ids(request_id)[self._group]
+        return [self._null_block if b == 0 else self._view(b) for b in ids]
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and bool(self._block_ids(request_id)[self._group])
+
+    def get(self, request_id: str, default: Any = None) -> Any:
+        return self[request_id] if request_id in self else default
 
 
 def make_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type = BlockView) -> type:

@@ -38,7 +38,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 from pagedkv.errors import InvalidArgumentError
 
 from . import _blocks, _events
-from ._blocks import BlockView
+from ._blocks import BlockView, RequestBlocksView
 from ._manager import PrefixCacheStatsMixin, hash_lookahead_tokens
 
 
@@ -116,7 +116,8 @@ def group_kinds(kv_cache_config: Any) -> List[Tuple[str, int, int, int]]:
 
 
 class _GroupView:
-    """One single-type manager as vLLM's engine inspects it (block size, spec, group id)."""
+    """One single-type manager as vLLM's engine inspects it (block size, spec, group id), and
+    as vLLM's own tests read it (``req_to_blocks``, ``_null_block``)."""
 
     def __init__(self, manager: HybridKVCacheManager, spec: Any, group_id: int) -> None:
         self.kv_cache_spec = spec
@@ -124,6 +125,14 @@ class _GroupView:
         self.kv_cache_group_id = group_id
         self.enable_caching = manager.enable_caching
         self.block_pool = manager.block_pool
+        self._null_block = manager.block_pool.null_block
+        native = manager._native
+        self.req_to_blocks = RequestBlocksView(
+            native.block_ids,
+            group_id,
+            lambda block_id: HybridBlockView(native, block_id),
+            self._null_block,
+        )
 
 
 def _eagle_flag(group: Any) -> bool:

@@ -67,7 +67,8 @@ class _PoolView:
 
 
 class _GroupView:
-    """The one single-type manager vLLM's engine inspects (block size and spec)."""
+    """The one single-type manager vLLM's engine inspects (block size and spec), and as
+    vLLM's own tests read it (``req_to_blocks``, ``_null_block``)."""
 
     def __init__(self, manager: KVCacheManager, spec: Any) -> None:
         self.kv_cache_spec = spec
@@ -75,6 +76,14 @@ class _GroupView:
         self.kv_cache_group_id = 0
         self.enable_caching = manager.enable_caching
         self.block_pool = manager.block_pool
+        self._null_block = manager.block_pool.null_block
+        native = manager._native
+        self.req_to_blocks = _blocks.RequestBlocksView(
+            lambda request_id: (native.block_ids(request_id),),
+            0,
+            lambda block_id: _blocks.BlockView(native, block_id),
+            self._null_block,
+        )
 
 
 class _CoordinatorView:
