@@ -106,14 +106,17 @@ class RequestBlocksView:
         self._null_block = null_block
 
     def __getitem__(self, request_id: str) -> List[Any]:
-        ids = self._block_ids(request_id)[self._group]
-        return [self._null_block if b == 0 else self._view(b) for b in ids]
+        return self._views(self._block_ids(request_id)[self._group])
 
     def __contains__(self, request_id: object) -> bool:
         return isinstance(request_id, str) and bool(self._block_ids(request_id)[self._group])
 
     def get(self, request_id: str, default: Any = None) -> Any:
-        return self[request_id] if request_id in self else default
+        ids = self._block_ids(request_id)[self._group] if isinstance(request_id, str) else ()
+        return self._views(ids) if ids else default
+
+    def _views(self, ids: Sequence[int]) -> List[Any]:
+        return [self._null_block if b == 0 else self._view(b) for b in ids]
 
 
 def make_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type = BlockView) -> type:

@@ -76,13 +76,6 @@ def _vllms_own(manager: Any) -> bool:
     return _vllm_class_of(type(manager)) and not any(name in own for name in _MIRRORED)
 
 
-def plain_manager(manager: Any) -> bool:
-    """Every structured-output row of ``manager`` is constrained from its first token by
-    vLLM's own code: ``accept_tokens(request, tokens)`` is then ``reasoning_ended = True``
-    and the grammar's ``accept_tokens(request.request_id, list(tokens))``."""
-    return _vllms_own(manager) and (manager.enable_in_reasoning or manager.reasoner_cls is None)
-
-
 #: :func:`manager_kind`'s answers.
 PLAIN, VLLMS_OWN, FOREIGN = 0, 1, 2
 
@@ -96,7 +89,16 @@ def manager_kind(manager: Any) -> int:
     ``validate_tokens`` for every row given drafts, as vLLM's loop calls them)."""
     if not _vllms_own(manager):
         return FOREIGN
-    return PLAIN if plain_manager(manager) else VLLMS_OWN
+    if manager.enable_in_reasoning or manager.reasoner_cls is None:
+        return PLAIN
+    return VLLMS_OWN
+
+
+def plain_manager(manager: Any) -> bool:
+    """Every structured-output row of ``manager`` is constrained from its first token by
+    vLLM's own code: ``accept_tokens(request, tokens)`` is then ``reasoning_ended = True``
+    and the grammar's ``accept_tokens(request.request_id, list(tokens))``."""
+    return manager_kind(manager) == PLAIN
 
 
 def _plain_bitmask(manager: Any, num_rows: int) -> bool:

@@ -11,6 +11,7 @@
 
 use crate::vllm_v1::engine::PyEngine;
 use crate::vllm_v1::engine_requests::PyReq;
+use crate::vllm_v1::grammar;
 use pagedkv_core::vllm_v1::engine::Drafts;
 use pagedkv_core::vllm_v1::spec_stats::SpecTally;
 use pyo3::intern;
@@ -204,8 +205,7 @@ pub fn update_draft_token_ids(
         .getattr(intern!(py, "requests"))?
         .cast_into::<PyDict>()?;
     let manager = sched.getattr(intern!(py, "structured_output_manager"))?;
-    let kind = objs.grammar_manager_kind.bind(py).call1((&manager,))?;
-    let ask_every_row = kind.extract::<u8>()? == crate::vllm_v1::grammar::FOREIGN;
+    let ask_every_row = grammar::manager_kind(objs, &manager)? == grammar::FOREIGN;
     for (rid, spec) in req_ids.try_iter()?.zip(drafts.try_iter()?) {
         let (rid, mut spec) = (rid?, spec?);
         let Some(request) = requests.get_item(&rid)? else {

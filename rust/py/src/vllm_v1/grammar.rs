@@ -18,12 +18,21 @@
 
 use crate::vllm_v1::engine::PyEngine;
 use crate::vllm_v1::engine_requests::PyReq;
+use crate::vllm_v1::loop_::Objects;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyList;
 
-/// `manager_kind`'s answer for a manager that is not vLLM's own code.
+/// `_grammar.manager_kind`'s answers: vLLM's own manager without a reasoning parser, and a
+/// manager that is not vLLM's own code (any other answer: vLLM's own with a parser).
+pub const PLAIN: u8 = 0;
 pub const FOREIGN: u8 = 2;
+
+/// `_grammar.manager_kind(manager)` (one Python call).
+pub fn manager_kind(objs: &Objects, manager: &Bound<'_, PyAny>) -> PyResult<u8> {
+    let kind = objs.grammar_manager_kind.bind(manager.py());
+    kind.call1((manager,))?.extract()
+}
 
 /// How this call's rows advance their grammar (see the module's text).
 pub enum Acceptor<'py> {
@@ -34,11 +43,11 @@ pub enum Acceptor<'py> {
 
 impl<'py> Acceptor<'py> {
     fn of(e: &PyEngine<'_, 'py>) -> PyResult<Self> {
-        let py = e.py();
-        let manager = e.sched.getattr(intern!(py, "structured_output_manager"))?;
-        let kind = e.lp.objs.grammar_manager_kind.bind(py);
-        Ok(match kind.call1((&manager,))?.extract::<u8>()? {
-            0 => Acceptor::Plain,
+        let manager = e
+            .sched
+            .getattr(intern!(e.py(), "structured_output_manager"))?;
+        Ok(match manager_kind(&e.lp.objs, &manager)? {
+            PLAIN => Acceptor::Plain,
             FOREIGN => Acceptor::Foreign(manager),
             _ => Acceptor::VllmsOwn(manager),
         })
@@ -81,16 +90,16 @@ pub fn accept_tokens<'py>(
     r: &PyReq<'py>,
     tokens: &Bound<'py, PyList>,
 ) -> PyResult<bool> {
-    if e.io()?.grammar.is_none() {
-        let acceptor = Acceptor::of(e)?;
-        if let Some(io) = e.io.as_mut() {
-            io.grammar = Some(acceptor);
-        }
-    }
-    let accepted = match &e.io()?.grammar {
-        Some(acceptor) => acceptor.accept(r, tokens)?,
-        None => Acceptor::of(e)?.accept(r, tokens)?,
+    // The step's acceptor, decided at its first row with tokens, lent out for this row.
+    let acceptor = match e.io.as_mut().and_then(|io| io.grammar.take()) {
+        Some(acceptor) => acceptor,
+        None => Acceptor::of(e)?,
     };
+    let accepted = acceptor.accept(r, tokens);
+    if let Some(io) = e.io.as_mut() {
+        io.grammar = Some(acceptor);
+    }
+    let accepted = accepted?;
     if !accepted {
         let py = tokens.py();
         let logger = py
