@@ -12,10 +12,12 @@ instance, drafts), where vLLM's manager must be called as vLLM's loop calls it.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import numpy as np
 import pytest
 import request_kinds as kinds
 import torch
@@ -123,12 +125,15 @@ def _spy(manager: Any, name: str, calls: list) -> Callable[..., Any]:
     return spy
 
 
-def test_the_plain_case_leaves_vllms_manager_out(tiny_model_dir: Path, monkeypatch: Any) -> None:
-    """Every step native and equal to vLLM's; pagedkv's side asks vLLM's manager only to
-    allocate the bitmask (its first ``grammar_bitmask``, if the bitmask is not there yet),
-    then fills the bitmask and advances the grammars itself. (The spies on the class are
-    not vLLM's code: the class check is forced.)"""
-    run = structured_run(tiny_model_dir)
+@pytest.mark.parametrize("num_spec_tokens", [0, 2])
+def test_the_plain_case_leaves_vllms_manager_out(
+    tiny_model_dir: Path, monkeypatch: Any, num_spec_tokens: int
+) -> None:
+    """Every step native and equal to vLLM's, with drafts or without; pagedkv's side asks
+    vLLM's manager only to allocate the bitmask (its first ``grammar_bitmask``, if the
+    bitmask is not there yet), then fills the bitmask and advances the grammars itself.
+    (The spies on the class are not vLLM's code: the class check is forced.)"""
+    run = structured_run(tiny_model_dir, num_spec_tokens=num_spec_tokens)
     test_manager = run.test.structured_output_manager
     allocations = 1 if test_manager._grammar_bitmask is None else 0
     calls: list = []
@@ -143,12 +148,15 @@ def test_the_plain_case_leaves_vllms_manager_out(tiny_model_dir: Path, monkeypat
     monkeypatch.setattr(_grammar, "_vllm_class_of", lambda cls: True)
     filled: list = []
     fill = _grammar.fill_plain_bitmask
-    monkeypatch.setattr(_grammar, "fill_plain_bitmask", lambda *a: filled.append(1) or fill(*a))
+    monkeypatch.setattr(
+        _grammar, "fill_plain_bitmask", lambda *a: filled.append(any(a[3].values())) or fill(*a)
+    )
     stats = run.run()
     assert set(stats["loops"]) == {"native"}, stats
     assert ("grammar_bitmask", "vllm") in calls and ("accept_tokens", "vllm") in calls
     assert [c for c in calls if c[1] == "pagedkv"] == [("grammar_bitmask", "pagedkv")] * allocations
     assert len(filled) == stats["bitmasks"] - allocations > 0
+    assert any(filled) == bool(num_spec_tokens)  # some rows had drafts
 
 
 SPIED = ("grammar_bitmask", "accept_tokens", "validate_tokens")
@@ -217,13 +225,21 @@ def test_a_reasoning_parser_runs_natively_through_vllms_manager(tiny_model_dir: 
 
 @pytest.mark.parametrize(
     ("drafts", "diffusion", "rows", "plain"),
-    [(0, False, 8, True), (0, False, 129, False), (2, False, 8, False), (0, True, 8, False)],
+    [
+        (0, False, 8, True),
+        (0, False, 129, False),
+        (2, False, 8, True),
+        (2, False, 129, True),
+        (0, True, 8, False),
+        (2, True, 8, False),
+    ],
 )
 def test_the_plain_bitmask_needs_one_row_per_request_on_this_thread(
     manager: Any, drafts: int, diffusion: bool, rows: int, plain: bool
 ) -> None:
-    """Drafts (a row per draft), a diffusion model (no bonus row) and more rows than vLLM
-    fills on one thread take vLLM's ``grammar_bitmask``; so does a bitmask not allocated."""
+    """A diffusion model (no bonus row) and, without drafts, more rows than vLLM fills on
+    one thread take vLLM's ``grammar_bitmask`` (with drafts vLLM always fills on one
+    thread); so does a bitmask not allocated."""
     from types import SimpleNamespace
 
     assert manager.fill_bitmask_parallel_threshold == 128
@@ -234,3 +250,106 @@ def test_the_plain_bitmask_needs_one_row_per_request_on_this_thread(
         num_speculative_tokens=drafts, model_config=SimpleNamespace(is_diffusion=diffusion)
     )
     assert _grammar._plain_bitmask(manager, rows) is plain
+
+
+class _Records(logging.Handler):
+    """The messages a logger emits, formatted."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append((record.levelno, record.getMessage()))
+
+
+def _random_batch(rng: random.Random, num_spec_tokens: int) -> tuple:
+    """Grammar specs, positions and drafts for one ``grammar_bitmask`` call: grammars that
+    reject tokens, terminate (some already terminated), drafts of every length up to
+    ``num_spec_tokens`` (some none), rejected drafts, ``-1`` padding."""
+    batch = []
+    for k in range(rng.randrange(1, 9)):
+        spec = kinds.GrammarSpec(
+            reject_mod=rng.choice((0, 3, 5)), length=rng.choice((None, 1, 3, 6))
+        )
+        position = rng.randrange(0, 5)
+        drafts = [rng.randrange(1, h.VOCAB_SIZE) for _ in range(rng.randrange(num_spec_tokens + 1))]
+        if drafts and rng.random() < 0.3:
+            cut = rng.randrange(len(drafts))
+            drafts[cut:] = [-1] * (len(drafts) - cut)
+        batch.append((f"q{k}", spec, position, drafts if drafts or rng.random() < 0.5 else None))
+    return batch
+
+
+class CountingGrammar(kinds.FakeGrammar):
+    """A fake grammar whose rows also record how many rows it filled (in word 0), so a row
+    copied where vLLM copies and a row filled again tell apart."""
+
+    fills = 0
+
+    def fill_bitmask(self, bitmask: torch.Tensor, batch_index: int) -> None:
+        super().fill_bitmask(bitmask, batch_index)
+        self.fills += 1
+        bitmask[batch_index, 0] = self.fills
+
+
+def _requests(batch: list) -> dict:
+    """Fresh requests for ``batch``, each grammar advanced to its position."""
+    from types import SimpleNamespace
+
+    requests = {}
+    for req_id, spec, position, _ in batch:
+        grammar = CountingGrammar(spec, h.VOCAB_SIZE)
+        grammar.num_processed_tokens = position
+        structured = SimpleNamespace(grammar=grammar, reasoning_ended=None, reasoner=None)
+        requests[req_id] = SimpleNamespace(request_id=req_id, structured_output_request=structured)
+    return requests
+
+
+@pytest.mark.parametrize("num_spec_tokens", [0, 1, 3])
+def test_the_plain_bitmask_is_vllms_grammar_bitmask(manager: Any, num_spec_tokens: int) -> None:
+    """Function against function on random batches: vLLM's ``grammar_bitmask`` and
+    :func:`_grammar.fill_plain_bitmask` from the same bitmask contents (stale rows included)
+    over grammars in the same states give the same array, leave the grammars in the same
+    states and the bitmask in the same contents, and log the same errors (rejected drafts)."""
+    from types import SimpleNamespace
+
+    from vllm.v1 import structured_output
+
+    manager.vllm_config = SimpleNamespace(
+        num_speculative_tokens=num_spec_tokens,
+        model_config=SimpleNamespace(is_diffusion=False),
+        scheduler_config=SimpleNamespace(max_num_seqs=8),
+    )
+    words = (h.VOCAB_SIZE + 31) // 32
+    rng = random.Random(num_spec_tokens)
+    records = _Records()
+    structured_output.logger.addHandler(records)
+    failures = 0
+    try:
+        for _ in range(60):
+            batch = _random_batch(rng, num_spec_tokens)
+            ids = [b[0] for b in batch]
+            drafts = {b[0]: b[3] for b in batch if b[3] is not None}
+            start = torch.randint(-(2**31), 2**31 - 1, (8 * (num_spec_tokens + 1), words))
+            results = []
+            for fill in (manager.grammar_bitmask, _grammar_fill(manager)):
+                manager._grammar_bitmask = start.to(torch.int32).clone()
+                requests = _requests(batch)
+                records.messages.clear()
+                array = fill(requests, ids, drafts).copy()
+                grammars = [r.structured_output_request.grammar for r in requests.values()]
+                state = [(g.num_processed_tokens, list(g.accepted), g.fills) for g in grammars]
+                after = manager._grammar_bitmask.clone()
+                results.append((array, after, state, records.messages[:]))
+            (ref, ref_all, ref_state, ref_log), (got, got_all, got_state, got_log) = results
+            assert np.array_equal(got, ref) and torch.equal(got_all, ref_all)
+            assert got_state == ref_state and got_log == ref_log
+            failures += bool(ref_log)
+    finally:
+        structured_output.logger.removeHandler(records)
+    assert failures > 0 or num_spec_tokens == 0
+
+
+def _grammar_fill(manager: Any) -> Callable[..., Any]:
+    return lambda requests, ids, drafts: _grammar.fill_plain_bitmask(manager, requests, ids, drafts)

@@ -16,9 +16,9 @@ counts.
 manager is vLLM's own ``StructuredOutputManager`` (not a subclass, no method replaced by a
 plugin on the class or on the instance) and has no reasoning parser (or constrains reasoning
 too, ``enable_in_reasoning``), so every row is constrained from its first token; the bitmask
-also needs no drafts (``num_speculative_tokens`` 0), no diffusion model, the bitmask
-allocated, and no more rows than vLLM fills on one thread
-(``fill_bitmask_parallel_threshold``). Otherwise vLLM's manager is called
+also needs no diffusion model, the bitmask allocated, and, without drafts, no more rows
+than vLLM fills on one thread (``fill_bitmask_parallel_threshold``; with drafts vLLM fills
+on one thread always). Otherwise vLLM's manager is called
 (:func:`manager_kind`: with a reasoning parser for structured rows only, as vLLM's own manager
 accepts any other row at once; a manager that is not vLLM's own code for every row with
 tokens, as vLLM's loop asks it).
@@ -33,6 +33,7 @@ the bulk of it with a real backend, is unchanged.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 #: vLLM's ``StructuredOutputManager`` methods whose plain-case result this module computes,
@@ -102,32 +103,103 @@ def plain_manager(manager: Any) -> bool:
 
 
 def _plain_bitmask(manager: Any, num_rows: int) -> bool:
-    """:func:`plain_manager`, and vLLM's ``grammar_bitmask`` would fill one row per request
-    on this thread into a bitmask it already allocated."""
+    """:func:`plain_manager`, and vLLM's ``grammar_bitmask`` would fill the rows on this
+    thread (with drafts always; without them up to ``fill_bitmask_parallel_threshold``
+    rows) into a bitmask it already allocated, one bonus row per request (no diffusion)."""
     config = manager.vllm_config
     return (
         manager._grammar_bitmask is not None
-        and num_rows <= manager.fill_bitmask_parallel_threshold
-        and not config.num_speculative_tokens
+        and (config.num_speculative_tokens or num_rows <= manager.fill_bitmask_parallel_threshold)
         and not config.model_config.is_diffusion
         and plain_manager(manager)
     )
 
 
-def fill_plain_bitmask(manager: Any, requests: Dict[str, Any], req_ids: Sequence[str]) -> Any:
-    """vLLM's ``grammar_bitmask(requests, req_ids, {})`` under :func:`_plain_bitmask`: row
-    ``k`` is ``req_ids[k]``'s grammar's mask, or the full mask once it terminated."""
+def fill_plain_bitmask(
+    manager: Any, requests: Dict[str, Any], req_ids: Sequence[str], drafts: Dict[str, List[int]]
+) -> Any:
+    """vLLM's ``grammar_bitmask(requests, req_ids, drafts)`` under :func:`_plain_bitmask`:
+    per request one row per scheduled draft and a bonus row (:func:`_fill_request_rows`),
+    from row ``k * (num_speculative_tokens + 1)`` on for request ``k`` on vLLM 0.33 (a fixed
+    stride; rows a request leaves unused keep what they held), packed on vLLM 0.32."""
+    stride = manager.vllm_config.num_speculative_tokens + 1
+    fixed_stride = _fixed_stride()
     bitmask = manager._grammar_bitmask
-    full = manager._full_mask
-    for row, req_id in enumerate(req_ids):
-        grammar = requests[req_id].structured_output_request.grammar
-        if grammar.is_terminated():
-            bitmask[row].fill_(full)
-        else:
-            grammar.fill_bitmask(bitmask, row)
-    if len(req_ids) < bitmask.shape[0]:
-        bitmask = bitmask[: len(req_ids)]
+    row = 0
+    for k, req_id in enumerate(req_ids):
+        if fixed_stride:
+            row = k * stride
+        request = requests[req_id]
+        grammar = request.structured_output_request.grammar
+        row = _fill_request_rows(manager, grammar, req_id, drafts.get(req_id, ()), row)
+    num_rows = len(req_ids) * stride if fixed_stride else row
+    if num_rows < bitmask.shape[0]:
+        bitmask = bitmask[:num_rows]
     return bitmask.numpy()
+
+
+def _fill_request_rows(manager: Any, grammar: Any, req_id: str, drafts: Any, row: int) -> int:
+    """One request's rows from ``row`` on, as vLLM's serial fill writes them for a grammar
+    constrained from the first token: each draft's row is the mask before that draft, the
+    draft then advanced through (the full mask from a ``-1`` padding draft on); after a
+    draft the grammar rejects (or terminated), vLLM logs an error and every later row
+    repeats the failed row. The bonus row follows; the advances are rolled back. Returns
+    the row after the request's."""
+    bitmask = manager._grammar_bitmask
+    advanced = 0
+    padded = False
+    failed: Optional[int] = None
+    for token in drafts:
+        if failed is not None:
+            bitmask[row].copy_(bitmask[failed])
+            row += 1
+            continue
+        _fill_row(manager, grammar, row, not padded)
+        if token == -1:
+            padded = True
+        elif not padded:
+            if not grammar.is_terminated() and grammar.accept_tokens(req_id, [token]):
+                advanced += 1
+            else:
+                failed = row
+                _vllm_logger().error(
+                    "Unexpected: grammar terminated or rejected draft "
+                    "token %s for request %s during bitmask fill.",
+                    token,
+                    req_id,
+                )
+        row += 1
+    if failed is not None:
+        bitmask[row].copy_(bitmask[failed])
+    else:
+        _fill_row(manager, grammar, row, not padded)
+    if advanced:
+        grammar.rollback(advanced)
+    return row + 1
+
+
+def _fill_row(manager: Any, grammar: Any, row: int, constrained: bool) -> None:
+    """vLLM's ``_fill_bitmasks`` for one row without reasoning masks: the grammar's mask
+    while it constrains and has not terminated, else the full mask."""
+    if constrained and not grammar.is_terminated():
+        grammar.fill_bitmask(manager._grammar_bitmask, row)
+    else:
+        manager._grammar_bitmask[row].fill_(manager._full_mask)
+
+
+@functools.cache
+def _fixed_stride() -> bool:
+    """vLLM 0.33 gives each request a fixed block of rows; 0.32 packs them."""
+    from ._version import release_of, vllm_version
+
+    return release_of(vllm_version()) != "0.32.0"
+
+
+def _vllm_logger() -> Any:
+    """The logger vLLM's ``grammar_bitmask`` writes to."""
+    from vllm.v1 import structured_output
+
+    return structured_output.logger
 
 
 def grammar_output(sched: Any, scheduler_output: Any, grammar_ids: List[str]) -> Optional[Any]:
@@ -146,7 +218,7 @@ def grammar_output(sched: Any, scheduler_output: Any, grammar_ids: List[str]) ->
     manager = sched.structured_output_manager
     drafts = scheduler_output.scheduled_spec_decode_tokens
     if _plain_bitmask(manager, len(req_ids)):
-        bitmask = fill_plain_bitmask(manager, requests, req_ids)
+        bitmask = fill_plain_bitmask(manager, requests, req_ids, drafts)
     else:
         bitmask = manager.grammar_bitmask(requests, req_ids, drafts)
     return GrammarOutput(req_ids, bitmask, _acceptable_drafts(drafts, req_ids))
