@@ -159,6 +159,9 @@ class SchedConfig:
     # cadence (SchedulerConfig.prefill_schedule_interval; 1: none)
     throttle_rate: float = 0.0
     prefill_schedule_interval: int = 1
+    # pipeline parallelism (ParallelConfig.pipeline_parallel_size): steps in flight as
+    # EngineCore's batch queue keeps them (vLLM's max_concurrent_batches)
+    pipeline: int = 1
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -369,6 +372,7 @@ def _driver_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> t
         policy=cfg.policy,
         observability=observability,
         lora_config=None if cfg.max_loras is None else LoRAConfig(max_loras=cfg.max_loras),
+        pipeline_parallel_size=cfg.pipeline,
         **optional_fields(cfg),
     )
 
@@ -883,6 +887,7 @@ class Lockstep:
         self.stats["finished"] = Counter()  # final RequestStatus names (the reference's)
         self.stats["finish_reasons"] = Counter()  # FinishReason names of the outputs
         self.stats["bitmasks"] = 0  # grammar bitmasks compared (not None)
+        self.stats["tokens_sent_back"] = 0  # CachedRequestData.new_token_ids (pipeline)
         self.stats["pooled"] = 0  # pooler outputs given (a pooling model)
         # Structured output: per request, its grammar's spec and both sides' futures, until
         # resolved (request_kinds.resolve); requests whose outputs now loop (repetition).
@@ -1085,14 +1090,16 @@ class Lockstep:
         if victims != running_before[len(running_before) - len(victims) :]:
             self.stats["priority_preemptions"] += 1
         self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
+        self.stats["tokens_sent_back"] += sum(map(len, ref_out.scheduled_cached_reqs.new_token_ids))
         pending = Pending(ref_out, test_out, req_ids, samples)
         self.pending.append(pending)
         self._check_state("after schedule")
         if not getattr(ref_out, "pending_structured_output_tokens", False):
             self._grammar_bitmask(pending)
-        # Async scheduling: one step in flight while the next is scheduled; an empty step
-        # waits for everything in flight.
-        depth = 2 if self.cfg.async_scheduling else 1
+        # As many steps in flight as EngineCore's batch queue holds (vLLM's
+        # max_concurrent_batches: async scheduling 2, pipeline parallelism one per stage);
+        # an empty step waits for everything in flight.
+        depth = self.ref.vllm_config.max_concurrent_batches
         drain = ref_out.total_num_scheduled_tokens == 0
         while self.pending and (drain or len(self.pending) >= depth):
             self._update(self.pending.popleft())

@@ -12,8 +12,8 @@ next step can be either loop's; a switch needs no hand-over.
 
 * the engine is eligible (checked once at construction,
   :func:`pagedkv.vllm_v1._scope.engine_out_of_scope`: the
-  synchronous or the async scheduler over pagedkv's native manager, no KV/EC connector, no
-  pipeline parallelism, ...; speculative decoding, prefill deferral (a data-parallel rank's
+  synchronous or the async scheduler over pagedkv's native manager, no KV/EC connector,
+  ...; pipeline parallelism, speculative decoding, prefill deferral (a data-parallel rank's
   throttled steps, 0.33's prefill cadence), per-step performance metrics, iteration-detail
   logging and sampling masks are served natively, read from the scheduler every step), and
 * every request the scheduler holds is in scope
@@ -471,11 +471,11 @@ class _OutputBuilder:
         vLLM's would be empty); ``num_spec_tokens_to_schedule``: the step's draft count (a
         dynamic schedule's for its batch size, else ``num_spec_tokens``)."""
         s = self.sched
-        req_ids, resumed, all_tokens, new_blocks, computed, outputs = cached
+        req_ids, resumed, new_tokens, all_tokens, new_blocks, computed, outputs = cached
         cached_data = self._Cached(
             req_ids=req_ids,
             resumed_req_ids=resumed,
-            new_token_ids=[],
+            new_token_ids=new_tokens,
             all_token_ids=all_tokens,
             new_block_ids=new_blocks,
             num_computed_tokens=computed,

@@ -186,7 +186,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
             bool(sched.num_lookahead_tokens) and not sched.num_spec_tokens,
             "lookahead without drafts",
         ),
-        (bool(getattr(sched, "use_pp", False)), "pipeline parallelism"),
         (bool(getattr(sched, "prefix_replay_tokens", 0)), "prefix replay"),
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),

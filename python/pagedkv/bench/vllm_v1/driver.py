@@ -312,6 +312,7 @@ def vllm_configs(
     observability: Optional[Mapping[str, Any]] = None,
     lora_config: Optional[Any] = None,
     layers: Optional[List[Any]] = None,
+    pipeline_parallel_size: int = 1,
     **scheduler_fields: Any,
 ) -> Tuple[Any, Any]:
     """``(VllmConfig, KVCacheConfig)`` over ``model`` (a ``ModelConfig``,
@@ -326,12 +327,15 @@ def vllm_configs(
     ``lora_config``: vLLM's ``LoRAConfig`` (the scheduler reads its ``max_loras``), or
     ``None``; ``layers``: the layers' kinds (:func:`layer_groups`: hybrid KV cache groups,
     ``num_blocks`` shared by all, and the Mamba layers' ``mamba_cache_mode``), else one
-    full-attention group. The KV cache config's
-    ``prefix_cache_retention_interval`` is the ``CacheConfig``'s, as vLLM's engine sets it."""
+    full-attention group; ``pipeline_parallel_size``: the ``ParallelConfig``'s (the scheduler
+    then sends sampled tokens back with each step, unless scheduling is async). The KV cache
+    config's ``prefix_cache_retention_interval`` is the ``CacheConfig``'s, as vLLM's engine
+    sets it."""
     from vllm.config import (
         CacheConfig,
         KVEventsConfig,
         ObservabilityConfig,
+        ParallelConfig,
         SchedulerConfig,
         SpeculativeConfig,
         VllmConfig,
@@ -366,6 +370,7 @@ def vllm_configs(
         speculative_config=spec,
         observability_config=ObservabilityConfig(**dict(observability or {})),
         lora_config=lora_config,
+        parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
     )
     cache.num_gpu_blocks = num_blocks
     if layers:

@@ -19,8 +19,9 @@ type PyRow<'py> = Row<PyReq<'py>, PyBlocks>;
 
 /// `schedule()`'s result: `(new_reqs_data, cached, num_scheduled_tokens, total,
 /// structured, scheduled_spec_decode_tokens, skip_drafts, scheduled_encoder_inputs,
-/// encoder_input_updates, num_spec_tokens_to_schedule)` where `cached` is `(req_ids, resumed_req_ids, all_token_ids,
-/// new_block_ids, num_computed_tokens, num_output_tokens)`, `structured` is `None` here
+/// encoder_input_updates, num_spec_tokens_to_schedule)` where `cached` is `(req_ids,
+/// resumed_req_ids, new_token_ids, all_token_ids, new_block_ids, num_computed_tokens,
+/// num_output_tokens)`, `structured` is `None` here
 /// ([`mark_structured_output`] sets it) and `encoder_input_updates` is computed here, before
 /// `_update_after_schedule` advances the rows, as vLLM computes it (`None`: no multimodal
 /// row; vLLM's would be empty); also `prev_step_scheduled_req_ids` (v1 runner).
@@ -53,7 +54,12 @@ pub fn scheduler_output<'py>(
         out.append(make_new.call1((&r.req.obj, block_ids, v2))?)?;
     }
     let running_rows: Vec<&PyRow<'py>> = running_rows.iter().collect();
-    let cached = cached_request_data(&e.sched, v2, &running_rows, &resumed)?;
+    let sends_tokens = sends_sampled_tokens(&e.sched)?;
+    let rows = CachedRows {
+        running: &running_rows,
+        resumed: &resumed,
+    };
+    let cached = cached_request_data(&e.sched, v2, sends_tokens, rows)?;
     if !v2 {
         let prev = e
             .sched
@@ -127,27 +133,57 @@ pub fn mark_structured_output<'py>(
     Ok(())
 }
 
-/// `_make_cached_request_data`: running rows, then resumed ones.
+/// A step's rows of `CachedRequestData`: the running pass's, then the resumed admissions.
+struct CachedRows<'a, 'py> {
+    running: &'a [&'a PyRow<'py>],
+    resumed: &'a [&'a PyRow<'py>],
+}
+
+/// Whether `CachedRequestData.new_token_ids` carries each row's tokens, read every step as
+/// vLLM reads it: pipeline parallelism (`use_pp`) with synchronous scheduling (the last
+/// stage samples, the first stage needs the tokens; with async scheduling they travel on
+/// the GPU).
+fn sends_sampled_tokens(sched: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = sched.py();
+    if !sched.getattr(intern!(py, "use_pp"))?.is_truthy()? {
+        return Ok(false);
+    }
+    let config = sched.getattr(intern!(py, "scheduler_config"))?;
+    Ok(!config
+        .getattr(intern!(py, "async_scheduling"))?
+        .is_truthy()?)
+}
+
+/// `_make_cached_request_data`: running rows, then resumed ones; with `sends_tokens` each
+/// row's `new_token_ids` entry is `all_token_ids[computed : computed + tokens - drafts]`
+/// (a list, as vLLM's `ConstantList` slice).
 fn cached_request_data<'py>(
     sched: &Bound<'py, PyAny>,
     v2: bool,
-    running: &[&PyRow<'py>],
-    resumed: &[&PyRow<'py>],
+    sends_tokens: bool,
+    rows: CachedRows<'_, 'py>,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let py = sched.py();
     let prev = sched.getattr(intern!(py, "prev_step_scheduled_req_ids"))?;
     let prev = prev.cast::<PySet>()?;
     let ids = PyList::empty(py);
     let resumed_ids = PySet::empty(py)?;
+    let new_tokens = PyList::empty(py);
     let all_tokens = PyDict::new(py);
     let new_blocks = PyList::empty(py);
     let computed = PyList::empty(py);
     let outputs = PyList::empty(py);
-    for (k, r) in running.iter().chain(resumed).enumerate() {
+    for (k, r) in rows.running.iter().chain(rows.resumed).enumerate() {
         let id = r.req.f.id.bind(py);
         let all = r.req.f.all.bind(py);
         ids.append(id)?;
-        if k >= running.len() {
+        if sends_tokens {
+            let from = to_index(r.num_computed_tokens);
+            let sampled = r.tokens.saturating_sub(r.drafts);
+            let to = to_index(r.num_computed_tokens.saturating_add(sampled));
+            new_tokens.append(all.get_slice(from, to))?;
+        }
+        if k >= rows.running.len() {
             resumed_ids.add(id)?;
         }
         if !v2 && !prev.contains(id)? {
@@ -163,7 +199,21 @@ fn cached_request_data<'py>(
         let outs = (all.len() as u64).saturating_sub(r.req.f.num_prompt);
         outputs.append(outs + r.placeholders)?;
     }
-    (ids, resumed_ids, all_tokens, new_blocks, computed, outputs).into_pyobject(py)
+    let lists = (
+        ids,
+        resumed_ids,
+        new_tokens,
+        all_tokens,
+        new_blocks,
+        computed,
+        outputs,
+    );
+    lists.into_pyobject(py)
+}
+
+/// A token position as a list index (a slice past the end is cut at the end, as Python's).
+fn to_index(position: u64) -> usize {
+    usize::try_from(position).unwrap_or(usize::MAX)
 }
 
 /// vLLM's prefix lookup for a request with nothing computed (its own method, which also
