@@ -159,8 +159,8 @@ class SchedConfig:
     # cadence (SchedulerConfig.prefill_schedule_interval; 1: none)
     throttle_rate: float = 0.0
     prefill_schedule_interval: int = 1
-    # pipeline parallelism (ParallelConfig.pipeline_parallel_size): steps in flight as
-    # EngineCore's batch queue keeps them (vLLM's max_concurrent_batches)
+    # pipeline parallelism (ParallelConfig.pipeline_parallel_size): one step in flight per
+    # stage, as EngineCore's batch queue keeps them (vLLM's max_concurrent_batches)
     pipeline: int = 1
 
 
@@ -1097,9 +1097,11 @@ class Lockstep:
         if not getattr(ref_out, "pending_structured_output_tokens", False):
             self._grammar_bitmask(pending)
         # As many steps in flight as EngineCore's batch queue holds (vLLM's
-        # max_concurrent_batches: async scheduling 2, pipeline parallelism one per stage);
-        # an empty step waits for everything in flight.
-        depth = self.ref.vllm_config.max_concurrent_batches
+        # max_concurrent_batches for the V1 model runner: async scheduling 2, pipeline
+        # parallelism one per stage; read from cfg: vLLM's config on a CPU build turns
+        # async scheduling off, the harness's AsyncScheduler runs it all the same); an
+        # empty step waits for everything in flight.
+        depth = 2 if self.cfg.async_scheduling else self.cfg.pipeline
         drain = ref_out.total_num_scheduled_tokens == 0
         while self.pending and (drain or len(self.pending) >= depth):
             self._update(self.pending.popleft())
