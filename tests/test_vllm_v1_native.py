@@ -259,6 +259,7 @@ class FakeScheduler:
         self.max_num_running_reqs = self.max_num_active_reqs = 4
         self.policy, self.scheduler_reserve_full_isl = "fcfs", False
         self.use_v2_model_runner = False
+        self.use_pp = False  # no pipeline parallelism: no tokens sent back
         self.return_sampling_mask = False
         self.num_spec_tokens = self.num_lookahead_tokens = self.num_prefill_lookahead = 0
         self.lora_config = None
@@ -401,6 +402,28 @@ def test_v1_loop_admits_decodes_and_stops_over_the_schedulers_own_objects() -> N
     assert sched.running == [] and m.num_requests == 0
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_v1_loop_sends_tokens_back_under_pipeline_parallelism(asynchronous: bool) -> None:
+    """``use_pp`` with synchronous scheduling: each cached row's ``new_token_ids`` entry is
+    its tokens from ``num_computed_tokens`` on, as many as it is scheduled for (vLLM's
+    ``_make_cached_request_data``); with async scheduling, or without ``use_pp``, none."""
+    m = bound_manager()
+    sched = FakeScheduler(m)
+    sched.scheduler_config.async_scheduling = asynchronous
+    loop = _native.V1Loop(m, loop_config())
+    a = FakeRequest("a", [5] * 6, 3)
+    sched.waiting.append(a)
+    sched.requests["a"] = a
+    scheduled = loop.schedule(sched)[2]
+    loop.update(sched, scheduler_output_of(scheduled), FakeOutput(["a"], [[7]]))
+    sched.use_pp = True
+    (ids, _, new_tokens, *_) = loop.schedule(sched)[1]
+    assert ids == ["a"] and new_tokens == ([] if asynchronous else [[7]])
+    sched.use_pp = False
+    loop.update(sched, scheduler_output_of({"a": 1}), FakeOutput(["a"], [[8]]))
+    assert loop.schedule(sched)[1][2] == []
+
+
 class RecordingMasks:
     """A model output's ``sampling_masks``: records each ``slice_request`` call."""
 
@@ -494,10 +517,12 @@ def test_v1_loop_refuses_bad_configuration_and_reentry() -> None:
         loop.update(sched, so, FakeOutput(["r"], [[9]]))
 
 
-def test_v1_loop_on_a_scheduler_missing_a_field_changes_nothing() -> None:
+@pytest.mark.parametrize("field", ["prev_step_scheduled_req_ids", "use_pp"])
+def test_v1_loop_on_a_scheduler_missing_a_field_changes_nothing(field: str) -> None:
+    """Fields read while the step's output is built are read before anything is written."""
     m = bound_manager()
     sched = FakeScheduler(m)
-    del sched.prev_step_scheduled_req_ids
+    delattr(sched, field)
     r = FakeRequest("r", [5] * 4, 1)
     sched.waiting.append(r)
     sched.requests["r"] = r

@@ -35,10 +35,28 @@ pub struct PyEngine<'a, 'py> {
     pub io: Option<UpdateIo<'py>>,
     /// The step's multimodal side (`crate::vllm_v1::encoder`).
     pub enc: crate::vllm_v1::encoder::EncoderIo<'py>,
+    /// `CachedRequestData.new_token_ids` carries the rows' tokens this step
+    /// ([`sends_sampled_tokens`], read by `schedule`'s [`PyEngine::begin`]).
+    pub sends_tokens: bool,
 }
 
 pub(super) fn get_u64(obj: &Bound<'_, PyAny>, name: &Bound<'_, PyString>) -> PyResult<u64> {
     obj.getattr(name)?.extract()
+}
+
+/// Whether `CachedRequestData.new_token_ids` carries each row's tokens, read every step as
+/// vLLM reads it: pipeline parallelism (`use_pp`) with synchronous scheduling (the last
+/// stage samples, the first stage needs the tokens; with async scheduling they travel on
+/// the GPU).
+fn sends_sampled_tokens(sched: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = sched.py();
+    if !sched.getattr(intern!(py, "use_pp"))?.is_truthy()? {
+        return Ok(false);
+    }
+    let config = sched.getattr(intern!(py, "scheduler_config"))?;
+    Ok(!config
+        .getattr(intern!(py, "async_scheduling"))?
+        .is_truthy()?)
 }
 
 /// The scheduler's prefill gate: `prefill_capacity_bound`, and on 0.33 the local cadence
@@ -82,6 +100,7 @@ impl<'a, 'py> PyEngine<'a, 'py> {
             drafts: None,
             io: None,
             enc: Default::default(),
+            sends_tokens: false,
         })
     }
 
@@ -119,6 +138,7 @@ impl<'py> PyEngine<'_, 'py> {
             Release::V032 => None,
         };
         let prefill_gate = prefill_gate(sched, mode)?;
+        let sends_tokens = sends_sampled_tokens(sched)?;
         for name in [
             intern!(py, "deferred_waiting"),
             intern!(py, "_inflight_prefills"),
@@ -127,6 +147,7 @@ impl<'py> PyEngine<'_, 'py> {
             sched.getattr(name)?;
         }
         let kv_holding = sched.getattr(intern!(py, "kv_holding_waiting"))?.len()?;
+        self.sends_tokens = sends_tokens;
         let live = self.running.len() + self.waiting.len()? + kv_holding;
         self.prune(live);
         self.lp.kv.new_step_starts()?;

@@ -54,12 +54,11 @@ pub fn scheduler_output<'py>(
         out.append(make_new.call1((&r.req.obj, block_ids, v2))?)?;
     }
     let running_rows: Vec<&PyRow<'py>> = running_rows.iter().collect();
-    let sends_tokens = sends_sampled_tokens(&e.sched)?;
     let rows = CachedRows {
         running: &running_rows,
         resumed: &resumed,
     };
-    let cached = cached_request_data(&e.sched, v2, sends_tokens, rows)?;
+    let cached = cached_request_data(&e.sched, v2, e.sends_tokens, rows)?;
     if !v2 {
         let prev = e
             .sched
@@ -137,21 +136,6 @@ pub fn mark_structured_output<'py>(
 struct CachedRows<'a, 'py> {
     running: &'a [&'a PyRow<'py>],
     resumed: &'a [&'a PyRow<'py>],
-}
-
-/// Whether `CachedRequestData.new_token_ids` carries each row's tokens, read every step as
-/// vLLM reads it: pipeline parallelism (`use_pp`) with synchronous scheduling (the last
-/// stage samples, the first stage needs the tokens; with async scheduling they travel on
-/// the GPU).
-fn sends_sampled_tokens(sched: &Bound<'_, PyAny>) -> PyResult<bool> {
-    let py = sched.py();
-    if !sched.getattr(intern!(py, "use_pp"))?.is_truthy()? {
-        return Ok(false);
-    }
-    let config = sched.getattr(intern!(py, "scheduler_config"))?;
-    Ok(!config
-        .getattr(intern!(py, "async_scheduling"))?
-        .is_truthy()?)
 }
 
 /// `_make_cached_request_data`: running rows, then resumed ones; with `sends_tokens` each
