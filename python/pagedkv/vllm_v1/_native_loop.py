@@ -92,6 +92,11 @@ class NativeLoop:
         self._pagedkv_output = _OutputBuilder(self)
         config = _loop_config(self)
         config["pool_tokens"] = self._pagedkv_pool_tokens
+        #: vLLM 0.32 counts only the adapters its running pass scheduled: with pipeline
+        #: parallelism a request awaiting its output holds a LoRA slot uncounted, a request
+        #: with another adapter is admitted, and vLLM's next step asserts (0.33 counts every
+        #: running request). Those steps stay vLLM's (``use_pp`` is read every step).
+        self._pagedkv_pp_lora_guard = not config["release_033"] and self.lora_config is not None
         self._pagedkv_loop = _native.V1Loop(native, config)
         cap = self._pagedkv_loop.length_cap(self.max_model_len)
         if cap < self.max_model_len:
@@ -135,6 +140,7 @@ class NativeLoop:
             and not d.get("encoder_cache_mismatch_reqs")
             and d.get("num_sampled_tokens_per_step", 1) == d["_pagedkv_sampled_per_step"]
             and not d.get("defer_block_free")
+            and not (d["_pagedkv_pp_lora_guard"] and d.get("use_pp"))
         ):
             return None
         return self._pagedkv_fallback_reason()
@@ -164,6 +170,10 @@ class NativeLoop:
                 "a diffusion model",
             ),
             (bool(getattr(self, "defer_block_free", False)), "deferred block frees"),
+            (
+                self._pagedkv_pp_lora_guard and bool(getattr(self, "use_pp", False)),
+                "pipeline parallelism with LoRA on vLLM 0.32",
+            ),
         )
         return next((why for out, why in checks if out), None)
 
