@@ -29,6 +29,7 @@ __all__ = [
     "VllmBlockHasher",
     "hash_blocks",
     "vllm_block_hash",
+    "fill_plain_grammar_rows",
     "set_default_hasher",
     "get_default_hasher",
     "_set_weak_test_hasher",
@@ -62,6 +63,20 @@ def vllm_block_hash(
     ``ahead`` (vLLM 0.33; ``None`` or empty: none) the extra keys are ``(None, *ahead)``.
     ``None`` where the native encoding does not apply (a pickled token outside 32 bits,
     fewer than 4 tokens, a parent over 255 bytes)."""
+
+def fill_plain_grammar_rows(
+    bitmask: Any,
+    full_mask: Any,
+    requests: Dict[str, Any],
+    req_ids: List[str],
+    drafts: Dict[str, List[int]],
+    stride: Optional[int],
+) -> int:
+    """vLLM's serial structured-output bitmask fill for vLLM's own manager without a
+    reasoning parser: each request's draft rows and bonus row written into ``bitmask`` with
+    its grammar (``full_mask`` where it does not constrain), request ``k`` from row
+    ``k * stride`` on (``None``: packed); the row after the last request's rows
+    (``pagedkv.vllm_v1._grammar.fill_plain_bitmask``)."""
 
 def hash_blocks(
     token_ids: _TokenIds,

@@ -293,26 +293,47 @@ class CountingGrammar(kinds.FakeGrammar):
         bitmask[batch_index, 0] = self.fills
 
 
-def _requests(batch: list) -> dict:
-    """Fresh requests for ``batch``, each grammar advanced to its position."""
+def _requests(batch: list, holder: str = "namespace") -> dict:
+    """Fresh requests for ``batch``, each grammar advanced to its position, held as
+    ``holder`` says: by a stand-in's ``grammar`` attribute, in vLLM's
+    ``StructuredOutputRequest`` (``vllm``), or there as a finished ``Future`` of it
+    (``future``, what a compile in flight leaves until the property resolves it)."""
+    from concurrent.futures import Future
     from types import SimpleNamespace
+
+    from vllm.sampling_params import StructuredOutputsParams
+    from vllm.v1.structured_output.request import StructuredOutputRequest
 
     requests = {}
     for req_id, spec, position, _ in batch:
         grammar = CountingGrammar(spec, h.VOCAB_SIZE)
         grammar.num_processed_tokens = position
-        structured = SimpleNamespace(grammar=grammar, reasoning_ended=None, reasoner=None)
+        if holder == "namespace":
+            structured = SimpleNamespace(grammar=grammar, reasoning_ended=None, reasoner=None)
+        else:
+            structured = StructuredOutputRequest(params=StructuredOutputsParams(regex="a+"))
+            structured.grammar = grammar
+            if holder == "future":
+                structured.grammar = Future()
+                structured._grammar.set_result(grammar)
         requests[req_id] = SimpleNamespace(request_id=req_id, structured_output_request=structured)
     return requests
 
 
+@pytest.mark.parametrize("holder", ["namespace", "vllm", "future"])
 @pytest.mark.parametrize("num_spec_tokens", [0, 1, 3])
-def test_the_plain_bitmask_is_vllms_grammar_bitmask(manager: Any, num_spec_tokens: int) -> None:
+def test_the_plain_bitmask_is_vllms_grammar_bitmask(
+    manager: Any, num_spec_tokens: int, holder: str
+) -> None:
     """Function against function on random batches: vLLM's ``grammar_bitmask`` and
     :func:`_grammar.fill_plain_bitmask` from the same bitmask contents (stale rows included)
     over grammars in the same states give the same array, leave the grammars in the same
-    states and the bitmask in the same contents, and log the same errors (rejected drafts)."""
+    states and the bitmask in the same contents, and log the same errors (rejected drafts).
+    The grammars are held by stand-ins, by vLLM's ``StructuredOutputRequest`` (read from its
+    slot) and there behind a finished ``Future`` (resolved by vLLM's property, both sides)."""
     from types import SimpleNamespace
+
+    from concurrent.futures import Future
 
     from vllm.v1 import structured_output
 
@@ -335,7 +356,7 @@ def test_the_plain_bitmask_is_vllms_grammar_bitmask(manager: Any, num_spec_token
             results = []
             for fill in (manager.grammar_bitmask, _grammar_fill(manager)):
                 manager._grammar_bitmask = start.to(torch.int32).clone()
-                requests = _requests(batch)
+                requests = _requests(batch, holder)
                 records.messages.clear()
                 array = fill(requests, ids, drafts).copy()
                 grammars = [r.structured_output_request.grammar for r in requests.values()]
@@ -346,6 +367,9 @@ def test_the_plain_bitmask_is_vllms_grammar_bitmask(manager: Any, num_spec_token
             assert np.array_equal(got, ref) and torch.equal(got_all, ref_all)
             assert got_state == ref_state and got_log == ref_log
             failures += bool(ref_log)
+            if holder == "future":  # resolved in place, as vLLM's property leaves it
+                assert all(not isinstance(r.structured_output_request._grammar, Future)
+                           for r in requests.values())
     finally:
         structured_output.logger.removeHandler(records)
     assert failures > 0 or num_spec_tokens == 0

@@ -5,7 +5,8 @@ apply.
 
 **What is the same.** The grammar objects are vLLM's (the backend's: xgrammar, guidance,
 outlines, ...), called as vLLM calls them, in the same order, with the same arguments:
-per row ``structured_output_request.grammar`` (a property), ``is_terminated()``, then
+per row ``structured_output_request.grammar`` (the property's value: its ``_grammar`` slot
+read directly where the property would only return it), ``is_terminated()``, then
 ``fill_bitmask(bitmask, row)`` or the row filled with the manager's full mask; at
 ``update_from_output`` ``reasoning_ended`` set and ``accept_tokens(request_id, tokens)`` on a
 copy of the kept tokens. The bitmask is the manager's own tensor, sliced and returned as
@@ -27,14 +28,17 @@ tokens, as vLLM's loop asks it).
 the structured-output rows; the native step already knows them (the grammar rows of
 ``pagedkv_core``'s ``update_after_schedule``). vLLM's manager derives each row's constraint
 bounds, draft rows and reasoning masks through several calls per row, and ``accept_tokens``
-does the same per row: in the plain case each is the constant above. The grammar's own work,
-the bulk of it with a real backend, is unchanged.
+does the same per row: in the plain case each is the constant above, the bitmask's rows
+filled in one native call per step. The grammar's own work, the bulk of it with a real
+backend, is unchanged.
 """
 
 from __future__ import annotations
 
 import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from pagedkv import _native
 
 #: vLLM's ``StructuredOutputManager`` methods whose plain-case result this module computes,
 #: or which a native step skips for rows without structured output (``validate_tokens``):
@@ -119,72 +123,30 @@ def fill_plain_bitmask(
     manager: Any, requests: Dict[str, Any], req_ids: Sequence[str], drafts: Dict[str, List[int]]
 ) -> Any:
     """vLLM's ``grammar_bitmask(requests, req_ids, drafts)`` under :func:`_plain_bitmask`:
-    per request one row per scheduled draft and a bonus row (:func:`_fill_request_rows`),
-    from row ``k * (num_speculative_tokens + 1)`` on for request ``k`` on vLLM 0.33 (a fixed
-    stride; rows a request leaves unused keep what they held), packed on vLLM 0.32."""
+    per request one row per scheduled draft and a bonus row, from row
+    ``k * (num_speculative_tokens + 1)`` on for request ``k`` on vLLM 0.33 (a fixed stride;
+    rows a request leaves unused keep what they held), packed on vLLM 0.32. The rows are
+    filled natively with the requests' grammars, call for call as vLLM's serial fill makes
+    them (``pagedkv._native.fill_plain_grammar_rows``): each draft's row is the mask before
+    that draft, the draft then advanced through (the full mask from a ``-1`` padding draft
+    on); after a draft the grammar rejects (or once it terminated), vLLM's error is logged
+    and every later row repeats the failed row; then the bonus row; the advances are rolled
+    back."""
     stride = manager.vllm_config.num_speculative_tokens + 1
     fixed_stride = _fixed_stride()
     bitmask = manager._grammar_bitmask
-    row = 0
-    for k, req_id in enumerate(req_ids):
-        if fixed_stride:
-            row = k * stride
-        request = requests[req_id]
-        grammar = request.structured_output_request.grammar
-        row = _fill_request_rows(manager, grammar, req_id, drafts.get(req_id, ()), row)
+    row = _native.fill_plain_grammar_rows(
+        bitmask,
+        manager._full_mask,
+        requests,
+        list(req_ids),
+        drafts,
+        stride if fixed_stride else None,
+    )
     num_rows = len(req_ids) * stride if fixed_stride else row
     if num_rows < bitmask.shape[0]:
         bitmask = bitmask[:num_rows]
     return bitmask.numpy()
-
-
-def _fill_request_rows(manager: Any, grammar: Any, req_id: str, drafts: Any, row: int) -> int:
-    """One request's rows from ``row`` on, as vLLM's serial fill writes them for a grammar
-    constrained from the first token: each draft's row is the mask before that draft, the
-    draft then advanced through (the full mask from a ``-1`` padding draft on); after a
-    draft the grammar rejects (or terminated), vLLM logs an error and every later row
-    repeats the failed row. The bonus row follows; the advances are rolled back. Returns
-    the row after the request's."""
-    bitmask = manager._grammar_bitmask
-    advanced = 0
-    padded = False
-    failed: Optional[int] = None
-    for token in drafts:
-        if failed is not None:
-            bitmask[row].copy_(bitmask[failed])
-            row += 1
-            continue
-        _fill_row(manager, grammar, row, not padded)
-        if token == -1:
-            padded = True
-        elif not padded:
-            if not grammar.is_terminated() and grammar.accept_tokens(req_id, [token]):
-                advanced += 1
-            else:
-                failed = row
-                _vllm_logger().error(
-                    "Unexpected: grammar terminated or rejected draft "
-                    "token %s for request %s during bitmask fill.",
-                    token,
-                    req_id,
-                )
-        row += 1
-    if failed is not None:
-        bitmask[row].copy_(bitmask[failed])
-    else:
-        _fill_row(manager, grammar, row, not padded)
-    if advanced:
-        grammar.rollback(advanced)
-    return row + 1
-
-
-def _fill_row(manager: Any, grammar: Any, row: int, constrained: bool) -> None:
-    """vLLM's ``_fill_bitmasks`` for one row without reasoning masks: the grammar's mask
-    while it constrains and has not terminated, else the full mask."""
-    if constrained and not grammar.is_terminated():
-        grammar.fill_bitmask(manager._grammar_bitmask, row)
-    else:
-        manager._grammar_bitmask[row].fill_(manager._full_mask)
 
 
 @functools.cache
@@ -193,13 +155,6 @@ def _fixed_stride() -> bool:
     from ._version import release_of, vllm_version
 
     return release_of(vllm_version()) != "0.32.0"
-
-
-def _vllm_logger() -> Any:
-    """The logger vLLM's ``grammar_bitmask`` writes to."""
-    from vllm.v1 import structured_output
-
-    return structured_output.logger
 
 
 def grammar_output(sched: Any, scheduler_output: Any, grammar_ids: List[str]) -> Optional[Any]:

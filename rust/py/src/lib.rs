@@ -44,6 +44,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<vllm_v1::hash::PyVllmBlockHasher>()?;
     m.add_function(wrap_pyfunction!(hashing::hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(vllm_v1::hash::vllm_block_hash, m)?)?;
+    m.add_function(wrap_pyfunction!(
+        vllm_v1::grammar_rows::fill_plain_grammar_rows,
+        m
+    )?)?;
     m.add_function(wrap_pyfunction!(hashing::set_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::get_default_hasher, m)?)?;
     m.add_function(wrap_pyfunction!(hashing::_set_weak_test_hasher, m)?)?;

@@ -5,7 +5,8 @@
 //! How is decided once per `update_from_output` that has a row with tokens
 //! (`pagedkv.vllm_v1._grammar.manager_kind`, one Python call), as an [`Acceptor`]:
 //! * vLLM's own manager without a reasoning parser (`Plain`): vLLM's method reduces to three
-//!   steps, made here in its order: read `structured_output_request.grammar`, set
+//!   steps, made here in its order: read `structured_output_request.grammar` (as vLLM's
+//!   property returns it, `grammar_rows::grammar_of`), set
 //!   `reasoning_ended = True`, call the grammar's `accept_tokens(request_id, copy of the
 //!   tokens)`; a row without structured output is accepted at once, as vLLM's method
 //!   accepts it. Cost per structured row: one grammar call and three attribute accesses
@@ -18,6 +19,7 @@
 
 use crate::vllm_v1::engine::PyEngine;
 use crate::vllm_v1::engine_requests::PyReq;
+use crate::vllm_v1::grammar_rows::grammar_of;
 use crate::vllm_v1::loop_::Objects;
 use pyo3::intern;
 use pyo3::prelude::*;
@@ -75,7 +77,7 @@ impl<'py> Acceptor<'py> {
 fn accept_plain(r: &PyReq<'_>, tokens: &Bound<'_, PyList>) -> PyResult<bool> {
     let py = tokens.py();
     let structured = r.obj.getattr(intern!(py, "structured_output_request"))?;
-    let grammar = structured.getattr(intern!(py, "grammar"))?;
+    let grammar = grammar_of(&structured)?;
     structured.setattr(intern!(py, "reasoning_ended"), true)?;
     let kept = tokens.get_slice(0, tokens.len());
     grammar

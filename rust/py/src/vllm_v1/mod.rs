@@ -10,6 +10,7 @@ pub mod engine_requests;
 pub mod engine_update;
 pub mod events;
 pub mod grammar;
+pub mod grammar_rows;
 pub mod hash;
 pub mod hybrid;
 pub mod loop_;
