@@ -331,9 +331,8 @@ def test_the_plain_bitmask_is_vllms_grammar_bitmask(
     states and the bitmask in the same contents, and log the same errors (rejected drafts).
     The grammars are held by stand-ins, by vLLM's ``StructuredOutputRequest`` (read from its
     slot) and there behind a finished ``Future`` (resolved by vLLM's property, both sides)."""
-    from types import SimpleNamespace
-
     from concurrent.futures import Future
+    from types import SimpleNamespace
 
     from vllm.v1 import structured_output
 
@@ -368,8 +367,10 @@ def test_the_plain_bitmask_is_vllms_grammar_bitmask(
             assert got_state == ref_state and got_log == ref_log
             failures += bool(ref_log)
             if holder == "future":  # resolved in place, as vLLM's property leaves it
-                assert all(not isinstance(r.structured_output_request._grammar, Future)
-                           for r in requests.values())
+                assert all(
+                    not isinstance(r.structured_output_request._grammar, Future)
+                    for r in requests.values()
+                )
     finally:
         structured_output.logger.removeHandler(records)
     assert failures > 0 or num_spec_tokens == 0
