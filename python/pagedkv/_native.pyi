@@ -56,13 +56,19 @@ def _set_weak_test_hasher(hash_seed: Optional[int] = None) -> None:
     common, to show that the prefix cache never shares a block whose stored key differs)."""
 
 def vllm_block_hash(
-    name: str, parent: bytes, tokens: List[int], ahead: Optional[List[int]] = None
+    name: str,
+    parent: bytes,
+    tokens: List[int],
+    ahead: Optional[List[int]] = None,
+    lora: Optional[Tuple[str, str]] = None,
 ) -> Optional[bytes]:
-    """vLLM's ``hash_fn((parent, tuple(tokens), None))`` for hash function ``name``
-    (``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``); with lookahead tokens
-    ``ahead`` (vLLM 0.33; ``None`` or empty: none) the extra keys are ``(None, *ahead)``.
-    ``None`` where the native encoding does not apply (a pickled token outside 32 bits,
-    fewer than 4 tokens, a parent over 255 bytes)."""
+    """vLLM's ``hash_fn((parent, tuple(tokens), E))`` for hash function ``name``
+    (``sha256``, ``sha256_cbor``, ``xxhash``, ``xxhash_cbor``), ``E`` being ``None`` or, with
+    ``lora = (lora_name, lora_path)``, ``(("lora", lora_name, lora_path),)`` (the strings as
+    distinct objects); with lookahead tokens ``ahead`` (vLLM 0.33; ``None`` or empty: none)
+    the extra keys are ``(E, *ahead)``. ``None`` where the native encoding does not apply (a
+    pickled token outside 32 bits, fewer than 4 tokens, a parent over 255 bytes, a LoRA
+    string over 255 bytes or equal to ``"lora"``)."""
 
 def fill_plain_grammar_rows(
     bitmask: Any,

@@ -4,6 +4,7 @@ connectors and routers key on those bytes, so they must be vLLM's exactly."""
 
 from __future__ import annotations
 
+import collections
 import random
 
 import pytest
@@ -84,17 +85,17 @@ def _request(prompt: list, hasher: object, **kwargs: object) -> object:
 
 
 def _appended_in_step(
-    vllm_hasher: object, stand_in: object, block_size: int, rng: random.Random
+    vllm_hasher: object, stand_in: object, block_size: int, rng: random.Random, **kwargs: object
 ) -> list:
     """Three prompts (short, several blocks, a salted first block), each as two requests, one
     hashed by vLLM's hasher and one by the stand-in, the same tokens appended one by one (wide
     ones among them): the block hashes are equal at the start and after every token. Returns
-    the reference requests."""
+    the reference requests. ``kwargs``: more of the requests' fields (a LoRA adapter)."""
     refs = []
     for prompt_len, salt in ((3, None), (block_size * 3 + 1, None), (block_size + 2, "salt")):
         prompt = [rng.randrange(1000) for _ in range(prompt_len)]
-        ref = _request(prompt, vllm_hasher, cache_salt=salt)
-        test = _request(prompt, stand_in, cache_salt=salt)
+        ref = _request(prompt, vllm_hasher, cache_salt=salt, **kwargs)
+        test = _request(prompt, stand_in, cache_salt=salt, **kwargs)
         assert test.block_hashes == ref.block_hashes
         for _ in range(12 * block_size):
             t = rng.choice(EDGE_TOKENS) if rng.random() < 0.02 else rng.randrange(50_000)
@@ -130,6 +131,7 @@ def test_schedulers_hand_in_scope_requests_the_native_stand_in() -> None:
     assert hashers.hash_natively(plain)
     assert isinstance(plain._block_hasher, _native.VllmBlockHasher)
     assert plain._block_hasher.original is vllm_hasher
+    assert hashers.hash_natively(_request(range(40), vllm_hasher, lora_request=_lora("a", "/a")))
     assert not hashers.hash_natively(_request(range(40), get_request_block_hasher(32, sha)))
     assert not hashers.hash_natively(_request(range(40), None))
     assert not hashers.hash_natively(_request(range(40), lambda r: []))
@@ -186,3 +188,74 @@ def test_native_stand_in_hashes_as_vllms_lookahead_hasher(algo: str, lookahead: 
         assert len(ref.block_hashes) == (ref.num_tokens - lookahead) // block_size >= 11
     # Handed back: calls before the first hash exists, and the few with a wide token.
     assert len(handed_back) < 40, len(handed_back)
+
+
+def _lora(name: str, path: str, int_id: int = 1) -> object:
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(name, int_id, path)
+
+
+#: LoRA names and paths: non-ASCII, at and past the 255-byte limit (pickle's short string),
+#: the tag's own text (memoized by identity in the pickle: vLLM's hasher keeps those).
+LORA_STRINGS = ("sql", "/adapters/sql-v2", "é-adapter", "x" * 255, "y" * 256, "lora", "ö" * 128)
+
+
+def _lora_key(rng: random.Random) -> tuple:
+    """A name and a path, distinct objects (equal text or not), as a request's would be."""
+    return (rng.choice(LORA_STRINGS), rng.choice(LORA_STRINGS[:-1] + ("/p",)).encode().decode())
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_native_lora_block_hash_is_vllms(algo: str) -> None:
+    """A LoRA request's block past its first: ``hash_fn((parent, tokens, E))``, ``E`` vLLM's
+    ``(("lora", name, path),)``, and with lookahead tokens (vLLM 0.33) ``(E, *ahead)``;
+    declined only for strings the encoding does not cover (``"lora"``, over 255 bytes)."""
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    rng = random.Random(algo + "lora")
+    parent = hash_block_tokens(hash_fn, None, [1, 2, 3, 4], None)
+    native = 0
+    for case in range(300):
+        tokens = [rng.randrange(2**17) for _ in range(rng.choice((4, 16)))]
+        name, path = _lora_key(rng)
+        keys = (("lora", name, path),)
+        ahead = [rng.randrange(2**17) for _ in range(rng.choice((0, 1, 2, 3)))]
+        if ahead and not HAS_LOOKAHEAD:
+            ahead = []
+        want = hash_block_tokens(hash_fn, parent, tokens, (keys, *ahead) if ahead else keys)
+        got = _native.vllm_block_hash(algo, parent, tokens, ahead, (name, path))
+        if got is None:
+            assert {name, path} & {"lora"} or max(len(s.encode()) for s in (name, path)) > 255
+        else:
+            assert got == want, (case, name, path, ahead)
+            native += 1
+        parent = want
+    assert native > 100
+
+
+@pytest.mark.parametrize("algo", HASH_ALGOS)
+def test_native_stand_in_hashes_lora_requests_as_vllms_hasher(algo: str) -> None:
+    """LoRA requests (every string of :data:`LORA_STRINGS`, and a name that is the path's
+    very object, which the pickle memoizes) hashed by vLLM's hasher and by the stand-in, the
+    same tokens appended one by one: equal hashes after every token; the stand-in hands back
+    only what its encoding does not cover."""
+    block_size = 4
+    hash_fn = get_hash_fn_by_name(algo)
+    kv_cache_utils.init_none_hash(hash_fn)
+    vllm_hasher = get_request_block_hasher(block_size, hash_fn)
+    handed_back: list = []
+
+    def original(request: object) -> object:
+        handed_back.append(request.lora_request.lora_name)
+        return vllm_hasher(request)
+
+    stand_in = _native.VllmBlockHasher(algo, block_size, original)
+    rng = random.Random(algo)
+    same = "/shared/" + str(rng.random())
+    for name, path in [(n, "/p") for n in LORA_STRINGS] + [(same, same), ("a", "lora")]:
+        _appended_in_step(vllm_hasher, stand_in, block_size, rng, lora_request=_lora(name, path))
+    counts = collections.Counter(handed_back)
+    covered = [n for n in LORA_STRINGS if n != "lora" and len(n.encode()) <= 255]
+    assert min(counts[n] for n in ("lora", "y" * 256, "ö" * 128, same, "a")) > 30
+    assert max(counts[n] for n in covered) < 10  # first blocks, wide tokens

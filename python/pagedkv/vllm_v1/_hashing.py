@@ -11,11 +11,11 @@ functions):
   tokens (vLLM 0.33's ``num_hash_lookahead_tokens``: a block is hashed once that many tokens
   follow it, its extra keys ``(None, *those tokens)``), over one of ``sha256``,
   ``sha256_cbor``, ``xxhash``, ``xxhash_cbor`` (:func:`hash_name_of`);
-* the request is in the native loop's scope and has no extra keys past its first block (no
-  LoRA, multimodal inputs or prompt embeddings, which the loop serves but whose blocks keep
-  vLLM's hasher), and the block has a parent hash (the first
-  block, which may carry a cache salt, stays vLLM's), and every token is an ``int`` the
-  encoding covers.
+* the request is in the native loop's scope, its extra keys past its first block are none
+  or a LoRA adapter's ``(("lora", name, path),)`` with short, distinct ``str`` name and
+  path (multimodal inputs and prompt embeddings, which the loop serves, keep vLLM's hasher),
+  the block has a parent hash (the first block, which may carry a cache salt, stays
+  vLLM's), and every token is an ``int`` the encoding covers.
 
 Two places use it: the native loop hashes the blocks it fills itself, and
 :func:`hash_natively` gives an in-scope request a native stand-in for its hasher

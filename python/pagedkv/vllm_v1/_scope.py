@@ -255,14 +255,13 @@ def update_out_of_scope(update: Any) -> Optional[str]:
 
 def hashes_natively(request: Any, why: Optional[str]) -> bool:
     """Whether pagedkv may give ``request`` its native block hasher: in scope and without
-    extra hash keys past the first block (LoRA, multimodal inputs, prompt embeddings: vLLM's
-    hasher keeps those; :mod:`pagedkv.vllm_v1._hashing`). Not a streaming session: a later
-    update may bring multimodal inputs (the native loop still hashes the blocks it fills for
-    one, checking its extra keys every step)."""
+    multimodal inputs or prompt embeddings (their extra hash keys stay vLLM's hasher's; a
+    LoRA adapter's key is encoded natively, :mod:`pagedkv.vllm_v1._hashing`). Not a
+    streaming session: a later update may bring multimodal inputs (the native loop still
+    hashes the blocks it fills for one, checking its extra keys every step)."""
     return (
         why is None
         and not getattr(request, "resumable", False)
-        and request.lora_request is None
         and not request.mm_features
         and request.prompt_embeds is None
     )

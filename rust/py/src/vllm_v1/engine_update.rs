@@ -96,7 +96,8 @@ pub fn append_output_token<'py>(
                 block_size: size as usize,
                 lookahead: ahead as usize,
             };
-            extend_block_hashes(&r.obj, h, all, r.f.hash_fn, shape)?;
+            let f = r.f.hash_fn.as_ref().map(|(f, keys)| (*f, keys));
+            extend_block_hashes(&r.obj, h, all, f, shape)?;
         }
     }
     // An id outside i64 (any Python int is a token to vLLM) matches no EOS or stop id.

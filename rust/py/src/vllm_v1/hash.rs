@@ -7,25 +7,59 @@
 //! Only where the result is provably vLLM's: the request's hasher is vLLM's own
 //! (`get_request_block_hasher` at the scheduler's hash block size and lookahead; checked once
 //! per request by `pagedkv.vllm_v1._hashing`), the block has a parent hash, and every token
-//! is an exact `int` the encoding covers, and the request has no extra keys past its first
-//! block ([`extra_keys_past_first_block`]). Anything else runs vLLM's hasher.
+//! is an exact `int` the encoding covers, and the request's extra keys past its first block
+//! are none or a LoRA adapter's that the encoding covers ([`request_keys`]). Anything else
+//! runs vLLM's hasher.
 //!
 //! With vLLM 0.33's lookahead block hashes (L > 0) a block is hashed once the L tokens after
 //! it exist, those tokens in its extra keys (`pagedkv_core::vllm_v1::block_hash`).
 
-use pagedkv_core::vllm_v1::block_hash::{block_hash, HashFn};
+use pagedkv_core::vllm_v1::block_hash::{block_hash, HashFn, RequestKeys};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyInt, PyList};
+use pyo3::types::{PyBytes, PyInt, PyList, PyString};
 
 /// A LoRA adapter, multimodal inputs or prompt embeddings: extra hash keys beyond the first
 /// block (`generate_block_hash_extra_keys`; a cache salt keys the first block only, which
-/// vLLM's hasher always computes), so the native encoding does not apply.
+/// vLLM's hasher always computes). KV events publish them (built in Python).
 pub fn extra_keys_past_first_block(request: &Bound<'_, PyAny>) -> PyResult<bool> {
     let py = request.py();
     Ok(!request.getattr(intern!(py, "lora_request"))?.is_none()
         || request.getattr(intern!(py, "mm_features"))?.is_truthy()?
         || !request.getattr(intern!(py, "prompt_embeds"))?.is_none())
+}
+
+/// The request's extra hash keys past its first block where the native encoding covers
+/// them: none, or a LoRA adapter's `("lora", lora_name, lora_path)` (vLLM's
+/// `_gen_lora_extra_hash_keys`) with both exact `str`s, distinct objects (the pickler
+/// memoizes by identity) and UTF-8; `None` (vLLM's hasher runs) with multimodal inputs,
+/// prompt embeddings or LoRA strings outside that.
+pub fn request_keys(request: &Bound<'_, PyAny>) -> PyResult<Option<RequestKeys>> {
+    let py = request.py();
+    if request.getattr(intern!(py, "mm_features"))?.is_truthy()?
+        || !request.getattr(intern!(py, "prompt_embeds"))?.is_none()
+    {
+        return Ok(None);
+    }
+    let lora = request.getattr(intern!(py, "lora_request"))?;
+    if !lora.is_truthy()? {
+        return Ok(Some(RequestKeys::Plain));
+    }
+    let name = lora.getattr(intern!(py, "lora_name"))?;
+    let path = lora.getattr(intern!(py, "lora_path"))?;
+    let (Ok(n), Ok(p)) = (name.cast_exact::<PyString>(), path.cast_exact::<PyString>()) else {
+        return Ok(None);
+    };
+    if n.is(p) {
+        return Ok(None);
+    }
+    Ok(match (n.to_str(), p.to_str()) {
+        (Ok(name), Ok(path)) => Some(RequestKeys::Lora {
+            name: name.to_owned(),
+            path: path.to_owned(),
+        }),
+        _ => None,
+    })
 }
 
 /// How a request's blocks are hashed: tokens per block and lookahead tokens past each.
@@ -38,17 +72,17 @@ pub struct HashShape {
 /// `request.update_block_hashes()` after tokens were appended to `all` (the request's
 /// `_all_token_ids`): every block filled (and followed by its lookahead tokens) since the
 /// last hash is hashed and appended to `hashes` (its `block_hashes`), natively when `f` is
-/// known.
+/// known (the request's extra keys `keys`, read when it entered the loop).
 pub fn extend_block_hashes(
     request: &Bound<'_, PyAny>,
     hashes: &Bound<'_, PyAny>,
     all: &Bound<'_, PyList>,
-    f: Option<HashFn>,
+    f: Option<(HashFn, &RequestKeys)>,
     shape: HashShape,
 ) -> PyResult<()> {
     let py = request.py();
-    if let (Some(f), Ok(list)) = (f, hashes.cast::<PyList>()) {
-        if let Some(new) = new_block_hashes(list, all, f, shape)? {
+    if let (Some((f, keys)), Ok(list)) = (f, hashes.cast::<PyList>()) {
+        if let Some(new) = new_block_hashes(list, all, f, Keys::Known(keys), shape)? {
             for h in new {
                 list.append(h)?;
             }
@@ -60,14 +94,21 @@ pub fn extend_block_hashes(
         .map(drop)
 }
 
+/// A request's extra keys: known, or read from the request once a block is to be hashed.
+enum Keys<'a, 'py> {
+    Known(&'a RequestKeys),
+    ReadFrom(&'a Bound<'py, PyAny>),
+}
+
 /// The hashes of the blocks of `all` filled (with their lookahead tokens) beyond the
 /// `hashes` already computed, as vLLM's hasher would return them; `None` where the native
-/// encoding does not apply (no parent hash yet, a parent that is not `bytes`, a token it does
-/// not encode): then vLLM's runs.
+/// encoding does not apply (no parent hash yet, a parent that is not `bytes`, extra keys or
+/// a token it does not encode): then vLLM's runs.
 fn new_block_hashes<'py>(
     hashes: &Bound<'py, PyList>,
     all: &Bound<'py, PyList>,
     f: HashFn,
+    keys: Keys<'_, 'py>,
     shape: HashShape,
 ) -> PyResult<Option<Vec<Bound<'py, PyBytes>>>> {
     let py = hashes.py();
@@ -87,6 +128,17 @@ fn new_block_hashes<'py>(
     let Ok(last) = hashes.get_item(n - 1)?.cast_into::<PyBytes>() else {
         return Ok(None);
     };
+    let read;
+    let keys = match keys {
+        Keys::Known(k) => k,
+        Keys::ReadFrom(request) => match request_keys(request)? {
+            Some(k) => {
+                read = k;
+                &read
+            }
+            None => return Ok(None),
+        },
+    };
     let mut parent = last.as_bytes().to_vec();
     let mut scratch = Vec::new();
     let (mut tokens, mut ahead) = (
@@ -100,7 +152,7 @@ fn new_block_hashes<'py>(
         {
             return Ok(None);
         }
-        let Some(h) = block_hash(f, &parent, &tokens, &ahead, &mut scratch) else {
+        let Some(h) = block_hash(f, &parent, &tokens, keys, &ahead, &mut scratch) else {
             return Ok(None);
         };
         out.push(PyBytes::new(py, &h));
@@ -114,11 +166,11 @@ fn new_block_hashes<'py>(
 /// `Request.update_block_hashes` calls it after every appended token, and it returns the
 /// hashes of the blocks filled since, byte for byte vLLM's. `pagedkv.vllm_v1`'s schedulers
 /// put it in place of a request's hasher only where that hasher is vLLM's own with a hash
-/// function this module encodes and the request has no extra hash keys past its first block
-/// (no LoRA, multimodal inputs or prompt embeddings); `lookahead`: the closure's
-/// `num_hash_lookahead_tokens` (vLLM 0.33). Blocks it does not encode (the first,
-/// which may carry a cache salt; a token outside the encoding) are left to `original`, the
-/// closure it replaced, which then hashes every new block of that call.
+/// function this module encodes and the request has no multimodal inputs or prompt
+/// embeddings; `lookahead`: the closure's `num_hash_lookahead_tokens` (vLLM 0.33). Blocks it
+/// does not encode (the first, which may carry a cache salt; extra keys or a token outside
+/// the encoding, [`request_keys`] read per call that has a block to hash) are left to
+/// `original`, the closure it replaced, which then hashes every new block of that call.
 #[pyclass(module = "pagedkv._native", name = "VllmBlockHasher", frozen)]
 pub struct PyVllmBlockHasher {
     f: HashFn,
@@ -157,7 +209,9 @@ impl PyVllmBlockHasher {
         let hashes = request.getattr(intern!(py, "block_hashes"))?;
         let all = request.getattr(intern!(py, "_all_token_ids"))?;
         if let (Ok(hashes), Ok(all)) = (hashes.cast::<PyList>(), all.cast::<PyList>()) {
-            if let Some(new) = new_block_hashes(hashes, all, self.f, self.shape)? {
+            if let Some(new) =
+                new_block_hashes(hashes, all, self.f, Keys::ReadFrom(request), self.shape)?
+            {
                 return Ok(PyList::new(py, new)?.into_any());
             }
         }
@@ -218,19 +272,20 @@ fn read_tokens(
     Ok(true)
 }
 
-/// `hash_fn((parent, tuple(tokens), None))` for vLLM's hash function `name`, or with
-/// lookahead tokens `ahead` (non-empty; `None` is none) `hash_fn((parent, tuple(tokens),
-/// (None, *ahead)))`;
-/// `None` where the native encoding does not apply (the caller then uses vLLM's). For tests
-/// and tools.
+/// `hash_fn((parent, tuple(tokens), E))` for vLLM's hash function `name`, `E` being `None`
+/// or, with `lora = (name, path)`, `(("lora", name, path),)` (the strings pickled as distinct
+/// objects); with lookahead tokens `ahead` (non-empty; `None` is none) the extra keys are
+/// `(E, *ahead)`. `None` where the native encoding does not apply (the caller then uses
+/// vLLM's). For tests and tools.
 #[pyfunction]
-#[pyo3(signature = (name, parent, tokens, ahead=None))]
+#[pyo3(signature = (name, parent, tokens, ahead=None, lora=None))]
 pub fn vllm_block_hash<'py>(
     py: Python<'py>,
     name: &str,
     parent: &[u8],
     tokens: Vec<Bound<'py, PyAny>>,
     ahead: Option<Vec<Bound<'py, PyAny>>>,
+    lora: Option<(String, String)>,
 ) -> PyResult<Option<Bound<'py, PyBytes>>> {
     let f = parse_name(name)?;
     // A token outside i64 is outside the native encoding too: `None` (vLLM's hash applies).
@@ -240,7 +295,11 @@ pub fn vllm_block_hash<'py>(
     let (Ok(tokens), Ok(ahead)) = (ints(&tokens), ints(&ahead.unwrap_or_default())) else {
         return Ok(None);
     };
+    let keys = match lora {
+        None => RequestKeys::Plain,
+        Some((name, path)) => RequestKeys::Lora { name, path },
+    };
     let mut scratch = Vec::new();
-    let h = block_hash(f, parent, &tokens, &ahead, &mut scratch);
+    let h = block_hash(f, parent, &tokens, &keys, &ahead, &mut scratch);
     Ok(h.map(|h| PyBytes::new(py, &h)))
 }

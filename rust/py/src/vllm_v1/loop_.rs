@@ -22,7 +22,7 @@ use crate::vllm_v1::engine::PyEngine;
 use crate::vllm_v1::engine_update::UpdateIo;
 use crate::vllm_v1::loop_kv::LoopKv;
 use crate::vllm_v1::output::ModelOutput;
-use pagedkv_core::vllm_v1::block_hash::HashFn;
+use pagedkv_core::vllm_v1::block_hash::{HashFn, RequestKeys};
 use pagedkv_core::vllm_v1::policy::{self, Repetition, StopRule};
 use pagedkv_core::vllm_v1::{Mode, Release, Walk};
 use pyo3::intern;
@@ -160,8 +160,9 @@ pub struct Fixed {
     pub max_tokens: u64,
     /// `block_hashes` when the request has a block hasher.
     pub hashes: Option<Py<PyAny>>,
-    /// The hash function when that hasher is vLLM's own (see `crate::vllm_v1::hash`).
-    pub hash_fn: Option<HashFn>,
+    /// The hash function when that hasher is vLLM's own, with the request's extra keys,
+    /// where the native encoding covers them (see `crate::vllm_v1::hash`).
+    pub hash_fn: Option<(HashFn, RequestKeys)>,
     pub rule: StopRule,
     pub client: i64,
     /// `lora_request.lora_int_id` (`None`: no LoRA).
@@ -184,16 +185,21 @@ impl Fixed {
         let hasher = request.getattr(intern!(py, "_block_hasher"))?;
         let hashing = !hasher.is_none();
         let lora = request.getattr(intern!(py, "lora_request"))?;
-        // Extra keys past the first block (LoRA, multimodal inputs, prompt embeddings): the
-        // native encoding does not apply, vLLM's hasher runs.
-        let hash_fn = if hashing && !crate::vllm_v1::hash::extra_keys_past_first_block(request)? {
-            let name = objs.hash_name_of.bind(py).call1((&hasher,))?;
-            match name.is_none() {
-                true => None,
-                false => HashFn::parse(&name.extract::<String>()?),
+        // Extra keys past the first block the native encoding does not cover (multimodal
+        // inputs, prompt embeddings, unusual LoRA strings): vLLM's hasher runs.
+        let keys = match hashing {
+            true => crate::vllm_v1::hash::request_keys(request)?,
+            false => None,
+        };
+        let hash_fn = match keys {
+            Some(keys) => {
+                let name = objs.hash_name_of.bind(py).call1((&hasher,))?;
+                match name.is_none() {
+                    true => None,
+                    false => HashFn::parse(&name.extract::<String>()?).map(|f| (f, keys)),
+                }
             }
-        } else {
-            None
+            None => None,
         };
         let id = request
             .getattr(intern!(py, "request_id"))?
