@@ -323,8 +323,32 @@ def build_vllm_config(cfg: SchedConfig, model_dir: Path) -> tuple[VllmConfig, KV
         "enable_logging_iteration_details": cfg.iteration_details,
         "per_request_spec_decode_metrics": cfg.spec_metrics,
     }
+    if not async_pipeline(cfg):
+        with model_runner_env(cfg):
+            return _vllm_configs(cfg, model_dir, observability)
+    # Async scheduling with pipeline parallelism runs on vLLM's V2 model runner, which needs
+    # Triton (absent here): vLLM's V1 runner refuses the pair, and its config turns async
+    # scheduling off under the V2 runner. Built synchronous, then switched on as a GPU
+    # build's config keeps it (make_scheduler sets the schedulers' use_v2_model_runner).
     with model_runner_env(cfg):
-        return _vllm_configs(cfg, model_dir, observability)
+        sync = dataclasses.replace(cfg, async_scheduling=False)
+        vllm_config, kv_cache_config = _vllm_configs(sync, model_dir, observability)
+    vllm_config.scheduler_config.async_scheduling = True
+    return vllm_config, kv_cache_config
+
+
+def async_pipeline(cfg: SchedConfig) -> bool:
+    """Async scheduling with pipeline parallelism (vLLM's V2 model runner only)."""
+    return cfg.async_scheduling and cfg.pipeline > 1
+
+
+def in_flight_depth(cfg: SchedConfig) -> int:
+    """How many steps EngineCore's batch queue keeps in flight: vLLM's
+    ``max_concurrent_batches`` (pipeline parallelism one per stage; async scheduling one
+    more, two without stages)."""
+    if cfg.async_scheduling:
+        return cfg.pipeline + 1 if cfg.pipeline > 1 else 2
+    return cfg.pipeline
 
 
 def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
@@ -469,6 +493,8 @@ def make_scheduler(
         )
     if cfg.sampling_mask and not masks_in_config(cfg):
         sched.return_sampling_mask = True
+    if async_pipeline(cfg):
+        sched.use_v2_model_runner = True  # the runner async pipeline parallelism needs
     if cfg.dynamic_sd and sched.dynamic_sd_lookup is None:
         # vLLM's config keeps the schedule for "ngram_gpu" (async) only on the V2 model
         # runner; the lookup is what that runner's scheduler would hold.
@@ -1096,12 +1122,11 @@ class Lockstep:
         self._check_state("after schedule")
         if not getattr(ref_out, "pending_structured_output_tokens", False):
             self._grammar_bitmask(pending)
-        # As many steps in flight as EngineCore's batch queue holds (vLLM's
-        # max_concurrent_batches for the V1 model runner: async scheduling 2, pipeline
-        # parallelism one per stage; read from cfg: vLLM's config on a CPU build turns
-        # async scheduling off, the harness's AsyncScheduler runs it all the same); an
-        # empty step waits for everything in flight.
-        depth = 2 if self.cfg.async_scheduling else self.cfg.pipeline
+        # As many steps in flight as EngineCore's batch queue holds (in_flight_depth, read
+        # from cfg: vLLM's config on a CPU build turns async scheduling off, the harness's
+        # AsyncScheduler runs it all the same); an empty step waits for everything in
+        # flight.
+        depth = in_flight_depth(self.cfg)
         drain = ref_out.total_num_scheduled_tokens == 0
         while self.pending and (drain or len(self.pending) >= depth):
             self._update(self.pending.popleft())
