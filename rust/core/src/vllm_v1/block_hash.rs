@@ -368,7 +368,9 @@ mod tests {
         let head: &[u8] = b"C\x02\x01\x02\x94(K\x01M,\x01Jp\x11\x01\x00J\xff\xff\xff\xfft\x94";
         let e: &[u8] =
             b"\x8c\x04lora\x94\x8c\x0bsql-adapter\x94\x8c\x07/ad/sql\x94\x87\x94\x85\x94";
-        let cases: [(&[i64], &[u8], &[u8], u8); 3] = [
+        // (lookahead tokens, the MARK before E, what follows E, the frame's length)
+        type Case<'a> = (&'a [i64], &'a [u8], &'a [u8], u8);
+        let cases: [Case; 3] = [
             (&[], b"", b"", 0x3d),
             (&[5], b"", b"K\x05\x86\x94", 0x41),
             (&[5, 6, 7], b"(", b"K\x05K\x06K\x07t\x94", 0x46),
