@@ -557,6 +557,121 @@ def test_native_sha256_block_hash_is_the_pickle_digest() -> None:
         assert _native.vllm_block_hash("sha256", parent, tokens) == want, case
 
 
+def test_native_lora_block_hash_is_the_pickle_digest() -> None:
+    """A LoRA request's block: ``E = (("lora", name, path),)`` as vLLM's extra keys, alone
+    and before lookahead tokens, against CPython's own pickle (name and path distinct
+    objects, as a request's are)."""
+    import hashlib
+    import pickle
+    import random
+
+    rng = random.Random(11)
+    strings = ("sql", "/adapters/sql", "é", "ü-adapter", "x" * 255, "adapter-" * 20)
+    for case in range(300):
+        parent = bytes(rng.randrange(256) for _ in range(32))
+        tokens = [rng.randrange(2**17) for _ in range(rng.choice((4, 16, 33)))]
+        name = "".join(rng.choice(strings))[:200] + str(case)
+        path = rng.choice(strings).encode().decode()
+        ahead = [rng.randrange(2**17) for _ in range(rng.choice((0, 1, 2, 3, 5)))]
+        keys = (("lora", name, path),)
+        extra = (keys, *ahead) if ahead else keys
+        want = hashlib.sha256(
+            pickle.dumps((parent, tuple(tokens), extra), protocol=pickle.HIGHEST_PROTOCOL)
+        ).digest()
+        got = _native.vllm_block_hash("sha256", parent, tokens, ahead, (name, path))
+        assert got == want, (case, name, path, ahead)
+    assert _native.vllm_block_hash("sha256", parent, tokens, None, ("lora", "/p")) is None
+    assert _native.vllm_block_hash("sha256", parent, tokens, None, ("a", "p" * 256)) is None
+
+
+class _Row:
+    def __init__(self, rows: list, i: int) -> None:
+        self.rows, self.i = rows, i
+
+    def fill_(self, value: int) -> None:
+        self.rows[self.i] = ("full", value)
+
+    def copy_(self, other: _Row) -> None:
+        self.rows[self.i] = other.rows[other.i]
+
+
+class _Bitmask:
+    """A stand-in for vLLM's bitmask tensor: rows a grammar or a fill writes."""
+
+    def __init__(self, n: int) -> None:
+        self.rows: list = ["stale"] * n
+
+    def __getitem__(self, i: int) -> _Row:
+        if not 0 <= i < len(self.rows):
+            raise IndexError(i)
+        return _Row(self.rows, i)
+
+
+class _Grammar:
+    """Accepts tokens below 100 and rejects the rest; records its position in its rows."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.rolled_back = 0
+
+    def is_terminated(self) -> bool:
+        return False
+
+    def fill_bitmask(self, bitmask: _Bitmask, row: int) -> None:
+        bitmask.rows[row] = ("grammar", self.position)
+
+    def accept_tokens(self, request_id: str, tokens: list) -> bool:
+        if any(t >= 100 for t in tokens):
+            return False
+        self.position += len(tokens)
+        return True
+
+    def rollback(self, n: int) -> None:
+        self.position -= n
+        self.rolled_back += n
+
+
+def test_fill_plain_grammar_rows_fills_as_vllms_serial_fill_without_vllm() -> None:
+    """The bitmask rows of ``_native.fill_plain_grammar_rows`` (vLLM absent: each grammar
+    read through its holder's ``grammar`` attribute, no log): per request its draft rows and
+    a bonus row, the full mask from a padding draft on, the failed row repeated after a
+    rejected draft, the advances rolled back; fixed stride or packed. Bad input raises a
+    Python exception and writes nothing past the request that raised."""
+    from types import SimpleNamespace
+
+    def requests(n: int) -> dict:
+        return {
+            f"r{k}": SimpleNamespace(structured_output_request=SimpleNamespace(grammar=_Grammar()))
+            for k in range(n)
+        }
+
+    reqs = requests(3)
+    drafts = {"r0": [5, 6], "r1": [7, -1], "r2": [200, 8]}
+    bitmask = _Bitmask(9)
+    end = _native.fill_plain_grammar_rows(bitmask, -1, reqs, ["r0", "r1", "r2"], drafts, 3)
+    g, f = "grammar", "full"
+    assert end == 9 and bitmask.rows == [
+        (g, 0), (g, 1), (g, 2),  # r0: before each draft, then the bonus row
+        (g, 0), (g, 1), (f, -1),  # r1: a padding draft, then the full mask
+        (g, 0), (g, 0), (g, 0),  # r2: its first draft rejected, that row repeated
+    ]  # fmt: skip
+    assert [r.structured_output_request.grammar.position for r in reqs.values()] == [0, 0, 0]
+    assert [r.structured_output_request.grammar.rolled_back for r in reqs.values()] == [2, 1, 0]
+    packed = _Bitmask(9)
+    end = _native.fill_plain_grammar_rows(packed, -1, requests(2), ["r1", "r0"], {"r0": [1]}, None)
+    assert end == 3 and packed.rows[:4] == [(g, 0), (g, 0), (g, 1), "stale"]
+    with pytest.raises(KeyError):
+        _native.fill_plain_grammar_rows(_Bitmask(4), -1, requests(1), ["nope"], {}, 1)
+    with pytest.raises(TypeError):
+        _native.fill_plain_grammar_rows(_Bitmask(4), -1, requests(1), ["r0"], {"r0": ["x"]}, 1)
+    with pytest.raises((IndexError, OverflowError)):
+        _native.fill_plain_grammar_rows(_Bitmask(4), -1, requests(2), ["r0", "r1"], {}, 2**64 - 1)
+    short = _Bitmask(2)
+    with pytest.raises(IndexError):
+        _native.fill_plain_grammar_rows(short, -1, requests(2), ["r0", "r1"], {}, 2)
+    assert short.rows == [(g, 0), "stale"]
+
+
 def test_native_block_hash_declines_what_it_does_not_encode() -> None:
     parent = b"\x01" * 32
     assert _native.vllm_block_hash("sha256", parent, [2**31, 1, 2, 3]) is None

@@ -28,12 +28,13 @@ static STRUCTURED_REQUEST: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 /// a subclass, another class) through the property.
 pub fn grammar_of<'py>(structured: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
     let py = structured.py();
+    // Without vLLM (a caller outside an engine) nothing is vLLM's class: the property.
     let own = STRUCTURED_REQUEST.import(
         py,
         "vllm.v1.structured_output.request",
         "StructuredOutputRequest",
-    )?;
-    if structured.get_type().is(own) {
+    );
+    if own.is_ok_and(|own| structured.get_type().is(own)) {
         let slot = structured.getattr(intern!(py, "_grammar"))?;
         if !slot.is_instance(FUTURE.import(py, "concurrent.futures", "Future")?)? {
             return Ok(slot);
@@ -129,9 +130,13 @@ fn accepts(grammar: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>, token: i64) ->
         .is_truthy()
 }
 
-/// vLLM's error on a draft the grammar rejected during the fill, on its logger.
+/// vLLM's error on a draft the grammar rejected during the fill, on its logger (none
+/// without vLLM).
 fn log_rejected_draft(py: Python<'_>, token: i64, req_id: &Bound<'_, PyAny>) -> PyResult<()> {
-    let logger = py.import("vllm.v1.structured_output")?.getattr("logger")?;
+    let Ok(module) = py.import("vllm.v1.structured_output") else {
+        return Ok(());
+    };
+    let logger = module.getattr("logger")?;
     let message = "Unexpected: grammar terminated or rejected draft token %s for request %s \
                    during bitmask fill.";
     logger.call_method1("error", (message, token, req_id))?;
