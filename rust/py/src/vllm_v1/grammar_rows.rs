@@ -54,11 +54,7 @@ impl<'py> Rows<'_, 'py> {
     /// it constrains and has not terminated, else the full mask.
     fn fill(&self, grammar: &Bound<'py, PyAny>, row: usize, constrained: bool) -> PyResult<()> {
         let py = grammar.py();
-        if constrained
-            && !grammar
-                .call_method0(intern!(py, "is_terminated"))?
-                .is_truthy()?
-        {
+        if constrained && !terminated(grammar)? {
             grammar.call_method1(intern!(py, "fill_bitmask"), (self.bitmask, row))?;
         } else {
             let target = self.bitmask.get_item(row)?;
@@ -115,13 +111,17 @@ impl<'py> Rows<'_, 'py> {
     }
 }
 
+/// The grammar's `is_terminated()`.
+fn terminated(grammar: &Bound<'_, PyAny>) -> PyResult<bool> {
+    grammar
+        .call_method0(intern!(grammar.py(), "is_terminated"))?
+        .is_truthy()
+}
+
 /// The grammar has not terminated and accepts `token` (vLLM's check, in its order).
 fn accepts(grammar: &Bound<'_, PyAny>, req_id: &Bound<'_, PyAny>, token: i64) -> PyResult<bool> {
     let py = grammar.py();
-    if grammar
-        .call_method0(intern!(py, "is_terminated"))?
-        .is_truthy()?
-    {
+    if terminated(grammar)? {
         return Ok(false);
     }
     let tokens = PyList::new(py, [token])?;
