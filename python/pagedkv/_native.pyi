@@ -596,9 +596,11 @@ class V1Manager:
         reserved_blocks: int,
         has_scheduled_reqs: bool,
         block_hashes: Sequence[bytes],
+        num_external_computed_tokens: int = 0,
     ) -> Optional[List[int]]:
         """``allocate_slots`` with the request's fields spelled out: the new block ids, or
-        ``None`` when they do not fit."""
+        ``None`` when they do not fit. A KV connector's external tokens get blocks of their
+        own on a first allocation, not among those returned."""
     def longest_cache_hit(self, block_hashes: Sequence[bytes], max_blocks: int) -> List[int]:
         """The longest cached prefix of ``block_hashes``, at most ``max_blocks`` blocks."""
     def num_blocks_to_allocate(

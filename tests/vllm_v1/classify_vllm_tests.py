@@ -32,7 +32,8 @@ RULES = (
     ),
     (
         r"use_kv_connector|kv_connector|Connector|hisparse|HiSparse",
-        "a KV connector: out of pagedkv.vllm_v1's scope (its Scheduler keeps vLLM's manager)",
+        "a KV connector: with one full-attention group vLLM's loop runs over pagedkv's manager, "
+        "beside a hybrid cache pagedkv's Scheduler keeps vLLM's manager (review: may run)",
     ),
     (
         r"use_eagle=True|eagle",

@@ -3,9 +3,11 @@
 The managers only *read* requests (the scheduler is what mutates them), so both get the same
 ``Request`` objects; this driver plays the scheduler's part: admissions with prefix-cache hits
 and chunked prefill, decode steps with lookahead slots, preemption, finishing (direct and
-deferred frees), connector-style evictions and prefix-cache resets. After every operation it
-compares everything either manager shows: the returned block ids, every live request's table,
-free-block counts, usage, KV events, prefix-cache stats and cached-token estimates.
+deferred frees), connector-style evictions, a KV connector's external tokens (loaded
+synchronously or asynchronously, some loads failing) and prefix-cache resets. After every
+operation it compares everything either manager shows: the returned block ids, every live
+request's table, free-block counts, usage, KV events, prefix-cache stats and cached-token
+estimates.
 """
 
 from __future__ import annotations
@@ -331,8 +333,15 @@ class Driver:
     lookahead: int = 0
     #: Both managers' ``num_prefill_lookahead`` (multi-module MTP: its draft tokens).
     prefill_lookahead: int = 0
+    #: A KV connector's part: admissions with external tokens, loaded synchronously or
+    #: asynchronously (blocks cached when the load finishes; some loads fail part way).
+    connector: bool = False
     rng: random.Random = field(init=False)
     live: Dict[str, Request] = field(default_factory=dict)
+    #: Requests waiting for an asynchronous KV load (``WAITING_FOR_REMOTE_KVS``).
+    loading: Dict[str, Request] = field(default_factory=dict)
+    #: Admissions that took external tokens (a connector run asserts some did).
+    external_admissions: int = 0
     deferred: List[tuple] = field(default_factory=list)
     counter: int = 0
     ops: List[str] = field(default_factory=list)
@@ -411,9 +420,13 @@ class Driver:
             )
             assert a.get_block_ids() == b.get_block_ids(), "truncated hits differ"
         remaining = req.num_tokens - req.num_computed_tokens - n_a
-        chunk = max(1, min(remaining, self.rng.choice([remaining, self.block_size, 7, 1])))
-        chunk = self.split(req, chunk, remaining, n_a)
+        ext, load_async = self.connector_tokens(remaining)
+        rest = remaining - ext
+        chunk = max(1, min(rest, self.rng.choice([rest, self.block_size, 7, 1])))
+        chunk = 0 if load_async else self.split(req, chunk, rest, n_a)
         kw = dict(
+            num_external_computed_tokens=ext,
+            delay_cache_blocks=load_async,
             num_new_computed_tokens=n_a,
             num_lookahead_tokens=self.rng.choice([0, 0, 2]),
             full_sequence_must_fit=self.rng.random() < 0.2,
@@ -426,9 +439,50 @@ class Driver:
         if a is not None:
             for m in (self.vllm, self.ours):
                 m.record_prefix_cache_stats(req, n_a)
-            req.num_computed_tokens += n_a + chunk
-            req.status = RequestStatus.RUNNING
-            self.live[req.request_id] = req
+            req.num_computed_tokens += n_a + ext + chunk
+            self.external_admissions += ext > 0
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.loading[req.request_id] = req
+            else:
+                req.status = RequestStatus.RUNNING
+                self.live[req.request_id] = req
+
+    def admitted(self, req: Request) -> bool:
+        """Whether the request holds blocks now (running, or waiting for its KV load)."""
+        return req.request_id in self.live or req.request_id in self.loading
+
+    def connector_tokens(self, remaining: int) -> tuple:
+        """(external tokens, loaded asynchronously) a connector offers for ``remaining``
+        uncomputed tokens past the local hit: none half the time; an asynchronous load may
+        cover every token (a decode instance's prefill done remotely), a synchronous one
+        leaves at least one to compute."""
+        if not self.connector or remaining < 2 or self.rng.random() < 0.5:
+            return 0, False
+        if self.rng.random() < 0.4:
+            return self.rng.randrange(1, remaining + 1), True
+        return self.rng.randrange(1, remaining), False
+
+    def finish_load(self, req: Request) -> None:
+        """An asynchronous load ends as vLLM's scheduler ends it: aborted (freed), failed
+        from some block on (its valid prefix cached, or freed and readmitted when nothing
+        is valid), or done (the loaded blocks cached); then the request runs."""
+        del self.loading[req.request_id]
+        r = self.rng.random()
+        if r < 0.1:
+            self.both("free", req)
+            return
+        if r < 0.3:
+            valid_blocks = self.rng.randrange(req.num_computed_tokens // self.block_size + 1)
+            req.num_computed_tokens = valid_blocks * self.block_size
+            if not req.num_computed_tokens:
+                self.both("free", req)
+                req.status = RequestStatus.WAITING
+                self.waiting.append(req)
+                return
+        self.both("cache_blocks", req, req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+        self.live[req.request_id] = req
 
     def step(self, req: Request) -> None:
         """One scheduled step of a running request: the rest of its prefill or one decode."""
@@ -498,7 +552,7 @@ class Driver:
         assert v.usage == o.usage
         # The blocks to zero (Mamba layouts: every attention block handed out; else none).
         assert v.take_new_block_ids() == o.take_new_block_ids(), "blocks to zero differ"
-        for rid, req in self.live.items():
+        for rid, req in {**self.live, **self.loading}.items():
             assert v.get_block_ids(rid) == o.get_block_ids(rid), f"table of {rid}"
             assert v.get_blocks(rid).get_block_ids() == o.get_blocks(rid).get_block_ids()
             assert v.estimate_cached_tokens(req) == o.estimate_cached_tokens(req)
@@ -533,6 +587,8 @@ class Driver:
             self.one_op()
             self.compare()
         self.check_views()
+        for req in list(self.loading.values()):
+            self.finish_load(req)
         for req in list(self.live.values()):
             self.finish(req)
         self.drain_deferred()
@@ -543,17 +599,20 @@ class Driver:
         if self.splitter is not None and self.rng.random() < 0.4:
             # A new scheduler step: Mamba forgets the states it cached during the last one.
             self.both("new_step_starts")
+        if self.loading and self.rng.random() < 0.15:
+            self.finish_load(self.rng.choice(list(self.loading.values())))
+            return
         r = self.rng.random()
         if r < 0.3 or not self.live:
             if self.waiting and self.rng.random() < 0.5:
                 req = self.waiting.pop(0)
                 self.admit(req)
-                if req.request_id not in self.live:
+                if not self.admitted(req):
                     self.waiting.insert(0, req)
             else:
                 req = self.new_request()
                 self.admit(req)
-                if req.request_id not in self.live:
+                if not self.admitted(req):
                     self.waiting.append(req)
         elif r < 0.75:
             self.step(self.rng.choice(list(self.live.values())))

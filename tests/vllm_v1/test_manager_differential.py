@@ -37,6 +37,27 @@ def test_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("seed", range(30))
+def test_connector_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A KV connector's external tokens (vLLM's ``num_external_computed_tokens``) beside
+    local prefix-cache hits: synchronous loads, asynchronous ones (``delay_cache_blocks``,
+    cached when done, some failing part way or aborted), in starved pools, caching on and
+    off, events on and off."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    driver = Driver(
+        seed=seed,
+        num_blocks=6 + seed % 30,
+        block_size=(4, 8, 16)[seed % 3],
+        caching=seed % 4 != 3,
+        events=seed % 2 == 0,
+        watermark=(0.0, 0.1)[seed % 5 == 2],
+        max_model_len=(4096, 64)[seed % 5 == 0],
+        connector=True,
+    )
+    driver.run(300)
+    assert driver.external_admissions > 0, "no admission took external tokens"
+
+
+@pytest.mark.parametrize("seed", range(30))
 def test_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """GPT-OSS-, Gemma-3- and Llama-4-like layouts (vLLM's own grouping of the layers), with
     prefix caching (resent prompts, shared prefixes: replay boundaries and junctions),

@@ -87,7 +87,8 @@ def test_start_line_names_why_vllms_manager_runs() -> None:
 
 
 def test_the_loop_names_a_connector_rather_than_the_manager_it_keeps() -> None:
-    """A KV connector keeps vLLM's manager; the loop's reason names the connector."""
+    """With a KV connector and vLLM's manager kept (a hybrid cache), the loop's reason names
+    the connector."""
     from types import SimpleNamespace
 
     from pagedkv.vllm_v1._scope import engine_out_of_scope

@@ -7,9 +7,10 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   vLLM refuses on a CPU without Triton. Always deselected.
 * ``PAGEDKV``: tests that fail against pagedkv.vllm_v1.KVCacheManager for a reason that is not
   a behaviour difference: they read vLLM's own BlockPool / coordinator internals, which
-  pagedkv's views do not have, or they run a KV connector, which pagedkv.vllm_v1.Scheduler
-  leaves to vLLM's manager (the swap forces pagedkv's manager under vLLM's Scheduler, and it
-  refuses external tokens). Deselected when the manager under test is not vLLM's own. Measured:
+  pagedkv's views do not have, or they run a KV connector on a hybrid KV cache, which
+  pagedkv.vllm_v1.Scheduler leaves to vLLM's manager (the swap forces pagedkv's hybrid manager
+  under vLLM's Scheduler, and it refuses external tokens; the one-group manager takes them, so
+  vLLM's connector tests over one full-attention group run against it). Deselected when the manager under test is not vLLM's own. Measured:
   every other test of the files run (test_vllm_own_tests.FILES) passes against pagedkv's manager (0.33 and 0.32; out of
   scope configurations run vLLM's manager through pagedkv's fallback; hybrid full + sliding
   window / chunked local configurations, under every prefix-cache retention, run pagedkv's
@@ -30,8 +31,8 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
   internals. A parametrization is named ``file::test[id]``. Deselected when the scheduler
   under test is not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with
-  the V1): every other test of LOOP_FILES passes, including the KV connector tests of
-  ``PAGEDKV`` (out of scope: vLLM's manager and loop run them).
+  the V1): every other test of LOOP_FILES passes, including the KV connector tests (one
+  full-attention group: vLLM's loop over pagedkv's manager; hybrid: vLLM's manager and loop).
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ _NO_V2_RUNNER = (
     "async scheduling with pipeline parallelism needs vLLM's V2 model runner, which needs "
     "Triton (absent here): VllmConfig refuses the configuration"
 )
-_CONNECTOR = (
-    "a KV connector with external tokens: pagedkv.vllm_v1.Scheduler keeps vLLM's manager "
-    "there; forced under vLLM's Scheduler, pagedkv's manager refuses them (InvalidArgumentError)"
+_HYBRID_CONNECTOR = (
+    "a KV connector's external tokens on a hybrid KV cache (several groups, or one that is not "
+    "full attention): pagedkv.vllm_v1.Scheduler keeps vLLM's manager there; forced under "
+    "vLLM's Scheduler, pagedkv's hybrid manager refuses them (InvalidArgumentError)"
 )
 
 
@@ -62,23 +64,9 @@ _COW_INTERNALS = (
     "takes blocks straight from vLLM's BlockPool (get_new_blocks) and plants a copy-on-write "
     "in a single-type manager's _pending_cow_copies, internals pagedkv's views do not have"
 )
-_DEFERRED_CONNECTOR = (
-    "a KV connector's async load under deferred frees: external tokens, which pagedkv's "
-    "manager refuses when forced under vLLM's Scheduler (pagedkv.vllm_v1.Scheduler keeps "
-    "vLLM's manager with a connector)"
-)
-#: vLLM's deferred-free tests that plant internals or load external tokens (both series).
+#: vLLM's deferred-free tests that plant internals (both series).
 _DEFERRED = {
     "test_deferred_block_free.py::test_cow_retentions_deferred_until_copy_step_processed": _COW_INTERNALS,
-}
-_DEFERRED_CONNECTOR_033 = {
-    f"test_deferred_block_free.py::{name}": _DEFERRED_CONNECTOR
-    for name in (
-        "test_deferred_async_load_registers_after_inflight_step",
-        "test_deferred_async_load_records_hit_sources_when_started",
-        "test_async_load_registers_immediately_without_deferral",
-        "test_abort_deferred_async_load_frees_after_inflight_step",
-    )
 }
 
 
@@ -106,7 +94,8 @@ def _coordinator_internal(attr: str) -> str:
 
 _EXTERNAL_FREE_QUEUE = (
     _pool_internal("free_block_queue")
-    + "; then allocates external (connector) tokens, which pagedkv's manager refuses"
+    + "; then allocates external (connector) tokens, which pagedkv's hybrid manager refuses "
+    "(the multi-group cases)"
 )
 
 
@@ -200,7 +189,7 @@ _EAGLE_NATIVE = {
         "cached_block_hash_to_block"
     ),
     # EAGLE managers (native since EAGLE is) that take blocks off vLLM's free queue by hand
-    # and then allocate external (connector) tokens, which pagedkv's manager refuses.
+    # and then allocate external (connector) tokens.
     "test_prefix_caching.py::test_cache_hit_local_and_external": _EXTERNAL_FREE_QUEUE,
     "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups": _EXTERNAL_FREE_QUEUE,
     "test_prefix_caching.py::test_cache_hit_local_and_external_three_groups_preempt_and_reallocate": (
@@ -218,8 +207,8 @@ _MAMBA_ALIGN_NATIVE = {
     "test_prefix_caching.py::test_block_stored_event_group_idx": _pool_internal(
         "get_new_blocks, cache_full_blocks"
     ),
-    "test_scheduler.py::test_hybrid_per_group_hit_divergence_with_connector": _CONNECTOR,
-    "test_scheduler.py::test_hybrid_fa_deeper_hit_respects_connector_lookup_policy": _CONNECTOR,
+    "test_scheduler.py::test_hybrid_per_group_hit_divergence_with_connector": _HYBRID_CONNECTOR,
+    "test_scheduler.py::test_hybrid_fa_deeper_hit_respects_connector_lookup_policy": _HYBRID_CONNECTOR,
 }
 
 #: One group other than full attention (a lone window or Mamba group) builds pagedkv's hybrid
@@ -241,10 +230,10 @@ _LONE_GROUP_NATIVE = {
 
 PAGEDKV["0.33"] = {
     **_DEFERRED,
-    **_DEFERRED_CONNECTOR_033,
     **_MAMBA_ALIGN_NATIVE,
     **_LONE_GROUP_NATIVE,
-    "test_scheduler.py::test_hybrid_divergent_hit_fallback_is_capped_at_retained_auxiliary_outputs[kept]": _CONNECTOR,
+    "test_scheduler.py::test_hybrid_divergent_hit_fallback_is_capped_at_retained_auxiliary_outputs[kept]": _HYBRID_CONNECTOR,
+    "test_scheduler.py::test_prefix_hit_is_capped_at_retained_auxiliary_outputs[external-sliding-window]": _HYBRID_CONNECTOR,
     # Hybrid (full + sliding window), native: its block ids, hashes with their group, ref
     # counts and null-block hits match (checked before the read that fails).
     "test_prefix_caching.py::test_prefill_hybrid_model": _pool_internal(
@@ -275,22 +264,10 @@ PAGEDKV["0.33"] = {
     "test_scheduler.py::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _pool_internal(
         "get_cached_block"
     ),
-    "test_scheduler.py::test_external_prefix_cache_metrics": _CONNECTOR,
-    "test_scheduler.py::test_has_sync_kv_loads": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_basic": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_handles_preemption": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_honors_skip_reading_prefix_cache": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_records_external_cache_hit_sources": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_unable_to_allocate": _CONNECTOR,
     "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
-    "test_scheduler.py::test_pause_new_drains_async_kv_loads": _CONNECTOR,
-    "test_scheduler.py::test_prefix_hit_is_capped_at_retained_auxiliary_outputs": _CONNECTOR,
     "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _pool_internal(
         "get_cached_block"
     ),
-    "test_scheduler.py::test_spec_decode_padding_resumed_request_without_running_requests": _CONNECTOR,
-    "test_scheduler.py::test_throttle_prefills_defers_remote_kv_resume_with_local_prefill": _CONNECTOR,
-    "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
 }
 PAGEDKV["0.32"] = {
     **_DEFERRED,
@@ -323,18 +300,7 @@ PAGEDKV["0.32"] = {
     "test_scheduler.py::test_async_load_reservation_prevents_wedge_e2e": _group_internal(
         "req_to_blocks"
     ),
-    "test_scheduler.py::test_external_prefix_cache_metrics": _CONNECTOR,
-    "test_scheduler.py::test_has_sync_kv_loads": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_basic": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_handles_preemption": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_honors_skip_reading_prefix_cache": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_records_external_cache_hit_sources": _CONNECTOR,
-    "test_scheduler.py::test_kv_connector_unable_to_allocate": _CONNECTOR,
     "test_scheduler.py::test_memory_leak": _REQ_TO_BLOCKS_LEN,
-    "test_scheduler.py::test_pause_new_drains_async_kv_loads": _CONNECTOR,
-    "test_scheduler.py::test_spec_decode_padding_resumed_request_without_running_requests": _CONNECTOR,
-    "test_scheduler.py::test_throttle_prefills_defers_remote_kv_resume_with_local_prefill": _CONNECTOR,
-    "test_scheduler.py::test_throttle_prefills_excludes_fully_transferred_remote_kv": _CONNECTOR,
 }
 
 #: The loop run with VLLM_USE_V2_MODEL_RUNNER=1 (test_vllm_own_tests.RUNNER_MODES): vLLM's

@@ -119,6 +119,29 @@ class RequestBlocksView:
         return [self._null_block if b == 0 else self._view(b) for b in ids]
 
 
+class CachedCountView:
+    """A group's ``num_cached_block``, read live and read-only: ``view[request_id]`` is how
+    many of the request's leading blocks the group has cached, for a request it tracks
+    (vLLM's dict holds an entry from the request's first caching or adopted hit until it is
+    freed); any other id is a ``KeyError`` and not ``in`` it."""
+
+    def __init__(self, num_cached: Callable[[str], Optional[int]]) -> None:
+        self._num_cached = num_cached
+
+    def __getitem__(self, request_id: str) -> int:
+        n = self._num_cached(request_id) if isinstance(request_id, str) else None
+        if n is None:
+            raise KeyError(request_id)
+        return n
+
+    def __contains__(self, request_id: object) -> bool:
+        return isinstance(request_id, str) and self._num_cached(request_id) is not None
+
+    def get(self, request_id: str, default: Any = None) -> Any:
+        n = self._num_cached(request_id) if isinstance(request_id, str) else None
+        return default if n is None else n
+
+
 def make_blocks_class(kv_cache_blocks_cls: type, native: Any, view: type = BlockView) -> type:
     """A subclass of vLLM's ``KVCacheBlocks`` over ``native``'s block ids, one list per group
     (the one-group manager's: a tuple of one list; the hybrid manager's: one per group).

@@ -68,7 +68,7 @@ class _PoolView:
 
 class _GroupView:
     """The one single-type manager vLLM's engine inspects (block size and spec), and as
-    vLLM's own tests read it (``req_to_blocks``, ``_null_block``)."""
+    vLLM's own tests read it (``req_to_blocks``, ``num_cached_block``, ``_null_block``)."""
 
     def __init__(self, manager: KVCacheManager, spec: Any) -> None:
         self.kv_cache_spec = spec
@@ -84,6 +84,7 @@ class _GroupView:
             lambda block_id: _blocks.BlockView(native, block_id),
             self._null_block,
         )
+        self.num_cached_block = _blocks.CachedCountView(native.num_cached_blocks)
 
 
 class _CoordinatorView:
@@ -289,7 +290,9 @@ class KVCacheManager(PrefixCacheStatsMixin):
     def allocate_slots(self, request: Any, num_new_tokens: int, *args: Any, **kwargs: Any) -> Any:
         """vLLM's ``allocate_slots`` (same arguments and result), in Rust: the new blocks as
         ``KVCacheBlocks`` (vLLM's shared empty one when none is new), ``None`` when they do not
-        fit. Connector (external) and encoder tokens are outside the scope: 0 or an error."""
+        fit. A KV connector's external tokens get blocks as in vLLM (taken after the hit's,
+        before the new ones, and not returned); encoder tokens are outside the scope: 0 or an
+        error."""
         return self._native.vllm_allocate_slots(request, num_new_tokens, *args, **kwargs)
 
     def _computed_ids(self, blocks: Any) -> Optional[List[int]]:

@@ -2,8 +2,9 @@
 
 Each subclasses vLLM's class and changes one thing: after vLLM's constructor has run, the
 scheduler's ``kv_cache_manager`` is pagedkv's native one, built from the same arguments, when
-the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; also: no KV connector). Out of
-scope vLLM's manager stays. The choice is made once, at construction, and said in one INFO line
+the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; with a KV connector, one
+full-attention group and a connector that does not bind vLLM's block pool). Out of scope vLLM's
+manager stays. The choice is made once, at construction, and said in one INFO line
 in vLLM's log (:mod:`pagedkv.vllm_v1._report`).
 ``Scheduler`` also runs ``schedule()`` / ``update_from_output()`` natively while every request
 it holds is in scope (:mod:`pagedkv.vllm_v1._native_loop`).
@@ -22,6 +23,7 @@ from typing import Any, Dict, Optional
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler as _VLLMAsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler as _VLLMScheduler
 
+from . import _scope
 from ._manager import KVCacheManager, out_of_scope_reason
 from ._native_loop import NativeLoop
 from ._report import log_start
@@ -55,12 +57,14 @@ def _manager_args(sched: Any, vllm_config: Any) -> Dict[str, Any]:
 
 def install_native_manager(sched: Any, vllm_config: Any, kv_cache_config: Any) -> Optional[str]:
     """Give ``sched`` pagedkv's manager when in scope; else keep vLLM's and say why."""
-    if sched.connector is not None:
-        return "a KV connector is configured"
     args = _manager_args(sched, vllm_config)
     why = out_of_scope_reason(kv_cache_config, **args)
+    why = why or _scope.connector_out_of_scope(sched.connector, kv_cache_config)
     if why is None:
         sched.kv_cache_manager = KVCacheManager(kv_cache_config, **args)
+        if sched.connector is not None:
+            # vLLM's constructor bound the connector to vLLM's manager.
+            sched.connector.bind_kv_cache_manager(sched.kv_cache_manager)
     return why
 
 

@@ -163,6 +163,41 @@ def needs_group_managers(kv_cache_config: Any) -> bool:
     return len(groups) > 1 or _manager_class(groups[0]) is not FullAttentionManager
 
 
+def connector_out_of_scope(connector: Any, kv_cache_config: Any) -> Optional[str]:
+    """Why pagedkv's manager cannot serve beside this KV connector (``None``: it can, or
+    there is none). The one-group manager takes a connector's external tokens as vLLM's
+    does; the hybrid manager does not, and a connector that binds vLLM's block pool (it
+    overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``: it reads or changes
+    the pool's blocks) needs vLLM's pool."""
+    if connector is None:
+        return None
+    if needs_group_managers(kv_cache_config):
+        return (
+            "a KV connector with a hybrid KV cache (pagedkv's hybrid manager takes no "
+            "external tokens)"
+        )
+    reader = _pool_binding_connector(connector)
+    if reader is not None:
+        return f"a KV connector that binds vLLM's block pool ({reader})"
+    return None
+
+
+def _pool_binding_connector(connector: Any) -> Optional[str]:
+    """The class name of the first connector (a ``MultiConnector``'s members in turn) that
+    overrides the base class's pool binding, else ``None``."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    if isinstance(connector, MultiConnector):
+        found = (_pool_binding_connector(c) for c in connector._connectors)
+        return next((name for name in found if name is not None), None)
+    cls = type(connector)
+    binds = ("bind_gpu_block_pool", "bind_kv_cache_manager")
+    if any(getattr(cls, name) is not getattr(Base, name) for name in binds):
+        return cls.__name__
+    return None
+
+
 def _manager_class(group: Any) -> Any:
     """The single-type manager class vLLM would build for this group."""
     from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
@@ -176,7 +211,8 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
     from ._manager import KVCacheManager
 
     native = isinstance(sched.kv_cache_manager, (KVCacheManager, HybridKVCacheManager))
-    # A connector first: it also keeps vLLM's manager, and the operator should read the cause.
+    # A connector first: it may also keep vLLM's manager, and the operator should read the
+    # cause.
     checks = (
         (sched.connector is not None, "a KV connector"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),

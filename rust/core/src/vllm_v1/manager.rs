@@ -74,6 +74,10 @@ pub struct SlotRequest<'a, B: ?Sized = [u32]> {
     /// The prefix-cache hit to adopt; `None` is vLLM's shared empty `KVCacheBlocks`.
     pub new_computed: Option<&'a B>,
     pub num_lookahead_tokens: u64,
+    /// Tokens a KV connector supplies past the local hit (vLLM's
+    /// `num_external_computed_tokens`): a first allocation gives them blocks of their own,
+    /// which the call does not return.
+    pub num_external_computed_tokens: u64,
     pub delay_cache_blocks: bool,
     pub full_sequence_must_fit: bool,
     pub reserved_blocks: u64,
@@ -98,6 +102,7 @@ impl<B: ?Sized> Default for SlotRequest<'_, B> {
             num_new_computed_tokens: 0,
             new_computed: None,
             num_lookahead_tokens: 0,
+            num_external_computed_tokens: 0,
             delay_cache_blocks: false,
             full_sequence_must_fit: false,
             reserved_blocks: 0,
@@ -117,6 +122,7 @@ impl<B: ?Sized> SlotRequest<'_, B> {
             num_new_computed_tokens: self.num_new_computed_tokens,
             new_computed: hit,
             num_lookahead_tokens: self.num_lookahead_tokens,
+            num_external_computed_tokens: self.num_external_computed_tokens,
             delay_cache_blocks: self.delay_cache_blocks,
             full_sequence_must_fit: self.full_sequence_must_fit,
             reserved_blocks: self.reserved_blocks,
@@ -134,6 +140,8 @@ struct ReqBlocks {
 /// What an accepted `allocate_slots` will do, computed before anything changes.
 struct Plan {
     adopt: bool,
+    /// How many blocks the request holds once its external tokens have blocks (0: none).
+    external_upto: usize,
     need_slots: u64,
     cache_upto: Option<u64>,
     cache_first: u32,
@@ -314,10 +322,16 @@ impl Manager {
     }
 
     fn check_args(&self, req: &str, r: Option<&ReqBlocks>, a: &SlotRequest) -> Result<()> {
-        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
+        if a.num_new_tokens == 0
+            && a.num_new_computed_tokens == 0
+            && a.num_external_computed_tokens == 0
+        {
             return Err(Error::invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
+        }
+        if a.num_external_computed_tokens > 0 {
+            self.check_external(req, r, a)?;
         }
         let bs = self.cfg.block_size as u64;
         if let Some(nc) = a.new_computed {
@@ -355,6 +369,30 @@ impl Manager {
         Ok(())
     }
 
+    /// External (connector) tokens come with a first allocation, the local hit's and the
+    /// connector's tokens together within `max_model_len` (vLLM's scheduler asks nothing
+    /// else: its requests hold at most that many tokens). vLLM's manager asserts on a request
+    /// that holds blocks it has not tracked, and past `max_model_len` would take more blocks
+    /// than it checked were free; both are refused here before anything changes.
+    fn check_external(&self, req: &str, r: Option<&ReqBlocks>, a: &SlotRequest) -> Result<()> {
+        let computed = a
+            .num_computed_tokens
+            .saturating_add(a.num_new_computed_tokens)
+            .saturating_add(a.num_external_computed_tokens);
+        if computed > self.cfg.max_model_len {
+            return Err(Error::invalid(format!(
+                "{computed} computed tokens (local and external) pass max_model_len {}",
+                self.cfg.max_model_len
+            )));
+        }
+        if r.is_some_and(|r| r.num_cached.is_none() && !r.blocks.is_empty()) {
+            return Err(Error::invalid(format!(
+                "request {req} holds blocks: it cannot take external (connector) tokens"
+            )));
+        }
+        Ok(())
+    }
+
     fn plan(&self, req: &str, a: &SlotRequest) -> Result<Option<Plan>> {
         let r = self.reqs.get(req);
         self.check_args(req, r, a)?;
@@ -364,7 +402,8 @@ impl Manager {
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
-        let total = local.min(self.cfg.max_model_len);
+        let ext = a.num_external_computed_tokens;
+        let total = local.saturating_add(ext).min(self.cfg.max_model_len);
         let watermark = if a.has_scheduled_reqs && a.waiting_or_preempted {
             self.cfg.watermark_blocks
         } else {
@@ -387,7 +426,17 @@ impl Manager {
             return Ok(None);
         }
         let tracked = r.and_then(|r| r.num_cached);
-        let adopt = a.new_computed.is_some() && tracked.is_none();
+        // vLLM adopts (and starts tracking) on a first allocation with a hit or with
+        // external tokens; a tracked request adopts nothing.
+        let adopt = (a.new_computed.is_some() || ext > 0) && tracked.is_none();
+        // vLLM's `allocate_external_computed_blocks`: blocks up to the local and external
+        // tokens, taken before the call's own new blocks (checked: within max_model_len).
+        let bs = self.cfg.block_size as u64;
+        let external_upto = if adopt && ext > 0 {
+            cdiv(local + ext, bs) as usize
+        } else {
+            0
+        };
         let cache_first = match (tracked, adopt) {
             (Some(c), _) => c,
             (None, true) => new_computed.len() as u32,
@@ -398,9 +447,10 @@ impl Manager {
             n.saturating_sub(self.reprefillable)
         });
         let have = r.map_or(0, |r| r.blocks.len()) + if adopt { new_computed.len() } else { 0 };
-        let held = have.max(cdiv(need_slots, self.cfg.block_size as u64) as usize);
+        let held = have.max(cdiv(need_slots, bs) as usize);
         Ok(Some(Plan {
             adopt,
+            external_upto,
             need_slots,
             cache_upto,
             cache_first,
@@ -457,6 +507,10 @@ impl Manager {
             r.blocks.extend_from_slice(nc);
             r.num_cached = Some(r.blocks.len() as u32);
         }
+        let n_external = plan.external_upto.saturating_sub(r.blocks.len());
+        self.pool
+            .get_new_blocks(n_external, &mut r.blocks)
+            .expect("planned allocation fits");
         let required = cdiv(plan.need_slots, self.cfg.block_size as u64) as usize;
         let n_new = required.saturating_sub(r.blocks.len());
         let start = r.blocks.len();
@@ -499,6 +553,7 @@ impl Manager {
         let first = self.num_cached_blocks(req).unwrap_or(0);
         let plan = Plan {
             adopt: false,
+            external_upto: 0,
             need_slots: 0,
             cache_upto: Some(num_tokens.saturating_sub(self.reprefillable)),
             cache_first: first,

@@ -48,6 +48,8 @@ mod coordinator_tests;
 #[cfg(test)]
 mod eagle_tests;
 #[cfg(test)]
+mod external_tests;
+#[cfg(test)]
 mod mamba_align_tests;
 #[cfg(test)]
 mod mamba_tests;

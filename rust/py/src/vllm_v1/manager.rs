@@ -116,7 +116,9 @@ impl PyV1Manager {
     /// vLLM's `KVCacheManager.allocate_slots`, signature and result included: reads the
     /// request's fields itself, so the scheduler's call crosses into Rust once and runs no
     /// pagedkv Python code unless blocks are new (a `KVCacheBlocks` is built) or events were
-    /// logged. Connector and encoder arguments must be 0 (outside the manager's scope).
+    /// logged. A KV connector's external tokens are taken as vLLM takes them; encoder
+    /// tokens must be 0 (outside the manager's scope); `skip_zeroing_group_ids` is read by
+    /// no one (the manager zeroes no block).
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=SatCount(0),
         new_computed_blocks=None, num_lookahead_tokens=SatCount(0),
@@ -165,7 +167,7 @@ impl PyV1Manager {
     #[pyo3(signature = (request_id, num_computed_tokens, num_tokens, waiting_or_preempted,
         num_new_tokens, num_new_computed_tokens, new_computed, num_lookahead_tokens,
         delay_cache_blocks, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        block_hashes))]
+        block_hashes, num_external_computed_tokens=SatCount(0)))]
     fn allocate_slots(
         &self,
         request_id: &str,
@@ -181,6 +183,7 @@ impl PyV1Manager {
         reserved_blocks: SatCount,
         has_scheduled_reqs: bool,
         block_hashes: &Bound<'_, PyAny>,
+        num_external_computed_tokens: SatCount,
     ) -> PyResult<Option<Vec<u32>>> {
         let mut hashes = PyHashes::new(block_hashes)?;
         let new_computed = new_computed.map(|v| block_ids(&v)).transpose()?;
@@ -192,6 +195,7 @@ impl PyV1Manager {
             num_new_computed_tokens: num_new_computed_tokens.0,
             new_computed: new_computed.as_deref(),
             num_lookahead_tokens: num_lookahead_tokens.0,
+            num_external_computed_tokens: num_external_computed_tokens.0,
             delay_cache_blocks,
             full_sequence_must_fit,
             reserved_blocks: reserved_blocks.0,

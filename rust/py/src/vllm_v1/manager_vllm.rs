@@ -6,8 +6,9 @@
 //! ([`VllmBinding`], `bind_vllm`).
 //!
 //! Invariants: every argument and request field is read before the manager is taken, so a
-//! raising call changes nothing; connector (external) and encoder tokens must be 0; events a
-//! call logged go to the bound sink in the pool's order, only when it logged any.
+//! raising call changes nothing; a KV connector's external tokens go to the core (it takes their
+//! blocks as vLLM's manager does), encoder tokens must be 0; events a call logged go to the
+//! bound sink in the pool's order, only when it logged any.
 //!
 //! Costs: one crossing per call and no Python code per block: a handful of attribute reads,
 //! block hashes read in place only when a block became full, one `KVCacheBlocks` built when
@@ -87,9 +88,9 @@ impl PyV1Manager {
         a: &SlotArgs<'py>,
     ) -> PyResult<Option<Vec<u32>>> {
         let b = self.binding()?;
-        if a.num_external_computed_tokens != 0 || a.num_encoder_tokens != 0 {
+        if a.num_encoder_tokens != 0 {
             return Err(crate::errors::invalid(
-                "external (connector) and encoder tokens are outside pagedkv's manager",
+                "encoder (cross-attention) tokens are outside pagedkv's manager",
             ));
         }
         let computed = computed_ids(py, b, a.new_computed_blocks.as_ref())?;
@@ -229,6 +230,7 @@ fn slot_request<'a>(
         num_new_computed_tokens: a.num_new_computed_tokens,
         new_computed: computed,
         num_lookahead_tokens: a.num_lookahead_tokens,
+        num_external_computed_tokens: a.num_external_computed_tokens,
         delay_cache_blocks: a.delay_cache_blocks,
         full_sequence_must_fit: a.full_sequence_must_fit,
         reserved_blocks: a.reserved_blocks,
