@@ -535,6 +535,9 @@ class V1Manager:
     def num_requests(self) -> int:
         """Requests holding a block table."""
     @property
+    def num_tracked_requests(self) -> int:
+        """Requests whose cached blocks are tracked (vLLM's ``len(num_cached_block)``)."""
+    @property
     def drops_eagle_block(self) -> bool:
         """Whether a prefix-cache hit drops its last block (EAGLE/MTP, per the release's
         rule)."""
@@ -723,10 +726,11 @@ class V1Hybrid:
         block_hashes: Sequence[bytes],
         num_prompt_tokens: int = 0,
         shared_prefix_boundary: int = 0,
+        num_external_computed_tokens: int = 0,
     ) -> Optional[List[List[int]]]:
         """vLLM's ``allocate_slots``: the new block ids per group, ``None`` when they do not fit
         (``num_prompt_tokens`` and ``shared_prefix_boundary``: the request's, for sparse
-        retention)."""
+        retention; a KV connector's external tokens get blocks of their own, not returned)."""
     def num_blocks_to_allocate(
         self,
         request_id: str,

@@ -32,8 +32,8 @@ RULES = (
     ),
     (
         r"use_kv_connector|kv_connector|Connector|hisparse|HiSparse",
-        "a KV connector: with one full-attention group vLLM's loop runs over pagedkv's manager, "
-        "beside a hybrid cache pagedkv's Scheduler keeps vLLM's manager (review: may run)",
+        "a KV connector: vLLM's loop runs over pagedkv's manager; beside Mamba layers "
+        "pagedkv's Scheduler keeps vLLM's manager (review: may run)",
     ),
     (
         r"use_eagle=True|eagle",

@@ -420,7 +420,7 @@ class Driver:
             )
             assert a.get_block_ids() == b.get_block_ids(), "truncated hits differ"
         remaining = req.num_tokens - req.num_computed_tokens - n_a
-        ext, load_async = self.connector_tokens(remaining)
+        ext, load_async = self.connector_tokens(remaining, req.num_computed_tokens + n_a)
         rest = remaining - ext
         chunk = max(1, min(rest, self.rng.choice([rest, self.block_size, 7, 1])))
         chunk = 0 if load_async else self.split(req, chunk, rest, n_a)
@@ -452,16 +452,21 @@ class Driver:
         """Whether the request holds blocks now (running, or waiting for its KV load)."""
         return req.request_id in self.live or req.request_id in self.loading
 
-    def connector_tokens(self, remaining: int) -> tuple:
+    def connector_tokens(self, remaining: int, local: int) -> tuple:
         """(external tokens, loaded asynchronously) a connector offers for ``remaining``
-        uncomputed tokens past the local hit: none half the time; an asynchronous load may
-        cover every token (a decode instance's prefill done remotely), a synchronous one
-        leaves at least one to compute."""
+        uncomputed tokens past ``local`` computed ones: none half the time; an asynchronous
+        load may cover every token (a decode instance's prefill done remotely), a synchronous
+        one leaves at least one to compute. A third of the offers end on a boundary of two
+        blocks (a chunked local layout's chunk then skips every external token)."""
         if not self.connector or remaining < 2 or self.rng.random() < 0.5:
             return 0, False
-        if self.rng.random() < 0.4:
-            return self.rng.randrange(1, remaining + 1), True
-        return self.rng.randrange(1, remaining), False
+        load_async = self.rng.random() < 0.4
+        most = remaining if load_async else remaining - 1
+        chunk = 2 * self.block_size
+        boundaries = [e for e in range(1, most + 1) if (local + e) % chunk == 0]
+        if boundaries and self.rng.random() < 0.33:
+            return self.rng.choice(boundaries), load_async
+        return self.rng.randrange(1, most + 1), load_async
 
     def finish_load(self, req: Request) -> None:
         """An asynchronous load ends as vLLM's scheduler ends it: aborted (freed), failed
@@ -473,8 +478,9 @@ class Driver:
             self.both("free", req)
             return
         if r < 0.3:
-            valid_blocks = self.rng.randrange(req.num_computed_tokens // self.block_size + 1)
-            req.num_computed_tokens = valid_blocks * self.block_size
+            step = self.block_size * scheduler_scale(self.layout)  # the scheduler's block
+            valid_blocks = self.rng.randrange(req.num_computed_tokens // step + 1)
+            req.num_computed_tokens = valid_blocks * step
             if not req.num_computed_tokens:
                 self.both("free", req)
                 req.status = RequestStatus.WAITING

@@ -103,3 +103,46 @@ def test_the_empty_blocks_answer_as_vllms(layout: str) -> None:
     first = o.get_block_ids()
     first[0].append(7)
     assert o.get_block_ids() == v.get_block_ids()
+
+
+def test_the_pool_and_group_views_read_as_vllms() -> None:
+    """The read-only views vLLM's tests inspect (``block_pool.blocks``, ``free_block_queue``,
+    ``cached_block_hash_to_block``, a group's ``req_to_blocks`` / ``num_cached_block``) show
+    what vLLM's own objects show after the same calls; out-of-range reads raise as vLLM's
+    list and dicts do."""
+    kv_cache_utils.init_none_hash(sha256)
+    hasher = kv_cache_utils.get_request_block_hasher(BS, sha256)
+    vllm, ours = manager_pair(16, BS, "", None, (), enable_caching=True)
+    for m in (vllm, ours):
+        for rid, n in (("a", 10), ("b", 6)):
+            m.allocate_slots(request(rid, n, hasher), n)
+        m.free(request("b", 6, hasher))
+    views = []
+    for m in (vllm, ours):
+        pool, group = m.block_pool, m.coordinator.single_type_managers[0]
+        cached = pool.cached_block_hash_to_block
+        views.append(
+            (
+                len(pool.blocks),
+                [(b.block_id, b.ref_cnt, b.block_hash) for b in pool.blocks],
+                pool.free_block_queue.num_free_blocks,
+                [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
+                len(cached),
+                {k: getattr(v, "block_id", None) for k, v in cached._cache.items()},
+                len(group.req_to_blocks),
+                len(group.num_cached_block),
+                group.num_cached_block["a"],
+                "b" in group.num_cached_block,
+                group.num_cached_block.get("b", -1),
+            )
+        )
+    assert views[0] == views[1]
+    pool, group = ours.block_pool, ours.coordinator.single_type_managers[0]
+    assert pool.blocks[-1].block_id == 15 and pool.blocks[0] is pool.null_block
+    for bad, error in ((16, IndexError), (-17, IndexError), ("1", TypeError)):
+        with pytest.raises(error):
+            pool.blocks[bad]
+        with pytest.raises(error):
+            vllm.block_pool.blocks[bad]
+    with pytest.raises(KeyError):
+        group.num_cached_block["b"]

@@ -186,10 +186,14 @@ def _cases() -> List[Tuple[str, Call]]:
     for v in (0, *BAD_COUNTS):
         for rid in ("a", "new", "long"):
             add((f"allocate_slots({rid}, {v})", _slots(rid, v)))
-            for kw in ("num_lookahead_tokens", "reserved_blocks", "num_new_computed_tokens"):
+            for kw in (
+                "num_lookahead_tokens",
+                "reserved_blocks",
+                "num_new_computed_tokens",
+                "num_external_computed_tokens",
+            ):
                 add((f"allocate_slots({rid}, 1, {kw}={v})", _slots(rid, 1, **{kw: v})))
-        for kw in ("num_encoder_tokens", "num_external_computed_tokens"):
-            add((f"allocate_slots(a, 1, {kw}={v})", _slots("a", 1, **{kw: v})))
+        add((f"allocate_slots(a, 1, num_encoder_tokens={v})", _slots("a", 1, num_encoder_tokens=v)))
         add((f"num_computed_tokens={v}", _with_field("a", "num_computed_tokens", v)))
         add((f"new num_computed_tokens={v}", _with_field("new", "num_computed_tokens", v)))
         add((f"get_computed_blocks(max={v})", lambda m, r, v=v: _hit(m, r["new"], v)))

@@ -67,6 +67,34 @@ def test_hybrid_random_calls_match_vllm(seed: int, monkeypatch: pytest.MonkeyPat
     hybrid_driver(seed).run(300)
 
 
+@pytest.mark.parametrize("seed", range(30))
+def test_hybrid_connector_random_calls_match_vllm(
+    seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A KV connector's external tokens on hybrid attention layouts (GPT-OSS-, Gemma-3- and
+    Llama-4-like, two windows, groups of different block sizes) and lone window / chunked
+    local groups: each group's blocks for the connector's tokens inside its window (none
+    where a chunk boundary skips them all), synchronous and asynchronous loads, failures,
+    aborts, under every retention."""
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    lone = sorted(LONE_ATTENTION_LAYOUTS)
+    if seed % 5 == 4:
+        layout = lone[seed // 5 % len(lone)]
+        driver = Driver(
+            seed=seed,
+            num_blocks=10 + seed % 30,
+            block_size=(4, 8)[seed % 2],
+            caching=True,
+            events=True,
+            layout=layout,
+            connector=True,
+        )
+    else:
+        driver = hybrid_driver(seed, connector=True, num_blocks=24 + seed % 40)
+    driver.run(300)
+    assert driver.external_admissions > 0, "no admission took external tokens"
+
+
 def hybrid_driver(seed: int, **kw: Any) -> Driver:
     layouts = sorted(HYBRID_LAYOUTS) + sorted(MIXED_LAYOUTS)
     layout = layouts[seed % len(layouts)]

@@ -49,6 +49,25 @@ LOOP_FILES = (
     "test_prefix_replay.py",
     "../streaming_input/test_scheduler_streaming.py",
     "../spec_decode/test_dynamic_sd.py",
+    # vLLM's KV connector tests that build schedulers (its loop over pagedkv's manager with one
+    # full-attention group): P/D lifecycles, failed and invalid loads, offloading, ...
+    *(
+        f"../kv_connector/unit/test_{name}.py"
+        for name in (
+            "remote_prefill_lifecycle",
+            "remote_decode_lifecycle",
+            "invalid_blocks_correctness",
+            "kv_load_failure_recovery",
+            "kv_connector_lifecycle",
+            "error_propagation",
+            "cache_pollution_prevention",
+            "scheduler_kv_connector_override",
+            "offloading_connector",
+            "multi_connector",
+            "example_connector",
+            "decode_bench_connector",
+        )
+    ),
 )
 #: ``VLLM_USE_V2_MODEL_RUNNER`` of each loop run, per series: both model runners' output
 #: shapes are exercised. "1" (V2, the GPU default) where the release's configuration accepts it
@@ -57,9 +76,18 @@ LOOP_FILES = (
 RUNNER_MODES = {"0.33": ("0", "1"), "0.32": ("0",)}
 
 
+def _in_files(name: str, files: tuple[str, ...]) -> bool:
+    """Whether a table entry (``file::test``, the file's base name) names a test of ``files``."""
+    return name.partition("::")[0] in {Path(f).name for f in files}
+
+
 def not_run(series: str, manager_name: str) -> dict[str, str]:
     """The NOT_RUN table for this vLLM series and manager under test."""
-    table = dict(vllm_not_run.ENVIRONMENT[series])
+    table = {
+        name: reason
+        for name, reason in vllm_not_run.ENVIRONMENT[series].items()
+        if _in_files(name, FILES)
+    }
     if manager_name != h.VLLM_MANAGER:
         table.update(vllm_not_run.PAGEDKV[series])
     return table
@@ -75,7 +103,7 @@ def loop_not_run(series: str, scheduler_name: str, runner: str = "0") -> dict[st
     table = {
         name: reason
         for name, reason in vllm_not_run.ENVIRONMENT[series].items()
-        if name.partition("::")[0] in LOOP_FILES
+        if _in_files(name, LOOP_FILES)
     }
     if runner == "1":
         table.update(vllm_not_run.ENVIRONMENT_V2_RUNNER[series])
@@ -140,12 +168,12 @@ def test_vllms_own_scheduler_tests_pass_against_the_native_loop(tmp_path: Path) 
 
 def test_not_run_tables_name_tests_of_the_files_run() -> None:
     """Each entry names a test function of one of FILES in that series' sdist (LOOP: of
-    LOOP_FILES), with a reason."""
+    LOOP_FILES; ENVIRONMENT: of either), by the file's base name, with a reason."""
     series = own.installed_series()
     core = own.tests_tree(series) / "tests" / "v1" / "core"
-    sources = {f: (core / f).read_text() for f in FILES}
+    sources = {Path(f).name: (core / f).read_text() for f in FILES + LOOP_FILES}
     tables = (
-        (vllm_not_run.ENVIRONMENT[series], FILES),
+        (vllm_not_run.ENVIRONMENT[series], FILES + LOOP_FILES),
         (vllm_not_run.PAGEDKV[series], FILES),
         (vllm_not_run.LOOP[series], LOOP_FILES),
         (vllm_not_run.ENVIRONMENT_V2_RUNNER[series], LOOP_FILES),
@@ -154,7 +182,7 @@ def test_not_run_tables_name_tests_of_the_files_run() -> None:
         for entry, reason in table.items():
             file, _, name = entry.partition("::")
             name = name.partition("[")[0]  # one parametrization: file::test[id]
-            assert reason and file in files and f"def {name}(" in sources[file], entry
+            assert reason and _in_files(entry, files) and f"def {name}(" in sources[file], entry
 
 
 def test_vllms_own_scheduler_runs_more_than_the_loop_table_allows() -> None:
@@ -175,4 +203,4 @@ def test_vllms_own_manager_runs_more_than_the_pagedkv_table_allows() -> None:
     with_vllm = not_run(series, h.VLLM_MANAGER)
     with_pagedkv = not_run(series, h.DEFAULT_MANAGER)
     assert set(with_vllm) < set(with_pagedkv)
-    assert set(with_vllm) == set(vllm_not_run.ENVIRONMENT[series])
+    assert set(with_vllm) == {n for n in vllm_not_run.ENVIRONMENT[series] if _in_files(n, FILES)}

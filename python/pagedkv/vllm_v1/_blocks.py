@@ -45,6 +45,11 @@ class BlockView:
         return None if h is None else h + _GROUP0
 
     @property
+    def _block_hash(self) -> Optional[bytes]:
+        """vLLM's ``KVCacheBlock`` slot behind ``block_hash`` (vLLM's own tests read it)."""
+        return self.block_hash
+
+    @property
     def block_hash_num_tokens(self) -> Optional[int]:
         return self._native.hashed_tokens(self.block_id)
 
@@ -99,11 +104,20 @@ class RequestBlocksView:
         group: int,
         view: Callable[[int], Any],
         null_block: Any,
+        count: Optional[Callable[[], int]] = None,
     ) -> None:
         self._block_ids = block_ids
         self._group = group
         self._view = view
         self._null_block = null_block
+        self._count = count
+
+    def __len__(self) -> int:
+        """The requests with a block table (vLLM's entries: from a request's first allocation
+        until it is freed), where the manager counts them."""
+        if self._count is None:
+            raise TypeError("this group's req_to_blocks view does not count its requests")
+        return self._count()
 
     def __getitem__(self, request_id: str) -> List[Any]:
         return self._views(self._block_ids(request_id)[self._group])
@@ -125,8 +139,14 @@ class CachedCountView:
     (vLLM's dict holds an entry from the request's first caching or adopted hit until it is
     freed); any other id is a ``KeyError`` and not ``in`` it."""
 
-    def __init__(self, num_cached: Callable[[str], Optional[int]]) -> None:
+    def __init__(
+        self, num_cached: Callable[[str], Optional[int]], count: Callable[[], int]
+    ) -> None:
         self._num_cached = num_cached
+        self._count = count
+
+    def __len__(self) -> int:
+        return self._count()
 
     def __getitem__(self, request_id: str) -> int:
         n = self._num_cached(request_id) if isinstance(request_id, str) else None

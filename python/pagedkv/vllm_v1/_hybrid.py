@@ -429,12 +429,11 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         skip_zeroing_group_ids: Tuple[int, ...] = (),
     ) -> Any:
         """vLLM's ``allocate_slots`` (same arguments and result): the new blocks per group,
-        ``None`` when they do not fit. Connector (external) and encoder tokens are outside the
-        scope: 0 or an error."""
-        if num_external_computed_tokens or num_encoder_tokens:
-            raise InvalidArgumentError(
-                "external (connector) and encoder tokens are outside pagedkv's manager"
-            )
+        ``None`` when they do not fit. A KV connector's external tokens get blocks as in vLLM
+        (beside attention groups; beside a Mamba group an error); encoder tokens are outside
+        the scope: 0 or an error."""
+        if num_encoder_tokens:
+            raise InvalidArgumentError("encoder tokens are outside pagedkv's manager")
         ids = self._native.allocate_slots(
             request.request_id,
             request.num_computed_tokens,
@@ -452,6 +451,7 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
             request.block_hashes,
             request.num_prompt_tokens,
             request.shared_prefix_boundary,
+            num_external_computed_tokens,
         )
         self._drain_events(request)
         return None if ids is None else self._wrap(ids)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from pagedkv.errors import ArgumentTypeError, InvalidArgumentError
@@ -65,6 +66,84 @@ class _PoolView:
         at once, in order)."""
         self._manager.evict_blocks(block_ids)
 
+    @property
+    def blocks(self) -> _PoolBlocks:
+        """Every block by id, as vLLM's ``block_pool.blocks`` list (read by vLLM's tests)."""
+        return _PoolBlocks(self)
+
+    @property
+    def cached_block_hash_to_block(self) -> _CachedHashesView:
+        """vLLM's hash -> cached blocks map, read-only (read by vLLM's tests)."""
+        return _CachedHashesView(self)
+
+    @property
+    def free_block_queue(self) -> _FreeQueueView:
+        """vLLM's free-block queue, read-only (read by vLLM's tests)."""
+        return _FreeQueueView(self)
+
+
+class _PoolBlocks(Sequence):
+    """``block_pool.blocks``: block ``i`` is a live view of block ``i`` (0: the pool's
+    ``null_block`` object), built when read."""
+
+    def __init__(self, pool: _PoolView) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool.num_gpu_blocks
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not isinstance(i, int):
+            raise TypeError(f"block indices must be integers or slices, not {type(i).__name__}")
+        n = len(self)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError("block index out of range")
+        return self._pool.null_block if j == 0 else _blocks.BlockView(self._pool._native, j)
+
+
+class _CachedHashesView:
+    """vLLM's ``BlockHashToBlockMap`` as its tests read it: ``len`` (the distinct hashes
+    cached), ``get_one_block`` and ``_cache`` (each ``BlockHashWithGroupId`` to its block, or
+    to ``{block_id: block}`` when several blocks hold it), built from every block's hash when
+    read: O(blocks), for inspection only."""
+
+    def __init__(self, pool: _PoolView) -> None:
+        self._pool = pool
+
+    def __len__(self) -> int:
+        return self._pool._native.num_cached_hashes()
+
+    @property
+    def _cache(self) -> Dict[bytes, Any]:
+        by_hash: Dict[bytes, Dict[int, Any]] = {}
+        for view in self._pool.blocks[1:]:
+            key = view.block_hash
+            if key is not None:
+                by_hash.setdefault(key, {})[view.block_id] = view
+        return {k: next(iter(v.values())) if len(v) == 1 else v for k, v in by_hash.items()}
+
+    def get_one_block(self, key: bytes) -> Any:
+        found = self._cache.get(key)
+        return next(iter(found.values())) if isinstance(found, dict) else found
+
+
+class _FreeQueueView:
+    """vLLM's ``FreeKVCacheBlockQueue`` as its tests read it: the free count and the free
+    blocks in eviction order."""
+
+    def __init__(self, pool: _PoolView) -> None:
+        self._pool = pool
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self._pool.get_num_free_blocks()
+
+    def get_all_free_blocks(self) -> List[Any]:
+        return [self._pool.blocks[b] for b in self._pool._native.free_queue()]
+
 
 class _GroupView:
     """The one single-type manager vLLM's engine inspects (block size and spec), and as
@@ -83,8 +162,11 @@ class _GroupView:
             0,
             lambda block_id: _blocks.BlockView(native, block_id),
             self._null_block,
+            lambda: native.num_requests,
         )
-        self.num_cached_block = _blocks.CachedCountView(native.num_cached_blocks)
+        self.num_cached_block = _blocks.CachedCountView(
+            native.num_cached_blocks, lambda: native.num_tracked_requests
+        )
 
 
 class _CoordinatorView:

@@ -2,9 +2,9 @@
 
 Each subclasses vLLM's class and changes one thing: after vLLM's constructor has run, the
 scheduler's ``kv_cache_manager`` is pagedkv's native one, built from the same arguments, when
-the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; with a KV connector, one
-full-attention group and a connector that does not bind vLLM's block pool). Out of scope vLLM's
-manager stays. The choice is made once, at construction, and said in one INFO line
+the configuration is in scope (:mod:`pagedkv.vllm_v1._scope`; with a KV connector, no Mamba
+layers and a connector that reads neither vLLM's block pool nor its hybrid coordinator). Out
+of scope vLLM's manager stays. The choice is made once, at construction, and said in one INFO line
 in vLLM's log (:mod:`pagedkv.vllm_v1._report`).
 ``Scheduler`` also runs ``schedule()`` / ``update_from_output()`` natively while every request
 it holds is in scope (:mod:`pagedkv.vllm_v1._native_loop`).

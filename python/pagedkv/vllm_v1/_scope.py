@@ -165,36 +165,44 @@ def needs_group_managers(kv_cache_config: Any) -> bool:
 
 def connector_out_of_scope(connector: Any, kv_cache_config: Any) -> Optional[str]:
     """Why pagedkv's manager cannot serve beside this KV connector (``None``: it can, or
-    there is none). The one-group manager takes a connector's external tokens as vLLM's
-    does; the hybrid manager does not, and a connector that binds vLLM's block pool (it
-    overrides ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``: it reads or changes
-    the pool's blocks) needs vLLM's pool."""
+    there is none). Both native managers take a connector's external tokens as vLLM's do,
+    except beside Mamba layers; a connector that binds vLLM's block pool (it overrides
+    ``bind_gpu_block_pool`` or ``bind_kv_cache_manager``: it reads or changes the pool's
+    blocks) needs vLLM's pool, and one that looks up hits per group (the offloading
+    connector bounding its loads by groups it does not offload) needs vLLM's hybrid
+    coordinator."""
     if connector is None:
         return None
-    if needs_group_managers(kv_cache_config):
-        return (
-            "a KV connector with a hybrid KV cache (pagedkv's hybrid manager takes no "
-            "external tokens)"
-        )
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    if any(isinstance(g.kv_cache_spec, MambaSpec) for g in kv_cache_config.kv_cache_groups):
+        return "a KV connector beside Mamba layers (external tokens there are vLLM's)"
     reader = _pool_binding_connector(connector)
     if reader is not None:
         return f"a KV connector that binds vLLM's block pool ({reader})"
+    if any(getattr(c, "_bounding_group_ids", ()) for c in _members(connector)):
+        return "a KV connector that reads vLLM's hybrid coordinator (offloading bounded by groups)"
     return None
+
+
+def _members(connector: Any) -> list:
+    """The connector, or a ``MultiConnector``'s members (recursively)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    if isinstance(connector, MultiConnector):
+        return [m for c in connector._connectors for m in _members(c)]
+    return [connector]
 
 
 def _pool_binding_connector(connector: Any) -> Optional[str]:
     """The class name of the first connector (a ``MultiConnector``'s members in turn) that
     overrides the base class's pool binding, else ``None``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
-    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
-    if isinstance(connector, MultiConnector):
-        found = (_pool_binding_connector(c) for c in connector._connectors)
-        return next((name for name in found if name is not None), None)
-    cls = type(connector)
     binds = ("bind_gpu_block_pool", "bind_kv_cache_manager")
-    if any(getattr(cls, name) is not getattr(Base, name) for name in binds):
-        return cls.__name__
+    for c in _members(connector):
+        if any(getattr(type(c), name) is not getattr(Base, name) for name in binds):
+            return type(c).__name__
     return None
 
 

@@ -65,7 +65,8 @@
 //! chunk's checkpoint; [`Hybrid::new_step_starts`] clears what they cached this step; their
 //! checkpoints read `use_eagle` and the hash lookahead ([`HybridConfig::hash_lookahead_tokens`]).
 //!
-//! Not here (yet): KV connector (external tokens), encoder (cross-attention) tokens, EAGLE with
+//! Not here (yet): KV connector (external) tokens beside a Mamba group, encoder
+//! (cross-attention) tokens, EAGLE with
 //! a chunked local group, Mamba "align" with blocks larger than the hash block (fine-grained
 //! hits).
 //!
@@ -168,6 +169,10 @@ pub struct HybridSlots<'a> {
     /// The hit to adopt, per group; `None` is vLLM's shared empty `KVCacheBlocks`.
     pub new_computed: Option<&'a [Vec<u32>]>,
     pub num_lookahead_tokens: u64,
+    /// Tokens a KV connector supplies past the local hit (vLLM's
+    /// `num_external_computed_tokens`): on a first allocation each group takes blocks for
+    /// those inside its window, which the call does not return.
+    pub num_external_computed_tokens: u64,
     pub delay_cache_blocks: bool,
     pub full_sequence_must_fit: bool,
     pub reserved_blocks: u64,

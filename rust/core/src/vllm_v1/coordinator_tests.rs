@@ -921,3 +921,52 @@ fn arguments_out_of_range_or_inconsistent_fail_unchanged() {
     };
     fails_unchanged(&mut h, "a", &a, &ks, &["a"]);
 }
+
+/// vLLM's `allocate_new_computed_blocks` with external (connector) tokens and no local hit:
+/// every group pads the blocks its window skips with null blocks, then takes blocks up to
+/// the computed tokens (group 0, then 1), before the call's own blocks (group 0, then 1);
+/// only the call's own are returned.
+#[test]
+fn external_tokens_take_blocks_inside_each_window_first() {
+    let mut h = hybrid(vec![full(4), swa(8, 4)], 4);
+    let load = HybridSlots {
+        num_tokens: 22,
+        num_new_tokens: 3,
+        num_external_computed_tokens: 18,
+        waiting_or_preempted: true,
+        ..Default::default()
+    };
+    let ks = keys(5);
+    let new = h.allocate_slots("a", &load, &mut &ks[..]).unwrap();
+    // Group 0: 5 blocks for 18 tokens (1-5); group 1: a window of 8 at 18 computed tokens
+    // skips 11 tokens, 2 whole blocks (nulls), then blocks 6-8 up to 18 tokens; then the
+    // 6th block for 21 tokens in group 0 (9) and group 1 (10).
+    assert_eq!(new, Some(vec![vec![9], vec![10]]));
+    assert_eq!(
+        h.blocks("a"),
+        [vec![1, 2, 3, 4, 5, 9], vec![N, N, 6, 7, 8, 10]]
+    );
+}
+
+/// External tokens beside a Mamba group, or for a request holding blocks no group tracks,
+/// are refused before anything changes.
+#[test]
+fn external_tokens_vllm_cannot_take_are_refused() {
+    let mut h = hybrid_cached(vec![full(4), swa(8, 4)], 4, false);
+    let ks = keys(4);
+    h.allocate_slots("a", &prefill(6), &mut &ks[..]).unwrap();
+    let free = h.pool().num_free();
+    let later = HybridSlots {
+        num_computed_tokens: 6,
+        num_external_computed_tokens: 4,
+        ..prefill(12)
+    };
+    assert!(h.allocate_slots("a", &later, &mut &ks[..]).is_err());
+    assert_eq!(h.pool().num_free(), free);
+    let past = HybridSlots {
+        num_external_computed_tokens: 1001,
+        ..prefill(2)
+    };
+    assert!(h.allocate_slots("b", &past, &mut &ks[..]).is_err());
+    assert_eq!(h.pool().num_free(), free);
+}

@@ -211,6 +211,14 @@ impl Manager {
         self.reqs.len()
     }
 
+    /// Requests whose cached blocks are tracked (vLLM's `len(num_cached_block)`); O(requests).
+    pub fn num_tracked_requests(&self) -> usize {
+        self.reqs
+            .values()
+            .filter(|r| r.num_cached.is_some())
+            .count()
+    }
+
     /// Lower `max_model_len` to `cap` (the KV cache's size where it holds fewer tokens):
     /// the manager then caps every slot count, lookahead slots included, as vLLM's caps them
     /// at its own `max_model_len`. Only before any request is held (state would otherwise

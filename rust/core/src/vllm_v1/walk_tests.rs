@@ -104,6 +104,7 @@ impl TestKv for Hybrid {
             num_new_computed_tokens: a.num_new_computed_tokens,
             new_computed: a.new_computed.map(Vec::as_slice),
             num_lookahead_tokens: a.num_lookahead_tokens,
+            num_external_computed_tokens: a.num_external_computed_tokens,
             delay_cache_blocks: a.delay_cache_blocks,
             full_sequence_must_fit: a.full_sequence_must_fit,
             reserved_blocks: a.reserved_blocks,

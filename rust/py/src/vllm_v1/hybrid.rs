@@ -240,19 +240,20 @@ impl PyV1Hybrid {
         Ok((hit.blocks, hit.num_tokens, boundary))
     }
 
-    /// vLLM's `KVCacheManager.allocate_slots` with the request's fields spelled out (no
-    /// external or encoder tokens): the new block ids per group, `None` when they do not fit.
+    /// vLLM's `KVCacheManager.allocate_slots` with the request's fields spelled out (a KV
+    /// connector's external tokens taken beside attention groups; no encoder tokens): the new
+    /// block ids per group, `None` when they do not fit.
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request_id, num_computed_tokens, num_tokens, num_in_flight_tokens,
         waiting_or_preempted, num_new_tokens, num_new_computed_tokens, new_computed,
         num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, reserved_blocks,
         has_scheduled_reqs, block_hashes, num_prompt_tokens=SatCount(0),
-        shared_prefix_boundary=SatCount(0)),
+        shared_prefix_boundary=SatCount(0), num_external_computed_tokens=SatCount(0)),
         text_signature = "($self, request_id, num_computed_tokens, num_tokens, \
         num_in_flight_tokens, waiting_or_preempted, num_new_tokens, num_new_computed_tokens, \
         new_computed, num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, \
         reserved_blocks, has_scheduled_reqs, block_hashes, num_prompt_tokens=0, \
-        shared_prefix_boundary=0)")]
+        shared_prefix_boundary=0, num_external_computed_tokens=0)")]
     fn allocate_slots(
         &self,
         request_id: &str,
@@ -271,6 +272,7 @@ impl PyV1Hybrid {
         block_hashes: &Bound<'_, PyAny>,
         num_prompt_tokens: SatCount,
         shared_prefix_boundary: SatCount,
+        num_external_computed_tokens: SatCount,
     ) -> PyResult<Option<Vec<Vec<u32>>>> {
         let mut hashes = PyHashes::new(block_hashes)?;
         let new_computed = new_computed.map(|g| group_ids(&g)).transpose()?;
@@ -283,6 +285,7 @@ impl PyV1Hybrid {
             num_new_computed_tokens: num_new_computed_tokens.0,
             new_computed: new_computed.as_deref(),
             num_lookahead_tokens: num_lookahead_tokens.0,
+            num_external_computed_tokens: num_external_computed_tokens.0,
             delay_cache_blocks,
             full_sequence_must_fit,
             reserved_blocks: reserved_blocks.0,

@@ -225,6 +225,7 @@ fn hybrid_slots<'a>(
         num_new_computed_tokens: a.num_new_computed_tokens,
         new_computed: hit,
         num_lookahead_tokens: a.num_lookahead_tokens,
+        num_external_computed_tokens: a.num_external_computed_tokens,
         delay_cache_blocks: a.delay_cache_blocks,
         full_sequence_must_fit: a.full_sequence_must_fit,
         reserved_blocks: a.reserved_blocks,

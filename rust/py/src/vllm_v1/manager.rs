@@ -167,7 +167,11 @@ impl PyV1Manager {
     #[pyo3(signature = (request_id, num_computed_tokens, num_tokens, waiting_or_preempted,
         num_new_tokens, num_new_computed_tokens, new_computed, num_lookahead_tokens,
         delay_cache_blocks, full_sequence_must_fit, reserved_blocks, has_scheduled_reqs,
-        block_hashes, num_external_computed_tokens=SatCount(0)))]
+        block_hashes, num_external_computed_tokens=SatCount(0)),
+        text_signature = "($self, request_id, num_computed_tokens, num_tokens, \
+        waiting_or_preempted, num_new_tokens, num_new_computed_tokens, new_computed, \
+        num_lookahead_tokens, delay_cache_blocks, full_sequence_must_fit, reserved_blocks, \
+        has_scheduled_reqs, block_hashes, num_external_computed_tokens=0)")]
     fn allocate_slots(
         &self,
         request_id: &str,
@@ -440,6 +444,12 @@ impl PyV1Manager {
     #[getter]
     fn num_requests(&self) -> PyResult<usize> {
         Ok(self.lock()?.num_requests())
+    }
+
+    /// Requests whose cached blocks are tracked (vLLM's `len(num_cached_block)`).
+    #[getter]
+    fn num_tracked_requests(&self) -> PyResult<usize> {
+        Ok(self.lock()?.num_tracked_requests())
     }
 
     /// Whether a prefix-cache hit drops its last block (EAGLE/MTP, per the release's rule).

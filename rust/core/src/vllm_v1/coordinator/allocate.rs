@@ -1,12 +1,14 @@
 //! The hybrid coordinator's block counting and allocation: vLLM's `get_num_blocks_to_allocate`,
 //! `remove_skipped_blocks` and `new_step_starts` across groups, and `KVCacheManager.allocate_slots`
-//! over them ([`Hybrid::allocate_slots`], no external or encoder tokens).
+//! over them ([`Hybrid::allocate_slots`]: a KV connector's external tokens too, beside attention
+//! groups only; no encoder tokens).
 //!
 //! ```text
 //!   allocate_slots:  check the arguments (and an adopted hit) ->
 //!                    admit (full-sequence gate, remove_skipped_blocks, count vs free) ->
 //!                    plan (every hash read, every allocation checked) ->
-//!                    apply (adopt the hit in every group, allocate group 0, 1, ..., cache)
+//!                    apply (adopt the hit in every group, the connector's blocks in group
+//!                    0, 1, ..., then the call's own in group 0, 1, ..., cache)
 //! ```
 //!
 //! Invariants: a call that fails changes nothing but what vLLM too does before refusing
@@ -22,6 +24,7 @@ use crate::vllm_v1::mamba_align::CountArgs;
 use crate::vllm_v1::manager::HashSource;
 use crate::vllm_v1::pool::NULL_BLOCK;
 use crate::vllm_v1::retention::Retention;
+use crate::vllm_v1::single_type::AttentionKind;
 use crate::vllm_v1::single_type::{CachePlan, GroupManager, NewBlocks, ReqSlot};
 
 /// One `allocate_slots` call's token counts (vLLM's names) and watermark.
@@ -29,6 +32,10 @@ use crate::vllm_v1::single_type::{CachePlan, GroupManager, NewBlocks, ReqSlot};
 struct Sizes {
     /// `num_local_computed_tokens`.
     local: u64,
+    /// `num_external_computed_tokens`.
+    external: u64,
+    /// Local and external computed tokens, uncapped (what the groups skip by).
+    computed: u64,
     /// `total_computed_tokens` (at most `max_model_len`).
     total: u64,
     /// `num_tokens_main_model`.
@@ -48,6 +55,8 @@ pub(super) struct SlotPlan {
     adopt: bool,
     /// Per group, its table's length once the hit is adopted.
     held: Vec<usize>,
+    /// Per group, the blocks it takes for the connector's tokens after adopting the hit.
+    external: Vec<usize>,
     /// Per group, what it caches (none: `delay_cache_blocks`).
     caches: Vec<CachePlan>,
     /// Per group, what it allocates.
@@ -58,6 +67,7 @@ impl SlotPlan {
     fn clear(&mut self) {
         self.adopt = false;
         self.held.clear();
+        self.external.clear();
         self.caches.clear();
         self.allocs.clear();
     }
@@ -65,7 +75,10 @@ impl SlotPlan {
     /// Heap bytes of the (cleared) buffers.
     pub(super) fn heap_bytes(&self) -> usize {
         use crate::mem::vec_bytes;
-        vec_bytes(&self.held) + vec_bytes(&self.caches) + vec_bytes(&self.allocs)
+        vec_bytes(&self.held)
+            + vec_bytes(&self.external)
+            + vec_bytes(&self.caches)
+            + vec_bytes(&self.allocs)
     }
 }
 
@@ -157,21 +170,29 @@ impl Hybrid {
     }
 
     fn check_args(&self, req: &str, a: &HybridSlots) -> Result<()> {
-        if a.num_new_tokens == 0 && a.num_new_computed_tokens == 0 {
+        if a.num_new_tokens == 0
+            && a.num_new_computed_tokens == 0
+            && a.num_external_computed_tokens == 0
+        {
             return Err(Error::invalid(
                 "num_new_tokens must be greater than 0 when there are no computed tokens to adopt",
             ));
         }
         // A request never has more computed tokens than max_model_len; the bound also keeps a
-        // window's null padding (one entry per skipped block) within max_model_len's blocks.
+        // window's null padding (one entry per skipped block) within max_model_len's blocks,
+        // and the connector's blocks within the blocks the call counts.
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
-        if local > self.cfg.max_model_len {
+        let computed = local.saturating_add(a.num_external_computed_tokens);
+        if computed > self.cfg.max_model_len {
             return Err(Error::invalid(format!(
-                "{local} computed tokens pass max_model_len {}",
+                "{computed} computed tokens (local and external) pass max_model_len {}",
                 self.cfg.max_model_len
             )));
+        }
+        if a.num_external_computed_tokens > 0 {
+            self.check_external(req)?;
         }
         // A Mamba align group sizes its table by the main-model tokens, uncapped (vLLM's
         // scheduler keeps them within max_model_len): bound them so a table stays bounded.
@@ -187,6 +208,31 @@ impl Hybrid {
             Some(nc) => self.check_hit(req, a.num_new_computed_tokens, nc),
             None => Ok(()),
         }
+    }
+
+    /// External (connector) tokens: beside attention groups only (a Mamba group's states are
+    /// not modelled with them here), and not for a request that holds blocks no group tracks
+    /// (vLLM asserts).
+    fn check_external(&self, req: &str) -> Result<()> {
+        let mamba = self.managers.iter().any(|m| {
+            matches!(
+                m.spec().kind,
+                AttentionKind::Mamba { .. } | AttentionKind::MambaAlign { .. }
+            )
+        });
+        if mamba || self.zeroing.is_some() {
+            return Err(Error::invalid(
+                "external (connector) tokens beside a Mamba group are outside pagedkv's manager",
+            ));
+        }
+        let slot = self.slots.get(req);
+        let running = self.managers.iter().any(|m| m.is_running(slot));
+        if !running && self.managers.iter().any(|m| !m.blocks(slot).is_empty()) {
+            return Err(Error::invalid(format!(
+                "request {req} holds blocks: it cannot take external (connector) tokens"
+            )));
+        }
+        Ok(())
     }
 
     /// An adopted hit is what `find_longest_cache_hit` makes: one list per group, none for a
@@ -291,7 +337,9 @@ impl Hybrid {
         let local = a
             .num_computed_tokens
             .saturating_add(a.num_new_computed_tokens);
-        let total = local.min(self.cfg.max_model_len);
+        let external = a.num_external_computed_tokens;
+        let computed = local.saturating_add(external);
+        let total = computed.min(self.cfg.max_model_len);
         let main = total.saturating_add(a.num_new_tokens);
         let watermark = match a.has_scheduled_reqs && a.waiting_or_preempted {
             true => self.cfg.watermark_blocks,
@@ -303,6 +351,8 @@ impl Hybrid {
         };
         Ok(Sizes {
             local,
+            external,
+            computed,
             total,
             main,
             need_slots: main
@@ -335,7 +385,7 @@ impl Hybrid {
         let c = Count {
             num_tokens: s.need_slots,
             num_tokens_main: s.main,
-            total_computed: s.local,
+            total_computed: s.computed,
             prefill_end: s.prefill_end,
             apply_admission_cap: false,
         };
@@ -359,22 +409,24 @@ impl Hybrid {
         plan: &mut SlotPlan,
     ) -> Result<()> {
         let running = self.managers.iter().any(|m| m.is_running(slot));
-        let adopt = match a.new_computed {
-            Some(nc) if !running => Some(nc), // check_hit refused a running request's hit
-            _ => None,
-        };
-        plan.adopt = adopt.is_some();
-        // Each group's table length once the hit is adopted, and the hit's blocks it touches.
+        // vLLM adopts on a first allocation with a hit or external tokens (check_hit refused a
+        // running request's hit); the skipped blocks count the external tokens too.
+        plan.adopt = (a.new_computed.is_some() || s.external > 0) && !running;
+        // Each group's table length once the hit is adopted, the hit's blocks it touches and
+        // the blocks it then takes for the connector's tokens.
         let mut touched: Vec<u32> = Vec::new();
         for (i, m) in self.managers.iter().enumerate() {
-            match adopt {
-                Some(nc) => {
-                    let (len, kept) = m.adoption(&nc[i], s.local);
-                    plan.held.push(len);
-                    touched.extend(kept.iter().filter(|&&b| self.pool.is_evictable(b)));
-                }
-                None => plan.held.push(m.blocks(slot).len()),
+            if !plan.adopt {
+                plan.held.push(m.blocks(slot).len());
+                plan.external.push(0);
+                continue;
             }
+            let nc = a.new_computed.map_or(&[][..], |nc| &nc[i][..]);
+            let (len, kept) = m.adoption(nc, s.computed);
+            plan.held.push(len);
+            plan.external
+                .push(m.external_blocks(len, s.local, s.external));
+            touched.extend(kept.iter().filter(|&&b| self.pool.is_evictable(b)));
         }
         if !a.delay_cache_blocks {
             self.plan_caches(slot, a, s, hashes, plan)?;
@@ -383,8 +435,17 @@ impl Hybrid {
         touched.sort_unstable();
         touched.dedup();
         let mut free = self.pool.num_free() - touched.len();
-        for (m, &len) in self.managers.iter().zip(&plan.held) {
-            let alloc = m.plan_new_blocks(slot, len, s.need_slots, s.main)?;
+        let external: usize = plan.external.iter().sum();
+        if external > free {
+            return Err(Error::OutOfBlocks {
+                device: "gpu",
+                needed: external,
+                free,
+            });
+        }
+        free -= external;
+        for ((m, &len), &ext) in self.managers.iter().zip(&plan.held).zip(&plan.external) {
+            let alloc = m.plan_new_blocks(slot, len + ext, s.need_slots, s.main)?;
             if alloc.num_new() > free {
                 return Err(Error::OutOfBlocks {
                     device: "gpu",
@@ -410,14 +471,14 @@ impl Hybrid {
         plan: &mut SlotPlan,
     ) -> Result<()> {
         let n = s.total.saturating_add(a.num_new_tokens).min(a.num_tokens);
-        for (m, &have) in self.managers.iter().zip(&plan.held) {
+        for ((m, &have), &ext) in self.managers.iter().zip(&plan.held).zip(&plan.external) {
             let t = self.cacheable_tokens(m, n);
             let first = match plan.adopt {
                 true => have as u32,
                 false => m.num_cached_blocks(slot).unwrap_or(0),
             };
             let bs = u64::from(m.block_size());
-            let table_len = have.max(s.need_slots.div_ceil(bs) as usize);
+            let table_len = (have + ext).max(s.need_slots.div_ceil(bs) as usize);
             let mut cache = m.plan_cache(first, table_len, t, a.boundaries, hashes)?;
             cache.tail = m.plan_tail(slot, t, a.boundaries, hashes)?;
             plan.caches.push(cache);
@@ -435,9 +496,15 @@ impl Hybrid {
         plan: &SlotPlan,
     ) -> Vec<Vec<u32>> {
         if plan.adopt {
-            let nc = a.new_computed.unwrap_or(&[]);
-            for (m, blocks) in self.managers.iter_mut().zip(nc) {
-                m.adopt_computed_blocks(&mut self.pool, slot, blocks, s.local);
+            for (i, m) in self.managers.iter_mut().enumerate() {
+                let nc = a.new_computed.map_or(&[][..], |nc| &nc[i][..]);
+                m.adopt_computed_blocks(&mut self.pool, slot, nc, s.computed);
+            }
+            // Only attention groups take external blocks (check_external).
+            for (m, &ext) in self.managers.iter_mut().zip(&plan.external) {
+                if ext > 0 {
+                    m.apply_new_blocks(&mut self.pool, slot, &NewBlocks::Plain(ext));
+                }
             }
         }
         let mut new = Vec::with_capacity(self.managers.len());

@@ -147,6 +147,24 @@ impl GroupManager {
         (skipped.max(new_computed.len()), kept)
     }
 
+    /// vLLM's `allocate_external_computed_blocks`: how many blocks the group takes for a
+    /// connector's `external` tokens past `local` ones, its table holding `held` entries once
+    /// the hit is adopted: up to the blocks all computed tokens fill, unless the window
+    /// skips every external token (vLLM then takes none).
+    pub fn external_blocks(&self, held: usize, local: u64, external: u64) -> usize {
+        let computed = local.saturating_add(external);
+        let skipped = self.spec.num_skipped_tokens(computed);
+        let inside = match skipped {
+            0 => external,
+            _ => computed.saturating_sub(skipped).min(external),
+        };
+        if inside == 0 {
+            return 0;
+        }
+        let bs = u64::from(self.spec.block_size);
+        (computed.div_ceil(bs) as usize).saturating_sub(held)
+    }
+
     /// [`Self::add_local_computed_blocks`] once its checks hold (the request holds no block;
     /// no real block without caching): it cannot fail.
     pub fn adopt_computed_blocks(
