@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -532,3 +533,51 @@ def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
             if name == "granite4":
                 mode = "align" if sec["mode"] != "off" else "none"
                 assert sec["hybrid"]["mamba_cache_mode"] == mode
+
+
+def test_decode_section_runs_vllms_loop_over_the_native_manager_with_external_tokens(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The ``decode`` workload (--quick): vLLM's ``DecodeBenchConnector`` on every engine, so
+    every request is admitted with the connector's external tokens; pagedkv's lanes run
+    vLLM's loop over the native manager (the loop lane's steps held by the connector),
+    decisions equal to vLLM's to the end."""
+    from pagedkv.bench.vllm_v1 import section as v1
+    from pagedkv.vllm_v1 import KVCacheManager
+
+    external: dict = {}
+    build = v1.build_scheduler
+
+    def counting_build(*args: Any, **kw: Any) -> Any:
+        """The scheduler, its native manager's allocations counted where external tokens
+        come with them."""
+        sched = build(*args, **kw)
+        manager = sched.kv_cache_manager
+        if isinstance(manager, KVCacheManager):
+            allocate = manager.allocate_slots
+
+            def counting(request: Any, *a: Any, **k: Any) -> Any:
+                if k.get("num_external_computed_tokens"):
+                    external.setdefault(id(manager), set()).add(request.request_id)
+                return allocate(request, *a, **k)
+
+            manager.allocate_slots = counting
+        return sched
+
+    monkeypatch.setattr(v1, "build_scheduler", counting_build)
+    _, work, engines, sec = _section("decode")
+    assert sec["ok"], sec.get("difference")
+    loop, manager, _vllm = engines
+    for engine in engines:
+        sched = engine.scheduler
+        assert type(sched.connector).__name__ == "DecodeBenchConnector"
+        assert (type(sched.kv_cache_manager) is KVCacheManager) == engine.native
+        assert all(req.is_finished() for req in engine.requests.values())
+    # Both native lanes admitted the same requests with external tokens: nearly all (a fork
+    # whose local hit leaves only its last token to compute takes none).
+    first, second = external.values()
+    assert first == second and len(first) > 0.9 * len(loop.requests)
+    steps = sec["steps"]
+    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {"a KV connector": steps}
+    assert sec["lanes"][manager.name]["loop_steps"]["fallbacks"] == {v1.LOOP_OFF: steps}
+    _check_loop_steps(sec, engines)

@@ -43,7 +43,7 @@ from pagedkv.bench.harness import (
     StepRecord,
     run_lockstep,
 )
-from pagedkv.bench.vllm_v1 import driver, hybrid, mixed
+from pagedkv.bench.vllm_v1 import connector, driver, hybrid, mixed
 from pagedkv.bench.vllm_v1 import spec as speculative
 from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 
@@ -52,7 +52,8 @@ from pagedkv.bench.workload import WORKLOADS, Request, Workload, generate
 #: and ``mixed-spec`` (:mod:`.spec`) are W1 and MIXED with n-gram speculative decoding,
 #: ``eagle`` W1's with an engine built for an EAGLE-family drafter (:mod:`.spec`);
 #: ``gptoss``, ``gemma3``, ``llama4``, ``granite4`` and ``swa-only`` (:mod:`.hybrid`) are W1
-#: over a hybrid model's KV cache groups (``swa-only``: one sliding-window group).
+#: over a hybrid model's KV cache groups (``swa-only``: one sliding-window group); ``decode``
+#: (:mod:`.connector`) W1 on a P/D decode instance (vLLM's ``DecodeBenchConnector``).
 V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     **WORKLOADS,
     "mixed": (mixed.MIXED_FULL, mixed.MIXED_QUICK),
@@ -60,6 +61,7 @@ V1_WORKLOADS: Dict[str, Tuple[Any, Any]] = {
     "mixed-spec": (speculative.MIXED_SPEC_FULL, speculative.MIXED_SPEC_QUICK),
     "eagle": (speculative.EAGLE_FULL, speculative.EAGLE_QUICK),
     **{name: (hybrid.HYBRID_FULL[name], hybrid.HYBRID_QUICK[name]) for name in hybrid.LAYOUTS},
+    "decode": (connector.DECODE_FULL, connector.DECODE_QUICK),
 }
 
 
@@ -77,6 +79,7 @@ class EngineSpec:
     eagle: bool = False  # the scheduler built for an EAGLE-family drafter (:mod:`.spec`)
     layout: str = ""  # a hybrid layout (:data:`.hybrid.LAYOUTS`); "" one full-attention group
     retention: Optional[int] = hybrid.VLLM_DEFAULT_RETENTION  # prefix_cache_retention_interval
+    connector: str = ""  # a KV connector class (:mod:`.connector`); "" none
 
 
 def build_scheduler(
@@ -131,6 +134,8 @@ def _build(
         cache_fields={"prefix_cache_retention_interval": spec.retention},
         layers=layers,
     )
+    if spec.connector:
+        vllm_config.kv_transfer_config = connector.transfer_config(spec.connector)
     if cls is None:
         engine = "vllm" if not native else "pagedkv" if loop else "pagedkv-manager"
         cls = driver.scheduler_class(engine, spec.async_scheduling)
@@ -560,18 +565,22 @@ def workload_spec(
         eagle=bool(drafter and drafter.eagle),
         layout=layout,
         retention=setting,
+        connector=connector.connector_of(workload),
     )
 
 
 def make_workload(cfg: Any, seed: int) -> Workload:
     """The workload of a config: a ``SpecConfig``'s speculative one, a ``MixedConfig``'s
-    mixed one, a ``HybridConfig``'s hybrid one, else the plain one."""
+    mixed one, a ``HybridConfig``'s hybrid one, a ``ConnectorConfig``'s decode one, else
+    the plain one."""
     if isinstance(cfg, hybrid.HybridConfig):
         return hybrid.generate(cfg, seed=seed)
     if isinstance(cfg, speculative.SpecConfig):
         return speculative.generate(cfg, seed=seed)
     if isinstance(cfg, mixed.MixedConfig):
         return mixed.generate(cfg, seed=seed)
+    if isinstance(cfg, connector.ConnectorConfig):
+        return connector.generate(cfg, seed=seed)
     return generate(cfg, seed=seed)
 
 
