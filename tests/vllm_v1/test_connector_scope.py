@@ -32,8 +32,9 @@ BLOCK = 16
 
 class OfferingConnector(KVConnectorBase_V1, SupportsHMA):
     """A scheduler-side connector that offers half of each new request's uncomputed prompt
-    as external tokens, loaded asynchronously for ids ending in an odd digit; a load is
-    reported done by the next step's model output (``finished``)."""
+    as external tokens, loaded asynchronously for ids ending in an odd digit (said with an
+    int, which vLLM's manager reads by truth value); a load is reported done by the next
+    step's model output (``finished``)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
@@ -42,7 +43,8 @@ class OfferingConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple:
         if num_computed_tokens or request.request_id in self.loading:
             return 0, False
-        return (request.num_tokens - num_computed_tokens) // 2, int(request.request_id[-1]) % 2 == 1
+        # "Asynchronously" as an int, as vLLM's scheduler passes it on to the manager as is.
+        return (request.num_tokens - num_computed_tokens) // 2, int(request.request_id[-1]) % 2
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external: int) -> None:
         if num_external and int(request.request_id[-1]) % 2:

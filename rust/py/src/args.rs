@@ -170,6 +170,19 @@ impl SatCount {
     }
 }
 
+/// A flag read as Python reads it in an `if` (its truth value): vLLM's manager takes
+/// `delay_cache_blocks` and its kin that way, and a connector may hand the scheduler an int
+/// for "load asynchronously", which the scheduler passes on as is.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Flag(pub bool);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Flag {
+    type Error = PyErr;
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        obj.is_truthy().map(Flag)
+    }
+}
+
 /// A text argument (a device name, say): anything but a `str` raises `ArgumentTypeError`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Text(pub String);

@@ -13,7 +13,7 @@
 //! Costs: each method is one crossing and the core's call (O(blocks moved); a lookup reads
 //! only the hashes it needs), plus building the id list it returns.
 
-use crate::args::{Count, Int64, SatCount};
+use crate::args::{Count, Flag, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::call::SlotArgs;
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
@@ -122,9 +122,9 @@ impl PyV1Manager {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (request, num_new_tokens, num_new_computed_tokens=SatCount(0),
         new_computed_blocks=None, num_lookahead_tokens=SatCount(0),
-        num_external_computed_tokens=SatCount(0), delay_cache_blocks=false,
-        num_encoder_tokens=SatCount(0), full_sequence_must_fit=false,
-        reserved_blocks=SatCount(0), has_scheduled_reqs=true, skip_zeroing_group_ids=None),
+        num_external_computed_tokens=SatCount(0), delay_cache_blocks=Flag(false),
+        num_encoder_tokens=SatCount(0), full_sequence_must_fit=Flag(false),
+        reserved_blocks=SatCount(0), has_scheduled_reqs=Flag(true), skip_zeroing_group_ids=None),
         text_signature = "($self, request, num_new_tokens, num_new_computed_tokens=0, \
         new_computed_blocks=None, num_lookahead_tokens=0, num_external_computed_tokens=0, \
         delay_cache_blocks=False, num_encoder_tokens=0, full_sequence_must_fit=False, \
@@ -138,11 +138,11 @@ impl PyV1Manager {
         new_computed_blocks: Option<Bound<'py, PyAny>>,
         num_lookahead_tokens: SatCount,
         num_external_computed_tokens: SatCount,
-        delay_cache_blocks: bool,
+        delay_cache_blocks: Flag,
         num_encoder_tokens: SatCount,
-        full_sequence_must_fit: bool,
+        full_sequence_must_fit: Flag,
         reserved_blocks: SatCount,
-        has_scheduled_reqs: bool,
+        has_scheduled_reqs: Flag,
         skip_zeroing_group_ids: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let _ = skip_zeroing_group_ids;
@@ -152,11 +152,11 @@ impl PyV1Manager {
             new_computed_blocks,
             num_lookahead_tokens: num_lookahead_tokens.0,
             num_external_computed_tokens: num_external_computed_tokens.0,
-            delay_cache_blocks,
+            delay_cache_blocks: delay_cache_blocks.0,
             num_encoder_tokens: num_encoder_tokens.0,
-            full_sequence_must_fit,
+            full_sequence_must_fit: full_sequence_must_fit.0,
             reserved_blocks: reserved_blocks.0,
-            has_scheduled_reqs,
+            has_scheduled_reqs: has_scheduled_reqs.0,
         };
         self.allocate_for_vllm(py, request, &a)
     }
