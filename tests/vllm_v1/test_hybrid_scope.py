@@ -111,7 +111,10 @@ def test_bad_input_raises_pagedkv_errors_and_changes_nothing() -> None:
     req = _request(20)
     free = m.block_pool.get_num_free_blocks()
     with pytest.raises(InvalidArgumentError):
-        m.allocate_slots(req, 4, num_external_computed_tokens=4)
+        m.allocate_slots(req, 4, num_encoder_tokens=4)
+    for external in (10**6, 2**70, -1):  # past max_model_len, past 64 bits, negative
+        with pytest.raises(InvalidArgumentError):
+            m.allocate_slots(req, 4, num_external_computed_tokens=external)
     with pytest.raises(ValueError):
         m.allocate_slots(req, 0)
     wrong_groups = m.empty_kv_cache_blocks.new_empty()

@@ -437,13 +437,10 @@ impl Manager {
         // vLLM adopts (and starts tracking) on a first allocation with a hit or with
         // external tokens; a tracked request adopts nothing.
         let adopt = (a.new_computed.is_some() || ext > 0) && tracked.is_none();
-        // vLLM's `allocate_external_computed_blocks`: blocks up to the local and external
-        // tokens, taken before the call's own new blocks (checked: within max_model_len).
         let bs = self.cfg.block_size as u64;
-        let external_upto = if adopt && ext > 0 {
-            cdiv(local + ext, bs) as usize
-        } else {
-            0
+        let external_upto = match adopt {
+            true => self.external_blocks_upto(local, ext),
+            false => 0,
         };
         let cache_first = match (tracked, adopt) {
             (Some(c), _) => c,
@@ -464,6 +461,16 @@ impl Manager {
             cache_first,
             held,
         }))
+    }
+
+    /// vLLM's `allocate_external_computed_blocks` on a first allocation: the request holds
+    /// blocks up to its local and external tokens (checked: within `max_model_len`) before
+    /// the call's own new blocks; 0 without external tokens.
+    fn external_blocks_upto(&self, local: u64, ext: u64) -> usize {
+        match ext {
+            0 => 0,
+            _ => cdiv(local + ext, self.cfg.block_size as u64) as usize,
+        }
     }
 
     /// Read the hashes of the blocks the call will cache into `self.keys` (may fail; nothing
