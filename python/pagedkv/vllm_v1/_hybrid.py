@@ -541,8 +541,9 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
 
     # --- features outside the scope: nothing to hand out ------------------------------------
     def record_blocks_for_zeroing(self, request_id: str, start_token: int) -> None:
-        """vLLM calls it only after a failed KV connector load (a connector is outside the
-        scope, so this is never reached)."""
+        """vLLM calls it only after a failed KV connector load when its cache needs zeroing
+        (Mamba layers), and beside Mamba layers a connector keeps vLLM's manager: never
+        reached."""
 
     def take_kv_cache_block_copies(self) -> Tuple[List[Any], List[Any]]:
         return [], []

@@ -2,10 +2,12 @@
 //!
 //! This is the whole path vLLM runs through `KVCacheManager` -> `UnitaryKVCacheCoordinator` /
 //! `KVCacheCoordinatorNoPrefixCache` -> `FullAttentionManager` -> `BlockPool` when the cache has
-//! one full-attention group, no KV connector and no context parallelism (the scope
-//! `pagedkv.vllm_v1` checks before it builds this). In that scope vLLM's sliding-window
-//! removal, partial-hit copy-on-write, external (connector) blocks and block zeroing are all
-//! inactive, and the hash block size equals the block size.
+//! one full-attention group and no context parallelism (the scope `pagedkv.vllm_v1` checks
+//! before it builds this). In that scope vLLM's sliding-window removal, partial-hit
+//! copy-on-write and block zeroing are all inactive, and the hash block size equals the block
+//! size. A KV connector's external tokens are taken as vLLM takes them
+//! ([`SlotRequest::num_external_computed_tokens`]: their blocks after the hit's, before the
+//! call's own, not returned).
 //!
 //! Per request: its block table (block ids, allocation order) and, once any of its blocks was
 //! cached or adopted from the cache, the number of its leading blocks already cached (vLLM's

@@ -25,7 +25,8 @@
 //! EAGLE/MTP's last-block drop is here ([`find_longest_cache_hit_eagle`], the group's
 //! [`GroupEagle`]; the rules in [`super::eagle`]). Scope (what the callers must rule out, as
 //! `pagedkv.vllm_v1`'s scope does for the single group): EAGLE never with chunked local
-//! attention (vLLM asserts), no KV connector (no external tokens), no context parallelism,
+//! attention (vLLM asserts), no KV connector's external tokens beside a Mamba group (attention
+//! groups take them: [`GroupManager::external_blocks`]), no context parallelism,
 //! no fine-grained partial hash hits (they need a Mamba "align" group with blocks larger than
 //! the hash block), no R-SWA, sink, circular-buffer, cross-attention or HiSparse groups, and
 //! full-attention groups only at the hash block size: with larger blocks vLLM's
