@@ -122,6 +122,17 @@ def test_vllms_manager_stays_where_the_connector_needs_it(
     assert why in (_scope.connector_out_of_scope(sched.connector, sched.kv_cache_config) or "")
 
 
+def test_a_connector_of_unknown_kind_keeps_vllms_manager() -> None:
+    """An object that is no ``KVConnectorBase_V1`` (its binding unknown) is read as binding
+    vLLM's pool."""
+    from types import SimpleNamespace
+
+    from pagedkv.vllm_v1 import _scope
+
+    config = SimpleNamespace(kv_cache_groups=[])
+    assert "(object)" in (_scope.connector_out_of_scope(object(), config) or "")
+
+
 def _requests(n: int) -> List[Request]:
     hasher = driver.request_block_hasher(BLOCK)
     return [

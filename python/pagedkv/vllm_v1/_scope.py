@@ -196,12 +196,15 @@ def _members(connector: Any) -> list:
 
 def _pool_binding_connector(connector: Any) -> Optional[str]:
     """The class name of the first connector (a ``MultiConnector``'s members in turn) that
-    overrides the base class's pool binding, else ``None``."""
+    overrides the base class's pool binding, or is no ``KVConnectorBase_V1`` at all (its
+    binding unknown), else ``None``."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1 as Base
 
     binds = ("bind_gpu_block_pool", "bind_kv_cache_manager")
     for c in _members(connector):
-        if any(getattr(type(c), name) is not getattr(Base, name) for name in binds):
+        if not isinstance(c, Base) or any(
+            getattr(type(c), name) is not getattr(Base, name) for name in binds
+        ):
             return type(c).__name__
     return None
 
