@@ -148,17 +148,20 @@ class CachedCountView:
     def __len__(self) -> int:
         return self._count()
 
+    def _lookup(self, request_id: object) -> Optional[int]:
+        return self._num_cached(request_id) if isinstance(request_id, str) else None
+
     def __getitem__(self, request_id: str) -> int:
-        n = self._num_cached(request_id) if isinstance(request_id, str) else None
+        n = self._lookup(request_id)
         if n is None:
             raise KeyError(request_id)
         return n
 
     def __contains__(self, request_id: object) -> bool:
-        return isinstance(request_id, str) and self._num_cached(request_id) is not None
+        return self._lookup(request_id) is not None
 
     def get(self, request_id: str, default: Any = None) -> Any:
-        n = self._num_cached(request_id) if isinstance(request_id, str) else None
+        n = self._lookup(request_id)
         return default if n is None else n
 
 

@@ -14,7 +14,7 @@
 //! Costs: each call is the core's (O(groups + blocks moved); a lookup a few passes over the
 //! hashes it reads) plus building the per-group id lists it returns.
 
-use crate::args::{Count, Int64, SatCount};
+use crate::args::{Count, Flag, Int64, SatCount};
 use crate::errors::{busy, IntoPyResult};
 use crate::vllm_v1::events::{EventObjects, EventSink, RemovedEvents, StoredEvents};
 use crate::vllm_v1::manager_inputs::{block_ids, PyHashes};
@@ -265,10 +265,10 @@ impl PyV1Hybrid {
         num_new_computed_tokens: SatCount,
         new_computed: Option<Vec<Vec<Int64>>>,
         num_lookahead_tokens: SatCount,
-        delay_cache_blocks: bool,
-        full_sequence_must_fit: bool,
+        delay_cache_blocks: Flag,
+        full_sequence_must_fit: Flag,
         reserved_blocks: SatCount,
-        has_scheduled_reqs: bool,
+        has_scheduled_reqs: Flag,
         block_hashes: &Bound<'_, PyAny>,
         num_prompt_tokens: SatCount,
         shared_prefix_boundary: SatCount,
@@ -286,10 +286,10 @@ impl PyV1Hybrid {
             new_computed: new_computed.as_deref(),
             num_lookahead_tokens: num_lookahead_tokens.0,
             num_external_computed_tokens: num_external_computed_tokens.0,
-            delay_cache_blocks,
-            full_sequence_must_fit,
+            delay_cache_blocks: delay_cache_blocks.0,
+            full_sequence_must_fit: full_sequence_must_fit.0,
             reserved_blocks: reserved_blocks.0,
-            has_scheduled_reqs,
+            has_scheduled_reqs: has_scheduled_reqs.0,
             boundaries: Boundaries {
                 num_prompt_tokens: num_prompt_tokens.0,
                 shared_prefix_boundary: shared_prefix_boundary.0,

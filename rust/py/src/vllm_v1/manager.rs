@@ -182,10 +182,10 @@ impl PyV1Manager {
         num_new_computed_tokens: SatCount,
         new_computed: Option<Vec<Int64>>,
         num_lookahead_tokens: SatCount,
-        delay_cache_blocks: bool,
-        full_sequence_must_fit: bool,
+        delay_cache_blocks: Flag,
+        full_sequence_must_fit: Flag,
         reserved_blocks: SatCount,
-        has_scheduled_reqs: bool,
+        has_scheduled_reqs: Flag,
         block_hashes: &Bound<'_, PyAny>,
         num_external_computed_tokens: SatCount,
     ) -> PyResult<Option<Vec<u32>>> {
@@ -200,10 +200,10 @@ impl PyV1Manager {
             new_computed: new_computed.as_deref(),
             num_lookahead_tokens: num_lookahead_tokens.0,
             num_external_computed_tokens: num_external_computed_tokens.0,
-            delay_cache_blocks,
-            full_sequence_must_fit,
+            delay_cache_blocks: delay_cache_blocks.0,
+            full_sequence_must_fit: full_sequence_must_fit.0,
             reserved_blocks: reserved_blocks.0,
-            has_scheduled_reqs,
+            has_scheduled_reqs: has_scheduled_reqs.0,
         };
         self.lock()?
             .allocate_slots(request_id, &a, &mut hashes)

@@ -18,13 +18,12 @@
 //!
 //! Costs: O(groups + blocks moved), plus the hashes read for the blocks cached.
 
-use super::{is_full, Count, Hybrid, HybridSlots};
+use super::{is_full, is_mamba, Count, Hybrid, HybridSlots};
 use crate::error::{Error, Result};
 use crate::vllm_v1::mamba_align::CountArgs;
 use crate::vllm_v1::manager::HashSource;
 use crate::vllm_v1::pool::NULL_BLOCK;
 use crate::vllm_v1::retention::Retention;
-use crate::vllm_v1::single_type::AttentionKind;
 use crate::vllm_v1::single_type::{CachePlan, GroupManager, NewBlocks, ReqSlot};
 
 /// One `allocate_slots` call's token counts (vLLM's names) and watermark.
@@ -210,23 +209,24 @@ impl Hybrid {
         }
     }
 
+    /// Some group tracks the request (vLLM's `num_cached_block`): it is running and adopts no
+    /// hit.
+    fn is_running(&self, slot: ReqSlot) -> bool {
+        self.managers.iter().any(|m| m.is_running(slot))
+    }
+
     /// External (connector) tokens: beside attention groups only (a Mamba group's states are
     /// not modelled with them here), and not for a request that holds blocks no group tracks
     /// (vLLM asserts).
     fn check_external(&self, req: &str) -> Result<()> {
-        let mamba = self.managers.iter().any(|m| {
-            matches!(
-                m.spec().kind,
-                AttentionKind::Mamba { .. } | AttentionKind::MambaAlign { .. }
-            )
-        });
+        let mamba = self.managers.iter().any(|m| is_mamba(m.spec()));
         if mamba || self.zeroing.is_some() {
             return Err(Error::invalid(
                 "external (connector) tokens beside a Mamba group are outside pagedkv's manager",
             ));
         }
         let slot = self.slots.get(req);
-        let running = self.managers.iter().any(|m| m.is_running(slot));
+        let running = self.is_running(slot);
         if !running && self.managers.iter().any(|m| !m.blocks(slot).is_empty()) {
             return Err(Error::invalid(format!(
                 "request {req} holds blocks: it cannot take external (connector) tokens"
@@ -249,7 +249,7 @@ impl Hybrid {
         }
         let any = nc.iter().any(|g| !g.is_empty());
         let slot = self.slots.get(req);
-        if self.managers.iter().any(|m| m.is_running(slot)) {
+        if self.is_running(slot) {
             return match any {
                 true => Err(Error::invalid(format!(
                     "request {req} is running: it cannot adopt prefix-cache blocks"
@@ -408,7 +408,7 @@ impl Hybrid {
         hashes: &mut dyn HashSource,
         plan: &mut SlotPlan,
     ) -> Result<()> {
-        let running = self.managers.iter().any(|m| m.is_running(slot));
+        let running = self.is_running(slot);
         // vLLM adopts on a first allocation with a hit or external tokens (check_hit refused a
         // running request's hit); the skipped blocks count the external tokens too.
         plan.adopt = (a.new_computed.is_some() || s.external > 0) && !running;
