@@ -535,13 +535,13 @@ def test_hybrid_bench_prints_what_its_json_holds(tmp_path: Path) -> None:
                 assert sec["hybrid"]["mamba_cache_mode"] == mode
 
 
-def test_decode_section_runs_vllms_loop_over_the_native_manager_with_external_tokens(
+def test_decode_section_runs_the_native_loop_with_external_tokens(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The ``decode`` workload (--quick): vLLM's ``DecodeBenchConnector`` on every engine, so
-    every request is admitted with the connector's external tokens; pagedkv's lanes run
-    vLLM's loop over the native manager (the loop lane's steps held by the connector),
-    decisions equal to vLLM's to the end."""
+    every request is admitted with the connector's external tokens; pagedkv's loop lane runs
+    every step natively (the connector's calls made from the native walk), its manager lane
+    vLLM's loop over the native manager, decisions equal to vLLM's to the end."""
     from pagedkv.bench.vllm_v1 import section as v1
     from pagedkv.vllm_v1 import KVCacheManager
 
@@ -549,19 +549,19 @@ def test_decode_section_runs_vllms_loop_over_the_native_manager_with_external_to
     build = v1.build_scheduler
 
     def counting_build(*args: Any, **kw: Any) -> Any:
-        """The scheduler, its native manager's allocations counted where external tokens
-        come with them."""
+        """The scheduler, the requests its connector was told about with external tokens
+        counted (``update_state_after_alloc``, called by either loop)."""
         sched = build(*args, **kw)
-        manager = sched.kv_cache_manager
-        if isinstance(manager, KVCacheManager):
-            allocate = manager.allocate_slots
+        if isinstance(sched.kv_cache_manager, KVCacheManager):
+            connector = sched.connector
+            told = connector.update_state_after_alloc
 
-            def counting(request: Any, *a: Any, **k: Any) -> Any:
-                if k.get("num_external_computed_tokens"):
-                    external.setdefault(id(manager), set()).add(request.request_id)
-                return allocate(request, *a, **k)
+            def counting(request: Any, blocks: Any, num_external: int) -> Any:
+                if num_external:
+                    external.setdefault(id(sched), set()).add(request.request_id)
+                return told(request, blocks, num_external)
 
-            manager.allocate_slots = counting
+            connector.update_state_after_alloc = counting
         return sched
 
     monkeypatch.setattr(v1, "build_scheduler", counting_build)
@@ -578,6 +578,7 @@ def test_decode_section_runs_vllms_loop_over_the_native_manager_with_external_to
     first, second = external.values()
     assert first == second and len(first) > 0.9 * len(loop.requests)
     steps = sec["steps"]
-    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {"a KV connector": steps}
+    assert sec["lanes"][loop.name]["loop_steps"]["fallbacks"] == {}
+    assert sec["lanes"][loop.name]["loop_steps"]["native"] == steps
     assert sec["lanes"][manager.name]["loop_steps"]["fallbacks"] == {v1.LOOP_OFF: steps}
     _check_loop_steps(sec, engines)

@@ -162,6 +162,11 @@ class SchedConfig:
     # pipeline parallelism (ParallelConfig.pipeline_parallel_size): one step in flight per
     # stage, as EngineCore's batch queue keeps them (vLLM's max_concurrent_batches)
     pipeline: int = 1
+    # a KV connector (lockstep_connector.LockstepConnector) with these of its options:
+    # "pending_frees", "requires_kv_delivery", "fail" (kv_load_failure_policy "fail", else
+    # "recompute"); () none. ``load_failure_rate``: the chance a finished load failed.
+    connector: Optional[tuple[str, ...]] = None
+    load_failure_rate: float = 0.0
 
 
 def random_config(rng: random.Random, small_cache: bool = False) -> SchedConfig:
@@ -355,6 +360,8 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
     """:func:`build_vllm_config`'s ``driver.vllm_configs`` call; with a ``layout``, the KV cache
     config has the layout's groups (:func:`manager_driver.kv_cache_config`)."""
     vllm_config, kv_cache_config = _driver_configs(cfg, model_dir, observability)
+    if cfg.connector is not None:
+        vllm_config.kv_transfer_config = connector_transfer_config(cfg.connector)
     if cfg.layout:
         import manager_driver
 
@@ -371,6 +378,21 @@ def _vllm_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tup
             # scheduler then splits prefills at block boundaries.
             vllm_config.cache_config.mamba_cache_mode = "align"
     return vllm_config, kv_cache_config
+
+
+def connector_transfer_config(options: tuple[str, ...]) -> Any:
+    """The ``KVTransferConfig`` of :class:`lockstep_connector.LockstepConnector` with
+    ``options`` (:attr:`SchedConfig.connector`), both roles, one engine id for both sides."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(
+        kv_connector="LockstepConnector",
+        kv_connector_module_path="lockstep_connector",
+        kv_role="kv_both",
+        engine_id="lockstep",
+        kv_load_failure_policy="fail" if "fail" in options else "recompute",
+        kv_connector_extra_config={o: True for o in options if o != "fail"},
+    )
 
 
 def _driver_configs(cfg: SchedConfig, model_dir: Path, observability: dict) -> tuple:
@@ -564,6 +586,8 @@ class RequestSpec:
     # P/D-style kv_transfer_params in the sampling parameters' extra_args (inert without a
     # KV connector: vLLM's engine warns and disables KV transfer for the request)
     kv_transfer: bool = False
+    # lockstep_connector.params(*connector): what the harness's KV connector does for it
+    connector: Optional[tuple] = None
 
 
 def _tokens(rng: random.Random, n: int) -> list[int]:
@@ -630,6 +654,17 @@ KV_TRANSFER_PARAMS = {
 HELD_PRIORITY = 2**64
 
 
+def transfer_args(spec: RequestSpec) -> Optional[dict]:
+    """The sampling parameters' ``extra_args`` carrying the request's ``kv_transfer_params``."""
+    if spec.connector is not None:
+        import lockstep_connector
+
+        return {"kv_transfer_params": lockstep_connector.params(*spec.connector)}
+    if spec.kv_transfer:
+        return {"kv_transfer_params": dict(KV_TRANSFER_PARAMS)}
+    return None
+
+
 def build_request(
     spec: RequestSpec, block_hasher: Callable, update: Optional[SessionUpdate] = None
 ) -> Request:
@@ -646,7 +681,7 @@ def build_request(
         if spec.repetition
         else None,
         structured_outputs=kinds.structured_outputs_params() if spec.grammar else None,
-        extra_args={"kv_transfer_params": dict(KV_TRANSFER_PARAMS)} if spec.kv_transfer else None,
+        extra_args=transfer_args(spec),
     )
     params.update_from_generation_config({}, EOS_TOKEN_ID)
     arrival_time = spec.arrival_step if spec.arrival_time is None else spec.arrival_time
@@ -818,6 +853,21 @@ def _short(x: Any, limit: int = 400) -> str:
 model_runner_output = driver.model_runner_output
 
 
+def connector_output(transfers: Optional[tuple[set, set, set]]) -> Any:
+    """The workers' ``KVConnectorOutput`` of a step (``None``: no connector): loads done
+    (``finished_recving``; a failed one also in ``failed_recving``), held blocks sent."""
+    if transfers is None:
+        return None
+    from vllm.v1.outputs import KVConnectorOutput
+
+    recv, failed, sent = transfers
+    return KVConnectorOutput(
+        finished_sending=set(sent) or None,
+        finished_recving=set(recv) or None,
+        failed_recving=set(failed),
+    )
+
+
 def sampling_masks(tokens: list[list[int]]) -> SamplingMaskLists:
     """The model output's masks for ``tokens`` (row ``i``'s sampled tokens), one position per
     sampled token (a stop drops the tail: the scheduler slices what it keeps): in CSR form
@@ -915,6 +965,12 @@ class Lockstep:
         self.stats["bitmasks"] = 0  # grammar bitmasks compared (not None)
         self.stats["tokens_sent_back"] = 0  # CachedRequestData.new_token_ids (pipeline)
         self.stats["pooled"] = 0  # pooler outputs given (a pooling model)
+        # A KV connector: loads in flight (request id -> steps until reported finished) and
+        # held blocks (-> steps until reported sent); what the run reached.
+        self.loads: dict[str, int] = {}
+        self.sends: dict[str, int] = {}
+        for name in ("remote_loads", "sync_loads", "failed_loads", "held_sends"):
+            self.stats[name] = 0
         # Structured output: per request, its grammar's spec and both sides' futures, until
         # resolved (request_kinds.resolve); requests whose outputs now loop (repetition).
         self.grammars: dict[str, tuple[kinds.GrammarSpec, list[Any]]] = {}
@@ -1116,6 +1172,8 @@ class Lockstep:
         if victims != running_before[len(running_before) - len(victims) :]:
             self.stats["priority_preemptions"] += 1
         self.stats["drafts"] += sum(map(len, ref_out.scheduled_spec_decode_tokens.values()))
+        if self.cfg.connector is not None:
+            self._track_loads(ref_out)
         self.stats["tokens_sent_back"] += sum(map(len, ref_out.scheduled_cached_reqs.new_token_ids))
         pending = Pending(ref_out, test_out, req_ids, samples)
         self.pending.append(pending)
@@ -1155,11 +1213,14 @@ class Lockstep:
         ref_mro = model_runner_output(
             p.req_ids, tokens, sampling_masks(tokens) if masks else None, pooled
         )
+        transfers = self._finished_transfers() if self.cfg.connector is not None else None
+        ref_mro.kv_connector_output = connector_output(transfers)
         ref = self.ref.update_from_output(p.ref_out, ref_mro)
         self._report_refused(ref)
         test_mro = model_runner_output(
             p.req_ids, tokens, sampling_masks(tokens) if masks else None, pooled
         )
+        test_mro.kv_connector_output = connector_output(transfers)
         test = self.test.update_from_output(p.test_out, test_mro)
         self.check("EngineCoreOutputs", ref, test)
         if self.cfg.num_spec_tokens and not self.cfg.async_scheduling:
@@ -1177,6 +1238,47 @@ class Lockstep:
                     self._count_finish(out)
         self.stats["steps"] += 1
         self._check_state("after update_from_output")
+
+    def _track_loads(self, ref_out: Any) -> None:
+        """A KV connector: the reference's requests that started an asynchronous load this
+        step, each finishing after 0 to 3 more steps; the step's synchronous loads."""
+        self.stats["sync_loads"] += bool(ref_out.has_sync_kv_loads)
+        done = self.ref.finished_recving_kv_req_ids  # reported, not promoted yet
+        for rid, req in self.ref.requests.items():
+            waits = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            if waits and rid not in self.loads and rid not in done:
+                self.loads[rid] = self.rng.randint(0, 3)
+                self.stats["remote_loads"] += 1
+
+    def _finished_transfers(self) -> tuple[set, set, set]:
+        """What the workers' connectors report this step: the loads done (some failed, at
+        ``load_failure_rate``) and the held blocks sent (each after 0 to 3 steps)."""
+        recv, failed, sent = set(), set(), set()
+        for rid in list(self.loads):
+            if self.loads[rid] > 0:
+                self.loads[rid] -= 1
+                continue
+            del self.loads[rid]
+            req = self.ref.requests.get(rid)
+            if req is None:
+                continue
+            # An aborted load is reported too: vLLM frees its blocks then.
+            recv.add(rid)
+            if self.rng.random() < self.cfg.load_failure_rate:
+                failed.add(rid)
+        for rid in sorted(self.ref.connector.held):
+            self.sends.setdefault(rid, self.rng.randint(0, 3))
+        for rid in list(self.sends):
+            if rid not in self.ref.connector.held:
+                del self.sends[rid]
+            elif self.sends[rid] > 0:
+                self.sends[rid] -= 1
+            else:
+                del self.sends[rid]
+                sent.add(rid)
+        self.stats["failed_loads"] += len(failed)
+        self.stats["held_sends"] += len(sent)
+        return recv, failed, sent
 
     def _count_finish(self, out: Any) -> None:
         if out.request_id in self.ref.requests:  # a streaming session's turn: it goes on
@@ -1281,7 +1383,14 @@ _ABSENT = "<absent in this vLLM>"
 #: Scheduler attributes compared where the release has them (else ``_ABSENT`` on both sides).
 SCHEDULER_QUEUES = ("waiting", "kv_holding_waiting", "skipped_waiting")  # in pop order
 SCHEDULER_REQUEST_SETS = ("deferred_waiting", "_inflight_prefills")
-SCHEDULER_ID_SETS = ("finished_req_ids", "prev_step_scheduled_req_ids", "reset_preempted_req_ids")
+SCHEDULER_ID_SETS = (
+    "finished_req_ids",
+    "prev_step_scheduled_req_ids",
+    "reset_preempted_req_ids",
+    # a KV connector's
+    "finished_recving_kv_req_ids",
+    "failed_recving_kv_req_ids",
+)
 SCHEDULER_SCALARS = (
     "current_step",
     "num_executed_steps",
@@ -1289,6 +1398,10 @@ SCHEDULER_SCALARS = (
     "prefill_capacity_bound",
     "num_waiting_for_streaming_input",
     "_pause_state",
+    # a KV connector's: the deferred-free fences, the KV fetch stage counts
+    "sched_step_seq",
+    "processed_step_seq",
+    "_kv_fetch_counts",
 )
 #: Scheduler methods the engine and its metrics call.
 SCHEDULER_QUERIES = (
@@ -1397,6 +1510,7 @@ def run_seed(
     request_kinds: bool = False,
     layout: str = "",
     retention: Optional[int] = None,
+    connector: bool = False,
 ) -> dict:
     """One seeded differential run: a random configuration and workload. ``own_scheduler``
     False: vLLM's scheduler class over the manager even where its package has its own.
@@ -1407,16 +1521,40 @@ def run_seed(
     (:func:`request_kinds.with_request_kinds`, from a generator of its own: the rest of the
     seed's draws are those of a run without them). ``layout``: hybrid KV cache groups
     (:data:`manager_driver.HYBRID_LAYOUTS`; the seed's other draws unchanged), with
-    ``prefix_cache_retention_interval`` ``retention``."""
+    ``prefix_cache_retention_interval`` ``retention``. ``connector``: a KV connector
+    (:func:`with_connector`, from a generator of its own)."""
     rng = random.Random(seed)
     cfg = with_layout(random_config(rng, small_cache), layout, retention)
     capped = dataclasses.replace(cfg, max_model_len=length_cap(cfg))
     specs = with_switch_requests(seed, random_workload(rng, capped))
     if request_kinds:
         cfg, specs = kinds.with_request_kinds(random.Random(f"kinds{seed}"), cfg, specs)
+    if connector:
+        cfg, specs = with_connector(random.Random(f"connector{seed}"), cfg, specs)
     if small_cache:
         specs = with_cache_filling_prompts(rng, capped, specs)
     return Lockstep(cfg, specs, seed, model_dir, manager_cls, own_scheduler=own_scheduler).run()
+
+
+def with_connector(
+    rng: random.Random, cfg: SchedConfig, specs: list[RequestSpec]
+) -> tuple[SchedConfig, list[RequestSpec]]:
+    """A KV connector (:mod:`lockstep_connector`) with some of its options and a load
+    failure rate; most requests get connector parameters: external tokens (a few, a block's
+    worth, more than the prompt), loaded synchronously or not, a connector that cannot tell
+    the first asks, blocks held after the finish."""
+    options = ("pending_frees", "requires_kv_delivery", "fail")
+    chosen = tuple(o for o in options if rng.random() < 0.35)
+    cfg = dataclasses.replace(cfg, connector=chosen, load_failure_rate=rng.choice((0.0, 0.0, 0.25)))
+    out = []
+    for s in specs:
+        params = None
+        if rng.random() < 0.75:
+            external = rng.choice((3, cfg.block_size, 4 * cfg.block_size, 10**6))
+            unknown = rng.choice((0, 0, 0, 1, 3))
+            params = (external, rng.random() < 0.5, unknown, rng.random() < 0.3)
+        out.append(dataclasses.replace(s, connector=params))
+    return cfg, out
 
 
 def with_layout(cfg: SchedConfig, layout: str, retention: Optional[int] = None) -> SchedConfig:

@@ -25,14 +25,13 @@ per vLLM series, each with a one-line reason. ``file::test`` names all parametri
   class under test (``pagedkv.vllm_v1.Scheduler`` and its ``AsyncScheduler`` swapped in for
   vLLM's, the manager not swapped: the class installs pagedkv's manager in scope and keeps
   vLLM's out of scope, as in an engine): tests that fail there for a reason that is not a
-  behaviour difference of the native loop. They replace ``kv_cache_manager.allocate_slots`` (the native loop allocates through the native
-  manager, never that Python attribute), or read vLLM's manager internals as in ``PAGEDKV``
-  (the class installs pagedkv's manager). Each was checked to pass with
-  ``PAGEDKV_VLLM_NATIVE_LOOP=0`` (the same class on vLLM's loop) unless it reads manager
-  internals. A parametrization is named ``file::test[id]``. Deselected when the scheduler
-  under test is not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with
-  the V1): every other test of LOOP_FILES passes, including the KV connector tests (vLLM's
-  loop over pagedkv's manager; beside Mamba layers vLLM's manager and loop).
+  behaviour difference of the native loop: they read vLLM's manager internals as in
+  ``PAGEDKV`` (the class installs pagedkv's manager). Tests that replace
+  ``kv_cache_manager.allocate_slots`` run: a replaced one puts the step on vLLM's loop. A
+  parametrization is named ``file::test[id]``. Deselected when the scheduler under test is
+  not vLLM's own. Measured (0.33 with the V1 and the V2 model runner, 0.32 with the V1): every
+  other test of LOOP_FILES passes, including the KV connector tests (the native loop over
+  pagedkv's manager; beside Mamba layers vLLM's manager and loop).
 """
 
 from __future__ import annotations
@@ -64,13 +63,6 @@ _COW_INTERNALS = (
 _DEFERRED = {
     "test_deferred_block_free.py::test_cow_retentions_deferred_until_copy_step_processed": _COW_INTERNALS,
 }
-
-
-_ALLOCATE_SPY = (
-    "replaces scheduler.kv_cache_manager.allocate_slots to reject an allocation; the native loop "
-    "allocates through pagedkv's native manager directly, never through that Python attribute, "
-    "so the rejection never happens"
-)
 
 
 def _pool_internal(attr: str) -> str:
@@ -321,10 +313,8 @@ LOOP: dict[str, dict[str, str]] = {}
 LOOP["0.33"] = {
     **_DEFERRED,
     "test_scheduler.py::test_evicted_blocks_release_their_auxiliary_outputs_past_capacity": _AUX_POOL,
-    "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
     "test_scheduler.py::test_routed_experts_hashes_follow_scheduled_tokens": _AUX_POOL,
 }
 LOOP["0.32"] = {
     **_DEFERRED,
-    "test_scheduler.py::test_prefix_cache_stats_counted_once_for_retried_then_scheduled_request": _ALLOCATE_SPY,
 }

@@ -11,8 +11,8 @@ then makes it the default). ``Scheduler`` becomes vLLM's ``AsyncScheduler`` vari
 runs with async scheduling. By default both run ``schedule()`` and ``update_from_output()``
 natively (``_native.V1Loop``) on every step whose requests are all in scope, and vLLM's own
 loop over the native manager on the others (``PAGEDKV_VLLM_NATIVE_LOOP=0``: always vLLM's
-loop). With a KV connector vLLM's loop runs over the native manager (attention groups, a
-connector that does not bind vLLM's block pool). Configurations outside the native
+loop). A KV connector runs on the native loop too (attention groups, a connector that does
+not bind vLLM's block pool: :mod:`pagedkv.vllm_v1._connector`). Configurations outside the native
 manager's scope (a KV connector beside Mamba layers, context parallelism, Mamba "align"
 blocks larger than the hash block, EAGLE/MTP beside a chunked local group, ...; hybrid and
 sliding-window models and EAGLE/MTP otherwise are in it: :mod:`pagedkv.vllm_v1._scope`) run

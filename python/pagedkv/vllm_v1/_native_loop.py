@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
+from ._connector import ConnectorSteps
 from ._grammar import grammar_output, manager_kind
 from ._hashing import NativeHashers, hash_name_of
 from ._manager import KVCacheManager, log_once
@@ -59,6 +60,7 @@ class NativeLoop:
     vLLM's (the class it is mixed into)."""
 
     _pagedkv_loop: Any = None
+    _pagedkv_connector: Optional[ConnectorSteps] = None
     _pagedkv_hashers: Optional[NativeHashers] = None
     _pagedkv_counter: Optional[StepCounter] = None
     #: The last native step's output and its grammar rows' request ids (``None``: the last
@@ -91,8 +93,15 @@ class NativeLoop:
         self._pagedkv_pool_tokens = pool_tokens(self.kv_cache_manager)
         self._pagedkv_rejected: List[Any] = []
         self._pagedkv_output = _OutputBuilder(self)
+        #: The connector the loop serves (``None``: none) and vLLM's lines around it.
+        self._pagedkv_connector_of = self.connector
+        self._pagedkv_connector = ConnectorSteps(self) if self.connector is not None else None
         config = _loop_config(self)
         config["pool_tokens"] = self._pagedkv_pool_tokens
+        config["connector_steps"] = self._pagedkv_connector
+        #: The manager's own ``allocate_slots`` (the native loop allocates in Rust: a
+        #: replaced one, a test's spy or a plugin's patch, puts the step on vLLM's loop).
+        self._pagedkv_allocate = _allocate_slots_of(self.kv_cache_manager)
         #: vLLM 0.32 counts only the adapters its running pass scheduled: with pipeline
         #: parallelism a request awaiting its output holds a LoRA slot uncounted, a request
         #: with another adapter is admitted, and vLLM's next step asserts (0.33 counts every
@@ -114,6 +123,9 @@ class NativeLoop:
             self.kv_cache_manager.cap_max_model_len(cap)
         return None
 
+    def _pagedkv_plain_update(self, model_runner_output: Any) -> bool:
+        return _plain_step(model_runner_output, self._pagedkv_connector)
+
     @property
     def pagedkv_steps(self) -> Dict[str, int]:
         """Steps since construction by loop: ``"native"``, and per reason vLLM's loop ran
@@ -130,17 +142,20 @@ class NativeLoop:
         if self._pagedkv_loop is None:
             return "engine out of scope"
         d = self.__dict__
+        served = d["_pagedkv_connector"] is not None
         if (
             not d[_HELD]
             and self._pause_state is self._pagedkv_unpaused
-            and self.connector is None
-            and (not self.kv_holding_waiting or not self._pagedkv_awaits_remote_kv())
+            and self.connector is d["_pagedkv_connector_of"]
+            and (served or not self.kv_holding_waiting or not self._pagedkv_awaits_remote_kv())
             and not self.grammar_compile_error_reqs
             and d.get("aux_output_connector") is None
             and d.get("ec_connector") is None
             and not d.get("encoder_cache_mismatch_reqs")
             and d.get("num_sampled_tokens_per_step", 1) == d["_pagedkv_sampled_per_step"]
-            and not d.get("defer_block_free")
+            and (served or not d.get("defer_block_free"))
+            and not d.get("defer_async_loads")
+            and _allocate_slots_of(self.kv_cache_manager) == d["_pagedkv_allocate"]
             and not (d["_pagedkv_pp_lora_guard"] and d.get("use_pp"))
         ):
             return None
@@ -154,13 +169,14 @@ class NativeLoop:
                 del held[rid]
             if held:
                 return ", ".join(sorted(set(held.values())))
+        served = self._pagedkv_connector is not None
         checks = (
             (self._pause_state != self._pagedkv_unpaused, "engine paused"),
-            (self.connector is not None, "a KV connector"),
+            (self.connector is not self._pagedkv_connector_of, "a KV connector"),
             (getattr(self, "aux_output_connector", None) is not None, "an aux output connector"),
             (getattr(self, "ec_connector", None) is not None, "an EC connector"),
             (
-                bool(self.kv_holding_waiting) and self._pagedkv_awaits_remote_kv(),
+                not served and bool(self.kv_holding_waiting) and self._pagedkv_awaits_remote_kv(),
                 "a request waiting for remote KV",
             ),
             (bool(self.grammar_compile_error_reqs), "grammar compile errors"),
@@ -170,7 +186,15 @@ class NativeLoop:
                 getattr(self, "num_sampled_tokens_per_step", 1) != self._pagedkv_sampled_per_step,
                 "a diffusion model",
             ),
-            (bool(getattr(self, "defer_block_free", False)), "deferred block frees"),
+            (
+                not served and bool(getattr(self, "defer_block_free", False)),
+                "deferred block frees",
+            ),
+            (bool(getattr(self, "defer_async_loads", False)), "deferred KV loads"),
+            (
+                _allocate_slots_of(self.kv_cache_manager) != self._pagedkv_allocate,
+                "a replaced allocate_slots",
+            ),
             (
                 self._pagedkv_pp_lora_guard and bool(getattr(self, "use_pp", False)),
                 "pipeline parallelism with LoRA on vLLM 0.32",
@@ -252,7 +276,11 @@ class NativeLoop:
             return super().schedule(throttle_prefills)  # type: ignore[misc]
         self.pagedkv_native_steps += 1
         parts = self._pagedkv_loop.schedule(self, throttle_prefills)
-        out = self._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
+        connector = self._pagedkv_connector
+        if connector is not None:
+            out = connector.take_output()  # built before `_update_after_schedule`
+        else:
+            out = self._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
         structured = parts[4]
         if structured is not None:
             has_requests, pending_tokens, grammar_ids = structured
@@ -282,24 +310,31 @@ class NativeLoop:
         )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if not self._pagedkv_native_step() or not _plain_step(
-            scheduler_output, model_runner_output
-        ):
+        if not self._pagedkv_native_step() or not self._pagedkv_plain_update(model_runner_output):
             result = super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
         else:
+            connector = self._pagedkv_connector
+            if connector is not None:
+                connector.before_update(scheduler_output)
             perf_stats = self._pagedkv_output.perf_stats(scheduler_output)
             outputs, spec_stats = self._pagedkv_loop.update(
                 self, scheduler_output, model_runner_output
             )
             result = self._pagedkv_output.engine_core_outputs(
-                outputs, model_runner_output, spec_stats, perf_stats
+                outputs, model_runner_output, spec_stats, perf_stats, connector
             )
         if self._pagedkv_loop is not None and self._pagedkv_rejected:
             rejected, self._pagedkv_rejected = self._pagedkv_rejected, []
             self._pagedkv_output.report_errors(result, rejected)
         return result
+
+
+def _allocate_slots_of(manager: Any) -> Tuple[Any, Any]:
+    """The manager's ``allocate_slots``: the instance's own attribute (pagedkv's one-group
+    manager binds the native method there) and the class's."""
+    return (manager.__dict__.get("allocate_slots"), type(manager).allocate_slots)
 
 
 def pool_tokens(manager: Any) -> int:
@@ -323,14 +358,16 @@ def pool_tokens(manager: Any) -> int:
     return (native.num_blocks - 1) // len(sizes) * max(sizes)
 
 
-def _plain_step(scheduler_output: Any, model_runner_output: Any) -> bool:
-    """No connector outputs in this step (drafts, encoder inputs and pooler outputs are the
-    native loop's: it rolls rejected drafts back, frees encoder inputs and stops a pooling
-    request at its pooler output as vLLM does)."""
-    return (
-        getattr(model_runner_output, "kv_connector_output", None) is None
-        and getattr(model_runner_output, "ec_connector_output", None) is None
-    )
+def _plain_step(model_runner_output: Any, connector: Optional[ConnectorSteps]) -> bool:
+    """The native loop can take this step's output: no EC connector output, and KV connector
+    output only for the connector it serves, without failed loads or invalid blocks (drafts,
+    encoder inputs and pooler outputs are the native loop's: it rolls rejected drafts back,
+    frees encoder inputs and stops a pooling request at its pooler output as vLLM does)."""
+    if getattr(model_runner_output, "ec_connector_output", None) is not None:
+        return False
+    if getattr(model_runner_output, "kv_connector_output", None) is None:
+        return True
+    return connector is not None and not connector.update_is_vllms(model_runner_output)
 
 
 def _loop_config(sched: Any) -> Dict[str, Any]:
@@ -557,9 +594,18 @@ class _OutputBuilder:
         model_runner_output: Any,
         spec_stats: Any = None,
         perf_stats: Any = None,
+        connector: Optional[ConnectorSteps] = None,
     ) -> Any:
+        """vLLM's ``update_from_output`` after its per-request loop: a connector's finished
+        transfers and stats, the KV events published, the outputs per client with the
+        finished ids, the scheduler stats."""
         s = self.sched
+        kv_stats = None
+        if connector is not None:
+            kv_stats = connector.after_update(model_runner_output)
         events = s.kv_cache_manager.take_events()
+        if connector is not None:
+            events = connector.take_events(events)
         if events:
             s.kv_event_publisher.publish(self._Batch(ts=time.time(), events=events))
         result = {client: self._Outputs(outputs=outs) for client, outs in outputs}
@@ -572,7 +618,7 @@ class _OutputBuilder:
                 else:
                     result[client] = self._Outputs(finished_requests=ids)
             finished.clear()
-        stats = s.make_stats(spec_stats, None, model_runner_output.cudagraph_stats, perf_stats)
+        stats = s.make_stats(spec_stats, kv_stats, model_runner_output.cudagraph_stats, perf_stats)
         if stats is not None:
             eco = next(iter(result.values()), None)
             if eco is None:

@@ -222,10 +222,11 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
     from ._manager import KVCacheManager
 
     native = isinstance(sched.kv_cache_manager, (KVCacheManager, HybridKVCacheManager))
-    # A connector first: it may also keep vLLM's manager, and the operator should read the
-    # cause.
+    # A connector beside vLLM's manager first: the operator should read the cause (the start
+    # line says why the manager is vLLM's).
     checks = (
-        (sched.connector is not None, "a KV connector"),
+        (sched.connector is not None and not native, "a KV connector"),
+        (bool(getattr(sched, "defer_async_loads", False)), "deferred KV loads"),
         (getattr(sched, "ec_connector", None) is not None, "an EC connector"),
         (getattr(sched, "aux_output_connector", None) is not None, "an aux output connector"),
         (not native, "vLLM's KV cache manager runs"),
@@ -237,8 +238,6 @@ def engine_out_of_scope(sched: Any) -> Optional[str]:
         (bool(getattr(sched, "is_encoder_decoder", False)), "an encoder-decoder model"),
         (bool(getattr(sched, "is_mm_encoder_only", False)), "an encoder-only instance"),
         (_sampled_per_step(sched) != (0 if is_pooling_model(sched) else 1), "a diffusion model"),
-        (bool(getattr(sched, "defer_block_free", False)), "deferred block frees"),
-        (getattr(sched, "_kv_fetch_stages", None) is not None, "KV fetch tracking"),
     )
     return next((why for out, why in checks if out), None)
 

@@ -4,9 +4,9 @@ prompts, output lengths, ``n=2`` forks and predetermined tokens) on an engine wi
 to the KV cache manager as external (connector) tokens, loaded synchronously: what a decode
 instance of a prefill/decode split schedules once the prefill instance has sent the KV.
 
-With a KV connector pagedkv's ``Scheduler`` runs vLLM's own loop over its native manager (the
-native loop does not mirror the connector protocols): this workload measures the manager's
-share of vLLM's step with external tokens in every admission.
+pagedkv's ``Scheduler`` runs its native loop with the connector (the loop lane); the manager
+lane runs vLLM's loop over the native manager: this workload measures both with external
+tokens in every admission.
 
 Importing this module imports nothing of vLLM.
 """

@@ -153,6 +153,32 @@ impl Status {
     }
 }
 
+/// A waiting request's prefix lookup ([`Engine::prefix_hit`]): the local prefix-cache hit
+/// and the tokens a KV connector loads past it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PrefixHit<B> {
+    /// The local hit's block ids (`None`: vLLM's shared empty blocks).
+    pub blocks: Option<B>,
+    pub num_local: u64,
+    /// `num_external_computed_tokens`: the connector's tokens past the local hit.
+    pub num_external: u64,
+    /// `load_kv_async`: the connector loads them while the request waits
+    /// (`WAITING_FOR_REMOTE_KVS`); else they are loaded with the request's first step.
+    pub load_async: bool,
+}
+
+impl<B> PrefixHit<B> {
+    /// A local hit alone (an engine without a connector).
+    pub fn local(blocks: Option<B>, num_local: u64) -> Self {
+        PrefixHit {
+            blocks,
+            num_local,
+            num_external: 0,
+            load_async: false,
+        }
+    }
+}
+
 /// The structured-output flags `_update_after_schedule` sets on the `SchedulerOutput`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StructuredFlags {
@@ -397,9 +423,13 @@ pub trait Engine {
     fn accept_tokens(&mut self, r: &Self::Req, s: &Self::Sampled) -> Result<bool, Self::Error>;
     /// `_preempt_request(request, timestamp)` (the request is already out of `running`).
     fn preempt(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
-    /// `_get_local_prefix_cache_hit`: the hit's block ids (`None`: vLLM's shared empty
-    /// blocks) and its token count; also the first admission's prefill stats.
-    fn prefix_hit(&mut self, r: &Self::Req) -> Result<(Option<Self::Blocks>, u64), Self::Error>;
+    /// The prefix lookup of a request with nothing computed: `_get_local_prefix_cache_hit`
+    /// and, with a KV connector, what it loads past that hit (vLLM's lookup block, the
+    /// connector's `get_num_new_matched_tokens` included); also the first admission's
+    /// prefill stats and, with KV fetch tracking, the request's fetch stage. `None`: the
+    /// connector cannot tell yet (the request is skipped this step).
+    fn prefix_hit(&mut self, r: &Self::Req)
+        -> Result<Option<PrefixHit<Self::Blocks>>, Self::Error>;
     fn record_prefix_cache_stats(&mut self, r: &Self::Req, hit: u64) -> Result<(), Self::Error>;
     /// `record_event(SCHEDULED, timestamp)` when stats are on.
     fn record_scheduled(&mut self, r: &Self::Req) -> Result<(), Self::Error>;
@@ -435,6 +465,58 @@ pub trait Engine {
     fn cache_blocks(&mut self, r: &Self::Req, num_tokens: u64) -> Result<(), Self::Error>;
     /// `get_blocks(request_id)`: the request's table in every group.
     fn block_table(&self, r: &Self::Req) -> Result<Self::Blocks, Self::Error>;
+
+    // A KV connector (vLLM's KV transfer). The defaults are an engine without one.
+    /// `_holds_kv_blocks`: where a skipped request goes back (`kv_holding_waiting` when
+    /// true): it has computed tokens, or (vLLM's other case) waits for remote KV.
+    fn holds_kv_blocks(&self, r: &Self::Req) -> Result<bool, Self::Error> {
+        Ok(self.num_computed_tokens(r)? > 0)
+    }
+    /// After a waiting request's `allocate_slots`: the connector's
+    /// `update_state_after_alloc(request, blocks, num_external)` and its prefix-cache stats
+    /// (`queries`: the tokens past the local hit at a lookup, else 0); a request admitted
+    /// now (not `load_async`) leaves KV fetch tracking.
+    fn connector_allocated(
+        &mut self,
+        _r: &Self::Req,
+        _num_external: u64,
+        _queries: u64,
+        _load_async: bool,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
+    /// An asynchronous load starts: `WAITING_FOR_REMOTE_KVS` with `num_computed` tokens (the
+    /// local hit and the load), among the in-flight prefills, fetch stage "in progress".
+    fn start_remote_load(&mut self, _r: &Self::Req, _num_computed: u64) -> Result<(), Self::Error> {
+        Err(self.error(crate::Error::invalid(
+            "an asynchronous KV load without a connector",
+        )))
+    }
+    /// The blocks an asynchronous load leaves to the in-flight prefills
+    /// (`_inflight_prefill_reserved_blocks() + _spec_decode_step_blocks`).
+    fn reserved_blocks(&mut self) -> Result<u64, Self::Error> {
+        Ok(0)
+    }
+    /// `connector.has_pending_block_frees()`: a running request that does not fit waits
+    /// for them instead of preempting.
+    fn connector_pending_frees(&mut self) -> Result<bool, Self::Error> {
+        Ok(false)
+    }
+    /// `_request_blocks_can_be_freed(victim)`: false while an in-flight step may still write
+    /// its blocks (deferred block frees); preempting it would not help.
+    fn blocks_can_be_freed(&mut self, _r: &Self::Req) -> Result<bool, Self::Error> {
+        Ok(true)
+    }
+    /// The step's end with a connector, before `_update_after_schedule`: the output's
+    /// `has_sync_kv_loads`, the connector's block state and metadata
+    /// (`build_connector_meta`), the deferred-free step count.
+    fn connector_step_end(
+        &mut self,
+        _out: &mut Self::Scheduled,
+        _sync_kv_loads: bool,
+    ) -> Result<(), Self::Error> {
+        Ok(())
+    }
 
     // Multimodal encoder inputs: called only for requests with `has_encoder_inputs`.
     /// `has_encoder_inputs` (fixed at construction: the request has multimodal inputs).

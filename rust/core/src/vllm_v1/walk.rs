@@ -63,6 +63,8 @@ pub struct Walk<'e, E: Engine> {
     prefill_admitted: bool,
     /// Rows the running pass scheduled (`scheduled_running_reqs`).
     running_rows: usize,
+    /// `has_sync_kv_loads`: an admitted request loads a connector's tokens with this step.
+    sync_kv_loads: bool,
     enc: encoder::EncoderStep<E::Req>,
 }
 
@@ -78,6 +80,7 @@ impl<'e, E: Engine> Walk<'e, E> {
             stamps_prefills: false,
             prefill_admitted: false,
             running_rows: 0,
+            sync_kv_loads: false,
             set,
             enc: encoder::EncoderStep::new(),
         })
@@ -107,8 +110,9 @@ impl<'e, E: Engine> Walk<'e, E> {
         let preempted = self.running_pass(step, threshold, &mut budget, &mut rows)?;
         let num_running_rows = rows.len();
         self.running_rows = num_running_rows;
+        let loras = self.running_loras(&rows)?;
         if !preempted {
-            self.waiting_pass(threshold, &mut budget, &mut rows)?;
+            self.waiting_pass(threshold, &mut budget, &mut rows, loras)?;
         }
         let total: u64 = rows.iter().map(|r| r.tokens).sum();
         if let (Some(n), true) = (start.num_executed_steps, total > 0) {
@@ -129,6 +133,8 @@ impl<'e, E: Engine> Walk<'e, E> {
             skip_drafts: !self.drafts_needed,
         };
         let mut scheduled = self.e.scheduler_output(&out)?;
+        self.e
+            .connector_step_end(&mut scheduled, self.sync_kv_loads)?;
         let (flags, grammar_rows) = self.update_after_schedule(step, &out.rows)?;
         if flags != StructuredFlags::default() {
             self.e
@@ -244,7 +250,20 @@ impl<'e, E: Engine> Walk<'e, E> {
                     preempted,
                 });
             }
-            let victim = self.pick_victim(i, rows, budget)?;
+            // A connector's pending frees, or a victim whose blocks an in-flight step may
+            // still write, would not help now: the request waits (the pass ends).
+            let waits = Allocated {
+                ids: None,
+                preempted,
+            };
+            if self.e.connector_pending_frees()? {
+                return Ok(waits);
+            }
+            let at = self.victim_index()?;
+            if !self.victim_frees_blocks(at)? {
+                return Ok(waits);
+            }
+            let victim = self.take_victim(at, i, rows, budget)?;
             self.e.preempt(&victim)?;
             preempted = true;
             if victim == *req {
@@ -281,25 +300,41 @@ impl<'e, E: Engine> Walk<'e, E> {
         }
     }
 
-    /// Take the preemption victim out of `running`: FCFS, the last; PRIORITY, the first
-    /// maximum of `(priority, arrival_time)`, giving back what it was scheduled this step.
-    fn pick_victim(
-        &mut self,
-        i: &mut usize,
-        rows: &mut Rows<E>,
-        budget: &mut Budget,
-    ) -> Result<E::Req, E::Error> {
+    /// The preemption victim's index in `running`: FCFS, the last; PRIORITY, the first
+    /// maximum of `(priority, arrival_time)`.
+    fn victim_index(&mut self) -> Result<usize, E::Error> {
         if !self.set.priority {
             // The request that needs the blocks is running, so `running` is not empty; an
             // engine whose list changed under the walk gets an error, not an underflow.
             let Some(last) = self.e.running_len().checked_sub(1) else {
                 return Err(self.invalid("a preemption found no running request"));
             };
-            return self.e.running_remove(last);
+            return Ok(last);
         }
         let keys = self.e.running_priority_keys()?;
-        let at = policy::priority_victim(keys).unwrap_or(0);
+        Ok(policy::priority_victim(keys).unwrap_or(0))
+    }
+
+    /// `_request_blocks_can_be_freed` for the victim at `at` (asked only of an engine that
+    /// defers block frees: `blocks_can_be_freed` answers true otherwise).
+    fn victim_frees_blocks(&mut self, at: usize) -> Result<bool, E::Error> {
+        let victim = self.e.running_at(at)?;
+        self.e.blocks_can_be_freed(&victim)
+    }
+
+    /// Take the victim at `at` out of `running`; under PRIORITY it gives back what it was
+    /// scheduled this step.
+    fn take_victim(
+        &mut self,
+        at: usize,
+        i: &mut usize,
+        rows: &mut Rows<E>,
+        budget: &mut Budget,
+    ) -> Result<E::Req, E::Error> {
         let victim = self.e.running_remove(at)?;
+        if !self.set.priority {
+            return Ok(victim);
+        }
         if at < *i {
             *i -= 1;
         }

@@ -143,6 +143,33 @@ fn max_loras_counts_running_adapters_above_zero_only() {
     assert_eq!(e.waiting, [six]);
 }
 
+/// vLLM 0.32 counts only the running pass's adapters: a running LoRA request scheduled
+/// nothing (here, the v2 runner's stagger) lets another adapter in; the next step schedules
+/// both, past `max_loras`, and vLLM 0.32 asserts. The walk admits as 0.32 does, then refuses
+/// that step as vLLM does (0.33 counts every running request and never gets there).
+#[test]
+fn a_032_step_past_max_loras_is_refused_as_vllm_asserts() {
+    for release in [V32, V33] {
+        let mut e = TestEngine::new(64, 100);
+        e.set.max_loras = Some(1);
+        e.set.runner = Runner::V2;
+        let one = e.add(4, 10);
+        e.reqs[one].lora = Some(1);
+        e.step(sync(release), 50);
+        e.reqs[one].next_eligible = e.step + 2; // waits out the next step
+        let two = e.add(4, 10);
+        e.reqs[two].lora = Some(2);
+        let rows = e.step(sync(release), 50);
+        match release {
+            V32 => assert_eq!(rows, vec![(two, 4)]),
+            _ => assert!(rows.is_empty() && e.waiting == [two]),
+        }
+        let throttle = e.throttle;
+        let next = Walk::new(&mut e, sync(release)).unwrap().schedule(throttle);
+        assert_eq!(next.is_err(), release == V32, "{release:?}");
+    }
+}
+
 #[test]
 fn repetition_stops_after_min_tokens_with_its_own_reason() {
     let mut e = TestEngine::new(64, 100);

@@ -4,8 +4,8 @@
 
 use super::coordinator::{Hybrid, HybridSlots};
 use super::engine::{
-    BlockIds, Drafts, EncoderPlan, Engine, MambaSplitRule, Mode, PrefillGate, Queue, Release,
-    Runner, Settings, SpecSettings, Start, Status, Step, StructuredFlags,
+    BlockIds, Drafts, EncoderPlan, Engine, MambaSplitRule, Mode, PrefillGate, PrefixHit, Queue,
+    Release, Runner, Settings, SpecSettings, Start, Status, Step, StructuredFlags,
 };
 use super::policy::{self, Limits, Stop, StopRule};
 use super::{Config, HashKey, Manager, SlotRequest, Walk};
@@ -168,6 +168,8 @@ struct TestEngine<K: TestKv = Manager> {
     cached: Vec<(usize, u64)>,
     /// Multimodal requests and the encoder cache (`walk_mm_tests`).
     mm: walk_mm_tests::MmSim,
+    /// A KV connector (`walk_connector_tests`; answers nothing unless told).
+    kv: connector::ConnectorSim,
 }
 
 const EOS: i64 = 2;
@@ -239,6 +241,7 @@ impl<K: TestKv> TestEngine<K> {
             recorded: Vec::new(),
             cached: Vec::new(),
             mm: walk_mm_tests::MmSim::default(),
+            kv: connector::ConnectorSim::default(),
         }
     }
 
@@ -605,6 +608,9 @@ impl<K: TestKv> Engine for TestEngine<K> {
     /// A grammar becomes ready after `grammar_wait` asks (the request becomes `WAITING`); a
     /// session waiting for input stays blocked.
     fn unblock(&mut self, r: &usize) -> Result<bool> {
+        if self.kv.loading.contains(r) {
+            return Ok(self.unblock_remote(*r));
+        }
         let q = &mut self.reqs[*r];
         if q.waiting_input {
             return Ok(false);
@@ -657,8 +663,36 @@ impl<K: TestKv> Engine for TestEngine<K> {
         self.waiting.push_front(*r);
         Ok(())
     }
-    fn prefix_hit(&mut self, _r: &usize) -> Result<(Option<K::Blocks>, u64)> {
-        Ok((None, 0)) // caching off
+    fn prefix_hit(&mut self, r: &usize) -> Result<Option<PrefixHit<K::Blocks>>> {
+        Ok(self.connector_hit(*r)) // caching off: a connector's tokens alone
+    }
+    fn holds_kv_blocks(&self, r: &usize) -> Result<bool> {
+        Ok(self.reqs[*r].computed > 0 || self.kv.loading.contains(r))
+    }
+    fn connector_allocated(&mut self, r: &usize, ext: u64, queries: u64, load: bool) -> Result<()> {
+        self.kv.allocated.push((*r, ext, queries, load));
+        Ok(())
+    }
+    fn start_remote_load(&mut self, r: &usize, num_computed: u64) -> Result<()> {
+        self.kv.loading.insert(*r);
+        self.inflight.insert(*r);
+        let q = &mut self.reqs[*r];
+        q.status = Status::OtherWaiting;
+        q.computed = num_computed;
+        Ok(())
+    }
+    fn reserved_blocks(&mut self) -> Result<u64> {
+        Ok(self.kv.reserved)
+    }
+    fn connector_pending_frees(&mut self) -> Result<bool> {
+        Ok(self.kv.pending_frees)
+    }
+    fn blocks_can_be_freed(&mut self, r: &usize) -> Result<bool> {
+        Ok(!self.kv.pinned.contains(r))
+    }
+    fn connector_step_end(&mut self, _out: &mut Vec<(usize, u64)>, sync_loads: bool) -> Result<()> {
+        self.kv.step_ends.push(sync_loads);
+        Ok(())
     }
     fn record_prefix_cache_stats(&mut self, _r: &usize, _hit: u64) -> Result<()> {
         Ok(())
@@ -1286,3 +1320,6 @@ mod session;
 
 #[path = "walk_hybrid_tests.rs"]
 mod hybrid;
+
+#[path = "walk_connector_tests.rs"]
+mod connector;

@@ -35,6 +35,9 @@ pub struct PyEngine<'a, 'py> {
     pub io: Option<UpdateIo<'py>>,
     /// The step's multimodal side (`crate::vllm_v1::encoder`).
     pub enc: crate::vllm_v1::encoder::EncoderIo<'py>,
+    /// The `kv_transfer_params` of the request `update_from_output` freed last, for its
+    /// output (`crate::vllm_v1::connector`).
+    pub kv_params: Option<Bound<'py, PyAny>>,
     /// `CachedRequestData.new_token_ids` carries the rows' tokens this step
     /// ([`sends_sampled_tokens`], read by `schedule`'s [`PyEngine::begin`]).
     pub sends_tokens: bool,
@@ -100,6 +103,7 @@ impl<'a, 'py> PyEngine<'a, 'py> {
             drafts: None,
             io: None,
             enc: Default::default(),
+            kv_params: None,
             sends_tokens: false,
         })
     }

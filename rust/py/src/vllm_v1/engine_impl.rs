@@ -13,7 +13,8 @@ use crate::vllm_v1::engine_update::{self, Pending, Sampled};
 use crate::vllm_v1::loop_kv::PyBlocks;
 use crate::vllm_v1::{drafts, grammar, output};
 use pagedkv_core::vllm_v1::engine::{
-    Drafts, EncoderPlan, Engine, Mode, Queue, Settings, Start, Status, Step, StructuredFlags,
+    Drafts, EncoderPlan, Engine, Mode, PrefixHit, Queue, Settings, Start, Status, Step,
+    StructuredFlags,
 };
 use pagedkv_core::vllm_v1::policy::{self, Repetition, Stop, StopRule};
 use pagedkv_core::vllm_v1::SlotRequest;
@@ -313,14 +314,11 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn preempt(&mut self, r: &PyReq<'py>) -> PyResult<()> {
-        let py = self.py();
-        let args = (&r.obj, self.ts());
-        self.sched
-            .call_method1(intern!(py, "_preempt_request"), args)
-            .map(drop)
+        let ts = self.ts();
+        self.preempt_request(r, ts)
     }
 
-    fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<(Option<PyBlocks>, u64)> {
+    fn prefix_hit(&mut self, r: &PyReq<'py>) -> PyResult<Option<PrefixHit<PyBlocks>>> {
         if self.lp.hash_lookahead > 0 && self.resumable(r)? {
             // vLLM 0.33: a session's kept hashes may cover a discarded token (a lookahead
             // hash reads past its block), so they are recomputed from the current tokens.
@@ -329,9 +327,12 @@ impl<'py> Engine for PyEngine<'_, 'py> {
             hashes.call_method0(intern!(py, "clear"))?;
             r.obj.call_method0(intern!(py, "update_block_hashes"))?;
         }
+        if let Some(steps) = self.connector() {
+            return self.connector_lookup(&steps, r);
+        }
         let (blocks, num_local) = output::prefix_hit(&self.sched, &r.obj)?;
         let ids = self.lp.kv.hit_ids(&self.sched, &blocks)?;
-        Ok((ids, num_local))
+        Ok(Some(PrefixHit::local(ids, num_local)))
     }
 
     fn record_prefix_cache_stats(&mut self, r: &PyReq<'py>, hit: u64) -> PyResult<()> {
@@ -351,10 +352,7 @@ impl<'py> Engine for PyEngine<'_, 'py> {
     }
 
     fn free_request(&mut self, r: &PyReq<'py>) -> PyResult<()> {
-        let py = self.py();
-        self.sched
-            .call_method1(intern!(py, "_free_request"), (&r.obj,))
-            .map(drop)
+        self.free_and_keep_params(r)
     }
 
     fn resumable(&self, r: &PyReq<'py>) -> PyResult<bool> {
@@ -390,6 +388,68 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         a: &SlotRequest<'_, PyBlocks>,
     ) -> PyResult<Option<PyBlocks>> {
         self.lp.kv.allocate(&self.sched, &r.obj, &r.f.rid, a)
+    }
+
+    fn holds_kv_blocks(&self, r: &PyReq<'py>) -> PyResult<bool> {
+        self.holds_blocks(r)
+    }
+
+    fn connector_allocated(
+        &mut self,
+        r: &PyReq<'py>,
+        num_external: u64,
+        queries: u64,
+        load_async: bool,
+    ) -> PyResult<()> {
+        let py = self.py();
+        let args = (&r.obj, num_external, queries, load_async);
+        self.connector_call(intern!(py, "allocated"), args)
+            .map(drop)
+    }
+
+    fn start_remote_load(&mut self, r: &PyReq<'py>, num_computed: u64) -> PyResult<()> {
+        let py = self.py();
+        let args = (&r.obj, num_computed);
+        match self.connector_call(intern!(py, "start_remote_load"), args)? {
+            Some(_) => Ok(()),
+            None => Err(crate::errors::invalid(
+                "V1Loop: an asynchronous KV load without a connector",
+            )),
+        }
+    }
+
+    fn reserved_blocks(&mut self) -> PyResult<u64> {
+        let py = self.py();
+        match self.connector_call(intern!(py, "reserved_blocks"), ())? {
+            Some(n) => n.extract(),
+            None => Ok(0),
+        }
+    }
+
+    fn connector_pending_frees(&mut self) -> PyResult<bool> {
+        let py = self.py();
+        match self.connector_call(intern!(py, "pending_frees"), ())? {
+            Some(b) => b.is_truthy(),
+            None => Ok(false),
+        }
+    }
+
+    fn blocks_can_be_freed(&mut self, r: &PyReq<'py>) -> PyResult<bool> {
+        let py = self.py();
+        match self.connector_call(intern!(py, "blocks_can_be_freed"), (&r.obj,))? {
+            Some(b) => b.is_truthy(),
+            None => Ok(true),
+        }
+    }
+
+    fn connector_step_end(
+        &mut self,
+        out: &mut Bound<'py, PyTuple>,
+        sync_kv_loads: bool,
+    ) -> PyResult<()> {
+        let py = self.py();
+        let args = (out.clone(), sync_kv_loads);
+        self.connector_call(intern!(py, "step_end"), args).map(drop)
     }
 
     fn cache_blocks(&mut self, r: &PyReq<'py>, num_tokens: u64) -> PyResult<()> {

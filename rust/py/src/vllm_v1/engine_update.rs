@@ -133,6 +133,7 @@ pub fn emit_output<'py>(
     stop: Option<Stop>,
     emit: bool,
 ) -> PyResult<()> {
+    let kv_transfer_params = e.take_kv_params(p.prefill_stats.as_ref())?;
     let (py, lp) = (e.py(), e.lp);
     let Some(io) = e.io.as_mut() else {
         return Err(crate::errors::invalid(
@@ -156,6 +157,7 @@ pub fn emit_output<'py>(
         logprobs: p.logprobs,
         sampling_mask,
         prefill_stats: p.prefill_stats,
+        kv_transfer_params,
     };
     let output = output::build_output(lp, r, &io.mro, fields)?;
     let client = r.f.client;

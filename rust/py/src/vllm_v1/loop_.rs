@@ -69,6 +69,9 @@ pub struct Objects {
     /// `grammar_manager_kind(manager) -> 0 | 1 | 2`: how a step advances grammars with the
     /// structured-output manager (`crate::vllm_v1::grammar::Acceptor`).
     pub grammar_manager_kind: Py<PyAny>,
+    /// The scheduler's `ConnectorSteps` (`pagedkv.vllm_v1._connector`; `None`: no KV
+    /// connector), called by `crate::vllm_v1::connector`.
+    pub connector: Option<Py<PyAny>>,
     pub output: OutputShape,
 }
 
@@ -89,6 +92,7 @@ pub struct OutputShape {
     pub stop_reason: usize,
     pub events: usize,
     pub prefill_stats: usize,
+    pub kv_transfer_params: usize,
     pub trace_headers: usize,
     pub num_nans_in_logits: usize,
     /// Absent from a class without pooling (then no pooler output can be returned).
@@ -278,6 +282,7 @@ impl OutputShape {
             stop_reason: at("stop_reason")?,
             events: at("events")?,
             prefill_stats: at("prefill_stats")?,
+            kv_transfer_params: at("kv_transfer_params")?,
             trace_headers: at("trace_headers")?,
             num_nans_in_logits: at("num_nans_in_logits")?,
             pooling_output: at("pooling_output").ok(),
@@ -346,6 +351,10 @@ impl PyV1Loop {
                 (!code.is_none()).then(|| code.unbind())
             },
             grammar_manager_kind: item(d, "grammar_manager_kind")?.unbind(),
+            connector: match d.get_item("connector_steps")? {
+                Some(c) if !c.is_none() => Some(c.unbind()),
+                _ => None,
+            },
             output: OutputShape::new(d)?,
         };
         let mode = Mode {

@@ -2,6 +2,7 @@
 //! the native scheduling loop over vLLM's own objects (see the crate's header).
 
 pub mod call;
+pub mod connector;
 pub mod drafts;
 pub mod encoder;
 pub mod engine;

@@ -386,6 +386,8 @@ pub struct OutputFields<'py> {
     pub logprobs: Option<Bound<'py, PyAny>>,
     pub sampling_mask: Option<Bound<'py, PyAny>>,
     pub prefill_stats: Option<Bound<'py, PyAny>>,
+    /// A KV connector's parameters for the finished request (`_free_request`'s).
+    pub kv_transfer_params: Option<Bound<'py, PyAny>>,
 }
 
 /// The fields of the row's `EngineCoreOutput` that differ from their defaults.
@@ -458,6 +460,9 @@ fn output_fields<'py>(
     }
     if let Some(s) = f.prefill_stats {
         set.push((shape.prefill_stats, s));
+    }
+    if let Some(p) = f.kv_transfer_params {
+        set.push((shape.kv_transfer_params, p));
     }
     if let (Some(at), Some(_)) = (shape.spec_decode_metrics, f.stop) {
         // A finished request's own speculative decoding metrics (kept when the engine's

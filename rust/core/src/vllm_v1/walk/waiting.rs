@@ -20,7 +20,7 @@
 //! those skipped before it), plus, with a LoRA limit, O(running) once per step.
 
 use super::{Rows, Walk};
-use crate::vllm_v1::engine::{BlockIds, Drafts, Engine, Queue, Release, Row, Status};
+use crate::vllm_v1::engine::{BlockIds, Drafts, Engine, PrefixHit, Queue, Release, Row, Status};
 use crate::vllm_v1::policy::{self, Budget};
 use crate::vllm_v1::SlotRequest;
 use std::collections::HashSet;
@@ -60,9 +60,9 @@ impl<E: Engine> Walk<'_, E> {
         threshold: u64,
         budget: &mut Budget,
         rows: &mut Rows<E>,
+        mut loras: Option<HashSet<i64>>,
     ) -> Result<(), E::Error> {
         let mut skipped = Skipped::default();
-        let mut loras = self.running_loras(rows)?;
         // Paused sessions are not in `running` but keep a model-runner slot; the count
         // changes only outside `schedule()`.
         let paused = self.e.num_waiting_for_streaming_input()?;
@@ -106,11 +106,11 @@ impl<E: Engine> Walk<'_, E> {
 
     /// vLLM's `skip_request`: the head of `q` leaves it, deferred, to be put back after the
     /// pass ahead of the requests skipped before it: into `kv_holding_waiting` when it holds
-    /// KV blocks (`num_computed_tokens > 0`), else into `waiting`.
+    /// KV blocks (`_holds_kv_blocks`), else into `waiting`.
     fn skip(&mut self, q: Queue, skipped: &mut Skipped<E::Req>) -> Result<(), E::Error> {
         let r = self.e.waiting_pop(q)?;
         self.e.deferred_add(&r)?;
-        match self.e.num_computed_tokens(&r)? > 0 {
+        match self.e.holds_kv_blocks(&r)? {
             true => skipped.kv_holding.insert(0, r),
             false => skipped.waiting.insert(0, r),
         }
@@ -147,8 +147,11 @@ impl<E: Engine> Walk<'_, E> {
 
     /// With a LoRA limit: the adapters (ids above 0) of the running requests (0.33: all of
     /// `running`, scheduled this step or not; 0.32: the running pass's rows), which the
-    /// waiting pass grows by each admitted request's adapter.
-    fn running_loras(
+    /// waiting pass grows by each admitted request's adapter. More than `max_loras` is
+    /// refused as vLLM asserts: only 0.32 reaches it (its waiting pass admits another
+    /// adapter while a running LoRA request goes unscheduled, and a later step schedules
+    /// both).
+    pub(super) fn running_loras(
         &mut self,
         rows: &[Row<E::Req, E::Blocks>],
     ) -> Result<Option<HashSet<i64>>, E::Error> {
@@ -165,11 +168,16 @@ impl<E: Engine> Walk<'_, E> {
                 .collect(),
         };
         let ids = running.iter().filter_map(|r| self.e.lora_id(r));
-        Ok(Some(ids.filter(|&id| id > 0).collect()))
+        let set: HashSet<i64> = ids.filter(|&id| id > 0).collect();
+        if self.set.max_loras.is_some_and(|max| set.len() > max) {
+            return Err(self.invalid("more LoRA adapters scheduled than max_loras"));
+        }
+        Ok(Some(set))
     }
 
     /// Admit the head of `q` (a prefix lookup when nothing is computed, then
-    /// `allocate_slots`); a request whose encoder inputs leave it no token is skipped.
+    /// `allocate_slots`); a request whose encoder inputs leave it no token is skipped, as is
+    /// one whose KV connector cannot tell its hit yet or starts an asynchronous load.
     fn admit(
         &mut self,
         q: Queue,
@@ -180,65 +188,126 @@ impl<E: Engine> Walk<'_, E> {
     ) -> Result<Admit, E::Error> {
         let computed_before = self.e.num_computed_tokens(req)?;
         let lookup = computed_before == 0;
-        let (hit, num_local) = match lookup {
-            true => self.e.prefix_hit(req)?,
-            false => (None, 0),
+        let hit = match lookup {
+            true => match self.e.prefix_hit(req)? {
+                Some(hit) => hit,
+                None => return Ok(Admit::Skip), // the connector cannot tell yet
+            },
+            false => PrefixHit::local(None, 0),
         };
-        let num_computed = if lookup { num_local } else { computed_before };
         let num_tokens = self.e.num_tokens(req);
-        if self.defer_prefills && num_computed + 1 < num_tokens {
-            return Ok(Admit::Full); // prefill compute waits for a releasing step
-        }
-        let lim = &self.set.limits;
-        let pad = self.draft_padding(num_computed);
-        let Some((n, padded)) =
-            policy::waiting_tokens(lim, num_tokens, num_computed, threshold, budget, pad)
-        else {
-            return Ok(Admit::Full);
+        let num_computed = match lookup {
+            true => hit.num_local.saturating_add(hit.num_external),
+            false => computed_before,
         };
-        if n == 0 {
-            return Err(self.invalid("a waiting request with nothing to schedule"));
+        if num_computed > num_tokens || (hit.load_async && hit.num_external == 0) {
+            return Err(self.invalid("a prefix hit past the request's tokens, or an empty load"));
         }
-        let split = self.mamba_split_admitted(req, (num_computed, num_local), n, padded)?;
-        let Some((n, padded)) = split else {
-            return Ok(Admit::Full);
+        let (n, padded) = match hit.load_async {
+            true => (0, false), // nothing runs until the load is done
+            false => match self.new_tokens(req, &hit, num_computed, threshold, budget)? {
+                Ok(tokens) => tokens,
+                Err(stop) => return Ok(stop),
+            },
         };
-        let n = self.encoder_tokens(req, num_computed, n)?;
-        let n = self.reserve_prefill_lookahead(num_tokens, num_computed, n);
-        if n == 0 {
-            // No token before an encoder input that does not fit, or none left out of the
-            // drafter's prefill lookahead: 0.33 skips the request, 0.32 ends the waiting pass.
-            return Ok(match self.mode.release {
-                Release::V033 => Admit::Skip,
-                Release::V032 => Admit::Full,
-            });
-        }
-        let status = self.e.status(req)?;
-        let slots = SlotRequest {
-            num_computed_tokens: computed_before,
-            num_tokens,
-            waiting_or_preempted: status.waiting_or_preempted(),
-            num_new_tokens: n,
-            num_new_computed_tokens: num_local,
-            new_computed: hit.as_ref(),
-            num_lookahead_tokens: self.set.spec.num_lookahead_tokens,
-            full_sequence_must_fit: self.set.reserve_full_isl,
-            has_scheduled_reqs: self.e.running_len() > 0,
-            ..SlotRequest::default()
-        };
-        if self.e.allocate(req, &slots)?.is_none() {
+        if !self.allocate_admitted(req, &hit, computed_before, n)? {
             self.encoder_unfit(req)?;
             return Ok(Admit::Full);
         }
+        let queries = match lookup {
+            true => num_tokens - hit.num_local,
+            false => 0,
+        };
+        self.e
+            .connector_allocated(req, hit.num_external, queries, hit.load_async)?;
         if lookup {
-            self.e.record_prefix_cache_stats(req, num_local)?;
+            self.e.record_prefix_cache_stats(req, hit.num_local)?;
         }
+        if hit.load_async {
+            self.e.start_remote_load(req, num_computed)?;
+            return Ok(Admit::Skip); // back to `kv_holding_waiting` until the load is done
+        }
+        self.sync_kv_loads |= hit.num_external > 0;
         let drafts = match padded {
             true => self.set.spec.num_spec_tokens,
             false => 0,
         };
         self.start_running(q, req, (n, drafts), num_computed, budget, rows)?;
         Ok(Admit::Scheduled)
+    }
+
+    /// The tokens a waiting request (not loading asynchronously) is scheduled, and whether
+    /// they are padded with draft slots; `Err`: what the pass does instead (prefills held
+    /// back, no room, or no token left before an encoder input or the prefill lookahead:
+    /// 0.33 skips the request, 0.32 ends the pass).
+    fn new_tokens(
+        &mut self,
+        req: &E::Req,
+        hit: &PrefixHit<E::Blocks>,
+        num_computed: u64,
+        threshold: u64,
+        budget: &Budget,
+    ) -> Result<Result<(u64, bool), Admit>, E::Error> {
+        let num_tokens = self.e.num_tokens(req);
+        if self.defer_prefills && num_computed + 1 < num_tokens {
+            return Ok(Err(Admit::Full)); // prefill compute waits for a releasing step
+        }
+        let lim = &self.set.limits;
+        let pad = self.draft_padding(num_computed);
+        let Some((n, padded)) =
+            policy::waiting_tokens(lim, num_tokens, num_computed, threshold, budget, pad)
+        else {
+            return Ok(Err(Admit::Full));
+        };
+        if n == 0 {
+            return Err(self.invalid("a waiting request with nothing to schedule"));
+        }
+        // A Mamba split never meets a connector's tokens (vLLM's manager keeps them).
+        let local = (num_computed, hit.num_local);
+        let Some((n, padded)) = self.mamba_split_admitted(req, local, n, padded)? else {
+            return Ok(Err(Admit::Full));
+        };
+        let n = self.encoder_tokens(req, num_computed, n)?;
+        let n = self.reserve_prefill_lookahead(num_tokens, num_computed, n);
+        if n == 0 {
+            return Ok(Err(match self.mode.release {
+                Release::V033 => Admit::Skip,
+                Release::V032 => Admit::Full,
+            }));
+        }
+        Ok(Ok((n, padded)))
+    }
+
+    /// `allocate_slots` for an admitted request: `n` new tokens past the hit it adopts and
+    /// the connector's tokens (an asynchronous load: no lookahead slots, its cached blocks
+    /// delayed, the in-flight prefills' blocks kept free). False when they do not fit.
+    fn allocate_admitted(
+        &mut self,
+        req: &E::Req,
+        hit: &PrefixHit<E::Blocks>,
+        computed_before: u64,
+        n: u64,
+    ) -> Result<bool, E::Error> {
+        let status = self.e.status(req)?;
+        let (lookahead, reserved_blocks) = match hit.load_async {
+            true => (0, self.e.reserved_blocks()?),
+            false => (self.set.spec.num_lookahead_tokens, 0),
+        };
+        let slots = SlotRequest {
+            num_computed_tokens: computed_before,
+            num_tokens: self.e.num_tokens(req),
+            waiting_or_preempted: status.waiting_or_preempted(),
+            num_new_tokens: n,
+            num_new_computed_tokens: hit.num_local,
+            new_computed: hit.blocks.as_ref(),
+            num_lookahead_tokens: lookahead,
+            num_external_computed_tokens: hit.num_external,
+            delay_cache_blocks: hit.load_async,
+            full_sequence_must_fit: self.set.reserve_full_isl,
+            reserved_blocks,
+            has_scheduled_reqs: self.e.running_len() > 0,
+        };
+        Ok(self.e.allocate(req, &slots)?.is_some())
     }
 
     /// The waiting pass's split: `None` when it leaves no token (the pass ends, as vLLM's
