@@ -515,6 +515,11 @@ def make_scheduler(
         )
     if cfg.sampling_mask and not masks_in_config(cfg):
         sched.return_sampling_mask = True
+    if cfg.connector is not None and in_flight_depth(cfg) > 1:
+        # What vLLM sets for a consumer connector with batches in flight (its config on this
+        # CPU build turns async scheduling off, so it is set here): block frees wait for
+        # the steps that may still write the blocks.
+        sched.defer_block_free = True
     if async_pipeline(cfg):
         sched.use_v2_model_runner = True  # the runner async pipeline parallelism needs
     if cfg.dynamic_sd and sched.dynamic_sd_lookup is None:
@@ -968,6 +973,7 @@ class Lockstep:
         # A KV connector: loads in flight (request id -> steps until reported finished) and
         # held blocks (-> steps until reported sent); what the run reached.
         self.loads: dict[str, int] = {}
+        self.failing: set[str] = set()
         self.sends: dict[str, int] = {}
         for name in ("remote_loads", "sync_loads", "failed_loads", "held_sends"):
             self.stats[name] = 0
@@ -1246,14 +1252,18 @@ class Lockstep:
         done = self.ref.finished_recving_kv_req_ids  # reported, not promoted yet
         for rid, req in self.ref.requests.items():
             waits = req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-            if waits and rid not in self.loads and rid not in done:
+            if waits and rid not in self.loads and rid not in done and rid not in self.failing:
                 self.loads[rid] = self.rng.randint(0, 3)
                 self.stats["remote_loads"] += 1
 
     def _finished_transfers(self) -> tuple[set, set, set]:
         """What the workers' connectors report this step: the loads done (some failed, at
-        ``load_failure_rate``) and the held blocks sent (each after 0 to 3 steps)."""
+        ``load_failure_rate``: reported with their completion, or a step before it) and the
+        held blocks sent (each after 0 to 3 steps)."""
         recv, failed, sent = set(), set(), set()
+        # Failures reported a step before their completion: done now.
+        recv.update(r for r in self.failing if r in self.ref.requests)
+        self.failing.clear()
         for rid in list(self.loads):
             if self.loads[rid] > 0:
                 self.loads[rid] -= 1
@@ -1263,9 +1273,12 @@ class Lockstep:
             if req is None:
                 continue
             # An aborted load is reported too: vLLM frees its blocks then.
-            recv.add(rid)
             if self.rng.random() < self.cfg.load_failure_rate:
                 failed.add(rid)
+                if self.rng.random() < 0.5:
+                    self.failing.add(rid)  # the completion comes with the next output
+                    continue
+            recv.add(rid)
         for rid in sorted(self.ref.connector.held):
             self.sends.setdefault(rid, self.rng.randint(0, 3))
         for rid in list(self.sends):
