@@ -93,3 +93,41 @@ def test_same_tokens_with_the_scheduler_under_test(
     record_property("tokens_per_s_vllm", round(ref_tps, 1))
     record_property("tokens_per_s_under_test", round(tps, 1))
     print(f"\ne2e caching={caching}: vLLM {ref_tps:.1f} tok/s, {name} {tps:.1f} tok/s")
+
+
+def generate_with_connector(model_dir: Path, scheduler_cls):
+    """The prompts through an engine with vLLM's DecodeBenchConnector: (tokens, (native,
+    vLLM) steps of pagedkv's Scheduler)."""
+    from vllm.config import KVTransferConfig
+
+    config = KVTransferConfig(kv_connector="DecodeBenchConnector", kv_role="kv_both")
+    llm = driver.make_llm(
+        model_dir,
+        scheduler_cls,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        max_num_seqs=8,
+        async_scheduling=False,
+        kv_transfer_config=config,
+    )
+    try:
+        tokens, _ = driver.generate_greedy(llm, prompts(), MAX_TOKENS)
+        sched = engine_scheduler(llm)
+        assert type(sched.connector).__name__ == "DecodeBenchConnector"
+        loops = (getattr(sched, "pagedkv_native_steps", 0), getattr(sched, "pagedkv_vllm_steps", 0))
+    finally:
+        del llm
+        gc.collect()
+    return tokens, loops
+
+
+def test_same_tokens_with_a_kv_connector(cpu_env: None, tiny_model_dir: Path) -> None:
+    """A KV connector's worker side on vLLM's CPU engine: vLLM's DecodeBenchConnector (every
+    prompt but its last token loaded from the connector, its KV filled by the worker, as on a
+    P/D decode instance): pagedkv's Scheduler runs every step on its native loop, the tokens
+    identical to vLLM's."""
+    ref, _ = generate_with_connector(tiny_model_dir, None)
+    tokens, (native, python) = generate_with_connector(tiny_model_dir, "pagedkv.vllm_v1.Scheduler")
+    assert native > 0 and python == 0, (native, python)
+    assert all(len(t) == MAX_TOKENS for t in tokens)
+    assert tokens == ref

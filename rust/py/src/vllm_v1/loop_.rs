@@ -92,7 +92,9 @@ pub struct OutputShape {
     pub stop_reason: usize,
     pub events: usize,
     pub prefill_stats: usize,
-    pub kv_transfer_params: usize,
+    /// Absent from a class without KV transfer (then no connector's parameters can be
+    /// returned).
+    pub kv_transfer_params: Option<usize>,
     pub trace_headers: usize,
     pub num_nans_in_logits: usize,
     /// Absent from a class without pooling (then no pooler output can be returned).
@@ -282,7 +284,7 @@ impl OutputShape {
             stop_reason: at("stop_reason")?,
             events: at("events")?,
             prefill_stats: at("prefill_stats")?,
-            kv_transfer_params: at("kv_transfer_params")?,
+            kv_transfer_params: at("kv_transfer_params").ok(),
             trace_headers: at("trace_headers")?,
             num_nans_in_logits: at("num_nans_in_logits")?,
             pooling_output: at("pooling_output").ok(),

@@ -462,7 +462,10 @@ fn output_fields<'py>(
         set.push((shape.prefill_stats, s));
     }
     if let Some(p) = f.kv_transfer_params {
-        set.push((shape.kv_transfer_params, p));
+        let at = shape.kv_transfer_params.ok_or_else(|| {
+            crate::errors::invalid("EngineCoreOutput has no field \"kv_transfer_params\"")
+        })?;
+        set.push((at, p));
     }
     if let (Some(at), Some(_)) = (shape.spec_decode_metrics, f.stop) {
         // A finished request's own speculative decoding metrics (kept when the engine's
