@@ -12,9 +12,10 @@ when it runs to its end (stopped or length-capped, not aborted) the connector ke
 ``kv_connector_extra_config``: ``pending_frees`` (a running request that does not fit waits
 for held blocks instead of preempting), ``requires_kv_delivery``.
 
-Everything it is told goes into its metadata (:class:`LockstepMetadata`, compared every step
-as part of the ``SchedulerOutput``): the allocations with their block ids and external
-tokens, the step's scheduled requests, the finished requests with their block ids.
+Every scheduler-side call it gets goes into its metadata in order (:class:`LockstepMetadata`,
+compared every step as part of the ``SchedulerOutput``): lookups with their answers, the
+loaded groups asked, allocations with their block ids and external tokens, pending-free
+queries, finished requests with their block ids; then the step's scheduled requests.
 """
 
 from __future__ import annotations
@@ -37,9 +38,8 @@ def params(external: int, load_async: bool, unknown: int = 0, hold: bool = False
 
 @dataclasses.dataclass
 class LockstepMetadata(KVConnectorMetadata):
-    allocated: list = dataclasses.field(default_factory=list)
+    calls: list = dataclasses.field(default_factory=list)
     scheduled: list = dataclasses.field(default_factory=list)
-    finished: list = dataclasses.field(default_factory=list)
 
 
 class LockstepConnector(KVConnectorBase_V1, SupportsHMA):
@@ -63,6 +63,11 @@ class LockstepConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
     ) -> tuple[Optional[int], bool]:
+        answer = self._matched(request, num_computed_tokens)
+        self._meta.calls.append(("lookup", request.request_id, num_computed_tokens, answer))
+        return answer
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[Optional[int], bool]:
         p = request.kv_transfer_params or {}
         if request.request_id in self._loaded:
             return 0, False  # as NIXL: a request's KV is loaded once (a resume recomputes)
@@ -75,9 +80,13 @@ class LockstepConnector(KVConnectorBase_V1, SupportsHMA):
         external = max(0, min(p.get("external", 0), room))
         return external, load_async and external > 0
 
+    def get_loaded_kv_cache_group_ids(self, request: Any) -> tuple[int, ...]:
+        self._meta.calls.append(("loaded_groups", request.request_id))
+        return super().get_loaded_kv_cache_group_ids(request)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         ids = [list(g) for g in blocks.get_block_ids()]
-        self._meta.allocated.append((request.request_id, ids, num_external_tokens))
+        self._meta.calls.append(("alloc", request.request_id, ids, num_external_tokens))
         if num_external_tokens:
             self._loaded.add(request.request_id)
 
@@ -97,7 +106,7 @@ class LockstepConnector(KVConnectorBase_V1, SupportsHMA):
     def _finished(self, request: Any, block_ids: list) -> tuple[bool, Optional[dict]]:
         self._asked.pop(request.request_id, None)
         self._loaded.discard(request.request_id)
-        self._meta.finished.append((request.request_id, str(request.status), block_ids))
+        self._meta.calls.append(("finished", request.request_id, str(request.status), block_ids))
         p = request.kv_transfer_params or {}
         # As NIXL's: only a request that ran to its end hands its blocks on (not an abort).
         ended = request.status in (
@@ -111,7 +120,9 @@ class LockstepConnector(KVConnectorBase_V1, SupportsHMA):
         return hold, out
 
     def has_pending_block_frees(self) -> bool:
-        return self._pending_frees and bool(self.held)
+        answer = self._pending_frees and bool(self.held)
+        self._meta.calls.append(("pending_frees", answer))
+        return answer
 
     def update_connector_output(self, connector_output: Any) -> None:
         self.held.difference_update(connector_output.finished_sending or ())

@@ -123,11 +123,15 @@ class ConnectorSteps:
         s._inflight_prefills.add(request)
         s._set_kv_fetch_stage(request, self._in_progress)
 
-    def reserved_blocks(self) -> int:
-        """The blocks an asynchronous load must leave free: what the in-flight prefills still
-        need, and a speculative decoding step's."""
+    def reserved_blocks(self, request: Any) -> int:
+        """Before an asynchronous load's ``allocate_slots``: the blocks it must leave free
+        (what the in-flight prefills still need, and a speculative decoding step's), then the
+        connector's ``get_loaded_kv_cache_group_ids(request)``, asked as vLLM asks it for
+        ``skip_zeroing_group_ids`` (no group is zeroed where the native managers serve)."""
         s = self.sched
-        return s._inflight_prefill_reserved_blocks() + s._spec_decode_step_blocks
+        reserved = s._inflight_prefill_reserved_blocks() + s._spec_decode_step_blocks
+        self.connector.get_loaded_kv_cache_group_ids(request)
+        return reserved
 
     # schedule(): the running pass.
 
@@ -144,10 +148,10 @@ class ConnectorSteps:
         before ``_update_after_schedule``: ``has_sync_kv_loads``, the connector's block state
         and ``build_connector_meta``, the deferred-free fence."""
         s = self.sched
+        manager = s.kv_cache_manager
+        offloads = manager.take_boundary_state_offloads()  # drained before the output, as vLLM
         out = s._pagedkv_output.scheduler_output(*parts[:4], *parts[5:])
         out.has_sync_kv_loads = sync_kv_loads
-        manager = s.kv_cache_manager
-        offloads = manager.take_boundary_state_offloads()
         req_ids = set(out.num_scheduled_tokens)
         req_ids.update(r for r in offloads if r in s.requests)
         out.kv_connector_block_state = self._block_state(

@@ -258,8 +258,9 @@ def is_pooling_model(sched: Any) -> bool:
 
 def request_out_of_scope(request: Any) -> Optional[str]:
     """Why vLLM's own loop must schedule while ``request`` is held (``None``: in scope).
-    KV transfer parameters are inert here (the native loop runs only without a KV connector;
-    vLLM's engine then warns and disables KV transfer for the request) and in scope.
+    KV transfer parameters are in scope (with a KV connector the native loop calls it as vLLM
+    does; without one they are inert: vLLM's engine warns and disables KV transfer for the
+    request).
     Structured output, LoRA, multimodal inputs (vLLM's encoder cache manager decides their
     encoder inputs, called by the loop), prompt embeddings, repetition detection, streaming
     sessions (``resumable``; each later update is checked by :func:`update_out_of_scope`) and

@@ -492,9 +492,11 @@ pub trait Engine {
             "an asynchronous KV load without a connector",
         )))
     }
-    /// The blocks an asynchronous load leaves to the in-flight prefills
-    /// (`_inflight_prefill_reserved_blocks() + _spec_decode_step_blocks`).
-    fn reserved_blocks(&mut self) -> Result<u64, Self::Error> {
+    /// Before an asynchronous load's `allocate_slots`: the blocks it leaves to the in-flight
+    /// prefills (`_inflight_prefill_reserved_blocks() + _spec_decode_step_blocks`), and the
+    /// connector asked for the groups it loads (`get_loaded_kv_cache_group_ids`, vLLM's
+    /// `skip_zeroing_group_ids`: no group is zeroed in the native managers' scope).
+    fn reserved_blocks(&mut self, _r: &Self::Req) -> Result<u64, Self::Error> {
         Ok(0)
     }
     /// `connector.has_pending_block_frees()`: a running request that does not fit waits

@@ -681,7 +681,7 @@ impl<K: TestKv> Engine for TestEngine<K> {
         q.computed = num_computed;
         Ok(())
     }
-    fn reserved_blocks(&mut self) -> Result<u64> {
+    fn reserved_blocks(&mut self, _r: &usize) -> Result<u64> {
         Ok(self.kv.reserved)
     }
     fn connector_pending_frees(&mut self) -> Result<bool> {

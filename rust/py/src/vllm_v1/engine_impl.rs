@@ -418,9 +418,9 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         }
     }
 
-    fn reserved_blocks(&mut self) -> PyResult<u64> {
+    fn reserved_blocks(&mut self, r: &PyReq<'py>) -> PyResult<u64> {
         let py = self.py();
-        match self.connector_call(intern!(py, "reserved_blocks"), ())? {
+        match self.connector_call(intern!(py, "reserved_blocks"), (&r.obj,))? {
             Some(n) => n.extract(),
             None => Ok(0),
         }

@@ -290,7 +290,7 @@ impl<E: Engine> Walk<'_, E> {
     ) -> Result<bool, E::Error> {
         let status = self.e.status(req)?;
         let (lookahead, reserved_blocks) = match hit.load_async {
-            true => (0, self.e.reserved_blocks()?),
+            true => (0, self.e.reserved_blocks(req)?),
             false => (self.set.spec.num_lookahead_tokens, 0),
         };
         let slots = SlotRequest {
