@@ -5,7 +5,7 @@ compiled module with ``mypy.stubtest`` (names, signatures, defaults, properties)
 usage examples against it. Errors are the classes of :mod:`pagedkv.errors`.
 """
 
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union, final
 
 import numpy as np
 import numpy.typing as npt
@@ -866,10 +866,15 @@ class V1Loop:
         (both false); ``encoder_input_updates`` is ``None`` without a multimodal row. The
         request updates of ``_update_after_schedule`` are applied."""
     def update(
-        self, sched: Any, scheduler_output: Any, model_runner_output: Any
+        self,
+        sched: Any,
+        scheduler_output: Any,
+        model_runner_output: Any,
+        failed: Optional[Set[str]] = None,
     ) -> Tuple[List[Tuple[int, List[Any]]], Any]:
         """``([(client_index, [EngineCoreOutput, ...]), ...], spec_decoding_stats)`` in
-        vLLM's order (``spec_decoding_stats``: ``None`` without drafts or stats)."""
+        vLLM's order (``spec_decoding_stats``: ``None`` without drafts or stats); ``failed``:
+        the requests whose KV load failed this step (their rows take nothing)."""
     def update_draft_token_ids(self, sched: Any, req_ids: Any, draft_token_ids: Any) -> None:
         """vLLM's ``Scheduler.update_draft_token_ids`` over the scheduler's own requests."""
     def refuses_prompt(self, num_prompt: int, max_model_len: int, sampled_per_step: int) -> bool:

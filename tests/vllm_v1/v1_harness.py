@@ -858,18 +858,20 @@ def _short(x: Any, limit: int = 400) -> str:
 model_runner_output = driver.model_runner_output
 
 
-def connector_output(transfers: Optional[tuple[set, set, set]]) -> Any:
+def connector_output(transfers: Optional[tuple[set, set, set, set]]) -> Any:
     """The workers' ``KVConnectorOutput`` of a step (``None``: no connector): loads done
-    (``finished_recving``; a failed one also in ``failed_recving``), held blocks sent."""
+    (``finished_recving``; a failed one also in ``failed_recving``), held blocks sent, blocks
+    whose synchronous load failed (``invalid_block_ids``)."""
     if transfers is None:
         return None
     from vllm.v1.outputs import KVConnectorOutput
 
-    recv, failed, sent = transfers
+    recv, failed, sent, invalid = transfers
     return KVConnectorOutput(
         finished_sending=set(sent) or None,
         finished_recving=set(recv) or None,
         failed_recving=set(failed),
+        invalid_block_ids=set(invalid),
     )
 
 
@@ -975,7 +977,7 @@ class Lockstep:
         self.loads: dict[str, int] = {}
         self.failing: set[str] = set()
         self.sends: dict[str, int] = {}
-        for name in ("remote_loads", "sync_loads", "failed_loads", "held_sends"):
+        for name in ("remote_loads", "sync_loads", "failed_loads", "held_sends", "invalid_blocks"):
             self.stats[name] = 0
         # Structured output: per request, its grammar's spec and both sides' futures, until
         # resolved (request_kinds.resolve); requests whose outputs now loop (repetition).
@@ -1219,7 +1221,9 @@ class Lockstep:
         ref_mro = model_runner_output(
             p.req_ids, tokens, sampling_masks(tokens) if masks else None, pooled
         )
-        transfers = self._finished_transfers() if self.cfg.connector is not None else None
+        transfers = None
+        if self.cfg.connector is not None:
+            transfers = (*self._finished_transfers(), self._invalid_blocks(p))
         ref_mro.kv_connector_output = connector_output(transfers)
         ref = self.ref.update_from_output(p.ref_out, ref_mro)
         self._report_refused(ref)
@@ -1292,6 +1296,25 @@ class Lockstep:
         self.stats["failed_loads"] += len(failed)
         self.stats["held_sends"] += len(sent)
         return recv, failed, sent
+
+    def _invalid_blocks(self, p: Pending) -> set:
+        """At ``load_failure_rate``, one block of a request that loaded external tokens with
+        this step (synchronously) reported invalid (one KV cache group only: vLLM refuses
+        block ids it cannot map back to requests beside several groups)."""
+        if self.cfg.layout or self.rng.random() >= self.cfg.load_failure_rate:
+            return set()
+        meta = getattr(p.ref_out, "kv_connector_metadata", None)
+        loads = [
+            c for c in getattr(meta, "calls", []) if c[0] == "alloc" and c[3] and c[1] in p.req_ids
+        ]
+        if not loads:
+            return set()
+        _, _, ids, external = self.rng.choice(loads)
+        blocks = ids[0][: -(-external // self.cfg.block_size)]
+        if not blocks:
+            return set()
+        self.stats["invalid_blocks"] += 1
+        return {self.rng.choice(blocks)}
 
     def _count_finish(self, out: Any) -> None:
         if out.request_id in self.ref.requests:  # a streaming session's turn: it goes on

@@ -14,10 +14,12 @@ takes the request to ``WAITING_FOR_REMOTE_KVS`` in ``kv_holding_waiting``; vLLM'
 ``_handle_blocked_waiting_request`` promotes it once the load is done. Deferred block frees
 (async scheduling or pipeline parallelism with a consumer) use vLLM's own fences.
 
+Failed loads and invalid blocks go through vLLM's own ``_handle_failed_recving`` and
+``_handle_invalid_blocks``; their rows take nothing, and under the "fail" policy the requests
+are finished with an error, as vLLM's ``update_from_output`` does.
+
 **Where vLLM's loop runs instead** (:func:`pagedkv.vllm_v1._scope.engine_out_of_scope`):
-an aux-output or EC connector, prefix replay, HiSparse's deferred loads; and for one
-``update_from_output``: a step whose connector output reports failed loads or invalid
-blocks (vLLM's recovery then runs as vLLM's code).
+an aux-output or EC connector, prefix replay, HiSparse's deferred loads.
 
 :class:`ConnectorSteps` is called by the native loop (``pagedkv._native.V1Loop``, from
 Rust: ``rust/py/src/vllm_v1/connector.rs``) and by :mod:`._native_loop`.
@@ -25,7 +27,7 @@ Rust: ``rust/py/src/vllm_v1/connector.rs``) and by :mod:`._native_loop`.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from ._version import is_release_033
 
@@ -175,12 +177,44 @@ class ConnectorSteps:
 
     # update_from_output().
 
-    @staticmethod
-    def update_is_vllms(model_runner_output: Any) -> bool:
-        """The connector reports failed loads or invalid blocks: vLLM's own
-        ``update_from_output`` recovers (recomputes or fails the requests)."""
-        out = getattr(model_runner_output, "kv_connector_output", None)
-        return bool(out and (out.failed_recving or out.invalid_block_ids))
+    def failed_loads(self, scheduler_output: Any, model_runner_output: Any) -> set:
+        """vLLM's ``failed_kv_load_req_ids``: the connector's failed loads and invalid blocks,
+        handled by vLLM's own methods (a request to recompute has its computed tokens taken
+        back); the rows of these requests take nothing this step."""
+        s = self.sched
+        out = model_runner_output.kv_connector_output
+        failed: set = set()
+        if out and out.failed_recving:
+            failed.update(s._handle_failed_recving(out.failed_recving))
+        if out and out.invalid_block_ids:
+            scheduled = scheduler_output.num_scheduled_tokens
+            failed.update(s._handle_invalid_blocks(out.invalid_block_ids, scheduled))
+        return failed
+
+    def fail_loads(self, failed: set, outputs: List[Tuple[int, Any]]) -> None:
+        """Under the "fail" policy, the requests whose load failed are finished with an
+        error, each output added to its client's list (after the rows' outputs), as vLLM's
+        ``update_from_output`` does before the finished transfers."""
+        s = self.sched
+        if not failed or s.recompute_kv_load_failures:
+            return
+        from vllm.v1.engine import EngineCoreOutput
+        from vllm.v1.request import RequestStatus
+
+        for request in s.finish_requests(failed, RequestStatus.FINISHED_ERROR):
+            out = EngineCoreOutput(
+                request_id=request.request_id,
+                new_token_ids=[],
+                finish_reason=request.get_finished_reason(),
+                events=request.take_events(),
+                trace_headers=request.trace_headers,
+            )
+            client = request.client_index
+            found = next((outs for c, outs in outputs if c == client), None)
+            if found is None:
+                outputs.append((client, [out]))
+            else:
+                found.append(out)
 
     def before_update(self, scheduler_output: Any) -> None:
         """The deferred frees (and 0.33's deferred loads) whose fence the step completed."""

@@ -316,12 +316,17 @@ class NativeLoop:
             )
         else:
             connector = self._pagedkv_connector
+            failed = None
             if connector is not None:
                 connector.before_update(scheduler_output)
             perf_stats = self._pagedkv_output.perf_stats(scheduler_output)
+            if connector is not None:
+                failed = connector.failed_loads(scheduler_output, model_runner_output)
             outputs, spec_stats = self._pagedkv_loop.update(
-                self, scheduler_output, model_runner_output
+                self, scheduler_output, model_runner_output, failed
             )
+            if failed and connector is not None:
+                connector.fail_loads(failed, outputs)
             result = self._pagedkv_output.engine_core_outputs(
                 outputs, model_runner_output, spec_stats, perf_stats, connector
             )
@@ -360,14 +365,14 @@ def pool_tokens(manager: Any) -> int:
 
 def _plain_step(model_runner_output: Any, connector: Optional[ConnectorSteps]) -> bool:
     """The native loop can take this step's output: no EC connector output, and KV connector
-    output only for the connector it serves, without failed loads or invalid blocks (drafts,
-    encoder inputs and pooler outputs are the native loop's: it rolls rejected drafts back,
-    frees encoder inputs and stops a pooling request at its pooler output as vLLM does)."""
+    output only for the connector it serves (drafts, encoder inputs and pooler outputs are the
+    native loop's: it rolls rejected drafts back, frees encoder inputs and stops a pooling
+    request at its pooler output as vLLM does)."""
     if getattr(model_runner_output, "ec_connector_output", None) is not None:
         return False
     if getattr(model_runner_output, "kv_connector_output", None) is None:
         return True
-    return connector is not None and not connector.update_is_vllms(model_runner_output)
+    return connector is not None
 
 
 def _loop_config(sched: Any) -> Dict[str, Any]:

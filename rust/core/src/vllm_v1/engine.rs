@@ -499,6 +499,12 @@ pub trait Engine {
     fn reserved_blocks(&mut self, _r: &Self::Req) -> Result<u64, Self::Error> {
         Ok(0)
     }
+    /// `update_from_output`: the request's KV load failed this step (vLLM's
+    /// `failed_kv_load_req_ids`, from the connector's failed loads and invalid blocks): its
+    /// row takes no tokens (its in-flight and stale counts still drop).
+    fn load_failed(&self, _r: &Self::Req) -> Result<bool, Self::Error> {
+        Ok(false)
+    }
     /// `connector.has_pending_block_frees()`: a running request that does not fit waits
     /// for them instead of preempting.
     fn connector_pending_frees(&mut self) -> Result<bool, Self::Error> {

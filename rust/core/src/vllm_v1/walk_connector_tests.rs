@@ -3,7 +3,8 @@
 //! `kv_holding_waiting`, `WAITING_FOR_REMOTE_KVS`, until the load is done, then runs the rest
 //! of its prompt), a connector that cannot tell its hit yet (the request is skipped), the
 //! running pass waiting for the connector's pending frees or for a victim whose blocks an
-//! in-flight step may still write (no preemption). Written from vLLM's `scheduler.py`
+//! in-flight step may still write (no preemption), a row whose load failed taking nothing
+//! in `update_from_output`. Written from vLLM's `scheduler.py`
 //! (`schedule()`'s waiting pass from the prefix lookup to `skip_request`, the running pass's
 //! allocation loop, `_handle_blocked_waiting_request`, `_update_waiting_for_remote_kv`).
 //!
@@ -31,6 +32,8 @@ pub(super) struct ConnectorSim {
     pub(super) pinned: BTreeSet<usize>,
     /// `has_sync_kv_loads` of each step's end.
     pub(super) step_ends: Vec<bool>,
+    /// Requests whose load the next update reports failed (`failed_kv_load_req_ids`).
+    pub(super) failed: BTreeSet<usize>,
 }
 
 impl<K: TestKv> TestEngine<K> {
@@ -180,4 +183,23 @@ fn an_empty_asynchronous_load_is_refused() {
         .unwrap()
         .schedule(throttle)
         .is_err());
+}
+
+#[test]
+fn a_row_whose_load_failed_takes_nothing_but_leaves_flight() {
+    let mut e = engine(64);
+    let a = e.add(10, 5);
+    let b = e.add(4, 5);
+    e.kv.hits.insert(a, Some((8, false)));
+    assert_eq!(e.schedule(sync(V33)), vec![(a, 2), (b, 4)]);
+    assert_eq!(e.r(a).in_flight, 2);
+    // vLLM's `_handle_invalid_blocks` took a's computed tokens back before the update.
+    e.reqs[a].computed = 4;
+    e.kv.failed.insert(a);
+    e.next.insert(a, vec![50]);
+    e.next.insert(b, vec![51]);
+    e.update(sync(V33));
+    assert_eq!((e.r(a).in_flight, e.r(a).computed), (0, 4));
+    assert!(e.r(a).outs.is_empty() && e.outputs.iter().all(|o| o.0 != a));
+    assert_eq!(e.r(b).outs, [51]);
 }

@@ -666,6 +666,9 @@ impl<K: TestKv> Engine for TestEngine<K> {
     fn prefix_hit(&mut self, r: &usize) -> Result<Option<PrefixHit<K::Blocks>>> {
         Ok(self.connector_hit(*r)) // caching off: a connector's tokens alone
     }
+    fn load_failed(&self, r: &usize) -> Result<bool> {
+        Ok(self.kv.failed.contains(r))
+    }
     fn holds_kv_blocks(&self, r: &usize) -> Result<bool> {
         Ok(self.reqs[*r].computed > 0 || self.kv.loading.contains(r))
     }

@@ -390,6 +390,13 @@ impl<'py> Engine for PyEngine<'_, 'py> {
         self.lp.kv.allocate(&self.sched, &r.obj, &r.f.rid, a)
     }
 
+    fn load_failed(&self, r: &PyReq<'py>) -> PyResult<bool> {
+        match self.io()?.failed.as_ref() {
+            Some(failed) => failed.contains(r.f.id.bind(self.py())),
+            None => Ok(false),
+        }
+    }
+
     fn holds_kv_blocks(&self, r: &PyReq<'py>) -> PyResult<bool> {
         self.holds_blocks(r)
     }

@@ -11,7 +11,7 @@ use crate::vllm_v1::output::{self, ModelOutput};
 use pagedkv_core::vllm_v1::policy::Stop;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyList};
+use pyo3::types::{PyDict, PyList, PySet};
 
 /// One row's sampled tokens (the model runner's list, or a list made of its sequence) and
 /// the row's index in the model runner's output.
@@ -36,6 +36,8 @@ pub struct UpdateIo<'py> {
     pub spec: Option<crate::vllm_v1::drafts::SpecIo<'py>>,
     /// How the step's structured-output rows advance their grammar (read at the first).
     pub grammar: Option<crate::vllm_v1::grammar::Acceptor<'py>>,
+    /// The requests whose KV load failed this step (a connector's; `None`: none).
+    pub failed: Option<Bound<'py, PySet>>,
 }
 
 impl<'py> PyEngine<'_, 'py> {

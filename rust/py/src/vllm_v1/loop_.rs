@@ -398,12 +398,15 @@ impl PyV1Loop {
     /// `Scheduler.update_from_output()`'s per-request part: returns `([(client_index,
     /// [EngineCoreOutput, ...]), ...], spec_decoding_stats)` in vLLM's order, after appending tokens, stopping and
     /// freeing finished requests and removing them from `running`. The caller publishes KV
-    /// events and builds `EngineCoreOutputs` with the stats.
+    /// events and builds `EngineCoreOutputs` with the stats. `failed`: the requests whose KV
+    /// load failed this step (vLLM's `failed_kv_load_req_ids`; their rows take nothing).
+    #[pyo3(signature = (sched, scheduler_output, model_runner_output, failed=None))]
     fn update<'py>(
         &self,
         sched: &Bound<'py, PyAny>,
         scheduler_output: &Bound<'py, PyAny>,
         model_runner_output: &Bound<'py, PyAny>,
+        failed: Option<Bound<'py, pyo3::types::PySet>>,
     ) -> PyResult<Bound<'py, PyTuple>> {
         let masks = sched
             .getattr(intern!(sched.py(), "return_sampling_mask"))?
@@ -415,6 +418,7 @@ impl PyV1Loop {
             outputs: Vec::new(),
             spec: None,
             grammar: None,
+            failed: failed.filter(|f| !f.is_empty()),
         });
         Walk::new(&mut e, self.mode)?.update_from_output()?;
         let py = sched.py();

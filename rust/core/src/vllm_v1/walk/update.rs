@@ -76,6 +76,9 @@ impl<E: Engine> Walk<'_, E> {
             self.e
                 .set_num_stale_output_tokens(req, stale_tokens.saturating_sub(n))?;
         }
+        if self.e.load_failed(req)? {
+            return Ok(None); // recomputed (or failed) as the connector's failure says
+        }
         let status = self.e.status(req)?;
         let was_running = status == Status::Running;
         // Aborted or finished while in flight; or stale output the request drops.
