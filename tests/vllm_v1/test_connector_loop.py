@@ -98,3 +98,12 @@ def test_the_differential_catches_a_connector_told_wrong(
     monkeypatch.setattr(_connector.ConnectorSteps, "allocated", planted)
     with pytest.raises(h.Divergence, match="SchedulerOutput"):
         h.run_seed(0, tiny_model_dir, manager_cls, **connector_seed(0))
+
+
+def test_a_failed_load_below_the_tokens_in_flight(tiny_model_dir: Path, manager_cls: type) -> None:
+    """Seed 1871 (0.33): an invalid block takes a request's computed tokens below its tokens
+    in flight, and a step on vLLM's loop (a held request) then calls the manager's
+    ``cache_blocks`` with a negative count, which vLLM's manager reads as nothing to cache
+    (pagedkv's refused it once)."""
+    stats = h.run_seed(1871, tiny_model_dir, manager_cls, **connector_seed(1871))
+    assert stats["steps"] > 0

@@ -509,7 +509,9 @@ class HybridKVCacheManager(PrefixCacheStatsMixin):
         return self._native.estimate_cached_tokens(request.request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        if self.enable_caching:
+        """vLLM's ``cache_blocks``; a count of 0 or less caches nothing, as vLLM's manager
+        reads it (see the one-group manager's)."""
+        if self.enable_caching and num_computed_tokens > 0:
             self._native.cache_blocks(
                 request.request_id,
                 num_computed_tokens,

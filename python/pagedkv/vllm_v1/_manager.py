@@ -451,7 +451,10 @@ class KVCacheManager(PrefixCacheStatsMixin):
         return self._native.estimate_cached_tokens(request.request_id)
 
     def cache_blocks(self, request: Any, num_computed_tokens: int) -> None:
-        if self.enable_caching:
+        """vLLM's ``cache_blocks``. A count of 0 or less caches nothing, as vLLM's manager
+        reads it: vLLM's own ``update_from_output`` passes ``num_computed_tokens -
+        num_in_flight_tokens``, below 0 once a failed KV load took computed tokens back."""
+        if self.enable_caching and num_computed_tokens > 0:
             self._native.cache_blocks(request.request_id, num_computed_tokens, request.block_hashes)
             self._drain_events(request)
 
