@@ -198,17 +198,10 @@ class ConnectorSteps:
         s = self.sched
         if not failed or s.recompute_kv_load_failures:
             return
-        from vllm.v1.engine import EngineCoreOutput
         from vllm.v1.request import RequestStatus
 
         for request in s.finish_requests(failed, RequestStatus.FINISHED_ERROR):
-            out = EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                trace_headers=request.trace_headers,
-            )
+            out = s._pagedkv_output.error_output(request)
             client = request.client_index
             found = next((outs for c, outs in outputs if c == client), None)
             if found is None:

@@ -123,9 +123,6 @@ class NativeLoop:
             self.kv_cache_manager.cap_max_model_len(cap)
         return None
 
-    def _pagedkv_plain_update(self, model_runner_output: Any) -> bool:
-        return _plain_step(model_runner_output, self._pagedkv_connector)
-
     @property
     def pagedkv_steps(self) -> Dict[str, int]:
         """Steps since construction by loop: ``"native"``, and per reason vLLM's loop ran
@@ -310,12 +307,12 @@ class NativeLoop:
         )
 
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
-        if not self._pagedkv_native_step() or not self._pagedkv_plain_update(model_runner_output):
+        connector = self._pagedkv_connector
+        if not self._pagedkv_native_step() or not _plain_step(model_runner_output, connector):
             result = super().update_from_output(  # type: ignore[misc]
                 scheduler_output, model_runner_output
             )
         else:
-            connector = self._pagedkv_connector
             failed = None
             if connector is not None:
                 connector.before_update(scheduler_output)
@@ -575,19 +572,25 @@ class _OutputBuilder:
             return metrics.get_step_perf_stats_per_gpu(scheduler_output)
         return None
 
-    def report_errors(self, result: Dict[int, Any], requests: List[Any]) -> None:
-        """Each request's final output (no tokens, finish reason from its status), added to
-        its client's ``EngineCoreOutputs`` as vLLM adds its own request errors."""
+    @staticmethod
+    def error_output(request: Any) -> Any:
+        """A finished request's final output as vLLM reports its request errors: no tokens,
+        the finish reason from its status, its events."""
         from vllm.v1.engine import EngineCoreOutput
 
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=request.get_finished_reason(),
+            events=request.take_events(),
+            trace_headers=request.trace_headers,
+        )
+
+    def report_errors(self, result: Dict[int, Any], requests: List[Any]) -> None:
+        """Each request's :meth:`error_output`, added to its client's ``EngineCoreOutputs``
+        as vLLM adds its own request errors."""
         for request in requests:
-            out = EngineCoreOutput(
-                request_id=request.request_id,
-                new_token_ids=[],
-                finish_reason=request.get_finished_reason(),
-                events=request.take_events(),
-                trace_headers=request.trace_headers,
-            )
+            out = self.error_output(request)
             eco = result.get(request.client_index)
             if eco is None:
                 result[request.client_index] = eco = self._Outputs(outputs=[])
